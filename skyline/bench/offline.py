@@ -1,0 +1,83 @@
+"""Offline throughput: N random-token prompts of a fixed length, fixed output length, one run."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import random
+import time
+from typing import Any
+
+from skyline.engine.create import EngineArgs
+from skyline.engine.frontend import LLM
+from skyline.types import SamplingParams
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Avoid the first ids, which are usually special tokens.
+    lo = min(1000, vocab // 4)
+    return [[rng.randrange(lo, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n_in = sum(len(p) for p in prompts)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "elapsed_s": dt,
+        "requests_per_s": len(prompts) / dt,
+        "output_tokens_per_s": n_out / dt,
+        "total_tokens_per_s": (n_in + n_out) / dt,
+        "num_output_tokens": n_out,
+        "num_prompt_tokens": n_in,
+    }
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"host": platform.node(), "cpu_count": os.cpu_count(),
+                            "torch": torch.__version__, "python": platform.python_version()}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
+                output: str | None) -> dict[str, Any]:
+    llm = LLM(**dataclasses.asdict(args))
+    cfg = llm.config
+    prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
+    res = measure(llm, prompts, output_len)
+    result = {
+        "benchmark": "offline",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": cfg.model.name,
+        "load_format": cfg.model.load_format,
+        "dtype": cfg.model.dtype,
+        "device": cfg.device,
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "machine": machine_info(cfg.device),
+        "skyline": res,
+    }
+    print(f"{num_prompts} prompts x ({input_len} in, {output_len} out) on {cfg.device}: "
+          f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
+          f"{res['total_tokens_per_s']:.1f} total tok/s")
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {output}")
+    return result

@@ -1,0 +1,132 @@
+"""Engine configuration: frozen dataclasses. "auto" values are resolved before freezing
+(see `engine/create.py`); validation raises `ConfigError` with one sentence saying what to do."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting or a model file the user can fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture hyper-parameters, from a HF config.json or GGUF metadata."""
+
+    architecture: str  # HF name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' field; is this a HF model?")
+        arch = archs[0]
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        qk_norm = arch.startswith("Qwen3")
+        bias = cfg.get("attention_bias", arch.startswith("Qwen2"))
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(bias),
+            qk_norm=qk_norm,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # HF directory, .gguf file, or a directory holding config.json (dummy)
+    load_format: str  # "safetensors" | "gguf" | "dummy"
+    arch: ModelArch
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    seed: int = 0
+    name: str = ""  # served model name
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory skyline may use
+    kv_cache_memory: int = 2 << 30  # CPU: bytes for the KV cache
+    num_blocks: int | None = None  # fixed block count (tests); overrides both
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # running requests at most
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunk + decodes)
+    max_model_len: int = 8192
+    max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+
+    def __post_init__(self) -> None:
+        c, s = self.cache, self.scheduler
+        if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"--block-size must be a power of two up to 128, got {c.block_size}")
+        if not 0 < c.gpu_memory_utilization <= 1:
+            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if s.max_num_seqs < 1:
+            raise ConfigError("--max-num-seqs must be at least 1")
+        if s.max_num_batched_tokens < 1:
+            raise ConfigError("--max-num-batched-tokens must be at least 1")
+        if s.max_model_len < 2:
+            raise ConfigError("--max-model-len must be at least 2")
+
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512M', '1.5g', 1073741824 -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(f"cannot read {text!r} as a size; write e.g. 2GiB or 512MiB")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)

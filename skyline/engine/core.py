@@ -1,0 +1,64 @@
+"""The engine core: one loop of schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from skyline.config import ConfigError, EngineConfig
+from skyline.sched.scheduler import Scheduler
+from skyline.types import Request, StepOutput
+from skyline.worker.executor import Executor
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, max_model_len_auto: bool = False) -> None:
+        self.executor = Executor(config)
+        capacity = self.executor.num_blocks * config.cache.block_size
+        if capacity < config.scheduler.max_model_len:
+            if not max_model_len_auto:
+                raise ConfigError(
+                    f"the KV cache holds {capacity} tokens, fewer than --max-model-len "
+                    f"{config.scheduler.max_model_len}; give it more memory "
+                    "(--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len"
+                )
+            log.warning("max_model_len lowered to %d to fit the KV cache", capacity)
+            sched = dataclasses.replace(config.scheduler, max_model_len=capacity)
+            model = dataclasses.replace(config.model, max_model_len=capacity)
+            config = dataclasses.replace(config, scheduler=sched, model=model)
+        self.config = config
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def add_request(self, req: Request) -> None:
+        req.max_model_len = self.max_model_len
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {req.num_prompt_tokens} tokens but the context length is "
+                f"{self.max_model_len}; shorten the prompt"
+            )
+        if not req.prompt_token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.config.model.arch.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        res = self.executor.execute(out)
+        return self.scheduler.update(out, res)
+
+    def stats(self) -> dict[str, float]:
+        return self.scheduler.stats()

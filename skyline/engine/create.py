@@ -1,0 +1,116 @@
+"""Resolve user-facing engine arguments ("auto" values included) into a frozen EngineConfig."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from skyline.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_size,
+)
+from skyline.configs import dummy_config_dir
+from skyline.model.default import default_model_path
+from skyline.model.loader import read_model_arch
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob a user can set, with "auto" defaults (one source for CLI and API)."""
+
+    model: str | None = None
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str | int = "2GiB"
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_waiting: int = 0
+    seed: int = 0
+    served_model_name: str | None = None
+    threads: int | None = None  # CPU threads for torch
+
+
+_DTYPE_ALIASES = {
+    "float": "float32", "fp32": "float32", "float32": "float32",
+    "half": "float16", "fp16": "float16", "float16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+}
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA GPU is visible; "
+                          "use --device cpu")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str, model_dtype: str | None) -> str:
+    if dtype == "auto":
+        if device == "cpu":
+            return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
+        return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
+    if dtype not in _DTYPE_ALIASES:
+        raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPE_ALIASES[dtype]
+
+
+def resolve_model_path(model: str | None, load_format: str) -> str:
+    if model is None:
+        return default_model_path()
+    if not os.path.exists(model):
+        shipped = dummy_config_dir(model)
+        if shipped is not None:
+            if load_format not in ("auto", "dummy"):
+                raise ConfigError(f"{model!r} is a shipped config; it needs --load-format dummy")
+            return shipped
+        raise ConfigError(
+            f"model {model!r} not found; give a HF model directory, a .gguf file, or a shipped "
+            "config name with --load-format dummy"
+        )
+    return model
+
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
+    """Returns the config and whether max_model_len was left to "auto"."""
+    path = resolve_model_path(args.model, args.load_format)
+    if args.model is not None and dummy_config_dir(args.model) == path:
+        args.load_format = "dummy"
+    arch, fmt = read_model_arch(path, args.load_format)
+    device = _resolve_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    auto_len = args.max_model_len is None
+    max_len = args.max_model_len or arch.max_position_embeddings
+    on_gpu = device.startswith("cuda")
+    max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
+    budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
+    name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,
+                            max_model_len=max_len, seed=args.seed, name=name)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=parse_size(args.kv_cache_memory),
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                            max_model_len=max_len, max_waiting=args.max_waiting)
+    return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device), auto_len

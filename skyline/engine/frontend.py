@@ -1,0 +1,134 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)` and `LLM.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from skyline.config import ModelConfig
+from skyline.engine.core import EngineCore
+from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.output import OutputProcessor, child_params
+from skyline.engine.tokenizer import Tokenizer
+from skyline.types import Request, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(cfg: ModelConfig) -> Tokenizer | None:
+    """The model's tokenizer; None for a model directory without one (dummy weights from a
+    bare config.json, test models): such an engine takes prompt token ids only."""
+    if cfg.load_format != "gguf" and not os.path.exists(os.path.join(cfg.path, "tokenizer.json")):
+        log.info("%s has no tokenizer.json: prompts must be token ids", cfg.path)
+        return None
+    return Tokenizer.load(cfg.path)
+
+
+class LLM:
+    """Runs many prompts with continuous batching on one engine, in this process."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.args = EngineArgs(model=model, **kwargs)
+        config, auto_len = create_engine_config(self.args)
+        self.tokenizer = load_tokenizer(config.model)
+        self.engine = EngineCore(config, max_model_len_auto=auto_len)
+        self.config = self.engine.config
+        self._ids = itertools.count()
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return tuple(self.tokenizer.eos_token_ids)
+        return self.config.model.arch.eos_token_ids
+
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        params.validate(self.config.model.arch.vocab_size)
+        text, ids = self.encode(prompt)
+        rid = request_id or str(next(self._ids))
+        children = self.outputs.add_request(rid, text, ids, params)
+        try:
+            for i, cid in enumerate(children):
+                self.engine.add_request(Request(cid, ids, child_params(params, i),
+                                                eos_token_ids=self.eos_token_ids))
+        except ValueError:
+            self.abort(rid)
+            raise
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_requests(self.outputs.abort(request_id))
+
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        results, to_abort = self.outputs.process(self.engine.step(), delta=delta)
+        if to_abort:
+            self.engine.abort_requests(to_abort)
+        return results
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        order = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in order]
+
+    def stream(self, prompt: Prompt, params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yields deltas of one request as the engine produces them."""
+        rid = self.add_request(prompt, params)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.step(delta=True):
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)
+
+    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)

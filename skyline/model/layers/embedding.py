@@ -1,0 +1,49 @@
+"""Token embedding and the LM head (optionally tied to the embedding)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabEmbedding(nn.Module):
+    """input_ids [num_tokens] -> [num_tokens, hidden_size]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.vocab_size}, {self.hidden_size}"
+
+
+class LMHead(nn.Module):
+    """hidden [n, hidden_size] -> float32 logits [n, vocab_size].
+
+    With `tie_to`, the head shares the embedding's weight Parameter, so the checkpoint needs
+    no `lm_head.weight` and `named_parameters()` lists the weight once (under the embedding).
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tie_to: VocabEmbedding | None = None
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tied = tie_to is not None
+        if tie_to is not None:
+            self.weight = tie_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
+        return F.linear(hidden, self.weight).float()
+
+    def extra_repr(self) -> str:
+        return f"{self.vocab_size}, tied={self.tied}"

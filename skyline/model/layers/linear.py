@@ -1,0 +1,141 @@
+"""Linear layers that own their weights and know how to load them from HF checkpoints.
+
+A merged projection (q/k/v, gate/up) is one matmul over a weight stacked along the output
+dim; the checkpoint stores the parts separately, so `weight_loader(param, loaded, shard_id)`
+copies each part into its slice. Quantization plugs in through `LinearMethod`: it creates the
+layer's parameters and applies the matmul. Only the unquantized method exists here; a
+quantized format (quant/) supplies its own method and weight layout, model files never change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from skyline.config import ConfigError
+
+
+class LinearMethod(Protocol):
+    """How a Linear stores and applies its weight (the seam for quantization)."""
+
+    def create_weights(self, layer: Linear) -> None: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """Weight [out_features, in_features] in the default dtype; y = x W^T + b."""
+
+    def create_weights(self, layer: Linear) -> None:
+        weight = torch.empty(layer.out_features, layer.in_features)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        _set_loader(layer.weight, layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+) -> None:
+    """Copy a checkpoint tensor whole into a parameter that has no loader of its own."""
+    if param.shape != loaded.shape:
+        raise ConfigError(_shape_error(loaded.shape, param.shape))
+    param.data.copy_(loaded)
+
+
+def _shape_error(got: torch.Size, want: torch.Size) -> str:
+    return (
+        f"shape {tuple(got)} does not match the model's {tuple(want)}; "
+        "does config.json belong to this checkpoint?"
+    )
+
+
+def _set_loader(param: nn.Parameter, layer: Linear) -> None:
+    # Parameters carry their loader and expected shards so load_weights needs no layer lookup.
+    param.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+    param.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) over the last dim: [..., in_features] -> [..., out_features].
+
+    `shards` maps a shard id to its (offset, size) along the output dim; a plain Linear has
+    the single shard None covering everything.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        shards: dict[Any, tuple[int, int]] | None = None,
+        linear_method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.shards = shards or {None: (0, out_features)}
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            _set_loader(self.bias, self)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
+        """Copy checkpoint tensor `loaded` (any device/dtype) into shard `shard_id` of `param`."""
+        if shard_id not in self.shards:
+            raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(self.shards)}")
+        offset, size = self.shards[shard_id]
+        dst = param.data.narrow(0, offset, size)
+        if dst.shape != loaded.shape:
+            raise ConfigError(_shape_error(loaded.shape, dst.shape))
+        dst.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class QKVLinear(Linear):
+    """q, k and v projections as one matmul: [T, hidden] -> [T, (H + 2 * KVH) * head_dim]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        linear_method: LinearMethod | None = None,
+    ) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        shards = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        super().__init__(hidden_size, q_size + 2 * kv_size, bias, shards, linear_method)
+        self.output_sizes = [q_size, kv_size, kv_size]
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked on the output dim; shard i is output_sizes[i].
+
+    Used for gate/up (shards 0 and 1): [T, hidden] -> [T, 2 * intermediate].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        linear_method: LinearMethod | None = None,
+    ) -> None:
+        shards = {i: (sum(output_sizes[:i]), size) for i, size in enumerate(output_sizes)}
+        super().__init__(in_features, sum(output_sizes), bias, shards, linear_method)
+        self.output_sizes = list(output_sizes)

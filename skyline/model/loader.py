@@ -1,0 +1,206 @@
+"""Find a model's architecture and build it on a device with its weights: safetensors
+(single file or sharded), GGUF, or dummy (random values, for speed runs at real scale)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from skyline.config import ConfigError, ModelArch, ModelConfig
+from skyline.model.layers.norm import RMSNorm
+from skyline.model.layers.rotary import rope_type_of
+from skyline.model.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_model_arch(path: str, load_format: str = "auto") -> tuple[ModelArch, str]:
+    """The architecture of the model at `path` and the resolved load format.
+
+    `path` is a .gguf file ("gguf"), a HF directory with config.json and *.safetensors
+    ("safetensors"), or, with load_format "dummy", any of these, a directory holding only
+    config.json, or the name of a shipped config (e.g. "llama-3.1-8b").
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load format {load_format!r} is unknown; use one of {LOAD_FORMATS}")
+    p = Path(path)
+    if not p.exists():
+        from skyline.configs import dummy_config_dir, shipped_config_names
+
+        shipped = dummy_config_dir(path) if load_format == "dummy" else None
+        if shipped is None:
+            names = ", ".join(shipped_config_names())
+            raise ConfigError(
+                f"model path {path} does not exist; pass a Hugging Face model directory, "
+                f"a .gguf file, or with --load-format dummy a shipped config ({names})"
+            )
+        p = Path(shipped)
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ConfigError(
+                f"{path} is neither a .gguf file nor a directory; pass a .gguf file or a "
+                "Hugging Face model directory"
+            )
+        if load_format == "safetensors":
+            raise ConfigError(f"{path} is a .gguf file; use --load-format gguf or auto")
+        from skyline.model.gguf import read_gguf_hf_config
+
+        arch = _arch_from_hf_config(read_gguf_hf_config(str(p)), str(p))
+        return arch, "dummy" if load_format == "dummy" else "gguf"
+    if load_format == "gguf":
+        raise ConfigError(f"{path} is a directory; --load-format gguf needs a .gguf file")
+    config_path = p / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(
+            f"{path} has no config.json; pass a Hugging Face model directory or a .gguf file"
+        )
+    try:
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {config_path} ({e}); download it again") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{config_path} is not a JSON object; download it again")
+    arch = _arch_from_hf_config(cfg, str(config_path))
+    if load_format == "dummy":
+        return arch, "dummy"
+    if any(p.glob("*.safetensors")):
+        return arch, "safetensors"
+    other = any(p.glob("*.bin")) or any(p.glob("*.pt"))
+    hint = " (PyTorch .bin checkpoints are not supported)" if other else ""
+    raise ConfigError(
+        f"{path} holds no *.safetensors weights{hint}; download the safetensors files, "
+        "or pass --load-format dummy for random weights"
+    )
+
+
+def _arch_from_hf_config(cfg: dict[str, Any], source: str) -> ModelArch:
+    cfg = _normalize_rope(cfg)
+    try:
+        return ModelArch.from_hf_config(cfg)
+    except KeyError as e:
+        field = e.args[0]
+        raise ConfigError(f"{source} lacks the field {field!r}; is it a model config?") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{source} has an invalid value ({e}); download it again") from None
+
+
+def _normalize_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Map transformers>=5 `rope_parameters` onto the `rope_theta` / `rope_scaling` fields
+    ModelArch reads (configs saved by transformers 5 carry only the former)."""
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return cfg  # absent, or per-layer-type parameters (not used by supported models)
+    cfg = dict(cfg)
+    cfg["rope_theta"] = params["rope_theta"]
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    cfg["rope_scaling"] = scaling if rope_type_of(scaling) != "default" else None
+    return cfg
+
+
+def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
+    """Build the model of `cfg.arch` in `cfg.dtype` directly on `device`, then load weights."""
+    device = torch.device(device)
+    dtype = DTYPES.get(cfg.dtype)
+    if dtype is None:
+        raise ConfigError(f"dtype {cfg.dtype!r} is not supported; use one of {list(DTYPES)}")
+    model_cls = get_model_class(cfg.arch.architecture)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = model_cls(cfg.arch)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    model.requires_grad_(False)
+    model.eval()
+    with torch.no_grad():
+        if cfg.load_format == "dummy":
+            fill_dummy_weights(model, cfg.seed)
+        elif cfg.load_format == "safetensors":
+            model.load_weights(iter_safetensors(cfg.path))
+        elif cfg.load_format == "gguf":
+            from skyline.model.gguf import iter_gguf_weights
+
+            model.load_weights(iter_gguf_weights(cfg.path, cfg.arch))
+        else:
+            raise ConfigError(
+                f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"
+            )
+    return model
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1. Generated on
+    the parameters' device, so an 8B model fills in well under a second on a GPU."""
+    seen: set[int] = set()
+    generators: dict[torch.device, torch.Generator] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue  # tied weights
+            seen.add(id(param))
+            if isinstance(module, RMSNorm):
+                param.data.fill_(1.0)
+                continue
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(param.device)
+                gen.manual_seed(seed)
+            param.data.uniform_(-1e-3, 1e-3, generator=gen)
+
+
+def safetensors_files(path: str) -> list[Path]:
+    """The checkpoint files of HF directory `path`, following model.safetensors.index.json."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConfigError(f"cannot read {index} ({e}); download it again") from None
+        files = [p / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ConfigError(f"{index} lists {f.name}, which is missing; download it")
+        return files
+    if (p / "model.safetensors").is_file():
+        return [p / "model.safetensors"]
+    # Skip Mistral's native-format duplicate of the weights.
+    files = sorted(f for f in p.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    if not files:
+        raise ConfigError(f"{path} holds no *.safetensors weights; download them")
+    return files
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor of the checkpoint, one tensor in memory at a time;
+    the caller copies each into its parameter."""
+    files = safetensors_files(path)
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard",
+                     disable=len(files) < 2):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ConfigError(
+                f"cannot read {file} ({e}); it is truncated or corrupt, download it again"
+            ) from None
+        for name in names:
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ConfigError(
+                    f"cannot read tensor {name} from {file} ({e}); the file is truncated or "
+                    "corrupt, download it again"
+                ) from None
+            yield name, tensor

@@ -1,0 +1,205 @@
+"""GGUF (ggml) tensor dequantization: vectorized PyTorch references, on any device.
+
+Input is a tensor as a GGUF file stores it: `[..., bytes_per_row]` uint8 (what
+`gguf.GGUFReader` gives as `tensor.data` for block types), or the float32/float16 array the
+reader gives for F32/F16. Output is float32 `[..., cols]`. Each block type is decoded with the
+same float32 operations, in the same order, as `gguf.quants`, so results match it bit for bit.
+
+Triton dequant-matmul kernels live beside these and are tested against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ggml type id -> (name, elements per block, bytes per block). Ids are fixed by the GGUF format.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    30: ("BF16", 1, 2),
+}
+SUPPORTED_TYPE_NAMES: tuple[str, ...] = tuple(name for name, _, _ in GGML_TYPES.values())
+QK_K = 256
+
+
+def _f16(b: torch.Tensor, start: int) -> torch.Tensor:
+    # [n_blocks, type_size] uint8 -> [n_blocks, 1] float32 from the fp16 at byte `start`
+    return b[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _shifts(values: list[int], device: torch.device, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=device).reshape(shape)
+
+
+def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
+    """[n, k * group] bytes -> [n, k, 2, group]: low nibbles of each group, then high nibbles."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, group) >> _shifts([0, 4], qs.device, (1, 1, 2, 1))
+    return q & 0x0F
+
+
+def _bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, m] bytes -> [n, 8, m]: bit j of every byte in row j (ggml's high-bit layout)."""
+    n = qh.shape[0]
+    q = qh.reshape(n, 1, -1) >> _shifts(list(range(8)), qh.device, (1, 8, 1))
+    return q & 0x01
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b, 0)
+    q = _nibbles(b[:, 2:], 16).reshape(n, 32).to(torch.int16) - 8
+    return d * q.float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, m = _f16(b, 0), _f16(b, 2)
+    q = _nibbles(b[:, 4:], 16).reshape(n, 32).float()
+    return (d * q) + m
+
+
+def _q5(b: torch.Tensor, qh_at: int) -> torch.Tensor:
+    # 5-bit quants: 4 low bits in nibbles, the 5th bit of element j is bit j of a uint32
+    n = b.shape[0]
+    qh = _bits(b[:, qh_at : qh_at + 4]).transpose(1, 2).reshape(n, 32)  # element j = byte j//8
+    ql = _nibbles(b[:, qh_at + 4 :], 16).reshape(n, 32)
+    return ql | (qh << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _q5(b, 2).to(torch.int16) - 16
+    return _f16(b, 0) * q.float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b, 0), _f16(b, 2)
+    return (d * _q5(b, 4).float()) + m
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    x = b[:, 2:].contiguous().view(torch.int8).float()
+    return x * _f16(b, 0)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    scales, qs = b[:, :16], b[:, 16:80]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    dl = (d * (scales & 0x0F).float()).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    q = qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+    q = (q & 0x03).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b, 108)
+    # 16 six-bit scales: low 4 bits from bytes 0..7 (two nibbles), high 2 bits from bytes 8..11
+    lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device, (1, 2, 1))).reshape(n, 16)
+    hsc = scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device, (1, 4, 1))
+    sc = (lsc & 0x0F) | ((hsc.reshape(n, 16) & 0x03) << 4)
+    dl = (d * (sc.to(torch.int16) - 32).float()).reshape(n, 16, 1)
+    ql = qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+    ql = (ql.reshape(n, 16, 16) & 0x03).to(torch.int16)
+    qh = hmask.reshape(n, -1, 1, 32) >> _shifts(list(range(8)), b.device, (1, 1, 8, 1))
+    qh = (qh.reshape(n, 16, 16) & 0x01) ^ 0x01  # a set bit means no -4 offset
+    q = (ql - (qh.to(torch.int16) << 2)).float()
+    return (dl * q).reshape(n, QK_K)
+
+
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 12] packed 6-bit scales and mins of Q4_K/Q5_K -> ([n, 8], [n, 8])."""
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    d = (d * sc.float()).reshape(n, -1, 1)  # [n, 8, 1]
+    dm = (dmin * mn.float()).reshape(n, -1, 1)
+    q = _nibbles(b[:, 16:], 32).reshape(n, -1, 32).float()  # [n, 8, 32]
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    d = (d * sc.float()).reshape(n, -1, 1)
+    dm = (dmin * mn.float()).reshape(n, -1, 1)
+    ql = _nibbles(b[:, 48:], 32).reshape(n, -1, 32)  # [n, 8, 32]
+    qh = _bits(b[:, 16:48])  # [n, 8, 32]
+    q = (ql | (qh << 4)).float()
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    ql, qh = b[:, :128], b[:, 128:192]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(b, 208) * scales).reshape(n, 16, 1)
+    ql = _nibbles(ql, 64).reshape(n, -1, 32)  # [n, 8, 32]
+    qh = qh.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+    qh = (qh & 0x03).reshape(n, -1, 32)
+    q = ((ql | (qh << 4)).to(torch.int16) - 32).reshape(n, 16, -1).float()
+    return (d * q).reshape(n, QK_K)
+
+
+_BLOCK_FNS = {
+    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0,
+    10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
+}
+
+
+def type_name(qtype: int) -> str:
+    entry = GGML_TYPES.get(int(qtype))
+    return entry[0] if entry else f"ggml type {int(qtype)}"
+
+
+def dequantize_ref(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Dequantize one GGUF tensor to float32.
+
+    data: `[..., bytes_per_row]` uint8 as stored (or the reader's float32/float16 array for
+    F32/F16); qtype: ggml type id (`gguf.GGMLQuantizationType` works). Returns a new float32
+    tensor `[..., cols]` on data's device.
+    """
+    qtype = int(qtype)
+    if qtype not in GGML_TYPES:
+        raise ValueError(
+            f"cannot dequantize {type_name(qtype)}; supported: {', '.join(SUPPORTED_TYPE_NAMES)}"
+        )
+    _, block_size, type_size = GGML_TYPES[qtype]
+    if data.dtype != torch.uint8:
+        data = data.contiguous().view(torch.uint8)  # reinterpret the row's bytes
+    if data.dim() == 0 or data.shape[-1] % type_size:
+        raise ValueError(f"row of {tuple(data.shape)} bytes is not whole {type_name(qtype)} blocks")
+    lead = data.shape[:-1]
+    cols = data.shape[-1] // type_size * block_size
+    data = data.contiguous()
+    if qtype == 0:
+        return data.view(torch.float32).clone()
+    if qtype == 1:
+        return data.view(torch.float16).float()
+    if qtype == 30:
+        return data.view(torch.bfloat16).float()
+    blocks = data.reshape(-1, type_size)  # [n_blocks, type_size]
+    return _BLOCK_FNS[qtype](blocks).reshape(*lead, cols)

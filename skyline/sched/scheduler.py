@@ -1,0 +1,280 @@
+"""Continuous batching with chunked prefill, prefix reuse and preemption by recompute.
+
+Each step `schedule` spends a token budget: first on running requests in admission order (a
+decode costs one token, an unfinished prefill its next chunk), then on waiting requests, first
+come first served. A request is only "computed" up to `num_computed_tokens`, advanced at schedule
+time; `update` appends the sampled tokens and decides who finished.
+
+Invariants between calls:
+- `running` is in admission order; every running request holds blocks for its computed tokens.
+- waiting (and preempted) requests hold no blocks and have `num_computed_tokens == 0`.
+- `_finished_ids` holds every id the runner must forget before the next step.
+
+Call order: `schedule`, run the step, `update`, and `add_request` / `abort_requests` only between
+an `update` and the next `schedule` (the engine loop does), so that freed blocks are never handed
+out while the runner may still write into them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from skyline.cache.kv_manager import KVCacheManager
+from skyline.config import CacheConfig, SchedulerConfig
+from skyline.types import (
+    CachedRequestData,
+    NewRequestData,
+    Request,
+    RequestStatus,
+    RunnerOutput,
+    SchedulerOutput,
+    StepOutput,
+    TokenLogprobs,
+)
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each."""
+
+    def __init__(self, sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, num_blocks: int) -> None:
+        self.cfg = sched_cfg
+        self.block_size = cache_cfg.block_size
+        # The engine sizes the cache so that one request of max_model_len always fits: without it
+        # a lone request could never make progress.
+        assert num_blocks * cache_cfg.block_size >= sched_cfg.max_model_len, (
+            f"{num_blocks} blocks of {cache_cfg.block_size} tokens cannot hold one request of "
+            f"max_model_len={sched_cfg.max_model_len}"
+        )
+        self.kv_manager = KVCacheManager(
+            num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. Raises ValueError if it can never run (the frontend validates
+        first; this is the last line of defence)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        max_len = self.max_len(req)
+        if not 0 < req.num_tokens < max_len:
+            raise ValueError(
+                f"request {req.request_id!r} has {req.num_tokens} prompt tokens; it needs between "
+                f"1 and {max_len - 1} to leave room for output within max_model_len={max_len}"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop requests and free their blocks now. Unknown or finished ids are ignored.
+        Aborted requests produce no StepOutput: whoever aborted them already knows."""
+        aborted = set()
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.kv_manager.free(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            aborted.add(rid)
+            self._finished_ids.add(rid)
+        if aborted:
+            self.running = [r for r in self.running if r.request_id not in aborted]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in aborted)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def max_len(self, req: Request) -> int:
+        """The request's cap on prompt + output tokens."""
+        cap = self.cfg.max_model_len
+        return min(cap, req.max_model_len) if req.max_model_len else cap
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_usage": self.kv_manager.usage,
+            "prefix_cache_hit_tokens": self.kv_manager.prefix_hits,
+            "prefix_cache_query_tokens": self.kv_manager.prefix_queries,
+            "prefix_cache_hit_rate": self.kv_manager.hit_rate,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_manager.reset_prefix_cache()
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts; allocate their blocks.
+
+        The runner must drop `finished_request_ids` before adding `new_requests` (a preempted
+        request is forgotten and later sent whole again)."""
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.cfg.max_num_batched_tokens
+        preempted = False
+
+        # 1. Running requests, oldest first. Victims come from the tail, i.e. they have not been
+        # scheduled yet this step (or are the current request itself).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute until `update` gives it a token
+                i += 1
+                continue
+            while True:
+                new_ids = self.kv_manager.allocate_slots(req, num_new)
+                if new_ids is not None:
+                    break
+                victim = self.running.pop()
+                assert victim is not req or self.running, (
+                    f"request {req.request_id} alone cannot get blocks; the cache is too small"
+                )
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            if new_ids is None:
+                break  # `req` was preempted; it was the last running request
+            out.cached_requests.append(
+                CachedRequestData(req.request_id, new_ids, req.num_computed_tokens)
+            )
+            self._commit(req, num_new, out)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS. None after a preemption: memory is short this step.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = self.kv_manager.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if self.kv_manager.allocate_slots(req, num_new, hits) is None:
+                break  # FCFS: no one overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            out.new_requests.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv_manager.block_ids(req.request_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            self._commit(req, num_new, out)
+            budget -= num_new
+
+        assert out.total_num_scheduled_tokens <= self.cfg.max_num_batched_tokens
+        return out
+
+    def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[req.request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        req.num_computed_tokens += num_new
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: drop the KV, requeue at the front. Its computed full
+        blocks stay in the prefix cache, so the recompute is often mostly hits."""
+        self.kv_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.finished_request_ids.add(req.request_id)
+
+    # ---------------------------------------------------------------- update
+
+    def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[StepOutput]:
+        """Take the runner's sampled tokens: append them, cache newly full blocks, stop requests
+        that are done. Returns one StepOutput per request that produced tokens or finished."""
+        index = {rid: i for i, rid in enumerate(runner_out.req_ids)}
+        outputs: list[StepOutput] = []
+        finished: set[str] = set()
+        for rid in sched_out.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            # The step computed these tokens' KV: their full blocks are now safe to share.
+            self.kv_manager.cache_blocks(req, req.num_computed_tokens)
+            i = index.get(rid)
+            if i is None or not runner_out.sampled_token_ids[i]:
+                continue  # mid-prefill: no logits were sampled
+            sampled = runner_out.sampled_token_ids[i]
+            logprobs = runner_out.logprobs[i] if i < len(runner_out.logprobs) else None
+            new_ids: list[int] = []
+            for token_id in sampled:  # several only with speculative decoding
+                req.append_output_token(token_id)
+                new_ids.append(token_id)
+                if self._check_stop(req, token_id):
+                    break
+            out = StepOutput(
+                request_id=rid,
+                new_token_ids=new_ids,
+                new_logprobs=_trim(logprobs, len(new_ids)),
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+            if req.status.finished:
+                out.finish_reason = req.status.value
+                out.stop_reason = req.stop_reason
+                self.kv_manager.free(req)
+                del self.requests[rid]
+                finished.add(rid)
+            outputs.append(out)
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+            self._finished_ids |= finished
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Set the request's finished status if `token_id` (just appended) ends it."""
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED  # stop_reason stays None for eos
+                return True
+            if token_id in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token_id
+                return True
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if req.num_tokens >= self.max_len(req):
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+
+def _trim(logprobs: list[TokenLogprobs] | None, n: int) -> list[TokenLogprobs] | None:
+    if logprobs is None:
+        return None
+    return logprobs[:n]

@@ -1,0 +1,28 @@
+"""Executors run a SchedulerOutput on the workers. One device today: a direct call."""
+
+from __future__ import annotations
+
+from skyline.config import EngineConfig
+from skyline.types import RunnerOutput, SchedulerOutput
+from skyline.worker.runner import ModelRunner
+
+
+class Executor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(out)
+
+    def describe(self) -> dict[str, float]:
+        r = self.runner
+        return {
+            "num_blocks": r.num_blocks,
+            "kv_cache_gib": r.kv_cache_bytes / 2**30,
+            "kv_cache_tokens": r.num_blocks * r.block_size,
+            "load_seconds": r.load_seconds,
+        }

@@ -1,0 +1,95 @@
+"""Per-request state the runner keeps, and the flat input tensors of one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from skyline.model.forward_ctx import AttentionMetadata
+from skyline.types import NewRequestData, SamplingParams
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> RequestState:
+        s = cls(new.request_id, list(new.prompt_token_ids), list(new.output_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+        s.token_ids = s.prompt_token_ids + s.output_token_ids
+        return s
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]  # in batch order: one-token (decode) sequences first
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
+    sampling_req_ids: list[str]  # requests whose scheduled tokens reach their end
+
+
+def build_inputs(
+    states: dict[str, RequestState],
+    num_scheduled: dict[str, int],
+    block_size: int,
+    device: torch.device,
+) -> StepInputs:
+    # Decodes (one query token) first, so attention can batch them without per-sequence loops.
+    req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
+    num_decodes = sum(1 for r in req_ids if num_scheduled[r] == 1)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    logits_idx: list[int] = []
+    sampling: list[str] = []
+    max_blocks = 1
+    for rid in req_ids:
+        s = states[rid]
+        n = num_scheduled[rid]
+        start = s.num_computed_tokens
+        end = start + n
+        input_ids.extend(s.token_ids[start:end])
+        pos = range(start, end)
+        positions.extend(pos)
+        blocks = s.block_ids
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(end)
+        max_blocks = max(max_blocks, len(blocks))
+        if end >= len(s.token_ids):
+            logits_idx.append(qsl[-1] - 1)
+            sampling.append(rid)
+    table = torch.zeros((len(req_ids), max_blocks), dtype=torch.int32)
+    for i, rid in enumerate(req_ids):
+        b = states[rid].block_ids
+        table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+
+    def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    attn = AttentionMetadata(
+        slot_mapping=t(slots),
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=table.to(device, non_blocking=True),
+        block_size=block_size,
+        num_decodes=num_decodes,
+        seq_lens_tensor=t(seq_lens, torch.int32),
+    )
+    return StepInputs(req_ids, t(input_ids), t(positions), attn, t(logits_idx), sampling)

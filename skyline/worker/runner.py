@@ -1,0 +1,106 @@
+"""The model runner: owns the model, the KV cache and per-request token state on one device."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from skyline.config import EngineConfig
+from skyline.model.forward_ctx import forward_context
+from skyline.model.loader import load_model
+from skyline.types import RunnerOutput, SchedulerOutput
+from skyline.worker.inputs import RequestState, build_inputs
+from skyline.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from skyline.worker.sampler import SamplingRow, apply_token_masks, sample
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.model.dtype]
+        self.arch = config.model.arch
+        self.block_size = config.cache.block_size
+        t0 = time.perf_counter()
+        torch.manual_seed(config.model.seed)
+        self.model = load_model(config.model, self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.states: dict[str, RequestState] = {}
+        self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
+        peak = self._profile() if self.device.type == "cuda" else 0
+        self.num_blocks = num_blocks_for(self.arch, config.cache, self.dtype, self.device, peak)
+        self.kv_caches = allocate_kv_cache(
+            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+        )
+        for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+            layer.kv_cache = cache
+        self.kv_cache_bytes = self.num_blocks * bytes_per_block(
+            self.arch, self.block_size, self.dtype
+        )
+
+    @torch.inference_mode()
+    def _profile(self) -> int:
+        """Peak activation memory of the largest step: a forward over the full token budget."""
+        sc = self.config.scheduler
+        n = min(sc.max_num_batched_tokens, sc.max_model_len)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.randint(0, self.arch.vocab_size, (n,), device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device))
+        rows = min(sc.max_num_seqs, n)
+        self.model.compute_logits(hidden[:rows]).softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del ids, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_request_ids:
+            self.states.pop(rid, None)
+        for new in out.new_requests:
+            self.states[new.request_id] = RequestState.from_new(new)
+        for c in out.cached_requests:
+            s = self.states[c.request_id]
+            s.block_ids.extend(c.new_block_ids)
+            s.num_computed_tokens = c.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self._update_states(out)
+        if out.empty:
+            return RunnerOutput()
+        inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device)
+        with forward_context(inp.attn):
+            hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
+        for rid in inp.req_ids:
+            self.states[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
+        sampled: dict[str, int] = {}
+        logprobs: dict = {}
+        if inp.sampling_req_ids:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [n, vocab]
+            rows = []
+            for rid in inp.sampling_req_ids:
+                s = self.states[rid]
+                stop = self.eos_ids + tuple(s.params.stop_token_ids)
+                rows.append(SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, stop))
+            if out.token_masks:
+                apply_token_masks(logits, [out.token_masks.get(r) for r in inp.sampling_req_ids])
+            tokens, lps = sample(logits, rows)
+            for rid, tok, lp in zip(inp.sampling_req_ids, tokens, lps, strict=True):
+                self.states[rid].append(tok)
+                sampled[rid] = tok
+                logprobs[rid] = lp
+        req_ids = inp.req_ids
+        return RunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
+            logprobs=[[logprobs[r]] if logprobs.get(r) else None for r in req_ids],
+        )

@@ -1,0 +1,116 @@
+"""paged_attention_ref and write_kv_ref against dense causal attention (float64 math)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyline.ops.attention import paged_attention_ref, write_kv_ref
+
+
+def _dense_ref(q, k, v, scale):
+    """q [q_len, H, D] are the last q_len positions of k/v [n, KVH, D]; causal."""
+    q_len, num_heads, _ = q.shape
+    n, kvh, _ = k.shape
+    k = k.double().repeat_interleave(num_heads // kvh, dim=1)  # [n, H, D]
+    v = v.double().repeat_interleave(num_heads // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [H, q_len, n]
+    qpos = torch.arange(n - q_len, n)[:, None]
+    scores = scores.masked_fill(torch.arange(n)[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, seed, dtype=torch.float32):
+    """seqs: list of (context_len_before_step, q_len); decodes (q_len 1) must come first."""
+    g = torch.Generator().manual_seed(seed)
+    num_decodes = 0
+    while num_decodes < len(seqs) and seqs[num_decodes][1] == 1:
+        num_decodes += 1
+    blocks_per_seq = [math.ceil((c + n) / block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    kv_cache = kv_cache.to(dtype)  # stale garbage everywhere not written
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    qs, ks, vs, slots, loc, seq_lens = [], [], [], [], [0], []
+    full_k, full_v = [], []
+    for i, (ctx, q_len) in enumerate(seqs):
+        n = ctx + q_len
+        table = perm[: blocks_per_seq[i]]
+        perm = perm[blocks_per_seq[i]:]
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(n)
+        seq_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        # the context is already cached; this step writes only the new tokens
+        write_kv_ref(k[:ctx], v[:ctx], kv_cache, seq_slots[:ctx])
+        qs.append(torch.randn(q_len, num_heads, head_dim, generator=g).to(dtype))
+        ks.append(k[ctx:])
+        vs.append(v[ctx:])
+        slots.append(seq_slots[ctx:])
+        loc.append(loc[-1] + q_len)
+        seq_lens.append(n)
+        full_k.append(k)
+        full_v.append(v)
+    q = torch.cat(qs)
+    write_kv_ref(torch.cat(ks), torch.cat(vs), kv_cache, torch.cat(slots))
+    scale = head_dim**-0.5
+    out = paged_attention_ref(q, kv_cache, loc, seq_lens, block_tables, scale, num_decodes)
+    assert out.shape == q.shape and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i in range(len(seqs)):
+        ref = _dense_ref(qs[i], full_k[i], full_v[i], scale)
+        torch.testing.assert_close(out[loc[i]: loc[i + 1]].double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_prefill_only(num_heads, num_kv_heads, block_size):
+    _run_case([(0, 7), (0, 1), (0, 19)], num_heads, num_kv_heads, 16, block_size, seed=1)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("block_size", [2, 8])
+def test_decode_only(num_heads, num_kv_heads, block_size):
+    _run_case([(5, 1), (0, 1), (17, 1), (8, 1)], num_heads, num_kv_heads, 32, block_size, seed=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_decode_prefill_extend(block_size):
+    # two decodes, then a fresh prefill, a prefix-extend, and an extend of one token
+    seqs = [(9, 1), (30, 1), (0, 12), (13, 6), (4, 2)]
+    _run_case(seqs, 8, 2, 16, block_size, seed=3)
+
+
+def test_prefix_extend_across_block_boundary():
+    _run_case([(7, 5), (16, 16)], 4, 2, 64, 8, seed=4)
+
+
+def test_bfloat16_cache():
+    _run_case([(3, 1), (0, 9), (10, 4)], 8, 4, 16, 4, seed=5, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))
+    num_kv_heads = r(1, 3)
+    num_heads = num_kv_heads * r(1, 4)
+    num_dec, num_pre = r(0, 3), r(0, 3)
+    seqs = [(r(0, 40), 1) for _ in range(num_dec)] + [(r(0, 20), r(2, 20)) for _ in range(num_pre)]
+    seqs = seqs or [(0, 3)]
+    _run_case(seqs, num_heads, num_kv_heads, 8 * r(1, 4), 2 ** r(0, 4), seed=seed)
+
+
+def test_write_kv_ref_places_tokens_at_slots():
+    cache = torch.zeros(2, 3, 4, 2, 8)
+    k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([11, 0, 5, 6, 3])
+    write_kv_ref(k, v, cache, slots)
+    for i, s in enumerate(slots.tolist()):
+        torch.testing.assert_close(cache[0, s // 4, s % 4], k[i])
+        torch.testing.assert_close(cache[1, s // 4, s % 4], v[i])

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyline.types import SamplingParams
+from skyline.worker.sampler import SamplingRow, sample
+
+
+def _row(**kw) -> SamplingRow:
+    return SamplingRow(SamplingParams(**kw), [1, 2, 3], [], ())
+
+
+def _expected_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Reference: the filtered distribution, computed independently with plain loops."""
+    x = (logits / p.temperature).double()
+    order = sorted(range(len(x)), key=lambda i: -x[i].item())
+    keep = set(order[: p.top_k] if p.top_k else order)
+    probs = x.softmax(-1)
+    if p.top_p < 1:
+        mass, kept = 0.0, set()
+        sub = torch.tensor([x[i].item() if i in keep else -math.inf for i in range(len(x))])
+        sp = sub.softmax(-1)
+        for i in order:
+            if i not in keep:
+                continue
+            kept.add(i)
+            mass += sp[i].item()
+            if mass >= p.top_p:
+                break
+        keep = kept
+    masked = torch.tensor([probs[i].item() if i in keep else 0.0 for i in range(len(x))])
+    masked = masked / masked.sum()
+    if p.min_p > 0:
+        masked = torch.where(masked >= p.min_p * masked.max(), masked, 0.0)
+        masked = masked / masked.sum()
+    return masked
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=4),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=0.9, top_k=6, top_p=0.9),
+])
+def test_sampling_distribution_matches(kw):
+    """Chi-square goodness of fit of 20k draws against the filtered softmax."""
+    torch.manual_seed(0)
+    vocab = 12
+    logits = torch.randn(vocab) * 1.5
+    params = SamplingParams(**kw)
+    n = 20000
+    rows = [SamplingRow(params, [0], [], ()) for _ in range(n)]
+    tokens, _ = sample(logits.repeat(n, 1), rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+    exp = _expected_probs(logits, params) * n
+    assert counts[exp == 0].sum() == 0, "sampled a token the filters exclude"
+    nz = exp > 0
+    chi2 = (((counts[nz] - exp[nz]) ** 2) / exp[nz]).sum().item()
+    dof = int(nz.sum()) - 1
+    # p < 1e-4 critical value is about dof + 4.5*sqrt(2*dof) + 10 for these small dof
+    assert chi2 < dof + 4.5 * math.sqrt(2 * max(dof, 1)) + 10, (chi2, dof)
+
+
+def test_greedy_and_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    tokens, lps = sample(logits, [_row(temperature=0.0, logprobs=2)])
+    assert tokens == [1]
+    lp = lps[0]
+    ref = logits.log_softmax(-1)[0]
+    assert lp.token_ids == [1, 1, 3] and lp.sampled_rank == 1
+    assert lp.logprobs == pytest.approx([ref[1].item(), ref[1].item(), ref[3].item()])
+
+
+def test_seeded_rows_ignore_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50)
+    p_seed = SamplingParams(temperature=1.0, seed=1234)
+    alone = [sample(logits[i:i + 1], [SamplingRow(p_seed, [0], [], ())])[0][0] for i in range(6)]
+    rows = [SamplingRow(p_seed, [0], [], ()) if i % 2 == 0 else _row(temperature=1.0)
+            for i in range(6)]
+    batched, _ = sample(logits, rows)
+    assert [batched[i] for i in (0, 2, 4)] == [alone[i] for i in (0, 2, 4)]
+
+
+def test_seeded_rows_differ_by_step():
+    logits = torch.zeros(1, 1000)
+    p = SamplingParams(temperature=1.0, seed=7)
+    draws = {sample(logits, [SamplingRow(p, [0], [0] * k, ())])[0][0] for k in range(20)}
+    assert len(draws) > 10
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 0.5]])
+    # repetition penalty on a token in the prompt turns the tie into a choice
+    row = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0], [], ())
+    assert sample(logits, [row])[0] == [1]
+    # frequency penalty scales with occurrences in the output only
+    row = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), [], [1, 1], ())
+    assert sample(logits, [row])[0] == [0]
+    row = SamplingRow(SamplingParams(temperature=0.0, presence_penalty=1.5), [], [0], ())
+    assert sample(logits, [row])[0] == [1]
+
+
+def test_min_tokens_masks_stop_ids():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), [], [], (0,))
+    assert sample(logits, [row])[0] == [1]
+    row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), [], [1, 1], (0,))
+    assert sample(logits, [row])[0] == [0]
