@@ -112,6 +112,26 @@ def _cmd_bench_offline(ns: argparse.Namespace) -> None:
     run_offline(engine_args(ns), ns.num_prompts, ns.input_len, ns.output_len, ns.output)
 
 
+def _cmd_serve(ns: argparse.Namespace) -> None:
+    import os
+
+    from skyline.engine.process import EngineStartError
+    from skyline.server.app import serve
+
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("skyline.server").setLevel(logging.INFO)  # request ids in the log
+    if ns.model_tag is not None and ns.model is None:
+        ns.model = ns.model_tag
+    args = engine_args(ns, max_waiting=ns.max_waiting, served_model_name=ns.served_model_name)
+    try:
+        serve(args, host=ns.host, port=ns.port,
+              api_key=ns.api_key or os.environ.get("SKYLINE_API_KEY"),
+              max_body_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,
+              log_level=ns.uvicorn_log_level)
+    except (EngineStartError, OSError) as e:
+        sys.exit(f"skyline: error: {e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skyline", description="LLM inference engine")
     parser.add_argument("--log-level", default="WARNING")
@@ -129,6 +149,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, help="same as --model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $SKYLINE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients ask for")
+    p.add_argument("--max-waiting", type=int, default=0,
+                   help="waiting requests beyond which new ones get 429 (0: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)

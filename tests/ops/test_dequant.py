@@ -7,8 +7,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from skyline.ops.dequant import GGML_TYPES, dequantize_ref

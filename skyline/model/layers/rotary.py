@@ -75,7 +75,8 @@ def _yarn(dim: int, base: float, s: dict[str, Any], max_pos: int) -> tuple[torch
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    idx = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((idx - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     extra_factor = 1 - ramp

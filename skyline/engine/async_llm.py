@@ -1,0 +1,330 @@
+"""AsyncLLM: the asyncio front end of an engine core running in its own process.
+
+It owns the tokenizer and the OutputProcessor (detokenization, stop strings, n > 1) in the API
+process. One asyncio task reads the core's outputs and feeds per-request queues;
+`generate` yields RequestOutput deltas and aborts the request in the core (freeing its KV
+blocks) as soon as the caller stops listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from skyline.engine.output import OutputProcessor, child_params
+from skyline.engine.process import (
+    EngineProcess,
+    pack,
+    request_to_dict,
+    step_output_from_list,
+    unpack,
+)
+from skyline.engine.structured import check_structured
+from skyline.engine.tokenizer import Tokenizer
+from skyline.types import Request, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(Exception):
+    """The waiting queue is full: the caller should retry later."""
+
+
+class EngineDeadError(Exception):
+    """The engine core is gone (crashed or shutting down): no request can be served."""
+
+
+class RequestStream:
+    """One request's output deltas, as an async iterator."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str,
+                 queue: asyncio.Queue[RequestOutput | Exception], num_prompt_tokens: int) -> None:
+        self.llm = llm
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._queue = queue
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            self.close()
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Release the request; abort it in the engine if it has not finished."""
+        if not self._closed:
+            self._closed = True
+            self.llm._release(self.request_id, self.finished)
+
+
+def load_tokenizer(path: str, load_format: str) -> Tokenizer | None:
+    """The model's tokenizer; None for dummy weights from a bare config.json."""
+    if load_format == "dummy" and not os.path.exists(os.path.join(path, "tokenizer.json")):
+        return None
+    return Tokenizer.load(path)
+
+
+class AsyncLLM:
+    """Serve one model from an engine-core process. Construct outside or inside an event loop;
+    use from one event loop."""
+
+    def __init__(self, args: Any, startup_timeout: float | None = None) -> None:
+        self._dir = tempfile.mkdtemp(prefix="skyline-")
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)  # sync: sends never wait (unbounded queue)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.bind(in_addr)
+        self._actx = zmq.asyncio.Context()
+        self._out = self._actx.socket(zmq.PULL)
+        self._out.bind(out_addr)
+        try:
+            self.engine = EngineProcess(args, in_addr, out_addr, startup_timeout)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.info: dict[str, Any] = self.engine.info
+        self.model_name: str = self.info["model_name"]
+        self.max_model_len: int = self.info["max_model_len"]
+        self.vocab_size: int = self.info["vocab_size"]
+        self.max_waiting: int = self.info.get("max_waiting") or 0
+        self.tokenizer = load_tokenizer(self.info["model_path"], self.info["load_format"])
+        eos = self.info["eos_token_ids"]
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            eos = self.tokenizer.eos_token_ids
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.stats: dict[str, Any] = {}  # the core's latest counters (pushed every step)
+        self.dead: str | None = None  # why the engine cannot serve, once it cannot
+        self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._queue_times: dict[str, float] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._num_adds = 0
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    def encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; send prompt token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with one sentence if the request can never run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but this model's context length is "
+                f"{self.max_model_len}; shorten the prompt"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's context length is {self.max_model_len} tokens, but "
+                f"{n + params.max_tokens} were requested ({n} in the prompt and "
+                f"{params.max_tokens} for the output); lower max_tokens or shorten the prompt"
+            )
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                    prompt_text: str | None = None) -> RequestStream:
+        """Validate and queue a request; iterate the stream for its output deltas, and `close`
+        it when done (closing an unfinished stream aborts the request).
+
+        Raises ValueError for a request that can never run, EngineOverloadedError when the
+        waiting queue is full and EngineDeadError when the engine is gone."""
+        self._start()
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        text, ids = self.encode(prompt)
+        text = text if text is not None else prompt_text
+        params.validate(self.vocab_size)
+        check_structured(params)
+        self.check_prompt(ids, params)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.max_waiting and self.num_waiting + params.n > self.max_waiting:
+            raise EngineOverloadedError(
+                f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); "
+                "retry later"
+            )
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        children = self.outputs.add_request(request_id, text, ids, params)
+        for i, cid in enumerate(children):
+            req = Request(cid, ids, child_params(params, i), eos_token_ids=self.eos_token_ids)
+            self._send(("add", request_to_dict(req)))
+        self._num_adds += len(children)
+        return RequestStream(self, request_id, queue, len(ids))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output deltas (text and tokens since the last one); stopping
+        the iteration early (or cancelling the task) aborts the request."""
+        stream = self.add_request(prompt, params, request_id, prompt_text)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        self._queues.pop(request_id, None)
+        self._queue_times.pop(request_id, None)
+        if not finished:
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; the core frees its KV blocks before its next step."""
+        ids = self.outputs.abort(request_id)
+        if ids and not self.dead:
+            self._send(("abort", ids))
+
+    @property
+    def num_waiting(self) -> int:
+        """The core's waiting queue, counting requests sent but not yet seen by the core."""
+        in_flight = self._num_adds - int(self.stats.get("num_adds", 0))
+        return int(self.stats.get("num_waiting", 0)) + max(in_flight, 0)
+
+    async def call(self, method: str, *args: Any, timeout: float = 5.0) -> Any:
+        """Run a utility method in the core between steps ("stats", "reset_prefix_cache")."""
+        self._start()
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(("call", call_id, method, list(args)))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def refresh_stats(self) -> dict[str, Any]:
+        """Ask the core for its counters now (between two steps); on timeout keep the last."""
+        try:
+            self.stats = await self.call("stats", timeout=2.0)
+        except (TimeoutError, EngineDeadError):
+            pass
+        return self.stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (in-flight requests end with EngineDeadError)."""
+        if self.dead is None:
+            self.dead = "the server is shutting down"
+        try:
+            self._send(("shutdown",))
+        except zmq.ZMQError:
+            pass
+        self.engine.join(timeout)
+        self._fail_all(EngineDeadError(self.dead))
+        if self._task is not None:
+            self._task.cancel()
+        self._close_sockets()
+
+    # ------------------------------------------------------------------ internals
+
+    def _send(self, msg: Any) -> None:
+        self._in.send(pack(msg))
+
+    def _close_sockets(self) -> None:
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        self._actx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    def _fail_all(self, err: Exception) -> None:
+        for q in self._queues.values():
+            q.put_nowait(err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                if not await self._out.poll(1000):
+                    if not self.engine.alive and self.dead is None:
+                        self.dead = "the engine process exited unexpectedly"
+                        log.error(self.dead)
+                        self._fail_all(EngineDeadError(self.dead))
+                    continue
+                self._handle(unpack(await self._out.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in the front end: fail loudly, not silently
+            log.exception("the output loop failed")
+            self.dead = f"the server's output loop failed: {e}"
+            self._fail_all(EngineDeadError(self.dead))
+
+    def _handle(self, msg: list[Any]) -> None:
+        kind = msg[0]
+        if kind == "out":
+            _, raw, stats, queue_times = msg
+            self.stats = stats
+            for cid, seconds in queue_times.items():
+                pid = self.outputs.child_to_parent.get(cid)
+                if pid is not None:
+                    self._queue_times.setdefault(pid, seconds)
+            if raw:
+                self._dispatch([step_output_from_list(v) for v in raw])
+        elif kind == "add_error":
+            pid = self.outputs.child_to_parent.get(msg[1])
+            if pid is not None:
+                q = self._queues.get(pid)
+                self.abort(pid)
+                if q is not None:
+                    q.put_nowait(ValueError(msg[2]))
+        elif kind == "result":
+            fut = self._calls.get(msg[1])
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
+        elif kind == "dead":
+            self.dead = msg[1]
+            log.error("engine core died: %s", msg[1])
+            self._fail_all(EngineDeadError(msg[1]))
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        results, to_abort = self.outputs.process(outputs, delta=True)
+        if to_abort:
+            self._send(("abort", to_abort))
+        for r in results:
+            q = self._queues.get(r.request_id)
+            if q is None:
+                continue
+            qt = self._queue_times.get(r.request_id)
+            if qt is not None:
+                r.metrics["queue_time"] = qt
+            q.put_nowait(r)

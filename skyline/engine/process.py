@@ -1,0 +1,337 @@
+"""The engine core in its own process, so that HTTP and tokenization never stall the model loop.
+
+The API process binds two ZMQ sockets and spawns `run_engine_core`, which connects to both:
+  input  (API -> core): ("add", request) | ("abort", ids) | ("call", call_id, method, args)
+                        | ("shutdown",)
+  output (core -> API): ("out", step_outputs, stats, queue_times) | ("add_error", id, message)
+                        | ("result", call_id, value) | ("dead", message)
+Every message is msgpack; the dataclasses travel through the explicit helpers below, not pickle.
+Startup goes over a multiprocessing pipe: ("ready", info) or ("error", one sentence).
+
+The loop blocks on the input socket while idle; with work it drains the input without waiting,
+runs one step and pushes the outputs. The process exits when its parent dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import msgpack
+
+from skyline.types import Request, SamplingParams, StepOutput, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------- codec
+
+
+def pack(msg: Any) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def params_to_dict(p: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+
+
+def params_from_dict(d: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def request_to_dict(r: Request) -> dict[str, Any]:
+    return {"id": r.request_id, "prompt": r.prompt_token_ids,
+            "params": params_to_dict(r.sampling_params), "eos": list(r.eos_token_ids)}
+
+
+def request_from_dict(d: dict[str, Any]) -> Request:
+    return Request(d["id"], d["prompt"], params_from_dict(d["params"]),
+                   eos_token_ids=tuple(d["eos"]))
+
+
+def step_output_to_list(o: StepOutput) -> list[Any]:
+    lps = None
+    if o.new_logprobs is not None:
+        lps = [[t.token_ids, t.logprobs, t.sampled_rank] for t in o.new_logprobs]
+    return [o.request_id, o.new_token_ids, lps, o.finish_reason, o.stop_reason,
+            o.num_prompt_tokens, o.num_cached_tokens]
+
+
+def step_output_from_list(v: list[Any]) -> StepOutput:
+    rid, ids, lps, finish, stop, num_prompt, num_cached = v
+    logprobs = None if lps is None else [TokenLogprobs(a, b, c) for a, b, c in lps]
+    return StepOutput(rid, ids, logprobs, finish, stop, num_prompt, num_cached)
+
+
+# ---------------------------------------------------------------------------------- child
+
+
+class _HookedExecutor:
+    """Wraps the core's executor: structured-output masks before a step, matcher updates after,
+    and the time each request waited before its first schedule."""
+
+    def __init__(self, inner: Any, structured: Any) -> None:
+        self.inner = inner
+        self.structured = structured
+        self.arrivals: dict[str, float] = {}  # request id -> arrival, until first scheduled
+        self.queue_times: dict[str, float] = {}  # first scheduled this step: id -> seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def execute(self, out: Any) -> Any:
+        now = time.monotonic()
+        for new in out.new_requests:
+            arrival = self.arrivals.pop(new.request_id, None)
+            if arrival is not None:
+                self.queue_times[new.request_id] = now - arrival
+        self.structured.before_step(out)
+        res = self.inner.execute(out)
+        self.structured.after_step(out, res)
+        return res
+
+
+class _EngineLoop:
+    def __init__(self, core: Any, in_addr: str, out_addr: str) -> None:
+        import zmq
+
+        from skyline.engine.frontend import load_tokenizer
+        from skyline.engine.structured import StructuredOutputs, make_ll_tokenizer
+
+        self.core = core
+        cfg = core.config.model
+        eos = cfg.arch.eos_token_ids
+
+        def ll_tokenizer() -> Any:
+            tok = load_tokenizer(cfg)
+            ids = tuple(tok.eos_token_ids) if tok is not None and tok.eos_token_ids else eos
+            return make_ll_tokenizer(tok, cfg.arch.vocab_size, ids)
+
+        self.hooks = _HookedExecutor(core.executor, StructuredOutputs(ll_tokenizer, eos))
+        core.executor = self.hooks
+        self.ctx = zmq.Context()
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.connect(in_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
+        self.out.setsockopt(zmq.LINGER, 5000)
+        self.out.connect(out_addr)
+        self.num_adds = 0  # lets the frontend count requests in flight to us
+        self.running = True
+        self.stats_dirty = True
+
+    def send(self, msg: Any) -> None:
+        self.out.send(pack(msg))
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.core.stats())
+        s["max_model_len"] = self.core.max_model_len
+        s["num_adds"] = self.num_adds
+        return s
+
+    def handle(self, msg: list[Any]) -> None:
+        kind = msg[0]
+        self.stats_dirty = True
+        if kind == "add":
+            req = request_from_dict(msg[1])
+            self.num_adds += 1
+            try:
+                self.core.add_request(req)
+            except Exception as e:  # a bad request must not take the engine down
+                if not isinstance(e, ValueError):
+                    log.exception("request %s could not be added", req.request_id)
+                self.send(("add_error", req.request_id, str(e)))
+                return
+            self.hooks.arrivals[req.request_id] = req.arrival_time
+        elif kind == "abort":
+            self.core.abort_requests(msg[1])
+            for rid in msg[1]:
+                self.hooks.arrivals.pop(rid, None)
+        elif kind == "call":
+            _, call_id, method, args = msg
+            if method == "stats":
+                value: Any = self.stats()
+            elif method == "reset_prefix_cache":
+                value = self.core.scheduler.reset_prefix_cache()
+            else:
+                value = None
+            self.send(("result", call_id, value))
+        elif kind == "shutdown":
+            self.running = False
+
+    def drain(self, block: bool) -> None:
+        import zmq
+
+        if block:
+            while self.running and not self.inp.poll(1000):
+                pass
+        while self.running:
+            try:
+                data = self.inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(unpack(data))
+
+    def run(self) -> None:
+        while self.running:
+            self.drain(block=not self.core.has_unfinished())
+            if not self.running:
+                break
+            if not self.core.has_unfinished():
+                if self.stats_dirty:  # e.g. everything was aborted: report the freed cache
+                    self.send(("out", [], self.stats(), {}))
+                    self.stats_dirty = False
+                continue
+            outputs = self.core.step()
+            queue_times, self.hooks.queue_times = self.hooks.queue_times, {}
+            self.send(("out", [step_output_to_list(o) for o in outputs], self.stats(),
+                       queue_times))
+            self.stats_dirty = False
+
+    def close(self) -> None:
+        self.inp.close(linger=0)
+        self.out.close()
+        self.ctx.term()
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _weights_gib(core: Any) -> float | None:
+    model = getattr(getattr(core.executor, "runner", None), "model", None)
+    if model is None:
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def run_engine_core(args: Any, in_addr: str, out_addr: str,
+                    conn: multiprocessing.connection.Connection, log_level: int) -> None:
+    """Entry point of the engine-core process (spawned)."""
+    # The parent decides when the engine stops (after draining requests on SIGTERM / Ctrl-C,
+    # which a terminal or supervisor may send to the whole process group).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
+    from skyline.config import ConfigError
+    from skyline.engine.core import EngineCore
+    from skyline.engine.create import create_engine_config
+
+    try:
+        config, auto_len = create_engine_config(args)
+        core = EngineCore(config, max_model_len_auto=auto_len)
+    except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
+        conn.send(("error", str(e)))
+        return
+    except Exception as e:  # a bug: keep the traceback in the log, give the parent one line
+        traceback.print_exc()
+        conn.send(("error", f"the engine failed to start ({type(e).__name__}: {e})"))
+        return
+    cfg = core.config
+    info = {
+        "model_name": cfg.model.name, "model_path": cfg.model.path,
+        "load_format": cfg.model.load_format, "dtype": cfg.model.dtype, "device": cfg.device,
+        "max_model_len": core.max_model_len, "vocab_size": cfg.model.arch.vocab_size,
+        "eos_token_ids": list(cfg.model.arch.eos_token_ids),
+        "block_size": cfg.cache.block_size, "max_waiting": cfg.scheduler.max_waiting,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "weights_gib": _weights_gib(core),
+        **core.executor.describe(),
+    }
+    loop = _EngineLoop(core, in_addr, out_addr)
+    conn.send(("ready", info))
+    conn.close()
+    try:
+        loop.run()
+    except Exception as e:
+        traceback.print_exc()
+        loop.send(("dead", f"the engine failed: {type(e).__name__}: {e}"))
+        loop.close()
+        os._exit(1)
+    loop.close()
+
+
+# ---------------------------------------------------------------------------------- parent
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not start; the message says why in one sentence."""
+
+
+class EngineProcess:
+    """Spawns the engine core and waits for it to be ready; `info` describes what it serves."""
+
+    def __init__(self, args: Any, in_addr: str, out_addr: str,
+                 startup_timeout: float | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=run_engine_core, name="skyline-engine",
+            args=(args, in_addr, out_addr, send, logging.getLogger("skyline").getEffectiveLevel()),
+        )
+        self.proc.start()
+        send.close()
+        deadline = None if startup_timeout is None else time.monotonic() + startup_timeout
+        try:
+            msg = self._wait(recv, deadline)
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            recv.close()
+        if msg[0] == "error":
+            self.proc.join(10)
+            self.kill()
+            raise EngineStartError(msg[1])
+        self.info: dict[str, Any] = msg[1]
+
+    def _wait(self, recv: multiprocessing.connection.Connection, deadline: float | None) -> Any:
+        while True:
+            try:
+                if recv.poll(0.2):
+                    return recv.recv()
+            except EOFError:
+                pass
+            if not self.proc.is_alive():
+                raise EngineStartError(
+                    f"the engine process exited during startup (exit code {self.proc.exitcode})"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineStartError("the engine did not start in time")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self.proc.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)

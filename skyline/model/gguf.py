@@ -1,0 +1,315 @@
+"""GGUF model files: metadata -> a HF-style config.json dict, tensors -> HF-named float32
+weights (dequantized by ops/dequant.py).
+
+llama.cpp's converter permutes the rows of Q and K of llama-architecture models so that rope
+rotates interleaved pairs; `iter_gguf_weights` undoes that, so the weights drop into the same
+rotate-half model code as safetensors checkpoints. qwen2/qwen3 files are not permuted.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import struct
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from skyline.config import ConfigError, ModelArch
+from skyline.ops.dequant import GGML_TYPES, SUPPORTED_TYPE_NAMES, dequantize_ref
+
+# GGUF general.architecture -> (HF architecture, HF model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),  # Mistral files say llama too
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+PERMUTED_QK = {"llama"}  # architectures whose Q/K rows llama.cpp permuted
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_SKIPPED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")  # not weights
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """A GGUFReader over `path` (memory-mapped; cached while the file is unchanged)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise ConfigError(f"model file {path} does not exist; pass a .gguf file") from None
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is not a file; pass the path of a .gguf file")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path} ({e.strerror}); check its permissions") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"{path} is not a GGUF file; pass a .gguf model or a HF model directory")
+    return _open_cached(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, struct.error, OSError, UnicodeDecodeError,
+            OverflowError) as e:
+        raise ConfigError(
+            f"{path} is truncated or corrupt ({e}); download or convert it again"
+        ) from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ConfigError(
+                f"{path} is truncated (tensor {t.name} ends past the end of the file); "
+                "download it again"
+            )
+    return reader
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return GGMLQuantizationType(int(qtype)).name
+    except ValueError:
+        return f"ggml type {int(qtype)}"
+
+
+def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The metadata value under `key` as plain Python (str, int, float, bool or list)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return default if value is None else value
+
+
+def _f32(x: float) -> float:
+    # GGUF stores floats as float32; give the shortest decimal that round-trips (1e-05, not
+    # 9.999999747378752e-06), as the original config.json had it.
+    return float(str(np.float32(x)))
+
+
+def _single(value: Any, key: str, path: str) -> Any:
+    if isinstance(value, list):  # per-layer values; supported models have one for all layers
+        if not value or any(v != value[0] for v in value):
+            raise ConfigError(f"{path} has per-layer values of {key}; skyline cannot load it")
+        return value[0]
+    return value
+
+
+def read_gguf_hf_config(path: str) -> dict[str, Any]:
+    """The HF config.json equivalent of a GGUF file's metadata (llama, qwen2, qwen3)."""
+    r = open_gguf(path)
+    arch = gguf_value(r, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path} is a GGUF of architecture {arch!r}, which skyline does not support; "
+            f"use a GGUF of one of: {', '.join(ARCHITECTURES)}"
+        )
+    if gguf_value(r, f"{arch}.expert_count", 0):
+        raise ConfigError(f"{path} is a mixture-of-experts GGUF, which skyline cannot load yet")
+    bad = sorted({type_name(q) for q in {int(t.tensor_type) for t in r.tensors} - set(GGML_TYPES)})
+    if bad:
+        raise ConfigError(
+            f"{path} holds tensors of type {', '.join(bad)}, which skyline cannot dequantize; "
+            f"use a GGUF quantized with {', '.join(SUPPORTED_TYPE_NAMES)}"
+        )
+
+    def need(key: str) -> Any:
+        value = gguf_value(r, f"{arch}.{key}")
+        if value is None:
+            raise ConfigError(f"{path} lacks the metadata key {arch}.{key}; convert it again")
+        return _single(value, key, path)
+
+    tensors = {t.name: t for t in r.tensors}
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    kv_heads = int(_single(gguf_value(r, f"{arch}.attention.head_count_kv", heads), "kv", path))
+    head_dim = gguf_value(r, f"{arch}.attention.key_length")
+    if head_dim is None and arch == "llama":  # llama rotates the whole head
+        head_dim = gguf_value(r, f"{arch}.rope.dimension_count")
+    head_dim = int(head_dim or hidden // heads)
+    vocab = gguf_value(r, f"{arch}.vocab_size")
+    if vocab is None and "token_embd.weight" in tensors:
+        vocab = tensors["token_embd.weight"].data.shape[0]
+    if vocab is None:
+        vocab = len(gguf_value(r, "tokenizer.ggml.tokens", []))
+    theta = _f32(gguf_value(r, f"{arch}.rope.freq_base", 10000.0))
+    context = int(gguf_value(r, f"{arch}.context_length", 4096))
+    eos = [gguf_value(r, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    hf_arch, model_type = ARCHITECTURES[arch]
+    return {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(gguf_value(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(r, arch, path, theta, head_dim, tensors),
+        "max_position_embeddings": context,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": gguf_value(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": "float32",
+    }
+
+
+def _rope_scaling(r: GGUFReader, arch: str, path: str, theta: float, head_dim: int,
+                  tensors: dict[str, Any]) -> dict[str, Any] | None:
+    kind = gguf_value(r, f"{arch}.rope.scaling.type")
+    factor = gguf_value(r, f"{arch}.rope.scaling.factor")
+    factor = factor or gguf_value(r, f"{arch}.rope.scale_linear")  # older files
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama3 scaling, stored as per-pair divisors
+        n_rot = int(gguf_value(r, f"{arch}.rope.dimension_count", head_dim))
+        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).reshape(-1)
+        return llama3_scaling_from_factors(factors, theta, n_rot)
+    if kind in (None, "none") and not factor:
+        return None
+    if kind == "linear" or (kind is None and factor):
+        return {"rope_type": "linear", "factor": _f32(factor)}
+    if kind == "yarn":
+        orig = gguf_value(r, f"{arch}.rope.scaling.original_context_length")
+        out: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(factor or 1.0)}
+        if orig:
+            out["original_max_position_embeddings"] = int(orig)
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = gguf_value(r, f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                out[hf_key] = _f32(value)
+        attn = gguf_value(r, f"{arch}.rope.scaling.attn_factor")
+        if attn is not None and abs(attn - 1.0) > 1e-6 and out["factor"] > 1:
+            # llama.cpp multiplies its default mscale by attn_factor; HF's attention_factor
+            # replaces the default, so fold the default in.
+            out["attention_factor"] = _f32(attn * (0.1 * math.log(out["factor"]) + 1.0))
+        return out
+    raise ConfigError(
+        f"{path} uses rope scaling {kind!r}, which skyline does not support; "
+        "supported: linear, yarn, llama3 (rope_freqs)"
+    )
+
+
+def llama3_scaling_from_factors(
+    factors: np.ndarray, theta: float, dim: int
+) -> dict[str, Any] | None:
+    """HF llama3 rope_scaling from llama.cpp's `rope_freqs` tensor (factors that divide each
+    inverse frequency).
+
+    The factors are 1 for short wavelengths, `factor` for long ones, and in between
+    1 / ((1 - s) / factor + s) with s = (orig / wavelen - low) / (high - low): s is linear in
+    1 / wavelen, and a line fit over the middle band gives orig / (high - low) and
+    low / (high - low). Only those ratios are determined, so low_freq_factor is taken as 1
+    (every Llama 3.x uses 1), which recovers the published (8192, 1, 4) exactly. The result is
+    checked by recomputing the factors; if they do not match, the factors are passed as
+    {"rope_type": "freq_factors", "freq_factors": [...]} for a rotary layer that divides by them.
+    """
+    factors = factors.astype(np.float64)
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * math.pi / inv_freq
+    if len(factors) == len(wavelen):
+        mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+        if mid.sum() >= 2:
+            s = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+            slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
+            if intercept < 0:
+                low = 1.0
+                high = round(1 - 1 / intercept, 4)
+                orig = int(round(slope * (high - low)))
+                scaling = {
+                    "rope_type": "llama3",
+                    "factor": _f32(factor),
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": orig,
+                }
+                if np.allclose(_llama3_factors(scaling, wavelen), factors, rtol=1e-4):
+                    return scaling
+    return {"rope_type": "freq_factors", "factor": _f32(factor),
+            "freq_factors": [float(f) for f in factors]}
+
+
+def _llama3_factors(s: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    orig = s["original_max_position_embeddings"]
+    smooth = (orig / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
+
+
+def hf_weight_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor; None for tensors that are not weights."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if _SKIPPED.match(gguf_name):
+        return None
+    m = _LAYER_RE.match(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ConfigError(
+            f"the GGUF has a tensor {gguf_name!r} that skyline does not know; "
+            "is it a llama, qwen2 or qwen3 model?"
+        )
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> rotate-half pairs per head)."""
+    # w: [num_heads * head_dim, hidden] or [num_heads * head_dim]
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def iter_gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor shaped as HF has it) for every weight of the GGUF file;
+    one tensor in memory at a time. A tied model yields no lm_head.weight."""
+    r = open_gguf(path)
+    gguf_arch = gguf_value(r, "general.architecture")
+    permuted = gguf_arch in PERMUTED_QK
+    for t in r.tensors:
+        name = hf_weight_name(t.name)
+        if name is None:
+            continue
+        if int(t.tensor_type) not in GGML_TYPES:
+            raise ConfigError(
+                f"tensor {t.name} of {path} is {type_name(t.tensor_type)}, which skyline cannot "
+                f"dequantize; use a GGUF quantized with {', '.join(SUPPORTED_TYPE_NAMES)}"
+            )
+        with warnings.catch_warnings():  # the memory map is read-only; it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(t.data)
+        w = dequantize_ref(raw, t.tensor_type)  # [rows, cols] = HF [out, in]
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, arch.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, arch.num_kv_heads)
+        yield name, w

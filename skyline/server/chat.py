@@ -1,0 +1,195 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from skyline.server.errors import APIError
+from skyline.server.metrics import RequestTracker
+from skyline.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    DeltaMessage,
+    PromptTokensDetails,
+    Usage,
+    random_id,
+)
+from skyline.server.serving import (
+    SSE_DONE,
+    Choice,
+    ServerState,
+    build_params,
+    chat_logprobs,
+    http_error,
+    merged,
+    sse,
+    start_request,
+    stream_error,
+    until_disconnect,
+)
+
+log = logging.getLogger("skyline.server")
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if p.type != "text" or p.text is None:
+                    raise APIError(400, f"messages[{i}] has a '{p.type}' content part; this "
+                                        "model reads text parts only", param="messages")
+                parts.append(p.text)
+            content = "".join(parts)
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
+    """The conversation as prompt text and token ids, through the model's chat template."""
+    tok = state.llm.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
+                            "with prompt token ids")
+    msgs = to_template_messages(messages)
+    try:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                       **(kwargs or {}))
+    except ValueError as e:  # the template rejected the conversation, or there is none
+        raise APIError(400, str(e), param="messages") from None
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+def _usage(num_prompt: int, num_generated: int, num_cached: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                 total_tokens=num_prompt + num_generated,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    state.check_model(req.model)
+    if req.tools and req.tool_choice != "none":
+        raise APIError(400, "tool calling is not supported by this server", param="tools")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_params(req, max_tokens, num_logprobs)
+    text, ids = render_chat(state, req.messages, req.add_generation_prompt,
+                            req.chat_template_kwargs)
+    rid = random_id("chatcmpl")
+    stream = start_request(state, ids, params, rid, prompt_text=text)
+    log.info("%s: chat, %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s", rid, len(ids),
+             req.n, max_tokens, req.stream, f", user={req.user}" if req.user else "")
+    tracker = state.metrics.tracker(len(ids))
+    headers = {"X-Request-Id": rid}
+    if req.stream:
+        return StreamingResponse(_stream(state, req, rid, stream, tracker),
+                                 media_type="text/event-stream", headers=headers)
+    choices = [Choice() for _ in range(req.n)]
+    num_cached = 0
+
+    async def collect() -> bool:
+        nonlocal num_cached
+        async for _, out in merged([stream]):
+            tracker.observe(out)
+            num_cached = out.num_cached_tokens
+            for c in out.outputs:
+                choices[c.index].add(c)
+        return True
+
+    try:
+        done = await until_disconnect(raw, collect(), lambda: None)
+    except Exception as e:
+        raise http_error(e) from None
+    finally:
+        stream.close()
+        tracker.finish([c.finish_reason for c in choices])
+    if done is None:
+        log.info("%s: client disconnected; aborted", rid)
+        return Response(status_code=499)
+    generated = sum(c.num_tokens for c in choices)
+    _log_done(rid, choices, generated, tracker)
+    body = ChatCompletionResponse(
+        id=rid, model=state.model_name,
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                            logprobs=chat_logprobs(state, c.logprobs) if req.logprobs else None,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                 for i, c in enumerate(choices)],
+        usage=_usage(len(ids), generated, num_cached),
+    )
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+def _log_done(rid: str, choices: list[Choice], generated: int, tracker: RequestTracker) -> None:
+    reasons = ",".join(str(c.finish_reason) for c in choices)
+    log.info("%s: finished (%s), %d tokens generated in %.2fs", rid, reasons, generated,
+             time.monotonic() - tracker.arrival)
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stream: Any,
+                  tracker: RequestTracker) -> AsyncIterator[str]:
+    created = int(time.time())
+    opts = req.stream_options
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+    choices = [Choice() for _ in range(req.n)]
+    num_prompt = stream.num_prompt_tokens
+    num_cached = 0
+
+    def chunk(items: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name,
+                                       choices=items, usage=usage))
+
+    try:
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(req.n)])
+        async for _, out in merged([stream]):
+            tracker.observe(out)
+            num_cached = out.num_cached_tokens
+            items = []
+            for c in out.outputs:
+                acc = choices[c.index]
+                if acc.finish_reason is not None:
+                    continue  # finished earlier; siblings are still running
+                acc.add(c)
+                if not c.text and c.finish_reason is None and not c.logprobs:
+                    continue  # tokens that do not make a whole character yet
+                lps = chat_logprobs(state, c.logprobs) if req.logprobs and c.logprobs else None
+                items.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                             logprobs=lps, finish_reason=c.finish_reason,
+                                             stop_reason=c.stop_reason))
+            if items:
+                generated = sum(c.num_tokens for c in choices)
+                usage = _usage(num_prompt, generated, num_cached) if continuous else None
+                yield chunk(items, usage)
+        generated = sum(c.num_tokens for c in choices)
+        if include_usage:
+            yield chunk([], _usage(num_prompt, generated, num_cached))
+        yield SSE_DONE
+        _log_done(rid, choices, generated, tracker)
+    except Exception as e:
+        yield stream_error(e)
+        yield SSE_DONE
+    finally:
+        stream.close()
+        tracker.finish([c.finish_reason for c in choices])
+        if not all(c.finish_reason for c in choices):
+            log.info("%s: stream ended early (client gone or shutdown); aborted", rid)

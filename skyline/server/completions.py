@@ -1,0 +1,196 @@
+"""POST /v1/completions: one or several prompts (text or token ids), n choices each."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from skyline.server.errors import APIError
+from skyline.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+    random_id,
+)
+from skyline.server.serving import (
+    SSE_DONE,
+    Choice,
+    ServerState,
+    build_params,
+    completion_logprobs,
+    http_error,
+    merged,
+    sse,
+    start_request,
+    stream_error,
+    until_disconnect,
+)
+
+log = logging.getLogger("skyline.server")
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty; give a string, a list of token ids, or a list of "
+                            "either", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class _Batch:
+    """The requests of one completion call, with their accumulated choices."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, rid: str) -> None:
+        self.state, self.req, self.rid = state, req, rid
+        prompts = _prompts(req.prompt)
+        params = build_params(req, req.max_tokens, req.logprobs)
+        self.streams = []
+        self.echo: list[str] = []
+        try:
+            for i, p in enumerate(prompts):
+                sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+                s = start_request(state, p, params, sub)
+                self.streams.append(s)
+                self.echo.append(self._prompt_text(p) if req.echo else "")
+        except BaseException:
+            for s in self.streams:
+                s.close()
+            raise
+        self.num_prompt = sum(s.num_prompt_tokens for s in self.streams)
+        self.trackers = [state.metrics.tracker(s.num_prompt_tokens) for s in self.streams]
+        self.choices = [Choice() for _ in range(len(prompts) * req.n)]
+        self.num_cached = [0] * len(prompts)
+
+    def _prompt_text(self, p: str | list[int]) -> str:
+        if isinstance(p, str):
+            return p
+        tok = self.state.llm.tokenizer
+        return tok.decode(p, skip_special_tokens=False) if tok else ""
+
+    def usage(self) -> Usage:
+        gen = sum(c.num_tokens for c in self.choices)
+        return Usage(prompt_tokens=self.num_prompt, completion_tokens=gen,
+                     total_tokens=self.num_prompt + gen,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.num_cached)))
+
+    def finish(self) -> None:
+        for i, t in enumerate(self.trackers):
+            n = self.req.n
+            t.finish([c.finish_reason for c in self.choices[i * n:(i + 1) * n]])
+
+    def log_done(self) -> None:
+        reasons = ",".join(str(c.finish_reason) for c in self.choices)
+        gen = sum(c.num_tokens for c in self.choices)
+        log.info("%s: finished (%s), %d tokens generated in %.2fs", self.rid, reasons, gen,
+                 time.monotonic() - self.trackers[0].arrival)
+
+    def offset(self, index: int, choice: Choice) -> int:
+        return len(self.echo[index // self.req.n]) + len(choice.text)
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    state.check_model(req.model)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported by this server; use n", param="best_of")
+    rid = random_id("cmpl")
+    batch = _Batch(state, req, rid)
+    log.info("%s: completion, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s",
+             rid, len(batch.streams), batch.num_prompt, req.n, req.max_tokens, req.stream,
+             f", user={req.user}" if req.user else "")
+    headers = {"X-Request-Id": rid}
+    if req.stream:
+        return StreamingResponse(_stream(batch), media_type="text/event-stream", headers=headers)
+
+    async def collect() -> bool:
+        async for i, out in merged(batch.streams):
+            batch.trackers[i].observe(out)
+            batch.num_cached[i] = out.num_cached_tokens
+            for c in out.outputs:
+                batch.choices[i * req.n + c.index].add(c)
+        return True
+
+    try:
+        done = await until_disconnect(raw, collect(), lambda: None)
+    except Exception as e:
+        raise http_error(e) from None
+    finally:
+        for s in batch.streams:
+            s.close()
+        batch.finish()
+    if done is None:
+        log.info("%s: client disconnected; aborted", rid)
+        return Response(status_code=499)
+    batch.log_done()
+    choices = []
+    for j, c in enumerate(batch.choices):
+        echo = batch.echo[j // req.n]
+        lps = (completion_logprobs(state, c.logprobs, len(echo))
+               if req.logprobs is not None else None)
+        choices.append(CompletionChoice(index=j, text=echo + c.text, logprobs=lps,
+                                        finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason))
+    body = CompletionResponse(id=rid, model=state.model_name, choices=choices,
+                              usage=batch.usage())
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+async def _stream(batch: _Batch) -> AsyncIterator[str]:
+    req, state = batch.req, batch.state
+    created = int(time.time())
+    opts = req.stream_options
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+
+    def chunk(items: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return sse(CompletionResponse(id=batch.rid, created=created, model=state.model_name,
+                                      choices=items, usage=usage))
+
+    try:
+        if req.echo:
+            yield chunk([CompletionChoice(index=j, text=batch.echo[j // req.n])
+                         for j in range(len(batch.choices))])
+        async for i, out in merged(batch.streams):
+            batch.trackers[i].observe(out)
+            batch.num_cached[i] = out.num_cached_tokens
+            items = []
+            for c in out.outputs:
+                j = i * req.n + c.index
+                acc = batch.choices[j]
+                if acc.finish_reason is not None:
+                    continue
+                offset = batch.offset(j, acc)
+                acc.add(c)
+                if not c.text and c.finish_reason is None and not c.logprobs:
+                    continue
+                lps = (completion_logprobs(state, c.logprobs or [], offset)
+                       if req.logprobs is not None else None)
+                items.append(CompletionChoice(index=j, text=c.text, logprobs=lps,
+                                              finish_reason=c.finish_reason,
+                                              stop_reason=c.stop_reason))
+            if items:
+                yield chunk(items, batch.usage() if continuous else None)
+        if include_usage:
+            yield chunk([], batch.usage())
+        yield SSE_DONE
+        batch.log_done()
+    except Exception as e:
+        yield stream_error(e)
+        yield SSE_DONE
+    finally:
+        for s in batch.streams:
+            s.close()
+        batch.finish()
+        if not all(c.finish_reason for c in batch.choices):
+            log.info("%s: stream ended early (client gone or shutdown); aborted", batch.rid)

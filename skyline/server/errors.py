@@ -1,0 +1,103 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}, one sentence each.
+
+Bad input is a 4xx with a message that says what to change; only a bug in skyline is a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from skyline.server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("skyline.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI does."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    info = ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"),
+                     param=param, code=code if code is not None else status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "the request body is invalid", None
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # Unions report one error per member; the first one's location is the useful part.
+    loc = [x for x in loc if not x.startswith(("list[", "str", "int", "function-"))]
+    field = ".".join(loc) or None
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        return "the request body is not valid JSON", None
+    if kind == "missing" and field is None:
+        return "the request body is missing; send a JSON object", None
+    if kind == "missing":
+        return f"the field '{field}' is required", field
+    if field is None:
+        return f"the request body is invalid: {e.get('msg', '')}", None
+    return f"invalid value for '{field}': {e.get('msg', 'invalid')}", field
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"there is no route {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__}); "
+                                   "this is a bug in skyline, please report it")

@@ -1,0 +1,151 @@
+"""Prometheus metrics under vLLM's names with a `skyline:` prefix (vllm:time_to_first_token_seconds
+-> skyline:time_to_first_token_seconds), so existing dashboards need only the prefix changed.
+
+Request latencies are observed here, in the API process, as the client sees them; engine state
+(running / waiting, KV usage, prefix-cache counters, preemptions) is read from the engine core's
+latest stats at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from skyline.types import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineCollector(Collector):
+    """Engine-side gauges and counters, from the stats the engine core last reported."""
+
+    def __init__(self, model: str, stats: Callable[[], dict[str, Any]]) -> None:
+        self.model = model
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> Metric:
+            g = GaugeMetricFamily(f"skyline:{name}", doc, labels=labels)
+            g.add_metric([self.model], float(value))
+            return g
+
+        def counter(name: str, doc: str, value: float) -> Metric:
+            c = CounterMetricFamily(f"skyline:{name}", doc, labels=labels)
+            c.add_metric([self.model], float(value))
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.",
+                    s.get("num_running", 0))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    s.get("num_waiting", 0))
+        yield gauge("kv_cache_usage_perc", "KV-cache usage (1 means 100 percent).",
+                    s.get("kv_usage", 0.0))
+        yield gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all queried tokens.",
+                    s.get("prefix_cache_hit_rate", 0.0))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_query_tokens", 0))
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.get("prefix_cache_hit_tokens", 0))
+        yield counter("num_preemptions", "Preemptions (requests evicted and recomputed).",
+                      s.get("num_preemptions", 0))
+
+
+class Metrics:
+    def __init__(self, model: str, engine_stats: Callable[[], dict[str, Any]]) -> None:
+        disable_created_metrics()  # no *_created series, as vLLM
+        self.model = model
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lb = self.registry, ["model_name"]
+        self.ttft = Histogram("skyline:time_to_first_token_seconds",
+                              "Time to first token.", lb, buckets=_LATENCY, registry=r)
+        self.itl = Histogram("skyline:inter_token_latency_seconds",
+                             "Time between consecutive output tokens.", lb, buckets=_ITL,
+                             registry=r)
+        self.e2e = Histogram("skyline:e2e_request_latency_seconds",
+                             "End-to-end request latency.", lb, buckets=_LATENCY, registry=r)
+        self.queue = Histogram("skyline:request_queue_time_seconds",
+                               "Time requests spent waiting before their first step.", lb,
+                               buckets=_LATENCY, registry=r)
+        self.prompt_len = Histogram("skyline:request_prompt_tokens", "Prompt tokens per request.",
+                                    lb, buckets=_TOKENS, registry=r)
+        self.gen_len = Histogram("skyline:request_generation_tokens",
+                                 "Generated tokens per request.", lb, buckets=_TOKENS,
+                                 registry=r)
+        self.prompt_tokens = Counter("skyline:prompt_tokens", "Prefill tokens processed.", lb,
+                                     registry=r)
+        self.gen_tokens = Counter("skyline:generation_tokens", "Generation tokens produced.", lb,
+                                  registry=r)
+        self.success = Counter("skyline:request_success", "Requests finished, by reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        r.register(_EngineCollector(model, engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, num_prompt_tokens: int) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens)
+
+
+class RequestTracker:
+    """Times one request from arrival, as its outputs stream by."""
+
+    def __init__(self, metrics: Metrics, num_prompt_tokens: int) -> None:
+        self.m = metrics
+        self.arrival = time.monotonic()
+        self.num_prompt_tokens = num_prompt_tokens
+        self.first: float | None = None
+        self.last: float | None = None
+        self.num_generated = 0
+        self.queue_time: float | None = None
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        new = sum(len(c.token_ids) for c in out.outputs)
+        if "queue_time" in out.metrics and self.queue_time is None:
+            self.queue_time = out.metrics["queue_time"]
+            self.m.queue.labels(self.m.model).observe(self.queue_time)
+        if not new:
+            return
+        now = time.monotonic()
+        label = self.m.model
+        if self.first is None:
+            self.first = now
+            self.m.ttft.labels(label).observe(now - self.arrival)
+            self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
+        elif self.last is not None:
+            self.m.itl.labels(label).observe(now - self.last)
+        self.last = now
+        self.num_generated += new
+        self.m.gen_tokens.labels(label).inc(new)
+
+    def finish(self, reasons: list[str | None]) -> None:
+        """Record the request's end; reasons holds each choice's finish reason (None: cut off)."""
+        if self.done:
+            return
+        self.done = True
+        label = self.m.model
+        self.m.e2e.labels(label).observe(time.monotonic() - self.arrival)
+        self.m.prompt_len.labels(label).observe(self.num_prompt_tokens)
+        self.m.gen_len.labels(label).observe(self.num_generated)
+        for r in reasons:
+            self.m.success.labels(label, r or "abort").inc()

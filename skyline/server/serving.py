@@ -1,0 +1,252 @@
+"""What chat and text completions share: request -> SamplingParams, starting a request with its
+errors mapped to HTTP, merged output streams, logprobs, SSE framing and disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from skyline.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from skyline.server.errors import APIError, error_body
+from skyline.server.metrics import Metrics
+from skyline.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+    _Sampling,
+)
+from skyline.types import RequestOutput, SamplingParams, TokenLogprobs
+
+log = logging.getLogger("skyline.server")
+
+T = TypeVar("T")
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; masked tokens report this (as vLLM does)
+
+
+@dataclass
+class ServerState:
+    llm: AsyncLLM
+    model_name: str
+    metrics: Metrics
+    shutting_down: bool = False
+    token_text_cache: dict[int, str] = field(default_factory=dict)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        text = self.token_text_cache.get(token_id)
+        if text is None:
+            tok = self.llm.tokenizer
+            text = tok.decode([token_id], skip_special_tokens=False) if tok else str(token_id)
+            self.token_text_cache[token_id] = text
+        return text
+
+
+def build_params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    schema: dict[str, Any] | None = None
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        schema = {"type": "object"}
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                           param="response_format")
+        schema = rf.json_schema.schema_
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
+        top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
+        repetition_penalty=pick(req.repetition_penalty, 1.0),
+        presence_penalty=pick(req.presence_penalty, 0.0),
+        frequency_penalty=pick(req.frequency_penalty, 0.0),
+        seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output, json_schema=schema,
+    )
+
+
+def start_request(state: ServerState, prompt: str | list[int], params: SamplingParams,
+                  request_id: str, prompt_text: str | None = None) -> RequestStream:
+    """Queue a request; its errors become the HTTP errors OpenAI clients expect."""
+    if state.shutting_down:
+        raise APIError(503, "the server is shutting down; retry on another replica",
+                       headers={"Retry-After": "5"})
+    try:
+        return state.llm.add_request(prompt, params, request_id, prompt_text)
+    except EngineOverloadedError as e:
+        raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), headers={"Retry-After": "5"}) from None
+    except ValueError as e:
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        raise APIError(400, str(e), code=code) from None
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the stream's index. Closing the
+    iterator (or cancelling its task) aborts every unfinished request."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    queue.put_nowait((i, out))
+            except Exception as e:
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.close()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T],
+                           on_disconnect: Callable[[], None]) -> T | None:
+    """Run `work`; if the client goes away first, cancel it (aborting its requests) and
+    return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # e.g. shutdown: the work must not outlive its handler
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        on_disconnect()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        return None
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(obj: BaseModel | dict[str, Any]) -> str:
+    if isinstance(obj, BaseModel):
+        return f"data: {obj.model_dump_json()}\n\n"
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error(e: Exception) -> str:
+    """An error in the middle of a stream (headers already sent): an SSE error event."""
+    if isinstance(e, EngineDeadError):
+        return sse(error_body(503, str(e)))
+    if isinstance(e, ValueError):
+        return sse(error_body(400, str(e)))
+    log.error("stream failed", exc_info=e)
+    return sse(error_body(500, f"internal server error ({type(e).__name__})"))
+
+
+def http_error(e: Exception) -> APIError:
+    """An error while collecting a whole (non-streamed) response."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), headers={"Retry-After": "5"})
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    raise e
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def chat_logprobs(state: ServerState, lps: list[TokenLogprobs]) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        text = state.token_text(lp.token_ids[0])
+        top = [TopLogprob(token=(t := state.token_text(i)), logprob=_lp(v),
+                          bytes=list(t.encode("utf-8")))
+               for i, v in zip(lp.token_ids[1:], lp.logprobs[1:], strict=False)]
+        content.append(ChatTokenLogprob(token=text, logprob=_lp(lp.logprobs[0]),
+                                        bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(state: ServerState, lps: list[TokenLogprobs],
+                        offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for lp in lps:
+        text = state.token_text(lp.token_ids[0])
+        out.tokens.append(text)
+        out.token_logprobs.append(_lp(lp.logprobs[0]))
+        top = {state.token_text(i): _lp(v)
+               for i, v in zip(lp.token_ids[1:], lp.logprobs[1:], strict=False)}
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+@dataclass
+class Choice:
+    """One choice accumulated from output deltas."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: Any) -> None:
+        self.text += c.text
+        self.num_tokens += len(c.token_ids)
+        if c.logprobs:
+            self.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason

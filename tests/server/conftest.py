@@ -1,0 +1,122 @@
+"""A real `skyline serve` in a subprocess on a free localhost port, with the default model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+STARTUP_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None,
+                timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    def metrics(self) -> dict[str, float]:
+        status, _, body = self.request("GET", "/metrics", timeout=30)
+        assert status == 200
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name.split("{")[0]] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs or waits and the KV cache is empty."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["skyline:num_requests_running"] == 0
+                    and m["skyline:num_requests_waiting"] == 0
+                    and m["skyline:kv_cache_usage_perc"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(tmp_dir: str, *args: str) -> Server:
+    port = free_port()
+    log_path = os.path.join(tmp_dir, f"server-{port}.log")
+    cmd = [sys.executable, "-m", "skyline.cli", "serve", "--port", str(port),
+           "--kv-cache-memory", "256MiB", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, port, log_path)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited during startup:\n{server.log()}")
+        try:
+            status, _, _ = server.request("GET", "/health", timeout=2)
+            if status == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.5)
+    server.stop(signal.SIGKILL)
+    pytest.fail(f"the server did not start in {STARTUP_TIMEOUT}s:\n{server.log()}")
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    started: list[Server] = []
+
+    def factory(*args: str) -> Server:
+        s = start_server(str(tmp_path_factory.mktemp("server")), *args)
+        started.append(s)
+        return s
+
+    yield factory
+    for s in started:
+        s.stop()
