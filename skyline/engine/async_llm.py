@@ -120,6 +120,7 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._num_adds = 0
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ public API
 
@@ -236,7 +237,10 @@ class AsyncLLM:
         return self.stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (in-flight requests end with EngineDeadError)."""
+        """Stop the engine process (in-flight requests end with EngineDeadError). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self.dead is None:
             self.dead = "the server is shutting down"
         try:

@@ -9,7 +9,6 @@ rotate-half model code as safetensors checkpoints. qwen2/qwen3 files are not per
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 import struct
@@ -22,6 +21,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from skyline.config import ConfigError, ModelArch
+from skyline.model.gguf_rope import f32, rope_scaling_from_gguf
 from skyline.ops.dequant import GGML_TYPES, SUPPORTED_TYPE_NAMES, dequantize_ref
 
 # GGUF general.architecture -> (HF architecture, HF model_type)
@@ -106,12 +106,6 @@ def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _f32(x: float) -> float:
-    # GGUF stores floats as float32; give the shortest decimal that round-trips (1e-05, not
-    # 9.999999747378752e-06), as the original config.json had it.
-    return float(str(np.float32(x)))
-
-
 def _single(value: Any, key: str, path: str) -> Any:
     if isinstance(value, list):  # per-layer values; supported models have one for all layers
         if not value or any(v != value[0] for v in value):
@@ -156,8 +150,11 @@ def read_gguf_hf_config(path: str) -> dict[str, Any]:
         vocab = tensors["token_embd.weight"].data.shape[0]
     if vocab is None:
         vocab = len(gguf_value(r, "tokenizer.ggml.tokens", []))
-    theta = _f32(gguf_value(r, f"{arch}.rope.freq_base", 10000.0))
+    theta = f32(gguf_value(r, f"{arch}.rope.freq_base", 10000.0))
     context = int(gguf_value(r, f"{arch}.context_length", 4096))
+    rope_freqs = tensors.get("rope_freqs.weight")  # Llama 3.1+: llama3 scaling as a tensor
+    if rope_freqs is not None:
+        rope_freqs = np.asarray(rope_freqs.data, dtype=np.float64).reshape(-1)
     eos = [gguf_value(r, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
     hf_arch, model_type = ARCHITECTURES[arch]
@@ -171,9 +168,10 @@ def read_gguf_hf_config(path: str) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(gguf_value(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": f32(gguf_value(r, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": theta,
-        "rope_scaling": _rope_scaling(r, arch, path, theta, head_dim, tensors),
+        "rope_scaling": rope_scaling_from_gguf(
+            lambda key: gguf_value(r, f"{arch}.{key}"), path, theta, head_dim, rope_freqs),
         "max_position_embeddings": context,
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
@@ -181,90 +179,6 @@ def read_gguf_hf_config(path: str) -> dict[str, Any]:
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": "float32",
     }
-
-
-def _rope_scaling(r: GGUFReader, arch: str, path: str, theta: float, head_dim: int,
-                  tensors: dict[str, Any]) -> dict[str, Any] | None:
-    kind = gguf_value(r, f"{arch}.rope.scaling.type")
-    factor = gguf_value(r, f"{arch}.rope.scaling.factor")
-    factor = factor or gguf_value(r, f"{arch}.rope.scale_linear")  # older files
-    if "rope_freqs.weight" in tensors:  # Llama 3.1+: llama3 scaling, stored as per-pair divisors
-        n_rot = int(gguf_value(r, f"{arch}.rope.dimension_count", head_dim))
-        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).reshape(-1)
-        return llama3_scaling_from_factors(factors, theta, n_rot)
-    if kind in (None, "none") and not factor:
-        return None
-    if kind == "linear" or (kind is None and factor):
-        return {"rope_type": "linear", "factor": _f32(factor)}
-    if kind == "yarn":
-        orig = gguf_value(r, f"{arch}.rope.scaling.original_context_length")
-        out: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(factor or 1.0)}
-        if orig:
-            out["original_max_position_embeddings"] = int(orig)
-        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = gguf_value(r, f"{arch}.rope.scaling.{key}")
-            if value is not None:
-                out[hf_key] = _f32(value)
-        attn = gguf_value(r, f"{arch}.rope.scaling.attn_factor")
-        if attn is not None and abs(attn - 1.0) > 1e-6 and out["factor"] > 1:
-            # llama.cpp multiplies its default mscale by attn_factor; HF's attention_factor
-            # replaces the default, so fold the default in.
-            out["attention_factor"] = _f32(attn * (0.1 * math.log(out["factor"]) + 1.0))
-        return out
-    raise ConfigError(
-        f"{path} uses rope scaling {kind!r}, which skyline does not support; "
-        "supported: linear, yarn, llama3 (rope_freqs)"
-    )
-
-
-def llama3_scaling_from_factors(
-    factors: np.ndarray, theta: float, dim: int
-) -> dict[str, Any] | None:
-    """HF llama3 rope_scaling from llama.cpp's `rope_freqs` tensor (factors that divide each
-    inverse frequency).
-
-    The factors are 1 for short wavelengths, `factor` for long ones, and in between
-    1 / ((1 - s) / factor + s) with s = (orig / wavelen - low) / (high - low): s is linear in
-    1 / wavelen, and a line fit over the middle band gives orig / (high - low) and
-    low / (high - low). Only those ratios are determined, so low_freq_factor is taken as 1
-    (every Llama 3.x uses 1), which recovers the published (8192, 1, 4) exactly. The result is
-    checked by recomputing the factors; if they do not match, the factors are passed as
-    {"rope_type": "freq_factors", "freq_factors": [...]} for a rotary layer that divides by them.
-    """
-    factors = factors.astype(np.float64)
-    factor = float(factors.max())
-    if factor <= 1.0 + 1e-6:
-        return None
-    inv_freq = theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
-    wavelen = 2 * math.pi / inv_freq
-    if len(factors) == len(wavelen):
-        mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
-        if mid.sum() >= 2:
-            s = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
-            slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
-            if intercept < 0:
-                low = 1.0
-                high = round(1 - 1 / intercept, 4)
-                orig = int(round(slope * (high - low)))
-                scaling = {
-                    "rope_type": "llama3",
-                    "factor": _f32(factor),
-                    "low_freq_factor": low,
-                    "high_freq_factor": high,
-                    "original_max_position_embeddings": orig,
-                }
-                if np.allclose(_llama3_factors(scaling, wavelen), factors, rtol=1e-4):
-                    return scaling
-    return {"rope_type": "freq_factors", "factor": _f32(factor),
-            "freq_factors": [float(f) for f in factors]}
-
-
-def _llama3_factors(s: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    orig = s["original_max_position_embeddings"]
-    smooth = (orig / wavelen - low) / (high - low)
-    mid = 1 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
 
 
 def hf_weight_name(gguf_name: str) -> str | None:

@@ -56,7 +56,12 @@ def paged_attention_ref(
         v = vc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
         pos = torch.arange(max_len, device=q.device)
         lens_t = torch.tensor(lens, device=q.device)
-        mask = (pos[None, :] < lens_t[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        valid = pos[None, :] < lens_t[:, None]  # [B, L]
+        mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        # Padded positions read whatever the padding blocks hold; zero them so a NaN left
+        # there by another sequence cannot leak through 0 * NaN.
+        k = k.masked_fill(~valid[:, None, :, None], 0)
+        v = v.masked_fill(~valid[:, None, :, None], 0)
         qd = q[:num_decodes].unsqueeze(2)  # [B, H, 1, d]
         o = F.scaled_dot_product_attention(
             qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa

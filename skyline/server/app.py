@@ -108,7 +108,11 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        # uvicorn has drained (or cancelled) the in-flight requests: stop the engine now, as
+        # uvicorn re-raises SIGTERM once this returns.
         state.shutting_down = True
+        llm.shutdown()
+        print("skyline: server stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="skyline", version="0.1.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None)
@@ -220,6 +224,5 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
         uvicorn.Server(config).run(sockets=[sock])
     finally:
-        llm.shutdown()
+        llm.shutdown()  # already done by the lifespan unless uvicorn failed
         sock.close()
-        print("skyline: server stopped", file=sys.stderr, flush=True)

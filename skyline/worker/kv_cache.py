@@ -19,7 +19,7 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int
 
 def num_blocks_for(
     arch: ModelArch, cfg: CacheConfig, dtype: torch.dtype, device: torch.device,
-    profile_peak_bytes: int = 0,
+    max_model_len: int, max_num_seqs: int, profile_peak_bytes: int = 0,
 ) -> int:
     """Blocks that fit: CPU from cfg.kv_cache_memory; CUDA from free memory after profiling."""
     if cfg.num_blocks is not None:
@@ -32,7 +32,10 @@ def num_blocks_for(
         budget = int(total * cfg.gpu_memory_utilization) - other - profile_peak_bytes
     else:
         budget = cfg.kv_cache_memory
-    n = budget // per_block
+    # More blocks than every running sequence at full length can use only feed the prefix
+    # cache; cap there, so small models do not allocate (and index) millions of blocks.
+    blocks_per_seq = -(-max_model_len // cfg.block_size)
+    n = min(budget // per_block, blocks_per_seq * max_num_seqs)
     if n < 1:
         where = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-memory"
         raise ConfigError(

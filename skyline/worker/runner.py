@@ -34,7 +34,9 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
         peak = self._profile() if self.device.type == "cuda" else 0
-        self.num_blocks = num_blocks_for(self.arch, config.cache, self.dtype, self.device, peak)
+        sc = config.scheduler
+        self.num_blocks = num_blocks_for(self.arch, config.cache, self.dtype, self.device,
+                                         sc.max_model_len, sc.max_num_seqs, peak)
         self.kv_caches = allocate_kv_cache(
             self.arch, self.num_blocks, self.block_size, self.dtype, self.device
         )

@@ -20,12 +20,8 @@ from gguf.quants import dequantize, quantize
 
 from skyline.config import ConfigError, ModelArch
 from skyline.model.default import default_model_path
-from skyline.model.gguf import (
-    hf_weight_name,
-    iter_gguf_weights,
-    llama3_scaling_from_factors,
-    read_gguf_hf_config,
-)
+from skyline.model.gguf import hf_weight_name, iter_gguf_weights, read_gguf_hf_config
+from skyline.model.gguf_rope import llama3_scaling_from_factors
 
 transformers = pytest.importorskip("transformers")
 
