@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from gguf import GGUFReader
 from tokenizers import (
@@ -81,14 +82,14 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def build_gguf_vocab(reader: GGUFReader, path: str) -> GGUFVocab:
-    def value(key: str, default: object = None) -> object:
+    def value(key: str, default: Any = None) -> Any:
         return gguf_value(reader, f"tokenizer.ggml.{key}", default)
 
     model = value("model")
-    tokens: list[str] = value("tokens") or []  # type: ignore[assignment]
+    tokens: list[str] = value("tokens") or []
     if not tokens:
         raise ConfigError(f"{path} has no tokenizer vocabulary; pass a tokenizer directory too")
-    types: list[int] = value("token_type") or [NORMAL] * len(tokens)  # type: ignore[assignment]
+    types: list[int] = value("token_type") or [NORMAL] * len(tokens)
     if model == "gpt2":
         pre = value("pre") or "default"
         if pre not in PRE_TOKENIZER_SPLITS:
@@ -96,11 +97,11 @@ def build_gguf_vocab(reader: GGUFReader, path: str) -> GGUFVocab:
                 f"{path} asks for the pre-tokenizer {pre!r}, which skyline does not know; "
                 f"supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
             )
-        merges: list[str] = value("merges") or []  # type: ignore[assignment]
+        merges: list[str] = value("merges") or []
         backend = _byte_level(tokens, types, merges, pre)
         add_bos_default = pre in _LLAMA3_NAMES
     elif model == "llama":
-        scores: list[float] = value("scores") or [0.0] * len(tokens)  # type: ignore[assignment]
+        scores: list[float] = value("scores") or [0.0] * len(tokens)
         backend = _sentencepiece(tokens, scores, types, bool(value("add_space_prefix", True)))
         add_bos_default = True
     else:
@@ -114,7 +115,7 @@ def build_gguf_vocab(reader: GGUFReader, path: str) -> GGUFVocab:
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
     out = GGUFVocab(backend, token("bos"), token("eos"), token("unknown"), token("padding"),
-                    value("chat_template") or gguf_value(reader, "tokenizer.chat_template"))
+                    gguf_value(reader, "tokenizer.chat_template"))
     out.end_ids = [i for k in ("eos", "eot", "eom")
                    if isinstance(i := value(f"{k}_token_id"), int) and 0 <= i < len(tokens)]
     _set_post_processor(backend, out.bos_token if value("add_bos_token", add_bos_default) else None,

@@ -193,7 +193,12 @@ class _EngineLoop:
                     self.send(("out", [], self.stats(), {}))
                     self.stats_dirty = False
                 continue
+            _t = time.perf_counter()
+            _s = self.core.stats()
             outputs = self.core.step()
+            import sys as _sys
+            import torch as _torch
+            print(f"step {time.perf_counter()-_t:.3f}s run={_s['num_running']} wait={_s['num_waiting']} outs={len(outputs)} thr={_torch.get_num_threads()}", file=_sys.stderr, flush=True)
             queue_times, self.hooks.queue_times = self.hooks.queue_times, {}
             self.send(("out", [step_output_to_list(o) for o in outputs], self.stats(),
                        queue_times))

@@ -49,4 +49,7 @@ def allocate_kv_cache(
     arch: ModelArch, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    # On CPU, untouched pages cost nothing until used (zeroing 2 GiB takes seconds); attention
+    # only reads slots it wrote, and masks padding, so the contents need no initial value.
+    alloc = torch.empty if device.type == "cpu" else torch.zeros
+    return [alloc(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]

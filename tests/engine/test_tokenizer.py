@@ -220,3 +220,22 @@ def test_errors(tmp_path) -> None:
         tok.apply_chat_template("hi", chat_template="{{ messages }}")  # type: ignore[arg-type]
     with pytest.raises(ChatTemplateError, match="not valid jinja"):
         tok.apply_chat_template([], chat_template="{% if %}")
+
+
+@pytest.mark.parametrize("pre,hf_regex", [
+    # the pre-tokenizer regexes of the original tokenizer.json files, as transformers keeps them
+    ("llama-bpe", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    ("qwen2", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+])
+def test_llama_cpp_regexes_split_like_originals(pre, hf_regex) -> None:
+    from tokenizers import Regex
+
+    from skyline.engine.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+
+    ours = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(rx), behavior="isolated")
+                                    for rx in PRE_TOKENIZER_SPLITS[pre]])
+    theirs = pre_tokenizers.Split(Regex(hf_regex), behavior="isolated")
+    for text in TEXTS + DIGIT_TEXTS + ["I'M HE'LL THEY'RE", "a\r\n\r\n  b\n", "1234567 x"]:
+        assert ours.pre_tokenize_str(text) == theirs.pre_tokenize_str(text), text
