@@ -28,7 +28,7 @@ from skyline.engine.process import (
     step_output_from_list,
     unpack,
 )
-from skyline.engine.structured import check_structured
+from skyline.engine.structured import check_structured, grammar_for
 from skyline.engine.tokenizer import Tokenizer
 from skyline.types import Request, RequestOutput, SamplingParams
 
@@ -106,7 +106,12 @@ class AsyncLLM:
         self.max_model_len: int = self.info["max_model_len"]
         self.vocab_size: int = self.info["vocab_size"]
         self.max_waiting: int = self.info.get("max_waiting") or 0
-        self.tokenizer = load_tokenizer(self.info["model_path"], self.info["load_format"])
+        try:
+            self.tokenizer = load_tokenizer(self.info["model_path"], self.info["load_format"])
+        except BaseException:
+            self.engine.kill()
+            self._close_sockets()
+            raise
         eos = self.info["eos_token_ids"]
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             eos = self.tokenizer.eos_token_ids
@@ -168,6 +173,9 @@ class AsyncLLM:
         text = text if text is not None else prompt_text
         params.validate(self.vocab_size)
         check_structured(params)
+        if self.tokenizer is None and grammar_for(params) is not None:
+            raise ValueError("structured output needs the model's tokenizer, and this model has "
+                             "none")
         self.check_prompt(ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -193,12 +193,7 @@ class _EngineLoop:
                     self.send(("out", [], self.stats(), {}))
                     self.stats_dirty = False
                 continue
-            _t = time.perf_counter()
-            _s = self.core.stats()
             outputs = self.core.step()
-            import sys as _sys
-            import torch as _torch
-            print(f"step {time.perf_counter()-_t:.3f}s run={_s['num_running']} wait={_s['num_waiting']} outs={len(outputs)} thr={_torch.get_num_threads()}", file=_sys.stderr, flush=True)
             queue_times, self.hooks.queue_times = self.hooks.queue_times, {}
             self.send(("out", [step_output_to_list(o) for o in outputs], self.stats(),
                        queue_times))
@@ -261,7 +256,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         "eos_token_ids": list(cfg.model.arch.eos_token_ids),
         "block_size": cfg.cache.block_size, "max_waiting": cfg.scheduler.max_waiting,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
-        "weights_gib": _weights_gib(core),
+        "weights_gib": _weights_gib(core), "pid": os.getpid(),
         **core.executor.describe(),
     }
     loop = _EngineLoop(core, in_addr, out_addr)

@@ -87,18 +87,19 @@ class StructuredOutputs:
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
             self._tokenizer = self._make_tokenizer()  # ~1 s once: built on first use
+            self.eos_token_ids = tuple(self._tokenizer.eos_tokens) or self.eos_token_ids
         return self._tokenizer
 
     def _add(self, rid: str, params: SamplingParams, num_prompt: int, outputs: list[int]) -> None:
         import llguidance
 
-        grammar = grammar_for(params)
-        if grammar is None:
-            return
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if m.is_error():
-            log.warning("request %s: grammar rejected: %s", rid, m.get_error())
-        m.consume_tokens(outputs)  # a request resumed after preemption
+        try:
+            grammar = grammar_for(params)
+            m: Any = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            m.consume_tokens(outputs)  # a request resumed after preemption
+        except Exception as e:  # the frontend checks grammars; never let one stop the engine
+            log.warning("request %s: unusable grammar: %s", rid, e)
+            m = None
         self.matchers[rid] = m
         self.num_tokens[rid] = num_prompt + len(outputs)
 
@@ -124,12 +125,13 @@ class StructuredOutputs:
             out.token_masks[rid] = self._mask(rid, m)
 
     def _mask(self, rid: str, m: Any) -> bytes:
-        if not m.is_error():
+        if m is not None and not m.is_error():
             return m.compute_bitmask()
         # A matcher in error (an unusable grammar, which `check_structured` should have caught)
         # allows only end-of-sequence, so that the request ends instead of running unconstrained.
-        log.warning("request %s: structured output failed: %s", rid, m.get_error())
-        words = bytearray(len(m.compute_bitmask()))
+        if m is not None:
+            log.warning("request %s: structured output failed: %s", rid, m.get_error())
+        words = bytearray((self.tokenizer.vocab_size + 31) // 32 * 4)
         for t in self.eos_token_ids:
             if t // 8 < len(words):
                 words[t // 8] |= 1 << (t % 8)
@@ -140,10 +142,11 @@ class StructuredOutputs:
         if not self.matchers:
             return
         for rid, tokens in zip(res.req_ids, res.sampled_token_ids, strict=False):
-            m = self.matchers.get(rid)
-            if m is None or not tokens:
+            if rid not in self.matchers or not tokens:
                 continue
-            m.consume_tokens(tokens)
+            m = self.matchers[rid]
+            if m is not None:
+                m.consume_tokens(tokens)
             self.num_tokens[rid] += len(tokens)
 
 

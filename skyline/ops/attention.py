@@ -27,6 +27,60 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     return cache[block_table[:nblk].long()].flatten(0, 1)[:n]
 
 
+def _decode_ref(
+    q: torch.Tensor,  # [B, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    seq_lens: list[int],  # [B]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    scale: float,
+    seq_lens_tensor: torch.Tensor | None,
+) -> torch.Tensor:  # [B, num_heads, head_dim]
+    # All one-token sequences as one padded batch.
+    kc, vc = kv_cache[0], kv_cache[1]
+    max_len = max(seq_lens)
+    bs = kc.shape[1]
+    nblk = (max_len + bs - 1) // bs
+    table = block_tables[:, :nblk].long()  # [B, nblk]
+    k = kc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
+    v = vc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    pos = torch.arange(max_len, device=q.device)
+    # A host list copied to the GPU here would synchronise every layer; use the device copy.
+    lens_t = seq_lens_tensor if seq_lens_tensor is not None else torch.tensor(
+        seq_lens, device=q.device)
+    valid = pos[None, :] < lens_t[:, None]  # [B, L]
+    # Padded positions read whatever the padding blocks hold; zero them so a NaN left
+    # there by another sequence cannot leak through 0 * NaN.
+    k = k.masked_fill(~valid[:, None, :, None], 0).to(q.dtype)
+    v = v.masked_fill(~valid[:, None, :, None], 0).to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != kc.shape[2],
+    )
+    return o.squeeze(2)
+
+
+def _extend_ref(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the sequence
+    kv_cache: torch.Tensor,
+    seq_len: int,
+    block_table: torch.Tensor,  # [max_blocks]
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    q_len = q.shape[0]
+    gqa = q.shape[1] != kv_cache.shape[3]
+    k = _gather(kv_cache[0], block_table, seq_len).transpose(0, 1).to(q.dtype)  # [kvh, n, d]
+    v = _gather(kv_cache[1], block_table, seq_len).transpose(0, 1).to(q.dtype)
+    qi = q.transpose(0, 1)  # [H, q_len, d]
+    if q_len == seq_len:
+        o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # query j sits at absolute position seq_len - q_len + j and sees keys up to it
+        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = qpos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [q_len, n]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -35,51 +89,133 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     scale: float,
     num_decodes: int = 0,
+    seq_lens_tensor: torch.Tensor | None = None,  # [num_seqs] int32, seq_lens on q's device
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
-    The new tokens of a sequence are its last q_len positions, so query j (0-based within the
-    step) at absolute position seq_len - q_len + j sees keys 0..seq_len - q_len + j.
-    Sequences [0, num_decodes) have one query token each and are computed as one padded batch.
+    The new tokens of a sequence are its last q_len positions. Sequences [0, num_decodes)
+    have one query token each and are computed as one padded batch.
     """
     out = torch.empty_like(q)
-    kc, vc = kv_cache[0], kv_cache[1]
-    num_heads, kvh = q.shape[1], kc.shape[2]
-    gqa = num_heads != kvh
     if num_decodes:
-        lens = seq_lens[:num_decodes]
-        max_len = max(lens)
-        bs = kc.shape[1]
-        nblk = (max_len + bs - 1) // bs
-        table = block_tables[:num_decodes, :nblk].long()  # [B, nblk]
-        k = kc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
-        v = vc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
-        pos = torch.arange(max_len, device=q.device)
-        lens_t = torch.tensor(lens, device=q.device)
-        valid = pos[None, :] < lens_t[:, None]  # [B, L]
-        mask = valid[:, None, None, :]  # [B, 1, 1, L]
-        # Padded positions read whatever the padding blocks hold; zero them so a NaN left
-        # there by another sequence cannot leak through 0 * NaN.
-        k = k.masked_fill(~valid[:, None, :, None], 0)
-        v = v.masked_fill(~valid[:, None, :, None], 0)
-        qd = q[:num_decodes].unsqueeze(2)  # [B, H, 1, d]
-        o = F.scaled_dot_product_attention(
-            qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
-        out[:num_decodes] = o.squeeze(2)
-    for i in range(num_decodes, len(seq_lens)):
+        lens_t = None if seq_lens_tensor is None else seq_lens_tensor[:num_decodes]
+        out[:num_decodes] = _decode_ref(q[:num_decodes], kv_cache, seq_lens[:num_decodes],
+                                        block_tables[:num_decodes], scale, lens_t)
+    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes)
+    return out
+
+
+def _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, first) -> None:
+    for i in range(first, len(seq_lens)):
         s, e = query_start_loc[i], query_start_loc[i + 1]
-        q_len, n = e - s, seq_lens[i]
-        k = _gather(kc, block_tables[i], n).transpose(0, 1).to(q.dtype)  # [kvh, n, d]
-        v = _gather(vc, block_tables[i], n).transpose(0, 1).to(q.dtype)
-        qi = q[s:e].transpose(0, 1)  # [H, q_len, d]
-        if q_len == n:
-            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-        else:
-            qpos = torch.arange(n - q_len, n, device=q.device)
-            mask = qpos[:, None] >= torch.arange(n, device=q.device)[None, :]  # [q_len, n]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
-        out[s:e] = o.transpose(0, 1)
+        out[s:e] = _extend_ref(q[s:e], kv_cache, seq_lens[i], block_tables[i], scale)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    scale: float,
+    num_decodes: int = 0,
+    seq_lens_tensor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_attention_ref's contract; decodes run the Triton kernel on CUDA."""
+    if not (num_decodes and q.is_cuda and triton is not None and seq_lens_tensor is not None):
+        return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                                   num_decodes, seq_lens_tensor)
+    out = torch.empty_like(q)
+    out[:num_decodes] = paged_decode_attention(q[:num_decodes], kv_cache,
+                                               block_tables[:num_decodes],
+                                               seq_lens_tensor[:num_decodes], scale)
+    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Triton: paged decode attention (one query token per sequence), GQA-aware.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references above serve
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
+        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # One program per (sequence, kv head): all GROUP query heads sharing that kv head read
+        # each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the table.
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        gmask = g < GROUP
+        dmask = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        # A while loop: Triton's interpreter cannot run range() to a runtime bound.
+        start = 0
+        while start < seq_len:
+            pos = start + offs
+            valid = pos < seq_len
+            blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid,
+                          other=0)
+            row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [G, N]
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+            start += BLOCK_N
+        out = acc / l_sum[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, page, kvh, _ = kv_cache.shape
+    group = num_heads // kvh
+    out = torch.empty_like(q)
+    k, v = kv_cache[0], kv_cache[1]
+    _paged_decode_kernel[(num_seqs, kvh)](
+        q, k, v, out, block_tables, seq_lens, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=64,
+        IEEE=q.dtype == torch.float32, num_warps=4,
+    )
     return out

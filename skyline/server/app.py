@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -200,6 +201,7 @@ def banner(llm: AsyncLLM, host: str, port: int) -> str:
         f"  KV cache {i.get('kv_cache_gib', 0):.2f} GiB: {i.get('num_blocks', 0)} blocks of "
         f"{i['block_size']} tokens ({i.get('kv_cache_tokens', 0)} tokens), "
         f"up to {i['max_num_seqs']} running requests",
+        f"  engine core: pid {i['pid']}; API process: pid {os.getpid()}",
     ]
     return "\n".join(lines)
 

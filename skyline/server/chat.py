@@ -75,6 +75,9 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
                                        **(kwargs or {}))
     except ValueError as e:  # the template rejected the conversation, or there is none
         raise APIError(400, str(e), param="messages") from None
+    except TypeError as e:  # e.g. chat_template_kwargs that clash with the template's own
+        raise APIError(400, f"the chat template cannot be rendered with these arguments ({e})",
+                       param="chat_template_kwargs") from None
     return text, tok.encode(text, add_special_tokens=False)
 
 

@@ -80,11 +80,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        log.info("%s %s -> 400: %s", request.method, request.url.path, message)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -36,7 +36,7 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(_Request):
+class SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -73,7 +73,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -85,7 +85,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)

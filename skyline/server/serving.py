@@ -25,8 +25,8 @@ from skyline.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    SamplingRequest,
     TopLogprob,
-    _Sampling,
 )
 from skyline.types import RequestOutput, SamplingParams, TokenLogprobs
 
@@ -58,7 +58,8 @@ class ServerState:
         return text
 
 
-def build_params(req: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def build_params(req: SamplingRequest, max_tokens: int | None,
+                 logprobs: int | None) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -326,3 +326,21 @@ def test_metrics(server):
                  "prefix_cache_hit_rate"):
         assert f"skyline:{name}" in m
     assert "chatcmpl-" in server.log() and "cmpl-" in server.log()
+
+
+def test_engine_exits_with_the_server(server):
+    import os
+    import re
+    import signal
+
+    pid = int(re.search(r"engine core: pid (\d+)", server.log()).group(1))
+    assert os.path.exists(f"/proc/{pid}")
+    server.proc.send_signal(signal.SIGKILL)  # no chance to clean up
+    server.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{pid}"):
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
+                break
+        assert time.monotonic() < deadline, "the engine outlived its server"
+        time.sleep(0.2)

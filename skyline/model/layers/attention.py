@@ -12,7 +12,7 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
-from skyline.ops.attention import paged_attention_ref, write_kv_ref
+from skyline.ops.attention import paged_attention, write_kv_ref
 
 
 class Attention(nn.Module):
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         else:
             # Torch reference path; a fused kernel for CUDA plugs in here.
             write_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
-            out = paged_attention_ref(
+            out = paged_attention(
                 q,
                 self.kv_cache,
                 meta.query_start_loc,
@@ -60,6 +60,7 @@ class Attention(nn.Module):
                 meta.block_tables,
                 self.scale,
                 num_decodes=meta.num_decodes,
+                seq_lens_tensor=meta.seq_lens_tensor,
             )
         return out.flatten(1, 2)
 

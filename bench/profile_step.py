@@ -1,0 +1,75 @@
+"""Where a decode step's time goes: torch.profiler over steady-state decode steps.
+
+  python bench/profile_step.py --model llama-3.1-8b --load-format dummy --batch 64 --input-len 512
+Prints the top kernels by GPU time, wall time per step and the fraction of it the GPU was busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from skyline.bench.offline import random_prompts
+from skyline.engine.frontend import LLM
+from skyline.types import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256)
+    prompts = random_prompts(a.batch, a.input_len, llm.config.model.arch.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for p in prompts:
+        llm.add_request(p, params)
+    while llm.engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in llm.engine.scheduler.running
+    ):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    torch.cuda.synchronize()
+    phases = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+    t0 = time.perf_counter()
+    e = llm.engine
+    for _ in range(a.steps):
+        t1 = time.perf_counter()
+        out = e.scheduler.schedule()
+        t2 = time.perf_counter()
+        res = e.executor.execute(out)
+        t3 = time.perf_counter()
+        e.scheduler.update(out, res)
+        phases["schedule"] += t2 - t1
+        phases["execute"] += t3 - t2
+        phases["update"] += time.perf_counter() - t3
+    wall = (time.perf_counter() - t0) / a.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            llm.step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_us = sum(ev.self_device_time_total for ev in events) / a.steps
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
+    res = {"batch": a.batch, "input_len": a.input_len, "wall_ms_per_step": wall * 1e3,
+           "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
+           "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()}}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Pieces of the server path without a server: the msgpack codec, structured-output masks and
+their application to logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from skyline.engine.process import (
+    pack,
+    request_from_dict,
+    request_to_dict,
+    step_output_from_list,
+    step_output_to_list,
+    unpack,
+)
+from skyline.engine.structured import StructuredOutputs, check_structured, make_ll_tokenizer
+from skyline.types import (
+    CachedRequestData,
+    NewRequestData,
+    Request,
+    RunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    StepOutput,
+    TokenLogprobs,
+)
+from skyline.worker.sampler import apply_token_masks
+
+
+def test_codec_round_trip():
+    params = SamplingParams(n=1, temperature=0.5, stop=["x"], seed=2**63, logprobs=3,
+                            json_schema={"type": "object", "properties": {"a": {"type": "number"}}})
+    req = Request("r1", [1, 2, 3], params, eos_token_ids=(2, 7))
+    back = request_from_dict(unpack(pack(request_to_dict(req))))
+    assert (back.request_id, back.prompt_token_ids, back.eos_token_ids) == ("r1", [1, 2, 3], (2, 7))
+    assert back.sampling_params == params
+    out = StepOutput("r1", [5], [TokenLogprobs([5, 6], [-0.1, -2.5], 1)], "stop", "</s>", 3, 16)
+    assert step_output_from_list(unpack(pack(step_output_to_list(out)))) == out
+    bare = StepOutput("r2", [], None)
+    assert step_output_from_list(unpack(pack(step_output_to_list(bare)))) == bare
+
+
+@pytest.mark.parametrize("params, match", [
+    (SamplingParams(json_schema={"type": "no-such-type"}), "json_schema"),
+    (SamplingParams(json_schema="{not json"), "not valid JSON"),
+    (SamplingParams(regex="a(b"), "regex"),
+    (SamplingParams(grammar="start: missing_rule"), "grammar"),
+])
+def test_check_structured_rejects(params, match):
+    with pytest.raises(ValueError, match=match):
+        check_structured(params)
+
+
+def test_check_structured_accepts():
+    check_structured(SamplingParams())
+    check_structured(SamplingParams(json_schema={"type": "object"}))
+    check_structured(SamplingParams(regex="[0-9]+"))
+    with pytest.raises(ValueError, match="at most one"):
+        SamplingParams(json_schema={"type": "object"}, regex="x").validate()
+
+
+def test_apply_token_masks():
+    logits = torch.zeros(3, 70)
+    allow = torch.zeros(3, 3, dtype=torch.int32)
+    allow[0, 0] = 0b101  # tokens 0 and 2
+    allow[0, 2] = 1 << 3  # token 67
+    apply_token_masks(logits, [allow[0].numpy().tobytes(), None, allow[2].numpy().tobytes()])
+    assert (logits[0] == 0).nonzero().flatten().tolist() == [0, 2, 67]
+    assert (logits[1] == 0).all()
+    assert torch.isinf(logits[2]).all()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from skyline.engine.tokenizer import Tokenizer
+    from skyline.model.default import default_model_path
+
+    return Tokenizer.load(default_model_path())
+
+
+def test_structured_outputs_masks(tokenizer):
+    vocab = tokenizer.vocab_size
+    eos = tuple(tokenizer.eos_token_ids)
+    so = StructuredOutputs(lambda: make_ll_tokenizer(tokenizer, vocab, eos), eos)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = SamplingParams(json_schema=schema)
+    prompt = tokenizer.encode("Give JSON:")
+    out = SchedulerOutput(
+        new_requests=[NewRequestData("r", prompt, [], params, [0], 0),
+                      NewRequestData("plain", prompt, [], SamplingParams(), [1], 0)],
+        num_scheduled_tokens={"r": len(prompt), "plain": len(prompt)})
+    so.before_step(out)
+    assert set(out.token_masks) == {"r"}  # only constrained requests get a mask
+
+    def allowed(mask: bytes) -> list[int]:
+        bits = torch.zeros(vocab)
+        apply_token_masks(bits[None], [mask])
+        return (bits == 0).nonzero().flatten().tolist()
+
+    first = allowed(out.token_masks["r"])
+    assert first and all(tokenizer.decode([t]).startswith("{") for t in first)
+    # Walk the matcher along a valid answer, token by token, then expect only EOS.
+    text_ids = tokenizer.encode('{"a": 12}', add_special_tokens=False)
+    for k, tok in enumerate(text_ids, start=1):
+        assert tok in allowed(out.token_masks["r"])
+        so.after_step(out, RunnerOutput(req_ids=["r"], sampled_token_ids=[[tok]]))
+        # a decode step: prompt + k - 1 tokens in the KV cache, one more scheduled
+        out = SchedulerOutput(cached_requests=[CachedRequestData("r", [], len(prompt) + k - 1)],
+                              num_scheduled_tokens={"r": 1})
+        so.before_step(out)
+    assert set(allowed(out.token_masks["r"])) <= set(eos)  # the object is complete
+    so.before_step(SchedulerOutput(finished_request_ids={"r"}))
+    assert not so.matchers
+
+
+def test_json_schema_text_round_trip():
+    schema = {"type": "object"}
+    assert check_structured(SamplingParams(json_schema=json.dumps(schema))) is None
