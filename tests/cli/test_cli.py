@@ -1,0 +1,43 @@
+"""The `skyline` command on the default model, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _skyline(*args: str, stdin: str | None = None, timeout: float = 240):
+    return subprocess.run([sys.executable, "-m", "skyline.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_and_chat():
+    r = _skyline("generate", "What is the capital of France?", "--temperature", "0",
+                 "--max-tokens", "30", "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    r = _skyline("chat", "--temperature", "0", "--max-tokens", "30", "--max-model-len", "512",
+                 stdin="What is the capital of France?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_bench_offline_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    r = _skyline("bench", "offline", "--num-prompts", "3", "--input-len", "8", "--output-len",
+                 "4", "--max-model-len", "64", "--output", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["skyline"]["num_output_tokens"] == 12 and res["skyline"]["output_tokens_per_s"] > 0
+
+
+def test_bad_model_is_one_clear_line(tmp_path):
+    r = _skyline("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("skyline: error:") and "not found" in r.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    r = _skyline("generate", "hi", "--model", str(bad))
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
