@@ -18,3 +18,5 @@ python3 bench/offline_vs_hf.py --model llama-3.1-8b --load-format dummy --device
   --out "$OUT/offline-h200-llama3.1-8b-dummy.json" 2>&1 | tail -8
 python3 bench/profile_step.py --model llama-3.1-8b --load-format dummy --batch 64 --input-len 512 \
   --out "$OUT/profile-h200-llama3.1-8b-b64.json" 2>&1 | tail -12
+python3 bench/decode_roofline.py --model llama-3.1-8b --prompt-len 512 --new-tokens 256 \
+  --out "$OUT/decode-roofline-h200-llama3.1-8b.json" 2>&1 | grep -E "tok_s|fraction|TBps"

@@ -32,6 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="CPU threads")
+    g.add_argument("--quantization", default=None,
+                   help="none | fp8 | int8 | int4 | mxfp4 | nvfp4 | gguf (default: the "
+                        "checkpoint's own format; GGUF files dequantize at load)")
+    g.add_argument("--quant-group-size", type=int, default=128,
+                   help="int8/int4: input elements per scale")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
 
 
 def engine_args(ns: argparse.Namespace, **extra: Any) -> EngineArgs:

@@ -69,6 +69,30 @@ class ModelArch:
         )
 
 
+QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How Linear weights are stored and multiplied (skyline/quant/); embeddings and the LM
+    head stay in the model dtype. `prequantized`: the checkpoint already holds the quantized
+    tensors (written by `skyline quantize`); otherwise weights are quantized while loading."""
+
+    method: str = "none"  # one of QUANT_METHODS
+    group_size: int = 128  # int8/int4: input elements per scale and zero point
+    prequantized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ConfigError(
+                f"--quantization must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}"
+            )
+        if self.group_size not in (16, 32, 64, 128, 256, 512, 1024):
+            raise ConfigError(
+                f"--quant-group-size must be a power of two from 16 to 1024, got {self.group_size}"
+            )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str  # HF directory, .gguf file, or a directory holding config.json (dummy)
@@ -78,6 +102,7 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     name: str = ""  # served model name
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 @dataclass(frozen=True)
@@ -103,6 +128,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (debugging, profiling)
 
     def __post_init__(self) -> None:
         c, s = self.cache, self.scheduler

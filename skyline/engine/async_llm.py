@@ -9,6 +9,7 @@ blocks) as soon as the caller stops listening.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -167,6 +168,7 @@ class AsyncLLM:
         Raises ValueError for a request that can never run, EngineOverloadedError when the
         waiting queue is full and EngineDeadError when the engine is gone."""
         self._start()
+        self._check_alive()
         if self.dead:
             raise EngineDeadError(self.dead)
         text, ids = self.encode(prompt)
@@ -185,12 +187,16 @@ class AsyncLLM:
                 "retry later"
             )
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self._queues[request_id] = queue
         children = self.outputs.add_request(request_id, text, ids, params)
-        for i, cid in enumerate(children):
-            req = Request(cid, ids, child_params(params, i), eos_token_ids=self.eos_token_ids)
-            self._send(("add", request_to_dict(req)))
-        self._num_adds += len(children)
+        try:
+            for i, cid in enumerate(children):
+                req = Request(cid, ids, child_params(params, i), eos_token_ids=self.eos_token_ids)
+                self._send(("add", request_to_dict(req)))
+                self._num_adds += 1
+        except EngineDeadError:
+            self.outputs.abort(request_id)
+            raise
+        self._queues[request_id] = queue
         return RequestStream(self, request_id, queue, len(ids))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
@@ -214,7 +220,8 @@ class AsyncLLM:
         """Stop a request now; the core frees its KV blocks before its next step."""
         ids = self.outputs.abort(request_id)
         if ids and not self.dead:
-            self._send(("abort", ids))
+            with contextlib.suppress(EngineDeadError):
+                self._send(("abort", ids))
 
     @property
     def num_waiting(self) -> int:
@@ -230,8 +237,8 @@ class AsyncLLM:
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(("call", call_id, method, list(args)))
         try:
+            self._send(("call", call_id, method, list(args)))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -251,10 +258,8 @@ class AsyncLLM:
         self._closed = True
         if self.dead is None:
             self.dead = "the server is shutting down"
-        try:
+        with contextlib.suppress(EngineDeadError, zmq.ZMQError):
             self._send(("shutdown",))
-        except zmq.ZMQError:
-            pass
         self.engine.join(timeout)
         self._fail_all(EngineDeadError(self.dead))
         if self._task is not None:
@@ -264,7 +269,19 @@ class AsyncLLM:
     # ------------------------------------------------------------------ internals
 
     def _send(self, msg: Any) -> None:
-        self._in.send(pack(msg))
+        """Send to the core without ever blocking the event loop. A PUSH socket with no peer
+        would block, so a core that is gone raises EngineDeadError here instead."""
+        try:
+            self._in.send(pack(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self._check_alive()
+            raise EngineDeadError(self.dead or "the engine core is not connected") from None
+
+    def _check_alive(self) -> None:
+        if self.dead is None and not self.engine.alive:
+            self.dead = "the engine process exited unexpectedly"
+            log.error(self.dead)
+            self._fail_all(EngineDeadError(self.dead))
 
     def _close_sockets(self) -> None:
         self._in.close(linger=0)
@@ -288,10 +305,7 @@ class AsyncLLM:
         try:
             while True:
                 if not await self._out.poll(1000):
-                    if not self.engine.alive and self.dead is None:
-                        self.dead = "the engine process exited unexpectedly"
-                        log.error(self.dead)
-                        self._fail_all(EngineDeadError(self.dead))
+                    self._check_alive()
                     continue
                 self._handle(unpack(await self._out.recv()))
         except asyncio.CancelledError:
@@ -331,7 +345,8 @@ class AsyncLLM:
     def _dispatch(self, outputs: list[Any]) -> None:
         results, to_abort = self.outputs.process(outputs, delta=True)
         if to_abort:
-            self._send(("abort", to_abort))
+            with contextlib.suppress(EngineDeadError):
+                self._send(("abort", to_abort))
         for r in results:
             q = self._queues.get(r.request_id)
             if q is None:

@@ -18,6 +18,7 @@ from skyline.config import (
 from skyline.configs import dummy_config_dir
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
+from skyline.quant.resolve import resolve_quant_config
 
 
 @dataclass
@@ -40,6 +41,9 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     threads: int | None = None  # CPU threads for torch
+    quantization: str | None = None  # None: the checkpoint's own format (see quant/resolve.py)
+    quant_group_size: int = 128
+    enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
 
 
 _DTYPE_ALIASES = {
@@ -102,8 +106,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
+    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
     model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,
-                            max_model_len=max_len, seed=args.seed, name=name)
+                            max_model_len=max_len, seed=args.seed, name=name, quant=quant)
     cache = CacheConfig(
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -113,4 +118,5 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     )
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
-    return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device), auto_len
+    return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
+                        enforce_eager=args.enforce_eager), auto_len

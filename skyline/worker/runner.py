@@ -11,6 +11,7 @@ from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model
 from skyline.types import RunnerOutput, SchedulerOutput
+from skyline.worker.cuda_graph import CudaGraphRunner
 from skyline.worker.inputs import RequestState, build_inputs
 from skyline.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
 from skyline.worker.sampler import SamplingRow, apply_token_masks, sample
@@ -37,14 +38,24 @@ class ModelRunner:
         sc = config.scheduler
         self.num_blocks = num_blocks_for(self.arch, config.cache, self.dtype, self.device,
                                          sc.max_model_len, sc.max_num_seqs, peak)
+        # One block past the pool's: scratch space for CUDA-graph padding rows.
         self.kv_caches = allocate_kv_cache(
-            self.arch, self.num_blocks, self.block_size, self.dtype, self.device
+            self.arch, self.num_blocks + 1, self.block_size, self.dtype, self.device
         )
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
             layer.kv_cache = cache
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.arch, self.block_size, self.dtype
         )
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            t0 = time.perf_counter()
+            self.graphs = CudaGraphRunner(
+                self.model, min(sc.max_num_seqs, 512), -(-sc.max_model_len // self.block_size),
+                self.block_size, self.num_blocks, self.device)
+            self.graphs.capture()
+            log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs),
+                     time.perf_counter() - t0)
 
     @torch.inference_mode()
     def _profile(self) -> int:
@@ -80,8 +91,14 @@ class ModelRunner:
         if out.empty:
             return RunnerOutput()
         inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device)
-        with forward_context(inp.attn):
-            hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
+        bucket = None
+        if self.graphs is not None and inp.attn.num_decodes == len(inp.req_ids):
+            bucket = self.graphs.bucket(len(inp.req_ids))
+        if bucket is not None:
+            hidden = self.graphs.run(inp, bucket)  # [num_tokens, hidden]
+        else:
+            with forward_context(inp.attn):
+                hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
         for rid in inp.req_ids:
             self.states[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
         sampled: dict[str, int] = {}

@@ -53,3 +53,17 @@ def test_cuda_bf16_profiled_cache(tiny_dir):
     outs = llm.generate([[5, 6, 7]] * 8, SamplingParams(temperature=0.8, max_tokens=32,
                                                         ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+
+
+def test_cuda_graphs_match_eager(tiny_dir):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 319) for _ in range(rng.randint(3, 40))] for _ in range(19)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                enforce_eager=True).generate(prompts, params)
+    llm = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    assert llm.engine.executor.runner.graphs is not None
+    graphs = llm.generate(prompts, params)
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+               for a, b in zip(eager, graphs, strict=True))
+    assert same >= len(prompts) - 1

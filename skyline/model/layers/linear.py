@@ -98,6 +98,14 @@ class Linear(nn.Module):
             raise ConfigError(_shape_error(loaded.shape, dst.shape))
         dst.copy_(loaded)
 
+    def set_linear_method(self, linear_method: LinearMethod) -> None:
+        """Replace the weight layout before loading (quant/ does this; model files never do).
+        Call under the same default device and dtype as the model's construction."""
+        for name in [n for n in self._parameters if n != "bias"]:
+            delattr(self, name)
+        self.linear_method = linear_method
+        linear_method.create_weights(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
 

@@ -1,0 +1,124 @@
+"""The shared shape of a quantized Linear: weights quantized row by row (one output row never
+mixes with another), so a merged projection's shards stay row slices of every tensor.
+
+A `QuantLinearMethod` either loads full-precision weights and quantizes them once loading is
+done (online), or creates the quantized tensors and loads them from a checkpoint written by
+`skyline quantize` (prequantized). Both end with the same parameters, so a saved checkpoint
+reloads bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from skyline.config import ConfigError, QuantConfig
+from skyline.model.layers.linear import Linear, _shape_error
+
+
+def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[rows, cols] -> [rows, ceil(cols / multiple) * multiple], zero-padded on the right."""
+    pad = -w.shape[-1] % multiple
+    return F.pad(w, (0, pad)) if pad else w
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, 2n] uint8 codes < 16 -> [rows, n] bytes: element 2j in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[rows, n] bytes -> [rows, 2n] uint8 codes (inverse of pack_nibbles)."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+class QuantLinearMethod:
+    """Base of the weight formats; subclasses define `param_specs`, `quantize`, `dequantize`."""
+
+    name = ""
+    # Parameters holding one value per checkpoint tensor (stored per row in a merged layer).
+    per_tensor: tuple[str, ...] = ()
+
+    def __init__(self, cfg: QuantConfig) -> None:
+        self.group_size = cfg.group_size
+        self.prequantized = cfg.prequantized
+
+    # -- format: subclasses -------------------------------------------------------------------
+
+    def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of the quantized tensors of a [rows, cols] weight."""
+        raise NotImplementedError
+
+    def quantize(
+        self, w: torch.Tensor, act_sq: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Quantize one checkpoint tensor w [rows, cols]; `act_sq` [cols] is the mean squared
+        input activation per channel from calibration (None: plain round-to-nearest)."""
+        raise NotImplementedError
+
+    def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
+        """The float32 weight [rows, cols] the quantized tensors stand for (the reference)."""
+        raise NotImplementedError
+
+    # -- the LinearMethod interface -----------------------------------------------------------
+
+    def create_weights(self, layer: Linear) -> None:
+        if not self.prequantized:  # load full precision; process_weights_after_loading quantizes
+            weight = torch.empty(layer.out_features, layer.in_features)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            _set_loader(layer.weight, layer, layer.weight_loader)
+            return
+        for name, (shape, dtype) in self.param_specs(layer.out_features, layer.in_features).items():
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            setattr(layer, name, param)
+            loader = _per_tensor_loader(layer) if name in self.per_tensor else layer.weight_loader
+            _set_loader(param, layer, loader)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Online: quantize each checkpoint tensor (shard) of the loaded weight, then drop it."""
+        if self.prequantized:
+            return
+        w = layer.weight.data
+        act_sq = getattr(layer, "act_sq", None)
+        parts = [self.quantize(w.narrow(0, off, size).float(), act_sq)
+                 for off, size in layer.shards.values()]
+        del layer.weight
+        for name in parts[0]:
+            rows = [p[name].expand(size, *p[name].shape[1:]) if name in self.per_tensor else p[name]
+                    for p, (_, size) in zip(parts, layer.shards.values(), strict=True)]
+            tensor = torch.cat(rows).contiguous().to(w.device)
+            setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
+
+    def tensors(self, layer: Linear) -> dict[str, torch.Tensor]:
+        specs = self.param_specs(layer.out_features, layer.in_features)
+        return {name: getattr(layer, name) for name in specs}
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        return self.dequantize(self.tensors(layer), layer.in_features)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        # Reference path: dequantize the whole weight, then one matmul in x's dtype.
+        w = self.dequantized_weight(layer).to(x.dtype)
+        return F.linear(x, w, layer.bias)
+
+
+def _set_loader(param: nn.Parameter, layer: Linear, loader: Any) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]
+
+
+def _per_tensor_loader(layer: Linear) -> Any:
+    """A loader that writes one checkpoint scalar into every row of its shard."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in layer.shards:
+            raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(layer.shards)}")
+        if loaded.numel() != 1:
+            raise ConfigError(_shape_error(loaded.shape, torch.Size([1])))
+        offset, size = layer.shards[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.reshape(1).expand(size))
+
+    return load
