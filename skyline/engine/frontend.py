@@ -14,6 +14,7 @@ from skyline.config import ModelConfig
 from skyline.engine.core import EngineCore
 from skyline.engine.create import EngineArgs, create_engine_config
 from skyline.engine.output import OutputProcessor, child_params
+from skyline.engine.structured import attach_structured_outputs, check_structured
 from skyline.engine.tokenizer import Tokenizer
 from skyline.types import Request, RequestOutput, SamplingParams
 
@@ -40,6 +41,8 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model)
         self.engine = EngineCore(config, max_model_len_auto=auto_len)
         self.config = self.engine.config
+        if self.tokenizer is not None:
+            attach_structured_outputs(self.engine, lambda: self.tokenizer)
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer)
 
@@ -59,6 +62,7 @@ class LLM:
     def add_request(self, prompt: Prompt, params: SamplingParams,
                     request_id: str | None = None) -> str:
         params.validate(self.config.model.arch.vocab_size)
+        check_structured(params)
         text, ids = self.encode(prompt)
         rid = request_id or str(next(self._ids))
         children = self.outputs.add_request(rid, text, ids, params)

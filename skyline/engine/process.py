@@ -78,12 +78,11 @@ def step_output_from_list(v: list[Any]) -> StepOutput:
 
 
 class _HookedExecutor:
-    """Wraps the core's executor: structured-output masks before a step, matcher updates after,
-    and the time each request waited before its first schedule."""
+    """Wraps the core's executor to record the time each request waited before its first
+    schedule (the queue-time metric)."""
 
-    def __init__(self, inner: Any, structured: Any) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.structured = structured
         self.arrivals: dict[str, float] = {}  # request id -> arrival, until first scheduled
         self.queue_times: dict[str, float] = {}  # first scheduled this step: id -> seconds
 
@@ -96,10 +95,7 @@ class _HookedExecutor:
             arrival = self.arrivals.pop(new.request_id, None)
             if arrival is not None:
                 self.queue_times[new.request_id] = now - arrival
-        self.structured.before_step(out)
-        res = self.inner.execute(out)
-        self.structured.after_step(out, res)
-        return res
+        return self.inner.execute(out)
 
 
 class _EngineLoop:
@@ -107,18 +103,11 @@ class _EngineLoop:
         import zmq
 
         from skyline.engine.frontend import load_tokenizer
-        from skyline.engine.structured import StructuredOutputs, make_ll_tokenizer
+        from skyline.engine.structured import attach_structured_outputs
 
         self.core = core
-        cfg = core.config.model
-        eos = cfg.arch.eos_token_ids
-
-        def ll_tokenizer() -> Any:
-            tok = load_tokenizer(cfg)
-            ids = tuple(tok.eos_token_ids) if tok is not None and tok.eos_token_ids else eos
-            return make_ll_tokenizer(tok, cfg.arch.vocab_size, ids)
-
-        self.hooks = _HookedExecutor(core.executor, StructuredOutputs(ll_tokenizer, eos))
+        attach_structured_outputs(core, lambda: load_tokenizer(core.config.model))
+        self.hooks = _HookedExecutor(core.executor)
         core.executor = self.hooks
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)

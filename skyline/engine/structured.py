@@ -152,3 +152,16 @@ class StructuredOutputs:
 
 def _constrained(params: SamplingParams) -> bool:
     return params.json_schema is not None or params.regex is not None or params.grammar is not None
+
+
+def attach_structured_outputs(core: Any, load_tokenizer: Callable[[], Any]) -> None:
+    """Give an EngineCore's scheduler the structured-output hooks; the tokenizer (and
+    llguidance's view of it) is built on the first constrained request."""
+    eos = core.config.model.arch.eos_token_ids
+
+    def ll_tokenizer() -> Any:
+        tok = load_tokenizer()
+        ids = tuple(tok.eos_token_ids) if tok is not None and tok.eos_token_ids else eos
+        return make_ll_tokenizer(tok, core.config.model.arch.vocab_size, ids)
+
+    core.scheduler.structured = StructuredOutputs(ll_tokenizer, eos)

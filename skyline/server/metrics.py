@@ -68,6 +68,15 @@ class _EngineCollector(Collector):
                       s.get("prefix_cache_hit_tokens", 0))
         yield counter("num_preemptions", "Preemptions (requests evicted and recomputed).",
                       s.get("num_preemptions", 0))
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      s.get("spec_num_draft_tokens", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.get("spec_num_accepted_tokens", 0))
+        yield gauge("spec_decode_acceptance_rate", "Accepted over verified draft tokens.",
+                    s.get("spec_acceptance_rate", 0.0))
+        yield gauge("spec_decode_mean_accepted_length",
+                    "Tokens emitted per verification (accepted drafts plus one).",
+                    s.get("spec_mean_accepted_length", 0.0))
 
 
 class Metrics:

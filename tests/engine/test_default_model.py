@@ -34,3 +34,18 @@ def test_stop_string_not_leaked_and_streaming_matches(llm):
                                                                              max_tokens=40))]
     assert "".join(deltas) == text and len(deltas) > 5
     assert not llm.engine.has_unfinished()
+
+
+def test_json_schema_offline(llm):
+    import json
+
+    from skyline.types import SamplingParams as SP
+
+    short = {"type": "string", "maxLength": 24}
+    schema = {"type": "object", "properties": {"city": short, "country": short},
+              "required": ["city", "country"], "additionalProperties": False}
+    prompt = llm.render_chat([{"role": "user", "content": "Give the capital of France and its "
+                               "country as JSON."}])
+    out = llm.generate([prompt], SP(temperature=0.0, max_tokens=60, json_schema=schema))[0]
+    data = json.loads(out.outputs[0].text)  # constrained: always valid, whatever the model
+    assert set(data) == {"city", "country"} and all(isinstance(v, str) for v in data.values())
