@@ -26,6 +26,7 @@ class AttentionMetadata:
     # Sequences [0, num_decodes) have exactly one query token; the rest are prefills/extends.
     num_decodes: int = 0
     seq_lens_tensor: torch.Tensor | None = None  # [num_seqs] int32, on the device
+    query_start_loc_tensor: torch.Tensor | None = None  # [num_seqs + 1] int32, on the device
 
     @property
     def num_seqs(self) -> int:

@@ -120,16 +120,28 @@ def paged_attention(
     scale: float,
     num_decodes: int = 0,
     seq_lens_tensor: torch.Tensor | None = None,
+    query_start_loc_tensor: torch.Tensor | None = None,  # [num_seqs + 1] int32, on q's device
 ) -> torch.Tensor:
-    """paged_attention_ref's contract; decodes run the Triton kernel on CUDA."""
-    if not (num_decodes and q.is_cuda and triton is not None and seq_lens_tensor is not None):
+    """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills."""
+    if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                    num_decodes, seq_lens_tensor)
     out = torch.empty_like(q)
-    out[:num_decodes] = paged_decode_attention(q[:num_decodes], kv_cache,
-                                               block_tables[:num_decodes],
-                                               seq_lens_tensor[:num_decodes], scale)
-    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes)
+    if num_decodes:
+        out[:num_decodes] = paged_decode_attention(q[:num_decodes], kv_cache,
+                                                   block_tables[:num_decodes],
+                                                   seq_lens_tensor[:num_decodes], scale)
+    if len(seq_lens) == num_decodes:
+        return out
+    if query_start_loc_tensor is None:
+        _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes)
+        return out
+    t0 = query_start_loc[num_decodes]
+    max_q = max(query_start_loc[i + 1] - query_start_loc[i]
+                for i in range(num_decodes, len(seq_lens)))
+    out[t0:] = paged_prefill_attention(
+        q[t0:], kv_cache, query_start_loc_tensor[num_decodes:] - t0,
+        seq_lens_tensor[num_decodes:], block_tables[num_decodes:], scale, max_q)
     return out
 
 
@@ -217,5 +229,98 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=64,
         IEEE=q.dtype == torch.float32, num_warps=4,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Triton: paged prefill / extend attention (many query tokens per sequence, causal, over a
+# cached prefix), variable lengths in one launch. Reference: _extend_ref.
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
+        # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        tile = tl.program_id(2)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)
+        kvh = head // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = seq_len - q_len + rows  # [M]
+        d = tl.arange(0, D_PAD)
+        dmask = d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        # keys this tile can see: up to its last query's position (tiles past q_len see none)
+        end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+        end = tl.where(tile * BLOCK_M < q_len, end, 0)
+        start = 0
+        while start < end:
+            pos = start + offs
+            valid = pos < end
+            blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid, other=0)
+            kv_row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
+            s = tl.where(see, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(m - shift)
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+            start += BLOCK_N
+        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences' new tokens back to back
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, into q
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    _, num_heads, head_dim = q.shape
+    _, _, page, kvh, _ = kv_cache.shape
+    out = torch.empty_like(q)
+    k, v = kv_cache[0], kv_cache[1]
+    block_m = 64 if max_query_len >= 64 else 16
+    grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
+    _paged_prefill_kernel[grid](
+        q, k, v, out, block_tables, seq_lens, query_start_loc, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        PAGE=page, BLOCK_M=block_m, BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return out

@@ -61,6 +61,7 @@ class Attention(nn.Module):
                 self.scale,
                 num_decodes=meta.num_decodes,
                 seq_lens_tensor=meta.seq_lens_tensor,
+                query_start_loc_tensor=meta.query_start_loc_tensor,
             )
         return out.flatten(1, 2)
 
