@@ -20,3 +20,5 @@ python3 bench/profile_step.py --model llama-3.1-8b --load-format dummy --batch 6
   --out "$OUT/profile-h200-llama3.1-8b-b64.json" 2>&1 | tail -12
 python3 bench/decode_roofline.py --model llama-3.1-8b --prompt-len 512 --new-tokens 256 \
   --out "$OUT/decode-roofline-h200-llama3.1-8b.json" 2>&1 | grep -E "tok_s|fraction|TBps"
+python3 bench/prefill_mfu.py --model llama-3.1-8b --prompt-len 8192 \
+  --out "$OUT/prefill-mfu-h200-llama3.1-8b.json" 2>&1 | grep -E "ttft|fraction|TFLOP"

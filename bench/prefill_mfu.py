@@ -1,0 +1,81 @@
+"""Prefill of one long prompt against the bf16 matmul peak measured in the same run (H200).
+
+  python bench/prefill_mfu.py --model llama-3.1-8b --prompt-len 8192
+
+Linear-layer FLOPs = 2 * tokens * (non-embedding weight parameters); attention FLOPs are
+reported separately (causal: 2 * 2 * layers * heads * head_dim * tokens^2 / 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from skyline.bench.offline import machine_info, random_prompts
+from skyline.engine.frontend import LLM
+from skyline.types import SamplingParams
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    peak = matmul_peak()
+    llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + 64,
+              max_num_batched_tokens=a.prompt_len, max_num_seqs=4)
+    arch = llm.config.model.arch
+    model = llm.engine.executor.runner.model
+    params = sum(p.numel() for p in model.parameters())
+    if not arch.tie_word_embeddings:
+        params -= arch.vocab_size * arch.hidden_size  # the embedding is a lookup
+    prompt = random_prompts(2, a.prompt_len, arch.vocab_size)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt[0]], one)  # warm-up (kernel compilation)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate([prompt[1]], one)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = a.prompt_len
+    linear_flops = 2 * n * params
+    attn_flops = 2 * arch.num_layers * arch.num_heads * arch.head_dim * n * n  # QK^T + PV, causal
+    res = {
+        "benchmark": "prefill_mfu", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "model": a.model, "dtype": llm.config.model.dtype, "prompt_len": n,
+        "matmul_peak_TFLOPs": peak / 1e12, "ttft_s": dt,
+        "linear_TFLOPs_achieved": linear_flops / dt / 1e12,
+        "linear_fraction_of_peak": linear_flops / dt / peak,
+        "total_fraction_of_peak": (linear_flops + attn_flops) / dt / peak,
+        "machine": machine_info("cuda"),
+    }
+    print(json.dumps(res, indent=1))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
