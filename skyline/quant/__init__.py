@@ -1,0 +1,58 @@
+"""Quantization: one LinearMethod per weight format, given to every Linear by the loader.
+
+Formats: fp8 (W8A8), int8 / int4 (weight-only, group-wise), mxfp4 / nvfp4 (weight-only FP4
+blocks), gguf (a GGUF file's blocks kept packed). Embeddings and the LM head keep the model
+dtype. `skyline quantize` (checkpoint.py) writes a checkpoint that loads without requantizing.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from skyline.config import QuantConfig
+from skyline.model.layers.linear import Linear, LinearMethod
+
+
+def make_linear_method(cfg: QuantConfig) -> LinearMethod | None:
+    """A fresh method for one Linear (methods may keep per-layer state); None for "none"."""
+    if cfg.method == "none":
+        return None
+    if cfg.method == "fp8":
+        from skyline.quant.fp8 import Fp8LinearMethod
+
+        return Fp8LinearMethod(cfg)
+    if cfg.method in ("int8", "int4"):
+        from skyline.quant.intq import IntLinearMethod
+
+        return IntLinearMethod(cfg, bits=int(cfg.method[3:]))
+    if cfg.method == "mxfp4":
+        from skyline.quant.fp4 import Mxfp4LinearMethod
+
+        return Mxfp4LinearMethod(cfg)
+    if cfg.method == "nvfp4":
+        from skyline.quant.fp4 import Nvfp4LinearMethod
+
+        return Nvfp4LinearMethod(cfg)
+    from skyline.quant.gguf import GGUFLinearMethod
+
+    return GGUFLinearMethod()
+
+
+def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
+    """Give every Linear of `model` the method of `cfg` (before loading weights)."""
+    if cfg.method == "none":
+        return
+    for module in model.modules():
+        if isinstance(module, Linear):
+            method = make_linear_method(cfg)
+            assert method is not None
+            module.set_linear_method(method)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Let every Linear's method convert what was loaded (online quantization, packing)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            process = getattr(module.linear_method, "process_weights_after_loading", None)
+            if process is not None:
+                process(module)

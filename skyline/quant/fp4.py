@@ -1,0 +1,133 @@
+"""MXFP4 and NVFP4 weight-only formats: 4-bit E2M1 elements in small blocks with a shared scale.
+
+E2M1 codes: bit 3 is the sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+Encoding rounds to nearest, ties to the even code (round-half-even on the E2M1 grid), and
+saturates at 6. Two codes per byte, element 2j in the low nibble.
+
+- MXFP4 (OCP Microscaling v1.0): blocks of 32, one E8M0 scale per block (a power of two,
+  2^(e - 127), e = 255 is NaN) chosen as 2^(floor(log2(amax)) - 2), 2 being E2M1's largest
+  exponent; values above 6 x scale then saturate to 6, as the spec prescribes.
+- NVFP4: blocks of 16, an E4M3 scale per block and one float32 scale per tensor:
+  w = e2m1 * e4m3_block_scale * tensor_scale, tensor_scale = amax(|W|) / (6 * 448), so the
+  largest block scale uses E4M3's full range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skyline.quant.base import QuantLinearMethod, pack_nibbles, pad_cols, unpack_nibbles
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes; a tie rounds to the even code, i.e. up when the
+# upper code is even.
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIE_UP = (False, True, False, True, False, True, False)
+E4M3_MAX = 448.0
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float tensor -> uint8 E2M1 codes (0..15), round-half-even, saturating at +-6."""
+    mag = x.abs().float()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for mid, up in zip(_MIDPOINTS, _TIE_UP, strict=True):
+        code += (mag >= mid if up else mag > mid).to(torch.uint8)
+    return code | ((x < 0).to(torch.uint8) << 3)
+
+
+def decode_e2m1(code: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes -> float32 values. Arithmetic, not a table lookup, so it creates no
+    tensor from Python values (CUDA-graph capturable)."""
+    c = code.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).float()) * (1.0 + m * 0.5))
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 exponents -> float32 2^(e - 127) (255 -> NaN)."""
+    v = torch.exp2(e.float() - 127.0)
+    return torch.where(e == 255, torch.full_like(v, float("nan")), v)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, K] -> (packed codes uint8 [R, Kp / 2], E8M0 scales uint8 [R, Kp / 32])."""
+    rows = w.shape[0]
+    wb = pad_cols(w.float(), 32).reshape(rows, -1, 32)  # [R, B, 32]
+    amax = wb.abs().amax(-1)  # [R, B]
+    # floor(log2(amax)) read off the float32 exponent bits, exact for every normal amax.
+    exp = torch.frexp(amax)[1].to(torch.int32) - 1  # amax = m * 2^e, m in [0.5, 1)
+    exp = torch.where(amax > 0, exp - 2, torch.full_like(exp, -127)).clamp(-127, 127)
+    scale = torch.exp2(exp.float()).unsqueeze(-1)
+    codes = encode_e2m1(wb / scale).reshape(rows, -1)
+    return pack_nibbles(codes), (exp + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_mxfp4: float32 [R, Kp]."""
+    rows = packed.shape[0]
+    vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 32)
+    return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(rows, -1)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, K] -> (packed codes uint8 [R, Kp / 2], E4M3 block scales [R, Kp / 16],
+    float32 tensor scale [1])."""
+    rows = w.shape[0]
+    wb = pad_cols(w.float(), 16).reshape(rows, -1, 16)  # [R, B, 16]
+    amax = w.float().abs().amax()
+    tensor_scale = amax / (6.0 * E4M3_MAX) if amax > 0 else torch.ones((), device=w.device)
+    block = (wb.abs().amax(-1) / 6.0 / tensor_scale).clamp(max=E4M3_MAX)
+    block_q = block.to(torch.float8_e4m3fn)  # round-to-nearest-even
+    step = block_q.float() * tensor_scale  # [R, B]: the value of E2M1 1.0 in this block
+    safe = torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(-1)
+    codes = torch.where(step.unsqueeze(-1) > 0, encode_e2m1(wb / safe), 0).to(torch.uint8)
+    return pack_nibbles(codes.reshape(rows, -1)), block_q, tensor_scale.reshape(1).float()
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
+) -> torch.Tensor:
+    """Inverse of quantize_nvfp4: float32 [R, Kp]; tensor_scale is [1] or per row [R]."""
+    rows = packed.shape[0]
+    vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 16)
+    step = scales.float() * tensor_scale.float().reshape(-1, 1)  # [R, B]
+    return (vals * step.unsqueeze(-1)).reshape(rows, -1)
+
+
+class Mxfp4LinearMethod(QuantLinearMethod):
+    name = "mxfp4"
+
+    def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        blocks = -(-cols // 32)
+        return {"qweight": ((rows, blocks * 16), torch.uint8),
+                "scales": ((rows, blocks), torch.uint8)}
+
+    def quantize(
+        self, w: torch.Tensor, act_sq: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        packed, scales = quantize_mxfp4(w)
+        return {"qweight": packed, "scales": scales}
+
+    def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
+        return dequantize_mxfp4(q["qweight"], q["scales"])[:, :cols]
+
+
+class Nvfp4LinearMethod(QuantLinearMethod):
+    name = "nvfp4"
+    per_tensor = ("tensor_scale",)
+
+    def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        blocks = -(-cols // 16)
+        return {"qweight": ((rows, blocks * 8), torch.uint8),
+                "scales": ((rows, blocks), torch.float8_e4m3fn),
+                "tensor_scale": ((rows,), torch.float32)}
+
+    def quantize(
+        self, w: torch.Tensor, act_sq: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        packed, scales, tensor_scale = quantize_nvfp4(w)
+        return {"qweight": packed, "scales": scales, "tensor_scale": tensor_scale}
+
+    def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
+        return dequantize_nvfp4(q["qweight"], q["scales"], q["tensor_scale"])[:, :cols]

@@ -1,0 +1,89 @@
+"""INT8 and INT4 weight-only quantization, group-wise asymmetric (ops/int_matmul.py layout).
+
+Each group of `group_size` input elements of a row gets a float32 scale and an integer zero
+point, so q = clamp(round(w / scale) + zero, 0, 2^bits - 1) and w ~ (q - zero) * scale; the
+range always includes 0, so zero padding dequantizes to exactly 0. With calibration
+statistics, each group's range is clipped to the ratio that minimises the activation-weighted
+error sum_k E[x_k^2] (w_k - w'_k)^2: an outlier weight on a quiet input channel is not worth
+coarsening the whole group for (AWQ/GPTQ-style clip search).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skyline.model.layers.linear import Linear
+from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
+from skyline.quant.base import QuantLinearMethod, pad_cols
+
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
+
+
+def quantize_groups(
+    w: torch.Tensor, bits: int, group: int, importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, K] float -> (codes uint8 [R, Kp], scales float32 [R, G], zeros uint8 [R, G])."""
+    qmax = 2**bits - 1
+    wg = pad_cols(w.float(), group).reshape(w.shape[0], -1, group)  # [R, G, group]
+    hi, lo = wg.amax(-1).clamp(min=0), wg.amin(-1).clamp(max=0)  # [R, G]
+    ratios = CLIP_RATIOS if importance is not None else (1.0,)
+    if importance is not None:
+        imp = pad_cols(importance.float().reshape(1, -1), group).reshape(1, -1, group)
+    best = None
+    for r in ratios:
+        scale = (hi - lo) * r / qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = torch.round(-lo * r / scale).clamp(0, qmax)
+        q = (torch.round(wg / scale.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, qmax)
+        if best is None:
+            best = (q, scale, zero)
+            if importance is None:
+                break
+            err_best = ((q - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - wg).square()
+            err_best = (err_best * imp).sum(-1)
+            continue
+        err = (((q - zero.unsqueeze(-1)) * scale.unsqueeze(-1) - wg).square() * imp).sum(-1)
+        take = err < err_best  # [R, G]
+        err_best = torch.where(take, err, err_best)
+        best = (torch.where(take.unsqueeze(-1), q, best[0]), torch.where(take, scale, best[1]),
+                torch.where(take, zero, best[2]))
+    q, scale, zero = best
+    return (q.reshape(w.shape[0], -1).to(torch.uint8), scale.float(), zero.to(torch.uint8))
+
+
+class IntLinearMethod(QuantLinearMethod):
+    """Weight-only INT8 or INT4 (two codes per byte)."""
+
+    def __init__(self, cfg, bits: int) -> None:
+        super().__init__(cfg)
+        self.bits = bits
+        self.name = f"int{bits}"
+
+    def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        num_groups = -(-cols // self.group_size)
+        packed = num_groups * self.group_size * self.bits // 8
+        return {
+            "qweight": ((rows, packed), torch.uint8),
+            "scales": ((rows, num_groups), torch.float32),
+            "zeros": ((rows, num_groups), torch.uint8),
+        }
+
+    def quantize(
+        self, w: torch.Tensor, act_sq: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        codes, scales, zeros = quantize_groups(w, self.bits, self.group_size, act_sq)
+        if self.bits == 4:
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return {"qweight": codes, "scales": scales, "zeros": zeros}
+
+    def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
+        w = dequantize_int_ref(q["qweight"], q["scales"], q["zeros"], self.bits, self.group_size)
+        return w[:, :cols]
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        args = (layer.qweight, layer.scales, layer.zeros, self.bits, self.group_size)
+        if x.is_cuda:
+            y = int_matmul_triton(x, *args)
+        else:
+            y = int_matmul_ref(x, *args)
+        return y if layer.bias is None else y + layer.bias
