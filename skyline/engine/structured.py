@@ -24,6 +24,8 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 def grammar_for(params: SamplingParams) -> str | None:
     """The llguidance grammar (JSON text) a request's output must match, or None."""
+    if not _constrained(params):
+        return None
     import llguidance
 
     if params.json_schema is not None:
@@ -45,11 +47,11 @@ def grammar_for(params: SamplingParams) -> str | None:
 
 def check_structured(params: SamplingParams) -> None:
     """Raise ValueError with one sentence if the request's schema or grammar is unusable."""
-    import llguidance
-
     grammar = grammar_for(params)
     if grammar is None:
         return
+    import llguidance
+
     try:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     except Exception as e:  # llguidance raises on grammars it cannot even parse

@@ -46,7 +46,7 @@ def _int_matmul_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
     M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
     GROUP: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,7 +74,10 @@ def _int_matmul_kernel(
         s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
         z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
         w = (q.to(tl.float32) - z[None, :]) * s[None, :]
-        acc += tl.dot(x, w.to(x.dtype))
+        if IEEE:  # fp32 activations: exact fp32, not the tensor cores' tf32
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
         k0 += BLOCK_K
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y,
@@ -97,5 +100,6 @@ def int_matmul_triton(
         x2, qweight, scales, zeros, y, m, n, k,
         x2.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
         GROUP=group, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x2.dtype == torch.float32,
     )
     return y.reshape(*lead, n)

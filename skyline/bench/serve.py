@@ -1,0 +1,278 @@
+"""`skyline bench serve`: a streaming load generator for any OpenAI-compatible endpoint.
+
+Load is fixed concurrency (N users, each sending its next request when the last one ends),
+Poisson arrivals at a request rate, or both (arrivals capped at N in flight). A run ends after
+`num_requests` requests or `duration` seconds, whichever comes first (requests in flight finish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from skyline.bench.metrics import RequestResult, format_table, summarize
+from skyline.bench.workloads import Conversation, Turn, WorkloadSpec, iter_conversations
+
+# Workloads whose prompts are made token-exact on the completions endpoint.
+_EXACT = ("random", "long-context")
+
+
+@dataclass
+class LoadSpec:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = None  # None: the first id of /v1/models
+    endpoint: str = "completions"  # completions | chat
+    concurrency: int | None = None
+    request_rate: float | None = None  # requests (conversations) per second, Poisson
+    num_requests: int | None = 100
+    duration: float | None = None  # seconds
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    api_key: str | None = None
+    timeout: float = 6 * 3600.0
+    warmup: int = 1
+    seed: int = 0
+    progress: bool = True
+
+
+class _Client:
+    def __init__(self, load: LoadSpec, session: aiohttp.ClientSession) -> None:
+        self.load, self.session = load, session
+        self.url = load.base_url.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if load.api_key:
+            self.headers["Authorization"] = f"Bearer {load.api_key}"
+        self.model = load.model or ""
+        self.token_ids_ok = False
+
+    async def resolve_model(self) -> None:
+        if self.model:
+            return
+        async with self.session.get(f"{self.url}/models", headers=self.headers) as r:
+            if r.status != 200:
+                raise ConnectionError(f"GET {self.url}/models answered {r.status}; pass --model")
+            self.model = (await r.json())["data"][0]["id"]
+
+    async def tokenize(self, text: str) -> list[int] | None:
+        """Token ids from the server's /tokenize (vLLM, skyline), or None if it has none."""
+        root = self.url[:-3] if self.url.endswith("/v1") else self.url
+        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        try:
+            async with self.session.post(f"{root}/tokenize", json=body,
+                                         headers=self.headers) as r:
+                return (await r.json())["tokens"] if r.status == 200 else None
+        except (aiohttp.ClientError, KeyError, ValueError):
+            return None
+
+    async def probe_token_ids(self, text: str) -> None:
+        """Whether the completions endpoint takes token-id prompts (then prompts are exact)."""
+        ids = await self.tokenize(text) if self.load.endpoint == "completions" else None
+        if ids:
+            res = await self.send(Conversation([Turn(ids[:8], 1, 8)]), 0, [], 0.0)
+            self.token_ids_ok = res.success
+
+    async def exact(self, turn: Turn) -> Turn:
+        """The turn with a prompt of exactly input_len token ids, when the server allows."""
+        if not self.token_ids_ok or isinstance(turn.prompt, list):
+            return turn
+        ids = await self.tokenize(turn.prompt)
+        if not ids:
+            return turn
+        ids = (ids * (turn.input_len // len(ids) + 1))[: turn.input_len]
+        return Turn(ids, turn.max_tokens, turn.input_len)
+
+    def body(self, conv: Conversation, turn_idx: int, replies: list[str]) -> tuple[str, dict]:
+        turn = conv.turns[turn_idx]
+        body: dict[str, Any] = {
+            "model": self.model, "max_tokens": turn.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": self.load.temperature,
+        }
+        if self.load.ignore_eos:
+            body["ignore_eos"] = True  # vLLM/skyline extension: exact output lengths
+            body["min_tokens"] = turn.max_tokens
+        if self.load.endpoint == "chat":
+            msgs = list(conv.messages or [])
+            if not msgs:
+                if conv.system:
+                    msgs.append({"role": "system", "content": conv.system})
+                for t, reply in zip(conv.turns[:turn_idx], replies, strict=True):
+                    msgs += [{"role": "user", "content": _text(t.prompt)},
+                             {"role": "assistant", "content": reply}]
+                msgs.append({"role": "user", "content": _text(turn.prompt)})
+            body["messages"] = msgs
+            return f"{self.url}/chat/completions", body
+        if isinstance(turn.prompt, list) and turn_idx == 0 and not conv.system:
+            body["prompt"] = turn.prompt
+        else:
+            parts = [conv.system + "\n\n"] if conv.system else []
+            for t, reply in zip(conv.turns[:turn_idx], replies, strict=True):
+                parts.append(f"User: {_text(t.prompt)}\nAssistant: {reply}\n")
+            parts.append(f"User: {_text(turn.prompt)}\nAssistant:" if len(conv.turns) > 1
+                         else _text(turn.prompt))
+            body["prompt"] = "".join(parts)
+        return f"{self.url}/completions", body
+
+    async def send(self, conv: Conversation, turn_idx: int, replies: list[str],
+                   t_bench: float) -> RequestResult:
+        """One streamed request; the reply text is appended to `replies`."""
+        url, body = self.body(conv, turn_idx, replies)
+        res = RequestResult(input_len=conv.turns[turn_idx].input_len)
+        chunks: list[str] = []
+        usage: dict[str, Any] | None = None
+        t0 = time.perf_counter()
+        res.start = t0 - t_bench
+        last = t0
+        try:
+            async with self.session.post(url, json=body, headers=self.headers) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                async for raw in r.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    msg = json.loads(data)
+                    if "error" in msg:
+                        raise RuntimeError(str(msg["error"])[:200])
+                    usage = msg.get("usage") or usage
+                    for c in msg.get("choices") or []:
+                        text = c.get("text") if "text" in c else (c.get("delta") or {}).get(
+                            "content")
+                        if text:
+                            now = time.perf_counter()
+                            if not chunks:
+                                res.ttft = now - t0
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                            chunks.append(text)
+            res.e2e = time.perf_counter() - t0
+            res.output_len = usage["completion_tokens"] if usage else len(chunks)
+            if usage and usage.get("prompt_tokens"):
+                res.input_len = usage["prompt_tokens"]
+        except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
+            res.success, res.error = False, f"{type(e).__name__}: {e}"[:300]
+            res.e2e = time.perf_counter() - t0
+        replies.append("".join(chunks))
+        return res
+
+
+def _text(prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+
+
+async def _run(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult], float,
+                                                                 bool, str]:
+    convs = iter_conversations(workload)
+    timeout = aiohttp.ClientTimeout(total=load.timeout)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        client = _Client(load, session)
+        await client.resolve_model()
+        if workload.name in _EXACT:
+            await client.probe_token_ids("The quick brown fox jumps over the lazy dog today.")
+        for _ in range(load.warmup):
+            warm = next(iter_conversations(dataclasses.replace(workload, seed=-1)))
+            turn = Turn(warm.turns[0].prompt, min(4, warm.turns[0].max_tokens), 0)
+            r = await client.send(dataclasses.replace(warm, turns=[turn]), 0, [], 0.0)
+            if not r.success:
+                raise ConnectionError(f"the warm-up request failed ({r.error})")
+        results: list[RequestResult] = []
+        bar = tqdm(total=load.num_requests, desc="requests", disable=not load.progress,
+                   unit="req")
+        sem = asyncio.Semaphore(load.concurrency) if load.concurrency else None
+        rng = random.Random(load.seed)
+        launched = 0
+        t_bench = time.perf_counter()
+        deadline = t_bench + load.duration if load.duration else float("inf")
+
+        def budget_left() -> bool:
+            return ((load.num_requests is None or launched < load.num_requests)
+                    and time.perf_counter() < deadline)
+
+        async def converse(conv: Conversation) -> None:
+            nonlocal launched
+            replies: list[str] = []
+            try:
+                for i in range(len(conv.turns)):
+                    if not budget_left():
+                        return
+                    launched += 1
+                    if workload.name in _EXACT:
+                        conv.turns[i] = await client.exact(conv.turns[i])
+                    results.append(await client.send(conv, i, replies, t_bench))
+                    bar.update(1)
+            finally:
+                if sem is not None:
+                    sem.release()
+
+        tasks: set[asyncio.Task] = set()
+        while budget_left():
+            if load.request_rate:
+                await asyncio.sleep(rng.expovariate(load.request_rate))
+            if sem is not None:
+                await sem.acquire()
+            if not budget_left():
+                if sem is not None:
+                    sem.release()
+                break
+            task = asyncio.create_task(converse(next(convs)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            if sem is None and not load.request_rate:
+                await asyncio.sleep(0)  # unbounded burst: everything at once
+        while tasks:
+            await asyncio.gather(*list(tasks))
+        duration = time.perf_counter() - t_bench
+        bar.close()
+        return results, duration, client.token_ids_ok, client.model
+
+
+def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, float] | None = None,
+                    output: str | None = None, print_table: bool = True) -> dict[str, Any]:
+    """Run the load, print a table, optionally write JSON; returns the result dict."""
+    if load.endpoint not in ("completions", "chat"):
+        raise ValueError("--endpoint must be completions or chat")
+    if load.num_requests is None and load.duration is None:
+        raise ValueError("give --num-requests or --duration to bound the run")
+    if load.concurrency is not None and load.concurrency < 1:
+        raise ValueError("--concurrency must be at least 1")
+    next(iter_conversations(workload))  # argument errors before any network traffic
+    try:
+        results, duration, exact, model = asyncio.run(_run(load, workload))
+    except (aiohttp.ClientError, OSError) as e:
+        raise ValueError(f"cannot reach {load.base_url} ({e}); is the server running?") from None
+    summary = summarize(results, duration, slos)
+    out = {
+        "benchmark": "serve",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "base_url": load.base_url, "model": model, "endpoint": load.endpoint,
+        "load": {k: v for k, v in dataclasses.asdict(load).items() if k != "api_key"},
+        "workload": dataclasses.asdict(workload),
+        "token_exact_prompts": exact,
+        "summary": summary,
+        "requests": [{"start": r.start, "input_len": r.input_len, "output_len": r.output_len,
+                      "ttft": r.ttft, "e2e": r.e2e, "success": r.success, "error": r.error}
+                     for r in results],
+    }
+    if print_table:
+        print(format_table(summary))
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w") as f:
+            json.dump(out, f, indent=1)
+        if print_table:
+            print(f"wrote {output}")
+    return out
