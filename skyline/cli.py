@@ -1,4 +1,4 @@
-"""The one argparse: `skyline serve | generate | chat | bench ...`."""
+"""The one argparse: `skyline serve | generate | chat | bench | frontier ...`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=128,
                    help="int8/int4: input elements per scale")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    g.add_argument("--speculative-method", default="none", choices=["none", "ngram", "suffix"],
+                   help="speculative decoding: ngram (prompt lookup) or suffix (the request "
+                        "and recent traffic)")
+    g.add_argument("--num-speculative-tokens", type=int, default=5,
+                   help="most draft tokens verified per request and step")
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram match proposed")
+    g.add_argument("--ngram-max", type=int, default=5, help="longest n-gram match tried")
+    g.add_argument("--speculative-max-batch-tokens", type=int, default=None,
+                   help="no speculation in steps with more tokens than this (default: 16 on "
+                        "CPU, 256 on GPU)")
 
 
 def engine_args(ns: argparse.Namespace, **extra: Any) -> EngineArgs:
@@ -118,6 +128,106 @@ def _cmd_bench_offline(ns: argparse.Namespace) -> None:
     run_offline(engine_args(ns), ns.num_prompts, ns.input_len, ns.output_len, ns.output)
 
 
+def add_load_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """Workload and load flags of `skyline bench serve` and `skyline frontier`."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="random",
+                   choices=["random", "shared-prefix", "multi-turn", "code-edit",
+                            "long-context", "file"])
+    g.add_argument("--input-len", default="128", help="prompt tokens: N or LO:HI")
+    g.add_argument("--output-len", default="64", help="generated tokens: N or LO:HI")
+    g.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix workload")
+    g.add_argument("--num-turns", type=int, default=3, help="multi-turn workload")
+    g.add_argument("--dataset", default=None, help="file workload: JSONL of {prompt|messages}")
+    g = p.add_argument_group("load")
+    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    if sweep:
+        g.add_argument("--concurrency", default="1,4", help="load levels, e.g. 1,8,32")
+    else:
+        g.add_argument("--concurrency", type=int, default=None, help="requests in flight")
+        g.add_argument("--request-rate", type=float, default=None,
+                       help="Poisson arrivals per second (with --concurrency: a cap)")
+    g.add_argument("--num-requests", type=int, default=None, help="default: 100 unless "
+                   "--duration is given")
+    g.add_argument("--duration", type=float, default=None, help="seconds")
+    g.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
+                   help="latency objectives, e.g. ttft:500 tpot:50")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (output lengths are then not exact)")
+    g.add_argument("--bench-seed", type=int, default=0)
+
+
+def load_specs(ns: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
+    from skyline.bench.metrics import parse_goodput
+    from skyline.bench.serve import LoadSpec
+    from skyline.bench.workloads import WorkloadSpec
+
+    workload = WorkloadSpec(ns.workload, ns.input_len, ns.output_len, ns.system_prompt_len,
+                            ns.num_turns, ns.dataset, ns.bench_seed)
+    num = ns.num_requests if ns.num_requests is not None or ns.duration else 100
+    load = LoadSpec(endpoint=ns.endpoint, num_requests=num, duration=ns.duration,
+                    ignore_eos=ns.ignore_eos, seed=ns.bench_seed)
+    return load, workload, parse_goodput(ns.goodput)
+
+
+def _cmd_bench_serve(ns: argparse.Namespace) -> None:
+    import dataclasses as dc
+    import os
+
+    from skyline.bench.serve import run_serve_bench
+
+    load, workload, slos = load_specs(ns)
+    load = dc.replace(load, base_url=ns.base_url, model=ns.model, concurrency=ns.concurrency,
+                      request_rate=ns.request_rate, temperature=ns.temperature,
+                      api_key=ns.api_key or os.environ.get("OPENAI_API_KEY"),
+                      progress=not ns.no_progress)
+    run_serve_bench(load, workload, slos, ns.output)
+
+
+def _cmd_frontier(ns: argparse.Namespace) -> None:
+    from skyline.bench.frontier import FrontierSpec, run_frontier
+
+    load, workload, slos = load_specs(ns)
+    parser = build_parser()
+
+    def parse_flags(flags: list[str]) -> EngineArgs:
+        import contextlib
+        import io
+
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                return engine_args(parser.parse_args(["serve", *flags]))
+        except SystemExit:
+            raise ConfigError(f"skyline serve does not accept {' '.join(flags)}; check "
+                              "--grid and --base-flags against 'skyline serve --help'") from None
+
+    spec = FrontierSpec(grid=ns.grid or [], base_flags=ns.base_flags, concurrency=ns.concurrency,
+                        output_dir=ns.output_dir, quality=ns.quality,
+                        reference_flags=ns.reference_flags, calib_tokens=ns.calib_tokens,
+                        num_gpus=ns.num_gpus, percentile=ns.percentile,
+                        startup_timeout=ns.startup_timeout)
+    run_frontier(spec, load, workload, slos, parse_flags, dry_run=ns.dry_run)
+
+
+def _cmd_quantize(ns: argparse.Namespace) -> None:
+    from skyline.engine.create import create_engine_config
+    from skyline.quant.checkpoint import quantize_checkpoint
+
+    text = None
+    if ns.calib_file is not None:
+        try:
+            with open(ns.calib_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            msg = f"cannot read {ns.calib_file} ({e}); pass a UTF-8 text file"
+            raise ConfigError(msg) from None
+    cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
+                                             quantization="none"))
+    meta = quantize_checkpoint(cfg.model, ns.format, ns.out, ns.group_size, calib_text=text,
+                               calib_tokens=ns.calib_tokens)
+    print(f"wrote {ns.out} ({meta['format']}, calibration: {meta['calibration']['source']})")
+
+
 def _cmd_serve(ns: argparse.Namespace) -> None:
     import os
 
@@ -182,6 +292,44 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default=None, help="JSON file for the results")
     add_engine_args(b)
     b.set_defaults(func=_cmd_bench_offline)
+    b = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    b.add_argument("--model", default=None, help="model name (default: the server's first)")
+    b.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--output", default=None, help="JSON file for the results")
+    b.add_argument("--no-progress", action="store_true")
+    add_load_args(b)
+    b.set_defaults(func=_cmd_bench_serve)
+
+    p = sub.add_parser("frontier", help="sweep engine settings x load levels; Pareto report")
+    p.add_argument("--grid", action="append", metavar="FLAG=V1,V2",
+                   help="a serve flag and its values, e.g. max_num_seqs=8,32 (repeatable; "
+                        "true/false for switches)")
+    p.add_argument("--base-flags", default="", help="serve flags every setting shares")
+    p.add_argument("--output-dir", default="bench/results/frontier")
+    p.add_argument("--dry-run", action="store_true", help="list the points and a time estimate")
+    p.add_argument("--no-quality", dest="quality", action="store_false",
+                   help="skip KL / top-1 agreement against the reference")
+    p.add_argument("--reference-flags", default="--quantization none",
+                   help="flags (over --base-flags) of the quality reference")
+    p.add_argument("--calib-tokens", type=int, default=512, help="tokens of calibration text")
+    p.add_argument("--num-gpus", type=int, default=1, help="devices a setting uses")
+    p.add_argument("--percentile", default="median", choices=["median", "p90", "p99"],
+                   help="latency percentile of the per-user axes")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_load_args(p, sweep=True)
+    p.set_defaults(func=_cmd_frontier)
+
+    p = sub.add_parser("quantize", help="write a quantized safetensors checkpoint")
+    p.add_argument("model_path", metavar="MODEL", help="HF model directory or .gguf file")
+    p.add_argument("--format", required=True, choices=["fp8", "int8", "int4", "mxfp4", "nvfp4"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size")
+    p.add_argument("--calib-file", default=None,
+                   help="calibration text file (default: a built-in public-domain text)")
+    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.set_defaults(func=_cmd_quantize)
     return parser
 
 

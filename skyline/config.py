@@ -122,6 +122,45 @@ class SchedulerConfig:
     max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)
 
 
+SPEC_METHODS = ("none", "ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (skyline/spec/): proposers guess up to `num_speculative_tokens`
+    tokens per request, the target verifies them in one pass. `max_batch_tokens`: steps whose
+    batch (before drafts) exceeds this many tokens are compute-bound and do not speculate."""
+
+    method: str = "none"  # one of SPEC_METHODS
+    num_speculative_tokens: int = 5
+    ngram_min: int = 2  # shortest suffix match that yields a proposal
+    ngram_max: int = 5  # longest suffix match tried (first)
+    max_batch_tokens: int = 16
+    # Cost of one verified draft token relative to a decode step: a draft is verified only
+    # while its chance of acceptance exceeds this (sched/spec.py).
+    draft_cost: float = 0.3
+    suffix_traffic_tokens: int = 1 << 18  # suffix: tokens of recent requests kept indexed
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(
+                f"--speculative-method must be one of {', '.join(SPEC_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ConfigError("--num-speculative-tokens must be between 1 and 64")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ConfigError("the n-gram sizes must satisfy 1 <= ngram_min <= ngram_max <= 64")
+        if self.max_batch_tokens < 1:
+            raise ConfigError("the speculation batch-token limit must be at least 1")
+        if not 0 <= self.draft_cost < 1:
+            raise ConfigError(f"draft_cost must be in [0, 1), got {self.draft_cost}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -129,6 +168,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False  # CUDA: no CUDA graphs (debugging, profiling)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         c, s = self.cache, self.scheduler

@@ -160,6 +160,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int  # tokens in the KV cache before this step
+    # Blocks dropped from the tail of its table since it last ran (slots of rejected draft
+    # tokens); the runner drops them before appending `new_block_ids`.
+    num_freed_blocks: int = 0
 
 
 @dataclass
@@ -173,6 +176,9 @@ class SchedulerOutput:
     # Structured output: req id -> allowed-token bitmask for the token sampled this step
     # (little-endian int32 words, bit i of word j allows token 32 * j + i).
     token_masks: dict[str, bytes] = field(default_factory=dict)
+    # Speculative decoding: req id -> draft tokens to verify. Such a request is scheduled
+    # 1 + len(drafts) tokens: its last sampled token, then the drafts.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -198,6 +204,9 @@ class RunnerOutput:
     # One list per request in req_ids; empty while a prompt is still being prefilled in chunks.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    # Speculative decoding: per request in req_ids, drafts proposed to follow its new tokens.
+    # With drafts verified this step, sampled_token_ids holds the accepted drafts then one more.
+    draft_token_ids: list[list[int]] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------------------

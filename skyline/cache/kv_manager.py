@@ -148,6 +148,20 @@ class KVCacheManager:
             self.block_pool.cache_full_block(held[i], hashes[i])
         self._num_cached[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the request's tail blocks beyond those that hold its first `num_tokens` token
+        slots (slots of rejected draft tokens). Returns how many blocks were freed. The freed
+        blocks were never full and computed, so none of them is in the prefix cache."""
+        held = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not held or len(held) <= keep:
+            return 0
+        tail = held[keep:]
+        del held[keep:]
+        assert self._num_cached.get(request.request_id, 0) <= keep
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Release all the request's blocks (finished, aborted or preempted). Idempotent."""
         rid = request.request_id

@@ -29,7 +29,8 @@ class EngineCore:
             model = dataclasses.replace(config.model, max_model_len=capacity)
             config = dataclasses.replace(config, scheduler=sched, model=model)
         self.config = config
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
+                                   config.spec)
 
     @property
     def max_model_len(self) -> int:

@@ -13,6 +13,7 @@ from skyline.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpecConfig,
     parse_size,
 )
 from skyline.configs import dummy_config_dir
@@ -44,6 +45,11 @@ class EngineArgs:
     quantization: str | None = None  # None: the checkpoint's own format (see quant/resolve.py)
     quant_group_size: int = 128
     enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
+    speculative_method: str = "none"  # none | ngram | suffix
+    num_speculative_tokens: int = 5
+    ngram_min: int = 2
+    ngram_max: int = 5
+    speculative_max_batch_tokens: int | None = None  # None: auto (by device)
 
 
 _DTYPE_ALIASES = {
@@ -118,5 +124,15 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     )
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
+    spec = SpecConfig(
+        method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        # Where a step stops being memory-bound, and what one more query token costs: a GPU
+        # decode step barely notices a few; on a CPU each costs about a third of a step.
+        max_batch_tokens=args.speculative_max_batch_tokens or (256 if on_gpu else 16),
+        draft_cost=0.1 if on_gpu else 0.35,
+    )
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
-                        enforce_eager=args.enforce_eager), auto_len
+                        enforce_eager=args.enforce_eager, spec=spec), auto_len

@@ -121,6 +121,13 @@ class LLM:
         finally:
             self.abort(rid)
 
+    def score(self, prompt: Prompt, window: int = 512) -> list[Any]:
+        """Next-token log-probs at every position of the prompt (teacher forcing), scored in
+        independent windows of `window` tokens: a list of [window_len, vocab] float32 tensors."""
+        _, ids = self.encode(prompt)
+        return [self.engine.executor.score(ids[s : s + window])
+                for s in range(0, len(ids), window)]
+
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")

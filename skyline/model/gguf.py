@@ -203,9 +203,12 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def iter_gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    path: str, arch: ModelArch, packed: bool = False
+) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 CPU tensor shaped as HF has it) for every weight of the GGUF file;
-    one tensor in memory at a time. A tied model yields no lm_head.weight."""
+    one tensor in memory at a time. A tied model yields no lm_head.weight. With `packed`,
+    Linear weights (`*_proj.weight`) come as stored, as quant.gguf.PackedGGUF raw blocks."""
     r = open_gguf(path)
     gguf_arch = gguf_value(r, "general.architecture")
     permuted = gguf_arch in PERMUTED_QK
@@ -221,9 +224,16 @@ def iter_gguf_weights(path: str, arch: ModelArch) -> Iterator[tuple[str, torch.T
         with warnings.catch_warnings():  # the memory map is read-only; it is only read
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(t.data)
-        w = dequantize_ref(raw, t.tensor_type)  # [rows, cols] = HF [out, in]
+        keep = packed and name.endswith("_proj.weight")
+        # [rows, bytes] as stored (row permutation below works on it alike), or [rows, cols]
+        w = raw.contiguous().view(torch.uint8) if keep else dequantize_ref(raw, t.tensor_type)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_qk(w, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, arch.num_kv_heads)
+        if keep:
+            from skyline.quant.gguf import PackedGGUF
+
+            _, block, size = GGML_TYPES[int(t.tensor_type)]
+            w = PackedGGUF(w, int(t.tensor_type), w.shape[-1] // size * block)
         yield name, w

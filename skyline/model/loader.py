@@ -17,6 +17,7 @@ from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import rope_type_of
 from skyline.model.registry import get_model_class
+from skyline.quant import attach_quant_methods, finish_loading
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,6 +120,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
     try:
         with device:
             model = model_cls(cfg.arch)
+            attach_quant_methods(model, cfg.quant)  # Linear layouts of the quantized format
     finally:
         torch.set_default_dtype(prev_dtype)
     model.requires_grad_(False)
@@ -131,11 +133,13 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
-            model.load_weights(iter_gguf_weights(cfg.path, cfg.arch))
+            packed = cfg.quant.method == "gguf"
+            model.load_weights(iter_gguf_weights(cfg.path, cfg.arch, packed=packed))
         else:
             raise ConfigError(
                 f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"
             )
+        finish_loading(model)  # online quantization once every shard is loaded
     return model
 
 

@@ -5,6 +5,12 @@ decode costs one token, an unfinished prefill its next chunk), then on waiting r
 come first served. A request is only "computed" up to `num_computed_tokens`, advanced at schedule
 time; `update` appends the sampled tokens and decides who finished.
 
+Speculative decoding: a decoding request with drafts from the runner is scheduled 1 + k tokens
+(k from `sched/spec.py`, within the budget, the context and max_tokens) and its blocks cover them.
+`update` appends the accepted drafts and the target's token, checking stops token by token, and
+rolls `num_computed_tokens` back by the rejected drafts; blocks holding only rejected slots are
+freed at once and the runner told to drop them (`CachedRequestData.num_freed_blocks`).
+
 Invariants between calls:
 - `running` is in admission order; every running request holds blocks for its computed tokens.
 - waiting (and preempted) requests hold no blocks and have `num_computed_tokens == 0`.
@@ -19,9 +25,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
 from skyline.cache.kv_manager import KVCacheManager
-from skyline.config import CacheConfig, SchedulerConfig
+from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
+from skyline.sched.spec import SpecPolicy
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -37,7 +45,13 @@ from skyline.types import (
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each."""
 
-    def __init__(self, sched_cfg: SchedulerConfig, cache_cfg: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        sched_cfg: SchedulerConfig,
+        cache_cfg: CacheConfig,
+        num_blocks: int,
+        spec_cfg: SpecConfig | None = None,
+    ) -> None:
         self.cfg = sched_cfg
         self.block_size = cache_cfg.block_size
         # The engine sizes the cache so that one request of max_model_len always fits: without it
@@ -54,6 +68,14 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        # Optional structured-output hooks (engine/structured.py), injected by the engine:
+        # before_step(out) fills out.token_masks, after_step(out, res) advances the matchers.
+        self.structured: Any = None
+        # Speculative decoding: the runner's latest drafts per running request, and tail blocks
+        # freed since the request last ran (the runner drops them when it next runs).
+        self.spec = SpecPolicy(spec_cfg) if spec_cfg is not None and spec_cfg.enabled else None
+        self._drafts: dict[str, list[int]] = {}
+        self._num_freed_blocks: dict[str, int] = {}
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -81,6 +103,7 @@ class Scheduler:
             if req is None:
                 continue
             self.kv_manager.free(req)
+            self._forget_spec(rid)
             req.status = RequestStatus.FINISHED_ABORTED
             aborted.add(rid)
             self._finished_ids.add(rid)
@@ -105,7 +128,8 @@ class Scheduler:
         return min(cap, req.max_model_len) if req.max_model_len else cap
 
     def stats(self) -> dict[str, float]:
-        return {
+        spec = self.spec.stats() if self.spec is not None else {}
+        return spec | {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "kv_usage": self.kv_manager.usage,
@@ -129,6 +153,7 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.cfg.max_num_batched_tokens
         preempted = False
+        speculate = self.spec is not None and self.spec.enabled(self._num_pending_tokens())
 
         # 1. Running requests, oldest first. Victims come from the tail, i.e. they have not been
         # scheduled yet this step (or are the current request itself).
@@ -139,10 +164,14 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until `update` gives it a token
                 i += 1
                 continue
+            drafts = self._drafts_for(req, budget) if speculate and num_new == 1 else []
             while True:
-                new_ids = self.kv_manager.allocate_slots(req, num_new)
+                new_ids = self.kv_manager.allocate_slots(req, num_new + len(drafts))
                 if new_ids is not None:
                     break
+                if drafts:  # short of memory: verify no drafts rather than preempt anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()
                 assert victim is not req or self.running, (
                     f"request {req.request_id} alone cannot get blocks; the cache is too small"
@@ -154,8 +183,12 @@ class Scheduler:
             if new_ids is None:
                 break  # `req` was preempted; it was the last running request
             out.cached_requests.append(
-                CachedRequestData(req.request_id, new_ids, req.num_computed_tokens)
+                CachedRequestData(req.request_id, new_ids, req.num_computed_tokens,
+                                  self._num_freed_blocks.pop(req.request_id, 0))
             )
+            if drafts:
+                out.spec_token_ids[req.request_id] = drafts
+                num_new += len(drafts)
             self._commit(req, num_new, out)
             budget -= num_new
             i += 1
@@ -192,6 +225,8 @@ class Scheduler:
             budget -= num_new
 
         assert out.total_num_scheduled_tokens <= self.cfg.max_num_batched_tokens
+        if self.structured is not None:
+            self.structured.before_step(out)
         return out
 
     def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -199,10 +234,42 @@ class Scheduler:
         out.total_num_scheduled_tokens += num_new
         req.num_computed_tokens += num_new
 
+    def _num_pending_tokens(self) -> int:
+        """Tokens this step would run without drafts (at most the budget): its size in work."""
+        n = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        for req in self.waiting:
+            if n >= self.cfg.max_num_batched_tokens:
+                break
+            n += req.num_tokens
+        return min(n, self.cfg.max_num_batched_tokens)
+
+    def _drafts_for(self, req: Request, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: as deep as its acceptance earns,
+        within the budget (its own token first), the context and the tokens it may still emit
+        (a step emits at most one token more than it verifies)."""
+        drafts = self._drafts.get(req.request_id)
+        params = req.sampling_params
+        if not drafts or params.json_schema or params.regex or params.grammar:
+            return []  # constrained decoding masks one position per step
+        assert self.spec is not None
+        k = min(len(drafts), self.spec.depth(req.request_id), budget - 1,
+                self.max_len(req) - req.num_tokens - 1)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - req.num_output_tokens - 1)
+        return drafts[: max(k, 0)]
+
+    def _forget_spec(self, req_id: str) -> None:
+        self._drafts.pop(req_id, None)
+        self._num_freed_blocks.pop(req_id, None)
+        if self.spec is not None:
+            self.spec.forget(req_id)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop the KV, requeue at the front. Its computed full
         blocks stay in the prefix cache, so the recompute is often mostly hits."""
         self.kv_manager.free(req)
+        self._drafts.pop(req.request_id, None)
+        self._num_freed_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -215,6 +282,8 @@ class Scheduler:
     def update(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[StepOutput]:
         """Take the runner's sampled tokens: append them, cache newly full blocks, stop requests
         that are done. Returns one StepOutput per request that produced tokens or finished."""
+        if self.structured is not None:
+            self.structured.after_step(sched_out, runner_out)
         index = {rid: i for i, rid in enumerate(runner_out.req_ids)}
         outputs: list[StepOutput] = []
         finished: set[str] = set()
@@ -222,19 +291,31 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted since it was scheduled
-            # The step computed these tokens' KV: their full blocks are now safe to share.
-            self.kv_manager.cache_blocks(req, req.num_computed_tokens)
             i = index.get(rid)
-            if i is None or not runner_out.sampled_token_ids[i]:
-                continue  # mid-prefill: no logits were sampled
-            sampled = runner_out.sampled_token_ids[i]
+            sampled = runner_out.sampled_token_ids[i] if i is not None else []
+            drafts = sched_out.spec_token_ids.get(rid)
+            if drafts and sampled:
+                # Give back the slots of rejected drafts: their KV belongs to no token.
+                assert self.spec is not None
+                num_accepted = len(sampled) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec.observe(rid, len(drafts), num_accepted)
+            if i is not None and i < len(runner_out.draft_token_ids):
+                self._drafts[rid] = runner_out.draft_token_ids[i]
+            if not sampled:
+                # Mid-prefill: no logits were sampled. The step computed these tokens' KV: their
+                # full blocks are now safe to share.
+                self.kv_manager.cache_blocks(req, req.num_computed_tokens)
+                continue
             logprobs = runner_out.logprobs[i] if i < len(runner_out.logprobs) else None
             new_ids: list[int] = []
             for token_id in sampled:  # several only with speculative decoding
                 req.append_output_token(token_id)
                 new_ids.append(token_id)
                 if self._check_stop(req, token_id):
-                    break
+                    break  # the rest (accepted drafts past a stop) is dropped
+            # After appending: accepted drafts are tokens now, and their blocks may be full.
+            self.kv_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             out = StepOutput(
                 request_id=rid,
                 new_token_ids=new_ids,
@@ -246,8 +327,14 @@ class Scheduler:
                 out.finish_reason = req.status.value
                 out.stop_reason = req.stop_reason
                 self.kv_manager.free(req)
+                self._forget_spec(rid)
                 del self.requests[rid]
                 finished.add(rid)
+            elif drafts:
+                # Blocks that held only rejected slots go back now (the next token's slot stays).
+                freed = self.kv_manager.trim(req, req.num_computed_tokens + 1)
+                if freed:
+                    self._num_freed_blocks[rid] = self._num_freed_blocks.get(rid, 0) + freed
             outputs.append(out)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from skyline.config import EngineConfig
 from skyline.types import RunnerOutput, SchedulerOutput
 from skyline.worker.runner import ModelRunner
@@ -17,6 +19,16 @@ class Executor:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Log-probs of the next token at every position of `token_ids` (teacher forcing):
+        one causal forward pass outside the KV cache. Returns [len(token_ids), vocab] float32
+        on the CPU."""
+        r = self.runner
+        ids = torch.tensor(token_ids, device=r.device)
+        hidden = r.model(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
+        return r.model.compute_logits(hidden).float().log_softmax(-1).cpu()
 
     def describe(self) -> dict[str, float]:
         r = self.runner

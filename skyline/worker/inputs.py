@@ -38,7 +38,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling] int64: last token of each sampling request
+    # [num_logits] int64: the last real token of each sampling request, then its drafts
+    logits_indices: torch.Tensor
     sampling_req_ids: list[str]  # requests whose scheduled tokens reach their end
 
 
@@ -47,7 +48,11 @@ def build_inputs(
     num_scheduled: dict[str, int],
     block_size: int,
     device: torch.device,
+    spec_token_ids: dict[str, list[int]] | None = None,
 ) -> StepInputs:
+    """Draft tokens of a request (`spec_token_ids`) follow its last real token in the batch; a
+    request that reaches its end gets a logits row at its last real token and one per draft."""
+    spec = spec_token_ids or {}
     # Decodes (one query token) first, so attention can batch them without per-sequence loops.
     req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
     num_decodes = sum(1 for r in req_ids if num_scheduled[r] == 1)
@@ -64,7 +69,9 @@ def build_inputs(
         n = num_scheduled[rid]
         start = s.num_computed_tokens
         end = start + n
-        input_ids.extend(s.token_ids[start:end])
+        drafts = spec.get(rid, ())
+        input_ids.extend(s.token_ids[start : end - len(drafts)])
+        input_ids.extend(drafts)
         pos = range(start, end)
         positions.extend(pos)
         blocks = s.block_ids
@@ -72,8 +79,8 @@ def build_inputs(
         qsl.append(qsl[-1] + n)
         seq_lens.append(end)
         max_blocks = max(max_blocks, len(blocks))
-        if end >= len(s.token_ids):
-            logits_idx.append(qsl[-1] - 1)
+        if end - len(drafts) >= len(s.token_ids):
+            logits_idx.extend(range(qsl[-1] - 1 - len(drafts), qsl[-1]))
             sampling.append(rid)
     table = torch.zeros((len(req_ids), max_blocks), dtype=torch.int32)
     for i, rid in enumerate(req_ids):
@@ -91,5 +98,6 @@ def build_inputs(
         block_size=block_size,
         num_decodes=num_decodes,
         seq_lens_tensor=t(seq_lens, torch.int32),
+        query_start_loc_tensor=t(qsl, torch.int32),
     )
     return StepInputs(req_ids, t(input_ids), t(positions), attn, t(logits_idx), sampling)

@@ -10,11 +10,12 @@ import torch
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model
-from skyline.types import RunnerOutput, SchedulerOutput
+from skyline.spec.proposer import make_proposer
+from skyline.spec.verify import sample_and_verify, verify_rows
+from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from skyline.worker.cuda_graph import CudaGraphRunner
 from skyline.worker.inputs import RequestState, build_inputs
 from skyline.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
-from skyline.worker.sampler import SamplingRow, apply_token_masks, sample
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
+        self.proposer = make_proposer(config.spec)  # None without speculative decoding
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
         peak = self._profile() if self.device.type == "cuda" else 0
         sc = config.scheduler
@@ -77,11 +79,15 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_request_ids:
-            self.states.pop(rid, None)
+            state = self.states.pop(rid, None)
+            if state is not None and self.proposer is not None:
+                self.proposer.finish(rid, state.token_ids)
         for new in out.new_requests:
             self.states[new.request_id] = RequestState.from_new(new)
         for c in out.cached_requests:
             s = self.states[c.request_id]
+            if c.num_freed_blocks:
+                del s.block_ids[-c.num_freed_blocks :]
             s.block_ids.extend(c.new_block_ids)
             s.num_computed_tokens = c.num_computed_tokens
 
@@ -90,7 +96,8 @@ class ModelRunner:
         self._update_states(out)
         if out.empty:
             return RunnerOutput()
-        inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device)
+        inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device,
+                           out.spec_token_ids)
         bucket = None
         if self.graphs is not None and inp.attn.num_decodes == len(inp.req_ids):
             bucket = self.graphs.bucket(len(inp.req_ids))
@@ -101,25 +108,42 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
         for rid in inp.req_ids:
             self.states[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
-        sampled: dict[str, int] = {}
-        logprobs: dict = {}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs] | None] = {}
         if inp.sampling_req_ids:
-            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [n, vocab]
-            rows = []
-            for rid in inp.sampling_req_ids:
-                s = self.states[rid]
-                stop = self.eos_ids + tuple(s.params.stop_token_ids)
-                rows.append(SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, stop))
-            if out.token_masks:
-                apply_token_masks(logits, [out.token_masks.get(r) for r in inp.sampling_req_ids])
-            tokens, lps = sample(logits, rows)
-            for rid, tok, lp in zip(inp.sampling_req_ids, tokens, lps, strict=True):
-                self.states[rid].append(tok)
-                sampled[rid] = tok
-                logprobs[rid] = lp
+            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_logits, vocab]
+            sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
         req_ids = inp.req_ids
         return RunnerOutput(
             req_ids=req_ids,
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in req_ids],
-            logprobs=[[logprobs[r]] if logprobs.get(r) else None for r in req_ids],
+            sampled_token_ids=[sampled.get(r, []) for r in req_ids],
+            logprobs=[logprobs.get(r) for r in req_ids],
+            draft_token_ids=self._propose(req_ids, sampled),
         )
+
+    def _sample(
+        self, out: SchedulerOutput, req_ids: list[str], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs] | None]]:
+        """Sample each request's next token, or verify its drafts (spec/verify.py): a request
+        with k drafts has k + 1 logits rows and emits its accepted drafts and one more token."""
+        states = [self.states[r] for r in req_ids]
+        drafts = [out.spec_token_ids.get(r, []) for r in req_ids]
+        stops = [self.eos_ids + tuple(s.params.stop_token_ids) for s in states]
+        masks = [out.token_masks.get(r) for r in req_ids] if out.token_masks else ()
+        tokens, lps = sample_and_verify(logits, verify_rows(states, drafts, stops), drafts, masks)
+        for s, d, toks in zip(states, drafts, tokens, strict=True):
+            for t in toks:
+                s.append(t)
+            s.num_computed_tokens -= len(d) + 1 - len(toks)  # rejected drafts hold no KV
+        return dict(zip(req_ids, tokens, strict=True)), dict(zip(req_ids, lps, strict=True))
+
+    def _propose(self, req_ids: list[str], sampled: dict[str, list[int]]) -> list[list[int]]:
+        """Drafts to follow each request that just sampled (runs after sampling: the n-gram and
+        suffix proposers need only token ids)."""
+        if self.proposer is None or not sampled:
+            return []
+        rids = [r for r in req_ids if sampled.get(r)]
+        drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids],
+                                       self.config.spec.num_speculative_tokens)
+        by_id = dict(zip(rids, drafts, strict=True))
+        return [by_id.get(r, []) for r in req_ids]
