@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 
-from skyline.bench.offline import machine_info, random_prompts
+from skyline.bench.offline import machine_info, random_prompts, save_json
 from skyline.engine.frontend import LLM
 from skyline.types import SamplingParams
 
@@ -78,10 +77,7 @@ def main() -> None:
         "machine": machine_info("cuda"),
     }
     print(json.dumps(res, indent=1))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, a.out)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import time
 
 import torch
 
-from skyline.bench.offline import machine_info, measure, random_prompts
+from skyline.bench.offline import machine_info, measure, random_prompts, save_json
 from skyline.engine.create import EngineArgs
 from skyline.engine.frontend import LLM
 
@@ -120,11 +119,7 @@ def main() -> None:
         result["speedup_vs_hf"] = sky["output_tokens_per_s"] / hf["output_tokens_per_s"]
         print(f"transformers generate: {hf['output_tokens_per_s']:.1f} output tok/s; "
               f"skyline/hf = {result['speedup_vs_hf']:.2f}x", flush=True)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {a.out}")
+    save_json(result, a.out)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from skyline.bench.offline import random_prompts
+from skyline.bench.offline import random_prompts, save_json
 from skyline.engine.frontend import LLM
 from skyline.types import SamplingParams
 
@@ -65,10 +64,7 @@ def main() -> None:
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
            "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()}}
     print(json.dumps(res, indent=1))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save_json(res, a.out)
 
 
 if __name__ == "__main__":

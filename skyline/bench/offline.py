@@ -51,6 +51,16 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
+def save_json(result: dict[str, Any], path: str | None) -> None:
+    """Write a benchmark result (if a path is given), creating its folder."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
                 output: str | None) -> dict[str, Any]:
     llm = LLM(**dataclasses.asdict(args))
@@ -75,9 +85,5 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     print(f"{num_prompts} prompts x ({input_len} in, {output_len} out) on {cfg.device}: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
           f"{res['total_tokens_per_s']:.1f} total tok/s")
-    if output:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {output}")
+    save_json(result, output)
     return result
