@@ -158,15 +158,20 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
+        scale, num_heads,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
-        # One program per (sequence, kv head): all GROUP query heads sharing that kv head read
-        # each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the table.
+        # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
+        # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
+        # table. With NUM_SPLITS > 1 (few sequences: flash-decoding), each program covers one
+        # slice of the context and writes its partial (max, sum, acc) for _combine_splits.
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
@@ -179,11 +184,17 @@ if triton is not None:
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         offs = tl.arange(0, BLOCK_N)
+        if NUM_SPLITS == 1:
+            start = 0
+            end = seq_len
+        else:
+            per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            start = split * per
+            end = tl.minimum(seq_len, start + per)
         # A while loop: Triton's interpreter cannot run range() to a runtime bound.
-        start = 0
-        while start < seq_len:
+        while start < end:
             pos = start + offs
-            valid = pos < seq_len
+            valid = pos < end
             blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid,
                           other=0)
             row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
@@ -205,9 +216,30 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
             start += BLOCK_N
-        out = acc / l_sum[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        if NUM_SPLITS == 1:
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        else:
+            part = (seq * num_heads + heads) * NUM_SPLITS + split  # [G] rows of [B, H, S]
+            tl.store(part_ml_ptr + part * 2, m, mask=gmask)
+            tl.store(part_ml_ptr + part * 2 + 1, l_sum, mask=gmask)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                     mask=gmask[:, None] & dmask[None, :])
+
+
+def _combine_splits(ml: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    # ml [B, H, S, 2] (running max, sum), acc [B, H, S, D] unnormalised -> [B, H, D].
+    # Split 0 always holds tokens, so the max over splits is finite; empty splits weigh 0.
+    m, l_sum = ml[..., 0], ml[..., 1]
+    w = torch.exp(m - m.amax(-1, keepdim=True))  # [B, H, S]
+    return (acc * w[..., None]).sum(2) / (l_sum * w).sum(-1)[..., None]
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """KV splits per sequence: enough programs to fill the GPU twice when there are few
+    sequences. Depends on the batch size only, so a captured CUDA graph stays valid."""
+    return max(1, min(16, (2 * num_sms) // max(1, num_seqs * num_kv_heads)))
 
 
 def paged_decode_attention(
@@ -216,20 +248,32 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    num_splits: int | None = None,  # None: decode_splits()
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
     group = num_heads // kvh
+    if num_splits is None:
+        sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 132)
+        num_splits = decode_splits(num_seqs, kvh, sms)
     out = torch.empty_like(q)
+    ml = acc = out  # unused unless split
+    if num_splits > 1:
+        ml = torch.empty(num_seqs, num_heads, num_splits, 2, device=q.device, dtype=torch.float32)
+        acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device,
+                          dtype=torch.float32)
     k, v = kv_cache[0], kv_cache[1]
-    _paged_decode_kernel[(num_seqs, kvh)](
-        q, k, v, out, block_tables, seq_lens, scale,
+    _paged_decode_kernel[(num_seqs, kvh, num_splits)](
+        q, k, v, out, ml, acc, block_tables, seq_lens, scale, num_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=64,
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=q.dtype == torch.float32, NUM_SPLITS=num_splits, num_warps=4,
     )
+    if num_splits > 1:
+        out.copy_(_combine_splits(ml, acc))
     return out
 
 

@@ -19,7 +19,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
                                                              (32, 8, 128)])
 @pytest.mark.parametrize("page", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype):
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype, num_splits):
     if DEV == "cpu" and (head_dim > 64 or dtype != torch.float32):
         pytest.skip("interpreter: small fp32 shapes only")
     rng = random.Random(head_dim * page)
@@ -39,7 +40,7 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEV, dtype)
     table, lens_t = table.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, cache, table, lens_t, scale)
+    out = paged_decode_attention(q, cache, table, lens_t, scale, num_splits)
     qsl = list(range(len(seq_lens) + 1))
     ref = paged_attention_ref(q.double(), cache.double(), qsl, seq_lens, table, scale,
                               num_decodes=len(seq_lens), seq_lens_tensor=lens_t)
