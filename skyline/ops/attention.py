@@ -157,6 +157,38 @@ except ImportError:  # CPU-only installs: the references above serve
 if triton is not None:
 
     @triton.jit
+    def _load_kv_tile(k_ptr, v_ptr, block_tables_ptr, seq, kvh, pos, valid, d, dmask,
+                      stride_bt, stride_kb, stride_ks, stride_kh, PAGE: tl.constexpr):
+        # K and V rows of context positions `pos` [N], gathered through the block table.
+        blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid, other=0)
+        row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE: tl.constexpr):
+        # One online-softmax step of queries q [R, D] over keys k / values v [N, D], where
+        # see [R, N] says which keys each query may attend to. Returns the new (m, l_sum, acc).
+        if IEEE:  # fp32: exact, not the tensor cores' tf32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(see, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m - shift)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
         scale, num_heads,
@@ -195,26 +227,9 @@ if triton is not None:
         while start < end:
             pos = start + offs
             valid = pos < end
-            blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid,
-                          other=0)
-            row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid[None, :], s * scale, float("-inf"))  # [G, N]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            k, v = _load_kv_tile(k_ptr, v_ptr, block_tables_ptr, seq, kvh, pos, valid, d, dmask,
+                                 stride_bt, stride_kb, stride_ks, stride_kh, PAGE)
+            m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
             start += BLOCK_N
         if NUM_SPLITS == 1:
             out = acc / l_sum[:, None]
@@ -317,28 +332,10 @@ if triton is not None:
         while start < end:
             pos = start + offs
             valid = pos < end
-            blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid, other=0)
-            kv_row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
-            kv_mask = valid[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            k, v = _load_kv_tile(k_ptr, v_ptr, block_tables_ptr, seq, kvh, pos, valid, d, dmask,
+                                 stride_bt, stride_kb, stride_ks, stride_kh, PAGE)
             see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
-            s = tl.where(see, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - shift[:, None])
-            alpha = tl.exp(m - shift)
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
             start += BLOCK_N
         out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
