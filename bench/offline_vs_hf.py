@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     ap.add_argument("--hf-batch-size", type=int, default=None,
                     help="HF generate batch size (default: all prompts at once)")
     ap.add_argument("--skip-hf", action="store_true")
@@ -92,7 +93,8 @@ def main() -> None:
 
     args = EngineArgs(model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                      max_model_len=a.input_len + a.output_len + 16)
+                      max_model_len=a.input_len + a.output_len + 16,
+                      kv_cache_dtype=a.kv_cache_dtype)
     llm = LLM(**dataclasses.asdict(args))
     cfg = llm.config
     prompts = random_prompts(a.num_prompts, a.input_len, cfg.model.arch.vocab_size)
@@ -105,6 +107,7 @@ def main() -> None:
         "device": cfg.device, "num_prompts": a.num_prompts, "input_len": a.input_len,
         "output_len": a.output_len, "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "kv_cache_dtype": cfg.cache.kv_cache_dtype,
         "machine": machine_info(cfg.device), "skyline": sky,
     }
     del llm

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: torch.profiler over steady-state decode steps.
 
   python bench/profile_step.py --model llama-3.1-8b --load-format dummy --batch 64 --input-len 512
-Prints the top kernels by GPU time, wall time per step and the fraction of it the GPU was busy.
+Prints the top kernels by GPU time, wall time per step (with and without async scheduling) and
+the fraction of it the GPU was busy (with async scheduling, as the engine runs by default).
 """
 
 from __future__ import annotations
@@ -39,9 +40,20 @@ def main() -> None:
     for _ in range(3):
         llm.step()
     torch.cuda.synchronize()
-    phases = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
-    t0 = time.perf_counter()
     e = llm.engine
+
+    def wall_per_step() -> float:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            llm.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / a.steps
+
+    # Host phases of a synchronous step (schedule, launch + wait, update), then the wall time
+    # per step with and without async scheduling (host work hidden behind the device's).
+    e.async_scheduling = False
+    llm.step()  # collects the step in flight
+    phases = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
     for _ in range(a.steps):
         t1 = time.perf_counter()
         out = e.scheduler.schedule()
@@ -52,7 +64,9 @@ def main() -> None:
         phases["schedule"] += t2 - t1
         phases["execute"] += t3 - t2
         phases["update"] += time.perf_counter() - t3
-    wall = (time.perf_counter() - t0) / a.steps
+    wall_sync = wall_per_step()
+    e.async_scheduling = True
+    wall = wall_per_step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(a.steps):
             llm.step()
@@ -61,6 +75,7 @@ def main() -> None:
     gpu_us = sum(ev.self_device_time_total for ev in events) / a.steps
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
     res = {"batch": a.batch, "input_len": a.input_len, "wall_ms_per_step": wall * 1e3,
+           "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
            "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()}}
     print(json.dumps(res, indent=1))

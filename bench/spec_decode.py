@@ -1,19 +1,23 @@
 """Speculative decoding on CPU with the embedded SmolLM2-135M-Instruct (GGUF): batch-1 speedup
-of n-gram and suffix speculation over plain decoding on a code-editing workload (the answer
-mostly repeats the prompt) and a chat workload, and throughput at high load, all greedy.
+of n-gram, suffix and EAGLE-head speculation over plain decoding on a code-editing workload (the
+answer mostly repeats the prompt) and a chat workload, and throughput at high load, all greedy.
 
-    python bench/spec_decode.py [--out bench/results/spec-cpu-smollm2.json]
+    python bench/spec_decode.py [--methods none,ngram,suffix,eagle] [--eagle-head DIR]
+                                [--out bench/results/spec-cpu-smollm2.json]
 
-Each method gets its own engine; each workload runs once per engine after a short warm-up (so
-the suffix proposer sees only the traffic of the workloads before it), the methods in turn.
-Greedy outputs must be the same with and without speculation; the script checks it.
+Each method gets its own engine, all alive at once. Batch-1 workloads interleave the methods
+prompt by prompt (and `--rounds` times over, rotating the order), so that the load of a shared
+machine drifts as little as possible between the runs a ratio compares; the high-load workload
+runs once per method, in turn. The eagle method needs a head (`skyline train-speculator`;
+default: the head shipped for the default model, skyline/spec/heads/smollm2-135m). Greedy
+outputs must be the same with and without speculation; the script checks it. The CHAT prompts
+are not in the head's training set (skyline/spec/prompts.jsonl).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -21,6 +25,9 @@ import time
 from typing import Any
 
 from skyline import LLM, SamplingParams
+from skyline.bench.offline import machine_info, save_json
+
+SPEC_COUNTERS = ("spec_num_verifications", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 SNIPPETS = [
     '''def summarize_orders(orders, tax_rate, currency="EUR"):
@@ -121,70 +128,114 @@ def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: bool) -> dict[str, Any]:
+def _counters(llm: LLM) -> dict[str, float]:
+    stats = llm.engine.stats()
+    return {k: stats.get(k, 0) for k in SPEC_COUNTERS}
+
+
+def _spec_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    d["acceptance_rate"] = (d["spec_num_accepted_tokens"] / d["spec_num_draft_tokens"]
+                            if d["spec_num_draft_tokens"] else 0.0)
+    d["mean_accepted_length"] = (1 + d["spec_num_accepted_tokens"] / d["spec_num_verifications"]
+                                 if d["spec_num_verifications"] else 0.0)
+    return d
+
+
+def run_b1(llms: dict[str, LLM], prompts: list[list[int]], max_tokens: int,
+           rounds: int) -> dict[str, dict[str, Any]]:
+    """Batch 1, methods interleaved prompt by prompt; each method's time is the sum of its
+    requests' times."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    methods = list(llms)
+    elapsed = {m: 0.0 for m in methods}
+    outs: dict[str, list[list[int]]] = {m: [] for m in methods}
+    before = {m: _counters(llms[m]) for m in methods}
+    for r in range(rounds):
+        for i, p in enumerate(prompts):
+            k = (r * len(prompts) + i) % len(methods)
+            for m in methods[k:] + methods[:k]:  # rotate who goes first
+                t0 = time.perf_counter()
+                toks = llms[m].generate([p], params)[0].outputs[0].token_ids
+                elapsed[m] += time.perf_counter() - t0
+                if r == 0:
+                    outs[m].append(list(toks))
+    res = {}
+    for m in methods:
+        n = sum(len(o) for o in outs[m]) * rounds
+        res[m] = {"elapsed_s": elapsed[m], "output_tokens": n,
+                  "output_tokens_per_s": n / elapsed[m], "outputs": outs[m],
+                  "spec": _spec_delta(before[m], _counters(llms[m]))}
+    return res
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = _counters(llm)
     t0 = time.perf_counter()
-    if batch:
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    else:  # batch 1: one request after the other
-        outs = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    outs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     dt = time.perf_counter() - t0
     n = sum(len(o) for o in outs)
-    return {"elapsed_s": dt, "output_tokens": n, "output_tokens_per_s": n / dt, "outputs": outs}
+    return {"elapsed_s": dt, "output_tokens": n, "output_tokens_per_s": n / dt, "outputs": outs,
+            "spec": _spec_delta(before, _counters(llm))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/spec-cpu-smollm2.json")
+    ap.add_argument("--methods", default="none,ngram,suffix,eagle",
+                    help="comma-separated; none (the baseline) is always run")
+    ap.add_argument("--eagle-head", default=None,
+                    help="EAGLE head directory (default: the head shipped for the default model)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
     ap.add_argument("--code-max-tokens", type=int, default=512)
     ap.add_argument("--chat-max-tokens", type=int, default=128)
+    ap.add_argument("--chat-prompts", type=int, default=len(CHAT))
+    ap.add_argument("--rounds", type=int, default=1, help="batch-1 passes over the prompts")
     ap.add_argument("--load-requests", type=int, default=32)
     ap.add_argument("--load-max-tokens", type=int, default=64)
+    ap.add_argument("--skip-load", action="store_true", help="batch-1 workloads only")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: no spinning threads fighting a busy machine)")
     args = ap.parse_args()
-    methods = ["none", "ngram", "suffix"]
-    # All engines live at once and every workload runs on each in turn, so that the load of a
-    # shared machine drifts as little as possible between the runs a ratio compares.
+    methods = ["none"] + [m for m in args.methods.split(",") if m and m != "none"]
     llms = {m: LLM(speculative_method=m, num_speculative_tokens=args.num_speculative_tokens,
-                   threads=args.threads) for m in methods}
+                   threads=args.threads,
+                   speculative_model=args.eagle_head if m == "eagle" else None)
+            for m in methods}
     for llm in llms.values():
         llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     anyllm = llms["none"]
     code = code_prompts(anyllm)
-    workloads = {
-        "code_edit_b1": (code, args.code_max_tokens, False),
-        "chat_b1": (chat_prompts(anyllm, len(CHAT)), args.chat_max_tokens, False),
-        f"load_{args.load_requests}": (chat_prompts(anyllm, args.load_requests - len(code))
-                                       + code, args.load_max_tokens, True),
-    }
     results: dict[str, dict[str, Any]] = {m: {} for m in methods}
-    for w, (prompts, max_tokens, batch) in workloads.items():
+    b1 = {"code_edit_b1": (code, args.code_max_tokens),
+          "chat_b1": (chat_prompts(anyllm, args.chat_prompts), args.chat_max_tokens)}
+    for w, (prompts, max_tokens) in b1.items():
+        for m, v in run_b1(llms, prompts, max_tokens, args.rounds).items():
+            results[m][w] = v
+            print(f"{m:8} {w:14} {v['output_tokens_per_s']:.2f} tok/s", flush=True)
+    workloads = list(b1)
+    if not args.skip_load:
+        w = f"load_{args.load_requests}"
+        workloads.append(w)
+        prompts = chat_prompts(anyllm, args.load_requests - len(code)) + code
         for m in methods:
-            results[m][w] = run(llms[m], prompts, max_tokens, batch)
+            results[m][w] = run_batch(llms[m], prompts, args.load_max_tokens)
             print(f"{m:8} {w:14} {results[m][w]['output_tokens_per_s']:.2f} tok/s", flush=True)
-    for m in methods:
-        results[m]["stats"] = {k: v for k, v in llms[m].engine.stats().items()
-                               if k.startswith("spec_")}
 
     base = results["none"]
-    table = []
-    for method in methods:
+    print(f"\n{'method':8} {'workload':14} {'tokens':>7} {'time s':>8} {'tok/s':>8} "
+          f"{'speedup':>8} {'accept':>7} {'len':>5} identical")
+    for m in methods:
         for w in workloads:
-            v = results[method][w]
+            v = results[m][w]
             v["speedup"] = v["output_tokens_per_s"] / base[w]["output_tokens_per_s"]
             v["identical_to_none"] = v["outputs"] == base[w]["outputs"]
-            table.append((method, w, v["output_tokens"], v["elapsed_s"],
-                          v["output_tokens_per_s"], v["speedup"], v["identical_to_none"]))
-    print(f"\n{'method':8} {'workload':14} {'tokens':>7} {'time s':>8} {'tok/s':>8} "
-          f"{'speedup':>8} identical")
-    for m, w, n, dt, tps, sp, same in table:
-        print(f"{m:8} {w:14} {n:7d} {dt:8.2f} {tps:8.1f} {sp:7.2f}x {same}")
-    for m in methods[1:]:
-        s = results[m]["stats"]
-        print(f"{m}: acceptance {s['spec_acceptance_rate']:.2f}, mean accepted length "
-              f"{s['spec_mean_accepted_length']:.2f}")
+            sp = v["spec"]
+            print(f"{m:8} {w:14} {v['output_tokens']:7d} {v['elapsed_s']:8.2f} "
+                  f"{v['output_tokens_per_s']:8.1f} {v['speedup']:7.2f}x "
+                  f"{sp['acceptance_rate']:7.2f} {sp['mean_accepted_length']:5.2f} "
+                  f"{v['identical_to_none']}")
     for m in methods:
         for w in workloads:
             del results[m][w]["outputs"]
@@ -193,14 +244,14 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct Q4_1 (GGUF, embedded default)",
         "device": "cpu",
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+        "machine_info": machine_info("cpu"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
         "params": vars(args),
+        "eagle_head": (llms["eagle"].config.spec.model if "eagle" in llms else None),
         "results": results,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
+    save_json(doc, args.out)
     print(f"\nwrote {args.out}")
 
 

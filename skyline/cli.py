@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--num-blocks", type=int, default=None, help="fixed KV block count")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype) | fp8 (e4m3 with per-layer scales: twice the "
+                        "tokens of a bf16 cache)")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
@@ -38,9 +41,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=128,
                    help="int8/int4: input elements per scale")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
-    g.add_argument("--speculative-method", default="none", choices=["none", "ngram", "suffix"],
-                   help="speculative decoding: ngram (prompt lookup) or suffix (the request "
-                        "and recent traffic)")
+    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="schedule the next step while the device runs this one "
+                        "(auto: on for CUDA)")
+    g.add_argument("--speculative-method", default="none",
+                   choices=["none", "ngram", "suffix", "eagle"],
+                   help="speculative decoding: ngram (prompt lookup), suffix (the request "
+                        "and recent traffic) or eagle (a trained head, --speculative-model)")
+    g.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="eagle: the head's directory, written by `skyline train-speculator` "
+                        "(default for the embedded model: the head shipped for it)")
     g.add_argument("--num-speculative-tokens", type=int, default=5,
                    help="most draft tokens verified per request and step")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram match proposed")
@@ -221,11 +231,48 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
         except (OSError, UnicodeDecodeError) as e:
             msg = f"cannot read {ns.calib_file} ({e}); pass a UTF-8 text file"
             raise ConfigError(msg) from None
+    if ns.search and ns.format is not None:
+        raise ConfigError("pass --format (one format) or --search (a format per layer), not both")
+    if ns.search and ns.budget is None:
+        raise ConfigError("--search needs --budget: bits per weight (e.g. 4.5) or a size "
+                          "(e.g. 70MiB)")
+    if not ns.search and (ns.format is None or ns.budget is not None):
+        raise ConfigError("pass --format FORMAT, or --search --budget B for a format per layer")
     cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
                                              quantization="none"))
+    if ns.search:
+        from skyline.quant.assignment import DEFAULT_CANDIDATES
+        from skyline.quant.report import search_checkpoint, table
+
+        report = search_checkpoint(
+            cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
+            calib_text=text, calib_tokens=ns.calib_tokens or 1024, eval_tokens=ns.eval_tokens,
+            search_tokens=ns.search_tokens, max_evals=ns.max_evals)
+        print(table(report))
+        print(f"wrote {ns.out} (checkpoint, assignment.json, report.json)")
+        return
     meta = quantize_checkpoint(cfg.model, ns.format, ns.out, ns.group_size, calib_text=text,
-                               calib_tokens=ns.calib_tokens)
+                               calib_tokens=ns.calib_tokens or 4096)
     print(f"wrote {ns.out} ({meta['format']}, calibration: {meta['calibration']['source']})")
+
+
+def _cmd_train_speculator(ns: argparse.Namespace) -> None:
+    from skyline.spec.train import TrainArgs, train_speculator
+
+    args = TrainArgs(epochs=ns.epochs, steps=ns.steps, lr=ns.lr, batch_tokens=ns.batch_tokens,
+                     unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)
+    if args.epochs < 1 or (args.steps is not None and args.steps < 1) or args.lr <= 0:
+        raise ConfigError("--epochs and --steps must be at least 1 and --lr positive")
+    if ns.max_tokens < 1 or args.unroll < 1 or args.draft_vocab < 1 or args.batch_tokens < 1:
+        raise ConfigError("--max-tokens, --unroll, --draft-vocab and --batch-tokens must be "
+                          "at least 1")
+    stats = train_speculator(engine_args(ns), ns.prompts, ns.out, args, ns.num_prompts,
+                             ns.max_tokens, ns.temperature,
+                             command="skyline " + " ".join(sys.argv[1:]))
+    v0, v1 = stats["val_before"], stats["val_after"]
+    print(f"wrote {ns.out}: {stats['num_train_positions']} positions, {stats['steps']} steps; "
+          f"held-out loss {v0['loss']:.3f} -> {v1['loss']:.3f}, top-1 agreement with the "
+          f"target (first draft) {v0['top1_step1']:.2f} -> {v1['top1_step1']:.2f}")
 
 
 def _cmd_serve(ns: argparse.Namespace) -> None:
@@ -323,13 +370,53 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="write a quantized safetensors checkpoint")
     p.add_argument("model_path", metavar="MODEL", help="HF model directory or .gguf file")
-    p.add_argument("--format", required=True, choices=["fp8", "int8", "int4", "mxfp4", "nvfp4"])
+    p.add_argument("--format", default=None, choices=["fp8", "int8", "int4", "mxfp4", "nvfp4"],
+                   help="one format for every Linear")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size")
     p.add_argument("--calib-file", default=None,
                    help="calibration text file (default: a built-in public-domain text)")
-    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument("--calib-tokens", type=int, default=None,
+                   help="calibration tokens (default 4096; with --search 1024, and the "
+                        "following --eval-tokens are held out for the report)")
+    p.add_argument("--search", action="store_true",
+                   help="choose a format per Linear for --budget by the end-to-end KL")
+    p.add_argument("--budget", default=None,
+                   help="--search: bits per weight (e.g. 4.5), bytes of the Linear layers "
+                        "(e.g. 60MiB), or a format (e.g. int4-g32: its uniform size)")
+    p.add_argument("--formats", default=None,
+                   help="--search: candidate formats, comma-separated; int4/int8 take -gN for "
+                        "a group size (default: mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8)")
+    p.add_argument("--eval-tokens", type=int, default=1024,
+                   help="--search: held-out tokens the report is measured on")
+    p.add_argument("--search-tokens", type=int, default=512,
+                   help="--search: calibration tokens each assignment is scored on")
+    p.add_argument("--max-evals", type=int, default=64,
+                   help="--search: joint evaluations of the local search")
     p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("train-speculator",
+                       help="train an EAGLE-style speculative head by self-distillation")
+    add_engine_args(p)
+    t = p.add_argument_group("training")
+    t.add_argument("--prompts", default=None, metavar="FILE",
+                   help=".txt (an instruction a line) or .jsonl (prompts, {prompt, completion} "
+                        "traffic or chat messages); default: the built-in instruction set")
+    t.add_argument("--out", required=True, metavar="DIR", help="where to write the head")
+    t.add_argument("--num-prompts", type=int, default=None, help="sample this many prompts")
+    t.add_argument("--max-tokens", type=int, default=128,
+                   help="tokens of each continuation the target writes")
+    t.add_argument("--temperature", type=float, default=0.0,
+                   help="continuations: 0 greedy, else sampled")
+    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--batch-tokens", type=int, default=2048, help="positions per step")
+    t.add_argument("--unroll", type=int, default=3,
+                   help="draft steps simulated in training (training-time test)")
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="tokens the head may propose (the most frequent in the data)")
+    p.set_defaults(func=_cmd_train_speculator)
     return parser
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,11 +77,16 @@ QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
 class QuantConfig:
     """How Linear weights are stored and multiplied (skyline/quant/); embeddings and the LM
     head stay in the model dtype. `prequantized`: the checkpoint already holds the quantized
-    tensors (written by `skyline quantize`); otherwise weights are quantized while loading."""
+    tensors (written by `skyline quantize`); otherwise weights are quantized while loading.
+
+    `layers` gives some Linears their own format (mixed precision): (pattern, method,
+    group_size) triples, the first whose fnmatch pattern matches the Linear's module name
+    (e.g. "model.layers.3.mlp.down_proj") wins; the others use `method` / `group_size`."""
 
     method: str = "none"  # one of QUANT_METHODS
     group_size: int = 128  # int8/int4: input elements per scale and zero point
     prequantized: bool = False
+    layers: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -91,6 +97,19 @@ class QuantConfig:
             raise ConfigError(
                 f"--quant-group-size must be a power of two from 16 to 1024, got {self.group_size}"
             )
+        for pattern, method, group_size in self.layers:
+            if method == "gguf" or self.method == "gguf":
+                raise ConfigError("GGUF blocks kept packed cannot be mixed with per-layer formats")
+            QuantConfig(method=method, group_size=group_size)  # raises the one-sentence error
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"a per-layer format needs a layer name, got {pattern!r}")
+
+    def for_layer(self, name: str) -> QuantConfig:
+        """The single-format config of the Linear named `name`."""
+        for pattern, method, group_size in self.layers:
+            if fnmatch.fnmatchcase(name, pattern):
+                return QuantConfig(method, group_size, self.prequantized)
+        return QuantConfig(self.method, self.group_size, self.prequantized)
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,9 @@ class ModelConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -112,6 +134,9 @@ class CacheConfig:
     kv_cache_memory: int = 2 << 30  # CPU: bytes for the KV cache
     num_blocks: int | None = None  # fixed block count (tests); overrides both
     enable_prefix_caching: bool = True
+    # one of KV_CACHE_DTYPES; fp8_e4m3: float8_e4m3fn with per-layer K/V scales, twice the
+    # tokens of a bf16 cache in the same memory (ops/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -122,7 +147,7 @@ class SchedulerConfig:
     max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)
 
 
-SPEC_METHODS = ("none", "ngram", "suffix")
+SPEC_METHODS = ("none", "ngram", "suffix", "eagle")
 
 
 @dataclass(frozen=True)
@@ -140,6 +165,7 @@ class SpecConfig:
     # while its chance of acceptance exceeds this (sched/spec.py).
     draft_cost: float = 0.3
     suffix_traffic_tokens: int = 1 << 18  # suffix: tokens of recent requests kept indexed
+    model: str | None = None  # eagle: directory of the head (`skyline train-speculator`)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -155,6 +181,9 @@ class SpecConfig:
             raise ConfigError("the speculation batch-token limit must be at least 1")
         if not 0 <= self.draft_cost < 1:
             raise ConfigError(f"draft_cost must be in [0, 1), got {self.draft_cost}")
+        if self.method == "eagle" and not self.model:
+            raise ConfigError("--speculative-method eagle needs --speculative-model DIR, a head "
+                              "written by `skyline train-speculator`")
 
     @property
     def enabled(self) -> bool:
@@ -169,6 +198,8 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     enforce_eager: bool = False  # CUDA: no CUDA graphs (debugging, profiling)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # Schedule step n+1 while the device runs step n (engine/core.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         c, s = self.cache, self.scheduler
@@ -176,6 +207,8 @@ class EngineConfig:
             raise ConfigError(f"--block-size must be a power of two up to 128, got {c.block_size}")
         if not 0 < c.gpu_memory_utilization <= 1:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+        if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be auto or fp8, got {c.kv_cache_dtype!r}")
         if s.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be at least 1")
         if s.max_num_batched_tokens < 1:

@@ -116,6 +116,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     max_model_len: int | None = None  # cap on prompt + output tokens
+    # Tokens sampled by a step still in flight (async scheduling): scheduled, not yet known.
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)

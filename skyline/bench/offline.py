@@ -79,8 +79,11 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
         "output_len": output_len,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+        "quantization": cfg.model.quant.method,
+        "kv_cache_dtype": cfg.cache.kv_cache_dtype,
         "machine": machine_info(cfg.device),
         "skyline": res,
+        "engine": llm.engine.stats() | llm.engine.executor.describe(),
     }
     print(f"{num_prompts} prompts x ({input_len} in, {output_len} out) on {cfg.device}: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "

@@ -64,9 +64,11 @@ class _Client:
             self.model = (await r.json())["data"][0]["id"]
 
     async def tokenize(self, text: str) -> list[int] | None:
-        """Token ids from the server's /tokenize (vLLM, skyline), or None if it has none."""
+        """Token ids from the server's /tokenize (vLLM and skyline read `prompt`, llama.cpp's
+        llama-server reads `content`), or None if it has none."""
         root = self.url[:-3] if self.url.endswith("/v1") else self.url
-        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        body = {"model": self.model, "prompt": text, "content": text,
+                "add_special_tokens": False}
         try:
             async with self.session.post(f"{root}/tokenize", json=body,
                                          headers=self.headers) as r:
@@ -122,6 +124,15 @@ class _Client:
             body["prompt"] = "".join(parts)
         return f"{self.url}/completions", body
 
+    async def _post(self, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST, sent again once when a kept-alive connection proves closed before any answer
+        (llama.cpp's llama-server closes it after each streamed response while advertising
+        keep-alive; the request never reached the server)."""
+        try:
+            return await self.session.post(url, json=body, headers=self.headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            return await self.session.post(url, json=body, headers=self.headers)
+
     async def send(self, conv: Conversation, turn_idx: int, replies: list[str],
                    t_bench: float) -> RequestResult:
         """One streamed request; the reply text is appended to `replies`."""
@@ -133,7 +144,7 @@ class _Client:
         res.start = t0 - t_bench
         last = t0
         try:
-            async with self.session.post(url, json=body, headers=self.headers) as r:
+            async with await self._post(url, body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
                 async for raw in r.content:
@@ -240,9 +251,10 @@ async def _run(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResu
         return results, duration, client.token_ids_ok, client.model
 
 
-def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, float] | None = None,
-                    output: str | None = None, print_table: bool = True) -> dict[str, Any]:
-    """Run the load, print a table, optionally write JSON; returns the result dict."""
+def run_load(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult], float, bool,
+                                                              str]:
+    """Run the load once: per-request results, the run's duration in seconds, whether prompts
+    were token-exact, and the served model id."""
     if load.endpoint not in ("completions", "chat"):
         raise ValueError("--endpoint must be completions or chat")
     if load.num_requests is None and load.duration is None:
@@ -251,9 +263,15 @@ def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, floa
         raise ValueError("--concurrency must be at least 1")
     next(iter_conversations(workload))  # argument errors before any network traffic
     try:
-        results, duration, exact, model = asyncio.run(_run(load, workload))
+        return asyncio.run(_run(load, workload))
     except (aiohttp.ClientError, OSError) as e:
         raise ValueError(f"cannot reach {load.base_url} ({e}); is the server running?") from None
+
+
+def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, float] | None = None,
+                    output: str | None = None, print_table: bool = True) -> dict[str, Any]:
+    """Run the load, print a table, optionally write JSON; returns the result dict."""
+    results, duration, exact, model = run_load(load, workload)
     summary = summarize(results, duration, slos)
     out = {
         "benchmark": "serve",

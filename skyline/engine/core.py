@@ -1,4 +1,11 @@
-"""The engine core: one loop of schedule -> execute -> update."""
+"""The engine core: one loop of schedule -> execute -> update.
+
+With async scheduling (the default on CUDA) the loop runs one step ahead: it schedules and
+launches step n+1, then updates the scheduler with step n, whose tokens arrive while the device
+runs n+1. The host's work per step (scheduling, input preparation, detokenizing, the server)
+then overlaps the device's instead of adding to it. See sched/scheduler.py for what the
+scheduler does meanwhile, and worker/runner.py for how the tokens flow on the device.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import logging
 
 from skyline.config import ConfigError, EngineConfig
 from skyline.sched.scheduler import Scheduler
-from skyline.types import Request, StepOutput
+from skyline.types import Request, SchedulerOutput, StepOutput
 from skyline.worker.executor import Executor
 
 log = logging.getLogger(__name__)
@@ -31,6 +38,8 @@ class EngineCore:
         self.config = config
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    config.spec)
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: SchedulerOutput | None = None  # launched, not yet updated
 
     @property
     def max_model_len(self) -> int:
@@ -54,12 +63,27 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        overlap = self.async_scheduling and self.scheduler.can_overlap()
+        if self._in_flight is not None and not overlap:
+            outputs += self.scheduler.update(self._in_flight, self.executor.collect())
+            self._in_flight = None
         out = self.scheduler.schedule()
-        res = self.executor.execute(out)
-        return self.scheduler.update(out, res)
+        prev = self.executor.launch(out)
+        if self._in_flight is not None:
+            assert prev is not None
+            outputs += self.scheduler.update(self._in_flight, prev)
+            self._in_flight = None
+        if out.empty:
+            return outputs  # nothing launched (the runner only dropped finished requests)
+        if overlap:
+            self._in_flight = out
+        else:
+            outputs += self.scheduler.update(out, self.executor.collect())
+        return outputs
 
     def stats(self) -> dict[str, float]:
         return self.scheduler.stats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from skyline.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    ModelArch,
     ModelConfig,
     SchedulerConfig,
     SpecConfig,
@@ -20,6 +22,8 @@ from skyline.configs import dummy_config_dir
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
 from skyline.quant.resolve import resolve_quant_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +40,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (alias fp8_e4m3)
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_waiting: int = 0
@@ -45,7 +50,10 @@ class EngineArgs:
     quantization: str | None = None  # None: the checkpoint's own format (see quant/resolve.py)
     quant_group_size: int = 128
     enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
-    speculative_method: str = "none"  # none | ngram | suffix
+    async_scheduling: str = "auto"  # auto (on for CUDA) | on | off
+    speculative_method: str = "none"  # none | ngram | suffix | eagle
+    # eagle: the head's directory; None with the default model: the head shipped for it
+    speculative_model: str | None = None
     num_speculative_tokens: int = 5
     ngram_min: int = 2
     ngram_max: int = 5
@@ -57,6 +65,15 @@ _DTYPE_ALIASES = {
     "half": "float16", "fp16": "float16", "float16": "float16",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
 }
+
+
+def _resolve_async(value: str | bool, device: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value not in ("auto", "on", "off"):
+        raise ConfigError(f"--async-scheduling must be auto, on or off, got {value!r}")
+    # On a CPU the forward pass runs on the host anyway: nothing to overlap.
+    return value == "on" or (value == "auto" and device.startswith("cuda"))
 
 
 def _resolve_device(device: str) -> str:
@@ -78,6 +95,33 @@ def _resolve_dtype(dtype: str, device: str, model_dtype: str | None) -> str:
     if dtype not in _DTYPE_ALIASES:
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPE_ALIASES[dtype]
+
+
+def _resolve_kv_cache_dtype(kv_dtype: str, device: str) -> str:
+    resolved = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}.get(kv_dtype)
+    if resolved is None:
+        raise ConfigError(f"--kv-cache-dtype must be auto or fp8 (alias fp8_e4m3), "
+                          f"got {kv_dtype!r}")
+    # Triton converts float8_e4m3fn only on compute capability 8.9+ (Ada, Hopper, Blackwell).
+    if resolved != "auto" and device.startswith("cuda") and \
+            torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError("--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or "
+                          "newer; use --kv-cache-dtype auto on this one")
+    return resolved
+
+
+def _resolve_spec_model(args: EngineArgs, arch: ModelArch) -> str | None:
+    """The EAGLE head's directory, checked against the target's shape."""
+    if args.speculative_method != "eagle":
+        return args.speculative_model
+    from skyline.spec.eagle import check_head, default_head_dir
+
+    path = args.speculative_model
+    if path is None and args.model is None:
+        path = default_head_dir()
+    if path is not None:
+        check_head(path, arch)
+    return path
 
 
 def resolve_model_path(model: str | None, load_format: str) -> str:
@@ -108,6 +152,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         torch.set_num_threads(args.threads)
     auto_len = args.max_model_len is None
     max_len = args.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        log.warning("--max-model-len %d is beyond the model's trained context of %d tokens; "
+                    "quality past it is not guaranteed", max_len, arch.max_position_embeddings)
     on_gpu = device.startswith("cuda")
     max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
@@ -121,11 +168,13 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         kv_cache_memory=parse_size(args.kv_cache_memory),
         num_blocks=args.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, device),
     )
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(
         method=args.speculative_method,
+        model=_resolve_spec_model(args, arch),
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
@@ -135,4 +184,5 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         draft_cost=0.1 if on_gpu else 0.35,
     )
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
-                        enforce_eager=args.enforce_eager, spec=spec), auto_len
+                        enforce_eager=args.enforce_eager, spec=spec,
+                         async_scheduling=_resolve_async(args.async_scheduling, device)), auto_len

@@ -78,8 +78,10 @@ class LLM:
     def abort(self, request_id: str) -> None:
         self.engine.abort_requests(self.outputs.abort(request_id))
 
-    def step(self, delta: bool = False) -> list[RequestOutput]:
-        results, to_abort = self.outputs.process(self.engine.step(), delta=delta)
+    def step(self, delta: bool = False, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; the requests it advanced (`final_only`: only those it finished)."""
+        results, to_abort = self.outputs.process(self.engine.step(), delta=delta,
+                                                 final_only=final_only)
         if to_abort:
             self.engine.abort_requests(to_abort)
         return results
@@ -101,7 +103,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():
-            for out in self.step():
+            for out in self.step(final_only=True):
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)

@@ -96,9 +96,10 @@ class OutputProcessor:
             self.child_to_parent.pop(cid, None)
         return [cid for cid, c in p.children.items() if c.finish_reason is None]
 
-    def process(self, outputs: list[StepOutput], delta: bool = False
+    def process(self, outputs: list[StepOutput], delta: bool = False, final_only: bool = False
                 ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests and the engine ids to abort (stop strings matched)."""
+        """Returns the updated requests (`final_only`: the finished ones, which saves building an
+        output per request per step) and the engine ids to abort (stop strings matched)."""
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         to_abort: list[str] = []
@@ -120,10 +121,10 @@ class OutputProcessor:
             if was_running and c.finish_reason is not None and o.finish_reason is None:
                 to_abort.append(o.request_id)  # a stop string ended it before the engine did
             touched[pid] = p
-        results = [self._output(p, delta) for p in touched.values()]
-        for p in touched.values():
-            if p.finished:
-                self.abort(p.request_id)
+        finished = [p for p in touched.values() if p.finished]
+        results = [self._output(p, delta) for p in (finished if final_only else touched.values())]
+        for p in finished:
+            self.abort(p.request_id)
         return results, to_abort
 
     def _apply(self, c: _Child, o: StepOutput) -> None:

@@ -89,13 +89,13 @@ class _HookedExecutor:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def execute(self, out: Any) -> Any:
+    def launch(self, out: Any) -> Any:
         now = time.monotonic()
         for new in out.new_requests:
             arrival = self.arrivals.pop(new.request_id, None)
             if arrival is not None:
                 self.queue_times[new.request_id] = now - arrival
-        return self.inner.execute(out)
+        return self.inner.launch(out)
 
 
 class _EngineLoop:

@@ -36,9 +36,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
                               self.num_kv_heads)
 
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook applied to per-head q and k before rope (identity for Llama)."""
-        return q, k
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q and k made ready for attention: rotated by their positions (Qwen3 norms
+        them first)."""
+        return self.rotary_emb(positions, q, k)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
@@ -46,8 +48,7 @@ class LlamaAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [T, num_heads, head_dim]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, num_kv_heads, head_dim]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.norm_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.position_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v))  # [num_tokens, hidden_size]
 
 

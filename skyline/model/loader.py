@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.norm import RMSNorm
-from skyline.model.layers.rotary import rope_type_of
+from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
 from skyline.quant import attach_quant_methods, finish_loading
 
@@ -125,6 +125,9 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
         torch.set_default_dtype(prev_dtype)
     model.requires_grad_(False)
     model.eval()
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.extend(cfg.max_model_len)
     with torch.no_grad():
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)

@@ -1,4 +1,5 @@
-"""Qwen3: Llama with an RMSNorm over each head of q and k, applied before rope."""
+"""Qwen3: Llama with an RMSNorm over each head of q and k, applied before rope (both by one
+kernel on CUDA, in place on the qkv projection's output)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from skyline.config import ModelArch
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding
 from skyline.model.llama import LlamaAttention, LlamaForCausalLM
+from skyline.ops.rotary import qk_norm_rotary
 
 
 class Qwen3Attention(LlamaAttention):
@@ -16,9 +18,11 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim]: normed over head_dim
-        return self.q_norm(q), self.k_norm(k)
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q and k normed over head_dim (each with its own weight), then rotated
+        return qk_norm_rotary(positions, q, k, self.rotary_emb.cos_sin_cache, self.q_norm.weight,
+                              self.k_norm.weight, self.q_norm.eps)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

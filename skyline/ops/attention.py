@@ -1,23 +1,15 @@
 """Paged attention over the KV cache: PyTorch references (CPU and any device).
 
-KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V),
+in the model dtype or float8_e4m3fn. An fp8 cache holds K / k_scale and V / v_scale
+(`ops/kv_quant.py`, written by `ops/kv_write.py`); every reader here takes the two scales
+and dequantizes what it reads.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-
-def write_kv_ref(
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-) -> None:
-    _, nb, bs, kvh, d = kv_cache.shape
-    kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -34,6 +26,8 @@ def _decode_ref(
     block_tables: torch.Tensor,  # [B, max_blocks]
     scale: float,
     seq_lens_tensor: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     # All one-token sequences as one padded batch.
     kc, vc = kv_cache[0], kv_cache[1]
@@ -50,13 +44,18 @@ def _decode_ref(
     valid = pos[None, :] < lens_t[:, None]  # [B, L]
     # Padded positions read whatever the padding blocks hold; zero them so a NaN left
     # there by another sequence cannot leak through 0 * NaN.
-    k = k.masked_fill(~valid[:, None, :, None], 0).to(q.dtype)
-    v = v.masked_fill(~valid[:, None, :, None], 0).to(q.dtype)
+    k = k.to(q.dtype).masked_fill(~valid[:, None, :, None], 0)
+    v = v.to(q.dtype).masked_fill(~valid[:, None, :, None], 0)
+    # the fp8 scales, folded in: scores * k_scale, output * v_scale
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+        q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale * k_scale,
         enable_gqa=q.shape[1] != kc.shape[2],
     )
-    return o.squeeze(2)
+    return _times(o.squeeze(2), v_scale)
+
+
+def _times(x: torch.Tensor, s: float) -> torch.Tensor:
+    return x if s == 1.0 else x * s
 
 
 def _extend_ref(
@@ -65,12 +64,15 @@ def _extend_ref(
     seq_len: int,
     block_table: torch.Tensor,  # [max_blocks]
     scale: float,
+    k_scale: float,
+    v_scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     q_len = q.shape[0]
     gqa = q.shape[1] != kv_cache.shape[3]
     k = _gather(kv_cache[0], block_table, seq_len).transpose(0, 1).to(q.dtype)  # [kvh, n, d]
     v = _gather(kv_cache[1], block_table, seq_len).transpose(0, 1).to(q.dtype)
     qi = q.transpose(0, 1)  # [H, q_len, d]
+    scale = scale * k_scale
     if q_len == seq_len:
         o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
@@ -78,7 +80,7 @@ def _extend_ref(
         qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = qpos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [q_len, n]
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o.transpose(0, 1)
+    return _times(o.transpose(0, 1), v_scale)
 
 
 def paged_attention_ref(
@@ -90,25 +92,32 @@ def paged_attention_ref(
     scale: float,
     num_decodes: int = 0,
     seq_lens_tensor: torch.Tensor | None = None,  # [num_seqs] int32, seq_lens on q's device
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     The new tokens of a sequence are its last q_len positions. Sequences [0, num_decodes)
-    have one query token each and are computed as one padded batch.
+    have one query token each and are computed as one padded batch. The cache holds
+    K / k_scale and V / v_scale (kv_write.write_kv_ref).
     """
     out = torch.empty_like(q)
     if num_decodes:
         lens_t = None if seq_lens_tensor is None else seq_lens_tensor[:num_decodes]
         out[:num_decodes] = _decode_ref(q[:num_decodes], kv_cache, seq_lens[:num_decodes],
-                                        block_tables[:num_decodes], scale, lens_t)
-    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes)
+                                        block_tables[:num_decodes], scale, lens_t,
+                                        k_scale, v_scale)
+    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
+             k_scale, v_scale)
     return out
 
 
-def _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, first) -> None:
+def _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, first,
+             k_scale, v_scale) -> None:
     for i in range(first, len(seq_lens)):
         s, e = query_start_loc[i], query_start_loc[i + 1]
-        out[s:e] = _extend_ref(q[s:e], kv_cache, seq_lens[i], block_tables[i], scale)
+        out[s:e] = _extend_ref(q[s:e], kv_cache, seq_lens[i], block_tables[i], scale,
+                               k_scale, v_scale)
 
 
 def paged_attention(
@@ -121,27 +130,30 @@ def paged_attention(
     num_decodes: int = 0,
     seq_lens_tensor: torch.Tensor | None = None,
     query_start_loc_tensor: torch.Tensor | None = None,  # [num_seqs + 1] int32, on q's device
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills."""
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                                   num_decodes, seq_lens_tensor)
+                                   num_decodes, seq_lens_tensor, k_scale, v_scale)
     out = torch.empty_like(q)
     if num_decodes:
-        out[:num_decodes] = paged_decode_attention(q[:num_decodes], kv_cache,
-                                                   block_tables[:num_decodes],
-                                                   seq_lens_tensor[:num_decodes], scale)
+        out[:num_decodes] = paged_decode_attention(
+            q[:num_decodes], kv_cache, block_tables[:num_decodes],
+            seq_lens_tensor[:num_decodes], scale, k_scale=k_scale, v_scale=v_scale)
     if len(seq_lens) == num_decodes:
         return out
     if query_start_loc_tensor is None:
-        _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes)
+        _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
+                 k_scale, v_scale)
         return out
     t0 = query_start_loc[num_decodes]
     max_q = max(query_start_loc[i + 1] - query_start_loc[i]
                 for i in range(num_decodes, len(seq_lens)))
     out[t0:] = paged_prefill_attention(
         q[t0:], kv_cache, query_start_loc_tensor[num_decodes:] - t0,
-        seq_lens_tensor[num_decodes:], block_tables[num_decodes:], scale, max_q)
+        seq_lens_tensor[num_decodes:], block_tables[num_decodes:], scale, max_q, k_scale, v_scale)
     return out
 
 
@@ -158,14 +170,17 @@ if triton is not None:
 
     @triton.jit
     def _load_kv_tile(k_ptr, v_ptr, block_tables_ptr, seq, kvh, pos, valid, d, dmask,
-                      stride_bt, stride_kb, stride_ks, stride_kh, PAGE: tl.constexpr):
-        # K and V rows of context positions `pos` [N], gathered through the block table.
+                      stride_bt, stride_kb, stride_ks, stride_kh, PAGE: tl.constexpr,
+                      DTYPE: tl.constexpr):
+        # K and V rows of context positions `pos` [N], gathered through the block table and
+        # converted to the compute dtype DTYPE (exact from fp8 e4m3; the kernels apply the
+        # fp8 scales to scores and output, not to each element).
         blk = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=valid, other=0)
         row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        return k, v
+        return k.to(DTYPE), v.to(DTYPE)
 
     @triton.jit
     def _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE: tl.constexpr):
@@ -191,7 +206,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
-        scale, num_heads,
+        scale, v_scale, num_heads,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -201,6 +216,7 @@ if triton is not None:
         # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
         # table. With NUM_SPLITS > 1 (few sequences: flash-decoding), each program covers one
         # slice of the context and writes its partial (max, sum, acc) for _combine_splits.
+        # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -228,9 +244,11 @@ if triton is not None:
             pos = start + offs
             valid = pos < end
             k, v = _load_kv_tile(k_ptr, v_ptr, block_tables_ptr, seq, kvh, pos, valid, d, dmask,
-                                 stride_bt, stride_kb, stride_ks, stride_kh, PAGE)
+                                 stride_bt, stride_kb, stride_ks, stride_kh, PAGE,
+                                 q_ptr.dtype.element_ty)
             m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
             start += BLOCK_N
+        acc = acc * v_scale
         if NUM_SPLITS == 1:
             out = acc / l_sum[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -243,7 +261,30 @@ if triton is not None:
                      mask=gmask[:, None] & dmask[None, :])
 
 
-def _combine_splits(ml: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    @triton.jit
+    def _combine_splits_kernel(
+        ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+    ):
+        # One program per (sequence, head): _combine_splits_ref in one launch.
+        row = tl.program_id(0)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        smask = s < NUM_SPLITS
+        base = row * NUM_SPLITS + s
+        m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
+        l_sum = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+        w = tl.exp(m - tl.max(m, 0))  # [S]
+        acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                      mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [S, D]
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+        seq, head = row // num_heads, row % num_heads
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _combine_splits_ref(ml: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     # ml [B, H, S, 2] (running max, sum), acc [B, H, S, D] unnormalised -> [B, H, D].
     # Split 0 always holds tokens, so the max over splits is finite; empty splits weigh 0.
     m, l_sum = ml[..., 0], ml[..., 1]
@@ -264,6 +305,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     num_splits: int | None = None,  # None: decode_splits()
+    k_scale: float = 1.0,  # fp8 cache: the layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
@@ -280,7 +323,7 @@ def paged_decode_attention(
                           dtype=torch.float32)
     k, v = kv_cache[0], kv_cache[1]
     _paged_decode_kernel[(num_seqs, kvh, num_splits)](
-        q, k, v, out, ml, acc, block_tables, seq_lens, scale, num_heads,
+        q, k, v, out, ml, acc, block_tables, seq_lens, scale * k_scale, v_scale, num_heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -288,7 +331,11 @@ def paged_decode_attention(
         IEEE=q.dtype == torch.float32, NUM_SPLITS=num_splits, num_warps=4,
     )
     if num_splits > 1:
-        out.copy_(_combine_splits(ml, acc))
+        _combine_splits_kernel[(num_seqs * num_heads,)](
+            ml, acc, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            D_PAD=max(16, triton.next_power_of_2(head_dim)), num_warps=1,
+        )
     return out
 
 
@@ -300,13 +347,14 @@ if triton is not None:
 
     @triton.jit
     def _paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale, v_scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
         # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
+        # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
         seq = tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.program_id(2)
@@ -333,11 +381,12 @@ if triton is not None:
             pos = start + offs
             valid = pos < end
             k, v = _load_kv_tile(k_ptr, v_ptr, block_tables_ptr, seq, kvh, pos, valid, d, dmask,
-                                 stride_bt, stride_kb, stride_ks, stride_kh, PAGE)
+                                 stride_bt, stride_kb, stride_ks, stride_kh, PAGE,
+                                 q_ptr.dtype.element_ty)
             see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
             m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
             start += BLOCK_N
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
 
@@ -350,6 +399,8 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     scale: float,
     max_query_len: int,
+    k_scale: float = 1.0,  # fp8 cache: the layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
@@ -358,7 +409,7 @@ def paged_prefill_attention(
     block_m = 64 if max_query_len >= 64 else 16
     grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
     _paged_prefill_kernel[grid](
-        q, k, v, out, block_tables, seq_lens, query_start_loc, scale,
+        q, k, v, out, block_tables, seq_lens, query_start_loc, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),

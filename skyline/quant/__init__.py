@@ -3,6 +3,8 @@
 Formats: fp8 (W8A8), int8 / int4 (weight-only, group-wise), mxfp4 / nvfp4 (weight-only FP4
 blocks), gguf (a GGUF file's blocks kept packed). Embeddings and the LM head keep the model
 dtype. `skyline quantize` (checkpoint.py) writes a checkpoint that loads without requantizing.
+Formats may differ per Linear (QuantConfig.layers); search.py chooses them for a size budget
+by the end-to-end KL divergence they cause.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ def make_linear_method(cfg: QuantConfig) -> LinearMethod | None:
 
 
 def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
-    """Give every Linear of `model` the method of `cfg` (before loading weights)."""
-    if cfg.method == "none":
+    """Give every Linear of `model` the method of its format in `cfg` (before loading
+    weights); Linears whose format is "none" keep the unquantized method."""
+    if cfg.method == "none" and not cfg.layers:
         return
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
-            method = make_linear_method(cfg)
-            assert method is not None
-            module.set_linear_method(method)
+            method = make_linear_method(cfg.for_layer(name))
+            if method is not None:
+                module.set_linear_method(method)
 
 
 def finish_loading(model: nn.Module) -> None:

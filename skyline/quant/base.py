@@ -82,14 +82,29 @@ class QuantLinearMethod:
         if self.prequantized:
             return
         w = layer.weight.data
-        act_sq = getattr(layer, "act_sq", None)
-        parts = [self.quantize(w.narrow(0, off, size).float(), act_sq)
-                 for off, size in layer.shards.values()]
+        tensors = self.quantize_shards(w, layer.shards, getattr(layer, "act_sq", None))
         del layer.weight
+        self.set_tensors(layer, {name: t.to(w.device) for name, t in tensors.items()})
+
+    def quantize_shards(
+        self, w: torch.Tensor, shards: dict[Any, tuple[int, int]],
+        act_sq: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The layer's tensors (as `param_specs`) for its full-precision weight w [rows, cols]:
+        each checkpoint tensor (shard) quantized on its own, per-tensor values repeated per
+        row."""
+        parts = [self.quantize(w.narrow(0, off, size).float(), act_sq)
+                 for off, size in shards.values()]
+        out = {}
         for name in parts[0]:
             rows = [p[name].expand(size, *p[name].shape[1:]) if name in self.per_tensor else p[name]
-                    for p, (_, size) in zip(parts, layer.shards.values(), strict=True)]
-            tensor = torch.cat(rows).contiguous().to(w.device)
+                    for p, (_, size) in zip(parts, shards.values(), strict=True)]
+            out[name] = torch.cat(rows).contiguous()
+        return out
+
+    def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor]) -> None:
+        """Install quantized tensors (from `quantize_shards`) as the layer's parameters."""
+        for name, tensor in tensors.items():
             setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
 
     def tensors(self, layer: Linear) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """`skyline quantize`: quantize a model's Linear weights (optionally calibrated on text) and
 write a safetensors checkpoint that skyline loads directly (config.json names the format
-under `quantization_config`, so loading needs no --quantization)."""
+under `quantization_config`, so loading needs no --quantization). A mixed-precision
+checkpoint (report.py, `--search`) also lists every Linear's own format under "layers"."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from skyline.config import ConfigError, ModelConfig, QuantConfig
-from skyline.model.layers.linear import Linear
+from skyline.model.layers.linear import Linear, UnquantizedLinearMethod
 from skyline.quant import make_linear_method
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.resolve import QUANT_METHOD_TAG
@@ -30,12 +31,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def quantize_loaded(
     model: nn.Module, cfg: QuantConfig, act_sq: dict[str, torch.Tensor] | None = None
 ) -> None:
-    """Quantize the Linears of an unquantized, loaded model in place (online, as at load)."""
-    if cfg.method not in SAVABLE:
-        raise ConfigError(f"--format must be one of {', '.join(SAVABLE)}, got {cfg.method!r}")
+    """Quantize the Linears of an unquantized, loaded model in place (online, as at load),
+    each to its format in `cfg` (a Linear whose per-layer format is "none" stays as it is)."""
+    check_savable(cfg)
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            method = make_linear_method(cfg)
+            method = make_linear_method(cfg.for_layer(name))
+            if method is None:
+                continue
             assert isinstance(method, QuantLinearMethod)
             if act_sq is not None and name in act_sq:
                 module.act_sq = act_sq[name]
@@ -44,26 +47,41 @@ def quantize_loaded(
             module.__dict__.pop("act_sq", None)
 
 
+def check_savable(cfg: QuantConfig) -> None:
+    """Raise unless every format of `cfg` can be written (per-layer "none" is allowed)."""
+    if not cfg.layers and cfg.method not in SAVABLE:
+        raise ConfigError(f"--format must be one of {', '.join(SAVABLE)}, got {cfg.method!r}")
+    for method in {cfg.method, *(m for _, m, _ in cfg.layers)}:
+        if method not in (*SAVABLE, "none"):
+            raise ConfigError(f"a per-layer format must be one of {', '.join(SAVABLE)} or none, "
+                              f"got {method!r}")
+
+
 def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """HF-named CPU tensors of a quantized model: each merged Linear split back into the
-    checkpoint tensors it was loaded from (q/k/v, gate/up), per-tensor values as [1]."""
+    checkpoint tensors it was loaded from (q/k/v, gate/up), per-tensor values as [1]. In a
+    mixed-precision model, Linears left unquantized are written as plain weights."""
     hf_name = getattr(model, "_hf_name", lambda name, shard_id: name)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    if not any(isinstance(m.linear_method, QuantLinearMethod) for _, m in linears):
+        raise ConfigError("the model is not quantized; quantize the model first")
     out: dict[str, torch.Tensor] = {}
     owned: set[int] = set()
-    for mod_name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
+    for mod_name, module in linears:
         method = module.linear_method
-        if not isinstance(method, QuantLinearMethod):
-            raise ConfigError(f"{mod_name} is not quantized; quantize the model first")
-        tensors = dict(method.tensors(module))
+        if isinstance(method, QuantLinearMethod):
+            tensors, per_tensor = dict(method.tensors(module)), method.per_tensor
+        elif isinstance(method, UnquantizedLinearMethod):
+            tensors, per_tensor = {"weight": module.weight}, ()
+        else:
+            raise ConfigError(f"{mod_name} uses {type(method).__name__}, which cannot be saved")
         if module.bias is not None:
             tensors["bias"] = module.bias
         owned.update(id(t) for t in tensors.values())
         for shard_id, (offset, size) in module.shards.items():
             prefix = hf_name(f"{mod_name}.weight", shard_id).removesuffix(".weight")
             for name, t in tensors.items():
-                rows = 1 if name in method.per_tensor else size
+                rows = 1 if name in per_tensor else size
                 out[f"{prefix}.{name}"] = t.detach().narrow(0, offset, rows).cpu().contiguous()
     for name, param in model.named_parameters():
         if id(param) not in owned:
@@ -127,12 +145,27 @@ def quantize_checkpoint(
         calib_ids = calib_ids[:calib_tokens]
         act_sq = collect_act_sq(model, calib_ids)
     quantize_loaded(model, qcfg, act_sq)
+    calibration = {"source": source if act_sq else "none", "tokens": len(calib_ids or [])}
+    return write_checkpoint(model, model_cfg, qcfg, out_dir, calibration)
+
+
+def write_checkpoint(
+    model: nn.Module, model_cfg: ModelConfig, qcfg: QuantConfig, out_dir: str,
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """Write quantized `model` (quantized as `qcfg` from `model_cfg`'s weights) to `out_dir`:
+    model.safetensors, config.json with the quantization_config (every Linear's own format
+    under "layers" when they differ), the tokenizer. Returns the quantization_config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(quantized_state(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    meta = {"quant_method": QUANT_METHOD_TAG, "format": fmt, "group_size": group_size,
-            "calibration": {"source": source if act_sq else "none",
-                            "tokens": len(calib_ids or [])}}
+    meta: dict[str, Any] = {"quant_method": QUANT_METHOD_TAG, "format": qcfg.method,
+                            "group_size": qcfg.group_size}
+    if qcfg.layers:
+        meta["layers"] = {name: {"format": m.method, "group_size": m.group_size}
+                          for name, mod in model.named_modules() if isinstance(mod, Linear)
+                          for m in [qcfg.for_layer(name)]}
+    meta["calibration"] = calibration
     hf = _hf_config(model_cfg.path, model_cfg.load_format)
     hf["quantization_config"] = meta
     hf["torch_dtype"] = model_cfg.dtype

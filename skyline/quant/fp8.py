@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from skyline.model.layers.linear import Linear
+from skyline.ops.gemv_quant import fp8_gemv, quant_gemv_ok
 from skyline.quant.base import QuantLinearMethod
 
 FP8 = torch.float8_e4m3fn
@@ -52,10 +53,13 @@ class Fp8LinearMethod(QuantLinearMethod):
         return q["weight"].float() * q["weight_scale"].unsqueeze(-1)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        w, w_scale = layer.weight, layer.weight_scale
+        if quant_gemv_ok(x) and _has_fp8_units(x.device):
+            # Decode-sized batches: weight-only GEMV streaming the fp8 bytes (x not quantized).
+            return fp8_gemv(x, w, w_scale, layer.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales
-        w, w_scale = layer.weight, layer.weight_scale
         if _scaled_mm_ok(x2, w):
             # Row-wise scales: x_scale [M, 1], w_scale [1, N]; w.t() is column-major as required.
             y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.unsqueeze(0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from skyline.model.layers.linear import Linear
+from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
 from skyline.quant.base import QuantLinearMethod, pad_cols
 
@@ -82,6 +83,9 @@ class IntLinearMethod(QuantLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         args = (layer.qweight, layer.scales, layer.zeros, self.bits, self.group_size)
+        if quant_gemv_ok(x) and self.group_size % 32 == 0:
+            # Decode-sized batches: a GEMV unpacking the codes in registers.
+            return int_gemv(x, *args, bias=layer.bias)
         if x.is_cuda:
             y = int_matmul_triton(x, *args)
         else:

@@ -43,14 +43,16 @@ def resolve_quant_config(
     saved = saved_quant(path) if load_format == "safetensors" else None
     if saved is not None:
         fmt = saved.get("format")
-        if fmt not in QUANT_METHODS or fmt in ("none", "gguf"):
+        layers = _saved_layers(saved.get("layers"), path)
+        if fmt not in QUANT_METHODS or fmt == "gguf" or (fmt == "none" and not layers):
             raise ConfigError(f"{path}/config.json names an unknown quantization format {fmt!r}")
         if method not in (None, fmt):
+            what = "with per-layer formats" if layers else f"as {fmt}"
             raise ConfigError(
-                f"{path} is already quantized as {fmt}; drop --quantization or pass {fmt}"
+                f"{path} is already quantized {what}; drop --quantization or pass {fmt}"
             )
         return QuantConfig(method=fmt, group_size=int(saved.get("group_size", 128)),
-                           prequantized=True)
+                           prequantized=True, layers=layers)
     if method is None:
         method = "gguf" if load_format == "gguf" and GGUF_PACKED_BY_DEFAULT else "none"
     if method == "gguf" and load_format != "gguf":
@@ -58,3 +60,25 @@ def resolve_quant_config(
             "--quantization gguf keeps a GGUF file's blocks packed, so it needs a .gguf model"
         )
     return QuantConfig(method=method, group_size=group_size)
+
+
+def _saved_layers(layers: Any, path: str) -> tuple[tuple[str, str, int], ...]:
+    """quantization_config.layers ({linear name: {"format", "group_size"}}) as QuantConfig
+    per-layer triples."""
+    if layers is None:
+        return ()
+    bad = ConfigError(f"{path}/config.json has malformed per-layer formats; write it again "
+                      "with skyline quantize")
+    if not isinstance(layers, dict):
+        raise bad
+    out = []
+    for name, spec in layers.items():
+        if not isinstance(spec, dict) or spec.get("format") not in QUANT_METHODS:
+            raise bad
+        if spec["format"] == "gguf":
+            raise bad
+        try:
+            out.append((name, spec["format"], int(spec.get("group_size", 128))))
+        except (TypeError, ValueError):
+            raise bad from None
+    return tuple(out)

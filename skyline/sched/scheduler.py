@@ -17,8 +17,17 @@ Invariants between calls:
 - `_finished_ids` holds every id the runner must forget before the next step.
 
 Call order: `schedule`, run the step, `update`, and `add_request` / `abort_requests` only between
-an `update` and the next `schedule` (the engine loop does), so that freed blocks are never handed
-out while the runner may still write into them.
+an `update` and the next `schedule` (the engine loop does).
+
+Async scheduling (engine/core.py): step n+1 may be scheduled before step n's `update`, so that
+the host prepares n+1 while the device runs n. A request that samples in a step holds an output
+placeholder until its token arrives (`Request.num_output_placeholders`); a decode is scheduled
+past it, the runner feeding the token to the next step on the device. Stops are seen one step
+late: a request that finished in step n was also scheduled in n+1, and that step's token is
+dropped. A block freed in `update(n)` may still be written by step n+1, which was queued on the
+device before any step that can reuse it, so device order keeps it safe. Speculative decoding
+and constrained decoding need each step's tokens before the next is scheduled: `can_overlap`
+says when the engine must update first.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class Scheduler:
         self.spec = SpecPolicy(spec_cfg) if spec_cfg is not None and spec_cfg.enabled else None
         self._drafts: dict[str, list[int]] = {}
         self._num_freed_blocks: dict[str, int] = {}
+        self._constrained: set[str] = set()  # requests with structured-output constraints
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -93,6 +103,9 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        p = req.sampling_params
+        if p.json_schema or p.regex or p.grammar:
+            self._constrained.add(req.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Drop requests and free their blocks now. Unknown or finished ids are ignored.
@@ -113,6 +126,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the previous step's `update`: not
+        with speculative decoding (drafts come from the previous step's tokens) nor while a
+        constrained request exists (its token mask needs the previous token)."""
+        return self.spec is None and not self._constrained
 
     @property
     def num_waiting(self) -> int:
@@ -160,11 +179,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute until `update` gives it a token
-                i += 1
+            pending = req.num_output_placeholders
+            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            if num_new <= 0 or (pending and self._ends_within(req, pending)):
+                i += 1  # nothing to compute until `update` gives it a token
                 continue
-            drafts = self._drafts_for(req, budget) if speculate and num_new == 1 else []
+            speculate_req = speculate and num_new == 1 and not pending
+            drafts = self._drafts_for(req, budget) if speculate_req else []
             while True:
                 new_ids = self.kv_manager.allocate_slots(req, num_new + len(drafts))
                 if new_ids is not None:
@@ -201,6 +222,7 @@ class Scheduler:
             and len(self.running) < self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
+            assert not req.num_output_placeholders  # a preempted request is updated first
             hits, num_hit = self.kv_manager.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv_manager.allocate_slots(req, num_new, hits) is None:
@@ -233,6 +255,16 @@ class Scheduler:
         out.num_scheduled_tokens[req.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
         req.num_computed_tokens += num_new
+        if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+            req.num_output_placeholders += 1  # the step samples its next token
+
+    def _ends_within(self, req: Request, n: int) -> bool:
+        """Whether `n` more output tokens surely end the request (length limits only: a stop
+        token cannot be foreseen)."""
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and req.num_output_tokens + n >= max_tokens:
+            return True
+        return req.num_tokens + n >= self.max_len(req)
 
     def _num_pending_tokens(self) -> int:
         """Tokens this step would run without drafts (at most the budget): its size in work."""
@@ -259,6 +291,7 @@ class Scheduler:
         return drafts[: max(k, 0)]
 
     def _forget_spec(self, req_id: str) -> None:
+        self._constrained.discard(req_id)
         self._drafts.pop(req_id, None)
         self._num_freed_blocks.pop(req_id, None)
         if self.spec is not None:
@@ -289,10 +322,16 @@ class Scheduler:
         finished: set[str] = set()
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted since it was scheduled
+            if req is None:
+                continue  # aborted or finished since it was scheduled
             i = index.get(rid)
             sampled = runner_out.sampled_token_ids[i] if i is not None else []
+            if sampled:
+                req.num_output_placeholders -= 1
+            if req.status is not RequestStatus.RUNNING:
+                # Preempted after this step was scheduled (async scheduling): keep its token.
+                outputs.extend(self._update_waiting(req, sampled, runner_out.logprobs, i))
+                continue
             drafts = sched_out.spec_token_ids.get(rid)
             if drafts and sampled:
                 # Give back the slots of rejected drafts: their KV belongs to no token.
@@ -340,6 +379,34 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in finished]
             self._finished_ids |= finished
         return outputs
+
+    def _update_waiting(
+        self, req: Request, sampled: list[int],
+        logprobs: list[list[TokenLogprobs] | None], i: int | None,
+    ) -> list[StepOutput]:
+        """Tokens of a step that ran before the request was preempted: they are its output
+        (the recompute covers their KV); a stop among them ends it in the waiting queue."""
+        if not sampled:
+            return []
+        new_ids: list[int] = []
+        for token_id in sampled:
+            req.append_output_token(token_id)
+            new_ids.append(token_id)
+            if self._check_stop(req, token_id):
+                break
+        lps = logprobs[i] if i is not None and i < len(logprobs) else None
+        out = StepOutput(request_id=req.request_id, new_token_ids=new_ids,
+                         new_logprobs=_trim(lps, len(new_ids)),
+                         num_prompt_tokens=req.num_prompt_tokens,
+                         num_cached_tokens=max(req.num_cached_tokens, 0))
+        if req.status.finished:
+            out.finish_reason = req.status.value
+            out.stop_reason = req.stop_reason
+            self.waiting = deque(r for r in self.waiting if r is not req)
+            self._forget_spec(req.request_id)
+            del self.requests[req.request_id]
+            self._finished_ids.add(req.request_id)
+        return [out]
 
     def _check_stop(self, req: Request, token_id: int) -> bool:
         """Set the request's finished status if `token_id` (just appended) ends it."""

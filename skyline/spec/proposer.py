@@ -2,16 +2,21 @@
 model in one forward pass (the runner) and accepted by rejection sampling (`verify.py`).
 
 Proposers run in the worker right after sampling. The n-gram and suffix proposers need token
-ids only; a draft model or EAGLE head (not yet written) will also need the device and the
-target's hidden states, which is why they live beside the runner and not in the scheduler.
+ids only; the EAGLE head (`eagle_proposer.py`) also needs the device and the target's hidden
+states (a `HiddenStateProposer`), which is why proposers live beside the runner and not in the
+scheduler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from skyline.config import SpecConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class Proposer(Protocol):
@@ -27,7 +32,28 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(cfg: SpecConfig) -> Proposer | None:
+@runtime_checkable
+class HiddenStateProposer(Proposer, Protocol):
+    """A proposer that also reads the target's hidden states (the input of its LM head)."""
+
+    def observe(
+        self,
+        req_ids: Sequence[str],
+        starts: Sequence[int],
+        hidden: Sequence[torch.Tensor],
+        token_ids: Sequence[Sequence[int]],
+    ) -> None:
+        """Called every step right after the target's forward pass, before sampling: request
+        i computed positions starts[i].. with hidden states hidden[i] [n_i, hidden_size] (a
+        verification's rows include its drafts); token_ids[i] are its tokens so far. Rows of
+        drafts the verification rejects are the proposer's to drop: at the next `propose` of
+        the request its token ids tell how many drafts were accepted."""
+        ...
+
+
+def make_proposer(cfg: SpecConfig, model: nn.Module | None = None) -> Proposer | None:
+    """The proposer of `cfg.method`; `model` is the target (the EAGLE head shares its
+    embedding, final norm and LM head)."""
     if cfg.method == "none":
         return None
     if cfg.method == "ngram":
@@ -38,4 +64,9 @@ def make_proposer(cfg: SpecConfig) -> Proposer | None:
         from skyline.spec.suffix import SuffixProposer
 
         return SuffixProposer(cfg.ngram_min, cfg.ngram_max, cfg.suffix_traffic_tokens)
+    if cfg.method == "eagle":
+        from skyline.spec.eagle_proposer import EagleProposer
+
+        assert model is not None, "the EAGLE proposer needs the target model"
+        return EagleProposer(cfg, model)
     raise AssertionError(f"unknown speculative method {cfg.method!r}")  # SpecConfig validates

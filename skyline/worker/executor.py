@@ -20,6 +20,13 @@ class Executor:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(out)
 
+    def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
+        """Queue a step; returns the output of the step that was in flight, if any."""
+        return self.runner.launch(out)
+
+    def collect(self) -> RunnerOutput:
+        return self.runner.collect()
+
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Log-probs of the next token at every position of `token_ids` (teacher forcing):

@@ -8,6 +8,7 @@ import torch
 
 from skyline.model.forward_ctx import AttentionMetadata
 from skyline.types import NewRequestData, SamplingParams
+from skyline.worker.sampler import to_device
 
 
 @dataclass
@@ -49,10 +50,17 @@ def build_inputs(
     block_size: int,
     device: torch.device,
     spec_token_ids: dict[str, list[int]] | None = None,
+    in_flight: tuple[dict[str, int], torch.Tensor] | None = None,
 ) -> StepInputs:
     """Draft tokens of a request (`spec_token_ids`) follow its last real token in the batch; a
-    request that reaches its end gets a logits row at its last real token and one per draft."""
+    request that reaches its end gets a logits row at its last real token and one per draft.
+
+    `in_flight` (async scheduling): the previous step's sampled tokens, still on the device, and
+    each sampling request's row in them. A request scheduled one token past what the host knows
+    takes that token from there, without the host waiting for it."""
     spec = spec_token_ids or {}
+    fill_at: list[int] = []  # positions in input_ids of tokens still on the device
+    fill_from: list[int] = []  # their rows in the previous step's tokens
     # Decodes (one query token) first, so attention can batch them without per-sequence loops.
     req_ids = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
     num_decodes = sum(1 for r in req_ids if num_scheduled[r] == 1)
@@ -71,6 +79,12 @@ def build_inputs(
         end = start + n
         drafts = spec.get(rid, ())
         input_ids.extend(s.token_ids[start : end - len(drafts)])
+        if end - len(drafts) > len(s.token_ids):
+            assert in_flight is not None and end == len(s.token_ids) + 1 and not drafts, (
+                f"request {rid} is scheduled past its known tokens with none in flight")
+            fill_at.append(len(input_ids))
+            fill_from.append(in_flight[0][rid])
+            input_ids.append(0)
         input_ids.extend(drafts)
         pos = range(start, end)
         positions.extend(pos)
@@ -82,22 +96,25 @@ def build_inputs(
         if end - len(drafts) >= len(s.token_ids):
             logits_idx.extend(range(qsl[-1] - 1 - len(drafts), qsl[-1]))
             sampling.append(rid)
-    table = torch.zeros((len(req_ids), max_blocks), dtype=torch.int32)
-    for i, rid in enumerate(req_ids):
-        b = states[rid].block_ids
-        table[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    rows = [states[rid].block_ids for rid in req_ids]
+    table = torch.tensor([b + [0] * (max_blocks - len(b)) for b in rows], dtype=torch.int32)
 
     def t(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return to_device(x, dtype, device)
 
     attn = AttentionMetadata(
         slot_mapping=t(slots),
         query_start_loc=qsl,
         seq_lens=seq_lens,
-        block_tables=table.to(device, non_blocking=True),
+        block_tables=table.pin_memory().to(device, non_blocking=True)
+        if device.type == "cuda" else table,
         block_size=block_size,
         num_decodes=num_decodes,
         seq_lens_tensor=t(seq_lens, torch.int32),
         query_start_loc_tensor=t(qsl, torch.int32),
     )
-    return StepInputs(req_ids, t(input_ids), t(positions), attn, t(logits_idx), sampling)
+    ids = t(input_ids)
+    if fill_at:
+        assert in_flight is not None
+        ids[t(fill_at)] = in_flight[1][t(fill_from)]
+    return StepInputs(req_ids, ids, t(positions), attn, t(logits_idx), sampling)

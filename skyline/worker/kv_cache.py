@@ -1,14 +1,26 @@
-"""KV cache tensors: sizing from the memory budget and allocation, one tensor per layer."""
+"""KV cache tensors: sizing from the memory budget and allocation, one tensor per layer;
+for an fp8 cache, the per-layer K/V scales."""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch import nn
 
 from skyline.config import CacheConfig, ConfigError, ModelArch
+from skyline.ops.kv_quant import FP8_DTYPE, scale_from_amax
 
 log = logging.getLogger(__name__)
+
+# Random tokens in the forward that calibrates fp8 KV scales: a fixed count, so the scales do
+# not depend on the token budget or the batch size. (Their amax is 0.7-0.8 of what 1024 tokens
+# give on the default model, well inside SCALE_HEADROOM.)
+CALIBRATION_TOKENS = 512
+
+
+def kv_cache_dtype(cfg: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return FP8_DTYPE if cfg.kv_cache_dtype == "fp8_e4m3" else model_dtype
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -40,7 +52,7 @@ def num_blocks_for(
         where = "--gpu-memory-utilization" if device.type == "cuda" else "--kv-cache-memory"
         raise ConfigError(
             f"no memory is left for the KV cache ({budget / 2**20:.0f} MiB after the model); "
-            f"raise {where} or use a smaller model or dtype"
+            f"raise {where}, use --kv-cache-dtype fp8, or use a smaller model or dtype"
         )
     return int(n)
 
@@ -53,3 +65,46 @@ def allocate_kv_cache(
     # only reads slots it wrote, and masks padding, so the contents need no initial value.
     alloc = torch.empty if device.type == "cpu" else torch.zeros
     return [alloc(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(
+    model: nn.Module, vocab_size: int, max_model_len: int, device: torch.device,
+    token_ids: list[int] | None = None,
+) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) of an fp8 cache: the largest |k| and |v| each attention
+    layer sees in one forward of CALIBRATION_TOKENS random tokens (fewer if max_model_len is
+    smaller; `token_ids` instead, if given), mapped by `scale_from_amax` (with headroom;
+    larger values saturate)."""
+    layers = model.attention_layers()
+    amax = [torch.zeros(2, device=device) for _ in layers]  # kept on the device: no sync
+
+    def observe(i: int):
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            k = args[1] if len(args) > 1 else kwargs["k"]
+            v = args[2] if len(args) > 2 else kwargs["v"]
+            seen = torch.stack([k.abs().amax(), v.abs().amax()]).float()
+            torch.maximum(amax[i], seen, out=amax[i])
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(observe(i), with_kwargs=True)
+             for i, layer in enumerate(layers)]
+    try:
+        if token_ids is None:
+            gen = torch.Generator().manual_seed(0)
+            n = min(CALIBRATION_TOKENS, max_model_len)
+            ids = torch.randint(0, vocab_size, (n,), generator=gen).to(device)
+        else:
+            ids = torch.tensor(token_ids, device=device)
+        model(ids, torch.arange(len(ids), device=device))
+    finally:
+        for h in hooks:
+            h.remove()
+    if device.type == "cuda":  # the activations' memory goes back before the cache is sized
+        torch.cuda.empty_cache()
+    scales = [(scale_from_amax(float(k)), scale_from_amax(float(v)))
+              for k, v in torch.stack(amax).tolist()]
+    log.info("fp8 KV cache: k_scale %.3g..%.3g, v_scale %.3g..%.3g over %d layers",
+             min(s[0] for s in scales), max(s[0] for s in scales),
+             min(s[1] for s in scales), max(s[1] for s in scales), len(scales))
+    return scales

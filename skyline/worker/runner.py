@@ -1,25 +1,52 @@
-"""The model runner: owns the model, the KV cache and per-request token state on one device."""
+"""The model runner: owns the model, the KV cache and per-request token state on one device.
+
+A step is launched (`launch`) and later collected (`collect`). With async scheduling the
+engine launches step n+1 before collecting step n: `launch` queues n+1's forward pass on the
+device, then waits for step n's tokens (the device is busy with n+1 meanwhile), records them,
+and queues n+1's sampling; it hands step n's output back. Sampling comes after the wait so
+penalties and seeded draws see every earlier token. Without async scheduling (or with
+speculative decoding, whose verification needs the tokens at once) a step is launched and
+collected in turn, as `execute` does.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model
-from skyline.spec.proposer import make_proposer
+from skyline.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from skyline.worker.cuda_graph import CudaGraphRunner
 from skyline.worker.inputs import RequestState, build_inputs
-from skyline.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for
+from skyline.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    calibrate_kv_scales,
+    kv_cache_dtype,
+    num_blocks_for,
+)
+from skyline.worker.sampler import DeviceSample, SamplingRow, sample_on_device
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose tokens the host has not read yet."""
+
+    req_ids: list[str]
+    sampling_req_ids: list[str]
+    sample: DeviceSample | None = None  # None: nothing sampled, or `result` already known
+    result: RunnerOutput | None = None
 
 
 class ModelRunner:
@@ -34,21 +61,32 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
-        self.proposer = make_proposer(config.spec)  # None without speculative decoding
+        # None without speculative decoding
+        self.proposer = make_proposer(config.spec, self.model)
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
         peak = self._profile() if self.device.type == "cuda" else 0
         sc = config.scheduler
-        self.num_blocks = num_blocks_for(self.arch, config.cache, self.dtype, self.device,
+        self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
+        # fp8: per-layer K/V scales from one calibration forward, fixed here, before CUDA
+        # graphs capture them.
+        layers = self.model.attention_layers()
+        scales = [(1.0, 1.0)] * len(layers)
+        if config.cache.kv_cache_dtype == "fp8_e4m3":
+            scales = calibrate_kv_scales(self.model, self.arch.vocab_size, sc.max_model_len,
+                                         self.device)
+        self.num_blocks = num_blocks_for(self.arch, config.cache, self.kv_dtype, self.device,
                                          sc.max_model_len, sc.max_num_seqs, peak)
         # One block past the pool's: scratch space for CUDA-graph padding rows.
         self.kv_caches = allocate_kv_cache(
-            self.arch, self.num_blocks + 1, self.block_size, self.dtype, self.device
+            self.arch, self.num_blocks + 1, self.block_size, self.kv_dtype, self.device
         )
-        for layer, cache in zip(self.model.attention_layers(), self.kv_caches, strict=True):
+        for layer, cache, (k_scale, v_scale) in zip(layers, self.kv_caches, scales, strict=True):
             layer.kv_cache = cache
+            layer.k_scale, layer.v_scale = k_scale, v_scale
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
-            self.arch, self.block_size, self.dtype
+            self.arch, self.block_size, self.kv_dtype
         )
+        self._in_flight: _InFlight | None = None
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
@@ -56,8 +94,9 @@ class ModelRunner:
                 self.model, min(sc.max_num_seqs, 512), -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device)
             self.graphs.capture()
+            self.graph_capture_seconds = time.perf_counter() - t0
             log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs),
-                     time.perf_counter() - t0)
+                     self.graph_capture_seconds)
 
     @torch.inference_mode()
     def _profile(self) -> int:
@@ -91,13 +130,25 @@ class ModelRunner:
             s.block_ids.extend(c.new_block_ids)
             s.num_computed_tokens = c.num_computed_tokens
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        assert self._in_flight is None, "collect the step in flight first"
+        self.launch(out)
+        return self.collect() if self._in_flight is not None else RunnerOutput()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
+        """Queue a step on the device. If a step was in flight, wait for its tokens (after this
+        step's forward pass is queued) and return its output."""
         self._update_states(out)
-        if out.empty:
-            return RunnerOutput()
+        prev, self._in_flight = self._in_flight, None
+        if out.empty:  # nothing to run: nothing in flight afterwards
+            return self._finish(prev) if prev is not None else None
+        in_flight = None
+        if prev is not None and prev.sample is not None:
+            in_flight = ({r: i for i, r in enumerate(prev.sampling_req_ids)}, prev.sample.tokens)
         inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device,
-                           out.spec_token_ids)
+                           out.spec_token_ids, in_flight)
         bucket = None
         if self.graphs is not None and inp.attn.num_decodes == len(inp.req_ids):
             bucket = self.graphs.bucket(len(inp.req_ids))
@@ -108,12 +159,50 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
         for rid in inp.req_ids:
             self.states[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs] | None] = {}
+        if isinstance(self.proposer, HiddenStateProposer):
+            self._observe(inp.req_ids, inp.attn.query_start_loc, hidden)
+        logits = None
         if inp.sampling_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_logits, vocab]
-            sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
-        req_ids = inp.req_ids
+        prev_out = self._finish(prev) if prev is not None else None
+        step = _InFlight(inp.req_ids, inp.sampling_req_ids)
+        if logits is not None:
+            if out.spec_token_ids or out.token_masks:
+                sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
+                step.result = self._output(inp.req_ids, sampled, logprobs)
+            else:
+                states = [self.states[r] for r in inp.sampling_req_ids]
+                rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
+                                    self.eos_ids + tuple(s.params.stop_token_ids))
+                        for s in states]
+                step.sample = sample_on_device(logits, rows)
+                step.sample.copy_to_host()
+        self._in_flight = step
+        return prev_out
+
+    def collect(self) -> RunnerOutput:
+        """Wait for the step in flight and return its output."""
+        step, self._in_flight = self._in_flight, None
+        assert step is not None, "no step in flight"
+        return self._finish(step)
+
+    def _finish(self, step: _InFlight) -> RunnerOutput:
+        if step.result is not None:
+            return step.result
+        if step.sample is None:
+            return self._output(step.req_ids, {}, {})
+        tokens, lps = step.sample.to_host()
+        for rid, t in zip(step.sampling_req_ids, tokens, strict=True):
+            state = self.states.get(rid)  # gone if it finished or was preempted meanwhile
+            if state is not None:
+                state.append(t)
+        sampled = {r: [t] for r, t in zip(step.sampling_req_ids, tokens, strict=True)}
+        logprobs = {r: [lp] if lp is not None else None
+                    for r, lp in zip(step.sampling_req_ids, lps, strict=True)}
+        return self._output(step.req_ids, sampled, logprobs)
+
+    def _output(self, req_ids: list[str], sampled: dict[str, list[int]],
+                logprobs: dict[str, list[TokenLogprobs] | None]) -> RunnerOutput:
         return RunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
@@ -136,6 +225,15 @@ class ModelRunner:
                 s.append(t)
             s.num_computed_tokens -= len(d) + 1 - len(toks)  # rejected drafts hold no KV
         return dict(zip(req_ids, tokens, strict=True)), dict(zip(req_ids, lps, strict=True))
+
+    def _observe(self, req_ids: list[str], loc: list[int], hidden: torch.Tensor) -> None:
+        """Hand a hidden-state proposer (EAGLE) the step's hidden states, request by request
+        (called after `num_computed_tokens` counted the step's tokens)."""
+        assert isinstance(self.proposer, HiddenStateProposer)
+        states = [self.states[r] for r in req_ids]
+        rows = [hidden[loc[i] : loc[i + 1]] for i in range(len(req_ids))]
+        starts = [s.num_computed_tokens - (loc[i + 1] - loc[i]) for i, s in enumerate(states)]
+        self.proposer.observe(req_ids, starts, rows, [s.token_ids for s in states])
 
     def _propose(self, req_ids: list[str], sampled: dict[str, list[int]]) -> list[list[int]]:
         """Drafts to follow each request that just sampled (runs after sampling: the n-gram and

@@ -4,11 +4,15 @@ Randomness is drawn as exponential noise: argmax(p / E) with E ~ Exp(1) is a dra
 (the "exponential race"). A seeded request draws its noise from a generator keyed by
 (seed, output index), so its tokens do not depend on the batch around it, on chunking or on
 preemption.
+
+Nothing here waits for the device: host values reach it through pinned memory, and the result
+stays on the device (`DeviceSample`) until the caller copies it back, so that with async
+scheduling the host can prepare the next step while this one runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +39,15 @@ def _seed_for(seed: int, step: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+def to_device(values: list[int] | list[float], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for it: a pageable copy would synchronise."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     # logits [n, vocab], modified in place; only rows that ask for penalties pay for them.
     vocab = logits.shape[1]
@@ -42,23 +55,27 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(r.prompt_token_ids + r.output_token_ids, device=dev).unique()
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
+            seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+            seen[to_device(r.prompt_token_ids + r.output_token_ids, torch.long, dev)] = True
+            vals = logits[i]
+            penalized = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, vals)
         if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
-            counts = torch.bincount(torch.tensor(r.output_token_ids, device=dev), minlength=vocab)
-            logits[i] -= p.frequency_penalty * counts[:vocab].to(logits.dtype)
-            logits[i] -= p.presence_penalty * (counts[:vocab] > 0).to(logits.dtype)
+            ids = to_device(r.output_token_ids, torch.long, dev)
+            counts = torch.zeros(vocab, dtype=logits.dtype, device=dev)
+            counts.index_add_(0, ids, torch.ones(len(r.output_token_ids), dtype=logits.dtype,
+                                                 device=dev))
+            logits[i] -= p.frequency_penalty * counts
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
         if p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.stop_ids:
-            logits[i, list(r.stop_ids)] = _MASK
+            logits[i, to_device(list(r.stop_ids), torch.long, dev)] = _MASK
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p on the non-greedy rows; returns probabilities."""
     dev = logits.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)
+    temp = to_device([r.params.temperature for r in rows], logits.dtype, dev)
     logits = logits / temp[:, None]
     top_k = [r.params.top_k for r in rows]
     top_p = [r.params.top_p for r in rows]
@@ -66,18 +83,18 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
+        k = to_device([k if k > 0 else vocab for k in top_k], torch.long, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(drop, _MASK).softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (always at least one token).
         cum = probs.cumsum(-1) - probs
-        drop |= cum >= torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+        drop |= cum >= to_device(top_p, probs.dtype, dev)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, _MASK)
         logits = torch.empty_like(logits).scatter_(1, idx, sorted_logits)
     probs = logits.softmax(-1)
     if any(m > 0 for m in min_p):
-        mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)
+        mp = to_device(min_p, probs.dtype, dev)
         keep = probs >= mp[:, None] * probs.max(-1, keepdim=True).values
         probs = probs * keep
     return probs
@@ -104,8 +121,10 @@ def apply_token_masks(logits: torch.Tensor, masks: list[bytes | None]) -> None:
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(
+    if len(unseeded) == len(rows):
+        noise.exponential_()
+    elif unseeded:
+        noise[to_device(unseeded, torch.long, probs.device)] = torch.empty(
             (len(unseeded), probs.shape[1]), device=probs.device, dtype=probs.dtype
         ).exponential_()
     for i, r in enumerate(rows):
@@ -116,40 +135,82 @@ def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
-def sample(
-    logits: torch.Tensor, rows: list[SamplingRow]
-) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits [n, vocab] float32 (one row per request that samples now) -> token ids, logprobs.
+@dataclass
+class DeviceSample:
+    """A step's sampled tokens (and logprobs) still on the device; `to_host` reads them."""
+
+    tokens: torch.Tensor  # [n] int64
+    rows: list[SamplingRow]
+    want: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    # [w] chosen logprob, [w] rank, [w, k] top logprobs, [w, k] top ids (when `want`)
+    logprob_tensors: tuple[torch.Tensor, ...] = ()
+    _host: tuple[torch.Tensor, ...] = ()  # tokens, then logprob tensors, on the host
+    _event: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        """Start the device-to-host copy now (pinned, asynchronous); `to_host` waits for it.
+        `tokens` stays on the device: the next step may read it there."""
+        if self.tokens.device.type != "cuda":
+            return
+        self._host = tuple(t.to("cpu", non_blocking=True)
+                           for t in (self.tokens, *self.logprob_tensors))
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._host or (self.tokens, *self.logprob_tensors)
+        token_list = host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(self.rows)
+        if self.want:
+            chosen_lp, ranks, top_lp, top_ids = (t.tolist() for t in host[1:])
+            for j, i in enumerate(self.want):
+                n = self.rows[i].params.logprobs or 0
+                logprobs[i] = TokenLogprobs(
+                    token_ids=[token_list[i]] + top_ids[j][:n],
+                    logprobs=[chosen_lp[j]] + top_lp[j][:n],
+                    sampled_rank=ranks[j],
+                )
+        return token_list, logprobs
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSample:
+    """logits [n, vocab] float32 (one row per request that samples now) -> tokens and
+    logprobs on the device, without waiting for it.
 
     Logprobs are those of the model's raw distribution (before penalties and temperature),
     as vLLM reports them.
     """
+    dev = logits.device
     raw = logits
     logits = logits.clone()
     _apply_penalties(logits, rows)
     tokens = logits.argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
+    if len(random_rows) == len(rows):
+        tokens = _draw(_filter(logits, rows), rows)
+    elif random_rows:
         sub = [rows[i] for i in random_rows]
-        probs = _filter(logits[random_rows], sub)
-        tokens[random_rows] = _draw(probs, sub)
-    token_list = tokens.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        idx = to_device(random_rows, torch.long, dev)
+        tokens[idx] = _draw(_filter(logits[idx], sub), sub)
+    out = DeviceSample(tokens, rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
-        lp = raw[want].float().log_softmax(-1)  # [w, vocab]
-        chosen = tokens[want]
+        idx = to_device(want, torch.long, dev)
+        lp = raw[idx].float().log_softmax(-1)  # [w, vocab]
+        chosen = tokens[idx]
         chosen_lp = lp.gather(1, chosen[:, None])  # [w, 1]
         ranks = (lp > chosen_lp).sum(-1) + 1
         k = max(rows[i].params.logprobs or 0 for i in want)
         top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, None][:, :0])
-        chosen_lp, ranks = chosen_lp[:, 0].tolist(), ranks.tolist()
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        for j, i in enumerate(want):
-            n = rows[i].params.logprobs or 0
-            logprobs[i] = TokenLogprobs(
-                token_ids=[token_list[i]] + top_ids[j][:n],
-                logprobs=[chosen_lp[j]] + top_lp[j][:n],
-                sampled_rank=ranks[j],
-            )
-    return token_list, logprobs
+        out.want = want
+        out.logprob_tensors = (chosen_lp[:, 0], ranks, top_lp, top_ids)
+    return out
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """`sample_on_device`, then wait for the tokens: token ids and logprobs per row."""
+    return sample_on_device(logits, rows).to_host()

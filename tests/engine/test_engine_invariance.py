@@ -138,3 +138,44 @@ def test_bad_requests(tiny_model):
     # the engine is still healthy and holds no blocks
     assert llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids
     assert not llm.engine.has_unfinished()
+
+
+def test_async_scheduling_same_outputs(tiny_model):
+    """Scheduling step n+1 before step n's tokens are read changes nothing a client sees:
+    tokens, logprobs, finish reasons, with penalties, seeds, stops, chunking and preemption."""
+    path, _ = tiny_model
+    prompts = _prompts(12, seed=6)
+    stop_tok = _run(path, [prompts[0]])[0][4]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok], logprobs=2),
+        SamplingParams(temperature=0.9, top_k=20, max_tokens=9, seed=7, repetition_penalty=1.3,
+                       presence_penalty=0.5, frequency_penalty=0.2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=6, stop_token_ids=[stop_tok]),
+    ]
+    reqs = [(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+
+    def run(mode: str, **kw):
+        llm = LLM(path, device="cpu", dtype="float32", async_scheduling=mode, **kw)
+        assert llm.engine.async_scheduling == (mode == "on")
+        for p, sp in reqs:
+            llm.add_request(p, sp)
+        done = {}
+        while llm.engine.has_unfinished():
+            for o in llm.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0]
+        pool = llm.engine.scheduler.kv_manager.block_pool
+        assert pool.num_free_blocks == llm.engine.executor.num_blocks
+        if "num_blocks" in kw:
+            assert llm.engine.stats()["num_preemptions"] > 0
+        return [(o.token_ids, o.finish_reason, o.stop_reason,
+                 [(lp.token_ids, round(lp.logprobs[0], 4)) for lp in o.logprobs or []])
+                for _, o in sorted(done.items(), key=lambda kv: int(kv[0]))]
+
+    ref = run("off")
+    assert {r[1] for r in ref} == {"stop", "length"}
+    assert run("on") == ref
+    assert run("on", max_num_batched_tokens=5) == ref  # chunked prefill mixed with decodes
+    tiny = dict(num_blocks=16, block_size=4, max_model_len=64)  # preemption by recompute
+    assert run("on", **tiny) == run("off", **tiny) == ref

@@ -1,4 +1,5 @@
-"""paged_attention_ref and write_kv_ref against dense causal attention (float64 math)."""
+"""paged_attention_ref and write_kv_ref against dense causal attention (float64 math), with
+caches of the model dtype and fp8 caches with per-layer scales."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import pytest
 import torch
 
-from skyline.ops.attention import paged_attention_ref, write_kv_ref
+from skyline.ops.attention import paged_attention_ref
+from skyline.ops.kv_quant import FP8_DTYPE, dequantize_kv, quantize_kv
+from skyline.ops.kv_write import write_kv_ref
 
 
 def _dense_ref(q, k, v, scale):
@@ -22,8 +25,11 @@ def _dense_ref(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, seed, dtype=torch.float32):
-    """seqs: list of (context_len_before_step, q_len); decodes (q_len 1) must come first."""
+def _run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, seed, dtype=torch.float32,
+              cache_dtype=None, k_scale=1.0, v_scale=1.0):
+    """seqs: list of (context_len_before_step, q_len); decodes (q_len 1) must come first.
+    Returns the largest error against dense attention over the unquantized K/V."""
+    cache_dtype = cache_dtype or dtype
     g = torch.Generator().manual_seed(seed)
     num_decodes = 0
     while num_decodes < len(seqs) and seqs[num_decodes][1] == 1:
@@ -32,7 +38,7 @@ def _run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, seed, dtype=t
     num_blocks = sum(blocks_per_seq) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    kv_cache = kv_cache.to(dtype)  # stale garbage everywhere not written
+    kv_cache = kv_cache.to(cache_dtype)  # stale garbage everywhere not written
     max_blocks = max(blocks_per_seq)
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
     qs, ks, vs, slots, loc, seq_lens = [], [], [], [], [0], []
@@ -47,7 +53,7 @@ def _run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, seed, dtype=t
         pos = torch.arange(n)
         seq_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
         # the context is already cached; this step writes only the new tokens
-        write_kv_ref(k[:ctx], v[:ctx], kv_cache, seq_slots[:ctx])
+        write_kv_ref(k[:ctx], v[:ctx], kv_cache, seq_slots[:ctx], k_scale, v_scale)
         qs.append(torch.randn(q_len, num_heads, head_dim, generator=g).to(dtype))
         ks.append(k[ctx:])
         vs.append(v[ctx:])
@@ -57,14 +63,22 @@ def _run_case(seqs, num_heads, num_kv_heads, head_dim, block_size, seed, dtype=t
         full_k.append(k)
         full_v.append(v)
     q = torch.cat(qs)
-    write_kv_ref(torch.cat(ks), torch.cat(vs), kv_cache, torch.cat(slots))
+    write_kv_ref(torch.cat(ks), torch.cat(vs), kv_cache, torch.cat(slots), k_scale, v_scale)
     scale = head_dim**-0.5
-    out = paged_attention_ref(q, kv_cache, loc, seq_lens, block_tables, scale, num_decodes)
+    out = paged_attention_ref(q, kv_cache, loc, seq_lens, block_tables, scale, num_decodes,
+                              k_scale=k_scale, v_scale=v_scale)
     assert out.shape == q.shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
+    worst = 0.0
     for i in range(len(seqs)):
-        ref = _dense_ref(qs[i], full_k[i], full_v[i], scale)
+        # what the cache holds, read back: exact for a cache of the model dtype
+        k_seen = dequantize_kv(quantize_kv(full_k[i], cache_dtype, k_scale), dtype, k_scale)
+        v_seen = dequantize_kv(quantize_kv(full_v[i], cache_dtype, v_scale), dtype, v_scale)
+        ref = _dense_ref(qs[i], k_seen, v_seen, scale)
         torch.testing.assert_close(out[loc[i]: loc[i + 1]].double(), ref, atol=tol, rtol=tol)
+        exact = _dense_ref(qs[i], full_k[i], full_v[i], scale)
+        worst = max(worst, (out[loc[i]: loc[i + 1]].double() - exact).abs().max().item())
+    return worst
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
@@ -92,6 +106,19 @@ def test_prefix_extend_across_block_boundary():
 
 def test_bfloat16_cache():
     _run_case([(3, 1), (0, 9), (10, 4)], 8, 4, 16, 4, seed=5, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_fp8_cache_with_scales(dtype, block_size):
+    # K/V ~ N(0, 1): scales that put their amax (~4.5) near 448 / 2, and scales 1.0
+    seqs = [(9, 1), (30, 1), (0, 12), (13, 6), (4, 2)]
+    for k_scale, v_scale in [(0.02, 0.03), (1.0, 1.0)]:
+        err = _run_case(seqs, 8, 2, 16, block_size, seed=6, dtype=dtype, cache_dtype=FP8_DTYPE,
+                        k_scale=k_scale, v_scale=v_scale)
+        # fp8 rounding of K and V, against the unquantized values (a reader that ignored
+        # the scales would be off by a factor of 30 or more)
+        assert err < 0.25, err
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -69,6 +69,22 @@ class FakeRunner:
         self.block_size = block_size
         self.slots: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) -> (pos, digest)
         self.reqs: dict[str, _State] = {}
+        self._in_flight: RunnerOutput | None = None
+
+    def launch(self, so: SchedulerOutput) -> RunnerOutput | None:
+        """Async scheduling: run `so` now (the fake device is instant and in order) and hand
+        back the previous step's output, as the model runner does."""
+        prev, self._in_flight = self._in_flight, None
+        if not so.empty:
+            self._in_flight = self.execute(so)
+        elif so.finished_request_ids:
+            self.execute(so)
+        return prev
+
+    def collect(self) -> RunnerOutput:
+        out, self._in_flight = self._in_flight, None
+        assert out is not None
+        return out
 
     def _slot(self, st: _State, pos: int) -> tuple[int, int]:
         return st.block_ids[pos // self.block_size], pos % self.block_size

@@ -12,7 +12,9 @@ from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, SamplingParams
 
 
-def scenario(seed: int) -> None:
+def scenario(seed: int, async_scheduling: bool = False) -> None:
+    """`async_scheduling`: schedule step n+1 before updating with step n, as the engine does
+    on GPUs (the fake runner hands back the previous step's tokens at each launch)."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     max_model_len = rng.choice([16, 32, 64])
@@ -52,7 +54,16 @@ def scenario(seed: int) -> None:
     all_reqs = {r.request_id: r for r in pending}
     bound = 50 * num_requests * max_model_len
     step = 0
-    while pending or sched.has_unfinished():
+    in_flight = None
+
+    def take(step_outputs):
+        for o in step_outputs:
+            assert o.request_id not in final and o.request_id not in aborted
+            outputs[o.request_id] += o.new_token_ids
+            if o.finished:
+                final[o.request_id] = o.finish_reason
+
+    while pending or sched.has_unfinished() or in_flight is not None:
         assert step < bound, "no progress"
         step += 1
         # Arrivals and aborts happen between steps, as in the engine loop.
@@ -63,20 +74,24 @@ def scenario(seed: int) -> None:
             sched.abort_requests([victim, "unknown"])
             aborted.add(victim)
             check_invariants(sched)
-        if not sched.has_unfinished():
+        if not sched.has_unfinished() and in_flight is None:
             continue
         num_preemptions = sched.num_preemptions
         so = sched.schedule()
         if sched.num_preemptions > num_preemptions:
             assert not so.new_requests, "no admission in a step short of memory"
-        assert 0 < so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        # Async: a step may be empty while every running request waits for its token.
+        assert 0 < so.total_num_scheduled_tokens or (async_scheduling and in_flight)
+        assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
         check_invariants(sched)
-        for o in sched.update(so, runner.execute(so)):
-            assert o.request_id not in final and o.request_id not in aborted
-            outputs[o.request_id] += o.new_token_ids
-            if o.finished:
-                final[o.request_id] = o.finish_reason
+        if async_scheduling:
+            prev = runner.launch(so)
+            if in_flight is not None:
+                take(sched.update(in_flight, prev))
+            in_flight = None if so.empty else so
+        else:
+            take(sched.update(so, runner.execute(so)))
         check_invariants(sched)
 
     assert set(final) | aborted == set(all_reqs) and not set(final) & aborted
@@ -94,3 +109,8 @@ def scenario(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(60))
 def test_random_workload(seed):
     scenario(seed)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_workload_async(seed):
+    scenario(seed, async_scheduling=True)

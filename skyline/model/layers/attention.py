@@ -1,7 +1,8 @@
 """The attention layer: stores this step's k/v in the paged KV cache, then attends over it.
 
 What each token attends to comes from the per-forward context (`forward_ctx`), set by the
-runner; the layer holds only its KV cache tensor, which the runner binds after allocating it.
+runner; the layer holds only its KV cache tensor and, for an fp8 cache, its K and V scales
+(ops/kv_quant.py), which the runner binds after allocating the cache.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
-from skyline.ops.attention import paged_attention, write_kv_ref
+from skyline.ops.attention import paged_attention
+from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
+from skyline.ops.kv_write import write_kv
 
 
 class Attention(nn.Module):
@@ -21,7 +24,9 @@ class Attention(nn.Module):
     With a forward context and a bound cache: k/v go to `slot_mapping` and each sequence's
     queries attend causally over its cached context. With a context but no cache yet (a
     profiling run): each sequence attends causally over its own tokens only. With no context
-    (a bare test): all tokens are one sequence, causal.
+    (a bare test, or scoring a text): all tokens are one sequence, causal; if an fp8 cache is
+    bound, k/v are first rounded as the cache would hold them, so a score reflects what serving
+    computes.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
@@ -37,6 +42,10 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner
         self.kv_cache: torch.Tensor | None = None
+        # The cache holds k / k_scale and v / v_scale: float32 values, 1.0 unless it is fp8.
+        # Fixed once bound (CUDA graphs capture them as kernel constants).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -46,12 +55,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         meta = get_forward_context()
         if meta is None:
+            if self.kv_cache is not None and is_fp8(self.kv_cache):
+                k = dequantize_kv(quantize_kv(k, self.kv_cache.dtype, self.k_scale), k.dtype,
+                                  self.k_scale)
+                v = dequantize_kv(quantize_kv(v, self.kv_cache.dtype, self.v_scale), v.dtype,
+                                  self.v_scale)
             out = self._causal(q, k, v)
         elif self.kv_cache is None:
             out = self._varlen_no_cache(q, k, v, meta)
         else:
-            # Torch reference path; a fused kernel for CUDA plugs in here.
-            write_kv_ref(k, v, self.kv_cache, meta.slot_mapping)
+            write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             out = paged_attention(
                 q,
                 self.kv_cache,
@@ -62,6 +75,8 @@ class Attention(nn.Module):
                 num_decodes=meta.num_decodes,
                 seq_lens_tensor=meta.seq_lens_tensor,
                 query_start_loc_tensor=meta.query_start_loc_tensor,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
             )
         return out.flatten(1, 2)
 
@@ -90,4 +105,6 @@ class Attention(nn.Module):
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+            + (f", k_scale={self.k_scale:.4g}, v_scale={self.v_scale:.4g}"
+               if self.k_scale != 1.0 or self.v_scale != 1.0 else "")
         )

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.ops.gemv import gemv_or_linear
 
 
 class LinearMethod(Protocol):
@@ -35,7 +35,8 @@ class UnquantizedLinearMethod:
         _set_loader(layer.weight, layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        # F.linear, except a few rows of bf16/fp16 on CUDA (decode) take the Triton GEMV.
+        return gemv_or_linear(x, layer.weight, layer.bias)
 
 
 def default_weight_loader(

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from skyline.model.layers.linear import Linear, MergedLinear
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * d] (gate then up) -> [..., d]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from skyline.ops.activation import silu_and_mul
 
 
 class MLP(nn.Module):

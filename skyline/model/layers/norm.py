@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from skyline.ops.norm import fused_add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps) over the last dim.
@@ -22,16 +24,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> normed; with `residual`, x + residual is normed and also returned
-        as the new residual: (normed, x + residual)."""
-        if residual is not None:
-            # The add stays in the model dtype, as HF's `residual + hidden_states` does.
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        as the new residual: (normed, x + residual). With a residual both inputs are consumed
+        (on CUDA the results are written over them, by one kernel)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

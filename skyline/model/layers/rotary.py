@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.ops.rotary import rotary_embedding
 
 
 def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -124,11 +125,22 @@ class RotaryEmbedding(nn.Module):
             max_position = max(max_position, int(orig * (scaling.get("factor") or 1)))
         self.head_dim = head_dim
         self.max_position = max_position
+        self._inv_freq, self._attn_scale = inv_freq, attn_scale
         # Built on the default device (the loader's `with torch.device(...)`), in float32.
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = t[:, None] * inv_freq.to(t.device)[None, :]  # [max_position, head_dim // 2]
-        cos_sin = torch.cat((freqs.cos() * attn_scale, freqs.sin() * attn_scale), dim=-1)
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim]
+        self.register_buffer("cos_sin_cache", self._table(max_position, None), persistent=False)
+
+    def _table(self, n: int, device: torch.device | None) -> torch.Tensor:  # [n, head_dim]
+        t = torch.arange(n, dtype=torch.float32, device=device)
+        freqs = t[:, None] * self._inv_freq.to(t.device)[None, :]  # [n, head_dim // 2]
+        s = self._attn_scale
+        return torch.cat((freqs.cos() * s, freqs.sin() * s), dim=-1)
+
+    def extend(self, num_positions: int) -> None:
+        """Cover positions up to `num_positions` (a context beyond the trained one, which the
+        user asked for); the rotation of each position stays the same."""
+        if num_positions > self.max_position:
+            self.cos_sin_cache = self._table(num_positions, self.cos_sin_cache.device)
+            self.max_position = num_positions
 
     def forward(
         self,
@@ -136,15 +148,8 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)  # [T, head_dim]
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """q and k rotated by their positions; on CUDA in place (one kernel), and returned."""
+        return rotary_embedding(positions, q, k, self.cos_sin_cache)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x * [cos, cos] + rotate_half(x) * [sin, sin], written per half
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

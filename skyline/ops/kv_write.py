@@ -1,0 +1,105 @@
+"""Writing this step's K/V into the paged KV cache: the PyTorch reference (any device, any
+cache dtype) and, on CUDA, one Triton kernel that scatters K and V in a single launch (for an
+fp8 cache also scaling, saturating and converting them; the reference then takes ~10 small
+kernels a layer, and 2 for a bf16 cache).
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8, quantize_kv
+
+
+def write_kv_ref(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Token i's k/v go to slot slot_mapping[i], stored as k / k_scale and v / v_scale."""
+    _, nb, bs, kvh, d = kv_cache.shape
+    k, v = quantize_kv(k, kv_cache.dtype, k_scale), quantize_kv(v, kv_cache.dtype, v_scale)
+    if is_fp8(kv_cache):  # index_copy_ has no float8 kernel: copy the bytes
+        k, v, kv_cache = k.view(torch.uint8), v.view(torch.uint8), kv_cache.view(torch.uint8)
+    kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """write_kv_ref's contract; on CUDA written by write_kv_triton."""
+    if kv_cache.is_cuda and triton is not None:
+        write_kv_triton(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    else:
+        write_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference serves
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, cache_k_ptr, cache_v_ptr, slot_ptr, inv_k_scale, inv_v_scale,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+        NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, PAGE: tl.constexpr, FP8_MAX: tl.constexpr, SATURATE: tl.constexpr,
+    ):
+        # One program per token: all its kv heads, K and V. Multiplying by the float32
+        # reciprocal, then saturating, rounds exactly as quantize_kv does.
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, D_PAD)
+        mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs \
+            + h[:, None] * stride_ch + d[None, :]  # [H, D]
+        k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+        if SATURATE:
+            k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
+        tl.store(cache_k_ptr + dst, k.to(cache_k_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+        if SATURATE:
+            v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
+        tl.store(cache_v_ptr + dst, v.to(cache_v_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    num_tokens, kvh, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    # rows may be strided (views of a fused qkv projection); elements within a head may not
+    k = k if k.stride(2) == 1 else k.contiguous()
+    v = v if v.stride(2) == 1 else v.contiguous()
+    ck, cv = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(num_tokens,)](
+        k, v, ck, cv, slot_mapping, inverse_scale(k_scale), inverse_scale(v_scale),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), ck.stride(0), ck.stride(1),
+        ck.stride(2),
+        NUM_KV_HEADS=kvh, H_PAD=triton.next_power_of_2(kvh), HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), PAGE=kv_cache.shape[2], FP8_MAX=FP8_MAX,
+        SATURATE=is_fp8(kv_cache),
+        num_warps=4,
+    )

@@ -1,0 +1,164 @@
+"""RMSNorm, plain and fused with the residual add before it: PyTorch references and one Triton
+kernel for both (CUDA), which also norms each head of q/k (rows = tokens x heads, strided).
+
+Numerics follow HF Llama: the add stays in the model dtype, the normalization runs in float32,
+its result is cast back to the model dtype, and only then multiplied by the weight.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from skyline.ops.tuning import dtype_name, get_config, token_bucket
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] -> weight * x / sqrt(mean(x^2) + eps), as a new tensor."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor,  # [num_tokens, d]
+    residual: torch.Tensor,  # [num_tokens, d]
+    weight: torch.Tensor,  # [d]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), as new tensors."""
+    # The add stays in the model dtype, as HF's `residual + hidden_states` does.
+    x = x + residual
+    return rms_norm_ref(x, weight, eps), x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             config: dict[str, Any] | None = None) -> torch.Tensor:
+    """rms_norm_ref's contract; on CUDA one Triton launch. x may be a strided view [T, d] or
+    [T, heads, d] (e.g. the q part of a qkv projection): each row of d is normed."""
+    if not _use_triton(x) or x.dim() not in (2, 3):
+        return rms_norm_ref(x, weight, eps)
+    return rms_norm_triton(x, weight, eps, config)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, d]
+    residual: torch.Tensor,  # [num_tokens, d]
+    weight: torch.Tensor,  # [d]
+    eps: float,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm_ref's contract. Both inputs are consumed: on CUDA one Triton launch
+    writes x + residual over `residual` and the normed sum over `x`, and returns them."""
+    same = (x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
+            and residual.stride(-1) == 1)
+    if not (_use_triton(x) and same and x.dim() == 2):
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    return fused_add_rms_norm_triton(x, residual, weight, eps, config)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton is not None and x.stride(-1) == 1 and x.numel() > 0
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [T, d] or [T, heads, d], last dim contiguous
+    weight: torch.Tensor,  # [d]
+    eps: float,
+    config: dict[str, Any] | None = None,  # None: tuned or default_config
+) -> torch.Tensor:  # contiguous, x's shape
+    """The Triton kernel behind rms_norm (any device Triton runs on)."""
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(x, None, weight, out, eps, config)
+    return out
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor,  # [T, d], last dim contiguous
+    residual: torch.Tensor,  # [T, d], last dim contiguous, x's dtype
+    weight: torch.Tensor,  # [d], x's dtype
+    eps: float,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind fused_add_rms_norm: writes x + residual over residual and the
+    normed sum over x; returns (x, residual)."""
+    _launch(x, residual, weight, x, eps, config)
+    return x, residual
+
+
+def default_config(d: int, num_rows: int) -> dict[str, Any]:
+    """Heuristic launch configuration when no tuned one is stored: one row of d per program
+    (several short rows per program when there are many), warps by row length."""
+    block_n = 1 << (d - 1).bit_length()  # the next power of two
+    block_m = 1 if block_n >= 1024 or num_rows < 4096 else max(1, 2048 // block_n)
+    return {"BLOCK_M": block_m, "num_warps": max(1, min(16, block_m * block_n // 512))}
+
+
+def config_key(d: int, dtype: torch.dtype, num_rows: int) -> str:
+    """Tuning-table key (kernels "rms_norm", "fused_add_rms_norm"): row length, dtype, rows."""
+    return f"d{d}:{dtype_name(dtype)}:t{token_bucket(num_rows)}"
+
+
+@functools.cache
+def _config(kernel: str, d: int, dtype: torch.dtype, bucket: int) -> dict[str, Any]:
+    return get_config(kernel, config_key(d, dtype, bucket), default_config(d, bucket))
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            out: torch.Tensor, eps: float, config: dict[str, Any] | None) -> None:
+    # x/out [T, d] or [T, H, d], residual [T, d]: rows are (token, head) pairs
+    x3, out3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
+    num_tokens, num_heads, d = x3.shape
+    num_rows = num_tokens * num_heads
+    if config is None:
+        kernel = "rms_norm" if residual is None else "fused_add_rms_norm"
+        config = _config(kernel, d, x.dtype, token_bucket(num_rows))
+    res = x if residual is None else residual  # unused when HAS_RESIDUAL is False
+    _rms_norm_kernel[(triton.cdiv(num_rows, config["BLOCK_M"]),)](
+        x3, res, weight, out3, eps, num_rows, num_heads, d,
+        x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK_M=config["BLOCK_M"],
+        BLOCK_N=triton.next_power_of_2(d), num_warps=config["num_warps"],
+    )
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references above serve
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, eps, num_rows, num_heads, d,
+        stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
+        HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # One program per BLOCK_M rows; a row is one (token, head) of d values, wholly in
+        # registers. With a residual (heads == 1): residual <- x + residual, then the sum is
+        # normed. Every row is loaded before it is stored, so out may alias x.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_ok = rows < num_rows
+        mask = row_ok[:, None] & (cols < d)[None, :]
+        tok = (rows // num_heads).to(tl.int64)
+        head = rows % num_heads
+        x_off = tok * stride_xt + head * stride_xh
+        x = tl.load(x_ptr + x_off[:, None] + cols[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r_ptrs = res_ptr + (tok * stride_rt)[:, None] + cols[None, :]
+            r = tl.load(r_ptrs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(r_ptrs, x, mask=mask)
+        h = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / d + eps)  # [BLOCK_M]
+        normed = (h * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+        y = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
+        o_off = tok * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + cols[None, :], y, mask=mask)

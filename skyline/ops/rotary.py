@@ -1,0 +1,191 @@
+"""Rotary position embedding (NeoX / rotate-half layout) read from a cos/sin cache by position,
+optionally preceded by a per-head RMSNorm of q and k (Qwen3): PyTorch references, and one
+Triton kernel for both (CUDA) that rotates q and k in place.
+
+The cache is [max_position, head_dim] float32, cos half then sin half (see
+model/layers/rotary.py); every scaling (llama3, yarn, linear, ...) is already in it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from skyline.ops.norm import rms_norm_ref
+from skyline.ops.tuning import dtype_name, get_config, token_bucket
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by their tokens' positions, as new tensors (cos/sin cast to q's dtype
+    first, as HF does)."""
+    cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)  # [T, head_dim]
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_dim // 2] each
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x * [cos, cos] + rotate_half(x) * [sin, sin], written per half
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def qk_norm_rotary_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor,  # [head_dim]
+    k_weight: torch.Tensor,  # [head_dim]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each head of q (weight q_weight) and of k (k_weight), then rotary."""
+    q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    return rotary_embedding_ref(positions, q, k, cos_sin_cache)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding_ref's contract. On CUDA one Triton launch rotates q and k in place
+    (they may be strided views, e.g. of one qkv tensor) and returns them."""
+    if not _use_triton(positions, q, k, cos_sin_cache):
+        return rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    return rotary_triton(positions, q, k, cos_sin_cache, config=config)
+
+
+def qk_norm_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    config: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_norm_rotary_ref's contract. On CUDA one Triton launch norms and rotates q and k in
+    place and returns them."""
+    same = q_weight.dtype == q.dtype and k_weight.dtype == q.dtype
+    if not (same and _use_triton(positions, q, k, cos_sin_cache)):
+        return qk_norm_rotary_ref(positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
+    return rotary_triton(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, config)
+
+
+def _use_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cache: torch.Tensor) -> bool:
+    return (q.is_cuda and triton is not None and q.dim() == 3 and k.dim() == 3
+            and q.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.shape[-1] == k.shape[-1] == cache.shape[-1] and q.shape[-1] % 2 == 0
+            and cache.stride(-1) == 1 and positions.is_contiguous() and q.shape[0] > 0)
+
+
+def default_config(head_dim: int, num_heads: int) -> dict[str, Any]:
+    """Heuristic launch configuration when no tuned one is stored: up to ~512 rotated pairs
+    (several heads) per program."""
+    half_pad = 1 << (head_dim // 2 - 1).bit_length()  # the next power of two
+    return {"BLOCK_H": max(1, min(1 << (num_heads - 1).bit_length(), 512 // half_pad)),
+            "num_warps": 4}
+
+
+def config_key(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               num_tokens: int) -> str:
+    """Tuning-table key (kernels "rotary", "qk_norm_rotary")."""
+    bucket = token_bucket(num_tokens)
+    return f"h{num_heads}x{num_kv_heads}:d{head_dim}:{dtype_name(dtype)}:t{bucket}"
+
+
+@functools.cache
+def _config(kernel: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+            bucket: int) -> dict[str, Any]:
+    key = config_key(num_heads, num_kv_heads, head_dim, dtype, bucket)
+    return get_config(kernel, key, default_config(head_dim, max(num_heads, num_kv_heads)))
+
+
+def rotary_triton(
+    positions: torch.Tensor,  # [T], contiguous
+    q: torch.Tensor,  # [T, num_heads, head_dim], last dim contiguous
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], last dim contiguous, q's dtype
+    cache: torch.Tensor,  # [max_position, head_dim] float32, last dim contiguous
+    q_weight: torch.Tensor | None = None,  # [head_dim], q's dtype: per-head RMSNorm first
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    config: dict[str, Any] | None = None,  # None: tuned or default_config
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel behind rotary_embedding and qk_norm_rotary (any device Triton runs
+    on): rotates q and k in place, after a per-head RMSNorm when weights are given."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    norm = q_weight is not None
+    if config is None:
+        kernel = "qk_norm_rotary" if norm else "rotary"
+        config = _config(kernel, num_heads, num_kv_heads, head_dim, q.dtype,
+                         token_bucket(num_tokens))
+    block_h = config["BLOCK_H"]
+    num_q_blocks = triton.cdiv(num_heads, block_h)
+    grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, block_h))
+    qw, kw = (q_weight, k_weight) if norm else (cache, cache)  # unused when NORM is False
+    _rotary_kernel[grid](
+        positions, q, k, cache, qw, kw, eps, num_heads, num_kv_heads, num_q_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0),
+        HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
+        NORM=norm, num_warps=config["num_warps"],
+    )
+    return q, k
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references above serve
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(x_ptr, stride_h, h0, num_heads, w_ptr, eps, cos, sin,
+                      HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                      NORM: tl.constexpr):
+        # Heads [h0, h0 + BLOCK_H) of one token at x_ptr, in place: [optional RMSNorm] + rope.
+        h = h0 + tl.arange(0, BLOCK_H)
+        j = tl.arange(0, HALF_PAD)
+        jm = j < HALF
+        mask = (h < num_heads)[:, None] & jm[None, :]
+        p1 = x_ptr + h[:, None] * stride_h + j[None, :]  # first half of each head
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        dtype = x_ptr.dtype.element_ty
+        if NORM:  # as rms_norm_ref: normed in float32, cast to the dtype, times the weight
+            ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+            rstd = tl.rsqrt(ss / (2 * HALF) + eps)[:, None]
+            w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+            x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        tl.store(p1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+        tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        pos_ptr, q_ptr, k_ptr, cache_ptr, qw_ptr, kw_ptr, eps, num_heads, num_kv_heads,
+        num_q_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+    ):
+        # One program per (token, block of BLOCK_H heads); q's head blocks come first, then
+        # k's. cos/sin are cast to q's dtype first, as the reference (and HF) does.
+        tok = tl.program_id(0)
+        blk = tl.program_id(1)
+        j = tl.arange(0, HALF_PAD)
+        row = cache_ptr + tl.load(pos_ptr + tok).to(tl.int64) * stride_cache
+        dtype = q_ptr.dtype.element_ty
+        cos = tl.load(row + j, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
+        sin = tl.load(row + HALF + j, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
+        tok64 = tok.to(tl.int64)
+        if blk < num_q_blocks:
+            _rotate_heads(q_ptr + tok64 * stride_qt, stride_qh, blk * BLOCK_H, num_heads, qw_ptr,
+                          eps, cos, sin, HALF, HALF_PAD, BLOCK_H, NORM)
+        else:
+            _rotate_heads(k_ptr + tok64 * stride_kt, stride_kh, (blk - num_q_blocks) * BLOCK_H,
+                          num_kv_heads, kw_ptr, eps, cos, sin, HALF, HALF_PAD, BLOCK_H, NORM)

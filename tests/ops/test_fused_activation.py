@@ -1,0 +1,84 @@
+"""The Triton SiLU-and-mul kernel against the PyTorch reference over widths, token counts and
+dtypes. Runs on CUDA, or in Triton's interpreter on CPU (small sizes; see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from skyline.ops.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA_ONLY = pytest.mark.skipif(DEV == "cpu", reason="large sweep: CUDA only")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# CPU: Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# intermediate sizes: small, not a multiple of the block, SmolLM2's 1536, Qwen3-8B's, Llama-3's
+WIDTHS = [64, 200, 1536] + [pytest.param(d, marks=CUDA_ONLY) for d in (12288, 14336)]
+TOKENS = [1, 7, 33] + [pytest.param(n, marks=CUDA_ONLY) for n in (100, 1000)]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = TOL[want.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def gate_up(num_tokens: int, d: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + num_tokens * 13 + d)
+    return (torch.randn(num_tokens, 2 * d, generator=g) * 3).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("d", WIDTHS)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(d, num_tokens, dtype):
+    x = gate_up(num_tokens, d, dtype)
+    close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.parametrize("config", [{"BLOCK": 64, "num_warps": 1}, {"BLOCK": 256, "num_warps": 2},
+                                    {"BLOCK": 4096, "num_warps": 8}])
+def test_launch_configs_agree(config):
+    x = gate_up(5, 300, torch.float32, seed=1)
+    close(silu_and_mul_triton(x, config), silu_and_mul_ref(x))
+
+
+def test_strided_rows():
+    # rows of a wider buffer (a view with row stride > 2 * d)
+    wide = gate_up(6, 80, torch.float32, seed=2)
+    x = wide[:, :100]
+    assert not x.is_contiguous()
+    close(silu_and_mul_triton(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy
+def test_extremes_stay_finite():
+    # silu(-large) is -0 (exp overflows to inf, by design), silu(+large) the input itself
+    x = torch.tensor([[-1e4, -100.0, 0.0, 100.0, 1e4, 2.0, 2.0, 2.0, 2.0, 2.0]], device=DEV)
+    got = silu_and_mul_triton(x)
+    assert torch.isfinite(got).all()
+    close(got, silu_and_mul_ref(x))
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    x = torch.randn(3, 2, 16)  # any leading dims
+    assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dispatch_on_cuda_graph_safe():
+    x = gate_up(16, 14336, torch.bfloat16, seed=3)
+    close(silu_and_mul(x), silu_and_mul_ref(x))
+    static = torch.zeros_like(x)
+    silu_and_mul(static)  # warm-up (compilation) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = silu_and_mul(static)
+    x2 = gate_up(16, 14336, torch.bfloat16, seed=4)
+    static.copy_(x2)
+    graph.replay()
+    close(out, silu_and_mul_ref(x2))

@@ -1,0 +1,139 @@
+"""The Triton RMSNorm kernel (plain, fused with the residual add, per head of a strided q/k view)
+against the PyTorch reference over a sweep of shapes and dtypes. Runs on CUDA, or in Triton's
+interpreter on CPU (small sizes; see tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from skyline.ops.norm import (  # noqa: E402
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA_ONLY = pytest.mark.skipif(DEV == "cpu", reason="large sweep: CUDA only")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# CPU: Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest), hence
+# tolerances of about two units in the last place.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+HIDDEN = [64, 96, 576] + [pytest.param(d, marks=CUDA_ONLY) for d in (1000, 4096, 5120, 8192)]
+TOKENS = [1, 7, 33, pytest.param(100, marks=CUDA_ONLY)]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rounded_to: torch.dtype | None = None) -> None:
+    # rounded_to: the dtype the values were rounded through (default: their own)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = TOL[rounded_to or want.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def inputs(num_tokens: int, d: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed * 1000 + num_tokens * 7 + d)
+    x = (torch.randn(num_tokens, d, generator=g) * 3).to(DEV, dtype)
+    residual = torch.randn(num_tokens, d, generator=g).to(DEV, dtype)
+    weight = (torch.rand(d, generator=g) + 0.5).to(DEV, dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(d, num_tokens, dtype):
+    x, _, w = inputs(num_tokens, d, dtype)
+    x_before = x.clone()
+    close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
+    assert torch.equal(x, x_before)  # plain RMSNorm leaves its input alone
+
+
+@pytest.mark.parametrize("d", HIDDEN)
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_in_place(d, num_tokens, dtype):
+    x, residual, w = inputs(num_tokens, d, dtype, seed=1)
+    want_out, want_res = fused_add_rms_norm_ref(x, residual, w, 1e-6)
+    out, res = fused_add_rms_norm_triton(x, residual, w, 1e-6)
+    assert out.data_ptr() == x.data_ptr() and res.data_ptr() == residual.data_ptr()
+    close(out, want_out)
+    close(res, want_res)
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_M": 1, "num_warps": 1}, {"BLOCK_M": 4, "num_warps": 2},
+                                    {"BLOCK_M": 16, "num_warps": 4}])
+def test_launch_configs_agree(config):
+    # Every configuration the tuner may pick computes the same thing, rows that do not fill a
+    # block included (num_tokens 37).
+    x, residual, w = inputs(37, 96, torch.float32, seed=2)
+    close(rms_norm_triton(x, w, 1e-6, config), rms_norm_ref(x, w, 1e-6))
+    want_out, want_res = fused_add_rms_norm_ref(x, residual, w, 1e-6)
+    out, res = fused_add_rms_norm_triton(x, residual, w, 1e-6, config)
+    close(out, want_out)
+    close(res, want_res)
+
+
+@pytest.mark.parametrize("num_heads,head_dim", [(4, 16), (6, 80), pytest.param(32, 128,
+                                                                               marks=CUDA_ONLY)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_norm_of_strided_view(num_heads, head_dim, dtype):
+    # Qwen3's q norm: the q part of a qkv projection, [T, heads, head_dim] with row stride of
+    # the whole qkv row; the rest of the row stays untouched.
+    num_tokens = 9
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(num_tokens, (num_heads + 4) * head_dim, generator=g).to(DEV, dtype)
+    q = qkv[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
+    w = (torch.rand(head_dim, generator=g) + 0.5).to(DEV, dtype)
+    qkv_before = qkv.clone()
+    out = rms_norm_triton(q, w, 1e-6)
+    assert out.is_contiguous()
+    close(out, rms_norm_ref(q, w, 1e-6))
+    assert torch.equal(qkv, qkv_before)
+
+
+def test_weight_in_float32_promotes_as_reference():
+    x, _, w = inputs(5, 64, torch.bfloat16)
+    # the normed bf16 values times a float32 weight: a float32 result, as torch promotes
+    close(rms_norm_triton(x, w.float(), 1e-6), rms_norm_ref(x, w.float(), 1e-6), torch.bfloat16)
+
+
+def test_dispatch_on_cpu_is_the_reference():
+    x, residual, w = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
+    x_before, res_before = x.clone(), residual.clone()
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    out, res = fused_add_rms_norm(x, residual, w, 1e-6)
+    want_out, want_res = fused_add_rms_norm_ref(x_before, res_before, w, 1e-6)
+    assert torch.equal(out, want_out) and torch.equal(res, want_res)
+    assert torch.equal(x, x_before) and torch.equal(residual, res_before)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dispatch_on_cuda_is_in_place_and_graph_safe():
+    x, residual, w = inputs(16, 4096, torch.bfloat16, seed=3)
+    want_out, want_res = fused_add_rms_norm_ref(x, residual, w, 1e-5)
+    out, res = fused_add_rms_norm(x, residual, w, 1e-5)
+    assert out.data_ptr() == x.data_ptr() and res.data_ptr() == residual.data_ptr()
+    close(out, want_out)
+    close(res, want_res)
+    # Captured once, replayed on new data: no host syncs, no data-dependent allocation.
+    sx, sr = torch.zeros_like(x), torch.zeros_like(x)
+    rms_norm(sx, w, 1e-5)  # warm-up (compilation) outside the capture
+    fused_add_rms_norm(sx.clone(), sr.clone(), w, 1e-5)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_add_rms_norm(sx, sr, w, 1e-5)
+        plain = rms_norm(sr, w, 1e-5)
+    x2, r2, _ = inputs(16, 4096, torch.bfloat16, seed=4)
+    sx.copy_(x2)
+    sr.copy_(r2)
+    graph.replay()
+    want_out, want_res = fused_add_rms_norm_ref(x2, r2, w, 1e-5)
+    close(sx, want_out)
+    close(sr, want_res)
+    close(plain, rms_norm_ref(want_res, w, 1e-5))
