@@ -2,16 +2,19 @@
 of n-gram, suffix and EAGLE-head speculation over plain decoding on a code-editing workload (the
 answer mostly repeats the prompt) and a chat workload, and throughput at high load, all greedy.
 
-    python bench/spec_decode.py [--methods none,ngram,suffix,eagle] [--eagle-head DIR]
+    python bench/spec_decode.py [--methods none,ngram,suffix,eagle,eagle-head]
+                                [--eagle-head DIR]
                                 [--out bench/results/spec-cpu-smollm2.json]
 
 Each method gets its own engine, all alive at once. Batch-1 workloads interleave the methods
 prompt by prompt (and `--rounds` times over, rotating the order), so that the load of a shared
 machine drifts as little as possible between the runs a ratio compares; the high-load workload
-runs once per method, in turn. The eagle method needs a head (`skyline train-speculator`;
-default: the head shipped for the default model, skyline/spec/heads/smollm2-135m). Greedy
-outputs must be the same with and without speculation; the script checks it. The CHAT prompts
-are not in the head's training set (skyline/spec/prompts.jsonl).
+runs once per method, in turn. `eagle` is the engine's EAGLE method (the head, with prompt
+lookup for the spans a request repeats), `eagle-head` the head alone; both need a head
+(`skyline train-speculator`; default: the head shipped for the default model,
+skyline/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
+speculation; the script checks it. The CHAT prompts are not in the head's training set
+(skyline/spec/prompts.jsonl).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import sys
 import time
 from typing import Any
@@ -183,10 +187,16 @@ def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/spec-cpu-smollm2.json")
-    ap.add_argument("--methods", default="none,ngram,suffix,eagle",
-                    help="comma-separated; none (the baseline) is always run")
+    ap.add_argument("--methods", default="none,ngram,suffix,eagle,eagle-head",
+                    help="comma-separated; none (the baseline) is always run; eagle is the "
+                         "head with prompt lookup for repeated spans (the engine's default), "
+                         "eagle-head the head alone")
     ap.add_argument("--eagle-head", default=None,
                     help="EAGLE head directory (default: the head shipped for the default model)")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft: the draft model (a smaller model with the target's tokenizer)")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="draft without --draft-model: the target's own first N layers")
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
     ap.add_argument("--code-max-tokens", type=int, default=512)
     ap.add_argument("--chat-max-tokens", type=int, default=128)
@@ -197,19 +207,35 @@ def main() -> None:
     ap.add_argument("--skip-load", action="store_true", help="batch-1 workloads only")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: no spinning threads fighting a busy machine)")
+    ap.add_argument("--model", default=None, help="default: the embedded default model")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks per engine (CUDA: set it, all engines share one GPU)")
+    ap.add_argument("--skip-b1", action="store_true", help="the high-load workload only")
+    ap.add_argument("--random-prompt-len", type=int, default=0,
+                    help="high load: random prompts of this many tokens (models without a "
+                         "tokenizer, e.g. dummy weights) instead of chat and code prompts")
     args = ap.parse_args()
     methods = ["none"] + [m for m in args.methods.split(",") if m and m != "none"]
-    llms = {m: LLM(speculative_method=m, num_speculative_tokens=args.num_speculative_tokens,
-                   threads=args.threads,
-                   speculative_model=args.eagle_head if m == "eagle" else None)
+    llms = {m: LLM(model=args.model, load_format=args.load_format, device=args.device,
+                   dtype=args.dtype, num_blocks=args.num_blocks,
+                   speculative_method=m.split("-")[0],
+                   num_speculative_tokens=args.num_speculative_tokens, threads=args.threads,
+                   speculative_model=args.eagle_head if m.startswith("eagle")
+                   else args.draft_model if m == "draft" else None,
+                   speculative_draft_layers=args.draft_layers
+                   if m == "draft" and not args.draft_model else 0,
+                   eagle_lookup=m != "eagle-head")
             for m in methods}
     for llm in llms.values():
-        llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     anyllm = llms["none"]
-    code = code_prompts(anyllm)
     results: dict[str, dict[str, Any]] = {m: {} for m in methods}
-    b1 = {"code_edit_b1": (code, args.code_max_tokens),
-          "chat_b1": (chat_prompts(anyllm, args.chat_prompts), args.chat_max_tokens)}
+    b1 = {} if args.skip_b1 else {
+        "code_edit_b1": (code_prompts(anyllm), args.code_max_tokens),
+        "chat_b1": (chat_prompts(anyllm, args.chat_prompts), args.chat_max_tokens)}
     for w, (prompts, max_tokens) in b1.items():
         for m, v in run_b1(llms, prompts, max_tokens, args.rounds).items():
             results[m][w] = v
@@ -218,7 +244,14 @@ def main() -> None:
     if not args.skip_load:
         w = f"load_{args.load_requests}"
         workloads.append(w)
-        prompts = chat_prompts(anyllm, args.load_requests - len(code)) + code
+        if args.random_prompt_len:
+            g = random.Random(0)
+            vocab = anyllm.config.model.arch.vocab_size
+            prompts = [[g.randrange(10, vocab) for _ in range(args.random_prompt_len)]
+                       for _ in range(args.load_requests)]
+        else:
+            code = code_prompts(anyllm)
+            prompts = chat_prompts(anyllm, args.load_requests - len(code)) + code
         for m in methods:
             results[m][w] = run_batch(llms[m], prompts, args.load_max_tokens)
             print(f"{m:8} {w:14} {results[m][w]['output_tokens_per_s']:.2f} tok/s", flush=True)
@@ -241,14 +274,15 @@ def main() -> None:
             del results[m][w]["outputs"]
     doc = {
         "benchmark": "speculative decoding, batch-1 speedup and high-load throughput",
-        "model": "SmolLM2-135M-Instruct Q4_1 (GGUF, embedded default)",
-        "device": "cpu",
+        "model": args.model or "SmolLM2-135M-Instruct Q4_1 (GGUF, embedded default)",
+        "device": args.device,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-        "machine_info": machine_info("cpu"),
+        "machine_info": machine_info(args.device),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
         "params": vars(args),
-        "eagle_head": (llms["eagle"].config.spec.model if "eagle" in llms else None),
+        "eagle_head": next((llm.config.spec.model for m, llm in llms.items()
+                            if m.startswith("eagle")), None),
         "results": results,
     }
     save_json(doc, args.out)

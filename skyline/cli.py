@@ -45,12 +45,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the device runs this one "
                         "(auto: on for CUDA)")
     g.add_argument("--speculative-method", default="none",
-                   choices=["none", "ngram", "suffix", "eagle"],
+                   choices=["none", "ngram", "suffix", "eagle", "draft"],
                    help="speculative decoding: ngram (prompt lookup), suffix (the request "
-                        "and recent traffic) or eagle (a trained head, --speculative-model)")
+                        "and recent traffic), eagle (a trained head, --speculative-model) or "
+                        "draft (a smaller model with the same tokenizer, --speculative-model)")
     g.add_argument("--speculative-model", default=None, metavar="DIR",
                    help="eagle: the head's directory, written by `skyline train-speculator` "
-                        "(default for the embedded model: the head shipped for it)")
+                        "(default for the embedded model: the head shipped for it); draft: the "
+                        "draft model (HF directory, .gguf file or shipped config name)")
+    g.add_argument("--speculative-draft-layers", type=int, default=0, metavar="N",
+                   help="draft without --speculative-model: the target's own first N layers "
+                        "(weights shared) draft for it")
+    g.add_argument("--no-eagle-lookup", dest="eagle_lookup", action="store_false",
+                   help="eagle: head drafts only, no prompt lookup for repeated spans")
     g.add_argument("--num-speculative-tokens", type=int, default=5,
                    help="most draft tokens verified per request and step")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram match proposed")

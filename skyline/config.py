@@ -147,7 +147,7 @@ class SchedulerConfig:
     max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)
 
 
-SPEC_METHODS = ("none", "ngram", "suffix", "eagle")
+SPEC_METHODS = ("none", "ngram", "suffix", "eagle", "draft")
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,16 @@ class SpecConfig:
     # while its chance of acceptance exceeds this (sched/spec.py).
     draft_cost: float = 0.3
     suffix_traffic_tokens: int = 1 << 18  # suffix: tokens of recent requests kept indexed
-    model: str | None = None  # eagle: directory of the head (`skyline train-speculator`)
+    # eagle: directory of the head (`skyline train-speculator`); draft: the draft model's path
+    model: str | None = None
+    # draft: the draft model (a smaller model with the target's tokenizer), resolved from
+    # `model` by engine/create.py; or, with `draft_layers` N > 0 and no draft model, the target's
+    # own first N layers, final norm and LM head (weights shared, own KV cache)
+    draft: ModelConfig | None = None
+    draft_layers: int = 0
+    # eagle: prompt lookup's continuation instead of the head's drafts while the request
+    # repeats its own text (its last ngram_max tokens occurred before in it)
+    eagle_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -184,6 +193,15 @@ class SpecConfig:
         if self.method == "eagle" and not self.model:
             raise ConfigError("--speculative-method eagle needs --speculative-model DIR, a head "
                               "written by `skyline train-speculator`")
+        if self.draft_layers < 0:
+            raise ConfigError(
+                f"--speculative-draft-layers must be positive, got {self.draft_layers}")
+        if self.draft_layers and self.method != "draft":
+            raise ConfigError("--speculative-draft-layers needs --speculative-method draft")
+        if self.method == "draft" and self.draft is None and not self.draft_layers:
+            raise ConfigError("--speculative-method draft needs --speculative-model PATH (a "
+                              "smaller model with the target's tokenizer) or "
+                              "--speculative-draft-layers N")
 
     @property
     def enabled(self) -> bool:

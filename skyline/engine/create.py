@@ -51,9 +51,12 @@ class EngineArgs:
     quant_group_size: int = 128
     enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
     async_scheduling: str = "auto"  # auto (on for CUDA) | on | off
-    speculative_method: str = "none"  # none | ngram | suffix | eagle
-    # eagle: the head's directory; None with the default model: the head shipped for it
+    speculative_method: str = "none"  # none | ngram | suffix | eagle | draft
+    # eagle: the head's directory; None with the default model: the head shipped for it.
+    # draft: the draft model (HF directory, .gguf file or shipped config name)
     speculative_model: str | None = None
+    speculative_draft_layers: int = 0  # draft without a model: the target's first N layers
+    eagle_lookup: bool = True  # eagle: prompt lookup for spans the request repeats
     num_speculative_tokens: int = 5
     ngram_min: int = 2
     ngram_max: int = 5
@@ -124,6 +127,49 @@ def _resolve_spec_model(args: EngineArgs, arch: ModelArch) -> str | None:
     return path
 
 
+def _resolve_draft(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    """The draft model's config: same device dtype and context as the target, its own
+    checkpoint format; its vocabulary must be the target's."""
+    if args.speculative_method != "draft":
+        return None
+    n = args.speculative_draft_layers
+    if args.speculative_model is None:
+        if n > target.arch.num_layers:
+            raise ConfigError(f"--speculative-draft-layers {n} is more than the target's "
+                              f"{target.arch.num_layers} layers; use fewer")
+        return None
+    if n:
+        raise ConfigError("give --speculative-model or --speculative-draft-layers, not both")
+    # A dummy target (random weights, speed runs) gets a dummy draft.
+    fmt = "dummy" if target.load_format == "dummy" else "auto"
+    path = resolve_model_path(args.speculative_model, fmt)
+    if dummy_config_dir(args.speculative_model) == path:
+        fmt = "dummy"
+    arch, fmt = read_model_arch(path, fmt)
+    check_draft_vocab(arch, target.arch, path)
+    quant = resolve_quant_config(None, args.quant_group_size, path, fmt)
+    return ModelConfig(path=path, load_format=fmt, arch=arch, dtype=target.dtype,
+                       max_model_len=target.max_model_len, seed=target.seed,
+                       name=os.path.basename(os.path.normpath(path)), quant=quant)
+
+
+def check_draft_vocab(draft: ModelArch, target: ModelArch, path: str) -> None:
+    """A draft must share the target's tokenizer: same vocabulary size and special tokens."""
+    what = None
+    if draft.vocab_size != target.vocab_size:
+        what = f"vocab_size {draft.vocab_size}, the target's is {target.vocab_size}"
+    elif None not in (draft.bos_token_id, target.bos_token_id) and \
+            draft.bos_token_id != target.bos_token_id:
+        what = f"bos_token_id {draft.bos_token_id}, the target's is {target.bos_token_id}"
+    elif draft.eos_token_ids and target.eos_token_ids and \
+            not set(draft.eos_token_ids) & set(target.eos_token_ids):
+        what = f"eos_token_id {list(draft.eos_token_ids)}, the target's is " \
+               f"{list(target.eos_token_ids)}"
+    if what is not None:
+        raise ConfigError(f"the draft model {path} has {what}; a draft model must use the "
+                          "target's tokenizer: pick a smaller model of the same family")
+
+
 def resolve_model_path(model: str | None, load_format: str) -> str:
     if model is None:
         return default_model_path()
@@ -175,6 +221,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     spec = SpecConfig(
         method=args.speculative_method,
         model=_resolve_spec_model(args, arch),
+        draft=_resolve_draft(args, model_cfg),
+        draft_layers=args.speculative_draft_layers,
+        eagle_lookup=args.eagle_lookup,
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,

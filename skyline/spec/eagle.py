@@ -258,14 +258,18 @@ def build_head(model: nn.Module, draft_vocab_size: int,
 
 
 def init_head(head: EagleHead, model: nn.Module, seed: int = 0) -> None:
-    """Training start: the layer copies the target's last decoder layer, fc maps the feature
-    through (identity) plus a small random embedding part."""
+    """Training start: the head passes the feature through, f'_{t+1} = norm(f_t). fc is the
+    identity on the feature (plus a small random embedding part) and the layer is the
+    target's last decoder layer with its output projections (o_proj, down_proj) zeroed, so
+    its attention and MLP start as no-ops on the residual and learn corrections."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     last = dict(model.model.layers[-1].named_parameters())
     with torch.no_grad():
         for name, p in head.layer.named_parameters():
             src = last.get(name)
-            if src is not None and src.shape == p.shape and src.is_floating_point():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+            elif src is not None and src.shape == p.shape and src.is_floating_point():
                 p.copy_(src)
             else:  # a quantized target layer: a fresh random layer
                 p.copy_(torch.ones_like(p) if p.dim() == 1 else

@@ -15,6 +15,11 @@ its top-1 probabilities) stays at or above `SpecConfig.draft_cost`: a draft less
 that to be accepted is not worth its verification. The target verifies every draft with exact
 rejection sampling, so the output is the target's whatever the head proposes.
 
+Copied spans: while a request repeats earlier text (its last `ngram_max` tokens occurred
+before in it, e.g. an edited file being written out again), prompt lookup's continuation is
+proposed instead of the head's drafts (`SpecConfig.eagle_lookup`): long exact copies are what
+lookup guesses best and costs nothing to draft.
+
 Each request's head K/V is a contiguous per-request cache (HeadCache) held here, grown as the
 request grows and freed in `finish`. Steps larger than `SpecConfig.max_batch_tokens` do not
 speculate (the scheduler's rule), so no drafts are computed for them; the features are still
@@ -30,6 +35,7 @@ from torch import nn
 
 from skyline.config import SpecConfig
 from skyline.spec.eagle import AttnPlan, HeadCache, load_head, target_parts
+from skyline.spec.ngram import NgramProposer
 
 
 class EagleProposer:
@@ -48,6 +54,8 @@ class EagleProposer:
         self.caches: dict[str, HeadCache] = {}
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # rows awaiting their token
         self.last: dict[str, torch.Tensor] = {}  # [H] the head's f' at its last position
+        self.lookup = (NgramProposer(cfg.ngram_max, cfg.ngram_max) if cfg.eagle_lookup
+                       else None)
 
     # ------------------------------------------------------------------ feeding
 
@@ -127,9 +135,11 @@ class EagleProposer:
         drafts: list[list[int]] = [[] for _ in req_ids]
         if len(req_ids) > self.max_batch:
             return drafts  # a compute-bound step: the scheduler does not speculate
+        if self.lookup is not None:
+            drafts = self.lookup.propose(req_ids, token_ids, max_depth)
         active = [i for i, r in enumerate(req_ids)
-                  if r in self.last and self.caches[r].base + self.caches[r].length
-                  == len(token_ids[i]) - 1]
+                  if not drafts[i] and r in self.last
+                  and self.caches[r].base + self.caches[r].length == len(token_ids[i]) - 1]
         if not active:
             return drafts
         feats = torch.stack([self.last[req_ids[i]] for i in active])  # [B, H]
@@ -162,6 +172,8 @@ class EagleProposer:
         return drafts
 
     def finish(self, req_id: str, token_ids: Sequence[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.finish(req_id, token_ids)
         self.caches.pop(req_id, None)
         self.pending.pop(req_id, None)
         self.last.pop(req_id, None)

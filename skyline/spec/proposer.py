@@ -3,8 +3,8 @@ model in one forward pass (the runner) and accepted by rejection sampling (`veri
 
 Proposers run in the worker right after sampling. The n-gram and suffix proposers need token
 ids only; the EAGLE head (`eagle_proposer.py`) also needs the device and the target's hidden
-states (a `HiddenStateProposer`), which is why proposers live beside the runner and not in the
-scheduler.
+states (a `HiddenStateProposer`), and a draft model (`draft.py`) runs on the device with its own
+paged KV cache, which is why proposers live beside the runner and not in the scheduler.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class HiddenStateProposer(Proposer, Protocol):
 
 def make_proposer(cfg: SpecConfig, model: nn.Module | None = None) -> Proposer | None:
     """The proposer of `cfg.method`; `model` is the target (the EAGLE head shares its
-    embedding, final norm and LM head)."""
+    embedding, final norm and LM head; a draft model takes its device and dtype)."""
     if cfg.method == "none":
         return None
     if cfg.method == "ngram":
@@ -69,4 +69,9 @@ def make_proposer(cfg: SpecConfig, model: nn.Module | None = None) -> Proposer |
 
         assert model is not None, "the EAGLE proposer needs the target model"
         return EagleProposer(cfg, model)
+    if cfg.method == "draft":
+        from skyline.spec.draft import DraftProposer
+
+        assert model is not None, "the draft proposer needs the target model"
+        return DraftProposer(cfg, model)
     raise AssertionError(f"unknown speculative method {cfg.method!r}")  # SpecConfig validates

@@ -240,7 +240,8 @@ class ModelRunner:
         suffix proposers need only token ids)."""
         if self.proposer is None or not sampled:
             return []
-        rids = [r for r in req_ids if sampled.get(r)]
+        # With async scheduling, a request of the step just read may have finished meanwhile.
+        rids = [r for r in req_ids if sampled.get(r) and r in self.states]
         drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids],
                                        self.config.spec.num_speculative_tokens)
         by_id = dict(zip(rids, drafts, strict=True))

@@ -62,10 +62,15 @@ def _target(path: str):
 
 @pytest.fixture(scope="module")
 def random_head(tiny_model, tmp_path_factory):
-    """An untrained head (the target's last layer, identity fc) over the whole vocabulary."""
+    """An untrained head over the whole vocabulary: the training start, perturbed so that
+    attention and MLP are not the no-ops they start as."""
     _, model = _target(tiny_model)
     head = build_head(model, VOCAB, torch.float32)
     init_head(head, model, seed=1)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
     head.vocab_ids.copy_(torch.arange(VOCAB))
     path = str(tmp_path_factory.mktemp("head"))
     save_head(path, head, {"note": "untrained"}, dtype=torch.float32)
@@ -142,9 +147,15 @@ def test_head_shapes_and_cache_bookkeeping(tiny_model, random_head):
     prop.observe(many, [0] * 20, [torch.randn(2, 64)] * 20, [[1, 2]] * 20)
     assert prop.propose(many, [[1, 2, 3]] * 20, 3) == [[]] * 20
     assert all(prop.caches[r].length == 2 for r in many)
-    for r in ["a", "b", *many]:
+    # a request repeating itself (its last 5 tokens occurred before): prompt lookup drafts
+    rep = [7, 8, 9, 10, 11, 12, 13, 14, 7, 8, 9, 10, 11]
+    prop.observe(["c"], [0], [torch.randn(len(rep) - 1, 64)], [rep])
+    assert prop.propose(["c"], [rep], 3) == [[12, 13, 14]]
+    assert prop.caches["c"].length == len(rep) - 1  # the head was still fed
+    for r in ["a", "b", "c", *many]:
         prop.finish(r, [])
     assert not prop.caches and not prop.pending and not prop.last
+    assert not prop.lookup.indexes
 
 
 def test_unrolled_training_pass_attends_like_drafting(tiny_model, random_head):
@@ -182,7 +193,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def test_greedy_identical_with_untrained_head(tiny_model, random_head):
     prompts = _prompts(10, seed=1)
     ref = _run(LLM(tiny_model, device="cpu", dtype="float32"), prompts, GREEDY)
-    llm = _eagle(tiny_model, random_head)
+    llm = _eagle(tiny_model, random_head, eagle_lookup=False)  # every draft from the head
     assert _run(llm, prompts, GREEDY) == ref
     stats = llm.engine.stats()
     assert stats["spec_num_draft_tokens"] > 0
@@ -340,6 +351,34 @@ def test_recorder_keeps_features_by_position():
     rec.observe(["a"], [2], [rows[2:5] + 100], [[0] * 6])  # recomputed after a preemption
     f = rec.features("a", 6)
     assert f.shape == (5, 2) and f[1].tolist() == [2.0, 3.0] and f[3].tolist() == [106, 107]
+
+
+def test_recording_with_async_scheduling(tiny_model):
+    """A hidden-state proposer under async scheduling (the CUDA default): a request stopped by
+    a stop token is seen one step late, after the next step, which still samples it, was
+    launched; that step's output must not ask the proposer about the finished request. The
+    features are those of the synchronous loop."""
+    from skyline.spec.data import FeatureRecorder
+
+    prompts = _prompts(12, seed=7)
+    ref = LLM(tiny_model, device="cpu", dtype="float32").generate(prompts, GREEDY)
+    params = [SamplingParams(temperature=0.0, max_tokens=24,
+                             stop_token_ids=[o.outputs[0].token_ids[3]]) for o in ref]
+    got = {}
+    for mode in ("off", "on"):
+        llm = LLM(tiny_model, device="cpu", dtype="float32", enable_prefix_caching=False,
+                  async_scheduling=mode)
+        rec = llm.engine.executor.runner.proposer = FeatureRecorder()
+        outs = llm.generate(prompts, params)
+        got[mode] = [(list(o.outputs[0].token_ids),
+                      rec.features(o.request_id, len(p) + len(o.outputs[0].token_ids)))
+                     for p, o in zip(prompts, outs, strict=True)]
+    assert all(len(toks) <= 4 for toks, _ in got["on"])
+    for (ta, fa), (tb, fb) in zip(got["off"], got["on"], strict=True):
+        assert ta == tb
+        # async also computed the stop token itself (in the step launched before it was seen)
+        assert fb.shape[0] - fa.shape[0] in (0, 1)
+        torch.testing.assert_close(fa, fb[: fa.shape[0]])
 
 
 @pytest.mark.cuda
