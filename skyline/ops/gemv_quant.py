@@ -11,10 +11,17 @@ loaded in its stored width and converted in registers, so each weight byte is re
 - INT8 / INT4 (WEIGHT_KIND 1 / 2): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with
   g = k // GROUP. BLOCK_K divides GROUP, so every K tile of a row lies in one group: its scale
   and zero are two [BLOCK_N] loads per tile. INT4 bytes hold element 2j in the low nibble and
-  2j + 1 in the high one; the kernel multiplies the low nibbles with the even columns of x and
-  the high nibbles with the odd ones (no interleaving in registers). In DOT mode the tensor
-  cores take the exact integers q - zero (|q - zero| <= 255 is exact in bf16/fp16) and the
-  group scale multiplies the tile's [BLOCK_N, 16] result.
+  2j + 1 in the high one.
+  FMA mode (`_gemv_int_fma_kernel`) reads the weights as int32 words (8 nibbles or 4 bytes:
+  element PER * j + i is field i of word j) against contiguous, vector-loaded columns of x,
+  and builds floats without int->float converts: the code shifted under the mantissa of a
+  power of two MAGIC and OR-ed with its exponent is the float MAGIC + q, and
+  (MAGIC + q) * scale - (MAGIC + zero) * scale is one FMA with a per-row constant per tile.
+  In DOT mode the tensor cores take the exact integers q - zero (|q - zero| <= 255 is exact in
+  bf16/fp16) against the even (low nibble) and odd (high nibble) columns of x, and the group
+  scale multiplies the tile's [BLOCK_N, 16] result.
+
+All masks are booleans (comparisons and their `&`), as Triton's interpreter from 3.9 requires.
 
 Accumulation in fp32. No host syncs; CUDA-graph safe as gemv.py is. Launch configurations come
 from the tuning tables (kernels "gemv_fp8", "gemv_int8", "gemv_int4") over `default_config`.
@@ -102,7 +109,8 @@ def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
     FMA for one or two rows, tensor cores above. Tiles of about 2 KiB of weight bytes per
     program and iteration (16 bytes per thread with 4 warps); for integer weights BLOCK_K is the
     largest power of two up to 128 (FP8: 512 / 256) dividing the group. Split K until about four
-    programs per SM, keeping at least four K tiles per split.
+    programs per SM, keeping at least four K tiles per split. X_BCAST (integer weights, FMA
+    mode): x loaded once per tile and broadcast over W's rows, from two rows of x on.
     """
     use_dot = m > 2
     if kind == FP8:
@@ -117,7 +125,8 @@ def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
            and k // (2 * split_k) >= 4 * block_k and split_k < 16):
         split_k *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": use_dot,
-            "num_warps": 4, "num_stages": 3 if use_dot else 1}
+            "num_warps": 4, "num_stages": 3 if use_dot else 1,
+            "X_BCAST": kind != FP8 and not use_dot and m >= 2}
 
 
 @functools.cache
@@ -186,6 +195,11 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     use_dot = bool(cfg["USE_DOT"])
     if kind != FP8 and group % block_k:
         raise ValueError(f"quantized gemv config {cfg}: BLOCK_K must divide the group {group}")
+    per_word = 8 if kind == INT4 else 4  # FMA mode reads integer weights as int32 words
+    if kind != FP8 and not use_dot and (block_k % per_word or w.shape[1] % 4
+                                        or w.data_ptr() % 4):
+        raise ValueError(f"quantized gemv config {cfg}: FMA mode needs BLOCK_K a multiple of "
+                         f"{per_word} and 4-byte aligned weight rows, got {tuple(w.shape)}")
     min_k = 32 if kind == INT4 else 16  # INT4 dots take BLOCK_K / 2 columns
     if use_dot and (block_n < 16 or block_k < min_k):
         raise ValueError(f"quantized gemv config {cfg}: USE_DOT needs BLOCK_N >= 16 and "
@@ -205,6 +219,17 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if kind != FP8 and not use_dot:
+        _gemv_int_fma_kernel[(num_tiles, split_k)](
+            x2, w.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
+            partial, counters, m, n, k, k_iters, split_k, x2.stride(0), w.stride(0) // 4,
+            scales.stride(0), BITS=4 if kind == INT4 else 8, GROUP=group,
+            HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
+            STATIC_ITERS=k_iters if interpreted else 0, X_BCAST=bool(cfg.get("X_BCAST", False)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return y.reshape(*x.shape[:-1], n)
     _gemv_quant_kernel[(num_tiles, split_k)](
         x2, w, scales, zeros if zeros is not None else scales,
         bias if bias is not None else scales, y, partial, counters,
@@ -226,6 +251,108 @@ if triton is not None:
         if IEEE:
             return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         return tl.dot(w, tl.trans(x), acc)
+
+    @triton.jit
+    def _store_out(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                   pid_n, pid_k, M, N, num_splits, HAS_BIAS: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        # out [BLOCK_N, BLOCK_M] fp32 -> y, through gemv.py's last-arriver split-K reduction.
+        y_mask = n_mask[:, None] & m_mask[None, :]
+        y_offs = offs_m[None, :] * N + offs_n[:, None]
+        if SPLIT:
+            tl.store(part_ptr + pid_k * M * N + y_offs, out, mask=y_mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                sp = 0
+                while sp < num_splits:
+                    out += tl.load(part_ptr + sp * M * N + y_offs, mask=y_mask, other=0.0,
+                                   cache_modifier=".cg")
+                    sp += 1
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.store(count_ptr + pid_n, 0)
+        else:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.jit
+    def _gemv_int_fma_kernel(
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+        M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
+        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+        X_BCAST: tl.constexpr,
+    ):
+        # INT8 / INT4 weights in FMA mode, read as int32 words (PER = 4 bytes or 8 nibbles;
+        # element 8j + i of a row is nibble i of word j, bits 4i..4i+3, little-endian) against
+        # contiguous columns of x. Tiles are [BLOCK_N, BLOCK_M, BLOCK_K / PER, PER].
+        # Code to float without an int->float convert: shifting code i to bits LO..LO+BITS-1 and
+        # OR-ing in the bits of MAGIC = 2^(23 - LO) gives the float MAGIC + q exactly; then
+        # w = (MAGIC + q) * s - (MAGIC + zero) * s is one FMA with a per-row constant per tile.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        PER: tl.constexpr = 32 // BITS
+        BW: tl.constexpr = BLOCK_K // PER
+        LO: tl.constexpr = 23 - BITS  # code bits LO..22, under the exponent of MAGIC
+        MAGIC: tl.constexpr = 1 << BITS  # 2^(23 - LO): the weight of bit LO is 1
+        MAGIC_BITS: tl.constexpr = (127 + BITS) << 23
+        CODE_MASK: tl.constexpr = ((1 << BITS) - 1) << LO
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_w = tl.arange(0, BW)
+        offs_i = tl.arange(0, PER)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        k_start = pid_k * k_iters * BLOCK_K
+        n4 = offs_n[:, None, None, None]
+        zero4 = tl.zeros((BLOCK_N, BLOCK_M, BW, PER), dtype=tl.int32)
+        w_ptrs = (w_ptr + n4.to(tl.int64) * stride_wn
+                  + (k_start // PER + offs_w)[None, None, :, None])
+        kk = (offs_w[:, None] * PER + offs_i[None, :])[None, None, :, :]  # column in the tile
+        # x spread over the tile, as in gemv.py's FMA mode, or (X_BCAST) one [BLOCK_M, BLOCK_K]
+        # load broadcast over the rows of W: a layout conversion per tile, but each x value
+        # is loaded and converted once per thread instead of once per weight (better from two
+        # rows of x on; the tuner picks).
+        x_ptrs = x_ptr + offs_m[None, :, None, None] * stride_xm + k_start + kk
+        if not X_BCAST:
+            x_ptrs = x_ptrs + zero4
+        sz_offs = n4 * stride_sn  # [BLOCK_N, 1, 1, 1]
+        shl = tl.maximum(LO - offs_i * BITS, 0)[None, None, None, :]
+        shr = tl.maximum(offs_i * BITS - LO, 0)[None, None, None, :]
+        n_ok = n4 < N
+        m_ok = offs_m[None, :, None, None] < M
+        acc = tl.zeros((BLOCK_N, BLOCK_M, BW, PER), dtype=tl.float32)
+        for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
+                           num_stages=NUM_STAGES):
+            k0 = k_start + it * BLOCK_K
+            w_mask = n_ok
+            x_mask = m_ok
+            if not EVEN_K:
+                # Weights are padded to Kp, a multiple of GROUP: a tile starting before K lies
+                # in one group inside Kp (its columns past K meet zero x); a tile starting at or
+                # past K may lie past Kp (K not a multiple of SPLIT_K * BLOCK_K), so it loads
+                # no weight, scale or zero (scale 0: a NaN read would poison the sum).
+                w_mask = w_mask & ((n4 * 0 + k0) < K)
+                x_mask = x_mask & ((k0 + kk) < K)
+            g = k0 // GROUP  # BLOCK_K divides GROUP: the tile lies in one group
+            s = tl.load(s_ptr + sz_offs + g, mask=w_mask, other=0.0)
+            z = tl.load(z_ptr + sz_offs + g, mask=w_mask, other=0).to(tl.float32)
+            c = -(z + MAGIC) * s
+            word = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint32, bitcast=True)
+            code = ((word << shl) >> shr) & CODE_MASK
+            wv = (code | MAGIC_BITS).to(tl.float32, bitcast=True) * s + c
+            xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            acc += wv * xv.to(tl.float32)
+            w_ptrs += BW
+            x_ptrs += BLOCK_K
+        out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        _store_out(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                   pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
 
     @triton.jit
     def _gemv_quant_kernel(
@@ -278,8 +405,9 @@ if triton is not None:
                 if WEIGHT_KIND == 0:
                     w_mask = w_mask & (kk < K)[None, :]
                 else:
-                    w_mask = w_mask & (k0 < K)
-                    sz_mask = sz_mask & (k0 < K)
+                    k_ok = (offs_n * 0 + k0) < K  # [BLOCK_N] booleans, not a scalar
+                    w_mask = w_mask & k_ok[:, None]
+                    sz_mask = sz_mask & k_ok
                 if WEIGHT_KIND == 2:
                     x_mask_hi = m_mask[:, None] & (kk + 1 < K)[None, :]
             else:

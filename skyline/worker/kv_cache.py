@@ -38,10 +38,10 @@ def num_blocks_for(
         return cfg.num_blocks
     per_block = bytes_per_block(arch, cfg.block_size, dtype)
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        # Memory other processes or non-torch allocations hold is outside our budget.
-        other = total - free - torch.cuda.memory_reserved(device)
-        budget = int(total * cfg.gpu_memory_utilization) - other - profile_peak_bytes
+        # Everything in use now (the weights, other processes) is outside the KV budget.
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - profile_peak_bytes
     else:
         budget = cfg.kv_cache_memory
     # More blocks than every running sequence at full length can use only feed the prefix

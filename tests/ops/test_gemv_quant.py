@@ -123,6 +123,18 @@ def test_int_gemv_matches_reference(dtype, bits, group, use_dot, split_k, m, n, 
     check(out, int_gemv_ref(x, c, s, z, bits, group, b))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (2, 33, 200), (5, 17, 136)])
+def test_int_gemv_fma_with_broadcast_x(bits, split_k, m, n, k):
+    # X_BCAST: x loaded once per tile and broadcast over W's rows (same sums, other layout);
+    # K = 200 and 136 are not multiples of the split, so the last splits start past Kp.
+    x, w, b = operands(m, n, k, torch.float32, seed=m + n + k + bits)
+    c, s, z = int_weights(w, bits, 32)
+    cfg = {**config(16, 32, split_k, False), "X_BCAST": True}
+    check(int_gemv(x, c, s, z, bits, 32, b, config=cfg), int_gemv_ref(x, c, s, z, bits, 32, b))
+
+
 @pytest.mark.parametrize("kind,group", [(FP8, 0), (INT4, 32), (INT4, 128), (INT8, 128)])
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_default_config_is_valid_and_runs(kind, group, m):
@@ -178,6 +190,8 @@ def test_bad_inputs_are_refused():
         int_gemv(x, c, sc, z, 4, 64)
     with pytest.raises(ValueError, match="BLOCK_K must divide"):
         int_gemv(x, c, sc, z, 4, 32, config=config(16, 64, 1, False))
+    with pytest.raises(ValueError, match="multiple of 8"):  # int4 FMA reads 8-nibble words
+        int_gemv(x, c, sc, z, 4, 32, config=config(16, 4, 1, False))
     assert not quant_gemv_ok(torch.zeros(1, 64))  # CPU tensors keep the PyTorch paths
 
 
