@@ -1,0 +1,104 @@
+"""Batch-1 decode speed on the CPU with OpenMP's default wait policy vs OMP_WAIT_POLICY=PASSIVE,
+on an idle machine and on one where a busy process competes for a core.
+
+OpenMP worker threads spin after each parallel region by default; when another process needs a
+core, the spinning threads and the thread doing the work take turns on it, and a decode step of
+hundreds of small parallel regions slows many times over. PASSIVE makes idle workers sleep.
+skyline sets PASSIVE unless the environment says otherwise (skyline/__init__.py); this script
+measures both. Each measurement is a fresh process (the policy is read when OpenMP loads).
+
+    python bench/omp_wait_policy.py --threads 2 --out bench/results/omp-wait-policy-cpu-smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+_CHILD = r"""
+import os, sys, time
+policy, threads, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.environ.pop("OMP_WAIT_POLICY", None)
+os.environ.pop("GOMP_SPINCOUNT", None)
+if policy.startswith("spin="):  # GNU OpenMP: spin this many iterations, then sleep
+    os.environ["GOMP_SPINCOUNT"] = policy[5:]
+elif policy != "default":
+    os.environ["OMP_WAIT_POLICY"] = policy
+import torch  # OpenMP reads the policy now, before skyline could set its default
+
+from skyline.engine.frontend import LLM
+from skyline.types import SamplingParams
+
+llm = LLM(threads=threads, kv_cache_memory="64MiB", max_model_len=512)
+prompt = "Write a short story about a lighthouse keeper."
+llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+times = []
+for out in llm.stream(prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                              ignore_eos=True)):
+    times.append(time.perf_counter())
+decode = (len(times) - 1) / (times[-1] - times[0])  # tokens after the first, per second
+print(f"RESULT {decode:.3f}")
+"""
+
+
+def measure(policy: str, threads: int, tokens: int) -> float:
+    out = subprocess.run([sys.executable, "-c", _CHILD, policy, str(threads), str(tokens)],
+                         capture_output=True, text=True, timeout=600)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return float(line.split()[1])
+    raise RuntimeError(f"the measurement failed: {out.stderr[-800:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the engine")
+    ap.add_argument("--tokens", type=int, default=32, help="decoded tokens per measurement")
+    ap.add_argument("--repeats", type=int, default=2, help="measurements per cell")
+    ap.add_argument("--policies", default="default,PASSIVE",
+                    help="comma-separated: default | PASSIVE | ACTIVE | spin=N (GOMP_SPINCOUNT)")
+    ap.add_argument("--out", default=None, help="JSON file for the results")
+    ns = ap.parse_args()
+    from skyline.bench.offline import machine_info, save_json
+
+    cells: dict[str, dict[str, list[float]]] = {}
+    loadavg: dict[str, list[float]] = {}
+    for load in ("idle", "loaded"):
+        busy = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) if load == "loaded" else None
+        try:
+            for _ in range(ns.repeats):  # alternate the policies: drift hits both alike
+                for policy in ns.policies.split(","):
+                    load_avg = os.getloadavg()[0]  # other users of the machine show here
+                    tps = measure(policy, ns.threads, ns.tokens)
+                    cells.setdefault(load, {}).setdefault(policy, []).append(tps)
+                    loadavg.setdefault(load, []).append(load_avg)
+                    print(f"{load:>6} {policy:>8}: {tps:7.2f} tok/s (load average before: "
+                          f"{load_avg:.1f})", flush=True)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+    summary = {load: {p: max(v) for p, v in d.items()} for load, d in cells.items()}
+    for d in summary.values():
+        if "PASSIVE" in d and "default" in d:
+            d["passive_speedup"] = d["PASSIVE"] / d["default"]
+    print(json.dumps(summary, indent=1))
+    save_json({
+        "benchmark": "omp_wait_policy",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "machine": machine_info("cpu"), "load_average_1min_before_each_run": loadavg,
+        "model": "SmolLM2-135M-Instruct Q4_1 (embedded default)", "threads": ns.threads,
+        "decode_tokens": ns.tokens, "metric": "batch-1 decode tok/s (best of repeats)",
+        "idle_means": "no process started by this script beside the engine (others may run)",
+        "loaded_means": "one `yes` process spinning beside the engine",
+        "runs_tok_s": cells, "summary": summary,
+    }, ns.out)
+
+
+if __name__ == "__main__":
+    main()
