@@ -9,7 +9,8 @@ Quality: next-token distributions of the setting vs the reference (--reference-f
 unquantized) on a calibration text, by teacher forcing (`LLM.score`, one causal forward):
 mean KL(reference || setting), top-1 agreement and the setting's perplexity. Settings that differ
 only in flags that cannot change the model's outputs (scheduler, cache, speculative decoding)
-share one measurement.
+share one measurement. Dummy (random) weights get no quality measurement: their distributions
+say nothing about a trained model's, so the sweep records quality as not applicable.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec, parse_len
+from skyline.configs import dummy_config_dir
 from skyline.engine.create import EngineArgs
 
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
@@ -98,6 +100,18 @@ def quality_key(args: EngineArgs) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
+def quality_status(spec: FrontierSpec, ref_args: EngineArgs) -> str:
+    """'measured', 'off' (--no-quality) or why quality does not apply (dummy weights)."""
+    if not spec.quality:
+        return "off"
+    shipped = ref_args.model is not None and not os.path.exists(ref_args.model) and \
+        dummy_config_dir(ref_args.model) is not None
+    if ref_args.load_format == "dummy" or shipped:
+        return ("not applicable: dummy (random) weights; KL and top-1 agreement are measured "
+                "on trained models only")
+    return "measured"
+
+
 def calibration_text() -> str:
     import skyline
 
@@ -118,9 +132,13 @@ def _score(args: EngineArgs, calib_tokens: int) -> tuple[Any, list[int]]:
         "speculative_method": "none", "max_num_seqs": 1}
     llm = LLM(**kw)
     ids = llm.encode(calibration_text())[1][:calib_tokens]
-    logp = llm.score(ids, window=calib_tokens)[0]
+    logp = llm.score(ids, window=calib_tokens)[0].float().cpu()  # off the GPU: servers follow
     del llm
     gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # give the scoring run's memory back before a server starts
     return logp, ids
 
 
@@ -233,6 +251,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                       "duration": load.duration, "ignore_eos": load.ignore_eos},
              "slos_ms": slos, "num_gpus": spec.num_gpus, "percentile": spec.percentile,
              "reference_flags": spec.reference_flags, "calib_tokens": spec.calib_tokens}
+    sweep["quality"] = quality_status(spec, ref_args)
     state = _load_state(path, sweep)
     done = {(p["setting"], p["concurrency"]) for p in state["points"]}
     todo = [(f, c) for f in settings for c in levels if (shlex.join(f), c) not in done]
@@ -254,7 +273,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
         pending = [c for c in levels if (key, c) not in done]
         args = parse_flags(base + flags)
         qkey = quality_key(args)
-        if spec.quality and qkey not in state["quality"]:
+        if sweep["quality"] == "measured" and qkey not in state["quality"]:
             if qkey == quality_key(ref_args):
                 state["quality"][qkey] = {"kl_mean": 0.0, "kl_p99": 0.0, "top1_agreement": 1.0,
                                           "reference": True}
@@ -288,7 +307,8 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
             for c in pending:
                 run = os.path.join(spec.output_dir, "runs", f"{slug}-c{c}.json")
                 res = run_serve_bench(dataclasses.replace(load, base_url=url, concurrency=c,
-                                                          model=None), workload, slos, run,
+                                                          model=None, progress=False),
+                                      workload, slos, run,
                                       print_table=False)
                 s = res["summary"]
                 print(f"  concurrency {c}: {s['output_throughput']:.1f} output tok/s, "

@@ -26,6 +26,7 @@ def test_frontier_end_to_end_and_resume(tmp_path, capsys) -> None:
     assert [p["concurrency"] for p in points] == [2, 2]
     assert all(p["summary"]["completed"] == 2 for p in points)
     # Both settings differ only in scheduling: one quality measurement, vs the reference.
+    assert state["sweep"]["quality"] == "measured"
     (q,) = state["quality"].values()
     assert 0 <= q["kl_mean"] < 0.05 and q["top1_agreement"] > 0.9
     for name in ("frontier.png", "frontier-ttft.png", "frontier-quality.png"):
@@ -42,3 +43,15 @@ def test_frontier_end_to_end_and_resume(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert text.count("starting:") == 1 and "--max-num-seqs 2" in text.split("starting:")[1]
     assert len(json.loads((out / "frontier.json").read_text())["points"]) == 2
+
+
+def test_quality_status_dummy_weights_not_applicable() -> None:
+    from skyline.bench.frontier import FrontierSpec, quality_status
+    from skyline.engine.create import EngineArgs
+
+    spec = FrontierSpec(grid=[])
+    assert quality_status(spec, EngineArgs()) == "measured"
+    for args in (EngineArgs(model="llama-3.1-8b"),
+                 EngineArgs(model="/some/dir", load_format="dummy")):
+        assert quality_status(spec, args).startswith("not applicable: dummy")
+    assert quality_status(FrontierSpec(grid=[], quality=False), EngineArgs()) == "off"
