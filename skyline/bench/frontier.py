@@ -15,7 +15,9 @@ say nothing about a trained model's, so the sweep records quality as not applica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import itertools
 import json
 import math
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +234,36 @@ def _estimate(state: dict[str, Any], todo: list[tuple[list[str], int]], load: Lo
     return total
 
 
+def _heartbeat(load: LoadSpec) -> float:
+    """Seconds between progress lines of one load level: about three per level, 10 s to 60 s."""
+    return min(max((load.duration or 60.0) / 3, 10.0), 60.0)
+
+
+def _bound(load: LoadSpec) -> str:
+    if load.duration:
+        return f"{load.duration:g} s, cut at {load.duration + load.grace:g} s"
+    return f"{load.num_requests} requests"
+
+
+@contextlib.contextmanager
+def _watchdog(load: LoadSpec) -> Iterator[None]:
+    """Every thread's stack on stderr if one load level outlives its bounds by a minute: the
+    client bounds itself (set-up, duration + grace), so this only fires on a hang in code that
+    does not yield, and then shows where."""
+    armed = bool(load.duration) and sys.__stderr__ is not None
+    if armed:
+        try:
+            faulthandler.dump_traceback_later(
+                load.setup_timeout + (load.duration or 0) + load.grace + 60, file=sys.__stderr__)
+        except (ValueError, OSError):  # no real stderr to write to
+            armed = False
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
+
+
 def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                  slos: dict[str, float], parse_flags: Callable[[list[str]], EngineArgs],
                  dry_run: bool = False) -> dict[str, Any]:
@@ -306,14 +338,27 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
         try:
             for c in pending:
                 run = os.path.join(spec.output_dir, "runs", f"{slug}-c{c}.json")
-                res = run_serve_bench(dataclasses.replace(load, base_url=url, concurrency=c,
-                                                          model=None, progress=False),
-                                      workload, slos, run,
-                                      print_table=False)
+                level = dataclasses.replace(load, base_url=url, concurrency=c, model=None,
+                                            progress=False, setup_timeout=spec.startup_timeout,
+                                            heartbeat=_heartbeat(load))
+                print(f"  concurrency {c}: running ({_bound(level)}), "
+                      f"{time.strftime('%H:%M:%S')}", flush=True)
+                try:
+                    with _watchdog(level):
+                        res = run_serve_bench(level, workload, slos, run, print_table=False)
+                except ValueError as e:  # the server stopped answering: on to the next setting
+                    print(f"  concurrency {c}: failed: {e}", flush=True)
+                    state["points"].append({"setting": key, "concurrency": c,
+                                            "command": command, "quality_key": qkey,
+                                            "error": str(e)[:600]})
+                    _save(path, state)
+                    break
                 s = res["summary"]
+                bad = f", {s['failed']} failed ({res['cut_requests']} cut)" if s["failed"] else ""
                 print(f"  concurrency {c}: {s['output_throughput']:.1f} output tok/s, "
                       f"TTFT median {s['ttft_ms']['median']:.0f} ms, "
-                      f"TPOT median {s['tpot_ms']['median']:.1f} ms")
+                      f"TPOT median {s['tpot_ms']['median']:.1f} ms, "
+                      f"{s['completed']} requests in {s['duration_s']:.1f} s{bad}", flush=True)
                 state["points"].append({"setting": key, "flags": flags, "concurrency": c,
                                         "command": command, "quality_key": qkey,
                                         "summary": s, "run": os.path.basename(run)})

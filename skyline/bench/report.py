@@ -122,6 +122,12 @@ def _fmt(v: Any, nd: int = 1) -> str:
     return f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
 
+def _quality_note(sweep: dict[str, Any]) -> str:
+    """One line when quality was not measured (dummy weights, --no-quality); else nothing."""
+    status = sweep.get("quality", "measured")
+    return "" if status == "measured" else f"<p>Quality: {html.escape(status)}.</p>"
+
+
 def _html(state: dict[str, Any], rows: list[dict[str, Any]], front: list[bool],
           images: list[str]) -> str:
     sweep = state["sweep"]
@@ -163,6 +169,7 @@ Front: no other point has at least the output throughput per GPU, the per-user s
 (1000 / TPOT {sweep.get('percentile', 'median')}) and the quality (lower KL vs
 <code>{html.escape(sweep['reference_flags'])}</code> on {sweep['calib_tokens']} calibration
 tokens), and more of one. Dominated points are grey.</p>
+{_quality_note(sweep)}
 {''.join(imgs)}
 <table>{head}{''.join(body)}</table>
 {f'<h2>Failed settings</h2><ul>{fails}</ul>' if fails else ''}

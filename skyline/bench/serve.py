@@ -2,12 +2,17 @@
 
 Load is fixed concurrency (N users, each sending its next request when the last one ends),
 Poisson arrivals at a request rate, or both (arrivals capped at N in flight). A run ends after
-`num_requests` requests or `duration` seconds, whichever comes first (requests in flight finish).
+`num_requests` requests or `duration` seconds, whichever comes first; requests in flight then
+have `grace` seconds to finish. Nothing waits without bound on the server: the set-up requests
+(model id, token-id probe, warm-up) have `setup_timeout` seconds, and at the hard deadline
+(duration + grace) the requests still running are cut, recorded as failed, and the run reports
+what it has. `heartbeat` prints a progress line every so many seconds (a stalled server shows).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -25,6 +30,7 @@ from skyline.bench.workloads import Conversation, Turn, WorkloadSpec, iter_conve
 
 # Workloads whose prompts are made token-exact on the completions endpoint.
 _EXACT = ("random", "long-context")
+CUT = "cut: still running at the hard deadline (duration + grace)"
 
 
 @dataclass
@@ -43,6 +49,9 @@ class LoadSpec:
     warmup: int = 1
     seed: int = 0
     progress: bool = True
+    grace: float = 60.0  # seconds requests in flight at the duration may take to finish
+    setup_timeout: float = 600.0  # seconds for the model id, token-id probe and warm-up
+    heartbeat: float = 0.0  # seconds between progress lines on stdout (0: none)
 
 
 class _Client:
@@ -134,10 +143,13 @@ class _Client:
             return await self.session.post(url, json=body, headers=self.headers)
 
     async def send(self, conv: Conversation, turn_idx: int, replies: list[str],
-                   t_bench: float) -> RequestResult:
-        """One streamed request; the reply text is appended to `replies`."""
+                   t_bench: float, res: RequestResult | None = None) -> RequestResult:
+        """One streamed request, filled into `res` (a new result if None); the reply text is
+        appended to `replies`."""
         url, body = self.body(conv, turn_idx, replies)
-        res = RequestResult(input_len=conv.turns[turn_idx].input_len)
+        if res is None:
+            res = RequestResult(input_len=conv.turns[turn_idx].input_len)
+        res.input_len = conv.turns[turn_idx].input_len
         chunks: list[str] = []
         usage: dict[str, Any] | None = None
         t0 = time.perf_counter()
@@ -184,22 +196,32 @@ def _text(prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
 
 
+async def _setup(client: _Client, load: LoadSpec, workload: WorkloadSpec) -> None:
+    """Model id, token-id probe and warm-up requests, before the clock starts."""
+    await client.resolve_model()
+    if workload.name in _EXACT:
+        await client.probe_token_ids("The quick brown fox jumps over the lazy dog today.")
+    for _ in range(load.warmup):
+        warm = next(iter_conversations(dataclasses.replace(workload, seed=-1)))
+        turn = Turn(warm.turns[0].prompt, min(4, warm.turns[0].max_tokens), 0)
+        r = await client.send(dataclasses.replace(warm, turns=[turn]), 0, [], 0.0)
+        if not r.success:
+            raise ConnectionError(f"the warm-up request failed ({r.error})")
+
+
 async def _run(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult], float,
                                                                  bool, str]:
     convs = iter_conversations(workload)
     timeout = aiohttp.ClientTimeout(total=load.timeout)
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+    session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+    try:
         client = _Client(load, session)
-        await client.resolve_model()
-        if workload.name in _EXACT:
-            await client.probe_token_ids("The quick brown fox jumps over the lazy dog today.")
-        for _ in range(load.warmup):
-            warm = next(iter_conversations(dataclasses.replace(workload, seed=-1)))
-            turn = Turn(warm.turns[0].prompt, min(4, warm.turns[0].max_tokens), 0)
-            r = await client.send(dataclasses.replace(warm, turns=[turn]), 0, [], 0.0)
-            if not r.success:
-                raise ConnectionError(f"the warm-up request failed ({r.error})")
+        try:
+            async with asyncio.timeout(load.setup_timeout):
+                await _setup(client, load, workload)
+        except TimeoutError:
+            raise ConnectionError(f"no answer to the set-up requests (model id, warm-up) within "
+                                  f"{load.setup_timeout:g} s") from None
         results: list[RequestResult] = []
         bar = tqdm(total=load.num_requests, desc="requests", disable=not load.progress,
                    unit="req")
@@ -208,6 +230,7 @@ async def _run(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResu
         launched = 0
         t_bench = time.perf_counter()
         deadline = t_bench + load.duration if load.duration else float("inf")
+        hard = deadline + load.grace  # requests still running then are cut
 
         def budget_left() -> bool:
             return ((load.num_requests is None or launched < load.num_requests)
@@ -221,34 +244,91 @@ async def _run(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResu
                     if not budget_left():
                         return
                     launched += 1
-                    if workload.name in _EXACT:
-                        conv.turns[i] = await client.exact(conv.turns[i])
-                    results.append(await client.send(conv, i, replies, t_bench))
+                    res = RequestResult(conv.turns[i].input_len,
+                                        start=time.perf_counter() - t_bench)
+                    results.append(res)
+                    try:
+                        if workload.name in _EXACT:
+                            conv.turns[i] = await client.exact(conv.turns[i])
+                        await client.send(conv, i, replies, t_bench, res)
+                    except asyncio.CancelledError:
+                        res.success, res.error = False, CUT
+                        res.e2e = time.perf_counter() - t_bench - res.start
+                        raise
+                    except Exception as e:  # an unexpected answer: recorded, the run goes on
+                        res.success, res.error = False, f"{type(e).__name__}: {e}"[:300]
+                        res.e2e = time.perf_counter() - t_bench - res.start
                     bar.update(1)
             finally:
                 if sem is not None:
                     sem.release()
 
-        tasks: set[asyncio.Task] = set()
-        while budget_left():
-            if load.request_rate:
-                await asyncio.sleep(rng.expovariate(load.request_rate))
-            if sem is not None:
-                await sem.acquire()
-            if not budget_left():
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(load.heartbeat)
+                now = time.perf_counter()
+                done = sum(r.e2e > 0 for r in results)
+                late = " (past the duration)" if now > deadline else ""
+                print(f"    {now - t_bench:.0f} s: {done} requests done, "
+                      f"{len(results) - done} in flight{late}", flush=True)
+
+        async def issue() -> None:
+            while budget_left():
+                if load.request_rate:
+                    await asyncio.sleep(rng.expovariate(load.request_rate))
                 if sem is not None:
-                    sem.release()
-                break
-            task = asyncio.create_task(converse(next(convs)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            if sem is None and not load.request_rate:
-                await asyncio.sleep(0)  # unbounded burst: everything at once
-        while tasks:
-            await asyncio.gather(*list(tasks))
+                    await sem.acquire()
+                if not budget_left():
+                    if sem is not None:
+                        sem.release()
+                    break
+                task = asyncio.create_task(converse(next(convs)))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                if sem is None and not load.request_rate:
+                    await asyncio.sleep(0)  # unbounded burst: everything at once
+            while tasks:
+                await asyncio.wait(list(tasks))
+
+        tasks: set[asyncio.Task] = set()
+        beat = asyncio.create_task(heartbeat()) if load.heartbeat > 0 else None
+        try:
+            async with asyncio.timeout(hard - time.perf_counter() if load.duration else None):
+                await issue()
+        except TimeoutError:
+            pass  # the hard deadline: cut what still runs, below
+        finally:
+            left = [t for t in list(tasks) if not t.done()]
+            for t in left + ([beat] if beat else []):
+                t.cancel()
+            await asyncio.gather(*left, *([beat] if beat else []), return_exceptions=True)
         duration = time.perf_counter() - t_bench
         bar.close()
         return results, duration, client.token_ids_ok, client.model
+    finally:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):  # never wait on the server to close connections
+                await session.close()
+
+
+def _run_loop(coro: Any) -> Any:
+    """`asyncio.run` without its unbounded waits at exit: tasks left over are cancelled and get
+    5 s, and the default executor is not joined."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in left:
+                t.cancel()
+            if left:
+                loop.run_until_complete(asyncio.wait(left, timeout=5))
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), 5))
+        except (TimeoutError, RuntimeError):
+            pass
+        finally:
+            loop.close()
 
 
 def run_load(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult], float, bool,
@@ -261,9 +341,11 @@ def run_load(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult
         raise ValueError("give --num-requests or --duration to bound the run")
     if load.concurrency is not None and load.concurrency < 1:
         raise ValueError("--concurrency must be at least 1")
+    if load.grace < 0 or load.setup_timeout <= 0:
+        raise ValueError("grace must be >= 0 and setup_timeout > 0 seconds")
     next(iter_conversations(workload))  # argument errors before any network traffic
     try:
-        return asyncio.run(_run(load, workload))
+        return _run_loop(_run(load, workload))
     except (aiohttp.ClientError, OSError) as e:
         raise ValueError(f"cannot reach {load.base_url} ({e}); is the server running?") from None
 
@@ -280,6 +362,7 @@ def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, floa
         "load": {k: v for k, v in dataclasses.asdict(load).items() if k != "api_key"},
         "workload": dataclasses.asdict(workload),
         "token_exact_prompts": exact,
+        "cut_requests": sum(r.error == CUT for r in results),
         "summary": summary,
         "requests": [{"start": r.start, "input_len": r.input_len, "output_len": r.output_len,
                       "ttft": r.ttft, "e2e": r.e2e, "success": r.success, "error": r.error}

@@ -21,6 +21,9 @@ def test_frontier_end_to_end_and_resume(tmp_path, capsys) -> None:
     main(_frontier(str(out)))
     text = capsys.readouterr().out
     assert "Pareto front" in text and "skyline serve --kv-cache-memory 128MiB" in text
+    # One line when a level starts and one when it ends, so a stuck level shows in the log.
+    assert text.count("concurrency 2: running (2 requests)") == 2
+    assert text.count("2 requests in ") == 2
     state = json.loads((out / "frontier.json").read_text())
     points = state["points"]
     assert [p["concurrency"] for p in points] == [2, 2]
@@ -33,6 +36,7 @@ def test_frontier_end_to_end_and_resume(tmp_path, capsys) -> None:
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "--max-num-seqs 2" in html
+    assert "Quality:" not in html  # measured: no note
 
     # A sweep killed after its first point continues with the second only.
     state["points"] = points[:1]
@@ -55,3 +59,11 @@ def test_quality_status_dummy_weights_not_applicable() -> None:
                  EngineArgs(model="/some/dir", load_format="dummy")):
         assert quality_status(spec, args).startswith("not applicable: dummy")
     assert quality_status(FrontierSpec(grid=[], quality=False), EngineArgs()) == "off"
+
+
+def test_report_notes_unmeasured_quality() -> None:
+    from skyline.bench.report import _quality_note
+
+    assert _quality_note({"quality": "measured"}) == _quality_note({}) == ""
+    note = _quality_note({"quality": "not applicable: dummy (random) weights; KL ..."})
+    assert note.startswith("<p>Quality: not applicable: dummy") and note.count("\n") == 0
