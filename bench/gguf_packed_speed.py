@@ -1,10 +1,12 @@
-"""Decode speed of the default GGUF model with its blocks kept packed (--quantization gguf,
-dequantized at every forward) vs dequantized once at load (the default), on this machine.
+"""Decode speed of the default GGUF model with its blocks kept packed (--quantization gguf)
+vs dequantized once at load (the default), in float32 and bfloat16, on this machine. Packed
+float32 dequantizes the blocks at every forward; packed bfloat16 runs the Q4 layers on torch's
+CPU int4 kernel (quant/gguf.py).
 
-    python bench/gguf_packed_speed.py [--out bench/results/gguf-packed-cpu.json]
+    python bench/gguf_packed_speed.py [--threads N] [--out bench/results/gguf-packed-cpu.json]
 
 Decides quant/resolve.py's GGUF_PACKED_BY_DEFAULT: packed becomes the default only if its
-decode is at most 1.5x slower.
+float32 decode is at most 1.5x slower.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 
 import torch
@@ -37,28 +40,36 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/gguf-packed-cpu.json")
     ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated, float32 first (the packed-by-default decision)")
     ns = ap.parse_args()
     results: dict[str, dict[str, float]] = {}
-    for method in ("none", "gguf"):
-        llm = LLM(quantization=method, enable_prefix_caching=False)
+    variants = [(m, d) for d in ns.dtypes.split(",") for m in ("none", "gguf")]
+    for method, dtype in variants:
+        key = method if dtype == "float32" else f"{method}-{dtype}"
+        llm = LLM(quantization=method, dtype=dtype, threads=ns.threads,
+                  enable_prefix_caching=False)
+        decode_tok_s(llm, 1, 16, 4)  # warm-up (builds the int4 kernel's packed weights)
         model = llm.engine.executor.runner.model if hasattr(llm.engine, "executor") else None
         mem = None
-        if model is not None:
+        if model is not None:  # weights held after the warm-up, the int4 kernel's included
             tensors = [*model.parameters(), *model.buffers()]
+            tensors += [t for m in model.modules() for t in (getattr(m, "gguf_int4", None) or ())]
             mem = sum(t.numel() * t.element_size() for t in tensors) / 2**20
-        decode_tok_s(llm, 1, 16, 4)  # warm-up
-        results[method] = {
+        results[key] = {
             "weights_mib": mem,
             "decode_tok_s_b1": decode_tok_s(llm, 1, 64, ns.out_len),
             "decode_tok_s_b8": decode_tok_s(llm, 8, 64, ns.out_len),
         }
-        print(method, results[method], flush=True)
+        print(key, results[key], flush=True)
         del llm
     slow = {b: results["none"][b] / results["gguf"][b] for b in ("decode_tok_s_b1",
                                                                    "decode_tok_s_b8")}
     report = {
         "machine": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "threads": ns.threads or torch.get_num_threads(),
+        "command": "python bench/gguf_packed_speed.py " + " ".join(sys.argv[1:]),
         "model": "SmolLM2-135M-Instruct Q4_1 (default)",
         "results": results,
         "packed_slowdown": slow,

@@ -2,7 +2,7 @@
 GGUF, CPU): perplexity, KL divergence and top-1 agreement of next-token distributions against
 the reference, the GGUF's weights dequantized to float32.
 
-    python bench/quant_quality.py [--out bench/results/quant-quality-cpu-smollm2.json]
+    python bench/quant_quality.py [--variants NAME,...] [--out FILE.json]
 
 Text: skyline/quant/calibration.txt (public domain). Calibrated variants see only its first
 `--calib-tokens` tokens; every metric is measured on the `--eval-tokens` after them, in
@@ -28,7 +28,7 @@ from skyline.model.loader import load_model
 from skyline.quant.calibrate import builtin_text, collect_act_sq
 from skyline.quant.checkpoint import quantize_loaded
 
-# name -> (method, group size, calibrated)
+# name -> (method, group size, calibrated[, model dtype])
 VARIANTS = {
     "reference (Q4_1 dequantized, fp32)": ("none", 128, False),
     "gguf (Q4_1 kept packed)": ("gguf", 128, False),
@@ -39,6 +39,8 @@ VARIANTS = {
     "int4 g32 + calibrated clip": ("int4", 32, True),
     "mxfp4": ("mxfp4", 128, False),
     "nvfp4": ("nvfp4", 128, False),
+    "bf16 (Q4_1 dequantized)": ("none", 128, False, "bfloat16"),
+    "gguf bf16 (Q4_1 packed; CPU int4 kernel)": ("gguf", 128, False, "bfloat16"),
 }
 
 
@@ -49,7 +51,8 @@ def window_logits(model, ids: list[int], window: int) -> list[torch.Tensor]:
         chunk = torch.tensor(ids[s : s + window])
         if len(chunk) < 2:
             break
-        out.append(model.compute_logits(model(chunk, torch.arange(len(chunk)))).log_softmax(-1))
+        logits = model.compute_logits(model(chunk, torch.arange(len(chunk))))
+        out.append(logits.float().log_softmax(-1))
     return out  # [len(window), vocab] log-probs per window
 
 
@@ -65,7 +68,12 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated names (default: all); e.g. 'gguf bf16 (Q4_1 packed, "
+                         "CPU int4 kernel)'")
     ns = ap.parse_args()
+    chosen = VARIANTS if ns.variants is None else {
+        k: VARIANTS[k] for k in ns.variants.split(",") if k}
     t_start = time.time()
     base, _ = create_engine_config(EngineArgs(dtype="float32", device="cpu"))
     tok = load_tokenizer(base.model)
@@ -79,14 +87,15 @@ def main() -> None:
     ref = window_logits(ref_model, evals, ns.window)
     del ref_model
     rows = []
-    for name, (method, group, calibrated) in VARIANTS.items():
+    for name, (method, group, calibrated, *dt) in chosen.items():
         t0 = time.time()
+        dtype = dt[0] if dt else "float32"
         if calibrated:
             model = load_model(base.model, "cpu")
             quantize_loaded(model, QuantConfig(method=method, group_size=group), act_sq)
         else:
             qcfg = QuantConfig(method=method, group_size=group)
-            model = load_model(dataclasses.replace(base.model, quant=qcfg), "cpu")
+            model = load_model(dataclasses.replace(base.model, quant=qcfg, dtype=dtype), "cpu")
         logp = window_logits(model, evals, ns.window)
         nll, kl, agree, n = 0.0, 0.0, 0, 0
         for lp, rp, s in zip(logp, ref, range(0, len(evals), ns.window), strict=False):
@@ -98,6 +107,7 @@ def main() -> None:
         n_pred = n - len(logp)
         row = {
             "variant": name, "method": method, "group_size": group, "calibrated": calibrated,
+            "dtype": dtype,
             "perplexity": round(float(torch.tensor(nll / n_pred).exp()), 4),
             "kl_vs_reference": round(kl / n, 5),
             "top1_agreement": round(agree / n, 4),

@@ -170,6 +170,36 @@ _BLOCK_FNS = {
 }
 
 
+# Types whose weights are 4-bit codes with an affine map per 32 elements.
+INT4_GROUP_TYPES = (2, 3, 12)  # Q4_0, Q4_1, Q4_K
+
+
+def int4_groups(data: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """A Q4_0 / Q4_1 / Q4_K tensor `[rows, bytes_per_row]` as 4-bit codes with a scale and an
+    offset per 32 elements: W = q * scale + offset exactly as `dequantize_ref` computes it
+    (Q4_0: d, -8d; Q4_1: d, m; Q4_K: d * sc, -dmin * mn). Returns codes `[rows, cols]` uint8
+    (0..15) and scale, offset `[rows, cols / 32]` float32."""
+    qtype = int(qtype)
+    if qtype not in INT4_GROUP_TYPES:
+        raise ValueError(f"{type_name(qtype)} is not a 4-bit group type")
+    _, block_size, type_size = GGML_TYPES[qtype]
+    rows = data.shape[0]
+    b = data.contiguous().reshape(-1, type_size)
+    n = b.shape[0]
+    if qtype == 12:
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _scale_min_k4(b[:, 4:16])
+        scale, offset = d * sc.float(), -(dmin * mn.float())  # [n, 8]
+        q = _nibbles(b[:, 16:], 32).reshape(n, 8, 32)
+    else:
+        scale = _f16(b, 0)  # [n, 1]
+        offset = _f16(b, 2) if qtype == 3 else -8 * scale
+        q = _nibbles(b[:, 2 if qtype == 2 else 4 :], 16).reshape(n, 1, 32)
+    return (q.reshape(rows, -1).to(torch.uint8), scale.reshape(rows, -1),
+            offset.reshape(rows, -1))
+
+
 def type_name(qtype: int) -> str:
     entry = GGML_TYPES.get(int(qtype))
     return entry[0] if entry else f"ggml type {int(qtype)}"

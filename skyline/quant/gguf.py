@@ -1,7 +1,14 @@
-"""GGUF weights kept packed: a Linear holds the file's raw blocks (Q4_1, Q6_K, ... as stored)
-and dequantizes them with ops/dequant.py at every forward, so the model takes about as much
-memory as the file, as in llama.cpp. A Triton dequant-matmul that reads the blocks inside the
-matmul is the next step; today the CPU pays a full dequantization per call."""
+"""GGUF weights kept packed: a Linear holds the file's raw blocks (Q4_1, Q6_K, ... as stored),
+so the model takes about as much memory as the file, as in llama.cpp.
+
+Matmuls: on the CPU with bfloat16 activations, a layer whose blocks are all 4-bit group types
+(Q4_0, Q4_1, Q4_K: 4-bit codes with an affine map per 32 elements) runs torch's int4
+weight-only kernel (`_weight_int4pack_mm_for_cpu`), which reads 4.5 bits per weight and
+unpacks in registers; its repacked weights are made at the first such call and replace the raw
+blocks' role for it (scale and offset per 32 elements stored in bfloat16, so within bf16
+rounding of the file's fp16 scales). Every other case dequantizes the blocks with
+ops/dequant.py at each call and runs a dense matmul. A Triton dequant-matmul for the GPU is the
+next step."""
 
 from __future__ import annotations
 
@@ -14,7 +21,9 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.layers.linear import Linear
-from skyline.ops.dequant import dequantize_ref
+from skyline.ops.dequant import INT4_GROUP_TYPES, dequantize_ref, int4_groups
+
+INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 
 
 @dataclass
@@ -64,7 +73,41 @@ class GGUFLinearMethod:
         return ws[0] if len(ws) == 1 else torch.cat(ws)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _int4_ready(layer):
+            packed, scales_zeros = layer.gguf_int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.reshape(-1, x.shape[-1]), packed, INT4_GROUP, scales_zeros)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
+
+
+def _int4_ready(layer: Linear) -> bool:
+    """Whether the layer runs the CPU int4 kernel; builds its packed weights at first use."""
+    if not hasattr(layer, "gguf_int4"):
+        layer.gguf_int4 = _pack_int4(layer) if _has_int4_kernel() else None
+    return layer.gguf_int4 is not None
+
+
+def _has_int4_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def _pack_int4(layer: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed codes, scales_and_zeros [cols / 32, rows, 2] bf16) in the layout of torch's CPU
+    int4 kernel, which computes W = (q - 8) * scale + zero; None unless every run of the layer
+    is a 4-bit group type."""
+    if not all(int(t) in INT4_GROUP_TYPES for t in layer.gguf_types):
+        return None
+    parts = [int4_groups(getattr(layer, f"gguf_w{i}"), t)
+             for i, t in enumerate(layer.gguf_types)]
+    codes, scale, offset = (torch.cat(c) for c in zip(*parts, strict=True))
+    if codes.shape[1] % (2 * INT4_GROUP):
+        return None  # the kernel packs pairs of groups along K
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    zero = offset + 8 * scale
+    scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
 
 
 def _loader(layer: Linear) -> Any:

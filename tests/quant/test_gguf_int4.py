@@ -1,0 +1,83 @@
+"""GGUF 4-bit group types on the CPU's int4 kernel: codes, scales and offsets reproduce the
+blocks exactly; bfloat16 matmuls through torch's int4 kernel match the dequantized weights; other
+types and float32 keep the dequantize-and-matmul path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from skyline.ops.dequant import dequantize_ref, int4_groups
+from skyline.quant.gguf import GGUFLinearMethod, _has_int4_kernel
+
+# byte offsets of the fp16 scales in each block type
+FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random blocks with finite, moderate fp16 scales: [rows, bytes_per_row] uint8."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n = rows * cols // block_size
+    b = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
+    for at in FP16_AT[qtype]:
+        b[:, at : at + 2] = rng.uniform(-0.05, 0.05, n).astype(np.float16).view(np.uint8) \
+            .reshape(n, 2)
+    return torch.from_numpy(b.reshape(rows, -1).copy())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_int4_groups_reproduce_the_blocks_exactly(qtype):
+    data = blocks(qtype, 5, 512)
+    codes, scale, offset = int4_groups(data, qtype)
+    assert codes.shape == (5, 512) and int(codes.max()) <= 15
+    assert scale.shape == offset.shape == (5, 16)
+    w = codes.float() * scale.repeat_interleave(32, 1) + offset.repeat_interleave(32, 1)
+    assert torch.equal(w, dequantize_ref(data, qtype))
+
+
+def test_int4_groups_rejects_other_types():
+    with pytest.raises(ValueError, match="not a 4-bit group type"):
+        int4_groups(blocks(Q.Q6_K, 1, 256), Q.Q6_K)
+
+
+class _Layer(torch.nn.Module):
+    """What GGUFLinearMethod needs of a Linear after loading: runs of raw blocks."""
+
+    def __init__(self, runs: list[tuple[Q, torch.Tensor]]) -> None:
+        super().__init__()
+        self.gguf_types = [int(q) for q, _ in runs]
+        for i, (_, data) in enumerate(runs):
+            self.register_buffer(f"gguf_w{i}", data)
+        self.bias = None
+
+
+@pytest.mark.skipif(not _has_int4_kernel(), reason="torch lacks the CPU int4 kernel")
+def test_bf16_matmul_on_the_int4_kernel_matches_the_dequantized_weights():
+    # a merged projection of two runs of different 4-bit types, as qkv can be
+    layer = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 48, 512, 1)), (Q.Q4_K, blocks(Q.Q4_K, 16, 512, 2))])
+    method = GGUFLinearMethod()
+    w = method.dequantized_weight(layer)  # [64, 512] float32, exact
+    x = torch.randn(3, 512)
+    y = method.apply(layer, x.to(torch.bfloat16))
+    assert layer.gguf_int4 is not None and y.dtype == torch.bfloat16 and y.shape == (3, 64)
+    ref = x.to(torch.bfloat16).float() @ w.T
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2  # bf16 scales and accumulation of bf16 inputs
+    # a wrong kernel convention (zero point, nibble order) is far off
+    assert (y.float() - x.float() @ w.flip(0).T).abs().max() / ref.abs().max() > 0.3
+    # float32 activations keep the exact path
+    torch.testing.assert_close(method.apply(layer, x), F.linear(x, w))
+
+
+def test_other_types_keep_the_dequantize_path():
+    layer = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 8, 256, 3)), (Q.Q6_K, blocks(Q.Q6_K, 8, 256, 4))])
+    method = GGUFLinearMethod()
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    y = method.apply(layer, x)
+    assert layer.gguf_int4 is None
+    torch.testing.assert_close(y, F.linear(x, method.dequantized_weight(layer).to(x.dtype)))
