@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-max-batch-tokens", type=int, default=None,
                    help="no speculation in steps with more tokens than this (default: 16 on "
                         "CPU, 256 on GPU)")
+    g.add_argument("--no-speculative-gate", dest="speculative_gate", action="store_false",
+                   help="speculate in every step (within --speculative-max-batch-tokens), not "
+                        "only in batch sizes where speculative steps were measured faster")
 
 
 def engine_args(ns: argparse.Namespace, **extra: Any) -> EngineArgs:

@@ -164,6 +164,10 @@ class SpecConfig:
     # Cost of one verified draft token relative to a decode step: a draft is verified only
     # while its chance of acceptance exceeds this (sched/spec.py).
     draft_cost: float = 0.3
+    # Measured gate (sched/spec.py): speculate only in batch sizes where speculative steps
+    # were measured to emit more tokens per second than plain ones. False: always speculate
+    # (within max_batch_tokens).
+    gate: bool = True
     suffix_traffic_tokens: int = 1 << 18  # suffix: tokens of recent requests kept indexed
     # eagle: directory of the head (`skyline train-speculator`); draft: the draft model's path
     model: str | None = None

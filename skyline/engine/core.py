@@ -5,16 +5,22 @@ launches step n+1, then updates the scheduler with step n, whose tokens arrive w
 runs n+1. The host's work per step (scheduling, input preparation, detokenizing, the server)
 then overlaps the device's instead of adding to it. See sched/scheduler.py for what the
 scheduler does meanwhile, and worker/runner.py for how the tokens flow on the device.
+
+Each step is timed for the speculation gate (sched/spec.py): from its scheduling, or from the
+previous step's outputs if they came later (async scheduling: the time between consecutive
+outputs), to its own outputs. The time the caller spends between `step` calls is not counted
+for a synchronous step; with async scheduling it is, as it overlaps the device's work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from skyline.config import ConfigError, EngineConfig
 from skyline.sched.scheduler import Scheduler
-from skyline.types import Request, SchedulerOutput, StepOutput
+from skyline.types import Request, RunnerOutput, SchedulerOutput, StepOutput
 from skyline.worker.executor import Executor
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ class EngineCore:
                                    config.spec)
         self.async_scheduling = config.async_scheduling
         self._in_flight: SchedulerOutput | None = None  # launched, not yet updated
+        self._in_flight_t = 0.0  # when the step in flight was scheduled
+        self._last_output_t = 0.0  # when the last step's outputs were ready
 
     @property
     def max_model_len(self) -> int:
@@ -69,20 +77,31 @@ class EngineCore:
         outputs: list[StepOutput] = []
         overlap = self.async_scheduling and self.scheduler.can_overlap()
         if self._in_flight is not None and not overlap:
-            outputs += self.scheduler.update(self._in_flight, self.executor.collect())
+            outputs += self._update(self._in_flight, self._in_flight_t, self.executor.collect())
             self._in_flight = None
+        t = time.perf_counter()
         out = self.scheduler.schedule()
         prev = self.executor.launch(out)
         if self._in_flight is not None:
             assert prev is not None
-            outputs += self.scheduler.update(self._in_flight, prev)
+            outputs += self._update(self._in_flight, self._in_flight_t, prev)
             self._in_flight = None
         if out.empty:
             return outputs  # nothing launched (the runner only dropped finished requests)
         if overlap:
-            self._in_flight = out
+            self._in_flight, self._in_flight_t = out, t
         else:
-            outputs += self.scheduler.update(out, self.executor.collect())
+            outputs += self._update(out, t, self.executor.collect())
+        return outputs
+
+    def _update(self, out: SchedulerOutput, scheduled_t: float,
+                res: RunnerOutput) -> list[StepOutput]:
+        """Update the scheduler with a step's tokens and report the step's time."""
+        outputs = self.scheduler.update(out, res)
+        now = time.perf_counter()
+        seconds = now - max(scheduled_t, self._last_output_t)
+        self._last_output_t = now
+        self.scheduler.record_step(out, sum(len(o.new_token_ids) for o in outputs), seconds)
         return outputs
 
     def stats(self) -> dict[str, float]:

@@ -61,6 +61,7 @@ class EngineArgs:
     ngram_min: int = 2
     ngram_max: int = 5
     speculative_max_batch_tokens: int | None = None  # None: auto (by device)
+    speculative_gate: bool = True  # speculate only where it was measured faster
 
 
 _DTYPE_ALIASES = {
@@ -231,6 +232,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         # decode step barely notices a few; on a CPU each costs about a third of a step.
         max_batch_tokens=args.speculative_max_batch_tokens or (256 if on_gpu else 16),
         draft_cost=0.1 if on_gpu else 0.35,
+        gate=args.speculative_gate,
     )
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,

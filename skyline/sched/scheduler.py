@@ -28,6 +28,11 @@ dropped. A block freed in `update(n)` may still be written by step n+1, which wa
 device before any step that can reuse it, so device order keeps it safe. Speculative decoding
 and constrained decoding need each step's tokens before the next is scheduled: `can_overlap`
 says when the engine must update first.
+
+Speculation gate: whether the next step speculates is decided once (by `can_overlap` or, if
+the engine does not ask, by `schedule`) from the policy's measured gate (sched/spec.py), so a
+step the gate runs plainly may overlap like any other. The engine reports each step's wall
+time (`record_step`); only pure-decode steps feed the gate.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ class Scheduler:
         self._drafts: dict[str, list[int]] = {}
         self._num_freed_blocks: dict[str, int] = {}
         self._constrained: set[str] = set()  # requests with structured-output constraints
+        self._next_speculates: bool | None = None  # the gate's decision for the next step
+        # Steps scheduled but not yet recorded, with whether each speculated (at most two are
+        # outstanding with async scheduling; bounded for callers that never record).
+        self._step_modes: deque[tuple[SchedulerOutput, bool]] = deque(maxlen=4)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -129,9 +138,36 @@ class Scheduler:
 
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the previous step's `update`: not
-        with speculative decoding (drafts come from the previous step's tokens) nor while a
+        when it speculates (drafts come from the previous step's tokens) nor while a
         constrained request exists (its token mask needs the previous token)."""
-        return self.spec is None and not self._constrained
+        return not self._constrained and not self._speculates_next()
+
+    def _speculates_next(self) -> bool:
+        """The gate's decision for the next step, made once and kept until `schedule`."""
+        if self.spec is None:
+            return False
+        if self._next_speculates is None:
+            self._next_speculates = self.spec.speculates(self._num_pending_tokens(),
+                                                         len(self.running))
+        return self._next_speculates
+
+    def record_step(self, sched_out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
+        """The engine's timing of a step that was updated: it emitted `num_tokens` tokens in
+        `seconds` of wall time. Only steps whose every token is a decode or a verification feed
+        the gate: a prefill chunk's cost would be charged to whichever mode ran it."""
+        speculated = None
+        for i, (o, mode) in enumerate(self._step_modes):
+            if o is sched_out:
+                speculated = mode
+                del self._step_modes[i]
+                break
+        if self.spec is None or speculated is None or sched_out.new_requests:
+            return
+        n = sched_out.num_scheduled_tokens
+        drafts = sched_out.spec_token_ids
+        if not n or any(k != 1 + len(drafts.get(rid, ())) for rid, k in n.items()):
+            return
+        self.spec.observe_step(len(n), speculated, num_tokens, seconds)
 
     @property
     def num_waiting(self) -> int:
@@ -172,7 +208,8 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.cfg.max_num_batched_tokens
         preempted = False
-        speculate = self.spec is not None and self.spec.enabled(self._num_pending_tokens())
+        speculate = self._speculates_next()
+        self._next_speculates = None
 
         # 1. Running requests, oldest first. Victims come from the tail, i.e. they have not been
         # scheduled yet this step (or are the current request itself).
@@ -249,6 +286,8 @@ class Scheduler:
         assert out.total_num_scheduled_tokens <= self.cfg.max_num_batched_tokens
         if self.structured is not None:
             self.structured.before_step(out)
+        if self.spec is not None and not out.empty:
+            self._step_modes.append((out, speculate))
         return out
 
     def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -339,6 +378,9 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec.observe(rid, len(drafts), num_accepted)
+            elif sampled and self.spec is not None and self._drafts.get(rid):
+                # A plain step (or depth 0): score the draft it did not verify.
+                self.spec.observe_unverified(rid, self._drafts[rid][0] == sampled[0])
             if i is not None and i < len(runner_out.draft_token_ids):
                 self._drafts[rid] = runner_out.draft_token_ids[i]
             if not sampled:

@@ -5,18 +5,45 @@ Depth adapts per request to its running acceptance: with a per-token acceptance 
 j-th draft is kept with probability about a**j, so drafts are verified only while that beats
 their cost (a**j > `SpecConfig.draft_cost`, the price of one more query token relative to a
 decode step: small on a GPU, large on a CPU). A request whose acceptance earns no draft still
-verifies one every PROBE_EVERY steps, so a rate that recovers is noticed. A step whose batch is
+verifies one every PROBE_EVERY steps, so a rate that recovers is noticed; and in a step where a
+request verifies nothing, its first draft is still scored against the token the step sampled
+(`observe_unverified`), so the rate stays current while the gate runs plain steps. (For a
+sampled token that match has the probability of accepting the draft.) A step whose batch is
 already large is compute-bound: extra query tokens cost about as much as the tokens they might
-save, so it does not speculate.
+save, so it does not speculate (`SpecConfig.max_batch_tokens`, an upper bound).
+
+Whether a step speculates at all is measured, not modelled (`SpecGate`): a speculative step
+runs synchronously and, on a GPU, without a CUDA graph, so it can cost more than the tokens it
+saves even when most drafts are accepted. The engine times every step and the gate keeps, per
+batch size (rounded up to a power of two), a decayed estimate of emitted tokens per second
+with and without speculation; each step runs in the faster mode, and the slower one is
+re-tested in short bursts, further apart (in time) each time it loses again, so that a
+change of acceptance or of load is followed at a cost of a few percent of the time.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from skyline.config import SpecConfig
 
 DECAY = 0.8  # weight of the past in the running acceptance
 PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts: a new request starts at rate 0.5
 PROBE_EVERY = 8
+
+# The measured gate (SpecGate).
+GATE_DECAY = 0.8  # weight of the past in a mode's tokens/s estimate, per measured step
+GATE_MIN_STEPS = 4  # measured steps of each mode before a bucket trusts its estimates
+GATE_BURST = 4  # steps of one re-test of the losing mode
+# Re-tests are spaced in time, not steps (a speculative step can take 20 plain steps' time):
+# the winner runs this many times the re-test's expected duration before one, so re-tests
+# take at most 1/17 of the time at first; the factor doubles each time the loser loses again.
+GATE_RETEST_FIRST = 16.0
+GATE_RETEST_MAX = 1024.0
+GATE_STALE = 0.5  # weight left to the loser's old estimate when a re-test starts
+# Between re-tests the winner's (fresh) estimate must fall this far below the loser's (older)
+# one to switch: noise alone should not flip the mode.
+GATE_MARGIN = 0.05
 
 
 class SpecPolicy:
@@ -30,10 +57,30 @@ class SpecPolicy:
         k = cfg.num_speculative_tokens
         self.accepted_by_pos = [0] * k
         self.drafted_by_pos = [0] * k
+        self.gate = SpecGate() if cfg.gate else None
+        self.num_gate_steps = 0  # steps decided by `speculates`
+        self.num_spec_steps = 0  # of which speculative
 
     def enabled(self, num_batch_tokens: int) -> bool:
-        """Whether a step whose batch holds `num_batch_tokens` tokens before drafts speculates."""
+        """Whether a step whose batch holds `num_batch_tokens` tokens before drafts may
+        speculate at all (the static upper bound)."""
         return num_batch_tokens <= self.cfg.max_batch_tokens
+
+    def speculates(self, num_batch_tokens: int, num_reqs: int) -> bool:
+        """Whether the next step speculates: within the static bound, and in the mode the gate
+        measured faster for `num_reqs` running requests."""
+        on = self.enabled(num_batch_tokens) and (
+            self.gate is None or self.gate.choose(num_reqs))
+        self.num_gate_steps += 1
+        self.num_spec_steps += on
+        return on
+
+    def observe_step(self, num_reqs: int, speculated: bool, num_tokens: int,
+                     seconds: float) -> None:
+        """A step of `num_reqs` decoding requests (no prefill in it), run in the mode
+        `speculated`, emitted `num_tokens` tokens in `seconds` of wall time."""
+        if self.gate is not None:
+            self.gate.observe(num_reqs, speculated, num_tokens, seconds)
 
     def depth(self, req_id: str) -> int:
         """How many drafts the request may verify now (0: decode plainly this step)."""
@@ -64,6 +111,12 @@ class SpecPolicy:
             self.drafted_by_pos[j] += 1
             self.accepted_by_pos[j] += j < num_accepted
 
+    def observe_unverified(self, req_id: str, hit: bool) -> None:
+        """A step sampled the request's next token without verifying drafts; `hit`: its first
+        draft was that token. Feeds the running acceptance only, not the metrics."""
+        acc, tried = self._rate.get(req_id, PRIOR)
+        self._rate[req_id] = (DECAY * acc + hit, DECAY * tried + 1)
+
     def forget(self, req_id: str) -> None:
         self._rate.pop(req_id, None)
         self._idle.pop(req_id, None)
@@ -81,6 +134,130 @@ class SpecPolicy:
         }
         for j, (a, d) in enumerate(zip(self.accepted_by_pos, self.drafted_by_pos, strict=True)):
             s[f"spec_acceptance_pos_{j}"] = _ratio(a, d)
+        s["spec_gate_steps"] = self.num_gate_steps
+        s["spec_gate_speculated_fraction"] = _ratio(self.num_spec_steps, self.num_gate_steps)
+        if self.gate is not None:
+            s |= self.gate.stats()
+        return s
+
+
+@dataclass
+class _Rate:
+    """Decayed sums of one mode's measured steps in one bucket."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0  # decayed number of steps
+    num_steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = GATE_DECAY * self.tokens + tokens
+        self.seconds = GATE_DECAY * self.seconds + seconds
+        self.weight = GATE_DECAY * self.weight + 1
+        self.num_steps += 1
+
+    def discount(self, factor: float) -> None:
+        self.tokens *= factor
+        self.seconds *= factor
+        self.weight *= factor
+
+    @property
+    def per_s(self) -> float:
+        return _ratio(self.tokens, self.seconds)
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per step."""
+        return _ratio(self.seconds, self.weight)
+
+
+@dataclass
+class _Bucket:
+    plain: _Rate = field(default_factory=_Rate)
+    spec: _Rate = field(default_factory=_Rate)
+    best: bool = True  # the winning mode: speculate or not
+    since_s: float = 0.0  # winning-mode seconds since the last re-test (or switch)
+    period: float = GATE_RETEST_FIRST  # winning-mode time between re-tests, in re-test times
+    burst: int = 0  # re-test steps still to run in the losing mode
+
+    def rate(self, speculated: bool) -> _Rate:
+        return self.spec if speculated else self.plain
+
+    @property
+    def measured(self) -> bool:
+        return min(self.plain.num_steps, self.spec.num_steps) >= GATE_MIN_STEPS
+
+
+class SpecGate:
+    """Speculate or not, per batch-size bucket, from measured tokens per second.
+
+    `choose` answers for the next step; `observe` takes each measured step (pure-decode steps
+    only: a prefill chunk's time says nothing about either mode). Until a bucket has
+    GATE_MIN_STEPS steps of each mode it explores (speculation first). Then it runs the mode
+    with the higher estimate; once it has run `period` times as long as GATE_BURST steps of
+    the other mode take, it runs such a burst, the other mode's old estimate discounted first,
+    and switches if that mode is now faster. `period` starts at GATE_RETEST_FIRST and doubles
+    (up to GATE_RETEST_MAX) each time the re-tested mode loses, so a mode that keeps losing
+    costs a shrinking share of the time. The winner is measured all the time: if it becomes
+    slower than the loser's estimate, the gate switches at once. Plain numbers only; the engine
+    does the timing."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket(num_reqs: int) -> int:
+        """The power of two at or above `num_reqs` (1 for an empty batch)."""
+        return 1 << max(num_reqs - 1, 0).bit_length()
+
+    def choose(self, num_reqs: int) -> bool:
+        """Whether a step of `num_reqs` decoding requests should speculate."""
+        b = self.buckets.get(self.bucket(num_reqs))
+        if b is None or b.spec.num_steps < GATE_MIN_STEPS:
+            return True
+        if b.plain.num_steps < GATE_MIN_STEPS:
+            return False
+        return b.best != (b.burst > 0)
+
+    def observe(self, num_reqs: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """A pure-decode step of `num_reqs` requests emitted `num_tokens` in `seconds`."""
+        if seconds <= 0:
+            return
+        b = self.buckets.setdefault(self.bucket(num_reqs), _Bucket())
+        was_measured = b.measured
+        rate = b.rate(speculated)
+        rate.add(num_tokens, seconds)
+        if not b.measured:
+            return
+        if not was_measured:  # exploration just ended
+            b.best = b.spec.per_s > b.plain.per_s
+            return
+        if speculated != b.best:
+            # A re-test step (or one chosen just before a switch).
+            if b.burst:
+                b.burst -= 1
+                if b.burst == 0:
+                    if rate.per_s > b.rate(b.best).per_s:
+                        b.best, b.period = speculated, GATE_RETEST_FIRST
+                    else:
+                        b.period = min(2 * b.period, GATE_RETEST_MAX)
+                    b.since_s = 0.0
+            return
+        b.since_s += seconds
+        loser = b.rate(not b.best)
+        if rate.per_s < (1 - GATE_MARGIN) * loser.per_s:
+            b.best, b.since_s, b.period = not b.best, 0.0, GATE_RETEST_FIRST
+        elif b.since_s >= b.period * GATE_BURST * loser.step_s:
+            loser.discount(GATE_STALE)
+            b.burst, b.since_s = GATE_BURST, 0.0
+
+    def stats(self) -> dict[str, float]:
+        """Per bucket: both estimates (tokens/s) and the mode in use (1: speculate)."""
+        s: dict[str, float] = {}
+        for n, b in sorted(self.buckets.items()):
+            s[f"spec_gate_b{n}_spec_tokens_per_s"] = b.spec.per_s
+            s[f"spec_gate_b{n}_plain_tokens_per_s"] = b.plain.per_s
+            s[f"spec_gate_b{n}_speculating"] = float(b.best if b.measured else True)
         return s
 
 

@@ -4,6 +4,7 @@ sampling is unchanged, no block leaks, and acceptance metrics are sane."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -116,7 +117,8 @@ def test_acceptance_metrics_on_repetitive_prompt(loopy_model):
     prompts = _prompts(4, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     ref, _ = _run(loopy_model, prompts, params)
-    ours, stats = _run(loopy_model, prompts, params, **SPEC)
+    # every step speculates (the measured gate may find plain steps faster on this machine)
+    ours, stats = _run(loopy_model, prompts, params, speculative_gate=False, **SPEC)
     assert ours == ref
     drafted, accepted = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
     verified = stats["spec_num_verifications"]
@@ -129,3 +131,40 @@ def test_acceptance_metrics_on_repetitive_prompt(loopy_model):
     assert all(0.0 < a <= 1.0 for a in by_pos)
     # every emitted token came from a verification or a plain step
     assert verified + accepted <= sum(len(t) for t in ours)
+
+
+@pytest.mark.parametrize("async_mode", ["off", "on"])
+def test_gate_flipping_modes_changes_no_output(loopy_model, async_mode):
+    """The speculation gate switching mode at random steps (with async scheduling, plain steps
+    overlap and speculative ones do not) changes nothing a client sees: greedy tokens, stops,
+    max_tokens, seeded sampling with penalties; no block leaks."""
+    prompts = _prompts(10, seed=5)
+    ref, _ = _run(loopy_model, prompts)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, max_tokens=13, stop_token_ids=[ref[1][6]]),
+        SamplingParams(temperature=0.8, top_k=20, repetition_penalty=1.2, max_tokens=17,
+                       seed=3, ignore_eos=True),
+    ]
+    reqs = [(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+    expected = [o.outputs[0].token_ids for o in LLM(loopy_model, device="cpu", dtype="float32")
+                .generate([p for p, _ in reqs], [sp for _, sp in reqs])]
+
+    llm = LLM(loopy_model, device="cpu", dtype="float32", async_scheduling=async_mode, **SPEC)
+    sched = llm.engine.scheduler
+    rng = random.Random(1)
+    sched.spec.gate.choose = lambda n: rng.random() < 0.5
+    sched.spec.cfg = dataclasses.replace(sched.spec.cfg, draft_cost=0.0)  # every draft
+    overlapped = []
+    can_overlap = sched.can_overlap
+    sched.can_overlap = lambda: overlapped.append(can_overlap()) or overlapped[-1]
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.stats()
+    assert 0.25 < stats["spec_gate_speculated_fraction"] < 0.75
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    if async_mode == "on":
+        assert 0 < sum(overlapped) < len(overlapped)
+    kv = sched.kv_manager
+    assert kv.block_pool.num_free_blocks == llm.engine.executor.num_blocks
+    kv.block_pool.check_invariants()

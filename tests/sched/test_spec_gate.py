@@ -1,0 +1,225 @@
+"""The measured speculation gate (sched/spec.py) against a fake clock: it explores both modes,
+settles on the faster one per batch-size bucket, re-tests the loser ever more rarely, follows
+a change of costs, and only pure-decode steps reach it from the scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
+from skyline.sched.scheduler import Scheduler
+from skyline.sched.spec import (
+    GATE_BURST,
+    GATE_MIN_STEPS,
+    GATE_RETEST_FIRST,
+    GATE_RETEST_MAX,
+    SpecGate,
+    SpecPolicy,
+)
+from skyline.types import Request, RunnerOutput, SamplingParams
+
+
+def _run(gate: SpecGate, num_steps: int, cost, num_reqs: int = 8,
+         times: list[float] | None = None) -> list[bool]:
+    """Drive the gate with a fake clock: `cost(step, speculated)` gives (tokens, seconds)."""
+    modes = []
+    for i in range(num_steps):
+        spec = gate.choose(num_reqs)
+        tokens, seconds = cost(i, spec)
+        gate.observe(num_reqs, spec, tokens, seconds)
+        modes.append(spec)
+        if times is not None:
+            times.append(seconds)
+    return modes
+
+
+def _fixed(spec_tok_s: float, plain_tok_s: float):
+    # a speculative step emits 3 tokens, a plain one 1
+    return lambda i, spec: (3, 3 / spec_tok_s) if spec else (1, 1 / plain_tok_s)
+
+
+def test_bucket_is_the_next_power_of_two():
+    assert [SpecGate.bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 32, 33)] == \
+        [1, 1, 2, 4, 4, 8, 8, 16, 32, 64]
+
+
+def test_explores_speculation_then_plain_first():
+    modes = _run(SpecGate(), 2 * GATE_MIN_STEPS, _fixed(10, 20))
+    assert modes == [True] * GATE_MIN_STEPS + [False] * GATE_MIN_STEPS
+
+
+@pytest.mark.parametrize("spec_faster", [True, False])
+def test_chooses_the_faster_mode_and_exploration_time_stays_small(spec_faster):
+    gate = SpecGate()
+    # a speculative step takes 6x (spec slower) or 2x (spec faster) a plain step's time
+    cost = _fixed(30, 20) if spec_faster else _fixed(10, 20)
+    times: list[float] = []
+    modes = _run(gate, 6000, cost, times=times)
+    k = 2 * GATE_MIN_STEPS
+    wrong = sum(t for m, t in zip(modes[k:], times[k:], strict=True) if m != spec_faster)
+    assert 0 < wrong / sum(times[k:]) < 0.03  # the loser is re-tested, rarely
+    s = gate.stats()
+    assert s["spec_gate_b8_speculating"] == float(spec_faster)
+    assert s["spec_gate_b8_spec_tokens_per_s"] == pytest.approx(30 if spec_faster else 10)
+    assert s["spec_gate_b8_plain_tokens_per_s"] == pytest.approx(20)
+
+
+@pytest.mark.parametrize("spec_faster", [True, False])
+def test_retests_come_in_bursts_ever_further_apart_in_time(spec_faster):
+    cost = _fixed(30, 20) if spec_faster else _fixed(10, 20)
+    times: list[float] = []
+    modes = _run(SpecGate(), 20000, cost, times=times)
+    loser_step_s = cost(0, not spec_faster)[1]
+    bursts = [i for i in range(2 * GATE_MIN_STEPS, len(modes))
+              if modes[i] != spec_faster and modes[i - 1] == spec_faster]
+    assert len(bursts) >= 4
+    for start in bursts:
+        assert modes[start:start + GATE_BURST + 1] == [not spec_faster] * GATE_BURST + \
+            [spec_faster]
+    for k, (a, b) in enumerate(itertools.pairwise(bursts)):
+        gap = sum(times[a + GATE_BURST : b])  # winner time between two re-tests
+        period = min(GATE_RETEST_FIRST * 2 ** (k + 1), GATE_RETEST_MAX)
+        expected = period * GATE_BURST * loser_step_s
+        assert expected <= gap < expected + cost(0, spec_faster)[1] + 1e-9
+
+
+def test_follows_a_change_of_costs():
+    gate = SpecGate()
+    phase = {"spec_tok_s": 40.0}
+
+    def cost(i, spec):
+        return (3, 3 / phase["spec_tok_s"]) if spec else (1, 1 / 20)
+
+    _run(gate, 1000, cost)
+    assert gate.buckets[8].best  # speculation wins (40 vs 20 tokens/s)
+    phase["spec_tok_s"] = 8.0  # acceptance collapses: the winner's own steps show it at once
+    modes = _run(gate, 40, cost)
+    assert modes.index(False) <= 3 and not any(modes[10:])
+    phase["spec_tok_s"] = 60.0  # acceptance recovers: the next re-test finds it
+    modes = _run(gate, 2000, cost)
+    first = modes.index(True)
+    # the re-test comes after the plain winner ran GATE_RETEST_FIRST bursts' time
+    # (a speculative step was last measured at 3 / 8 s, a plain one takes 1 / 20 s)
+    assert first <= GATE_RETEST_FIRST * GATE_BURST * (3 / 8) * 20 + 1
+    assert all(modes[first:first + 50]) and gate.buckets[8].best
+
+
+def test_noisy_clock_still_picks_the_faster_mode():
+    rng = random.Random(0)
+    base = _fixed(26, 20)  # speculation 30% faster, each step's time off by up to +-40%
+
+    def cost(i, spec):
+        tokens, seconds = base(i, spec)
+        return tokens, seconds * rng.uniform(0.6, 1.4)
+
+    modes = _run(SpecGate(), 3000, cost)
+    assert sum(modes[500:]) / len(modes[500:]) > 0.9
+
+
+def test_buckets_are_independent():
+    gate = SpecGate()
+    for _ in range(500):
+        for n, (spec_s, plain_s) in ((1, (30, 10)), (32, (100, 300))):
+            spec = gate.choose(n)
+            gate.observe(n, spec, *_fixed(spec_s, plain_s)(0, spec))
+    assert gate.choose(1) is True and gate.choose(32) is False
+    assert gate.choose(3) is True  # bucket 4: never measured, explores speculation first
+
+
+def test_policy_static_bound_and_gate_off():
+    cfg = SpecConfig(method="ngram", max_batch_tokens=16)
+    policy = SpecPolicy(cfg)
+    assert not policy.speculates(17, 17)  # above the static bound, whatever the gate says
+    for _ in range(3 * GATE_MIN_STEPS):
+        spec = policy.speculates(8, 8)
+        policy.observe_step(8, spec, *_fixed(5, 20)(0, spec))
+    assert not policy.speculates(8, 8)
+    s = policy.stats()
+    assert s["spec_gate_steps"] == 3 * GATE_MIN_STEPS + 2
+    assert s["spec_gate_speculated_fraction"] == pytest.approx(
+        GATE_MIN_STEPS / (3 * GATE_MIN_STEPS + 2))
+    ungated = SpecPolicy(SpecConfig(method="ngram", gate=False))
+    for _ in range(20):
+        assert ungated.speculates(8, 8)
+        ungated.observe_step(8, True, 1, 10.0)
+    assert ungated.gate is None and "spec_gate_b8_speculating" not in ungated.stats()
+
+
+def _scheduler() -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                     max_model_len=256),
+                     CacheConfig(block_size=4), 64,
+                     SpecConfig(method="ngram", num_speculative_tokens=3, max_batch_tokens=64,
+                                draft_cost=0.0))
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, [3, 4, 5, 6, 7], SamplingParams(temperature=0.0, max_tokens=50,
+                                                         ignore_eos=True))
+
+
+def test_scheduler_feeds_only_decode_steps_and_overlaps_plain_ones():
+    sched = _scheduler()
+    gate = sched.spec.gate
+    sched.add_request(_request("a"))
+    assert not sched.can_overlap()  # exploring: the next step speculates
+    out = sched.schedule()  # a prefill: not a measurement
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[8]],
+                                   draft_token_ids=[[9, 10, 11]]))
+    sched.record_step(out, 1, 0.5)
+    assert not gate.buckets
+    assert not sched.can_overlap()
+    out = sched.schedule()
+    assert out.spec_token_ids == {"a": [9, 10, 11]}
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[9, 10, 12]],
+                                   draft_token_ids=[[13, 14]]))
+    sched.record_step(out, 3, 0.25)
+    rate = gate.buckets[1].spec
+    assert (rate.num_steps, rate.tokens, rate.seconds) == (1, 3, 0.25)
+    sched.record_step(out, 3, 0.25)  # recorded once only
+    assert gate.buckets[1].spec.num_steps == 1
+
+    gate.choose = lambda n: False  # the gate says plain: the step may overlap, no drafts
+    assert sched.can_overlap()
+    out = sched.schedule()
+    assert not out.spec_token_ids and out.num_scheduled_tokens == {"a": 1}
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[13]],
+                                   draft_token_ids=[[14]]))
+    sched.record_step(out, 1, 0.1)
+    assert gate.buckets[1].plain.num_steps == 1
+
+    sched.add_request(_request("b"))  # a step with b's prefill in it is not measured
+    out = sched.schedule()
+    assert out.new_requests
+    sched.update(out, RunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[14], [8]]))
+    sched.record_step(out, 2, 1.0)
+    assert set(gate.buckets) == {1} and gate.buckets[1].plain.num_steps == 1
+
+
+def test_plain_steps_keep_the_running_acceptance_current():
+    """While the gate runs plain steps, each request's first draft is scored against the token
+    the step sampled, so a re-test starts from a current acceptance (depth), not a stale one."""
+    sched = _scheduler()
+    sched.spec.gate.choose = lambda n: False
+    sched.add_request(_request("a"))
+    out = sched.schedule()
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[8]],
+                                   draft_token_ids=[[9, 10, 11]]))
+    assert sched.spec.depth("a") == 3  # the prior: rate 0.5, draft_cost 0
+    sched.spec.cfg = dataclasses.replace(sched.spec.cfg, draft_cost=0.3)
+    for token in range(20, 30):  # every first draft is wrong
+        out = sched.schedule()
+        assert not out.spec_token_ids
+        sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[token]],
+                                       draft_token_ids=[[token + 100]]))
+    assert sched.spec.depth("a") == 0
+    assert sched.spec.stats()["spec_num_draft_tokens"] == 0  # not counted as verified
+    for token in range(30, 50):  # now every first draft is right
+        out = sched.schedule()
+        sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[token]],
+                                       draft_token_ids=[[token + 1]]))
+    assert sched.spec.depth("a") >= 3
