@@ -8,6 +8,7 @@ latest stats at scrape time.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 from skyline.types import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_GATE_KEY = re.compile(r"spec_gate_b(\d+)_(spec|plain)_tokens_per_s")  # sched/spec.py stats
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -77,6 +79,18 @@ class _EngineCollector(Collector):
         yield gauge("spec_decode_mean_accepted_length",
                     "Tokens emitted per verification (accepted drafts plus one).",
                     s.get("spec_mean_accepted_length", 0.0))
+        yield gauge("spec_decode_speculated_fraction",
+                    "Share of measured decode steps that speculated (the speculation gate).",
+                    s.get("spec_gate_speculated_fraction", 0.0))
+        tps = GaugeMetricFamily(
+            "skyline:spec_decode_gate_tokens_per_second",
+            "The speculation gate's measured output tokens/s by batch-size bucket and mode.",
+            labels=[*labels, "batch", "mode"])
+        for key, value in s.items():
+            m = _GATE_KEY.fullmatch(key)
+            if m is not None:
+                tps.add_metric([self.model, m[1], m[2]], float(value))
+        yield tps
 
 
 class Metrics:
