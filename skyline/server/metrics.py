@@ -79,6 +79,15 @@ class _EngineCollector(Collector):
         yield gauge("spec_decode_mean_accepted_length",
                     "Tokens emitted per verification (accepted drafts plus one).",
                     s.get("spec_mean_accepted_length", 0.0))
+        pos = GaugeMetricFamily(
+            "skyline:spec_decode_acceptance_by_position",
+            "Acceptance rate of the draft token at each position (0: the first draft).",
+            labels=[*labels, "position"])
+        for key, value in s.items():
+            if key.startswith("spec_acceptance_pos_"):
+                pos.add_metric([self.model, key.removeprefix("spec_acceptance_pos_")],
+                               float(value))
+        yield pos
         yield gauge("spec_decode_speculated_fraction",
                     "Share of measured decode steps that speculated (the speculation gate).",
                     s.get("spec_gate_speculated_fraction", 0.0))

@@ -122,17 +122,20 @@ def test_json_schema_text_round_trip():
     assert check_structured(SamplingParams(json_schema=json.dumps(schema))) is None
 
 
-def test_metrics_export_the_speculation_gate():
+def test_metrics_export_speculation_by_position_and_the_gate():
     from prometheus_client.parser import text_string_to_metric_families
 
     from skyline.server.metrics import Metrics
 
-    stats = {"spec_gate_speculated_fraction": 0.25, "spec_gate_b8_spec_tokens_per_s": 120.0,
+    stats = {"spec_acceptance_pos_0": 0.75, "spec_acceptance_pos_1": 0.5,
+             "spec_gate_speculated_fraction": 0.25, "spec_gate_b8_spec_tokens_per_s": 120.0,
              "spec_gate_b8_plain_tokens_per_s": 90.0, "spec_gate_b8_speculating": 1.0}
     text = Metrics("m", lambda: stats).render().decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples[("skyline:spec_decode_speculated_fraction", (("model_name", "m"),))] == 0.25
+    key = (("model_name", "m"), ("position", "1"))
+    assert samples[("skyline:spec_decode_acceptance_by_position", key)] == 0.5
     key = (("batch", "8"), ("mode", "spec"), ("model_name", "m"))
     assert samples[("skyline:spec_decode_gate_tokens_per_second", key)] == 120.0
     key = (("batch", "8"), ("mode", "plain"), ("model_name", "m"))
