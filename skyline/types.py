@@ -181,6 +181,9 @@ class SchedulerOutput:
     # Speculative decoding: req id -> draft tokens to verify. Such a request is scheduled
     # 1 + len(drafts) tokens: its last sampled token, then the drafts.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Whether the next step may verify drafts: if not, the runner only keeps its proposer's
+    # state current after this step and drafts nothing (a plain stretch costs no drafting).
+    propose_drafts: bool = True
 
     @property
     def empty(self) -> bool:

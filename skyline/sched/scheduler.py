@@ -288,6 +288,8 @@ class Scheduler:
             self.structured.before_step(out)
         if self.spec is not None and not out.empty:
             self._step_modes.append((out, speculate))
+            # The next step's mode, decided now: its drafts are proposed after this step.
+            out.propose_drafts = self._speculates_next()
         return out
 
     def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:

@@ -45,6 +45,7 @@ class _InFlight:
 
     req_ids: list[str]
     sampling_req_ids: list[str]
+    propose: bool = True  # draft for the next step (SchedulerOutput.propose_drafts)
     sample: DeviceSample | None = None  # None: nothing sampled, or `result` already known
     result: RunnerOutput | None = None
 
@@ -165,11 +166,11 @@ class ModelRunner:
         if inp.sampling_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_logits, vocab]
         prev_out = self._finish(prev) if prev is not None else None
-        step = _InFlight(inp.req_ids, inp.sampling_req_ids)
+        step = _InFlight(inp.req_ids, inp.sampling_req_ids, out.propose_drafts)
         if logits is not None:
             if out.spec_token_ids or out.token_masks:
                 sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
-                step.result = self._output(inp.req_ids, sampled, logprobs)
+                step.result = self._output(inp.req_ids, sampled, logprobs, step.propose)
             else:
                 states = [self.states[r] for r in inp.sampling_req_ids]
                 rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
@@ -190,7 +191,7 @@ class ModelRunner:
         if step.result is not None:
             return step.result
         if step.sample is None:
-            return self._output(step.req_ids, {}, {})
+            return self._output(step.req_ids, {}, {}, step.propose)
         tokens, lps = step.sample.to_host()
         for rid, t in zip(step.sampling_req_ids, tokens, strict=True):
             state = self.states.get(rid)  # gone if it finished or was preempted meanwhile
@@ -199,15 +200,15 @@ class ModelRunner:
         sampled = {r: [t] for r, t in zip(step.sampling_req_ids, tokens, strict=True)}
         logprobs = {r: [lp] if lp is not None else None
                     for r, lp in zip(step.sampling_req_ids, lps, strict=True)}
-        return self._output(step.req_ids, sampled, logprobs)
+        return self._output(step.req_ids, sampled, logprobs, step.propose)
 
     def _output(self, req_ids: list[str], sampled: dict[str, list[int]],
-                logprobs: dict[str, list[TokenLogprobs] | None]) -> RunnerOutput:
+                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool) -> RunnerOutput:
         return RunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=[logprobs.get(r) for r in req_ids],
-            draft_token_ids=self._propose(req_ids, sampled),
+            draft_token_ids=self._propose(req_ids, sampled, propose),
         )
 
     def _sample(
@@ -235,14 +236,17 @@ class ModelRunner:
         starts = [s.num_computed_tokens - (loc[i + 1] - loc[i]) for i, s in enumerate(states)]
         self.proposer.observe(req_ids, starts, rows, [s.token_ids for s in states])
 
-    def _propose(self, req_ids: list[str], sampled: dict[str, list[int]]) -> list[list[int]]:
+    def _propose(self, req_ids: list[str], sampled: dict[str, list[int]],
+                 propose: bool = True) -> list[list[int]]:
         """Drafts to follow each request that just sampled (runs after sampling: the n-gram and
-        suffix proposers need only token ids)."""
+        suffix proposers need only token ids). When the next step will not verify drafts
+        (`propose` false), the proposer is called with depth 0: it keeps its indexes and caches
+        current and drafts nothing."""
         if self.proposer is None or not sampled:
             return []
         # With async scheduling, a request of the step just read may have finished meanwhile.
         rids = [r for r in req_ids if sampled.get(r) and r in self.states]
-        drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids],
-                                       self.config.spec.num_speculative_tokens)
+        depth = self.config.spec.num_speculative_tokens if propose else 0
+        drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids], depth)
         by_id = dict(zip(rids, drafts, strict=True))
         return [by_id.get(r, []) for r in req_ids]

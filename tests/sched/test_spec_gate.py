@@ -173,8 +173,11 @@ def test_scheduler_feeds_only_decode_steps_and_overlaps_plain_ones():
     sched.record_step(out, 1, 0.5)
     assert not gate.buckets
     assert not sched.can_overlap()
+    assert out.propose_drafts  # the next step speculates: draft after this one
+    gate.choose = lambda n: False  # from the step after the next one, the gate says plain
     out = sched.schedule()
     assert out.spec_token_ids == {"a": [9, 10, 11]}
+    assert not out.propose_drafts  # the step after it is plain: nothing to draft for it
     sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[9, 10, 12]],
                                    draft_token_ids=[[13, 14]]))
     sched.record_step(out, 3, 0.25)
@@ -183,8 +186,7 @@ def test_scheduler_feeds_only_decode_steps_and_overlaps_plain_ones():
     sched.record_step(out, 3, 0.25)  # recorded once only
     assert gate.buckets[1].spec.num_steps == 1
 
-    gate.choose = lambda n: False  # the gate says plain: the step may overlap, no drafts
-    assert sched.can_overlap()
+    assert sched.can_overlap()  # a plain step may overlap
     out = sched.schedule()
     assert not out.spec_token_ids and out.num_scheduled_tokens == {"a": 1}
     sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[13]],

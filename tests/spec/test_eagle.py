@@ -206,6 +206,32 @@ def test_greedy_identical_with_untrained_head(tiny_model, random_head):
     assert llm.engine.stats()["num_preemptions"] > 0
 
 
+def test_plain_stretches_keep_the_head_fed(tiny_model, random_head):
+    """With the gate switching between plain and speculative steps at random, the head is
+    still fed every position (no gap in its cache: plain steps draft nothing but resolve the
+    pending rows), and greedy output is unchanged."""
+    prompts = _prompts(8, seed=3)
+    ref = _run(LLM(tiny_model, device="cpu", dtype="float32"), prompts, GREEDY)
+    llm = _eagle(tiny_model, random_head, eagle_lookup=False)
+    rng = random.Random(2)
+    llm.engine.scheduler.spec.gate.choose = lambda n: rng.random() < 0.5
+    prop = llm.engine.executor.runner.proposer
+    gaps, feed = [], prop._feed
+
+    def spy(items):
+        for rid, start, _, _ in items:
+            c = prop.caches.get(rid)
+            if c is not None and not c.base <= start <= c.base + c.length:
+                gaps.append((rid, start))
+        feed(items)
+
+    prop._feed = spy
+    assert _run(llm, prompts, GREEDY) == ref
+    stats = llm.engine.stats()
+    assert not gaps and stats["spec_num_draft_tokens"] > 0
+    assert 0.25 < stats["spec_gate_speculated_fraction"] < 0.75
+
+
 @pytest.fixture(scope="module")
 def trained_head(tiny_model, tmp_path_factory):
     """A head trained briefly on the tiny model's own greedy continuations (the API path of

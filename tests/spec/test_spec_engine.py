@@ -168,3 +168,24 @@ def test_gate_flipping_modes_changes_no_output(loopy_model, async_mode):
     kv = sched.kv_manager
     assert kv.block_pool.num_free_blocks == llm.engine.executor.num_blocks
     kv.block_pool.check_invariants()
+
+
+def test_plain_stretches_draft_nothing(loopy_model):
+    """While the gate runs plain steps, the proposer is asked for depth 0 (it keeps its state
+    and drafts nothing); a speculative stretch after it gets full-depth drafts again."""
+    prompts = _prompts(4, seed=9)
+    llm = LLM(loopy_model, device="cpu", dtype="float32", **SPEC)
+    sched, runner = llm.engine.scheduler, llm.engine.executor.runner
+    sched.spec.cfg = dataclasses.replace(sched.spec.cfg, draft_cost=0.0)
+    depths = []
+    propose = runner.proposer.propose
+    runner.proposer.propose = lambda r, t, d: depths.append(d) or propose(r, t, d)
+    sched.spec.gate.choose = lambda n: False
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert depths and set(depths) == {0}
+    assert llm.engine.stats()["spec_num_draft_tokens"] == 0
+    sched.spec.gate.choose = lambda n: True
+    depths.clear()
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert spec == plain and SPEC["num_speculative_tokens"] in depths
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
