@@ -176,6 +176,38 @@ def _split_counters(device: torch.device) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask,
+                         m_mask, pid_n, pid_k, M, N, num_splits, HAS_BIAS: tl.constexpr,
+                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        # out [BLOCK_N, BLOCK_M] fp32 (+ bias) -> y [M, N]; with SPLIT, through the partials
+        # and the last-arriver reduction (shared by the quantized GEMVs of gemv_quant.py).
+        y_mask = n_mask[:, None] & m_mask[None, :]
+        y_offs = offs_m[None, :] * N + offs_n[:, None]  # y and each partial are [M, N]
+        if SPLIT:
+            tl.store(part_ptr + pid_k * M * N + y_offs, out, mask=y_mask)
+            # Every thread's partial is written before the count goes up (barrier, then a
+            # release at GPU scope); the last arrival acquires them all.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                # All partials (this one's too) in split order: the sum does not depend on
+                # which split finished last. ".cg": read L2, where the other SMs' writes are.
+                out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                s = 0
+                while s < num_splits:
+                    out += tl.load(part_ptr + s * M * N + y_offs, mask=y_mask, other=0.0,
+                                   cache_modifier=".cg")
+                    s += 1
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+        else:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
         M, N, K, k_iters, num_splits, stride_xm, stride_wn,
@@ -234,28 +266,5 @@ if triton is not None:
             out = acc  # [BLOCK_N, BLOCK_M]
         else:
             out = tl.sum(acc, axis=2)
-        y_mask = n_mask[:, None] & m_mask[None, :]
-        y_offs = offs_m[None, :] * N + offs_n[:, None]  # y and each partial are [M, N]
-        if SPLIT:
-            tl.store(part_ptr + pid_k * M * N + y_offs, out, mask=y_mask)
-            # Every thread's partial is written before the count goes up (barrier, then a
-            # release at GPU scope); the last arrival acquires them all.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                # All partials (this one's too) in split order: the sum does not depend on
-                # which split finished last. ".cg": read L2, where the other SMs' writes are.
-                out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                s = 0
-                while s < num_splits:
-                    out += tl.load(part_ptr + s * M * N + y_offs, mask=y_mask, other=0.0,
-                                   cache_modifier=".cg")
-                    s += 1
-                if HAS_BIAS:
-                    out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-                tl.store(count_ptr + pid_n, 0)  # ready for the next launch
-        else:
-            if HAS_BIAS:
-                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+        split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                         pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)

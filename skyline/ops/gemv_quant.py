@@ -244,6 +244,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
 
 
 if triton is not None:
+    from skyline.ops.gemv import split_k_epilogue
 
     @triton.jit
     def _dot_t(w, x, acc, IEEE: tl.constexpr):
@@ -251,33 +252,6 @@ if triton is not None:
         if IEEE:
             return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         return tl.dot(w, tl.trans(x), acc)
-
-    @triton.jit
-    def _store_out(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
-                   pid_n, pid_k, M, N, num_splits, HAS_BIAS: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-        # out [BLOCK_N, BLOCK_M] fp32 -> y, through gemv.py's last-arriver split-K reduction.
-        y_mask = n_mask[:, None] & m_mask[None, :]
-        y_offs = offs_m[None, :] * N + offs_n[:, None]
-        if SPLIT:
-            tl.store(part_ptr + pid_k * M * N + y_offs, out, mask=y_mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                sp = 0
-                while sp < num_splits:
-                    out += tl.load(part_ptr + sp * M * N + y_offs, mask=y_mask, other=0.0,
-                                   cache_modifier=".cg")
-                    sp += 1
-                if HAS_BIAS:
-                    out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-                tl.store(count_ptr + pid_n, 0)
-        else:
-            if HAS_BIAS:
-                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
     @triton.jit
     def _gemv_int_fma_kernel(
@@ -351,8 +325,8 @@ if triton is not None:
             w_ptrs += BW
             x_ptrs += BLOCK_K
         out = tl.sum(tl.sum(acc, axis=3), axis=2)
-        _store_out(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
-                   pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
+        split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                         pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
 
     @triton.jit
     def _gemv_quant_kernel(
@@ -457,24 +431,5 @@ if triton is not None:
             out = tl.sum(acc, axis=2)
         if WEIGHT_KIND == 0:  # per-output-row scale, once
             out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        y_mask = n_mask[:, None] & m_mask[None, :]
-        y_offs = offs_m[None, :] * N + offs_n[:, None]
-        if SPLIT:
-            tl.store(part_ptr + pid_k * M * N + y_offs, out, mask=y_mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                out = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                sp = 0
-                while sp < num_splits:
-                    out += tl.load(part_ptr + sp * M * N + y_offs, mask=y_mask, other=0.0,
-                                   cache_modifier=".cg")
-                    sp += 1
-                if HAS_BIAS:
-                    out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-                tl.store(count_ptr + pid_n, 0)
-        else:
-            if HAS_BIAS:
-                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+        split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                         pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
