@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from skyline.ops import attention
+from skyline.ops import attention, attention_config
 from skyline.ops.attention import (
     DECODE_KERNEL,
     PREFILL_KERNEL,
@@ -28,14 +28,14 @@ needs_triton = pytest.mark.skipif(attention.triton is None, reason="needs triton
 
 @pytest.fixture
 def table(monkeypatch):
-    """A fake tuning table {(kernel, key): config} behind attention.get_config."""
+    """A fake tuning table {(kernel, key): config} behind attention_config.get_config."""
     entries: dict[tuple[str, str], dict] = {}
 
     def fake_get_config(kernel, key, default):
         found = entries.get((kernel, key))
         return {**default, **found} if found else default
 
-    monkeypatch.setattr(attention, "get_config", fake_get_config)
+    monkeypatch.setattr(attention_config, "get_config", fake_get_config)
     decode_config.cache_clear()
     prefill_config.cache_clear()
     yield entries

@@ -1,0 +1,224 @@
+"""Triton kernels of the paged attention (ops/attention.py holds their PyTorch references and
+launchers): decode (one query token per sequence, GQA-aware, optionally split over the
+context) with its split combine, and prefill/extend. K/V stream in BLOCK_N-token tiles through a
+software-pipelined `tl.range` loop when compiled (PIPELINE), a `while` loop in Triton's
+interpreter."""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references serve
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _page_ids(block_tables_ptr, seq, pos, end, stride_bt, PAGE: tl.constexpr):
+        # Page ids of context positions `pos` [N] (0 at positions >= end), in one vector load.
+        # The loops below load the next tile's ids one tile ahead and carry them: the K/V loads
+        # then depend on a loop-carried value rather than on a load in the same iteration, so
+        # the pipeliner gives them all num_stages - 1 buffers (an indirect load in the same
+        # iteration would take half the stages for itself).
+        return tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=pos < end, other=0)
+
+    @triton.jit
+    def _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
+                      stride_kh, PAGE: tl.constexpr, DTYPE: tl.constexpr):
+        # K and V rows of context positions `pos` [N] on pages `blk` [N], converted to the
+        # compute dtype DTYPE (exact from fp8 e4m3; the kernels apply the fp8 scales to scores
+        # and output, not to each element).
+        row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
+        kv_mask = valid[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        return k.to(DTYPE), v.to(DTYPE)
+
+    @triton.jit
+    def _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE: tl.constexpr):
+        # One online-softmax step of queries q [R, D] over keys k / values v [N, D], where
+        # see [R, N] says which keys each query may attend to. Returns the new (m, l_sum, acc).
+        if IEEE:  # fp32: exact, not the tensor cores' tf32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(see, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m - shift)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
+    def _decode_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, blk, start, end, offs, d,
+                     dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks, stride_kh,
+                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # The decode loop body: context positions [start, start + BLOCK_N) on pages `blk`.
+        # Returns the new (m, l_sum, acc) and the next tile's page ids.
+        pos = start + offs
+        valid = pos < end
+        blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
+        k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
+                             stride_kh, PAGE, q_ptr.dtype.element_ty)
+        m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
+        return m, l_sum, acc, blk_next
+
+    @triton.jit
+    def paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
+        scale, v_scale, num_heads, num_splits,
+        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        SPLIT: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
+        # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
+        # table. With SPLIT (flash-decoding), each of the num_splits programs of a sequence
+        # covers one slice of the context and writes its partial (max, sum, acc) for
+        # _combine_splits. `scale` includes the fp8 k_scale; v_scale multiplies the output.
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        gmask = g < GROUP
+        dmask = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        if SPLIT:
+            per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+            start = split * per
+            end = tl.minimum(seq_len, start + per)
+        else:
+            start = 0
+            end = seq_len
+        blk = _page_ids(block_tables_ptr, seq, start + offs, end, stride_bt, PAGE)
+        if PIPELINE:
+            for tile in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+                m, l_sum, acc, blk = _decode_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, blk, tile, end, offs, d,
+                    dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks, stride_kh,
+                    PAGE, BLOCK_N, IEEE)
+        else:
+            while start < end:
+                m, l_sum, acc, blk = _decode_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, blk, start, end, offs, d,
+                    dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks, stride_kh,
+                    PAGE, BLOCK_N, IEEE)
+                start += BLOCK_N
+        acc = acc * v_scale
+        if SPLIT:
+            part = (seq * num_heads + heads) * num_splits + split  # [G] rows of [B, H, S]
+            tl.store(part_ml_ptr + part * 2, m, mask=gmask)
+            tl.store(part_ml_ptr + part * 2 + 1, l_sum, mask=gmask)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                     mask=gmask[:, None] & dmask[None, :])
+        else:
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+    @triton.jit
+    def combine_splits_kernel(
+        ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
+        NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+    ):
+        # One program per (sequence, head): _combine_splits_ref in one launch.
+        row = tl.program_id(0)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        smask = s < NUM_SPLITS
+        base = row * NUM_SPLITS + s
+        m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
+        l_sum = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+        w = tl.exp(m - tl.max(m, 0))  # [S]
+        acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                      mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [S, D]
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+        seq, head = row // num_heads, row % num_heads
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                      offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
+                      stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        # The prefill loop body: context positions [start, start + BLOCK_N) on pages `blk`.
+        # Returns the new (m, l_sum, acc) and the next tile's page ids.
+        pos = start + offs
+        valid = pos < end
+        blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
+        k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
+                             stride_kh, PAGE, q_ptr.dtype.element_ty)
+        see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
+        m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
+        return m, l_sum, acc, blk_next
+
+    @triton.jit
+    def paged_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale, v_scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
+        # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
+        # Tiles run last first: the last tiles of a causal prefill see the most keys, so the
+        # long programs start first and the short ones fill the tail.
+        # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        tile = tl.num_programs(2) - 1 - tl.program_id(2)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)
+        kvh = head // GROUP
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        q_pos = seq_len - q_len + rows  # [M]
+        d = tl.arange(0, D_PAD)
+        dmask = d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        # keys this tile can see: up to its last query's position (tiles past q_len see none)
+        end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+        end = tl.where(tile * BLOCK_M < q_len, end, 0)
+        blk = _page_ids(block_tables_ptr, seq, offs, end, stride_bt, PAGE)
+        if PIPELINE:
+            for start in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES):
+                m, l_sum, acc, blk = _prefill_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE)
+        else:
+            start = 0
+            while start < end:
+                m, l_sum, acc, blk = _prefill_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE)
+                start += BLOCK_N
+        out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
