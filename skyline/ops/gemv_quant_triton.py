@@ -1,0 +1,203 @@
+"""Triton kernels of the quantized small-batch GEMV (ops/gemv_quant.py holds the references,
+configurations and launcher): `gemv_int_fma_kernel` for INT8 / INT4 weights in FMA mode (int32
+words, floats by exponent magic), `gemv_quant_kernel` for FP8 and for tensor-core (DOT) mode.
+Both end in gemv.py's split-K epilogue."""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: callers keep their PyTorch paths
+    triton = None
+
+if triton is not None:
+    from skyline.ops.gemv import split_k_epilogue
+
+    @triton.jit
+    def _dot_t(w, x, acc, IEEE: tl.constexpr):
+        # acc [BN, BM] += w [BN, BK] @ x[BM, BK]^T
+        if IEEE:
+            return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        return tl.dot(w, tl.trans(x), acc)
+
+    @triton.jit
+    def gemv_int_fma_kernel(
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+        M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
+        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+        X_BCAST: tl.constexpr,
+    ):
+        # INT8 / INT4 weights in FMA mode, read as int32 words (PER = 4 bytes or 8 nibbles;
+        # element 8j + i of a row is nibble i of word j, bits 4i..4i+3, little-endian) against
+        # contiguous columns of x. Tiles are [BLOCK_N, BLOCK_M, BLOCK_K / PER, PER].
+        # Code to float without an int->float convert: shifting code i to bits LO..LO+BITS-1 and
+        # OR-ing in the bits of MAGIC = 2^(23 - LO) gives the float MAGIC + q exactly; then
+        # w = (MAGIC + q) * s - (MAGIC + zero) * s is one FMA with a per-row constant per tile.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        PER: tl.constexpr = 32 // BITS
+        BW: tl.constexpr = BLOCK_K // PER
+        LO: tl.constexpr = 23 - BITS  # code bits LO..22, under the exponent of MAGIC
+        MAGIC: tl.constexpr = 1 << BITS  # 2^(23 - LO): the weight of bit LO is 1
+        MAGIC_BITS: tl.constexpr = (127 + BITS) << 23
+        CODE_MASK: tl.constexpr = ((1 << BITS) - 1) << LO
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_w = tl.arange(0, BW)
+        offs_i = tl.arange(0, PER)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        k_start = pid_k * k_iters * BLOCK_K
+        n4 = offs_n[:, None, None, None]
+        zero4 = tl.zeros((BLOCK_N, BLOCK_M, BW, PER), dtype=tl.int32)
+        w_ptrs = (w_ptr + n4.to(tl.int64) * stride_wn
+                  + (k_start // PER + offs_w)[None, None, :, None])
+        kk = (offs_w[:, None] * PER + offs_i[None, :])[None, None, :, :]  # column in the tile
+        # x spread over the tile, as in gemv.py's FMA mode, or (X_BCAST) one [BLOCK_M, BLOCK_K]
+        # load broadcast over the rows of W: a layout conversion per tile, but each x value
+        # is loaded and converted once per thread instead of once per weight (better from two
+        # rows of x on; the tuner picks).
+        x_ptrs = x_ptr + offs_m[None, :, None, None] * stride_xm + k_start + kk
+        if not X_BCAST:
+            x_ptrs = x_ptrs + zero4
+        sz_offs = n4 * stride_sn  # [BLOCK_N, 1, 1, 1]
+        shl = tl.maximum(LO - offs_i * BITS, 0)[None, None, None, :]
+        shr = tl.maximum(offs_i * BITS - LO, 0)[None, None, None, :]
+        n_ok = n4 < N
+        m_ok = offs_m[None, :, None, None] < M
+        acc = tl.zeros((BLOCK_N, BLOCK_M, BW, PER), dtype=tl.float32)
+        for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
+                           num_stages=NUM_STAGES):
+            k0 = k_start + it * BLOCK_K
+            w_mask = n_ok
+            x_mask = m_ok
+            if not EVEN_K:
+                # Weights are padded to Kp, a multiple of GROUP: a tile starting before K lies
+                # in one group inside Kp (its columns past K meet zero x); a tile starting at or
+                # past K may lie past Kp (K not a multiple of SPLIT_K * BLOCK_K), so it loads
+                # no weight, scale or zero (scale 0: a NaN read would poison the sum).
+                w_mask = w_mask & ((n4 * 0 + k0) < K)
+                x_mask = x_mask & ((k0 + kk) < K)
+            g = k0 // GROUP  # BLOCK_K divides GROUP: the tile lies in one group
+            s = tl.load(s_ptr + sz_offs + g, mask=w_mask, other=0.0)
+            z = tl.load(z_ptr + sz_offs + g, mask=w_mask, other=0).to(tl.float32)
+            c = -(z + MAGIC) * s
+            word = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint32, bitcast=True)
+            code = ((word << shl) >> shr) & CODE_MASK
+            wv = (code | MAGIC_BITS).to(tl.float32, bitcast=True) * s + c
+            xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            acc += wv * xv.to(tl.float32)
+            w_ptrs += BW
+            x_ptrs += BLOCK_K
+        out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                         pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
+
+    @triton.jit
+    def gemv_quant_kernel(
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+        M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
+        WEIGHT_KIND: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+    ):
+        # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
+        # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
+        # bytes against the even (low nibbles) and odd (high nibbles) columns of x.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        PACK: tl.constexpr = 2 if WEIGHT_KIND == 2 else 1
+        BKW: tl.constexpr = BLOCK_K // PACK  # weight bytes per row and tile
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_b = tl.arange(0, BKW)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        k_start = pid_k * k_iters * BLOCK_K
+        w_ptrs = (w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+                  + (k_start // PACK + offs_b)[None, :])
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_b * PACK)[None, :]
+        if USE_DOT:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_M, BKW), dtype=tl.float32)
+            w_ptrs = w_ptrs[:, None, :]
+            # x spread over the whole tile, as in gemv.py (no layout conversion of the W tile).
+            x_ptrs = x_ptrs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BKW), dtype=tl.int32)
+        for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
+                           num_stages=NUM_STAGES):
+            k0 = k_start + it * BLOCK_K
+            x_mask = m_mask[:, None]
+            # Integer weights are padded to Kp, a multiple of GROUP: a tile that starts before K
+            # lies inside one group, so inside Kp, and its columns past K (zero x) may be read.
+            # A tile that starts at or past K can lie past Kp (the last splits of a K that is
+            # not a multiple of SPLIT_K * BLOCK_K; K = 200 with group 32 and 3 splits covers
+            # 288 > Kp = 224): its group index is out of range, and its scale and weight loads
+            # would read the next row's or past the end of the buffers, where a NaN or Inf
+            # scale times zero x is NaN. Such tiles load nothing (scale 0, weight 0).
+            w_mask = n_mask[:, None]
+            sz_mask = n_mask
+            if not EVEN_K:
+                kk = k0 + offs_b * PACK
+                x_mask = x_mask & (kk < K)[None, :]
+                if WEIGHT_KIND == 0:
+                    w_mask = w_mask & (kk < K)[None, :]
+                else:
+                    k_ok = (offs_n * 0 + k0) < K  # [BLOCK_N] booleans, not a scalar
+                    w_mask = w_mask & k_ok[:, None]
+                    sz_mask = sz_mask & k_ok
+                if WEIGHT_KIND == 2:
+                    x_mask_hi = m_mask[:, None] & (kk + 1 < K)[None, :]
+            else:
+                if WEIGHT_KIND == 2:
+                    x_mask_hi = x_mask
+            if not USE_DOT:
+                w_mask = w_mask[:, None, :]
+                x_mask = x_mask[None, :, :]
+                if WEIGHT_KIND == 2:
+                    x_mask_hi = x_mask_hi[None, :, :]
+            if WEIGHT_KIND != 0:
+                g = k0 // GROUP
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0.0)
+                z = tl.load(z_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0).to(tl.float32)
+            wq = tl.load(w_ptrs, mask=w_mask, other=0.0 if WEIGHT_KIND == 0 else 0)
+            xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
+            if WEIGHT_KIND == 2:
+                xh = tl.load(x_ptrs + 1, mask=x_mask_hi, other=0.0)
+            if USE_DOT:
+                if WEIGHT_KIND == 0:
+                    acc = _dot_t(wq.to(xv.dtype), xv, acc, IEEE)
+                elif WEIGHT_KIND == 1:
+                    wd = (wq.to(tl.float32) - z[:, None]).to(xv.dtype)
+                    t = _dot_t(wd, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                    acc += t * s[:, None]
+                else:
+                    lo = ((wq & 0x0F).to(tl.float32) - z[:, None]).to(xv.dtype)
+                    hi = ((wq >> 4).to(tl.float32) - z[:, None]).to(xv.dtype)
+                    t = _dot_t(lo, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                    t = _dot_t(hi, xh, t, IEEE)
+                    acc += t * s[:, None]
+            else:
+                if WEIGHT_KIND == 0:
+                    acc += wq.to(tl.float32) * xv.to(tl.float32)
+                elif WEIGHT_KIND == 1:
+                    wd = (wq.to(tl.float32) - z[:, None, None]) * s[:, None, None]
+                    acc += wd * xv.to(tl.float32)
+                else:
+                    lo = ((wq & 0x0F).to(tl.float32) - z[:, None, None]) * s[:, None, None]
+                    hi = ((wq >> 4).to(tl.float32) - z[:, None, None]) * s[:, None, None]
+                    acc += lo * xv.to(tl.float32) + hi * xh.to(tl.float32)
+            w_ptrs += BKW
+            x_ptrs += BLOCK_K
+        if USE_DOT:
+            out = acc
+        else:
+            out = tl.sum(acc, axis=2)
+        if WEIGHT_KIND == 0:  # per-output-row scale, once
+            out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                         pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
