@@ -14,8 +14,9 @@ loaded in its stored width and converted in registers, so each weight byte is re
   2j + 1 in the high one.
   FMA mode (gemv_quant_triton.py's `gemv_int_fma_kernel`) reads the weights as int32 words
   (8 nibbles or 4 bytes: element PER * j + i is field i of word j) against contiguous,
-  vector-loaded columns of x, and builds floats without int->float converts: the code shifted under the mantissa of a
-  power of two MAGIC and OR-ed with its exponent is the float MAGIC + q, and
+  vector-loaded columns of x, and builds floats without int->float converts: the code
+  shifted under the mantissa of a power of two MAGIC and OR-ed with its exponent is the float
+  MAGIC + q, and
   (MAGIC + q) * scale - (MAGIC + zero) * scale is one FMA with a per-row constant per tile.
   In DOT mode the tensor cores take the exact integers q - zero (|q - zero| <= 255 is exact in
   bf16/fp16) against the even (low nibble) and odd (high nibble) columns of x, and the group
