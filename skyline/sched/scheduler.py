@@ -44,6 +44,7 @@ from typing import Any
 from skyline.cache.kv_manager import KVCacheManager
 from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.spec import SpecPolicy
+from skyline.sched.stop import append_until_stop, step_output
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -92,9 +93,6 @@ class Scheduler:
         self._num_freed_blocks: dict[str, int] = {}
         self._constrained: set[str] = set()  # requests with structured-output constraints
         self._next_speculates: bool | None = None  # the gate's decision for the next step
-        # Steps scheduled but not yet recorded, with whether each speculated (at most two are
-        # outstanding with async scheduling; bounded for callers that never record).
-        self._step_modes: deque[tuple[SchedulerOutput, bool]] = deque(maxlen=4)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -152,22 +150,9 @@ class Scheduler:
         return self._next_speculates
 
     def record_step(self, sched_out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
-        """The engine's timing of a step that was updated: it emitted `num_tokens` tokens in
-        `seconds` of wall time. Only steps whose every token is a decode or a verification feed
-        the gate: a prefill chunk's cost would be charged to whichever mode ran it."""
-        speculated = None
-        for i, (o, mode) in enumerate(self._step_modes):
-            if o is sched_out:
-                speculated = mode
-                del self._step_modes[i]
-                break
-        if self.spec is None or speculated is None or sched_out.new_requests:
-            return
-        n = sched_out.num_scheduled_tokens
-        drafts = sched_out.spec_token_ids
-        if not n or any(k != 1 + len(drafts.get(rid, ())) for rid, k in n.items()):
-            return
-        self.spec.observe_step(len(n), speculated, num_tokens, seconds)
+        """The engine's timing of a step that was updated (`SpecPolicy.record_step`)."""
+        if self.spec is not None:
+            self.spec.record_step(sched_out, num_tokens, seconds)
 
     @property
     def num_waiting(self) -> int:
@@ -179,8 +164,7 @@ class Scheduler:
 
     def max_len(self, req: Request) -> int:
         """The request's cap on prompt + output tokens."""
-        cap = self.cfg.max_model_len
-        return min(cap, req.max_model_len) if req.max_model_len else cap
+        return min(self.cfg.max_model_len, req.max_model_len or self.cfg.max_model_len)
 
     def stats(self) -> dict[str, float]:
         spec = self.spec.stats() if self.spec is not None else {}
@@ -222,7 +206,9 @@ class Scheduler:
                 i += 1  # nothing to compute until `update` gives it a token
                 continue
             speculate_req = speculate and num_new == 1 and not pending
-            drafts = self._drafts_for(req, budget) if speculate_req else []
+            drafts = (self.spec.drafts_for(req, self._drafts.get(req.request_id),
+                                           min(budget, self.max_len(req) - req.num_tokens) - 1)
+                      if speculate_req else [])
             while True:
                 new_ids = self.kv_manager.allocate_slots(req, num_new + len(drafts))
                 if new_ids is not None:
@@ -287,7 +273,7 @@ class Scheduler:
         if self.structured is not None:
             self.structured.before_step(out)
         if self.spec is not None and not out.empty:
-            self._step_modes.append((out, speculate))
+            self.spec.scheduled(out, speculate)
             # The next step's mode, decided now: its drafts are proposed after this step.
             out.propose_drafts = self._speculates_next()
         return out
@@ -315,21 +301,6 @@ class Scheduler:
                 break
             n += req.num_tokens
         return min(n, self.cfg.max_num_batched_tokens)
-
-    def _drafts_for(self, req: Request, budget: int) -> list[int]:
-        """The drafts a decoding request verifies this step: as deep as its acceptance earns,
-        within the budget (its own token first), the context and the tokens it may still emit
-        (a step emits at most one token more than it verifies)."""
-        drafts = self._drafts.get(req.request_id)
-        params = req.sampling_params
-        if not drafts or params.json_schema or params.regex or params.grammar:
-            return []  # constrained decoding masks one position per step
-        assert self.spec is not None
-        k = min(len(drafts), self.spec.depth(req.request_id), budget - 1,
-                self.max_len(req) - req.num_tokens - 1)
-        if params.max_tokens is not None:
-            k = min(k, params.max_tokens - req.num_output_tokens - 1)
-        return drafts[: max(k, 0)]
 
     def _forget_spec(self, req_id: str) -> None:
         self._constrained.discard(req_id)
@@ -390,25 +361,12 @@ class Scheduler:
                 # full blocks are now safe to share.
                 self.kv_manager.cache_blocks(req, req.num_computed_tokens)
                 continue
-            logprobs = runner_out.logprobs[i] if i < len(runner_out.logprobs) else None
-            new_ids: list[int] = []
-            for token_id in sampled:  # several only with speculative decoding
-                req.append_output_token(token_id)
-                new_ids.append(token_id)
-                if self._check_stop(req, token_id):
-                    break  # the rest (accepted drafts past a stop) is dropped
+            # Several tokens only with speculative decoding; those past a stop are dropped.
+            new_ids = append_until_stop(req, sampled, self.max_len(req))
             # After appending: accepted drafts are tokens now, and their blocks may be full.
             self.kv_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-            out = StepOutput(
-                request_id=rid,
-                new_token_ids=new_ids,
-                new_logprobs=_trim(logprobs, len(new_ids)),
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-            )
+            out = step_output(req, new_ids, runner_out.logprobs, i)
             if req.status.finished:
-                out.finish_reason = req.status.value
-                out.stop_reason = req.stop_reason
                 self.kv_manager.free(req)
                 self._forget_spec(rid)
                 del self.requests[rid]
@@ -432,47 +390,11 @@ class Scheduler:
         (the recompute covers their KV); a stop among them ends it in the waiting queue."""
         if not sampled:
             return []
-        new_ids: list[int] = []
-        for token_id in sampled:
-            req.append_output_token(token_id)
-            new_ids.append(token_id)
-            if self._check_stop(req, token_id):
-                break
-        lps = logprobs[i] if i is not None and i < len(logprobs) else None
-        out = StepOutput(request_id=req.request_id, new_token_ids=new_ids,
-                         new_logprobs=_trim(lps, len(new_ids)),
-                         num_prompt_tokens=req.num_prompt_tokens,
-                         num_cached_tokens=max(req.num_cached_tokens, 0))
+        new_ids = append_until_stop(req, sampled, self.max_len(req))
+        out = step_output(req, new_ids, logprobs, i)
         if req.status.finished:
-            out.finish_reason = req.status.value
-            out.stop_reason = req.stop_reason
             self.waiting = deque(r for r in self.waiting if r is not req)
             self._forget_spec(req.request_id)
             del self.requests[req.request_id]
             self._finished_ids.add(req.request_id)
         return [out]
-
-    def _check_stop(self, req: Request, token_id: int) -> bool:
-        """Set the request's finished status if `token_id` (just appended) ends it."""
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED  # stop_reason stays None for eos
-                return True
-            if token_id in params.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token_id
-                return True
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        if req.num_tokens >= self.max_len(req):
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-
-def _trim(logprobs: list[TokenLogprobs] | None, n: int) -> list[TokenLogprobs] | None:
-    if logprobs is None:
-        return None
-    return logprobs[:n]

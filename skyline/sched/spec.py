@@ -23,9 +23,11 @@ change of acceptance or of load is followed at a cost of a few percent of the ti
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from skyline.config import SpecConfig
+from skyline.types import Request, SchedulerOutput
 
 DECAY = 0.8  # weight of the past in the running acceptance
 PRIOR = (1.0, 2.0)  # (accepted, tried) pseudo-counts: a new request starts at rate 0.5
@@ -60,6 +62,9 @@ class SpecPolicy:
         self.gate = SpecGate() if cfg.gate else None
         self.num_gate_steps = 0  # steps decided by `speculates`
         self.num_spec_steps = 0  # of which speculative
+        # Steps scheduled but not yet recorded, with whether each speculated (at most two are
+        # outstanding with async scheduling; bounded for callers that never record).
+        self._step_modes: deque[tuple[SchedulerOutput, bool]] = deque(maxlen=4)
 
     def enabled(self, num_batch_tokens: int) -> bool:
         """Whether a step whose batch holds `num_batch_tokens` tokens before drafts may
@@ -75,12 +80,46 @@ class SpecPolicy:
         self.num_spec_steps += on
         return on
 
+    def scheduled(self, out: SchedulerOutput, speculated: bool) -> None:
+        """A step was scheduled in mode `speculated`; its timing comes in `record_step`."""
+        self._step_modes.append((out, speculated))
+
+    def record_step(self, out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
+        """The engine's timing of a scheduled step: it emitted `num_tokens` tokens in `seconds`
+        of wall time. Only steps whose every token is a decode or a verification feed the
+        gate: a prefill chunk's cost would be charged to whichever mode ran it."""
+        speculated = None
+        for i, (o, mode) in enumerate(self._step_modes):
+            if o is out:
+                speculated = mode
+                del self._step_modes[i]
+                break
+        if speculated is None or out.new_requests:
+            return
+        n = out.num_scheduled_tokens
+        drafts = out.spec_token_ids
+        if not n or any(k != 1 + len(drafts.get(rid, ())) for rid, k in n.items()):
+            return
+        self.observe_step(len(n), speculated, num_tokens, seconds)
+
     def observe_step(self, num_reqs: int, speculated: bool, num_tokens: int,
                      seconds: float) -> None:
         """A step of `num_reqs` decoding requests (no prefill in it), run in the mode
         `speculated`, emitted `num_tokens` tokens in `seconds` of wall time."""
         if self.gate is not None:
             self.gate.observe(num_reqs, speculated, num_tokens, seconds)
+
+    def drafts_for(self, req: Request, drafts: list[int] | None, limit: int) -> list[int]:
+        """The drafts a decoding request verifies this step: as deep as its acceptance earns,
+        at most `limit` (the step's budget less its own token, and the context), and within
+        the tokens it may still emit (a step emits at most one token more than it verifies)."""
+        params = req.sampling_params
+        if not drafts or params.json_schema or params.regex or params.grammar:
+            return []  # constrained decoding masks one position per step
+        k = min(len(drafts), self.depth(req.request_id), limit)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - req.num_output_tokens - 1)
+        return drafts[: max(k, 0)]
 
     def depth(self, req_id: str) -> int:
         """How many drafts the request may verify now (0: decode plainly this step)."""
