@@ -34,7 +34,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,6 +41,10 @@ from skyline.bench.offline import machine_info, save_json
 from skyline.configs import dummy_config_dir
 from skyline.ops import attention as attn
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_gemv import _triton_version, copy_bandwidth, device_slug  # noqa: E402
+from tune_gemv import time_calls as gpu_time  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # K/V touched per graph replay at least (5x an H200's L2)
 REPLAY_S = 4e-3  # target GPU time of one graph replay
@@ -64,50 +67,6 @@ PREFILL_CASES = [(8, 1000), (1, 8192)]  # (prompts, tokens each), fresh prompts
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # the model dtype: queries and outputs
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy (median of 20)."""
-    x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    times = []
-    for i in range(23):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(s.elapsed_time(e) / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * 2**29 * 2 / sorted(times)[len(times) // 2]
-
-
-def gpu_time(fns: list[Callable[[], Any]], calls: int) -> float:
-    """Seconds per call: `calls` calls cycling over `fns`, captured in one CUDA graph, median
-    of 5 replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del graph
-    return sorted(times)[len(times) // 2] / calls
 
 
 def attention_shapes(models: list[str]) -> dict[tuple[int, int, int], dict[str, int]]:
@@ -368,11 +327,6 @@ def _fmt(us: float | None, x: float | None, unit: str = "") -> str:
     return f"{us:8.1f} us ({x:.0f} {unit})" if unit else f"{us:8.1f} us ({x:.2f})"
 
 
-def device_slug(name: str) -> str:
-    """"NVIDIA H200" -> "h200"."""
-    return name.lower().removeprefix("nvidia").strip().replace(" ", "-")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-8b"])
@@ -398,7 +352,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(0)
     slug = device_slug(name)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(2**29)  # 1 GiB
     print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, {num_sms} SMs",
           flush=True)
     shapes = attention_shapes(a.models)
@@ -441,14 +395,6 @@ def main() -> None:
                "machine": machine_info("cuda")},
               a.out or os.path.join(out_dir, f"attention-tune-{slug}.json"))
     print(f"done in {time.time() - t0:.0f} s")
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

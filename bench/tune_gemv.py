@@ -37,9 +37,10 @@ ROTATE_BYTES = 256 << 20  # weight copies per shape add up to at least this (5x 
 REPLAY_S = 2e-3  # target length of one timed graph replay
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+def copy_bandwidth(elements: int = 2**30) -> float:
+    """Bytes read + written per second by a device-to-device copy of `elements` bf16 values
+    (2 GiB by default), median of 20 after 3 warm-ups."""
+    x = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     times = []
     for i in range(23):
@@ -52,7 +53,7 @@ def copy_bandwidth() -> float:
             times.append(s.elapsed_time(e) / 1e3)
     del x, y
     torch.cuda.empty_cache()
-    return 2 * 2**30 * 2 / sorted(times)[len(times) // 2]
+    return 2 * elements * 2 / sorted(times)[len(times) // 2]
 
 
 def linear_shapes(models: list[str]) -> dict[tuple[int, int], list[str]]:

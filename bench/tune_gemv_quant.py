@@ -37,6 +37,7 @@ from skyline.ops.gemv_quant import (
     INT4,
     INT8,
     KIND_NAMES,
+    _pow2_divisor,
     config_key,
     default_config,
     fp8_gemv,
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_gemv import (  # noqa: E402
     REPLAY_S,
     ROTATE_BYTES,
+    _triton_version,
     copy_bandwidth,
     device_slug,
     linear_shapes,
@@ -57,13 +59,6 @@ from tune_gemv import (  # noqa: E402
 )
 
 KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4}
-
-
-def _pow2_divisor(group: int, cap: int) -> int:
-    b = 1
-    while b * 2 <= cap and group % (b * 2) == 0:
-        b *= 2
-    return b
 
 
 def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
@@ -271,20 +266,15 @@ def main() -> None:
     }
     path = a.report or os.path.join("bench/results", f"gemv-quant-tune-{slug}.json")
     save_json(report, path)
-    if os.environ.get("OUT"):
-        shutil.copy(path, Path(os.environ["OUT"]) / Path(path).name)
+    out_dir = os.environ.get("OUT")
+    if out_dir:  # a copy under $OUT, unless the report is already there
+        copy = Path(out_dir) / Path(path).name
+        if not (copy.exists() and copy.samefile(path)):
+            shutil.copy(path, copy)
     for key, s in report["decode_step_linears"].items():
         print(f"{key}: decode-step linears {s['layers_weight_GB']:.2f} GB  {s['ms']:.2f} ms "
               f"({s['frac']:.2f} of copy bw)")
     print(f"done in {time.time() - t0:.0f} s")
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":
