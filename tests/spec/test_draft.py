@@ -7,7 +7,6 @@ target's first layers, and the configuration errors."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import subprocess
 import sys
@@ -166,20 +165,14 @@ def test_seeded_sampling_unchanged(tiny_model, small_draft):
         assert draft != tiny_model or stats["spec_num_accepted_tokens"] > 0
 
 
-def test_sampled_output_follows_the_target_distribution(tiny_model):
+def test_sampled_output_follows_the_target_distribution(tiny_model, pair_law):
     """Chi-square on the first two output tokens of many unseeded requests: the second one is
     verified against the draft's greedy token (the target's own argmax, so often accepted);
     their joint law must be the target's."""
     prompt = _prompts(1, seed=9)[0]
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     llm = LLM(tiny_model, device="cpu", dtype="float32")
-    top1 = llm.score(prompt)[0][-1].topk(3)
-    cells, probs = [], []
-    for a, pa in zip(top1.indices.tolist(), top1.values.softmax(-1).tolist(), strict=True):
-        nxt = llm.score(prompt + [a])[0][-1].topk(3)
-        for b, pb in zip(nxt.indices.tolist(), nxt.values.softmax(-1).tolist(), strict=True):
-            cells.append((a, b))
-            probs.append(pa * pb)
+    cells, probs = pair_law.law(llm, prompt)
     n = 2000
     llm = _draft(tiny_model, tiny_model, k=1, max_num_seqs=256,
                  speculative_max_batch_tokens=4096)
@@ -188,13 +181,7 @@ def test_sampled_output_follows_the_target_distribution(tiny_model):
     stats = llm.engine.stats()
     assert stats["spec_num_accepted_tokens"] > 0.2 * n  # drafts were verified and accepted
     assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
-    seen = [(o[0], o[1]) for o in outs]
-    assert set(seen) <= set(cells), "emitted a pair the target excludes"
-    counts = torch.tensor([seen.count(c) for c in cells], dtype=torch.float64)
-    exp = torch.tensor(probs, dtype=torch.float64) * n
-    chi2 = float(((counts - exp) ** 2 / exp).sum())
-    dof = len(cells) - 1
-    assert chi2 < dof + 4.5 * math.sqrt(2 * dof) + 10, (chi2, dof)
+    pair_law.check(outs, cells, probs)
 
 
 # ------------------------------------------------------------------ the draft's KV blocks

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 import subprocess
 import sys
@@ -276,20 +275,14 @@ def test_seeded_sampling_unchanged(tiny_model, trained_head):
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
 
-def test_sampled_output_follows_the_target_distribution(tiny_model, tmp_path):
+def test_sampled_output_follows_the_target_distribution(tiny_model, tmp_path, pair_law):
     """Chi-square on the first two output tokens of many unseeded requests: the second one is
     verified against the head's draft; their joint law must be the target's."""
     prompt = _prompts(1, seed=9)[0]
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     llm, model = _target(tiny_model)
     # The target's law of (t1, t2) under top-k 3.
-    top1 = llm.score(prompt)[0][-1].topk(3)
-    cells, probs = [], []
-    for a, pa in zip(top1.indices.tolist(), top1.values.softmax(-1).tolist(), strict=True):
-        nxt = llm.score(prompt + [a])[0][-1].topk(3)
-        for b, pb in zip(nxt.indices.tolist(), nxt.values.softmax(-1).tolist(), strict=True):
-            cells.append((a, b))
-            probs.append(pa * pb)
+    cells, probs = pair_law.law(llm, prompt)
     # An untrained head whose draft vocabulary is the candidates for t2: its drafts are often
     # among the target's top 3, so the accepting side of verification is exercised too.
     vocab = sorted({b for _, b in cells})
@@ -305,13 +298,7 @@ def test_sampled_output_follows_the_target_distribution(tiny_model, tmp_path):
     stats = llm.engine.stats()
     assert stats["spec_num_accepted_tokens"] > 0.03 * n  # drafts were verified and accepted
     assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
-    seen = [(o[0], o[1]) for o in outs]
-    assert set(seen) <= set(cells), "emitted a pair the target excludes"
-    counts = torch.tensor([seen.count(c) for c in cells], dtype=torch.float64)
-    exp = torch.tensor(probs, dtype=torch.float64) * n
-    chi2 = float(((counts - exp) ** 2 / exp).sum())
-    dof = len(cells) - 1
-    assert chi2 < dof + 4.5 * math.sqrt(2 * dof) + 10, (chi2, dof)
+    pair_law.check(outs, cells, probs)
 
 
 # ------------------------------------------------------------------ CLI
