@@ -36,6 +36,10 @@ PROBE_EVERY = 8
 # The measured gate (SpecGate).
 GATE_DECAY = 0.8  # weight of the past in a mode's tokens/s estimate, per measured step
 GATE_MIN_STEPS = 4  # measured steps of each mode before a bucket trusts its estimates
+# A speculative exploration step measured below this fraction of the plain rate ends the
+# exploration at once (on a GPU an eager verification step can cost 10-20 plain steps that
+# run as CUDA graphs: four of them would be most of a short run's time).
+GATE_HOPELESS = 0.5
 GATE_BURST = 4  # steps of one re-test of the losing mode
 # Re-tests are spaced in time, not steps (a speculative step can take 20 plain steps' time):
 # the winner runs this many times the re-test's expected duration before one, so re-tests
@@ -215,6 +219,7 @@ class _Bucket:
     plain: _Rate = field(default_factory=_Rate)
     spec: _Rate = field(default_factory=_Rate)
     best: bool = True  # the winning mode: speculate or not
+    measured: bool = False  # exploration over: best, re-tests and switches apply
     since_s: float = 0.0  # winning-mode seconds since the last re-test (or switch)
     period: float = GATE_RETEST_FIRST  # winning-mode time between re-tests, in re-test times
     burst: int = 0  # re-test steps still to run in the losing mode
@@ -222,9 +227,12 @@ class _Bucket:
     def rate(self, speculated: bool) -> _Rate:
         return self.spec if speculated else self.plain
 
-    @property
-    def measured(self) -> bool:
-        return min(self.plain.num_steps, self.spec.num_steps) >= GATE_MIN_STEPS
+    def explored(self, speculated: bool) -> bool:
+        """Whether the exploration step just measured ends the exploration."""
+        if min(self.plain.num_steps, self.spec.num_steps) >= GATE_MIN_STEPS:
+            return True
+        return (speculated and self.plain.num_steps >= GATE_MIN_STEPS
+                and self.spec.per_s < GATE_HOPELESS * self.plain.per_s)
 
 
 class SpecGate:
@@ -232,7 +240,8 @@ class SpecGate:
 
     `choose` answers for the next step; `observe` takes each measured step (pure-decode steps
     only: a prefill chunk's time says nothing about either mode). Until a bucket has
-    GATE_MIN_STEPS steps of each mode it explores (speculation first). Then it runs the mode
+    GATE_MIN_STEPS steps of each mode it explores, plain steps first; a speculative step below
+    GATE_HOPELESS of the plain rate ends the exploration at once. Then it runs the mode
     with the higher estimate; once it has run `period` times as long as GATE_BURST steps of
     the other mode take, it runs such a burst, the other mode's old estimate discounted first,
     and switches if that mode is now faster. `period` starts at GATE_RETEST_FIRST and doubles
@@ -252,10 +261,10 @@ class SpecGate:
     def choose(self, num_reqs: int) -> bool:
         """Whether a step of `num_reqs` decoding requests should speculate."""
         b = self.buckets.get(self.bucket(num_reqs))
-        if b is None or b.spec.num_steps < GATE_MIN_STEPS:
-            return True
-        if b.plain.num_steps < GATE_MIN_STEPS:
+        if b is None or b.plain.num_steps < GATE_MIN_STEPS:
             return False
+        if not b.measured:
+            return True
         return b.best != (b.burst > 0)
 
     def observe(self, num_reqs: int, speculated: bool, num_tokens: int, seconds: float) -> None:
@@ -263,13 +272,11 @@ class SpecGate:
         if seconds <= 0:
             return
         b = self.buckets.setdefault(self.bucket(num_reqs), _Bucket())
-        was_measured = b.measured
         rate = b.rate(speculated)
         rate.add(num_tokens, seconds)
         if not b.measured:
-            return
-        if not was_measured:  # exploration just ended
-            b.best = b.spec.per_s > b.plain.per_s
+            if b.explored(speculated):
+                b.measured, b.best = True, b.spec.per_s > b.plain.per_s
             return
         if speculated != b.best:
             # A re-test step (or one chosen just before a switch).

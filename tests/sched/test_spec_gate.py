@@ -14,6 +14,7 @@ from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.scheduler import Scheduler
 from skyline.sched.spec import (
     GATE_BURST,
+    GATE_HOPELESS,
     GATE_MIN_STEPS,
     GATE_RETEST_FIRST,
     GATE_RETEST_MAX,
@@ -47,9 +48,20 @@ def test_bucket_is_the_next_power_of_two():
         [1, 1, 2, 4, 4, 8, 8, 16, 32, 64]
 
 
-def test_explores_speculation_then_plain_first():
-    modes = _run(SpecGate(), 2 * GATE_MIN_STEPS, _fixed(10, 20))
-    assert modes == [True] * GATE_MIN_STEPS + [False] * GATE_MIN_STEPS
+def test_explores_plain_then_speculation():
+    modes = _run(SpecGate(), 2 * GATE_MIN_STEPS + 1, _fixed(10, 20))
+    assert modes == [False] * GATE_MIN_STEPS + [True] * GATE_MIN_STEPS + [False]
+
+
+def test_a_hopeless_speculative_step_ends_the_exploration():
+    # one speculative step at 0.3 of the plain rate is enough (a GPU's eager verification
+    # step against CUDA-graph plain steps); the first re-test comes much later
+    assert 0.3 < GATE_HOPELESS
+    gate = SpecGate()
+    modes = _run(gate, 200, _fixed(6, 20))
+    assert modes[:GATE_MIN_STEPS + 2] == [False] * GATE_MIN_STEPS + [True, False]
+    assert gate.buckets[8].measured and not gate.buckets[8].best
+    assert sum(modes) == 1
 
 
 @pytest.mark.parametrize("spec_faster", [True, False])
@@ -127,7 +139,7 @@ def test_buckets_are_independent():
             spec = gate.choose(n)
             gate.observe(n, spec, *_fixed(spec_s, plain_s)(0, spec))
     assert gate.choose(1) is True and gate.choose(32) is False
-    assert gate.choose(3) is True  # bucket 4: never measured, explores speculation first
+    assert gate.choose(3) is False  # bucket 4: never measured, explores plain steps first
 
 
 def test_policy_static_bound_and_gate_off():
@@ -136,7 +148,7 @@ def test_policy_static_bound_and_gate_off():
     assert not policy.speculates(17, 17)  # above the static bound, whatever the gate says
     for _ in range(3 * GATE_MIN_STEPS):
         spec = policy.speculates(8, 8)
-        policy.observe_step(8, spec, *_fixed(5, 20)(0, spec))
+        policy.observe_step(8, spec, *_fixed(12, 20)(0, spec))
     assert not policy.speculates(8, 8)
     s = policy.stats()
     assert s["spec_gate_steps"] == 3 * GATE_MIN_STEPS + 2
@@ -165,8 +177,9 @@ def _request(rid: str) -> Request:
 def test_scheduler_feeds_only_decode_steps_and_overlaps_plain_ones():
     sched = _scheduler()
     gate = sched.spec.gate
+    gate.choose = lambda n: True  # as in the exploration's speculative steps
     sched.add_request(_request("a"))
-    assert not sched.can_overlap()  # exploring: the next step speculates
+    assert not sched.can_overlap()  # the next step speculates
     out = sched.schedule()  # a prefill: not a measurement
     sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[8]],
                                    draft_token_ids=[[9, 10, 11]]))

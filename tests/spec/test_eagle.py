@@ -82,6 +82,8 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _eagle(path: str, head: str, always_draft: bool = True, **kw) -> LLM:
+    if always_draft:  # every step speculates, whatever the measured gate would say
+        kw.setdefault("speculative_gate", False)
     llm = LLM(path, device="cpu", dtype="float32", speculative_method="eagle",
               speculative_model=head, num_speculative_tokens=kw.pop("k", 4), **kw)
     if always_draft:  # verify every draft, however unlikely the head thinks it is
@@ -211,7 +213,7 @@ def test_plain_stretches_keep_the_head_fed(tiny_model, random_head):
     pending rows), and greedy output is unchanged."""
     prompts = _prompts(8, seed=3)
     ref = _run(LLM(tiny_model, device="cpu", dtype="float32"), prompts, GREEDY)
-    llm = _eagle(tiny_model, random_head, eagle_lookup=False)
+    llm = _eagle(tiny_model, random_head, eagle_lookup=False, speculative_gate=True)
     rng = random.Random(2)
     llm.engine.scheduler.spec.gate.choose = lambda n: rng.random() < 0.5
     prop = llm.engine.executor.runner.proposer

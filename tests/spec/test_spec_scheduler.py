@@ -103,7 +103,8 @@ def scenario(seed: int) -> tuple[int, int, int]:
                           max_num_batched_tokens=rng.choice([1, 3, 8, 32, 128]),
                           max_model_len=max_model_len)
     depth = rng.choice([1, 3, 6])
-    spec = SpecConfig(method="ngram", num_speculative_tokens=depth, max_batch_tokens=64)
+    spec = SpecConfig(method="ngram", num_speculative_tokens=depth, max_batch_tokens=64,
+                      gate=False)  # no clock here: every decode step within the bound drafts
     sched = Scheduler(cfg, CacheConfig(block_size, enable_prefix_caching=rng.random() < 0.8),
                       num_blocks, spec)
     runner = SpecFakeRunner(block_size, rng, depth)
