@@ -5,7 +5,10 @@
 # read is 0.3 of the bytes per token), and offline throughput on 1000 prompts of 1000 tokens
 # with 1000 output tokens (KV capacity sets how many sequences run at once).
 #   MODEL=llama-3.1-8b bash bench/h200_fp8kv.sh      # results in $OUT
-# Stages can be skipped: SKIP="tests offline" etc. Carry the wheels in .whl (gguf is missing).
+#   KVS=fp8 QUANT=fp8 SKIP="tests decode" bash bench/h200_fp8kv.sh   # fp8 weights and KV only
+# Stages can be skipped: SKIP="tests tune decode offline". The tune stage measures the fp8-KV
+# decode kernel's launch configurations at the offline run's batch sizes first (table -> $OUT).
+# Carry the wheels in .whl (gguf is missing).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,7 +26,14 @@ if ! skip tests; then
     tests/ops/test_paged_prefill_triton.py tests/engine/test_kv_cache_fp8.py \
     2>&1 | tee "$OUT/pytest-cuda-fp8kv.log" | tail -5
 fi
-for kv in auto fp8; do
+Q=${QUANT:-none}
+if ! skip tune; then
+  timeout 150 python3 bench/tune_attention.py --models "$M" --batches 256 512 1024 \
+    --contexts 1000 2000 --kv-dtypes fp8 --no-prefill --budget-s ${TUNE_BUDGET:-60} \
+    --out "$OUT/attention-tune-fp8kv-h200-$M.json" 2>&1 | tail -12
+  cp skyline/ops/configs/attention-h200.json "$OUT/" 2>/dev/null
+fi
+for kv in ${KVS:-auto fp8}; do
   if ! skip decode; then
     for ctx in 512 32000; do
       echo "== decode, kv $kv, context $ctx"
@@ -33,10 +43,10 @@ for kv in auto fp8; do
     done
   fi
   if ! skip offline; then
-    echo "== offline 1000 x (1000, 1000), kv $kv"
+    echo "== offline 1000 x (1000, 1000), weights $Q, kv $kv"
     python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
       --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
-      --max-model-len 2048 --kv-cache-dtype $kv \
-      --output "$OUT/offline-h200-$M-1000x1000-kv$kv.json" 2>&1 | tail -4
+      --max-model-len 2048 --kv-cache-dtype $kv --quantization $Q \
+      --output "$OUT/offline-h200-$M-1000x1000-w$Q-kv$kv.json" 2>&1 | tail -4
   fi
 done

@@ -194,6 +194,11 @@ def _combine_splits_ref(ml: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     return (acc * w[..., None]).sum(2) / (l_sum * w).sum(-1)[..., None]
 
 
+def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
+    # an fp8 cache under bf16 queries: the kernels compute their tiles in fp16 (_query_dtype)
+    return k.dtype.itemsize == 1 and q.dtype == torch.bfloat16
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -232,7 +237,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         SPLIT=num_splits > 1, PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        F16=_f16_tiles(q, k), num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if num_splits > 1:
         kernels.combine_splits_kernel[(num_seqs * num_heads,)](
@@ -276,7 +281,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
-        PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"],
+        PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out

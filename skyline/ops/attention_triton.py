@@ -36,6 +36,16 @@ if triton is not None:
         return k.to(DTYPE), v.to(DTYPE)
 
     @triton.jit
+    def _query_dtype(q, F16: tl.constexpr):
+        # With F16 (an fp8 cache under bf16 queries) the tiles are computed in fp16: e4m3 -> fp16
+        # is one conversion per two elements where e4m3 -> bf16 takes several, and that
+        # conversion, not the halved bytes, bounds the fp8 decode kernel. fp16 holds every e4m3
+        # value exactly and has more mantissa than bf16; queries are clamped to its range.
+        if F16:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        return q
+
+    @triton.jit
     def _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE: tl.constexpr):
         # One online-softmax step of queries q [R, D] over keys k / values v [N, D], where
         # see [R, N] says which keys each query may attend to. Returns the new (m, l_sum, acc).
@@ -66,7 +76,7 @@ if triton is not None:
         valid = pos < end
         blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
-                             stride_kh, PAGE, q_ptr.dtype.element_ty)
+                             stride_kh, PAGE, q.dtype)
         m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
         return m, l_sum, acc, blk_next
 
@@ -78,6 +88,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         SPLIT: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+        F16: tl.constexpr,
     ):
         # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
         # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
@@ -95,6 +106,7 @@ if triton is not None:
         heads = kvh * GROUP + g
         q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
+        q = _query_dtype(q, F16)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -165,7 +177,7 @@ if triton is not None:
         valid = pos < end
         blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
-                             stride_kh, PAGE, q_ptr.dtype.element_ty)
+                             stride_kh, PAGE, q.dtype)
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
         m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
         return m, l_sum, acc, blk_next
@@ -176,7 +188,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+        PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
     ):
         # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
         # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
@@ -197,6 +209,7 @@ if triton is not None:
         dmask = d < HEAD_DIM
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                     mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+        q = _query_dtype(q, F16)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)

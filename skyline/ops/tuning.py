@@ -76,7 +76,8 @@ def write_configs(path: str | Path, device: str, configs: dict[str, dict[str, di
                   meta: dict[str, Any] | None = None) -> None:
     """Merge `configs` ({kernel: {key: config}}) into the file at `path` (created if absent),
     which must hold configurations for the same `device`; `meta` (date, command, versions)
-    replaces the file's."""
+    replaces the file's, whose earlier meta moves to its `history` (entries not re-tuned by
+    this run keep the run that measured them on record)."""
     path = Path(path)
     data: dict[str, Any] = {"device": device, "meta": {}, "configs": {}}
     if path.exists():
@@ -88,6 +89,8 @@ def write_configs(path: str | Path, device: str, configs: dict[str, dict[str, di
     for kernel, table in configs.items():
         data["configs"].setdefault(kernel, {}).update(table)
     if meta is not None:
+        if data["meta"]:
+            data["history"] = [*data.get("history", []), data["meta"]]
         data["meta"] = meta
     data["configs"] = {k: dict(sorted(t.items())) for k, t in sorted(data["configs"].items())}
     path.parent.mkdir(parents=True, exist_ok=True)
