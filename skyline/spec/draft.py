@@ -20,10 +20,11 @@ exactly the target's, greedy or sampled, seeded or not, whatever the draft propo
 KV bookkeeping: a request's draft KV is valid for positions [0, num_computed_tokens) of its
 tokens. Drafting writes the KV of the drafts it feeds past that point (`scratch`); at the next
 step the ones the target accepted are kept, the others are overwritten by the catch-up. The
-blocks come from a `BlockPool` of the draft's own (no prefix caching), sized at first use to as
-many token slots as the target's cache holds (on CUDA, within the memory free then), and go
-back in `finish`. A request whose blocks do not fit gets no drafts this step: the target never
-waits for the draft.
+blocks come from a `BlockPool` of the draft's own (no prefix caching) holding as many token
+slots as the target's cache: the runner sizes both caches from one memory budget
+(`kv_bytes_per_block`), and the draft's is allocated at first use. They go back in `finish`.
+A request whose blocks do not fit gets no drafts this step: the target never waits for the
+draft.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class DraftProposer:
         self.seqs: dict[str, _Seq] = {}
 
     # ------------------------------------------------------------------ the cache
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of the draft's KV cache per block of `block_size` tokens: the runner adds
+        them to the target's per-block bytes when it sizes the cache, then sets `num_blocks`
+        so that both caches hold the same tokens within one budget."""
+        return bytes_per_block(self.arch, block_size, self.dtype)
 
     def _allocate(self) -> bool:
         """Allocate the draft's KV cache (once); False if no memory is left for it."""

@@ -32,11 +32,14 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int
 def num_blocks_for(
     arch: ModelArch, cfg: CacheConfig, dtype: torch.dtype, device: torch.device,
     max_model_len: int, max_num_seqs: int, profile_peak_bytes: int = 0,
+    extra_bytes_per_block: int = 0,
 ) -> int:
-    """Blocks that fit: CPU from cfg.kv_cache_memory; CUDA from free memory after profiling."""
+    """Blocks that fit: CPU from cfg.kv_cache_memory; CUDA from free memory after profiling.
+    `extra_bytes_per_block` is another cache's cost per block of the same tokens (a draft
+    model's): the budget then holds that many blocks of both."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    per_block = bytes_per_block(arch, cfg.block_size, dtype)
+    per_block = bytes_per_block(arch, cfg.block_size, dtype) + extra_bytes_per_block
     if device.type == "cuda":
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)

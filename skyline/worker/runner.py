@@ -75,8 +75,13 @@ class ModelRunner:
         if config.cache.kv_cache_dtype == "fp8_e4m3":
             scales = calibrate_kv_scales(self.model, self.arch.vocab_size, sc.max_model_len,
                                          self.device)
+        # A draft model's cache holds as many tokens as the target's, within the same budget.
+        draft_bytes = getattr(self.proposer, "kv_bytes_per_block", None)
+        extra = draft_bytes(self.block_size) if draft_bytes is not None else 0
         self.num_blocks = num_blocks_for(self.arch, config.cache, self.kv_dtype, self.device,
-                                         sc.max_model_len, sc.max_num_seqs, peak)
+                                         sc.max_model_len, sc.max_num_seqs, peak, extra)
+        if extra and self.proposer.num_blocks is None:
+            self.proposer.num_blocks = self.num_blocks
         # One block past the pool's: scratch space for CUDA-graph padding rows.
         self.kv_caches = allocate_kv_cache(
             self.arch, self.num_blocks + 1, self.block_size, self.kv_dtype, self.device

@@ -59,9 +59,11 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _draft(path: str, draft: str | None = None, **kw) -> LLM:
-    """An engine whose draft is verified at full depth, however unsure it is."""
+    """An engine whose draft is verified at full depth in every step, however unsure it is
+    and whatever the measured gate would say."""
     llm = LLM(path, device="cpu", dtype="float32", speculative_method="draft",
-              speculative_model=draft, num_speculative_tokens=kw.pop("k", 4), **kw)
+              speculative_model=draft, num_speculative_tokens=kw.pop("k", 4),
+              speculative_gate=False, **kw)
     llm.engine.executor.runner.proposer.min_confidence = 0.0
     spec = llm.engine.scheduler.spec
     spec.cfg = dataclasses.replace(spec.cfg, draft_cost=0.0)
@@ -96,6 +98,25 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 # ------------------------------------------------------------------ lossless output
+
+
+def test_target_and_draft_caches_share_one_budget(tiny_model, small_draft):
+    """--kv-cache-memory (on a GPU, the memory budget) holds both caches, with the same token
+    slots in each: blocks = budget // (target bytes + draft bytes per block)."""
+    from skyline.worker.kv_cache import bytes_per_block
+
+    budget = 1 << 20
+    llm = _draft(tiny_model, small_draft, kv_cache_memory=budget, max_model_len=512,
+                 max_num_seqs=64)
+    runner = llm.engine.executor.runner
+    p = _proposer(llm)
+    target_b = bytes_per_block(runner.arch, runner.block_size, runner.kv_dtype)
+    draft_b = p.kv_bytes_per_block(runner.block_size)
+    assert 0 < draft_b < target_b  # the smaller model's
+    assert runner.num_blocks == budget // (target_b + draft_b)
+    _run(llm, _prompts(2, seed=1), GREEDY)
+    assert p.pool is not None and p.pool.num_blocks == runner.num_blocks
+    assert runner.num_blocks * (target_b + draft_b) <= budget
 
 
 def test_greedy_identical_with_a_smaller_draft_model(tiny_model, small_draft):
