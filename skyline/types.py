@@ -184,6 +184,10 @@ class SchedulerOutput:
     # Whether the next step may verify drafts: if not, the runner only keeps its proposer's
     # state current after this step and drafts nothing (a plain stretch costs no drafting).
     propose_drafts: bool = True
+    # Whether a hidden-state proposer (EAGLE) takes this step's rows into its cache: not while
+    # the batch is past the static speculation bound (`SpecConfig.max_batch_tokens`), where no
+    # step can verify drafts; it restarts its cache after such a stretch.
+    feed_proposer: bool = True
 
     @property
     def empty(self) -> bool:

@@ -93,6 +93,7 @@ class Scheduler:
         self._num_freed_blocks: dict[str, int] = {}
         self._constrained: set[str] = set()  # requests with structured-output constraints
         self._next_speculates: bool | None = None  # the gate's decision for the next step
+        self._next_enabled = True  # and whether that step is within the static bound
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -145,8 +146,9 @@ class Scheduler:
         if self.spec is None:
             return False
         if self._next_speculates is None:
-            self._next_speculates = self.spec.speculates(self._num_pending_tokens(),
-                                                         len(self.running))
+            n = self._num_pending_tokens()
+            self._next_enabled, self._next_speculates = (
+                self.spec.enabled(n), self.spec.speculates(n, len(self.running)))
         return self._next_speculates
 
     def record_step(self, sched_out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
@@ -276,6 +278,7 @@ class Scheduler:
             self.spec.scheduled(out, speculate)
             # The next step's mode, decided now: its drafts are proposed after this step.
             out.propose_drafts = self._speculates_next()
+            out.feed_proposer = self._next_enabled
         return out
 
     def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -294,8 +297,11 @@ class Scheduler:
         return req.num_tokens + n >= self.max_len(req)
 
     def _num_pending_tokens(self) -> int:
-        """Tokens this step would run without drafts (at most the budget): its size in work."""
-        n = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        """Tokens the next step would run without drafts (at most the budget): its size in
+        work. Counted from the end of `schedule` too, so a token still being sampled (an output
+        placeholder) counts as the decode it will be."""
+        n = sum(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+                for r in self.running)
         for req in self.waiting:
             if n >= self.cfg.max_num_batched_tokens:
                 break

@@ -36,10 +36,12 @@ PROBE_EVERY = 8
 # The measured gate (SpecGate).
 GATE_DECAY = 0.8  # weight of the past in a mode's tokens/s estimate, per measured step
 GATE_MIN_STEPS = 4  # measured steps of each mode before a bucket trusts its estimates
-# A speculative exploration step measured below this fraction of the plain rate ends the
-# exploration at once (on a GPU an eager verification step can cost 10-20 plain steps that
-# run as CUDA graphs: four of them would be most of a short run's time).
-GATE_HOPELESS = 0.5
+# A speculative exploration step that took longer than the plain steps emitting as many tokens
+# as it could at most (1 + depth per request, every draft accepted) ends the exploration at
+# once: no acceptance can make speculation pay there (on a GPU an eager verification step can
+# cost 10-30 plain steps that run as CUDA graphs; four of them would be most of a short run's
+# time). The criterion is the step's cost, not its tokens: a request's first drafts are often
+# wrong, so one step's tokens say little, while its cost hardly depends on acceptance.
 GATE_BURST = 4  # steps of one re-test of the losing mode
 # Re-tests are spaced in time, not steps (a speculative step can take 20 plain steps' time):
 # the winner runs this many times the re-test's expected duration before one, so re-tests
@@ -63,7 +65,7 @@ class SpecPolicy:
         k = cfg.num_speculative_tokens
         self.accepted_by_pos = [0] * k
         self.drafted_by_pos = [0] * k
-        self.gate = SpecGate() if cfg.gate else None
+        self.gate = SpecGate(1 + k) if cfg.gate else None
         self.num_gate_steps = 0  # steps decided by `speculates`
         self.num_spec_steps = 0  # of which speculative
         # Steps scheduled but not yet recorded, with whether each speculated (at most two are
@@ -91,7 +93,11 @@ class SpecPolicy:
     def record_step(self, out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
         """The engine's timing of a scheduled step: it emitted `num_tokens` tokens in `seconds`
         of wall time. Only steps whose every token is a decode or a verification feed the
-        gate: a prefill chunk's cost would be charged to whichever mode ran it."""
+        gate: a prefill chunk's cost would be charged to whichever mode ran it. A step of the
+        speculative mode in which no request had a draft is a plain step to the gate: what it
+        measured is the cost of having nothing to propose (a request's first tokens, a
+        warm-up), not of speculation, and counted as speculation it would end the exploration
+        with a verdict against it that stands until the next re-test."""
         speculated = None
         for i, (o, mode) in enumerate(self._step_modes):
             if o is out:
@@ -104,7 +110,7 @@ class SpecPolicy:
         drafts = out.spec_token_ids
         if not n or any(k != 1 + len(drafts.get(rid, ())) for rid, k in n.items()):
             return
-        self.observe_step(len(n), speculated, num_tokens, seconds)
+        self.observe_step(len(n), speculated and bool(drafts), num_tokens, seconds)
 
     def observe_step(self, num_reqs: int, speculated: bool, num_tokens: int,
                      seconds: float) -> None:
@@ -227,12 +233,12 @@ class _Bucket:
     def rate(self, speculated: bool) -> _Rate:
         return self.spec if speculated else self.plain
 
-    def explored(self, speculated: bool) -> bool:
+    def explored(self, speculated: bool, max_gain: float) -> bool:
         """Whether the exploration step just measured ends the exploration."""
         if min(self.plain.num_steps, self.spec.num_steps) >= GATE_MIN_STEPS:
             return True
         return (speculated and self.plain.num_steps >= GATE_MIN_STEPS
-                and self.spec.per_s < GATE_HOPELESS * self.plain.per_s)
+                and self.spec.step_s > max_gain * self.plain.step_s)
 
 
 class SpecGate:
@@ -240,8 +246,9 @@ class SpecGate:
 
     `choose` answers for the next step; `observe` takes each measured step (pure-decode steps
     only: a prefill chunk's time says nothing about either mode). Until a bucket has
-    GATE_MIN_STEPS steps of each mode it explores, plain steps first; a speculative step below
-    GATE_HOPELESS of the plain rate ends the exploration at once. Then it runs the mode
+    GATE_MIN_STEPS steps of each mode it explores, plain steps first; a speculative step slower
+    than `max_gain` plain steps (it cannot pay at any acceptance) ends the exploration at once.
+    Then it runs the mode
     with the higher estimate; once it has run `period` times as long as GATE_BURST steps of
     the other mode take, it runs such a burst, the other mode's old estimate discounted first,
     and switches if that mode is now faster. `period` starts at GATE_RETEST_FIRST and doubles
@@ -250,7 +257,9 @@ class SpecGate:
     slower than the loser's estimate, the gate switches at once. Plain numbers only; the engine
     does the timing."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_gain: float = 1 << 30) -> None:
+        # the most tokens a speculative step emits per token of a plain step: 1 + depth
+        self.max_gain = max_gain
         self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -275,7 +284,7 @@ class SpecGate:
         rate = b.rate(speculated)
         rate.add(num_tokens, seconds)
         if not b.measured:
-            if b.explored(speculated):
+            if b.explored(speculated, self.max_gain):
                 b.measured, b.best = True, b.spec.per_s > b.plain.per_s
             return
         if speculated != b.best:

@@ -165,7 +165,7 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
         for rid in inp.req_ids:
             self.states[rid].num_computed_tokens += out.num_scheduled_tokens[rid]
-        if isinstance(self.proposer, HiddenStateProposer):
+        if isinstance(self.proposer, HiddenStateProposer) and out.feed_proposer:
             self._observe(inp.req_ids, inp.attn.query_start_loc, hidden)
         logits = None
         if inp.sampling_req_ids:

@@ -14,7 +14,6 @@ from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.scheduler import Scheduler
 from skyline.sched.spec import (
     GATE_BURST,
-    GATE_HOPELESS,
     GATE_MIN_STEPS,
     GATE_RETEST_FIRST,
     GATE_RETEST_MAX,
@@ -54,14 +53,19 @@ def test_explores_plain_then_speculation():
 
 
 def test_a_hopeless_speculative_step_ends_the_exploration():
-    # one speculative step at 0.3 of the plain rate is enough (a GPU's eager verification
-    # step against CUDA-graph plain steps); the first re-test comes much later
-    assert 0.3 < GATE_HOPELESS
-    gate = SpecGate()
-    modes = _run(gate, 200, _fixed(6, 20))
+    # depth 3: a speculative step emits at most 4 tokens per plain step's token. One that
+    # costs 5 plain steps cannot pay at any acceptance (a GPU's eager verification step
+    # against CUDA-graph plain steps): the exploration ends there, the first re-test comes
+    # much later.
+    gate = SpecGate(max_gain=4)
+    modes = _run(gate, 200, lambda i, spec: (4, 5.0) if spec else (1, 1.0))
     assert modes[:GATE_MIN_STEPS + 2] == [False] * GATE_MIN_STEPS + [True, False]
     assert gate.buckets[8].measured and not gate.buckets[8].best
     assert sum(modes) == 1
+    # a slow rate alone is not hopeless: the first drafts of a request are often wrong
+    gate = SpecGate(max_gain=4)
+    modes = _run(gate, 2 * GATE_MIN_STEPS, lambda i, spec: (1, 3.0) if spec else (1, 1.0))
+    assert modes == [False] * GATE_MIN_STEPS + [True] * GATE_MIN_STEPS
 
 
 @pytest.mark.parametrize("spec_faster", [True, False])
@@ -238,3 +242,46 @@ def test_plain_steps_keep_the_running_acceptance_current():
         sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[token]],
                                        draft_token_ids=[[token + 1]]))
     assert sched.spec.depth("a") >= 3
+
+
+def test_a_speculative_step_without_drafts_counts_as_plain():
+    """Nothing to propose (a request's first tokens, a warm-up) is not a measurement of
+    speculation: such a step feeds the plain estimate."""
+    sched = _scheduler()
+    gate = sched.spec.gate
+    gate.choose = lambda n: True
+    sched.add_request(_request("a"))
+    out = sched.schedule()  # the prefill
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[8]], draft_token_ids=[[]]))
+    sched.record_step(out, 1, 0.5)
+    out = sched.schedule()  # the speculative mode, no draft to verify
+    assert not out.spec_token_ids and out.num_scheduled_tokens == {"a": 1}
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[9]],
+                                   draft_token_ids=[[10, 11]]))
+    sched.record_step(out, 1, 0.1)
+    assert (gate.buckets[1].plain.num_steps, gate.buckets[1].spec.num_steps) == (1, 0)
+    out = sched.schedule()  # now with drafts: a speculative measurement
+    assert out.spec_token_ids == {"a": [10, 11]}
+    sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[10, 11, 12]],
+                                   draft_token_ids=[[13]]))
+    sched.record_step(out, 3, 0.2)
+    assert (gate.buckets[1].plain.num_steps, gate.buckets[1].spec.num_steps) == (1, 1)
+
+
+def test_the_static_bound_applies_to_the_next_step():
+    """The next step's mode is decided at the end of `schedule`, while this step's tokens are
+    still being sampled: they count as the decodes they will be, so a batch past
+    `max_batch_tokens` neither drafts for the next step nor feeds a hidden-state proposer."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                      max_model_len=256),
+                      CacheConfig(block_size=4), 64,
+                      SpecConfig(method="ngram", num_speculative_tokens=3, max_batch_tokens=2,
+                                 draft_cost=0.0, gate=False))
+    for rid in "abc":
+        sched.add_request(_request(rid))
+    out = sched.schedule()  # three prefills; three decodes next: past the bound
+    assert not out.propose_drafts and not out.feed_proposer
+    sched.abort_requests(["b", "c"])
+    sched.update(out, RunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[[8], [8], [8]]))
+    out = sched.schedule()  # one decode now, one next: within the bound
+    assert out.propose_drafts and out.feed_proposer

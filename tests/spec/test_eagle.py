@@ -233,6 +233,29 @@ def test_plain_stretches_keep_the_head_fed(tiny_model, random_head):
     assert 0.25 < stats["spec_gate_speculated_fraction"] < 0.75
 
 
+def test_the_head_is_not_fed_past_the_static_bound(tiny_model, random_head):
+    """While the batch is too large for any step to verify drafts, the head skips the step's
+    rows (feeding it cost ~10% of a CPU step for nothing); once the batch shrinks within the
+    bound it restarts its caches and drafts again; greedy output is unchanged."""
+    prompts = _prompts(8, seed=6)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 6 * i, ignore_eos=True)
+              for i in range(8)]
+    ref = [o.outputs[0].token_ids
+           for o in LLM(tiny_model, device="cpu", dtype="float32").generate(prompts, params)]
+    llm = _eagle(tiny_model, random_head, eagle_lookup=False, speculative_max_batch_tokens=4)
+    prop = llm.engine.executor.runner.proposer
+    fed, observe = [], prop.observe
+
+    def spy(req_ids, *args):
+        fed.append(len(req_ids))
+        observe(req_ids, *args)
+
+    prop.observe = spy
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+    assert fed and max(fed) <= 5  # never while 6 or more requests decode
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
 @pytest.fixture(scope="module")
 def trained_head(tiny_model, tmp_path_factory):
     """A head trained briefly on the tiny model's own greedy continuations (the API path of
