@@ -5,10 +5,11 @@ Matmuls: on the CPU with bfloat16 activations, a layer whose blocks are all 4-bi
 (Q4_0, Q4_1, Q4_K: 4-bit codes with an affine map per 32 elements) runs torch's int4
 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which reads 4.5 bits per weight and
 unpacks in registers; its repacked weights are made at the first such call and replace the raw
-blocks' role for it (scale and offset per 32 elements stored in bfloat16, so within bf16
-rounding of the file's fp16 scales). Every other case dequantizes the blocks with
-ops/dequant.py at each call and runs a dense matmul. A Triton dequant-matmul for the GPU is the
-next step."""
+blocks, which are dropped (scale and offset per 32 elements stored in bfloat16, so within bf16
+rounding of the file's fp16 scales); from then on the layer runs every input on that kernel
+(other dtypes through bfloat16), and `dequantized_weight` reads the weights back from it. Every
+other case dequantizes the blocks with ops/dequant.py at each call and runs a dense matmul. A
+Triton dequant-matmul for the GPU is the next step."""
 
 from __future__ import annotations
 
@@ -68,25 +69,50 @@ class GGUFLinearMethod:
         del layer.gguf_parts
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if getattr(layer, "gguf_int4", None) is not None:
+            return _int4_weight(*layer.gguf_int4)
         ws = [dequantize_ref(getattr(layer, f"gguf_w{i}"), qtype)
               for i, qtype in enumerate(layer.gguf_types)]
         return ws[0] if len(ws) == 1 else torch.cat(ws)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _int4_ready(layer):
-            packed, scales_zeros = layer.gguf_int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.reshape(-1, x.shape[-1]), packed, INT4_GROUP, scales_zeros)
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        if x.device.type == "cpu" and _int4_ready(layer, build=x.dtype == torch.bfloat16):
+            y = _int4_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), *layer.gguf_int4)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
 
 
-def _int4_ready(layer: Linear) -> bool:
-    """Whether the layer runs the CPU int4 kernel; builds its packed weights at first use."""
+def _int4_ready(layer: Linear, build: bool) -> bool:
+    """Whether the layer runs the CPU int4 kernel. With `build` (a bfloat16 input), the first
+    call packs its weights and drops the raw blocks they replace."""
     if not hasattr(layer, "gguf_int4"):
+        if not build:
+            return False
         layer.gguf_int4 = _pack_int4(layer) if _has_int4_kernel() else None
+        if layer.gguf_int4 is not None:
+            for i in range(len(layer.gguf_types)):
+                delattr(layer, f"gguf_w{i}")
     return layer.gguf_int4 is not None
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
+
+
+def _int4_weight(packed: torch.Tensor, scales_zeros: torch.Tensor,
+                 chunk: int = 1024) -> torch.Tensor:
+    """The float32 weights [rows, cols] the int4 kernel multiplies by: the kernel applied to
+    rows of the identity (each output is one weight times 1, so exact but for the bf16
+    output), `chunk` rows at a time."""
+    cols = scales_zeros.shape[0] * INT4_GROUP
+    parts = []
+    for k0 in range(0, cols, chunk):
+        k = torch.arange(k0, min(k0 + chunk, cols))
+        eye = torch.zeros(len(k), cols, dtype=torch.bfloat16)
+        eye[torch.arange(len(k)), k] = 1
+        parts.append(_int4_mm(eye, packed, scales_zeros))  # [chunk, rows]
+    return torch.cat(parts).t().float()
 
 
 def _has_int4_kernel() -> bool:

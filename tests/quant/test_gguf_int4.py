@@ -70,8 +70,28 @@ def test_bf16_matmul_on_the_int4_kernel_matches_the_dequantized_weights():
     assert err < 2e-2  # bf16 scales and accumulation of bf16 inputs
     # a wrong kernel convention (zero point, nibble order) is far off
     assert (y.float() - x.float() @ w.flip(0).T).abs().max() / ref.abs().max() > 0.3
-    # float32 activations keep the exact path
-    torch.testing.assert_close(method.apply(layer, x), F.linear(x, w))
+    # the raw blocks are gone: the layer holds the int4 layout alone (as small as the file)
+    assert not [n for n, _ in layer.named_buffers() if n.startswith("gguf_w")]
+    # the weights read back from the kernel: the blocks' values within the rounding of its
+    # bf16 scales and zero points
+    w_back = method.dequantized_weight(layer)
+    assert w_back.shape == w.shape
+    assert (w_back - w).abs().max() / w.abs().max() < 1e-2
+    y_back = x.to(torch.bfloat16).float() @ w_back.T
+    assert (y_back - y.float()).abs().max() / ref.abs().max() < 2e-2
+    # other input dtypes run the same kernel through bfloat16
+    y32 = method.apply(layer, x)
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, y.float())
+
+
+def test_float32_before_any_bfloat16_call_keeps_the_exact_path():
+    layer = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 8, 256, 5))])
+    method = GGUFLinearMethod()
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(method.apply(layer, x),
+                               F.linear(x, method.dequantized_weight(layer)))
+    assert not hasattr(layer, "gguf_int4") and hasattr(layer, "gguf_w0")
 
 
 def test_other_types_keep_the_dequantize_path():
