@@ -3,7 +3,8 @@ vs dequantized once at load (the default), in float32 and bfloat16, on this mach
 float32 dequantizes the blocks at every forward; packed bfloat16 runs the Q4 layers on torch's
 CPU int4 kernel (quant/gguf.py).
 
-    python bench/gguf_packed_speed.py [--threads N] [--out bench/results/gguf-packed-cpu.json]
+    python bench/gguf_packed_speed.py [--threads N] [--model FILE.gguf]
+                                      [--out bench/results/gguf-packed-cpu.json]
 
 Decides quant/resolve.py's GGUF_PACKED_BY_DEFAULT: packed becomes the default only if its
 float32 decode is at most 1.5x slower.
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/gguf-packed-cpu.json")
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded model)")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated, float32 first (the packed-by-default decision)")
     ns = ap.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
     variants = [(m, d) for d in ns.dtypes.split(",") for m in ("none", "gguf")]
     for method, dtype in variants:
         key = method if dtype == "float32" else f"{method}-{dtype}"
-        llm = LLM(quantization=method, dtype=dtype, threads=ns.threads,
+        llm = LLM(model=ns.model, quantization=method, dtype=dtype, threads=ns.threads,
                   enable_prefix_caching=False)
         decode_tok_s(llm, 1, 16, 4)  # warm-up (builds the int4 kernel's packed weights)
         model = llm.engine.executor.runner.model if hasattr(llm.engine, "executor") else None
@@ -70,7 +72,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "threads": ns.threads or torch.get_num_threads(),
         "command": "python bench/gguf_packed_speed.py " + " ".join(sys.argv[1:]),
-        "model": "SmolLM2-135M-Instruct Q4_1 (default)",
+        "model": ns.model or "SmolLM2-135M-Instruct Q4_1 (default)",
         "results": results,
         "packed_slowdown": slow,
         "packed_by_default": max(slow.values()) <= 1.5,

@@ -7,9 +7,12 @@ weight-only kernel (`_weight_int4pack_mm_for_cpu`), which reads 4.5 bits per wei
 unpacks in registers; its repacked weights are made at the first such call and replace the raw
 blocks, which are dropped (scale and offset per 32 elements stored in bfloat16, so within bf16
 rounding of the file's fp16 scales); from then on the layer runs every input on that kernel
-(other dtypes through bfloat16), and `dequantized_weight` reads the weights back from it. Every
-other case dequantizes the blocks with ops/dequant.py at each call and runs a dense matmul. A
-Triton dequant-matmul for the GPU is the next step."""
+(other dtypes through bfloat16), and `dequantized_weight` reads the weights back from it. A
+layer with other block types (Q5_K, Q6_K, Q8_0, ... as in Q4_K_M files) is dequantized once to
+bfloat16 at its first bfloat16 call instead, its raw blocks dropped: 16 bits a weight rather
+than the file's 5-8.5, because dequantizing whole blocks at every call makes decode 4-5x
+slower. Float32 (the default) keeps the raw blocks and dequantizes them with ops/dequant.py at
+each call, exact. A Triton dequant-matmul for the GPU is the next step."""
 
 from __future__ import annotations
 
@@ -71,29 +74,39 @@ class GGUFLinearMethod:
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         if getattr(layer, "gguf_int4", None) is not None:
             return _int4_weight(*layer.gguf_int4)
-        ws = [dequantize_ref(getattr(layer, f"gguf_w{i}"), qtype)
-              for i, qtype in enumerate(layer.gguf_types)]
-        return ws[0] if len(ws) == 1 else torch.cat(ws)
+        if hasattr(layer, "gguf_dense"):
+            return layer.gguf_dense.float()
+        return _dequantize_blocks(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and _int4_ready(layer, build=x.dtype == torch.bfloat16):
+        if x.device.type == "cpu" and _cpu_ready(layer, build=x.dtype == torch.bfloat16):
+            if layer.gguf_int4 is None:
+                return F.linear(x, layer.gguf_dense.to(x.dtype), layer.bias)
             y = _int4_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), *layer.gguf_int4)
             y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
 
 
-def _int4_ready(layer: Linear, build: bool) -> bool:
-    """Whether the layer runs the CPU int4 kernel. With `build` (a bfloat16 input), the first
-    call packs its weights and drops the raw blocks they replace."""
+def _dequantize_blocks(layer: Linear) -> torch.Tensor:
+    ws = [dequantize_ref(getattr(layer, f"gguf_w{i}"), qtype)
+          for i, qtype in enumerate(layer.gguf_types)]
+    return ws[0] if len(ws) == 1 else torch.cat(ws)
+
+
+def _cpu_ready(layer: Linear, build: bool) -> bool:
+    """Whether the layer has its CPU bfloat16 form: the int4 kernel's packed weights
+    (`gguf_int4`) or, for other block types, dense bfloat16 weights (`gguf_dense`). With
+    `build` (a bfloat16 input), the first call makes it and drops the raw blocks."""
     if not hasattr(layer, "gguf_int4"):
         if not build:
             return False
         layer.gguf_int4 = _pack_int4(layer) if _has_int4_kernel() else None
-        if layer.gguf_int4 is not None:
-            for i in range(len(layer.gguf_types)):
-                delattr(layer, f"gguf_w{i}")
-    return layer.gguf_int4 is not None
+        if layer.gguf_int4 is None:
+            layer.register_buffer("gguf_dense", _dequantize_blocks(layer).to(torch.bfloat16))
+        for i in range(len(layer.gguf_types)):
+            delattr(layer, f"gguf_w{i}")
+    return True
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """GGUF 4-bit group types on the CPU's int4 kernel: codes, scales and offsets reproduce the
 blocks exactly; bfloat16 matmuls through torch's int4 kernel match the dequantized weights; other
-types and float32 keep the dequantize-and-matmul path."""
+types become dense bfloat16 once; float32 keeps the exact dequantize-and-matmul path."""
 
 from __future__ import annotations
 
@@ -94,10 +94,18 @@ def test_float32_before_any_bfloat16_call_keeps_the_exact_path():
     assert not hasattr(layer, "gguf_int4") and hasattr(layer, "gguf_w0")
 
 
-def test_other_types_keep_the_dequantize_path():
+def test_other_types_are_dequantized_once_to_bfloat16():
+    """A layer that is not all 4-bit group types (here Q4_1 rows merged with Q6_K rows, as a
+    Q4_K_M file's qkv can be) becomes dense bfloat16 at its first bfloat16 call, not
+    dequantized at every call; float32 inputs before that keep the exact path."""
     layer = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 8, 256, 3)), (Q.Q6_K, blocks(Q.Q6_K, 8, 256, 4))])
     method = GGUFLinearMethod()
-    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    w = method.dequantized_weight(layer)  # exact, from the blocks
+    x32 = torch.randn(2, 256)
+    torch.testing.assert_close(method.apply(layer, x32), F.linear(x32, w))
+    x = x32.to(torch.bfloat16)
     y = method.apply(layer, x)
-    assert layer.gguf_int4 is None
-    torch.testing.assert_close(y, F.linear(x, method.dequantized_weight(layer).to(x.dtype)))
+    assert layer.gguf_int4 is None and layer.gguf_dense.dtype == torch.bfloat16
+    assert not hasattr(layer, "gguf_w0") and not hasattr(layer, "gguf_w1")  # dropped
+    torch.testing.assert_close(y, F.linear(x, w.to(torch.bfloat16)))
+    torch.testing.assert_close(method.dequantized_weight(layer), w.to(torch.bfloat16).float())
