@@ -36,12 +36,6 @@ PROBE_EVERY = 8
 # The measured gate (SpecGate).
 GATE_DECAY = 0.8  # weight of the past in a mode's tokens/s estimate, per measured step
 GATE_MIN_STEPS = 4  # measured steps of each mode before a bucket trusts its estimates
-# A speculative exploration step that took longer than the plain steps emitting as many tokens
-# as it could at most (1 + depth per request, every draft accepted) ends the exploration at
-# once: no acceptance can make speculation pay there (on a GPU an eager verification step can
-# cost 10-30 plain steps that run as CUDA graphs; four of them would be most of a short run's
-# time). The criterion is the step's cost, not its tokens: a request's first drafts are often
-# wrong, so one step's tokens say little, while its cost hardly depends on acceptance.
 GATE_BURST = 4  # steps of one re-test of the losing mode
 # Re-tests are spaced in time, not steps (a speculative step can take 20 plain steps' time):
 # the winner runs this many times the re-test's expected duration before one, so re-tests
@@ -234,7 +228,14 @@ class _Bucket:
         return self.spec if speculated else self.plain
 
     def explored(self, speculated: bool, max_gain: float) -> bool:
-        """Whether the exploration step just measured ends the exploration."""
+        """Whether the exploration step just measured ends the exploration: both modes have
+        GATE_MIN_STEPS steps, or a speculative step took longer than the `max_gain` plain steps
+        that would emit as many tokens as it can at most (1 + depth per request, every draft
+        accepted), so that no acceptance can make it pay (on a GPU an eager verification step
+        can cost 10-30 plain steps that run as CUDA graphs; four of them would be most of a
+        short run's time). The criterion is the step's cost, not its tokens: a request's first
+        drafts are often wrong, so one step's tokens say little, while its cost hardly depends
+        on acceptance."""
         if min(self.plain.num_steps, self.spec.num_steps) >= GATE_MIN_STEPS:
             return True
         return (speculated and self.plain.num_steps >= GATE_MIN_STEPS
@@ -248,14 +249,13 @@ class SpecGate:
     only: a prefill chunk's time says nothing about either mode). Until a bucket has
     GATE_MIN_STEPS steps of each mode it explores, plain steps first; a speculative step slower
     than `max_gain` plain steps (it cannot pay at any acceptance) ends the exploration at once.
-    Then it runs the mode
-    with the higher estimate; once it has run `period` times as long as GATE_BURST steps of
-    the other mode take, it runs such a burst, the other mode's old estimate discounted first,
-    and switches if that mode is now faster. `period` starts at GATE_RETEST_FIRST and doubles
-    (up to GATE_RETEST_MAX) each time the re-tested mode loses, so a mode that keeps losing
-    costs a shrinking share of the time. The winner is measured all the time: if it becomes
-    slower than the loser's estimate, the gate switches at once. Plain numbers only; the engine
-    does the timing."""
+    Then it runs the mode with the higher estimate; once it has run `period` times as long as
+    GATE_BURST steps of the other mode take, it runs such a burst, the other mode's old
+    estimate discounted first, and switches if that mode is now faster. `period` starts at
+    GATE_RETEST_FIRST and doubles (up to GATE_RETEST_MAX) each time the re-tested mode loses,
+    so a mode that keeps losing costs a shrinking share of the time. The winner is measured
+    all the time: if it becomes slower than the loser's estimate, the gate switches at once.
+    Plain numbers only; the engine does the timing."""
 
     def __init__(self, max_gain: float = 1 << 30) -> None:
         # the most tokens a speculative step emits per token of a plain step: 1 + depth
