@@ -17,8 +17,9 @@ M=${MODEL:-llama-3.1-8b}
 LEVELS=${LEVELS:-1,32,256}
 DURATION=${DURATION:-15}
 BUDGET_S=${BUDGET_S:-480}
-WORK=$OUT/frontier-h200            # frontier.json, per-point JSON and server logs
-RES=$OUT/frontier-h200-$M          # what bench/results keeps: JSON, PNG, HTML, per-point JSON
+WORK=/tmp/frontier-h200            # frontier.json, per-point JSON and server logs
+RES=$OUT/frontier-h200-$M          # what bench/results keeps: JSON, PNG, HTML, runs.json
+# (the device hands back 8 files per call: the per-point JSON travel as one runs.json)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -55,12 +56,16 @@ state["run"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="
 with open(path, "w") as f:
     json.dump(state, f, indent=1)
 write_report(state, work)
-os.makedirs(os.path.join(res, "runs"), exist_ok=True)
+os.makedirs(res, exist_ok=True)
 for name in os.listdir(work):
     if name.endswith((".json", ".png", ".html")):
         shutil.copy(os.path.join(work, name), res)
-for name in os.listdir(os.path.join(work, "runs")):
+runs = {}
+for name in sorted(os.listdir(os.path.join(work, "runs"))):
     if name.endswith(".json"):
-        shutil.copy(os.path.join(work, "runs", name), os.path.join(res, "runs"))
+        with open(os.path.join(work, "runs", name)) as f:
+            runs[name] = json.load(f)
+with open(os.path.join(res, "runs.json"), "w") as f:
+    json.dump(runs, f, indent=1)
 print("results in", res)
 EOF
