@@ -284,7 +284,7 @@ class SpecGate:
         rate = b.rate(speculated)
         rate.add(num_tokens, seconds)
         if not b.measured:
-            if b.explored(speculated, self.max_gain):
+            if b.explored(speculated, self.max_gain) or self._seed(self.bucket(num_reqs), b):
                 b.measured, b.best = True, b.spec.per_s > b.plain.per_s
             return
         if speculated != b.best:
@@ -305,6 +305,28 @@ class SpecGate:
         elif b.since_s >= b.period * GATE_BURST * loser.step_s:
             loser.discount(GATE_STALE)
             b.burst, b.since_s = GATE_BURST, 0.0
+
+    def _seed(self, n: int, b: _Bucket) -> bool:
+        """A new bucket `n` whose plain steps are measured, next to a bucket where a
+        speculative step cost more than twice `max_gain` plain steps, takes that verdict
+        instead of exploring: the neighbour's speculative step, scaled by the two buckets'
+        plain steps (time and tokens), becomes its estimate; the re-tests correct it. A batch
+        shrinking as its requests finish passes through every bucket below it, and an
+        exploration step in each is what a short run on a GPU pays most."""
+        if b.spec.num_steps or b.plain.num_steps < GATE_MIN_STEPS:
+            return False
+        for m in (n // 2, 2 * n):
+            nb = self.buckets.get(m)
+            if (nb is None or not nb.measured or nb.best or not nb.spec.weight
+                    or nb.spec.step_s <= 2 * self.max_gain * nb.plain.step_s):
+                continue
+            time_ratio = b.plain.step_s / nb.plain.step_s
+            token_ratio = (b.plain.tokens / b.plain.weight) / (nb.plain.tokens / nb.plain.weight)
+            b.spec.seconds = nb.spec.step_s * time_ratio
+            b.spec.tokens = nb.spec.tokens / nb.spec.weight * token_ratio
+            b.spec.weight = 1.0
+            return True
+        return False
 
     def stats(self) -> dict[str, float]:
         """Per bucket: both estimates (tokens/s) and the mode in use (1: speculate)."""

@@ -285,3 +285,27 @@ def test_the_static_bound_applies_to_the_next_step():
     sched.update(out, RunnerOutput(req_ids=["a", "b", "c"], sampled_token_ids=[[8], [8], [8]]))
     out = sched.schedule()  # one decode now, one next: within the bound
     assert out.propose_drafts and out.feed_proposer
+
+
+def test_a_bucket_next_to_a_hopeless_one_takes_its_verdict():
+    """A batch shrinking through the buckets does not pay an exploration step in each of them
+    when speculation was hopeless by far next door; the seeded estimate is re-tested later."""
+    gate = SpecGate(max_gain=4)
+
+    def cost(n):  # a speculative step costs 40 plain steps (eager against CUDA graphs)
+        return lambda i, spec: (3 * n, 40.0 * n / 8) if spec else (n, 1.0 * n / 8)
+
+    _run(gate, 50, cost(8), num_reqs=8)
+    assert gate.buckets[8].measured and not gate.buckets[8].best
+    modes = _run(gate, 3000, cost(4), num_reqs=4)
+    assert modes[:GATE_MIN_STEPS + 1] == [False] * (GATE_MIN_STEPS + 1)  # no exploration step
+    b4 = gate.buckets[4]
+    assert b4.measured and not b4.best and b4.spec.num_steps == sum(modes) > 0  # re-tested
+    assert b4.spec.per_s == pytest.approx(3 * 4 / (40.0 * 4 / 8))  # the real rate by now
+    # merely slower next door (not twice max_gain) is explored as usual
+    gate = SpecGate(max_gain=4)
+    _run(gate, 50, lambda i, spec: (3, 6.0) if spec else (1, 1.0), num_reqs=8)
+    assert gate.buckets[8].measured and not gate.buckets[8].best
+    modes = _run(gate, GATE_MIN_STEPS + 1, lambda i, spec: (3, 6.0) if spec else (1, 1.0),
+                 num_reqs=4)
+    assert modes == [False] * GATE_MIN_STEPS + [True]
