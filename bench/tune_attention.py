@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from skyline.ops import attention as attn
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_gemv import _triton_version, copy_bandwidth, device_slug  # noqa: E402
+from tune_gemv import _triton_version, copy_bandwidth, copy_to_out, device_slug  # noqa: E402
 from tune_gemv import time_calls as gpu_time  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # K/V touched per graph replay at least (5x an H200's L2)
@@ -383,10 +382,7 @@ def main() -> None:
                         "triton": _triton_version(), "models": ",".join(a.models),
                         "page": a.page})
     print(f"wrote {configs_out}")
-    if os.environ.get("OUT"):  # the GPU machine hands back only what is under $OUT
-        copy = Path(os.environ["OUT"]) / Path(configs_out).name
-        if copy.resolve() != Path(configs_out).resolve():
-            shutil.copy(configs_out, copy)
+    copy_to_out(configs_out)
     out_dir = os.environ.get("OUT") or "bench/results"
     save_json({"benchmark": "tune_attention", "date": date, "command": command, "device": name,
                "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms, "page": a.page,

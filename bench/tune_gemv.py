@@ -206,6 +206,15 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
     return out
 
 
+def copy_to_out(path: str) -> None:
+    """A copy of `path` under $OUT (the GPU machine hands back only what is there), unless it
+    is already there."""
+    if os.environ.get("OUT"):
+        copy = Path(os.environ["OUT"]) / Path(path).name
+        if copy.resolve() != Path(path).resolve():
+            shutil.copy(path, copy)
+
+
 def device_slug(name: str) -> str:
     """"NVIDIA H200" -> "h200"."""
     return name.lower().removeprefix("nvidia").strip().replace(" ", "-")
@@ -245,10 +254,7 @@ def main() -> None:
                   meta={"date": date, "command": command, "torch": torch.__version__,
                         "triton": _triton_version(), "dtype": a.dtype})
     print(f"wrote {configs_out}")
-    if os.environ.get("OUT"):  # the GPU machine hands back only what is under $OUT
-        copy = Path(os.environ["OUT"]) / Path(configs_out).name
-        if copy.resolve() != Path(configs_out).resolve():
-            shutil.copy(configs_out, copy)
+    copy_to_out(configs_out)
     report = {
         "benchmark": "tune_gemv", "date": date, "command": command, "device": name,
         "dtype": a.dtype, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms,

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ from tune_gemv import (  # noqa: E402
     ROTATE_BYTES,
     _triton_version,
     copy_bandwidth,
+    copy_to_out,
     device_slug,
     linear_shapes,
     time_calls,
@@ -253,10 +253,7 @@ def main() -> None:
                       meta={"date": date, "command": command, "torch": torch.__version__,
                             "triton": _triton_version()})
         print(f"wrote {configs_out}")
-        if os.environ.get("OUT"):  # the GPU machine hands back only what is under $OUT
-            copy = Path(os.environ["OUT"]) / Path(configs_out).name
-            if copy.resolve() != Path(configs_out).resolve():
-                shutil.copy(configs_out, copy)
+        copy_to_out(configs_out)
     report = {
         "benchmark": "tune_gemv_quant", "date": date, "command": command, "device": name,
         "model": a.model, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms,
@@ -266,11 +263,7 @@ def main() -> None:
     }
     path = a.report or os.path.join("bench/results", f"gemv-quant-tune-{slug}.json")
     save_json(report, path)
-    out_dir = os.environ.get("OUT")
-    if out_dir:  # a copy under $OUT, unless the report is already there
-        copy = Path(out_dir) / Path(path).name
-        if not (copy.exists() and copy.samefile(path)):
-            shutil.copy(path, copy)
+    copy_to_out(path)
     for key, s in report["decode_step_linears"].items():
         print(f"{key}: decode-step linears {s['layers_weight_GB']:.2f} GB  {s['ms']:.2f} ms "
               f"({s['frac']:.2f} of copy bw)")

@@ -10,6 +10,8 @@ Speculative decoding: a decoding request with drafts from the runner is schedule
 `update` appends the accepted drafts and the target's token, checking stops token by token, and
 rolls `num_computed_tokens` back by the rejected drafts; blocks holding only rejected slots are
 freed at once and the runner told to drop them (`CachedRequestData.num_freed_blocks`).
+Whether the next step speculates is decided once, by `can_overlap` or `schedule`, by the
+policy's measured gate, fed each step's wall time through `record_step`.
 
 Invariants between calls:
 - `running` is in admission order; every running request holds blocks for its computed tokens.
@@ -28,11 +30,6 @@ dropped. A block freed in `update(n)` may still be written by step n+1, which wa
 device before any step that can reuse it, so device order keeps it safe. Speculative decoding
 and constrained decoding need each step's tokens before the next is scheduled: `can_overlap`
 says when the engine must update first.
-
-Speculation gate: whether the next step speculates is decided once (by `can_overlap` or, if
-the engine does not ask, by `schedule`) from the policy's measured gate (sched/spec.py), so a
-step the gate runs plainly may overlap like any other. The engine reports each step's wall
-time (`record_step`); only pure-decode steps feed the gate.
 """
 
 from __future__ import annotations
@@ -92,8 +89,8 @@ class Scheduler:
         self._drafts: dict[str, list[int]] = {}
         self._num_freed_blocks: dict[str, int] = {}
         self._constrained: set[str] = set()  # requests with structured-output constraints
-        self._next_speculates: bool | None = None  # the gate's decision for the next step
-        self._next_enabled = True  # and whether that step is within the static bound
+        # The next step's (within the static bound, speculates), decided once (_speculates_next)
+        self._next: tuple[bool, bool] | None = None
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -145,11 +142,10 @@ class Scheduler:
         """The gate's decision for the next step, made once and kept until `schedule`."""
         if self.spec is None:
             return False
-        if self._next_speculates is None:
+        if self._next is None:
             n = self._num_pending_tokens()
-            self._next_enabled, self._next_speculates = (
-                self.spec.enabled(n), self.spec.speculates(n, len(self.running)))
-        return self._next_speculates
+            self._next = self.spec.enabled(n), self.spec.speculates(n, len(self.running))
+        return self._next[1]
 
     def record_step(self, sched_out: SchedulerOutput, num_tokens: int, seconds: float) -> None:
         """The engine's timing of a step that was updated (`SpecPolicy.record_step`)."""
@@ -194,8 +190,7 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.cfg.max_num_batched_tokens
         preempted = False
-        speculate = self._speculates_next()
-        self._next_speculates = None
+        speculate, self._next = self._speculates_next(), None
 
         # 1. Running requests, oldest first. Victims come from the tail, i.e. they have not been
         # scheduled yet this step (or are the current request itself).
@@ -278,7 +273,7 @@ class Scheduler:
             self.spec.scheduled(out, speculate)
             # The next step's mode, decided now: its drafts are proposed after this step.
             out.propose_drafts = self._speculates_next()
-            out.feed_proposer = self._next_enabled
+            out.feed_proposer = self._next[0]
         return out
 
     def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -297,9 +292,8 @@ class Scheduler:
         return req.num_tokens + n >= self.max_len(req)
 
     def _num_pending_tokens(self) -> int:
-        """Tokens the next step would run without drafts (at most the budget): its size in
-        work. Counted from the end of `schedule` too, so a token still being sampled (an output
-        placeholder) counts as the decode it will be."""
+        """Tokens the next step would run without drafts (at most the budget); a token still
+        being sampled (an output placeholder) counts as the decode it will be."""
         n = sum(r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
                 for r in self.running)
         for req in self.waiting:

@@ -26,7 +26,9 @@ from prometheus_client.registry import Collector
 from skyline.types import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_GATE_KEY = re.compile(r"spec_gate_b(\d+)_(spec|plain)_tokens_per_s")  # sched/spec.py stats
+# per-position and per-bucket keys of sched/spec.py's stats
+_POS_KEY = re.compile(r"spec_acceptance_pos_(\d+)")
+_GATE_KEY = re.compile(r"spec_gate_b(\d+)_(spec|plain)_tokens_per_s")
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -56,6 +58,14 @@ class _EngineCollector(Collector):
             c.add_metric([self.model], float(value))
             return c
 
+        def by_key(name: str, doc: str, key: re.Pattern[str], extra: list[str]) -> Metric:
+            # one sample per stats key matching `key`, its groups the `extra` label values
+            g = GaugeMetricFamily(f"skyline:{name}", doc, labels=[*labels, *extra])
+            for k, value in s.items():
+                if (m := key.fullmatch(k)) is not None:
+                    g.add_metric([self.model, *m.groups()], float(value))
+            return g
+
         yield gauge("num_requests_running", "Requests in the running batch.",
                     s.get("num_running", 0))
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
@@ -79,27 +89,15 @@ class _EngineCollector(Collector):
         yield gauge("spec_decode_mean_accepted_length",
                     "Tokens emitted per verification (accepted drafts plus one).",
                     s.get("spec_mean_accepted_length", 0.0))
-        pos = GaugeMetricFamily(
-            "skyline:spec_decode_acceptance_by_position",
-            "Acceptance rate of the draft token at each position (0: the first draft).",
-            labels=[*labels, "position"])
-        for key, value in s.items():
-            if key.startswith("spec_acceptance_pos_"):
-                pos.add_metric([self.model, key.removeprefix("spec_acceptance_pos_")],
-                               float(value))
-        yield pos
+        yield by_key("spec_decode_acceptance_by_position",
+                     "Acceptance rate of the draft token at each position (0: the first draft).",
+                     _POS_KEY, ["position"])
         yield gauge("spec_decode_speculated_fraction",
                     "Share of measured decode steps that speculated (the speculation gate).",
                     s.get("spec_gate_speculated_fraction", 0.0))
-        tps = GaugeMetricFamily(
-            "skyline:spec_decode_gate_tokens_per_second",
-            "The speculation gate's measured output tokens/s by batch-size bucket and mode.",
-            labels=[*labels, "batch", "mode"])
-        for key, value in s.items():
-            m = _GATE_KEY.fullmatch(key)
-            if m is not None:
-                tps.add_metric([self.model, m[1], m[2]], float(value))
-        yield tps
+        yield by_key("spec_decode_gate_tokens_per_second",
+                     "The speculation gate's measured output tokens/s by batch-size bucket and "
+                     "mode.", _GATE_KEY, ["batch", "mode"])
 
 
 class Metrics:

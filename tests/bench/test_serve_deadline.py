@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from http_stub import read_request
 
 from skyline.bench.serve import CUT, LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec
@@ -25,13 +26,7 @@ class _StallingHandler(socketserver.StreamRequestHandler):
     server: Any
 
     def handle(self) -> None:
-        request = self.rfile.readline().decode()
-        length = 0
-        while (line := self.rfile.readline().strip()) != b"":
-            name, _, value = line.decode().partition(":")
-            if name.lower() == "content-length":
-                length = int(value)
-        body = json.loads(self.rfile.read(length) or b"{}")
+        request, body = read_request(self)
         if request.startswith("GET /v1/models"):
             if self.server.stall_models:
                 self.server.stop.wait()

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from http_stub import read_request
 
 from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec
@@ -16,13 +17,7 @@ from skyline.bench.workloads import WorkloadSpec
 
 class _ClosingHandler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
-        request = self.rfile.readline().decode()
-        length = 0
-        while (line := self.rfile.readline().strip()) != b"":
-            name, _, value = line.decode().partition(":")
-            if name.lower() == "content-length":
-                length = int(value)
-        body = json.loads(self.rfile.read(length) or b"{}")
+        request, body = read_request(self)
         if request.startswith("GET /v1/models"):
             data = json.dumps({"data": [{"id": "m"}]}).encode()
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

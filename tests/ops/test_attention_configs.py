@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from paged_tables import shuffled_table
 
 from skyline.ops import attention, attention_config
 from skyline.ops.attention import (
@@ -102,12 +103,7 @@ def _cache(seq_lens, page, num_kv_heads, head_dim, seed):
     num_blocks = sum(-(-n // page) for n in seq_lens) + 2
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=g).to(DEV)
     cache[:, 0] = float("nan")
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    table = torch.zeros(len(seq_lens), max(-(-n // page) for n in seq_lens), dtype=torch.int32)
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // page)
-        table[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)])
+    table = shuffled_table(seq_lens, page, num_blocks, rng)
     return cache, table.to(DEV), g
 
 

@@ -10,6 +10,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from paged_tables import shuffled_table  # noqa: E402
+
 from skyline.ops.attention import paged_attention_ref, paged_decode_attention  # noqa: E402
 from skyline.ops.kv_quant import FP8_DTYPE, quantize_kv  # noqa: E402
 
@@ -31,13 +33,7 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=g).to(DEV, dtype)
     # the table points at shuffled blocks; its padding at block 0 which holds NaN
     cache[:, 0] = float("nan")
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    max_blocks = max(-(-n // page) for n in seq_lens)
-    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // page)
-        table[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)])
+    table = shuffled_table(seq_lens, page, num_blocks, rng)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEV, dtype)
     table, lens_t = table.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     scale = head_dim**-0.5
@@ -69,12 +65,7 @@ def test_decode_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, p
     cache = torch.stack([quantize_kv(kv[0] * 4, FP8_DTYPE, k_scale),
                          quantize_kv(kv[1] * 0.5, FP8_DTYPE, v_scale)]).to(DEV)
     cache[:, 0] = float("nan")  # table padding points here; the kernel must never read it
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    table = torch.zeros(len(seq_lens), max(-(-n // page) for n in seq_lens), dtype=torch.int32)
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // page)
-        table[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)])
+    table = shuffled_table(seq_lens, page, num_blocks, rng)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEV, dtype)
     table, lens_t = table.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     scale = head_dim**-0.5

@@ -10,6 +10,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from paged_tables import shuffled_table  # noqa: E402
+
 from skyline.ops.attention import paged_attention_ref, paged_prefill_attention  # noqa: E402
 from skyline.ops.kv_quant import FP8_DTYPE, quantize_kv  # noqa: E402
 
@@ -32,12 +34,7 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, page, dtyp
     num_blocks = sum(-(-n // page) for n in seq_lens) + 3
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=g).to(DEV, dtype)
     cache[:, 0] = float("nan")  # table padding points here; the kernel must never read it
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    table = torch.zeros(len(shapes), max(-(-n // page) for n in seq_lens), dtype=torch.int32)
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // page)
-        table[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)])
+    table = shuffled_table(seq_lens, page, num_blocks, rng)
     qsl = [0]
     for q_len, _ in shapes:
         qsl.append(qsl[-1] + q_len)
@@ -73,12 +70,7 @@ def test_prefill_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, 
     cache = torch.stack([quantize_kv(kv[0] * 4, FP8_DTYPE, k_scale),
                          quantize_kv(kv[1] * 0.5, FP8_DTYPE, v_scale)]).to(DEV)
     cache[:, 0] = float("nan")  # table padding points here; the kernel must never read it
-    ids = list(range(1, num_blocks))
-    rng.shuffle(ids)
-    table = torch.zeros(len(shapes), max(-(-n // page) for n in seq_lens), dtype=torch.int32)
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // page)
-        table[i, :nb] = torch.tensor([ids.pop() for _ in range(nb)])
+    table = shuffled_table(seq_lens, page, num_blocks, rng)
     qsl = [0]
     for q_len, _ in shapes:
         qsl.append(qsl[-1] + q_len)
