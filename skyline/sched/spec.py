@@ -232,7 +232,7 @@ class _Bucket:
         GATE_MIN_STEPS steps, or a speculative step took longer than the `max_gain` plain steps
         that would emit as many tokens as it can at most (1 + depth per request, every draft
         accepted), so that no acceptance can make it pay (on a GPU an eager verification step
-        can cost 10-30 plain steps that run as CUDA graphs; four of them would be most of a
+        costs ~30 plain steps that run as CUDA graphs; four of them would be most of a
         short run's time). The criterion is the step's cost, not its tokens: a request's first
         drafts are often wrong, so one step's tokens say little, while its cost hardly depends
         on acceptance."""
