@@ -132,6 +132,30 @@ def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
+def warm_up(llm: LLM, device: str, alone: list[list[int]], together: list[list[int]]) -> None:
+    """Before timing. On CUDA, Triton compiles a kernel variant the first time its shape class
+    appears (a long prompt's prefill, a verification step of a new batch size), which costs
+    far more than the steps of a short run: the workload's prompts run once, speculating in
+    every step (the gate set aside, then restored untouched): `alone` one by one, `together`
+    as one batch. Every engine then holds the same cached prefixes."""
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))
+    if device == "cpu":
+        return
+    policy = llm.engine.scheduler.spec
+    gate = policy.gate if policy is not None else None
+    if policy is not None:
+        policy.gate = None
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=32)
+        for p in alone:
+            llm.generate([p], params)
+        if together:
+            llm.generate(together, params)
+    finally:
+        if policy is not None:
+            policy.gate = gate
+
+
 def _counters(llm: LLM) -> dict[str, float]:
     stats = llm.engine.stats()
     return {k: stats.get(k, 0) for k in SPEC_COUNTERS}
@@ -229,9 +253,14 @@ def main() -> None:
                    if m == "draft" and not args.draft_model else 0,
                    eagle_lookup=m != "eagle-head")
             for m in methods}
-    for llm in llms.values():
-        llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     anyllm = llms["none"]
+    b1_prompts = [] if args.skip_b1 else code_prompts(anyllm) + chat_prompts(anyllm,
+                                                                             args.chat_prompts)
+    load_prompts = ([] if args.skip_load or args.random_prompt_len else
+                    chat_prompts(anyllm, args.load_requests - len(SNIPPETS))
+                    + code_prompts(anyllm))
+    for llm in llms.values():
+        warm_up(llm, args.device, b1_prompts, load_prompts)
     results: dict[str, dict[str, Any]] = {m: {} for m in methods}
     b1 = {} if args.skip_b1 else {
         "code_edit_b1": (code_prompts(anyllm), args.code_max_tokens),

@@ -25,11 +25,17 @@ from skyline import LLM, SamplingParams
 from skyline.bench.offline import machine_info, save_json
 
 sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import chat_prompts, code_prompts  # noqa: E402
+from spec_decode import chat_prompts, code_prompts, warm_up  # noqa: E402
 
 
 def _gate_stats(llm: LLM) -> dict[str, float]:
     return {k: v for k, v in llm.engine.stats().items() if k.startswith("spec_")}
+
+
+def _spec_steps(s: dict[str, float]) -> tuple[float, float]:
+    """(steps the gate decided, of which speculative)."""
+    n = s.get("spec_gate_steps", 0.0)
+    return n, n * s.get("spec_gate_speculated_fraction", 0.0)
 
 
 def main() -> None:
@@ -52,11 +58,11 @@ def main() -> None:
         configs[f"{m}-forced"] = dict(speculative_method=m, speculative_gate=False)
         configs[f"{m}-gate"] = dict(speculative_method=m)
     llms = {name: LLM(**kw, **c) for name, c in configs.items()}
-    warm = SamplingParams(temperature=0.0, max_tokens=8)
-    for llm in llms.values():
-        llm.generate([[1, 2, 3, 4]], warm)
     code = code_prompts(llms["none"])
     prompts = chat_prompts(llms["none"], args.requests - len(code)) + code
+    for llm in llms.values():
+        warm_up(llm, args.device, [], prompts)
+    before = {name: _spec_steps(_gate_stats(llm)) for name, llm in llms.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     names = list(llms)
     elapsed = dict.fromkeys(names, 0.0)
@@ -76,6 +82,8 @@ def main() -> None:
     for name in names:
         tps = tokens[name] / elapsed[name]
         s = _gate_stats(llms[name])
+        steps, spec = (a - b for a, b in zip(_spec_steps(s), before[name], strict=True))
+        s["spec_gate_speculated_fraction"] = spec / steps if steps else 0.0  # timed rounds
         results[name] = {"elapsed_s": elapsed[name], "output_tokens": tokens[name],
                          "output_tokens_per_s": tps, "speedup": tps / base,
                          "identical_to_none": outputs[name] == outputs["none"], "stats": s}

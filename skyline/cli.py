@@ -154,11 +154,13 @@ def _cmd_train_speculator(ns: argparse.Namespace) -> None:
                      unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)
     if args.epochs < 1 or (args.steps is not None and args.steps < 1) or args.lr <= 0:
         raise ConfigError("--epochs and --steps must be at least 1 and --lr positive")
+    if ns.synthesize < 0:
+        raise ConfigError("--synthesize must be a number of user messages, 0 or more")
     if ns.max_tokens < 1 or args.unroll < 1 or args.draft_vocab < 1 or args.batch_tokens < 1:
         raise ConfigError("--max-tokens, --unroll, --draft-vocab and --batch-tokens must be "
                           "at least 1")
     stats = train_speculator(engine_args(ns), ns.prompts, ns.out, args, ns.num_prompts,
-                             ns.max_tokens, ns.temperature,
+                             ns.max_tokens, ns.temperature, ns.synthesize,
                              command="skyline " + " ".join(sys.argv[1:]))
     v0, v1 = stats["val_before"], stats["val_after"]
     print(f"wrote {ns.out}: {stats['num_train_positions']} positions, {stats['steps']} steps; "
@@ -295,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "traffic or chat messages); default: the built-in instruction set")
     t.add_argument("--out", required=True, metavar="DIR", help="where to write the head")
     t.add_argument("--num-prompts", type=int, default=None, help="sample this many prompts")
+    t.add_argument("--synthesize", type=int, default=0, metavar="N",
+                   help="also train on N user messages the target writes itself after its "
+                        "chat template's user header (Magpie); kept if they end by themselves")
     t.add_argument("--max-tokens", type=int, default=128,
                    help="tokens of each continuation the target writes")
     t.add_argument("--temperature", type=float, default=0.0,

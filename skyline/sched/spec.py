@@ -36,6 +36,12 @@ PROBE_EVERY = 8
 # The measured gate (SpecGate).
 GATE_DECAY = 0.8  # weight of the past in a mode's tokens/s estimate, per measured step
 GATE_MIN_STEPS = 4  # measured steps of each mode before a bucket trusts its estimates
+# Speculative-mode steps with nothing to verify do not count towards that; a mode that never
+# has drafts (prompt lookup on chat) is judged after this many of them.
+GATE_IDLE_STEPS = 4 * GATE_MIN_STEPS
+# Weight of the past in the share of speculative-mode steps that had drafts to verify: slower
+# than GATE_DECAY, a stretch of text with nothing to propose should not flip the mode.
+GATE_SHARE_DECAY = 0.95
 GATE_BURST = 4  # steps of one re-test of the losing mode
 # Re-tests are spaced in time, not steps (a speculative step can take 20 plain steps' time):
 # the winner runs this many times the re-test's expected duration before one, so re-tests
@@ -88,10 +94,11 @@ class SpecPolicy:
         """The engine's timing of a scheduled step: it emitted `num_tokens` tokens in `seconds`
         of wall time. Only steps whose every token is a decode or a verification feed the
         gate: a prefill chunk's cost would be charged to whichever mode ran it. A step of the
-        speculative mode in which no request had a draft is a plain step to the gate: what it
-        measured is the cost of having nothing to propose (a request's first tokens, a
-        warm-up), not of speculation, and counted as speculation it would end the exploration
-        with a verdict against it that stands until the next re-test."""
+        speculative mode in which no request had a draft is still that mode's cost (it runs
+        synchronously, and the proposer runs: on a GPU several plain steps' time), but not a
+        verification: the gate counts its time and tokens for the mode without letting it end
+        the exploration (`SpecGate.observe`). As a plain step it would make plain decoding look
+        as slow as speculating with nothing to propose."""
         speculated = None
         for i, (o, mode) in enumerate(self._step_modes):
             if o is out:
@@ -104,14 +111,15 @@ class SpecPolicy:
         drafts = out.spec_token_ids
         if not n or any(k != 1 + len(drafts.get(rid, ())) for rid, k in n.items()):
             return
-        self.observe_step(len(n), speculated and bool(drafts), num_tokens, seconds)
+        self.observe_step(len(n), speculated, num_tokens, seconds, bool(drafts))
 
     def observe_step(self, num_reqs: int, speculated: bool, num_tokens: int,
-                     seconds: float) -> None:
+                     seconds: float, verified: bool = True) -> None:
         """A step of `num_reqs` decoding requests (no prefill in it), run in the mode
-        `speculated`, emitted `num_tokens` tokens in `seconds` of wall time."""
+        `speculated`, emitted `num_tokens` tokens in `seconds` of wall time; `verified`:
+        some request verified drafts in it."""
         if self.gate is not None:
-            self.gate.observe(num_reqs, speculated, num_tokens, seconds)
+            self.gate.observe(num_reqs, speculated, num_tokens, seconds, verified)
 
     def drafts_for(self, req: Request, drafts: list[int] | None, limit: int) -> list[int]:
         """The drafts a decoding request verifies this step: as deep as its acceptance earns,
@@ -216,30 +224,64 @@ class _Rate:
 
 @dataclass
 class _Bucket:
+    """One batch-size bucket. The speculative mode is measured in two kinds of steps, those
+    that verified drafts (`spec`) and those that had nothing to verify (`idle`: a request's
+    first tokens, text no proposer guesses), mixed by the share of the first kind: its rate
+    is what speculating costs and emits over such a mix."""
+
     plain: _Rate = field(default_factory=_Rate)
     spec: _Rate = field(default_factory=_Rate)
+    idle: _Rate = field(default_factory=_Rate)
+    share: float = 1.0  # decayed share of speculative-mode steps that verified drafts
     best: bool = True  # the winning mode: speculate or not
     measured: bool = False  # exploration over: best, re-tests and switches apply
     since_s: float = 0.0  # winning-mode seconds since the last re-test (or switch)
     period: float = GATE_RETEST_FIRST  # winning-mode time between re-tests, in re-test times
     burst: int = 0  # re-test steps still to run in the losing mode
 
-    def rate(self, speculated: bool) -> _Rate:
-        return self.spec if speculated else self.plain
+    def add(self, speculated: bool, verified: bool, tokens: int, seconds: float) -> None:
+        if not speculated:
+            self.plain.add(tokens, seconds)
+            return
+        self.share = GATE_SHARE_DECAY * self.share + (1 - GATE_SHARE_DECAY) * verified
+        (self.spec if verified else self.idle).add(tokens, seconds)
 
-    def explored(self, speculated: bool, max_gain: float) -> bool:
-        """Whether the exploration step just measured ends the exploration: both modes have
-        GATE_MIN_STEPS steps, or a speculative step took longer than the `max_gain` plain steps
+    def _mix(self, speculated: bool) -> tuple[float, float]:
+        """(tokens, seconds) of a mean step of the mode."""
+        if not speculated:
+            return _ratio(self.plain.tokens, self.plain.weight), self.plain.step_s
+        f = self.share if self.idle.weight and self.spec.weight else float(self.spec.weight > 0)
+        tokens = (f * _ratio(self.spec.tokens, self.spec.weight)
+                  + (1 - f) * _ratio(self.idle.tokens, self.idle.weight))
+        return tokens, f * self.spec.step_s + (1 - f) * self.idle.step_s
+
+    def per_s(self, speculated: bool) -> float:
+        """The mode's estimated tokens per second."""
+        return _ratio(*self._mix(speculated))
+
+    def step_s(self, speculated: bool) -> float:
+        return self._mix(speculated)[1]
+
+    def discount(self, speculated: bool, factor: float) -> None:
+        for r in (self.spec, self.idle) if speculated else (self.plain,):
+            r.discount(factor)
+
+    def explored(self, verified: bool, seconds: float, max_gain: float) -> bool:
+        """Whether the exploration step just measured (`seconds` long) ends the exploration:
+        both modes have GATE_MIN_STEPS steps (verifications for speculation, or
+        GATE_IDLE_STEPS with nothing to verify), or a verification step took longer than the
+        `max_gain` plain steps
         that would emit as many tokens as it can at most (1 + depth per request, every draft
         accepted), so that no acceptance can make it pay (on a GPU an eager verification step
         costs ~30 plain steps that run as CUDA graphs; four of them would be most of a
         short run's time). The criterion is the step's cost, not its tokens: a request's first
         drafts are often wrong, so one step's tokens say little, while its cost hardly depends
         on acceptance."""
-        if min(self.plain.num_steps, self.spec.num_steps) >= GATE_MIN_STEPS:
+        if self.plain.num_steps < GATE_MIN_STEPS:
+            return False
+        if self.spec.num_steps >= GATE_MIN_STEPS or self.idle.num_steps >= GATE_IDLE_STEPS:
             return True
-        return (speculated and self.plain.num_steps >= GATE_MIN_STEPS
-                and self.spec.step_s > max_gain * self.plain.step_s)
+        return verified and seconds > max_gain * self.plain.step_s
 
 
 class SpecGate:
@@ -247,8 +289,10 @@ class SpecGate:
 
     `choose` answers for the next step; `observe` takes each measured step (pure-decode steps
     only: a prefill chunk's time says nothing about either mode). Until a bucket has
-    GATE_MIN_STEPS steps of each mode it explores, plain steps first; a speculative step slower
-    than `max_gain` plain steps (it cannot pay at any acceptance) ends the exploration at once.
+    GATE_MIN_STEPS steps of each mode it explores, plain steps first (speculative-mode steps
+    with nothing to verify count in the mode's rate, but only GATE_IDLE_STEPS of them end the
+    exploration); a verification step slower than `max_gain` plain steps (it cannot pay at any
+    acceptance) ends the exploration at once.
     Then it runs the mode with the higher estimate; once it has run `period` times as long as
     GATE_BURST steps of the other mode take, it runs such a burst, the other mode's old
     estimate discounted first, and switches if that mode is now faster. `period` starts at
@@ -276,34 +320,36 @@ class SpecGate:
             return True
         return b.best != (b.burst > 0)
 
-    def observe(self, num_reqs: int, speculated: bool, num_tokens: int, seconds: float) -> None:
-        """A pure-decode step of `num_reqs` requests emitted `num_tokens` in `seconds`."""
+    def observe(self, num_reqs: int, speculated: bool, num_tokens: int, seconds: float,
+                verified: bool = True) -> None:
+        """A pure-decode step of `num_reqs` requests emitted `num_tokens` in `seconds`;
+        `verified`: a speculative one had drafts to verify. One without is part of the
+        mode's rate, but no measurement of verification for the exploration."""
         if seconds <= 0:
             return
         b = self.buckets.setdefault(self.bucket(num_reqs), _Bucket())
-        rate = b.rate(speculated)
-        rate.add(num_tokens, seconds)
+        b.add(speculated, verified, num_tokens, seconds)
         if not b.measured:
-            if b.explored(speculated, self.max_gain) or self._seed(self.bucket(num_reqs), b):
-                b.measured, b.best = True, b.spec.per_s > b.plain.per_s
+            if (b.explored(speculated and verified, seconds, self.max_gain)
+                    or self._seed(self.bucket(num_reqs), b)):
+                b.measured, b.best = True, b.per_s(True) > b.per_s(False)
             return
         if speculated != b.best:
             # A re-test step (or one chosen just before a switch).
             if b.burst:
                 b.burst -= 1
                 if b.burst == 0:
-                    if rate.per_s > b.rate(b.best).per_s:
+                    if b.per_s(speculated) > b.per_s(b.best):
                         b.best, b.period = speculated, GATE_RETEST_FIRST
                     else:
                         b.period = min(2 * b.period, GATE_RETEST_MAX)
                     b.since_s = 0.0
             return
         b.since_s += seconds
-        loser = b.rate(not b.best)
-        if rate.per_s < (1 - GATE_MARGIN) * loser.per_s:
+        if b.per_s(b.best) < (1 - GATE_MARGIN) * b.per_s(not b.best):
             b.best, b.since_s, b.period = not b.best, 0.0, GATE_RETEST_FIRST
-        elif b.since_s >= b.period * GATE_BURST * loser.step_s:
-            loser.discount(GATE_STALE)
+        elif b.since_s >= b.period * GATE_BURST * b.step_s(not b.best):
+            b.discount(not b.best, GATE_STALE)
             b.burst, b.since_s = GATE_BURST, 0.0
 
     def _seed(self, n: int, b: _Bucket) -> bool:
@@ -332,8 +378,8 @@ class SpecGate:
         """Per bucket: both estimates (tokens/s) and the mode in use (1: speculate)."""
         s: dict[str, float] = {}
         for n, b in sorted(self.buckets.items()):
-            s[f"spec_gate_b{n}_spec_tokens_per_s"] = b.spec.per_s
-            s[f"spec_gate_b{n}_plain_tokens_per_s"] = b.plain.per_s
+            s[f"spec_gate_b{n}_spec_tokens_per_s"] = b.per_s(True)
+            s[f"spec_gate_b{n}_plain_tokens_per_s"] = b.per_s(False)
             s[f"spec_gate_b{n}_speculating"] = float(b.best if b.measured else True)
         return s
 

@@ -11,6 +11,11 @@ give its continuation's length ("max_tokens").
 Without a file, the built-in instruction set `prompts.jsonl` is used (chat questions, writing
 and code-editing tasks; it shares no prompt with the chat benchmark of bench/spec_decode.py).
 
+More prompts than any file holds: `synthesize` has the target write user messages itself
+(Magpie, Xu et al. 2024): given its chat template up to where a user message begins, an
+instruction-tuned model samples a plausible request, as varied as the conversations it was
+tuned on. No dataset is needed, and the requests are in the target's own distribution.
+
 The features are recorded from the engine's own forward passes: a FeatureRecorder takes the
 runner's proposer seat (the hook the EAGLE proposer reads hidden states through) and keeps
 every computed position's hidden state, so generating the continuations also yields them.
@@ -204,6 +209,52 @@ def record(llm: LLM, examples: list[Example], max_tokens: int, temperature: floa
         if feats.shape[0] >= 2:
             samples.append(Sample(tokens, len(ex.prompt), feats))
     return samples
+
+
+# Synthesized user messages: sampled freely, kept if they ended by themselves and are at
+# least this many tokens long (shorter ones are mostly greetings), each text once.
+SYNTH_TEMPERATURE = 1.0
+SYNTH_TOP_P = 0.95
+SYNTH_MIN_TOKENS = 4
+_SENTINEL = "\x00user message\x00"
+
+
+def user_prefix(llm: LLM) -> list[int]:
+    """The chat template's tokens up to where a user message's text begins (a system prompt
+    the template adds by itself included)."""
+    tok = llm.tokenizer
+    if tok is None or not tok.chat_template:
+        raise ConfigError("--synthesize needs a model with a chat template (the target writes "
+                          "user messages after its template's user header); give --prompts "
+                          "instead")
+    text = tok.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                   add_generation_prompt=True)
+    if not isinstance(text, str) or text.count(_SENTINEL) != 1:
+        raise ConfigError("--synthesize: this model's chat template does not place a user "
+                          "message verbatim; give --prompts instead")
+    return tok.encode(text[: text.index(_SENTINEL)], add_special_tokens=False)
+
+
+def synthesize(llm: LLM, num: int, max_tokens: int = 128, seed: int = 0) -> list[Example]:
+    """Up to `num` chat examples whose user message the target wrote (see the module
+    docstring): sampled after `user_prefix`, kept if they ended with an end-of-turn token
+    within `max_tokens` and are new and long enough, then rendered as user messages."""
+    from skyline.types import SamplingParams
+
+    prefix = user_prefix(llm)
+    params = [SamplingParams(temperature=SYNTH_TEMPERATURE, top_p=SYNTH_TOP_P,
+                             max_tokens=max_tokens, seed=seed + i) for i in range(num)]
+    outs = llm.generate([prefix] * num, params, use_tqdm=True)
+    seen: set[str] = set()
+    examples = []
+    for out in outs:
+        c = out.outputs[0]
+        text = c.text.strip()
+        if c.finish_reason != "stop" or len(c.token_ids) < SYNTH_MIN_TOKENS or text in seen:
+            continue
+        seen.add(text)
+        examples.append(Example(llm.render_chat([{"role": "user", "content": text}])))
+    return examples
 
 
 def sample_examples(examples: list[Example], num: int | None, seed: int) -> list[Example]:

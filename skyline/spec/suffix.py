@@ -13,7 +13,9 @@ from skyline.spec.ngram import NgramIndex, continuation
 
 class TrafficIndex:
     """n-grams of recently finished sequences -> (sequence id, continuation position), latest
-    occurrence wins. Holds at most about `max_tokens` tokens; the oldest sequences go first."""
+    occurrence wins. Holds at most about `max_tokens` tokens; the oldest sequences go first.
+    Sequences are indexed at the first `match` after they were added, so that a stretch of
+    plain decoding (many requests finishing, none proposing) costs nothing here."""
 
     def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         self.min_n = min_n
@@ -23,6 +25,7 @@ class TrafficIndex:
         self.order: deque[int] = deque()
         self.num_tokens = 0
         self.next_id = 0
+        self.pending: list[int] = []  # added, not indexed yet
         self.tables: dict[int, dict[tuple[int, ...], tuple[int, int]]] = {
             n: {} for n in range(min_n, max_n + 1)
         }
@@ -36,15 +39,20 @@ class TrafficIndex:
         self.seqs[sid] = seq
         self.order.append(sid)
         self.num_tokens += len(seq)
-        self._index(sid, seq)
+        self.pending.append(sid)
         if self.num_tokens > self.max_tokens:
             # Evict the oldest quarter at once and rebuild, so that stale entries never pile up.
             while self.num_tokens > self.max_tokens * 3 // 4 and len(self.order) > 1:
                 self.num_tokens -= len(self.seqs.pop(self.order.popleft()))
             for table in self.tables.values():
                 table.clear()
-            for s in self.order:
-                self._index(s, self.seqs[s])
+            self.pending = list(self.order)
+
+    def _catch_up(self) -> None:
+        for sid in self.pending:
+            if sid in self.seqs:
+                self._index(sid, self.seqs[sid])
+        self.pending.clear()
 
     def _index(self, sid: int, seq: list[int]) -> None:
         for e in range(len(seq)):
@@ -55,6 +63,8 @@ class TrafficIndex:
     def match(self, tokens: Sequence[int], min_n: int) -> tuple[int, list[int], int]:
         """(n, source sequence, continuation position) of the longest match of at least
         `min_n` tokens; (0, [], -1) if none."""
+        if self.pending:
+            self._catch_up()
         total = len(tokens)
         for n in range(min(self.max_n, total), max(self.min_n, min_n) - 1, -1):
             hit = self.tables[n].get(tuple(tokens[total - n :]))
@@ -75,6 +85,8 @@ class SuffixProposer:
     def propose(
         self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]], max_depth: int
     ) -> list[list[int]]:
+        if max_depth <= 0:  # a plain step: the indexes catch up when drafts are wanted again
+            return [[] for _ in req_ids]
         out = []
         for rid, tokens in zip(req_ids, token_ids, strict=True):
             idx = self.own.get(rid)

@@ -275,20 +275,27 @@ def _fmt(d: dict[str, float]) -> str:
 
 def train_speculator(engine_args: Any, prompts: str | None, out_dir: str, args: TrainArgs,
                      num_prompts: int | None = None, max_tokens: int = 128,
-                     temperature: float = 0.0, command: str = "") -> dict[str, Any]:
+                     temperature: float = 0.0, synthesize: int = 0,
+                     command: str = "") -> dict[str, Any]:
     """The whole of `skyline train-speculator`: load the target (EngineArgs), write and record
-    its continuations of the prompts, train a head and save it to `out_dir`."""
+    its continuations of the prompts (and of `synthesize` user messages it writes itself),
+    train a head and save it to `out_dir`."""
     from dataclasses import replace
 
     from skyline.engine.frontend import LLM
-    from skyline.spec.data import read_examples, record, sample_examples
+    from skyline.spec import data
     from skyline.spec.eagle import save_head
 
     t0 = time.perf_counter()
     llm = LLM(**asdict(replace(engine_args, speculative_method="none",
                                enable_prefix_caching=False)))
-    examples = sample_examples(read_examples(llm, prompts), num_prompts, args.seed)
-    samples = record(llm, examples, max_tokens, temperature, args.seed)
+    examples = data.sample_examples(data.read_examples(llm, prompts), num_prompts, args.seed)
+    synthesized = data.synthesize(llm, synthesize, seed=args.seed) if synthesize else []
+    if synthesize:
+        log.info("synthesized %d user messages (%d sampled) in %.0f s", len(synthesized),
+                 synthesize, time.perf_counter() - t0)
+    examples += synthesized
+    samples = data.record(llm, examples, max_tokens, temperature, args.seed)
     record_s = time.perf_counter() - t0
     log.info("recorded %d sequences, %d positions in %.0f s", len(samples),
              sum(s.feats.shape[0] for s in samples), record_s)
@@ -296,7 +303,8 @@ def train_speculator(engine_args: Any, prompts: str | None, out_dir: str, args: 
     head, stats = train_head(model, samples, args, llm.eos_token_ids)
     stats = {"command": command, "target": llm.config.model.name,
              "prompts": prompts or "built-in",
-             "num_examples": len(examples), "max_tokens": max_tokens,
+             "num_examples": len(examples), "num_synthesized": len(synthesized),
+             "max_tokens": max_tokens,
              "temperature": temperature, "record_seconds": round(record_s, 1), **stats}
     save_head(out_dir, head, {"training": stats})
     return stats

@@ -14,6 +14,7 @@ from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.scheduler import Scheduler
 from skyline.sched.spec import (
     GATE_BURST,
+    GATE_IDLE_STEPS,
     GATE_MIN_STEPS,
     GATE_RETEST_FIRST,
     GATE_RETEST_MAX,
@@ -244,9 +245,10 @@ def test_plain_steps_keep_the_running_acceptance_current():
     assert sched.spec.depth("a") >= 3
 
 
-def test_a_speculative_step_without_drafts_counts_as_plain():
-    """Nothing to propose (a request's first tokens, a warm-up) is not a measurement of
-    speculation: such a step feeds the plain estimate."""
+def test_a_speculative_step_without_drafts_is_the_modes_cost_not_a_verification():
+    """Nothing to propose (a request's first tokens, a warm-up) still costs the speculative
+    mode its synchronous step and the proposer's work: such a step feeds the mode's rate, not
+    the plain one, but does not count as a measured verification."""
     sched = _scheduler()
     gate = sched.spec.gate
     gate.choose = lambda n: True
@@ -259,13 +261,64 @@ def test_a_speculative_step_without_drafts_counts_as_plain():
     sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[9]],
                                    draft_token_ids=[[10, 11]]))
     sched.record_step(out, 1, 0.1)
-    assert (gate.buckets[1].plain.num_steps, gate.buckets[1].spec.num_steps) == (1, 0)
+    b = gate.buckets[1]
+    assert (b.plain.num_steps, b.spec.num_steps, b.idle.num_steps) == (0, 0, 1)
+    assert b.per_s(True) == pytest.approx(10.0) and b.plain.weight == 0
     out = sched.schedule()  # now with drafts: a speculative measurement
     assert out.spec_token_ids == {"a": [10, 11]}
     sched.update(out, RunnerOutput(req_ids=["a"], sampled_token_ids=[[10, 11, 12]],
                                    draft_token_ids=[[13]]))
     sched.record_step(out, 3, 0.2)
-    assert (gate.buckets[1].plain.num_steps, gate.buckets[1].spec.num_steps) == (1, 1)
+    assert (b.plain.num_steps, b.spec.num_steps, b.idle.num_steps) == (0, 1, 1)
+    assert b.share < 1.0
+
+
+def test_idle_speculative_steps_do_not_make_plain_decoding_look_slow():
+    """A GPU: plain steps run as CUDA graphs, overlapped (1 unit); a speculative-mode step
+    with nothing to verify is synchronous and runs the proposer (3 units); a verification
+    costs 30 units for 7 tokens. Drafts exist in every third speculative step. The gate must
+    settle on plain decoding after one verification, and re-test rarely."""
+    gate = SpecGate(max_gain=9)
+    n_spec = itertools.count()
+
+    def cost(i, spec):
+        if not spec:
+            return 1, 1.0
+        return (7, 30.0) if next(n_spec) % 3 == 2 else (1, 3.0)
+
+    for i in range(3000):
+        spec = gate.choose(1)
+        tokens, seconds = cost(i, spec)
+        gate.observe(1, spec, tokens, seconds, verified=tokens > 1)
+    b = gate.buckets[1]
+    assert b.measured and not b.best
+    assert b.spec.num_steps <= 4 and b.idle.num_steps <= 8  # one verification ended it
+    # a mode that never has anything to verify is judged after GATE_IDLE_STEPS steps
+    gate = SpecGate(max_gain=9)
+    modes = []
+    for _ in range(GATE_MIN_STEPS + GATE_IDLE_STEPS + 1):
+        spec = gate.choose(1)
+        gate.observe(1, spec, 1, 1.2 if spec else 1.0, verified=False)
+        modes.append(spec)
+    assert modes == [False] * GATE_MIN_STEPS + [True] * GATE_IDLE_STEPS + [False]
+
+
+def test_a_stretch_with_nothing_to_propose_does_not_flip_a_winning_mode():
+    """A CPU on code editing: a verification emits 6 tokens for 2.2 plain steps' time, and a
+    speculative-mode step with nothing to verify costs what a plain one does. Stretches of
+    five such steps (an edited line) come every fifteen steps: speculation stays on."""
+    gate = SpecGate(max_gain=9)
+    n_spec = itertools.count()
+    modes, best = [], []
+    for _ in range(2000):
+        spec = gate.choose(1)
+        idle = spec and next(n_spec) % 15 < 5
+        tokens, seconds = ((1, 1.0) if idle else (6, 2.2)) if spec else (1, 1.0)
+        gate.observe(1, spec, tokens, seconds, verified=spec and not idle)
+        modes.append(spec)
+        best.append(gate.buckets[1].best)
+    assert all(best[50:])  # never switched off; plain steps are only the rare re-tests
+    assert len(modes) - sum(modes) < 0.02 * len(modes)
 
 
 def test_the_static_bound_applies_to_the_next_step():

@@ -116,3 +116,23 @@ def test_suffix_proposer_uses_recent_traffic():
     assert p.propose(["c"], [own], 2) == [[7, 7]]
     # the end of a finished sequence is not extended
     assert p.propose(["d"], [[3, 45, 46]], 4) == [[]]
+
+
+def test_lookup_proposers_do_no_work_in_plain_steps_and_catch_up():
+    """Depth 0 (the next step will not verify) costs nothing: no indexing, no search. The
+    indexes catch up, whole, at the next call that wants drafts."""
+    for p in (NgramProposer(1, 3), SuffixProposer(1, 3)):
+        toks = [5, 6, 7, 8, 9, 5, 6, 7]
+        assert p.propose(["a"], [toks], 0) == [[]]
+        index = p.indexes if isinstance(p, NgramProposer) else p.own
+        assert "a" not in index
+        assert p.propose(["a"], [toks], 3) == [[8, 9, 5]]
+    # finished traffic is indexed at the first lookup after it, evicted oldest first
+    p = SuffixProposer(2, 3, max_traffic_tokens=12)
+    for i in range(4):
+        p.finish(str(i), [100 + i, 101 + i, 50 + i, 60 + i, 70 + i])
+    t = p.traffic
+    assert t.pending and not any(t.tables.values())
+    assert p.propose(["x"], [[1, 103, 104, 53]], 2) == [[63, 73]]  # the newest survives
+    assert not t.pending and sum(len(s) for s in t.seqs.values()) <= 12
+    assert p.propose(["y"], [[1, 100, 101, 50]], 2) == [[]]  # the oldest was evicted
