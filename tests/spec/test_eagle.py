@@ -367,6 +367,11 @@ def test_train_speculator_cli_and_errors(tiny_model, tmp_path, tmp_path_factory)
     bad.write_text("x\n")
     one_line_error(_cli("train-speculator", "--model", tiny_model, "--prompts", str(bad),
                         "--out", str(tmp_path / "o")), ".jsonl")
+    one_line_error(_cli("train-speculator", "--model", tiny_model, "--prompts", str(prompts),
+                        "--synthesize", "2", "--out", str(tmp_path / "o")),
+                   "--synthesize", "chat template")
+    one_line_error(_cli("train-speculator", "--model", tiny_model, "--synthesize", "-1",
+                        "--out", str(tmp_path / "o")), "--synthesize")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": 1}\n')
     one_line_error(_cli("train-speculator", "--model", tiny_model, "--prompts", str(bad),
