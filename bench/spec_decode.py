@@ -143,16 +143,14 @@ def warm_up(llm: LLM, device: str, alone: list[list[int]], together: list[list[i
         return
     policy = llm.engine.scheduler.spec
     gate = policy.gate if policy is not None else None
-    if policy is not None:
+    if gate is not None:
         policy.gate = None
     try:
         params = SamplingParams(temperature=0.0, max_tokens=32)
-        for p in alone:
-            llm.generate([p], params)
-        if together:
-            llm.generate(together, params)
+        for batch in [[p] for p in alone] + ([together] if together else []):
+            llm.generate(batch, params)
     finally:
-        if policy is not None:
+        if gate is not None:
             policy.gate = gate
 
 
@@ -254,35 +252,32 @@ def main() -> None:
                    eagle_lookup=m != "eagle-head")
             for m in methods}
     anyllm = llms["none"]
-    b1_prompts = [] if args.skip_b1 else code_prompts(anyllm) + chat_prompts(anyllm,
-                                                                             args.chat_prompts)
-    load_prompts = ([] if args.skip_load or args.random_prompt_len else
-                    chat_prompts(anyllm, args.load_requests - len(SNIPPETS))
-                    + code_prompts(anyllm))
-    for llm in llms.values():
-        warm_up(llm, args.device, b1_prompts, load_prompts)
-    results: dict[str, dict[str, Any]] = {m: {} for m in methods}
     b1 = {} if args.skip_b1 else {
         "code_edit_b1": (code_prompts(anyllm), args.code_max_tokens),
         "chat_b1": (chat_prompts(anyllm, args.chat_prompts), args.chat_max_tokens)}
+    load: list[list[int]] = []
+    if not args.skip_load and args.random_prompt_len:
+        g = random.Random(0)
+        vocab = anyllm.config.model.arch.vocab_size
+        load = [[g.randrange(10, vocab) for _ in range(args.random_prompt_len)]
+                for _ in range(args.load_requests)]
+    elif not args.skip_load:
+        code = code_prompts(anyllm)
+        load = chat_prompts(anyllm, args.load_requests - len(code)) + code
+    for llm in llms.values():
+        warm_up(llm, args.device, [p for ps, _ in b1.values() for p in ps],
+                [] if args.random_prompt_len else load)
+    results: dict[str, dict[str, Any]] = {m: {} for m in methods}
     for w, (prompts, max_tokens) in b1.items():
         for m, v in run_b1(llms, prompts, max_tokens, args.rounds).items():
             results[m][w] = v
             print(f"{m:8} {w:14} {v['output_tokens_per_s']:.2f} tok/s", flush=True)
     workloads = list(b1)
-    if not args.skip_load:
+    if load:
         w = f"load_{args.load_requests}"
         workloads.append(w)
-        if args.random_prompt_len:
-            g = random.Random(0)
-            vocab = anyllm.config.model.arch.vocab_size
-            prompts = [[g.randrange(10, vocab) for _ in range(args.random_prompt_len)]
-                       for _ in range(args.load_requests)]
-        else:
-            code = code_prompts(anyllm)
-            prompts = chat_prompts(anyllm, args.load_requests - len(code)) + code
         for m in methods:
-            results[m][w] = run_batch(llms[m], prompts, args.load_max_tokens)
+            results[m][w] = run_batch(llms[m], load, args.load_max_tokens)
             print(f"{m:8} {w:14} {results[m][w]['output_tokens_per_s']:.2f} tok/s", flush=True)
 
     base = results["none"]

@@ -221,6 +221,11 @@ class _Rate:
         """Seconds per step."""
         return _ratio(self.seconds, self.weight)
 
+    @property
+    def step_tokens(self) -> float:
+        """Tokens per step."""
+        return _ratio(self.tokens, self.weight)
+
 
 @dataclass
 class _Bucket:
@@ -249,11 +254,10 @@ class _Bucket:
     def _mix(self, speculated: bool) -> tuple[float, float]:
         """(tokens, seconds) of a mean step of the mode."""
         if not speculated:
-            return _ratio(self.plain.tokens, self.plain.weight), self.plain.step_s
+            return self.plain.step_tokens, self.plain.step_s
         f = self.share if self.idle.weight and self.spec.weight else float(self.spec.weight > 0)
-        tokens = (f * _ratio(self.spec.tokens, self.spec.weight)
-                  + (1 - f) * _ratio(self.idle.tokens, self.idle.weight))
-        return tokens, f * self.spec.step_s + (1 - f) * self.idle.step_s
+        return (f * self.spec.step_tokens + (1 - f) * self.idle.step_tokens,
+                f * self.spec.step_s + (1 - f) * self.idle.step_s)
 
     def per_s(self, speculated: bool) -> float:
         """The mode's estimated tokens per second."""
@@ -367,9 +371,9 @@ class SpecGate:
                     or nb.spec.step_s <= 2 * self.max_gain * nb.plain.step_s):
                 continue
             time_ratio = b.plain.step_s / nb.plain.step_s
-            token_ratio = (b.plain.tokens / b.plain.weight) / (nb.plain.tokens / nb.plain.weight)
+            token_ratio = b.plain.step_tokens / nb.plain.step_tokens
             b.spec.seconds = nb.spec.step_s * time_ratio
-            b.spec.tokens = nb.spec.tokens / nb.spec.weight * token_ratio
+            b.spec.tokens = nb.spec.step_tokens * token_ratio
             b.spec.weight = 1.0
             return True
         return False

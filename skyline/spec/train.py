@@ -290,8 +290,9 @@ def train_speculator(engine_args: Any, prompts: str | None, out_dir: str, args: 
     llm = LLM(**asdict(replace(engine_args, speculative_method="none",
                                enable_prefix_caching=False)))
     examples = data.sample_examples(data.read_examples(llm, prompts), num_prompts, args.seed)
-    synthesized = data.synthesize(llm, synthesize, seed=args.seed) if synthesize else []
+    synthesized = []
     if synthesize:
+        synthesized = data.synthesize(llm, synthesize, seed=args.seed)
         log.info("synthesized %d user messages (%d sampled) in %.0f s", len(synthesized),
                  synthesize, time.perf_counter() - t0)
     examples += synthesized
