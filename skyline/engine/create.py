@@ -228,10 +228,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
-        # Where a step stops being memory-bound, and what one more query token costs: a GPU
-        # decode step barely notices a few; on a CPU each costs about a third of a step.
+        # Where a step stops being memory-bound, and what one more query token costs: a few
+        # barely change a decode step's time on a GPU or (oneDNN-packed weights) on a CPU; the
+        # price is mostly the proposer's own step.
         max_batch_tokens=args.speculative_max_batch_tokens or (256 if on_gpu else 16),
-        draft_cost=0.1 if on_gpu else 0.35,
+        draft_cost=0.1,
         gate=args.speculative_gate,
     )
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,

@@ -14,6 +14,8 @@ from torch import nn
 from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
+from skyline.model.layers.embedding import LMHead
+from skyline.model.layers.linear import Linear, prepack
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
@@ -144,6 +146,19 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
             )
         finish_loading(model)  # online quantization once every shard is loaded
     return model
+
+
+def prepack_for_cpu(model: nn.Module) -> int:
+    """Pack a loaded CPU model's unquantized Linears and LM head for oneDNN
+    (`ops/cpu_linear.py`): what the engine serves with. Tools that read or save weights
+    (quantize, reports) keep the plain layout. Returns how many products were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            packed += prepack(module)
+        elif isinstance(module, LMHead):
+            packed += module.prepack()
+    return packed
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -4,7 +4,7 @@ this step, and the acceptance metrics. Plain Python; the proposals come from the
 Depth adapts per request to its running acceptance: with a per-token acceptance rate a, the
 j-th draft is kept with probability about a**j, so drafts are verified only while that beats
 their cost (a**j > `SpecConfig.draft_cost`, the price of one more query token relative to a
-decode step: small on a GPU, large on a CPU). A request whose acceptance earns no draft still
+decode step and of the proposer's work for it). A request whose acceptance earns no draft still
 verifies one every PROBE_EVERY steps, so a rate that recovers is noticed; and in a step where a
 request verifies nothing, its first draft is still scored against the token the step sampled
 (`observe_unverified`), so the rate stays current while the gate runs plain steps. (For a

@@ -41,7 +41,7 @@ from skyline.cache.block_pool import BlockPool, KVCacheBlock
 from skyline.config import SpecConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.layers.attention import Attention
-from skyline.model.loader import load_model
+from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.types import SamplingParams
 from skyline.worker.inputs import RequestState, build_inputs
 from skyline.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -93,6 +93,8 @@ class DraftProposer:
         self.dtype, self.device = w.dtype, w.device
         if cfg.draft is not None:
             self.model = load_model(cfg.draft, self.device)
+            if self.device.type == "cpu":
+                prepack_for_cpu(self.model)
         else:
             assert 0 < cfg.draft_layers <= target.arch.num_layers, "create.py checks the layers"
             self.model = truncated_model(target, cfg.draft_layers)

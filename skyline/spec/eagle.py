@@ -36,6 +36,7 @@ from skyline.config import ConfigError, ModelArch
 from skyline.model.layers.linear import Linear
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.llama import LlamaAttention, LlamaDecoderLayer
+from skyline.ops import cpu_linear
 from skyline.ops.activation import silu_and_mul_ref
 from skyline.ops.norm import fused_add_rms_norm_ref, rms_norm_ref
 from skyline.ops.rotary import rotary_embedding_ref
@@ -225,9 +226,12 @@ class TargetParts:
     embed: nn.Module
     norm: RMSNorm
     lm_weight: torch.Tensor  # [draft_vocab, H]
+    lm_packed: torch.Tensor | None = None  # lm_weight packed for oneDNN (CPU serving)
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Normed features [n, H] -> float32 logits over the draft vocabulary [n, V']."""
+        if self.lm_packed is not None and feats.dtype == self.lm_packed.dtype:
+            return cpu_linear.packed_linear(feats, self.lm_packed).float()
         return F.linear(feats, self.lm_weight.to(feats.dtype)).float()
 
 
@@ -264,6 +268,11 @@ def init_head(head: EagleHead, model: nn.Module, seed: int = 0) -> None:
     its attention and MLP start as no-ops on the residual and learn corrections."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     last = dict(model.model.layers[-1].named_parameters())
+    for name, module in model.model.layers[-1].named_modules():
+        if isinstance(module, Linear) and f"{name}.weight" not in last:
+            full = module.full_weight()  # a weight packed for the CPU
+            if full is not None:
+                last[f"{name}.weight"] = full
     with torch.no_grad():
         for name, p in head.layer.named_parameters():
             src = last.get(name)

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from skyline.config import SpecConfig
+from skyline.model.loader import prepack_for_cpu
+from skyline.ops import cpu_linear
 from skyline.spec.eagle import AttnPlan, HeadCache, load_head, target_parts
 from skyline.spec.ngram import NgramProposer
 
@@ -43,6 +45,9 @@ class EagleProposer:
         assert cfg.model is not None, "SpecConfig validates that eagle has a head"
         self.head = load_head(cfg.model, model)
         self.parts = target_parts(model, self.head.vocab_ids)
+        if cpu_linear.can_pack(self.parts.lm_weight):  # the CPU: oneDNN-packed products
+            prepack_for_cpu(self.head)
+            self.parts.lm_packed = cpu_linear.pack(self.parts.lm_weight)
         self.vocab_ids = self.head.vocab_ids.tolist()
         self.min_confidence = cfg.draft_cost
         self.max_batch = cfg.max_batch_tokens

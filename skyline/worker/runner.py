@@ -19,7 +19,7 @@ import torch
 
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
-from skyline.model.loader import load_model
+from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -60,6 +60,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.manual_seed(config.model.seed)
         self.model = load_model(config.model, self.device)
+        if self.device.type == "cpu":
+            prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
         # None without speculative decoding

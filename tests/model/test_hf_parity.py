@@ -11,7 +11,8 @@ import torch
 
 from skyline.config import ModelConfig
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
-from skyline.model.loader import load_model, read_model_arch
+from skyline.model.loader import load_model, prepack_for_cpu, read_model_arch
+from skyline.ops import cpu_linear
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,12 +75,20 @@ def load_skyline(path: str, dtype: str = "float32"):
     return load_model(cfg, "cpu")
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[(case, packed) for case in CASES
+                                        for packed in ("dense", "packed")])
 def models(request, tmp_path_factory):
-    hf = build_hf(request.param)
-    path = tmp_path_factory.mktemp(request.param)
+    """(HF model, skyline model); "packed": Linears and LM head packed for oneDNN, as the
+    engine serves on the CPU."""
+    case, layout = request.param
+    hf = build_hf(case)
+    path = tmp_path_factory.mktemp(case)
     hf.save_pretrained(path, safe_serialization=True)
-    return hf, load_skyline(str(path))
+    sky = load_skyline(str(path))
+    if layout == "packed":
+        assert prepack_for_cpu(sky) == 4 * sky.arch.num_layers + 1 or not cpu_linear.can_pack(
+            sky.lm_head.weight)
+    return hf, sky
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

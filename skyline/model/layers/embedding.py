@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from skyline.ops import cpu_linear
+
 
 class VocabEmbedding(nn.Module):
     """input_ids [num_tokens] -> [num_tokens, hidden_size]."""
@@ -40,9 +42,22 @@ class LMHead(nn.Module):
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        """On the CPU, compute through a oneDNN-packed copy of the loaded weight
+        (`ops/cpu_linear.py`; the head is the largest product of a small model's step). The
+        dense weight stays (the embedding and the speculators read it): one more copy of the
+        head in memory. Returns whether it packed."""
+        if not cpu_linear.can_pack(self.weight):
+            return False
+        self.packed_weight = cpu_linear.pack(self.weight.data)
+        return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
+        if self.packed_weight is not None:
+            return cpu_linear.packed_linear(hidden, self.packed_weight).float()
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:

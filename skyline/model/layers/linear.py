@@ -3,8 +3,9 @@
 A merged projection (q/k/v, gate/up) is one matmul over a weight stacked along the output
 dim; the checkpoint stores the parts separately, so `weight_loader(param, loaded, shard_id)`
 copies each part into its slice. Quantization plugs in through `LinearMethod`: it creates the
-layer's parameters and applies the matmul. Only the unquantized method exists here; a
-quantized format (quant/) supplies its own method and weight layout, model files never change.
+layer's parameters and applies the matmul. The unquantized method lives here, with its CPU
+variant whose weight is packed for oneDNN once loaded (`prepack`); a quantized format (quant/)
+supplies its own method and weight layout, model files never change.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.ops import cpu_linear
 from skyline.ops.gemv import gemv_or_linear
 
 
@@ -37,6 +39,37 @@ class UnquantizedLinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         # F.linear, except a few rows of bf16/fp16 on CUDA (decode) take the Triton GEMV.
         return gemv_or_linear(x, layer.weight, layer.bias)
+
+    def full_weight(self, layer: Linear) -> torch.Tensor:
+        return layer.weight
+
+
+class PackedLinearMethod:
+    """The unquantized weight packed for oneDNN on the CPU (`ops/cpu_linear.py`): the same
+    product as F.linear, faster at decode-sized batches. The layer holds `packed_weight`
+    instead of the `weight` Parameter; `prepack` converts a loaded layer."""
+
+    def create_weights(self, layer: Linear) -> None:
+        raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
+
+    def full_weight(self, layer: Linear) -> torch.Tensor:
+        return cpu_linear.unpack(layer.packed_weight)
+
+
+def prepack(layer: Linear) -> bool:
+    """Pack a loaded unquantized CPU layer's weight for oneDNN, dropping the dense copy
+    (memory stays the same). Returns whether it did; other layers are left as they are."""
+    if type(layer.linear_method) is not UnquantizedLinearMethod or not cpu_linear.can_pack(
+            layer.weight):
+        return False
+    packed = cpu_linear.pack(layer.weight.data)
+    del layer.weight
+    layer.packed_weight = packed
+    layer.linear_method = PackedLinearMethod()
+    return True
 
 
 def default_weight_loader(
@@ -109,6 +142,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
+
+    def full_weight(self) -> torch.Tensor | None:
+        """The [out, in] weight in the model dtype if the layer is unquantized (dense or
+        packed), else None."""
+        get = getattr(self.linear_method, "full_weight", None)
+        return get(self) if get is not None else None
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

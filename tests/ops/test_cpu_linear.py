@@ -1,0 +1,105 @@
+"""The oneDNN-packed CPU linear against F.linear, and the layers that use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyline.model.layers.embedding import LMHead, VocabEmbedding
+from skyline.model.layers.linear import (
+    Linear,
+    MergedLinear,
+    PackedLinearMethod,
+    UnquantizedLinearMethod,
+    prepack,
+)
+from skyline.ops import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.can_pack(torch.zeros(1, 1)),
+                                reason="torch built without oneDNN")
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(96, 64), (130, 72), (7, 200), (1000, 33)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 300])
+def test_packed_linear_matches_reference(dtype, n, k, rows):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    packed = cpu_linear.pack(w)
+    ref = cpu_linear.linear_ref(x.float(), w.float(), b.float())
+    got = cpu_linear.packed_linear(x, packed, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), ref, **TOL[dtype])
+    no_bias = cpu_linear.packed_linear(x, packed).float()
+    torch.testing.assert_close(no_bias, x.float() @ w.float().t(), **TOL[dtype])
+
+
+def test_unpack_is_exact_and_shapes_follow_f_linear():
+    w = torch.randn(48, 40)
+    packed = cpu_linear.pack(w)
+    assert packed.is_mkldnn and torch.equal(cpu_linear.unpack(packed), w)
+    x = torch.randn(2, 3, 5, 40)  # any leading dims
+    torch.testing.assert_close(cpu_linear.packed_linear(x, packed), x @ w.t())
+    strided = torch.randn(6, 40)[::2]  # rows not contiguous
+    torch.testing.assert_close(cpu_linear.packed_linear(strided, packed), strided @ w.t())
+    empty = cpu_linear.packed_linear(torch.empty(0, 40), packed)
+    assert empty.shape == (0, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_do_not_depend_on_the_batch(dtype):
+    # A decode row gives bit-identical results alone or among draft tokens / other requests.
+    w = torch.randn(576, 192).to(dtype)
+    x = torch.randn(64, 192).to(dtype)
+    packed = cpu_linear.pack(w)
+    full = cpu_linear.packed_linear(x, packed)
+    for rows in (1, 2, 5, 9, 33):
+        assert torch.equal(cpu_linear.packed_linear(x[:rows], packed), full[:rows])
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="can_pack"):
+        cpu_linear.pack(torch.zeros(4, 4, dtype=torch.float16))
+    packed = cpu_linear.pack(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_linear.packed_linear(torch.zeros(2, 7), packed)
+    with pytest.raises(ValueError, match="does not match"):
+        cpu_linear.packed_linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed)
+
+
+def test_prepack_swaps_the_layer_and_keeps_its_product():
+    layer = MergedLinear(40, [24, 24], bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(5, 40)
+    want = layer(x)
+    dense = layer.weight.data.clone()
+    assert prepack(layer)
+    assert isinstance(layer.linear_method, PackedLinearMethod)
+    assert "weight" not in dict(layer.named_parameters())  # no second copy in memory
+    torch.testing.assert_close(layer(x), want)
+    assert torch.equal(layer.full_weight(), dense)
+    assert not prepack(layer)  # already packed
+
+
+def test_prepack_leaves_other_layouts_alone():
+    half = Linear(16, 8)
+    half.weight.data = half.weight.data.half()
+    assert not prepack(half) and isinstance(half.linear_method, UnquantizedLinearMethod)
+
+
+def test_lm_head_packs_a_copy_and_keeps_the_tied_embedding():
+    embed = VocabEmbedding(100, 32)
+    embed.weight.data.normal_()
+    head = LMHead(100, 32, tie_to=embed)
+    h = torch.randn(3, 32)
+    want = head(h)
+    assert head.prepack()
+    got = head(h)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    assert head.weight is embed.weight  # the embedding still reads the dense rows
