@@ -6,6 +6,7 @@
 # with 1000 output tokens (KV capacity sets how many sequences run at once).
 #   MODEL=llama-3.1-8b bash bench/h200_fp8kv.sh      # results in $OUT
 #   KVS=fp8 QUANT=fp8 SKIP="tests decode" bash bench/h200_fp8kv.sh   # fp8 weights and KV only
+#   KVS=fp8 QUANT="none fp8" SKIP="tune decode" ...   # both weight formats, one after the other
 # Stages can be skipped: SKIP="tests tune decode offline". The tune stage measures the fp8-KV
 # decode kernel's launch configurations at the offline run's batch sizes first (table -> $OUT).
 # Carry the wheels in .whl (gguf is missing).
@@ -24,6 +25,7 @@ if ! skip tests; then
   python3 -m pytest -q -p no:cacheprovider tests/ops/test_kv_write_triton.py \
     tests/ops/test_kv_quant.py tests/ops/test_attention.py tests/ops/test_paged_decode_triton.py \
     tests/ops/test_paged_prefill_triton.py tests/engine/test_kv_cache_fp8.py \
+    tests/ops/test_fp8_quant.py tests/quant/test_formats.py \
     2>&1 | tee "$OUT/pytest-cuda-fp8kv.log" | tail -5
 fi
 Q=${QUANT:-none}
@@ -43,10 +45,12 @@ for kv in ${KVS:-auto fp8}; do
     done
   fi
   if ! skip offline; then
-    echo "== offline 1000 x (1000, 1000), weights $Q, kv $kv"
-    python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
-      --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
-      --max-model-len 2048 --kv-cache-dtype $kv --quantization $Q \
-      --output "$OUT/offline-h200-$M-1000x1000-w$Q-kv$kv.json" 2>&1 | tail -4
+    for q in $Q; do
+      echo "== offline 1000 x (1000, 1000), weights $q, kv $kv"
+      python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
+        --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
+        --max-model-len 2048 --kv-cache-dtype $kv --quantization $q \
+        --output "$OUT/offline-h200-$M-1000x1000-w$q-kv$kv.json" 2>&1 | tail -4
+    done
   fi
 done

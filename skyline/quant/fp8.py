@@ -11,19 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from skyline.model.layers.linear import Linear
+from skyline.ops.fp8_quant import FP8, FP8_MAX, quantize_rows_fp8
 from skyline.ops.gemv_quant import fp8_gemv, quant_gemv_ok
 from skyline.quant.base import QuantLinearMethod
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (e4m3 [R, K], float32 scale [R, 1]) with x ~ q * scale, |q| <= 448."""
-    amax = x.float().abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+__all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
 
 @functools.lru_cache(maxsize=16)
