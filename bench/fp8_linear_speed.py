@@ -1,7 +1,8 @@
 """FP8 W8A8 Linear against bf16 on one GPU, at the row counts of decode batches and prefill
 chunks, for an 8B model's projections: the product alone (`torch._scaled_mm`), the per-token
 activation quantization (reference and Triton kernel), and the whole fp8 Linear as the engine
-runs it, each against bf16 `F.linear`; with the matmul peak measured in the same run.
+runs it, each against bf16 `F.linear`; with the matmul peak measured in the same run. GPU
+time per call, from CUDA graphs (host launch overheads excluded, as in the engine's decode).
 
   python bench/fp8_linear_speed.py --out bench/results/fp8-linear-h200.json
 """
@@ -23,18 +24,24 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 ROWS = (64, 256, 512, 1024, 8192)
 
 
-def timed(fn, iters: int = 20) -> float:
-    """Median seconds of `fn` over CUDA events."""
+def timed(fn, iters: int = 20, reps: int = 10) -> float:
+    """Median GPU seconds of one `fn` call: `reps` calls captured in a CUDA graph (as the
+    engine's decode steps run, so host launch costs stay out), replayed `iters` times."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / reps)
     return sorted(times)[len(times) // 2]
 
 

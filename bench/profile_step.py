@@ -26,9 +26,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256)
+    llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256,
+              quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     prompts = random_prompts(a.batch, a.input_len, llm.config.model.arch.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for p in prompts:
@@ -74,7 +77,8 @@ def main() -> None:
     events = prof.key_averages()
     gpu_us = sum(ev.self_device_time_total for ev in events) / a.steps
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
-    res = {"batch": a.batch, "input_len": a.input_len, "wall_ms_per_step": wall * 1e3,
+    res = {"batch": a.batch, "input_len": a.input_len, "quantization": a.quantization,
+           "kv_cache_dtype": a.kv_cache_dtype, "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
            "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()}}
