@@ -60,13 +60,18 @@ class _StallingHandler(socketserver.StreamRequestHandler):
                          + b"\r\n\r\n" + data)
 
 
+_CALLS: dict[str, Any] = {}  # url -> completion calls the stub server has seen
+
+
 def _serve(stall_from: int, stall_models: bool = False) -> Iterator[str]:
     server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _StallingHandler)
     server.daemon_threads = True
     server.stall_from, server.stall_models = stall_from, stall_models
     server.calls, server.lock, server.stop = 0, threading.Lock(), threading.Event()
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    _CALLS[url] = lambda: server.calls
+    yield url
     server.stop.set()
     server.shutdown()
     server.server_close()
@@ -131,3 +136,15 @@ def test_bad_grace_is_one_sentence() -> None:
     load = LoadSpec(duration=1.0, grace=-1.0)
     with pytest.raises(ValueError, match="grace must be"):
         run_serve_bench(load, WorkloadSpec(), {}, print_table=False)
+
+
+def test_warm_up_is_as_wide_as_the_run() -> None:
+    """Each warm-up round sends `concurrency` requests (the server sees the run's batch shapes
+    before the clock starts); they are not part of the results."""
+    for url in _serve(stall_from=10**6):
+        load = LoadSpec(base_url=url, concurrency=3, num_requests=4, warmup=2, progress=False)
+        res, _ = _bounded(lambda load=load: run_serve_bench(
+            load, WorkloadSpec("random", "8", "2"), {}, print_table=False), 30.0)
+        assert res["summary"]["completed"] == 4 and len(res["requests"]) == 4
+        server_calls = 1 + 2 * 3 + 4  # token-id probe, two rounds of three, the run
+        assert _CALLS[url]() == server_calls
