@@ -5,9 +5,10 @@ few rows of a decode step (1..16) that costs up to 2-3x a one-row product in flo
 default model's LM head (49,152 x 576) reads at ~12 GB/s. oneDNN's inner product with the
 weight reordered into its blocked layout ahead of time (`torch.ops.mkldnn._reorder_linear_weight`,
 the path torch's inductor uses for CPU linears) streams the weight at about twice that rate
-and costs nearly the same for 1..9 rows as for one, which is what makes verifying draft
-tokens cheap on a CPU. Its rows are also batch-invariant: row i of the result does not depend
-on how many rows came with it (MKL's float32 GEMM changes its blocking with M).
+and costs little more for 2..9 rows than for one, which is what makes verifying draft tokens
+cheap on a CPU (`bench/cpu_linear_speed.py`). Row results mostly do not depend on how many
+rows came with them, but that is not guaranteed: a one-row product over a long row (K = 1536)
+takes another kernel and rounds differently (as MKL's float32 GEMM does for several M).
 
 Float32 and bfloat16 weights; anything else (or a torch built without oneDNN) keeps F.linear.
 The packed tensor is opaque (layout `torch._mkldnn`); `unpack` gives the [out, in] weight back

@@ -35,6 +35,10 @@ PROBE_EVERY = 8
 
 # The measured gate (SpecGate).
 GATE_DECAY = 0.8  # weight of the past in a mode's tokens/s estimate, per measured step
+# The speculative mode's steps emit 1..1 + depth tokens each, at the whim of acceptance: over
+# GATE_DECAY's ~5-step memory their mean is too noisy to compare with plain decoding (which
+# emits one per request per step) within a few percent; its rates remember ~20 steps.
+GATE_SPEC_DECAY = 0.95
 GATE_MIN_STEPS = 4  # measured steps of each mode before a bucket trusts its estimates
 # Speculative-mode steps with nothing to verify do not count towards that; a mode that never
 # has drafts (prompt lookup on chat) is judged after this many of them.
@@ -43,6 +47,12 @@ GATE_IDLE_STEPS = 4 * GATE_MIN_STEPS
 # than GATE_DECAY, a stretch of text with nothing to propose should not flip the mode.
 GATE_SHARE_DECAY = 0.95
 GATE_BURST = 4  # steps of one re-test of the losing mode
+# A test of the speculative mode (exploration or re-test) also runs until its steps took as
+# long as this many plain steps (at most GATE_TEST_MAX_STEPS steps): where a verification
+# costs about a plain step (a CPU), four steps of 1..1 + depth tokens say too little, and
+# more cost little; where it costs many plain steps, four already take longer.
+GATE_TEST_PLAIN_STEPS = 16
+GATE_TEST_MAX_STEPS = 32
 # Re-tests are spaced in time, not steps (a speculative step can take 20 plain steps' time):
 # the winner runs this many times the re-test's expected duration before one, so re-tests
 # take at most 1/17 of the time at first; the factor doubles each time the loser loses again.
@@ -196,16 +206,19 @@ class SpecPolicy:
 class _Rate:
     """Decayed sums of one mode's measured steps in one bucket."""
 
+    decay: float = GATE_DECAY  # weight of the past, per step
     tokens: float = 0.0
     seconds: float = 0.0
     weight: float = 0.0  # decayed number of steps
     num_steps: int = 0
+    total_s: float = 0.0  # all steps' seconds, not decayed
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.tokens = GATE_DECAY * self.tokens + tokens
-        self.seconds = GATE_DECAY * self.seconds + seconds
-        self.weight = GATE_DECAY * self.weight + 1
+        self.tokens = self.decay * self.tokens + tokens
+        self.seconds = self.decay * self.seconds + seconds
+        self.weight = self.decay * self.weight + 1
         self.num_steps += 1
+        self.total_s += seconds
 
     def discount(self, factor: float) -> None:
         self.tokens *= factor
@@ -235,14 +248,17 @@ class _Bucket:
     is what speculating costs and emits over such a mix."""
 
     plain: _Rate = field(default_factory=_Rate)
-    spec: _Rate = field(default_factory=_Rate)
-    idle: _Rate = field(default_factory=_Rate)
+    spec: _Rate = field(default_factory=lambda: _Rate(GATE_SPEC_DECAY))
+    idle: _Rate = field(default_factory=lambda: _Rate(GATE_SPEC_DECAY))
     share: float = 1.0  # decayed share of speculative-mode steps that verified drafts
     best: bool = True  # the winning mode: speculate or not
     measured: bool = False  # exploration over: best, re-tests and switches apply
     since_s: float = 0.0  # winning-mode seconds since the last re-test (or switch)
     period: float = GATE_RETEST_FIRST  # winning-mode time between re-tests, in re-test times
-    burst: int = 0  # re-test steps still to run in the losing mode
+    testing: bool = False  # a re-test of the losing mode is running
+    burst: int = 0  # re-test steps still to run at least
+    burst_s: float = 0.0  # seconds of the re-test so far
+    burst_steps: int = 0
 
     def add(self, speculated: bool, verified: bool, tokens: int, seconds: float) -> None:
         if not speculated:
@@ -283,9 +299,24 @@ class _Bucket:
         on acceptance."""
         if self.plain.num_steps < GATE_MIN_STEPS:
             return False
-        if self.spec.num_steps >= GATE_MIN_STEPS or self.idle.num_steps >= GATE_IDLE_STEPS:
+        if self.idle.num_steps >= GATE_IDLE_STEPS or self.spec.num_steps >= GATE_TEST_MAX_STEPS:
+            return True
+        if (self.spec.num_steps >= GATE_MIN_STEPS
+                and self.spec.total_s >= GATE_TEST_PLAIN_STEPS * self.plain.step_s):
             return True
         return verified and seconds > max_gain * self.plain.step_s
+
+    def test_s(self, speculated: bool) -> float:
+        """The expected length of a re-test of the mode (see GATE_TEST_PLAIN_STEPS)."""
+        burst = GATE_BURST * self.step_s(speculated)
+        return max(burst, GATE_TEST_PLAIN_STEPS * self.plain.step_s) if speculated else burst
+
+    def test_done(self, speculated: bool) -> bool:
+        """Whether the running re-test of the mode has run long enough."""
+        if self.burst > 0:
+            return False
+        return (not speculated or self.burst_steps >= GATE_TEST_MAX_STEPS
+                or self.burst_s >= GATE_TEST_PLAIN_STEPS * self.plain.step_s)
 
 
 class SpecGate:
@@ -293,13 +324,15 @@ class SpecGate:
 
     `choose` answers for the next step; `observe` takes each measured step (pure-decode steps
     only: a prefill chunk's time says nothing about either mode). Until a bucket has
-    GATE_MIN_STEPS steps of each mode it explores, plain steps first (speculative-mode steps
-    with nothing to verify count in the mode's rate, but only GATE_IDLE_STEPS of them end the
-    exploration); a verification step slower than `max_gain` plain steps (it cannot pay at any
-    acceptance) ends the exploration at once.
+    GATE_MIN_STEPS steps of each mode it explores, plain steps first, and the speculative
+    steps go on until they took GATE_TEST_PLAIN_STEPS plain steps' time (speculative-mode
+    steps with nothing to verify count in the mode's rate, but only GATE_IDLE_STEPS of them
+    end the exploration); a verification step slower than `max_gain` plain steps (it cannot
+    pay at any acceptance) ends the exploration at once.
     Then it runs the mode with the higher estimate; once it has run `period` times as long as
-    GATE_BURST steps of the other mode take, it runs such a burst, the other mode's old
-    estimate discounted first, and switches if that mode is now faster. `period` starts at
+    a re-test of the other mode takes (GATE_BURST steps, for speculation at least
+    GATE_TEST_PLAIN_STEPS plain steps' time), it runs one, the other mode's old estimate
+    discounted first, and switches if that mode is now faster. `period` starts at
     GATE_RETEST_FIRST and doubles (up to GATE_RETEST_MAX) each time the re-tested mode loses,
     so a mode that keeps losing costs a shrinking share of the time. The winner is measured
     all the time: if it becomes slower than the loser's estimate, the gate switches at once.
@@ -322,7 +355,7 @@ class SpecGate:
             return False
         if not b.measured:
             return True
-        return b.best != (b.burst > 0)
+        return b.best != b.testing
 
     def observe(self, num_reqs: int, speculated: bool, num_tokens: int, seconds: float,
                 verified: bool = True) -> None:
@@ -340,9 +373,12 @@ class SpecGate:
             return
         if speculated != b.best:
             # A re-test step (or one chosen just before a switch).
-            if b.burst:
-                b.burst -= 1
-                if b.burst == 0:
+            if b.testing:
+                b.burst = max(b.burst - 1, 0)
+                b.burst_s += seconds
+                b.burst_steps += 1
+                if b.test_done(speculated):
+                    b.testing = False
                     if b.per_s(speculated) > b.per_s(b.best):
                         b.best, b.period = speculated, GATE_RETEST_FIRST
                     else:
@@ -352,9 +388,10 @@ class SpecGate:
         b.since_s += seconds
         if b.per_s(b.best) < (1 - GATE_MARGIN) * b.per_s(not b.best):
             b.best, b.since_s, b.period = not b.best, 0.0, GATE_RETEST_FIRST
-        elif b.since_s >= b.period * GATE_BURST * b.step_s(not b.best):
+        elif b.since_s >= b.period * b.test_s(not b.best):
             b.discount(not b.best, GATE_STALE)
-            b.burst, b.since_s = GATE_BURST, 0.0
+            b.testing, b.burst, b.since_s = True, GATE_BURST, 0.0
+            b.burst_s, b.burst_steps = 0.0, 0
 
     def _seed(self, n: int, b: _Bucket) -> bool:
         """A new bucket `n` whose plain steps are measured, next to a bucket where a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -18,6 +19,7 @@ from skyline.sched.spec import (
     GATE_MIN_STEPS,
     GATE_RETEST_FIRST,
     GATE_RETEST_MAX,
+    GATE_TEST_PLAIN_STEPS,
     SpecGate,
     SpecPolicy,
 )
@@ -69,6 +71,33 @@ def test_a_hopeless_speculative_step_ends_the_exploration():
     assert modes == [False] * GATE_MIN_STEPS + [True] * GATE_MIN_STEPS
 
 
+def test_cheap_verification_is_explored_long_enough_to_see_its_yield():
+    # A CPU: a verification step costs 1.2 plain steps. A request's first drafts are wrong
+    # (one token per step), later ones are right half the time (1 or 3 tokens: 1.67x plain).
+    # Four steps would condemn speculation; the test runs for GATE_TEST_PLAIN_STEPS plain
+    # steps' time instead.
+    seen = {"spec": 0}
+
+    def cost(i, spec):
+        if not spec:
+            return 1, 1.0
+        seen["spec"] += 1
+        k = seen["spec"]
+        return (1 if k <= GATE_MIN_STEPS or k % 2 else 3), 1.2
+
+    gate = SpecGate(max_gain=9)
+    test_steps = math.ceil(GATE_TEST_PLAIN_STEPS / 1.2)  # 14 steps of 1.2 plain steps
+    modes = _run(gate, GATE_MIN_STEPS + test_steps - 1, cost, num_reqs=1)
+    assert not gate.buckets[1].measured and all(modes[GATE_MIN_STEPS:])
+    modes = _run(gate, 400, cost, num_reqs=1)
+    assert gate.buckets[1].measured and gate.buckets[1].best and sum(modes[-100:]) > 90
+    # where a verification costs 6 plain steps, four of them are the whole test
+    gate = SpecGate(max_gain=9)
+    modes = _run(gate, 2 * GATE_MIN_STEPS + 1, lambda i, spec: (1, 6.0) if spec else (1, 1.0),
+                 num_reqs=1)
+    assert modes == [False] * GATE_MIN_STEPS + [True] * GATE_MIN_STEPS + [False]
+
+
 @pytest.mark.parametrize("spec_faster", [True, False])
 def test_chooses_the_faster_mode_and_exploration_time_stays_small(spec_faster):
     gate = SpecGate()
@@ -113,9 +142,10 @@ def test_follows_a_change_of_costs():
 
     _run(gate, 1000, cost)
     assert gate.buckets[8].best  # speculation wins (40 vs 20 tokens/s)
-    phase["spec_tok_s"] = 8.0  # acceptance collapses: the winner's own steps show it at once
+    phase["spec_tok_s"] = 8.0  # acceptance collapses: the winner's own steps show it soon
     modes = _run(gate, 40, cost)
-    assert modes.index(False) <= 3 and not any(modes[10:])
+    # (the speculative rate remembers ~20 steps: seven at 8 tokens/s bring it below 19)
+    assert modes.index(False) <= 8 and not any(modes[12:])
     phase["spec_tok_s"] = 60.0  # acceptance recovers: the next re-test finds it
     modes = _run(gate, 2000, cost)
     first = modes.index(True)
