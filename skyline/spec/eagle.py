@@ -341,8 +341,9 @@ def save_head(path: str, head: EagleHead, info: dict[str, Any],
         json.dump(cfg, f, indent=2)
 
 
-def load_head(path: str, model: nn.Module) -> EagleHead:
-    """The head in `path` for target `model`, on its device and in its dtype, in eval mode."""
+def load_head(path: str, model: nn.Module, dtype: torch.dtype | None = None) -> EagleHead:
+    """The head in `path` for target `model`, on its device and in `dtype` (default: the
+    model's), in eval mode."""
     from safetensors.torch import load_file
 
     cfg = check_head(path, model.arch)
@@ -354,7 +355,7 @@ def load_head(path: str, model: nn.Module) -> EagleHead:
     if int(vocab_ids.min()) < 0 or int(vocab_ids.max()) >= model.arch.vocab_size:
         raise ConfigError(f"the draft vocabulary in {path} has token ids outside the model's "
                           "vocabulary; the head belongs to another model")
-    head = build_head(model, vocab_ids.numel())
+    head = build_head(model, vocab_ids.numel(), dtype)
     params = head.own_parameters()
     if set(tensors) != set(params):
         missing = sorted(set(params) - set(tensors)) or sorted(set(tensors) - set(params))

@@ -43,8 +43,9 @@ from skyline.spec.ngram import NgramProposer
 class EagleProposer:
     def __init__(self, cfg: SpecConfig, model: nn.Module) -> None:
         assert cfg.model is not None, "SpecConfig validates that eagle has a head"
-        self.head = load_head(cfg.model, model)
-        self.parts = target_parts(model, self.head.vocab_ids)
+        dtype = _head_dtype(model)
+        self.head = load_head(cfg.model, model, dtype)
+        self.parts = target_parts(model, self.head.vocab_ids, dtype)
         if cpu_linear.can_pack(self.parts.lm_weight):  # the CPU: oneDNN-packed products
             prepack_for_cpu(self.head)
             self.parts.lm_packed = cpu_linear.pack(self.parts.lm_weight)
@@ -127,8 +128,8 @@ class EagleProposer:
         dev = self.device
         ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        g = self.head(self.parts.embed(ids), feats, pos, plan)
-        return self.parts.norm(g)
+        g = self.head(self.parts.embed(ids).to(self.dtype), feats, pos, plan)
+        return self.parts.norm(g).to(self.dtype)
 
     # ------------------------------------------------------------------ drafting
 
@@ -182,3 +183,14 @@ class EagleProposer:
         self.caches.pop(req_id, None)
         self.pending.pop(req_id, None)
         self.last.pop(req_id, None)
+
+
+def _head_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the head drafts in: bfloat16 for a float32 model on a CPU with native bfloat16
+    products (half the bytes per draft step; the drafts only need to be likely, the target
+    verifies them exactly), else the model's (None)."""
+    w = model.lm_head.weight
+    if (w.device.type == "cpu" and w.dtype == torch.float32
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return torch.bfloat16
+    return None
