@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from skyline.ops.attention import paged_attention_ref
+from skyline.ops.attention import SMALL_EXTEND, paged_attention_ref
 from skyline.ops.kv_quant import FP8_DTYPE, dequantize_kv, quantize_kv
 from skyline.ops.kv_write import write_kv_ref
 
@@ -141,3 +141,13 @@ def test_write_kv_ref_places_tokens_at_slots():
     for i, s in enumerate(slots.tolist()):
         torch.testing.assert_close(cache[0, s // 4, s % 4], k[i])
         torch.testing.assert_close(cache[1, s // 4, s % 4], v[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_of_one_length_and_long_extends(dtype):
+    # decodes with equal contexts take the unmasked path; an extend of more than SMALL_EXTEND
+    # queries takes torch's masked attention, shorter ones the small-extend matmuls
+    _run_case([(12, 1), (12, 1), (12, 1)], 8, 2, 16, 4, seed=7, dtype=dtype)
+    _run_case([(11, 1)], 6, 3, 32, 8, seed=8, dtype=dtype)
+    _run_case([(10, SMALL_EXTEND + 6), (30, SMALL_EXTEND), (5, 3)], 8, 2, 16, 16, seed=9,
+              dtype=dtype)
