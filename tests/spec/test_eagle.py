@@ -76,6 +76,20 @@ def random_head(tiny_model, tmp_path_factory):
     return path
 
 
+def test_init_head_starts_from_the_served_targets_last_layer(tiny_model):
+    # On the CPU the engine packs the target's Linears for oneDNN (no dense `weight`): the
+    # head still starts as the target's last layer, output projections zeroed.
+    _, model = _target(tiny_model)
+    last = model.model.layers[-1]
+    assert "weight" not in dict(last.self_attn.qkv_proj.named_parameters())  # packed
+    head = build_head(model, VOCAB, torch.float32)
+    init_head(head, model, seed=3)
+    assert torch.equal(head.layer.self_attn.qkv_proj.weight, last.self_attn.qkv_proj.full_weight())
+    assert torch.equal(head.layer.mlp.gate_up_proj.weight, last.mlp.gate_up_proj.full_weight())
+    assert not head.layer.self_attn.o_proj.weight.any()
+    assert not head.layer.mlp.down_proj.weight.any()
+
+
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, VOCAB - 1) for _ in range(rng.randint(3, 40))] for _ in range(n)]
