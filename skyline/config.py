@@ -162,9 +162,9 @@ class SpecConfig:
     ngram_max: int = 5  # longest suffix match tried (first)
     max_batch_tokens: int = 16
     # Cost of one verified draft token relative to a decode step: a draft is verified only
-    # while its chance of acceptance exceeds this (sched/spec.py).
+    # while its chance of acceptance exceeds this (sched/spec/policy.py).
     draft_cost: float = 0.3
-    # Measured gate (sched/spec.py): speculate only in batch sizes where speculative steps
+    # Measured gate (sched/spec/gate.py): speculate only in batch sizes where speculative steps
     # were measured to emit more tokens per second than plain ones. False: always speculate
     # (within max_batch_tokens).
     gate: bool = True

@@ -6,7 +6,7 @@ runs n+1. The host's work per step (scheduling, input preparation, detokenizing,
 then overlaps the device's instead of adding to it. See sched/scheduler.py for what the
 scheduler does meanwhile, and worker/runner.py for how the tokens flow on the device.
 
-Each step is timed for the speculation gate (sched/spec.py): from its scheduling, or from the
+Each step is timed for the speculation gate (sched/spec/gate.py): from its scheduling, or from the
 previous step's outputs if they came later (async scheduling: the time between consecutive
 outputs), to its own outputs. The time the caller spends between `step` calls is not counted
 for a synchronous step; with async scheduling it is, as it overlaps the device's work.

@@ -6,7 +6,7 @@ come first served. A request is only "computed" up to `num_computed_tokens`, adv
 time; `update` appends the sampled tokens and decides who finished.
 
 Speculative decoding: a decoding request with drafts from the runner is scheduled 1 + k tokens
-(k from `sched/spec.py`, within the budget, the context and max_tokens) and its blocks cover them.
+(k from `sched/spec`, within the budget, the context and max_tokens) and its blocks cover them.
 `update` appends the accepted drafts and the target's token, checking stops token by token, and
 rolls `num_computed_tokens` back by the rejected drafts; blocks holding only rejected slots are
 freed at once and the runner told to drop them (`CachedRequestData.num_freed_blocks`).

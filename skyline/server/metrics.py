@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from skyline.types import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# per-position and per-bucket keys of sched/spec.py's stats
+# per-position and per-bucket keys of sched/spec's stats
 _POS_KEY = re.compile(r"spec_acceptance_pos_(\d+)")
 _GATE_KEY = re.compile(r"spec_gate_b(\d+)_(spec|plain)_tokens_per_s")
 

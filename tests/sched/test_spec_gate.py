@@ -13,15 +13,14 @@ import pytest
 
 from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.scheduler import Scheduler
-from skyline.sched.spec import (
+from skyline.sched.spec import SpecGate, SpecPolicy
+from skyline.sched.spec.gate import (
     GATE_BURST,
     GATE_IDLE_STEPS,
     GATE_MIN_STEPS,
     GATE_RETEST_FIRST,
     GATE_RETEST_MAX,
     GATE_TEST_PLAIN_STEPS,
-    SpecGate,
-    SpecPolicy,
 )
 from skyline.types import Request, RunnerOutput, SamplingParams
 
