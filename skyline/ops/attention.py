@@ -61,7 +61,7 @@ def _decode_ref(
     k = kc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
     v = vc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
     # On a CPU in float32: torch's CPU attention for one query row is several times slower
-    # in bfloat16 than in float32 (0.2 vs 0.03 ms at 300 tokens of context), and K/V are small.
+    # in bfloat16 than in float32 (5-8x; bench/cpu_attention_speed.py), and K/V are small.
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     k, v = k.to(dtype), v.to(dtype)
     mask = None  # sequences of one length (batch 1, say) have no padding to mask
@@ -118,7 +118,8 @@ def _extend_ref(
 
 
 # Queries of an extend (a verification's drafts, a short chunk) up to which the CPU takes
-# _attend_small: torch's CPU attention with a mask costs 2-4x these few matmuls.
+# _attend_small: torch's CPU attention with a mask costs 2-8x these few matmuls at 3-9
+# queries, 1.1x at 64 (bench/cpu_attention_speed.py).
 SMALL_EXTEND = 64
 
 

@@ -97,9 +97,8 @@ class _Bucket:
     since_s: float = 0.0  # winning-mode seconds since the last re-test (or switch)
     period: float = GATE_RETEST_FIRST  # winning-mode time between re-tests, in re-test times
     testing: bool = False  # a re-test of the losing mode is running
-    burst: int = 0  # re-test steps still to run at least
-    burst_s: float = 0.0  # seconds of the re-test so far
-    burst_steps: int = 0
+    burst_steps: int = 0  # steps of the re-test so far
+    burst_s: float = 0.0  # and their seconds
 
     def add(self, speculated: bool, verified: bool, tokens: int, seconds: float) -> None:
         if not speculated:
@@ -129,23 +128,26 @@ class _Bucket:
 
     def explored(self, verified: bool, seconds: float, max_gain: float) -> bool:
         """Whether the exploration step just measured (`seconds` long) ends the exploration:
-        both modes have GATE_MIN_STEPS steps (verifications for speculation, or
-        GATE_IDLE_STEPS with nothing to verify), or a verification step took longer than the
-        `max_gain` plain steps
-        that would emit as many tokens as it can at most (1 + depth per request, every draft
-        accepted), so that no acceptance can make it pay (on a GPU an eager verification step
-        costs ~30 plain steps that run as CUDA graphs; four of them would be most of a
-        short run's time). The criterion is the step's cost, not its tokens: a request's first
-        drafts are often wrong, so one step's tokens say little, while its cost hardly depends
-        on acceptance."""
+        the plain mode has GATE_MIN_STEPS steps and the speculative one a whole test (`_tested`;
+        or GATE_IDLE_STEPS with nothing to verify), or a verification step took longer than
+        the `max_gain` plain steps that would emit as many tokens as it can at most (1 + depth
+        per request, every draft accepted), so that no acceptance can make it pay (on a GPU an
+        eager verification step costs ~30 plain steps that run as CUDA graphs; four of them
+        would be most of a short run's time). The criterion is the step's cost, not its
+        tokens: a request's first drafts are often wrong, so one step's tokens say little,
+        while its cost hardly depends on acceptance."""
         if self.plain.num_steps < GATE_MIN_STEPS:
             return False
-        if self.idle.num_steps >= GATE_IDLE_STEPS or self.spec.num_steps >= GATE_TEST_MAX_STEPS:
-            return True
-        if (self.spec.num_steps >= GATE_MIN_STEPS
-                and self.spec.total_s >= GATE_TEST_PLAIN_STEPS * self.plain.step_s):
+        if (self.idle.num_steps >= GATE_IDLE_STEPS
+                or self._tested(self.spec.num_steps, self.spec.total_s, GATE_MIN_STEPS)):
             return True
         return verified and seconds > max_gain * self.plain.step_s
+
+    def _tested(self, steps: int, seconds: float, min_steps: int) -> bool:
+        """Whether `steps` speculative steps of `seconds` make a whole test of speculation
+        (see GATE_TEST_PLAIN_STEPS)."""
+        return steps >= GATE_TEST_MAX_STEPS or (
+            steps >= min_steps and seconds >= GATE_TEST_PLAIN_STEPS * self.plain.step_s)
 
     def test_s(self, speculated: bool) -> float:
         """The expected length of a re-test of the mode (see GATE_TEST_PLAIN_STEPS)."""
@@ -154,10 +156,9 @@ class _Bucket:
 
     def test_done(self, speculated: bool) -> bool:
         """Whether the running re-test of the mode has run long enough."""
-        if self.burst > 0:
-            return False
-        return (not speculated or self.burst_steps >= GATE_TEST_MAX_STEPS
-                or self.burst_s >= GATE_TEST_PLAIN_STEPS * self.plain.step_s)
+        if not speculated:
+            return self.burst_steps >= GATE_BURST
+        return self._tested(self.burst_steps, self.burst_s, GATE_BURST)
 
 
 class SpecGate:
@@ -215,9 +216,8 @@ class SpecGate:
         if speculated != b.best:
             # A re-test step (or one chosen just before a switch).
             if b.testing:
-                b.burst = max(b.burst - 1, 0)
-                b.burst_s += seconds
                 b.burst_steps += 1
+                b.burst_s += seconds
                 if b.test_done(speculated):
                     b.testing = False
                     if b.per_s(speculated) > b.per_s(b.best):
@@ -231,8 +231,7 @@ class SpecGate:
             b.best, b.since_s, b.period = not b.best, 0.0, GATE_RETEST_FIRST
         elif b.since_s >= b.period * b.test_s(not b.best):
             b.discount(not b.best, GATE_STALE)
-            b.testing, b.burst, b.since_s = True, GATE_BURST, 0.0
-            b.burst_s, b.burst_steps = 0.0, 0
+            b.testing, b.since_s, b.burst_steps, b.burst_s = True, 0.0, 0, 0.0
 
     def _seed(self, n: int, b: _Bucket) -> bool:
         """A new bucket `n` whose plain steps are measured, next to a bucket where a
