@@ -76,19 +76,21 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--dir", default="/tmp/skyline-fast-start")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--speculative-method", default="none",
+                    help="ngram/suffix/...: also captures the verification-step graphs")
     a = ap.parse_args()
     write_s = None
     if not os.path.isdir(a.dir) or not any(f.endswith(".safetensors") for f in os.listdir(a.dir)):
         write_s = write_checkpoint(a.model, a.dir)
     ckpt_gb = sum(os.path.getsize(os.path.join(a.dir, f)) for f in os.listdir(a.dir)) / 1e9
     t0 = time.perf_counter()
-    llm = LLM(a.dir, max_model_len=8192)
+    llm = LLM(a.dir, max_model_len=8192, speculative_method=a.speculative_method)
     total = time.perf_counter() - t0
     runner = llm.engine.executor.runner
     graphs_s = getattr(runner, "graph_capture_seconds", None)
     res = {
         "benchmark": "fast_start", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "model": a.model, "checkpoint_GB": ckpt_gb, "checkpoint_write_s": write_s,
+        "model": a.model, "speculative_method": a.speculative_method, "checkpoint_GB": ckpt_gb, "checkpoint_write_s": write_s,
         "load_weights_s": runner.load_seconds, "cuda_graph_capture_s": graphs_s,
         "num_cuda_graphs": len(runner.graphs.graphs) if runner.graphs else 0,
         "engine_ready_s": total, "load_GBps": ckpt_gb / runner.load_seconds,

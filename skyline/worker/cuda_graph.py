@@ -1,8 +1,17 @@
-"""CUDA graphs for decode-only steps: the model forward captured once per batch-size bucket and
-replayed from persistent input buffers, so a decode step costs one launch instead of ~1,000.
+"""CUDA graphs: the model forward captured once per step shape and replayed from persistent
+input buffers, so a step costs one launch instead of ~1,000.
 
-A batch of n decodes runs in the smallest captured bucket >= n; the padding rows read and
-write a scratch KV block that the block pool never hands out.
+Shapes are (sequences, query tokens per sequence). Decode steps (one token each) have a graph
+per batch-size bucket. With speculative decoding, verification steps (each request's last
+token and its drafts) and other short extends have graphs for 2..max_query_len query tokens
+per sequence, as far as `MAX_EXTEND_TOKENS` tokens: without them a verification step of a
+small model runs eagerly and costs tens of graph-replayed decode steps.
+
+A step of n sequences and t tokens runs in the smallest captured shape that holds it. Its
+tokens stay packed as the runner laid them out (sequence i owns query_start_loc[i:i+2]);
+the padding sequences have no query tokens and the padding tokens belong to no sequence:
+they compute rows nobody reads and write their K/V to a scratch block the pool never hands
+out.
 """
 
 from __future__ import annotations
@@ -17,34 +26,55 @@ from skyline.worker.inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
+# Extend graphs cover steps of at most this many tokens (sequences x query tokens). Above it
+# a step's matrix products dominate and an eager launch costs little in comparison.
+MAX_EXTEND_TOKENS = 512
+
 
 def bucket_sizes(max_batch: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 1025, 32))
     return [s for s in sizes if s <= max_batch] or [1]
 
 
+def graph_shapes(max_batch: int, max_query_len: int = 1) -> list[tuple[int, int]]:
+    """(sequences, query tokens each) of every graph to capture."""
+    shapes = [(bs, 1) for bs in bucket_sizes(max_batch)]
+    # extends: powers of two of sequences (a few graphs per query length, to start fast)
+    pow2 = [1 << i for i in range(11) if 1 << i <= max(max_batch, 1)]
+    for q in range(2, max_query_len + 1):
+        shapes += [(bs, q) for bs in pow2 if bs * q <= MAX_EXTEND_TOKENS]
+    return shapes
+
+
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int,
-                 block_size: int, scratch_block: int, device: torch.device) -> None:
+                 block_size: int, scratch_block: int, device: torch.device,
+                 max_query_len: int = 1) -> None:
         self.model = model
-        self.sizes = bucket_sizes(max_batch)
+        self.shapes = graph_shapes(max_batch, max_query_len)
         self.block_size = block_size
+        self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
-        n = self.sizes[-1]
+        n = max(bs * q for bs, q in self.shapes)
+        seqs = max(bs for bs, _ in self.shapes)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64,
-                                       device=device)
-        self.block_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.int32,
-                                       device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((seqs, max_blocks_per_seq), scratch_block,
+                                       dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, q: int) -> AttentionMetadata:
+        """The metadata a graph is captured with: its host-side lists fix the shape (q query
+        tokens per sequence); the device tensors are the persistent buffers `run` fills."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=list(range(bs + 1)),
-            seq_lens=[1] * bs, block_tables=self.block_tables[:bs], block_size=self.block_size,
-            num_decodes=bs, seq_lens_tensor=self.seq_lens[:bs],
+            slot_mapping=self.slot_mapping[: bs * q],
+            query_start_loc=list(range(0, bs * q + 1, q)), seq_lens=[q] * bs,
+            block_tables=self.block_tables[:bs], block_size=self.block_size,
+            num_decodes=bs if q == 1 else 0, seq_lens_tensor=self.seq_lens[:bs],
+            query_start_loc_tensor=None if q == 1 else self.query_start_loc[: bs + 1],
         )
 
     @torch.inference_mode()
@@ -52,37 +82,58 @@ class CudaGraphRunner:
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            meta = self._meta(bs)
+        # most tokens first: smaller graphs reuse the largest one's memory pool
+        for bs, q in sorted(self.shapes, key=lambda s: (-s[0] * s[1], -s[1])):
+            # every sequence q tokens of scratch context
+            self.seq_lens[:bs].fill_(q)
+            self.query_start_loc[: bs + 1].copy_(torch.arange(0, bs * q + 1, q))
+            meta = self._meta(bs, q)
+            ids, pos = self.input_ids[: bs * q], self.positions[: bs * q]
             with torch.cuda.stream(stream), forward_context(meta):
                 for _ in range(2):  # warm-up: kernel selection and Triton compilation
-                    self.model(self.input_ids[:bs], self.positions[:bs])
+                    self.model(ids, pos)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), forward_context(meta):
-                out = self.model(self.input_ids[:bs], self.positions[:bs])
+                out = self.model(ids, pos)
             pool = graph.pool()
-            self.graphs[bs] = (graph, out)
+            self.graphs[(bs, q)] = (graph, out)
+        self.seq_lens.fill_(1)
         torch.cuda.synchronize()
 
-    def bucket(self, num_reqs: int) -> int | None:
-        for s in self.sizes:
-            if s >= num_reqs:
-                return s
-        return None
-
-    def run(self, inp: StepInputs, bs: int) -> torch.Tensor:  # [n, hidden]
-        n = len(inp.req_ids)
+    def shape_for(self, inp: StepInputs) -> tuple[int, int] | None:
+        """The smallest captured shape that holds this step (fewest tokens), or None."""
         a = inp.attn
-        self.input_ids[:n].copy_(inp.input_ids)
-        self.positions[:n].copy_(inp.positions)
-        self.slot_mapping[:n].copy_(a.slot_mapping)
+        n = len(inp.req_ids)
+        loc = a.query_start_loc
+        q = 1 if a.num_decodes == n else max(loc[i + 1] - loc[i] for i in range(n))
+        if q > 1 and a.query_start_loc_tensor is None:
+            return None
+        fits = [(bs * qq, qq, bs) for bs, qq in self.graphs if bs >= n and qq >= q
+                and (qq == 1) == (q == 1)]
+        if not fits:
+            return None
+        _, qq, bs = min(fits)
+        return bs, qq
+
+    def run(self, inp: StepInputs, shape: tuple[int, int]) -> torch.Tensor:  # [t, hidden]
+        bs, q = shape
+        n = len(inp.req_ids)
+        t = inp.input_ids.shape[0]
+        a = inp.attn
+        self.input_ids[:t].copy_(inp.input_ids)
+        self.positions[:t].copy_(inp.positions)
+        self.slot_mapping[:t].copy_(a.slot_mapping)
+        if bs * q > t:
+            self.slot_mapping[t : bs * q].fill_(self.scratch_slot)
         self.seq_lens[:n].copy_(a.seq_lens_tensor)
         self.block_tables[:n, : a.block_tables.shape[1]].copy_(a.block_tables)
+        if q > 1:
+            self.query_start_loc[: n + 1].copy_(a.query_start_loc_tensor)
+            self.query_start_loc[n + 1 : bs + 1].fill_(t)  # padding sequences: no queries
         if bs > n:  # padding rows: one token of scratch context
-            self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
             self.seq_lens[n:bs].fill_(1)
             self.block_tables[n:bs, 0].fill_(self.scratch_block)
-        graph, out = self.graphs[bs]
+        graph, out = self.graphs[(bs, q)]
         graph.replay()
-        return out[:n]
+        return out[:t]

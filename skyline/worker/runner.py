@@ -98,9 +98,11 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
+            # verification steps: each request's last token and up to k drafts
+            max_q = 1 + config.spec.num_speculative_tokens if self.proposer is not None else 1
             self.graphs = CudaGraphRunner(
                 self.model, min(sc.max_num_seqs, 512), -(-sc.max_model_len // self.block_size),
-                self.block_size, self.num_blocks, self.device)
+                self.block_size, self.num_blocks, self.device, max_q)
             self.graphs.capture()
             self.graph_capture_seconds = time.perf_counter() - t0
             log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs),
@@ -157,11 +159,9 @@ class ModelRunner:
             in_flight = ({r: i for i, r in enumerate(prev.sampling_req_ids)}, prev.sample.tokens)
         inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device,
                            out.spec_token_ids, in_flight)
-        bucket = None
-        if self.graphs is not None and inp.attn.num_decodes == len(inp.req_ids):
-            bucket = self.graphs.bucket(len(inp.req_ids))
-        if bucket is not None:
-            hidden = self.graphs.run(inp, bucket)  # [num_tokens, hidden]
+        shape = self.graphs.shape_for(inp) if self.graphs is not None else None
+        if shape is not None:
+            hidden = self.graphs.run(inp, shape)  # [num_tokens, hidden]
         else:
             with forward_context(inp.attn):
                 hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]

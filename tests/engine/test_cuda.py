@@ -92,3 +92,38 @@ def test_cuda_async_scheduling_matches_sync(tiny_dir):
                  [lp.token_ids for lp in o.outputs[0].logprobs or []]) for o in outs]
 
     assert run("on") == run("off")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
+    """Verification steps (each request's last token and its drafts) replay the extend graphs;
+    greedy tokens equal plain eager decoding (fp32) and every KV block comes back."""
+    rng = random.Random(3)
+    base = [[rng.randrange(2, 319) for _ in range(rng.randint(3, 8))] for _ in range(11)]
+    prompts = [b * 4 for b in base]  # repeated spans: prompt lookup has drafts to propose
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    plain = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                enforce_eager=True).generate(prompts, params)
+    extra = {"speculative_draft_layers": 1} if method == "draft" else {}
+    llm = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+              speculative_method=method, speculative_gate=False, **extra)
+    graphs = llm.engine.executor.runner.graphs
+    assert graphs is not None and (1, 6) in graphs.graphs
+    used = []
+    replay = graphs.run
+
+    def run(inp, shape):
+        used.append((shape, len(inp.req_ids), inp.input_ids.shape[0]))
+        return replay(inp, shape)
+
+    monkeypatch.setattr(graphs, "run", run)
+    spec = llm.generate(prompts, params)
+    # padded steps: fewer sequences or tokens than the graph's shape
+    assert any(q > 1 for (_, q), _, _ in used)
+    assert any(bs * q > t and q > 1 for (bs, q), _, t in used)
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+               for a, b in zip(plain, spec, strict=True))
+    assert same >= len(prompts) - 1
+    assert llm.engine.scheduler.kv_manager.block_pool.num_free_blocks == \
+        llm.engine.executor.num_blocks
