@@ -40,6 +40,7 @@ from skyline.ops import cpu_linear
 from skyline.ops.activation import silu_and_mul_ref
 from skyline.ops.norm import fused_add_rms_norm_ref, rms_norm_ref
 from skyline.ops.rotary import rotary_embedding_ref
+from skyline.spec.head_cache import HeadCache, attend_cached
 
 HEAD_FORMAT = "skyline-eagle-head"
 WEIGHTS_FILE = "head.safetensors"
@@ -49,30 +50,6 @@ SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size"
                 "num_kv_heads", "head_dim")
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
 DEFAULT_HEAD = "smollm2-135m"  # trained for the embedded default model
-
-
-class HeadCache:
-    """One request's head K/V, contiguous: row i holds position `base + i`. Grown by doubling
-    as the request grows (so bounded by the engine's max_model_len plus the draft depth), and
-    dropped when the request finishes. Rows past `length` are scratch: drafting writes there
-    and the next observed feature overwrites them."""
-
-    def __init__(self, base: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, capacity: int = 64) -> None:
-        self.base = base
-        self.length = 0
-        self.kv = torch.empty(capacity, 2, num_kv_heads, head_dim, dtype=dtype, device=device)
-
-    def reserve(self, num_rows: int) -> None:
-        """Make room for rows [0, num_rows)."""
-        cap = self.kv.shape[0]
-        if num_rows <= cap:
-            return
-        while cap < num_rows:
-            cap *= 2
-        kv = self.kv.new_empty(cap, *self.kv.shape[1:])
-        kv[: self.length] = self.kv[: self.length]
-        self.kv = kv
 
 
 @dataclass
@@ -103,29 +80,18 @@ class HeadAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         assert plan is not None, "EagleHead sets the attention plan"
-        self.last_kv = (k, v) if plan.caches is None else None
-        out = torch.empty_like(q) if plan.caches is not None else []
-        o = 0
-        for i, n in enumerate(plan.lengths):
-            qi = q[o : o + n]
-            if plan.caches is not None:
-                assert plan.starts is not None
-                cache, s = plan.caches[i], plan.starts[i]
-                cache.kv[s : s + n, 0] = k[o : o + n]
-                cache.kv[s : s + n, 1] = v[o : o + n]
-                ki, vi = cache.kv[: s + n, 0], cache.kv[: s + n, 1]
-                mask = None
-                if n > 1:  # query j (row s + j) sees rows <= s + j
-                    rows = torch.arange(s + n, device=q.device)
-                    mask = rows[None, :] <= (s + torch.arange(n, device=q.device))[:, None]
-                out[o : o + n] = self._attend(qi, ki, vi, mask)
-            else:
-                ki, vi, mask = self._train_keys(k, v, o, n, plan.prev_kv)
-                out.append(self._attend(qi, ki, vi, mask))
+        if plan.caches is not None:  # serving: the paged head cache
+            assert plan.starts is not None
+            self.last_kv = None
+            return attend_cached(q, k, v, plan.lengths, plan.caches, plan.starts,
+                                 self.scale).flatten(1, 2)
+        self.last_kv = (k, v)
+        out, o = [], 0
+        for n in plan.lengths:
+            ki, vi, mask = self._train_keys(k, v, o, n, plan.prev_kv)
+            out.append(self._attend(q[o : o + n], ki, vi, mask))
             o += n
-        if isinstance(out, list):
-            out = torch.cat(out)
-        return out.flatten(1, 2)
+        return torch.cat(out).flatten(1, 2)
 
     def _train_keys(
         self, k: torch.Tensor, v: torch.Tensor, o: int, n: int,

@@ -20,10 +20,12 @@ before in it, e.g. an edited file being written out again), prompt lookup's cont
 proposed instead of the head's drafts (`SpecConfig.eagle_lookup`): long exact copies are what
 lookup guesses best and costs nothing to draft.
 
-Each request's head K/V is a contiguous per-request cache (HeadCache) held here, grown as the
-request grows and freed in `finish`. Steps larger than `SpecConfig.max_batch_tokens` do not
-speculate (the scheduler's rule), so no drafts are computed for them; the features are still
-fed, so that speculation can resume later.
+The head's K/V of every request is one paged pool held here (spec/head_cache.py); a request's
+pages are taken as it grows and given back in `finish`, and a draft step over many requests
+is one batched head forward.
+
+Steps larger than `SpecConfig.max_batch_tokens` do not speculate (the scheduler's rule), so no
+drafts are computed for them; the features are still fed, so that speculation can resume later.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from torch import nn
 from skyline.config import SpecConfig
 from skyline.model.loader import prepack_for_cpu
 from skyline.ops import cpu_linear
-from skyline.spec.eagle import AttnPlan, HeadCache, load_head, target_parts
+from skyline.spec.eagle import AttnPlan, load_head, target_parts
+from skyline.spec.head_cache import HeadCache, HeadKVPool
 from skyline.spec.ngram import NgramProposer
+from skyline.worker.sampler import to_device
 
 
 class EagleProposer:
@@ -54,9 +58,9 @@ class EagleProposer:
         self.max_batch = cfg.max_batch_tokens
         self.max_position = model.model.rotary_emb.cos_sin_cache.shape[0]
         a = self.head.layer.self_attn
-        self.kv_shape = (a.num_kv_heads, a.head_dim)
         w = self.parts.lm_weight
         self.dtype, self.device = w.dtype, w.device
+        self.pool = HeadKVPool(a.num_kv_heads, a.head_dim, self.dtype, self.device)
         self.caches: dict[str, HeadCache] = {}
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # rows awaiting their token
         self.last: dict[str, torch.Tensor] = {}  # [H] the head's f' at its last position
@@ -105,7 +109,9 @@ class EagleProposer:
             c = self.caches.get(rid)
             if c is None or not c.base <= start <= c.base + c.length:
                 # a new request, or a gap (features the target never computed for the head)
-                c = self.caches[rid] = HeadCache(start, *self.kv_shape, self.dtype, self.device)
+                if c is not None:
+                    c.release()
+                c = self.caches[rid] = HeadCache(start, self.pool)
             c.length = start - c.base  # a recompute overwrites from `start`
             n = rows.shape[0]
             c.reserve(c.length + n)
@@ -122,12 +128,12 @@ class EagleProposer:
             last += n
             self.last[rid] = out[last - 1].clone()  # not a view pinning the whole batch
 
-    def _step(self, tokens: list[int], feats: torch.Tensor, positions: list[int],
+    def _step(self, tokens: list[int] | torch.Tensor, feats: torch.Tensor, positions: list[int],
               plan: AttnPlan) -> torch.Tensor:
         """One head forward: the normed predicted features f' [T, H]."""
         dev = self.device
-        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, torch.int64, dev)
+        pos = to_device(positions, torch.int64, dev)
         g = self.head(self.parts.embed(ids).to(self.dtype), feats, pos, plan)
         return self.parts.norm(g).to(self.dtype)
 
@@ -146,8 +152,17 @@ class EagleProposer:
         active = [i for i, r in enumerate(req_ids)
                   if not drafts[i] and r in self.last
                   and self.caches[r].base + self.caches[r].length == len(token_ids[i]) - 1]
-        if not active:
+        if not active or max_depth == 0:
             return drafts
+        self._draft_stepwise(req_ids, token_ids, active, max_depth, drafts)
+        return drafts
+
+    def _draft_stepwise(self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                        active: list[int], max_depth: int, drafts: list[list[int]]) -> None:
+        """Read each step's top-1 and go on with the requests still confident. (Drafting every
+        request to max_depth with one read at the end costs more head steps than the reads it
+        saves: code editing on the H200 1.13x instead of 1.85x,
+        bench/results/spec-h200-smollm2-eagle-drafts-unread.json.)"""
         feats = torch.stack([self.last[req_ids[i]] for i in active])  # [B, H]
         conf = [1.0] * len(active)
         for j in range(max_depth):
@@ -170,17 +185,16 @@ class EagleProposer:
             active = [active[b] for b in keep]
             conf = [conf[b] for b in keep]
             caches = [self.caches[req_ids[i]] for i in active]
-            for c in caches:
-                c.reserve(c.length + j + 1)
             positions = [len(token_ids[i]) - 1 + j for i in active]
             plan = AttnPlan([1] * len(active), caches, [c.length + j for c in caches])
             feats = self._step(toks, feats[keep], positions, plan)
-        return drafts
 
     def finish(self, req_id: str, token_ids: Sequence[int]) -> None:
         if self.lookup is not None:
             self.lookup.finish(req_id, token_ids)
-        self.caches.pop(req_id, None)
+        c = self.caches.pop(req_id, None)
+        if c is not None:
+            c.release()
         self.pending.pop(req_id, None)
         self.last.pop(req_id, None)
 

@@ -18,7 +18,6 @@ from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, SpecConfig
 from skyline.spec.eagle import (
     AttnPlan,
-    HeadCache,
     build_head,
     init_head,
     load_head,
@@ -26,6 +25,7 @@ from skyline.spec.eagle import (
     target_parts,
 )
 from skyline.spec.eagle_proposer import EagleProposer
+from skyline.spec.head_cache import PAGE, HeadCache, HeadKVPool
 from skyline.spec.train import TrainArgs, train_head
 
 transformers = pytest.importorskip("transformers")
@@ -128,9 +128,14 @@ def test_head_shapes_and_cache_bookkeeping(tiny_model, random_head):
     assert head.fc.weight.shape == (64, 128) and head.fc.weight.dtype == torch.float32
     parts = target_parts(model, head.vocab_ids)
     feats = torch.randn(5, 64)
-    cache = HeadCache(0, 2, 16, torch.float32, torch.device("cpu"), capacity=2)
-    cache.reserve(5)
-    assert cache.kv.shape == (8, 2, 2, 16)  # [rows, k/v, kv_heads, head_dim], doubled
+    pool = HeadKVPool(2, 16, torch.float32, torch.device("cpu"), num_pages=1)
+    cache, other = HeadCache(0, pool), HeadCache(0, pool)
+    other.reserve(3)
+    cache.reserve(PAGE + 5)  # the pool doubles twice, the pages already taken keep their rows
+    assert pool.kv.shape == (2, 4, PAGE, 2, 16) and len(cache.pages) == 2
+    assert sorted(other.pages + cache.pages + pool.free) == [0, 1, 2, 3]
+    other.release()
+    assert not other.pages and len(pool.free) == 2
     g = head(parts.embed(torch.tensor([3, 4, 5, 6, 7])), feats, torch.arange(5),
              AttnPlan([5], [cache], [0]))
     assert g.shape == (5, 64) and parts.logits(parts.norm(g)).shape == (5, VOCAB)
@@ -147,7 +152,7 @@ def test_head_shapes_and_cache_bookkeeping(tiny_model, random_head):
     tokens.append(11)  # sampled
     drafts = prop.propose(["a"], [tokens], 3)[0]
     assert c.length == 6 and "a" not in prop.pending and len(drafts) == 3
-    assert c.kv.shape[0] >= 6 + 2  # drafting wrote scratch rows past the committed ones
+    assert len(c.pages) * PAGE >= 6 + 2  # drafting wrote scratch rows past the committed ones
     # a verification of the 3 drafts (4 rows from position 6) that accepts one of them
     prop.observe(["a"], [6], [torch.randn(4, 64)], [tokens])
     assert c.length == 6
@@ -170,6 +175,7 @@ def test_head_shapes_and_cache_bookkeeping(tiny_model, random_head):
     for r in ["a", "b", "c", *many]:
         prop.finish(r, [])
     assert not prop.caches and not prop.pending and not prop.last
+    assert len(prop.pool.free) == prop.pool.num_pages  # every page back
     assert not prop.lookup.indexes
 
 
@@ -180,7 +186,7 @@ def test_unrolled_training_pass_attends_like_drafting(tiny_model, random_head):
     head = load_head(random_head, model)
     parts = target_parts(model, head.vocab_ids)
     torch.manual_seed(0)
-    n = 9
+    n = 21  # past one page of the head cache
     feats, toks = torch.randn(n, 64), torch.randint(0, VOCAB, (n,))
     emb, pos = parts.embed(toks), torch.arange(n)
     head.train()  # the reference (autograd) path
@@ -191,8 +197,9 @@ def test_unrolled_training_pass_attends_like_drafting(tiny_model, random_head):
         out1 = parts.norm(head(emb, shifted, pos, AttnPlan([n], prev_kv=[kv0])))
     head.eval()
     for t in range(1, n):
-        cache = HeadCache(0, 2, 16, torch.float32, torch.device("cpu"))
-        cache.reserve(t + 1)
+        pool = HeadKVPool(2, 16, torch.float32, torch.device("cpu"), num_pages=1)
+        HeadCache(0, pool).reserve(3)  # another request's page first: this one's are not 0..
+        cache = HeadCache(0, pool)
         ctx = head(emb[:t], feats[:t], pos[:t], AttnPlan([t], [cache], [0]))
         torch.testing.assert_close(parts.norm(ctx), out0[:t], atol=1e-5, rtol=1e-5)
         step = head(emb[t : t + 1], out0[t - 1 : t], pos[t : t + 1], AttnPlan([1], [cache], [t]))
