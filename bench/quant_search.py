@@ -6,15 +6,20 @@ dequantized to float32, as in bench/quant_quality.py).
         [--out bench/results/quant-search-cpu-smollm2.json]
 
 A budget named by a format is that uniform format's exact size in bytes (so the uniform
-format is the comparison at equal size); a number is bits per weight. Text:
-skyline/quant/calibration.txt. The first --calib-tokens calibrate the int formats and drive
-the search; every reported metric is measured on the next --eval-tokens, which the search
-never sees. Formats are quantized and sensitivities measured once for all budgets.
+format is the comparison at equal size); a number is bits per weight. Text (`--text`):
+skyline/quant/calibration.txt (`builtin`: three famous public-domain speeches, which the model
+has partly memorised), `self` (the model's own answers, sampled at temperature 0.7 and top-p
+0.9 with fixed seeds, to the built-in instruction prompts of skyline/spec/prompts.jsonl: the
+text it writes when serving, and varied), or a file. The first --calib-tokens calibrate the
+int formats and drive the search; every reported metric is measured on the next
+--eval-tokens, which the search never sees. Formats are quantized and sensitivities measured
+once for all budgets.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -22,12 +27,47 @@ import torch
 
 from skyline.bench.offline import machine_info, save_json
 from skyline.engine.create import EngineArgs, create_engine_config
-from skyline.engine.frontend import load_tokenizer
+from skyline.engine.frontend import LLM, load_tokenizer
 from skyline.model.loader import load_model
 from skyline.quant.assignment import DEFAULT_CANDIDATES, parse_budget, parse_formats
 from skyline.quant.calibrate import builtin_text, collect_act_sq
 from skyline.quant.report import HeldOut, compare, table
 from skyline.quant.search import prepare, search
+from skyline.spec.data import BUILTIN_PROMPTS
+from skyline.types import SamplingParams
+
+TEXT_NAMES = {"builtin": "skyline/quant/calibration.txt",
+              "self": "the model's answers to skyline/spec/prompts.jsonl (T 0.7, top-p 0.9)"}
+
+
+def self_text(num_tokens: int, max_tokens: int = 256) -> str:
+    """The default model's own answers to the built-in prompts, sampled (temperature 0.7, top-p
+    0.9, seed i for prompt i) until they hold `num_tokens` tokens, as plain text."""
+    llm = LLM(dtype="float32", device="cpu")
+    with open(BUILTIN_PROMPTS, encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    parts, total, i = [], 0, 0
+    while total < num_tokens and i < len(prompts):
+        batch = prompts[i : i + 16]
+        params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=max_tokens,
+                                 seed=i + j)
+                  for j in range(len(batch))]
+        outs = llm.generate([llm.render_chat([{"role": "user", "content": p}]) for p in batch],
+                            params)
+        for o in outs:
+            parts.append(o.outputs[0].text.strip())
+            total += len(o.outputs[0].token_ids)
+        i += len(batch)
+    return "\n\n".join(parts)
+
+
+def load_text(source: str, num_tokens: int) -> str:
+    if source == "builtin":
+        return builtin_text()
+    if source == "self":
+        return self_text(num_tokens + num_tokens // 8)  # re-tokenised text runs a bit shorter
+    with open(source, encoding="utf-8") as f:
+        return f.read()
 
 
 def main() -> None:
@@ -43,12 +83,17 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-evals", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--text", default="builtin", help="builtin | self | a UTF-8 text file")
     ns = ap.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
     t_start = time.time()
     base, _ = create_engine_config(EngineArgs(dtype="float32", device="cpu"))
-    ids = load_tokenizer(base.model).encode(builtin_text())
+    text = load_text(ns.text, ns.calib_tokens + ns.eval_tokens)
+    ids = load_tokenizer(base.model).encode(text)
+    if len(ids) < ns.calib_tokens + ns.eval_tokens:
+        sys.exit(f"--text {ns.text}: {len(ids)} tokens, fewer than --calib-tokens + "
+                 "--eval-tokens")
     calib = ids[: ns.calib_tokens]
     evals = ids[ns.calib_tokens : ns.calib_tokens + ns.eval_tokens]
     model = load_model(base.model, "cpu")
@@ -82,7 +127,7 @@ def main() -> None:
                  "float32 weights",
         "device": "cpu", "machine": machine_info("cpu"), "threads": torch.get_num_threads(),
         "command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-        "text": "skyline/quant/calibration.txt", "formats": [f.name for f in formats],
+        "text": TEXT_NAMES.get(ns.text, ns.text), "formats": [f.name for f in formats],
         "calibration_tokens": len(calib), "eval_tokens": len(evals),
         "eval_window": ns.eval_window, "sensitivity_tokens": ns.sensitivity_tokens,
         "search_tokens": ns.search_tokens, "window": ns.window, "max_evals": ns.max_evals,
