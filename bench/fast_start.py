@@ -90,7 +90,8 @@ def main() -> None:
     graphs_s = getattr(runner, "graph_capture_seconds", None)
     res = {
         "benchmark": "fast_start", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "model": a.model, "speculative_method": a.speculative_method, "checkpoint_GB": ckpt_gb, "checkpoint_write_s": write_s,
+        "model": a.model, "speculative_method": a.speculative_method, "checkpoint_GB": ckpt_gb,
+        "checkpoint_write_s": write_s,
         "load_weights_s": runner.load_seconds, "cuda_graph_capture_s": graphs_s,
         "num_cuda_graphs": len(runner.graphs.graphs) if runner.graphs else 0,
         "engine_ready_s": total, "load_GBps": ckpt_gb / runner.load_seconds,

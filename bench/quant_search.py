@@ -19,7 +19,6 @@ once for all budgets.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -33,39 +32,18 @@ from skyline.quant.assignment import DEFAULT_CANDIDATES, parse_budget, parse_for
 from skyline.quant.calibrate import builtin_text, collect_act_sq
 from skyline.quant.report import HeldOut, compare, table
 from skyline.quant.search import prepare, search
-from skyline.spec.data import BUILTIN_PROMPTS
-from skyline.types import SamplingParams
+from skyline.quant.self_text import self_text
 
 TEXT_NAMES = {"builtin": "skyline/quant/calibration.txt",
               "self": "the model's answers to skyline/spec/prompts.jsonl (T 0.7, top-p 0.9)"}
-
-
-def self_text(num_tokens: int, max_tokens: int = 256) -> str:
-    """The default model's own answers to the built-in prompts, sampled (temperature 0.7, top-p
-    0.9, seed i for prompt i) until they hold `num_tokens` tokens, as plain text."""
-    llm = LLM(dtype="float32", device="cpu")
-    with open(BUILTIN_PROMPTS, encoding="utf-8") as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    parts, total, i = [], 0, 0
-    while total < num_tokens and i < len(prompts):
-        batch = prompts[i : i + 16]
-        params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=max_tokens,
-                                 seed=i + j)
-                  for j in range(len(batch))]
-        outs = llm.generate([llm.render_chat([{"role": "user", "content": p}]) for p in batch],
-                            params)
-        for o in outs:
-            parts.append(o.outputs[0].text.strip())
-            total += len(o.outputs[0].token_ids)
-        i += len(batch)
-    return "\n\n".join(parts)
 
 
 def load_text(source: str, num_tokens: int) -> str:
     if source == "builtin":
         return builtin_text()
     if source == "self":
-        return self_text(num_tokens + num_tokens // 8)  # re-tokenised text runs a bit shorter
+        llm = LLM(dtype="float32", device="cpu")
+        return self_text(llm, num_tokens + num_tokens // 8)  # re-tokenised text runs short
     with open(source, encoding="utf-8") as f:
         return f.read()
 

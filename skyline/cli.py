@@ -115,7 +115,18 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
     from skyline.quant.checkpoint import quantize_checkpoint
 
     text = None
-    if ns.calib_file is not None:
+    if ns.calib_file is not None and ns.calib_self:
+        raise ConfigError("pass --calib-file or --calib-self, not both")
+    if ns.calib_self:
+        from skyline.engine.frontend import LLM
+        from skyline.quant.self_text import self_text
+
+        calib = ns.calib_tokens or (1024 if ns.search else 4096)
+        need = calib + (ns.eval_tokens if ns.search else 0)
+        print(f"writing calibration text: the model's answers to built-in prompts "
+              f"(~{need} tokens)", flush=True)
+        text = self_text(LLM(ns.model_path), need + need // 8)  # re-tokenised text runs short
+    elif ns.calib_file is not None:
         try:
             with open(ns.calib_file, encoding="utf-8") as f:
                 text = f.read()
@@ -269,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size")
     p.add_argument("--calib-file", default=None,
                    help="calibration text file (default: a built-in public-domain text)")
+    p.add_argument("--calib-self", action="store_true",
+                   help="calibrate on the model's own answers to built-in prompts (sampled "
+                        "first; the text it will write when serving)")
     p.add_argument("--calib-tokens", type=int, default=None,
                    help="calibration tokens (default 4096; with --search 1024, and the "
                         "following --eval-tokens are held out for the report)")
