@@ -46,8 +46,15 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     ap.add_argument("--quantization", default=None, help="weights: fp8 | int8 | int4 | ...")
+    ap.add_argument("--fp8-gemv", default=None, choices=["a8", "w8a16"],
+                    help="fp8 weights at <= 8 rows: fp8 x fp8 tensor-core GEMV (a8, default) "
+                         "or weight-only (w8a16)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.fp8_gemv is not None:
+        from skyline.quant import fp8
+
+        fp8.GEMV_ACTIVATIONS = a.fp8_gemv
     bw = copy_bandwidth()
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + a.new_tokens + 16,
               max_num_seqs=8, enforce_eager=a.enforce_eager, kv_cache_dtype=a.kv_cache_dtype,
@@ -87,7 +94,7 @@ def main() -> None:
         "model": a.model, "dtype": llm.config.model.dtype, "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens, "cuda_graphs": not a.enforce_eager,
         "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
-        "quantization": llm.config.model.quant.method,
+        "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8",
         "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9,
         "bytes_per_token_GB": bytes_per_token / 1e9, "roofline_tok_s": roofline,
         "decode_tok_s": decode_tok_s, "fraction_of_roofline": decode_tok_s / roofline,

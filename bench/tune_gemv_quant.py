@@ -8,8 +8,8 @@ For each Linear shape of the model (qkv, o, gate_up, down, lm_head), weight kind
 (integer kinds) and row count, a small grid of launch configurations (BLOCK_N, BLOCK_K, SPLIT_K,
 FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles) is checked against the
 PyTorch reference and timed; the fastest goes into the tuning tables "gemv_fp8" / "gemv_int8" /
-"gemv_int4" (`--configs-out`, default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to
-$OUT when set). Timing as in
+"gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the kernel; `--configs-out`,
+default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set). Timing as in
 bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight copies that
 L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth (read +
 write bytes of a 2 GiB device-to-device copy). A configuration that fails to compile, run or
@@ -40,6 +40,8 @@ from skyline.ops.gemv_quant import (
     config_key,
     default_config,
     fp8_gemv,
+    fp8_gemv_a8,
+    fp8_gemv_a8_ref,
     fp8_gemv_ref,
     int_gemv,
     int_gemv_ref,
@@ -58,7 +60,15 @@ from tune_gemv import (  # noqa: E402
     time_calls,
 )
 
-KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4}
+FP8A8 = 3  # fp8 x fp8 (fp8_gemv_a8, x quantized in the kernel), tuned as kernel "gemv_fp8a8"
+KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8}
+NAMES = {**KIND_NAMES, FP8A8: "fp8a8"}
+
+
+def default(kind: int, m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, Any]:
+    if kind == FP8A8:
+        return default_config(FP8, m, n, k, group, num_sms, a8=True)
+    return default_config(kind, m, n, k, group, num_sms)
 
 
 def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
@@ -67,7 +77,11 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     per thread), tensor-core tiles for every m; split K from 1 while each split keeps at least
     max(2, num_stages) K tiles and there are at most 16 waves of programs."""
     tiles: list[tuple[bool, int, int, int, int]] = []  # (dot, BLOCK_N, BLOCK_K, warps, stages)
-    if kind == FP8:
+    if kind == FP8A8:  # tensor cores only: nothing to convert, the tiles feed the MMA as loaded
+        fma = []
+        dot = [(64, 256, 4, 3), (128, 128, 4, 3), (32, 512, 4, 3), (64, 512, 4, 4),
+               (128, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4)]
+    elif kind == FP8:
         fma = [(16, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 3)]
         dot = [(64, 256, 4, 3), (128, 128, 4, 3)]
     else:
@@ -77,7 +91,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     if m <= 4:
         tiles += [(False, bn, bk, w, s) for bn, bk, w, s in fma
                   if bn * m * bk // (32 * w) <= 64]
-    if m <= 2:
+    if m <= 2 and kind != FP8A8:
         dot = dot[:1]  # FMA usually wins here; one tensor-core tile for comparison
     tiles += [(True, bn, bk, w, s) for bn, bk, w, s in dot if bk >= (32 if kind == INT4 else 16)]
     out, seen = [], set()
@@ -93,7 +107,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
                        "X_BCAST": kind != FP8 and not use_dot and bcast}
                 out.append(cfg)
                 seen.add(json.dumps(cfg, sort_keys=True))
-    base = default_config(kind, m, n, k, group, num_sms)
+    base = default(kind, m, n, k, group, num_sms)
     if json.dumps(base, sort_keys=True) not in seen:
         out.append(base)
     return out
@@ -102,7 +116,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
 def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
     """Random quantized weights of one [n, k] Linear as the call's arguments after x, and their
     bytes (weights + scales + zeros)."""
-    if kind == FP8:
+    if kind in (FP8, FP8A8):
         w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
         s = torch.rand(n, device="cuda") * 1e-3 + 1e-4
         return (w, s), w.numel() + s.numel() * 4
@@ -117,12 +131,17 @@ def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
 
 def call(kind: int, group: int, x: torch.Tensor, args: tuple, cfg: dict | None
          ) -> torch.Tensor:
+    if kind == FP8A8:
+        return fp8_gemv_a8(x, None, *args, config=cfg)
     if kind == FP8:
         return fp8_gemv(x, *args, config=cfg)
     return int_gemv(x, *args, 4 if kind == INT4 else 8, group, config=cfg)
 
 
-def reference(kind: int, group: int, x: torch.Tensor, args: tuple) -> torch.Tensor:
+def reference(kind: int, group: int, x: torch.Tensor, args: tuple, block_k: int = 0
+              ) -> torch.Tensor:
+    if kind == FP8A8:  # x rounded per row and BLOCK_K tile, as the kernel does
+        return fp8_gemv_a8_ref(x, None, *args, block_k=block_k)
     if kind == FP8:
         return fp8_gemv_ref(x, *args)
     return int_gemv_ref(x, *args, 4 if kind == INT4 else 8, group)
@@ -139,15 +158,18 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
     results = []
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = reference(kind, group, x, args).float()
+        ref = reference(kind, group, x, args, 128).float()
         tol = 1e-2 * ref.abs().max().item() + 1e-3
-        base = default_config(kind, m, n, k, group, num_sms)
+        base = default(kind, m, n, k, group, num_sms)
         over = time.time() > deadline
         cands = [base] if over else candidates(kind, m, n, k, group, num_sms)
         timed, failed = [], []
         for cfg in cands:
             try:
-                err = (call(kind, group, x, args, cfg).float() - ref).abs().max().item()
+                want = ref
+                if kind == FP8A8 and cfg["BLOCK_K"] != 128:
+                    want = reference(kind, group, x, args, cfg["BLOCK_K"]).float()
+                err = (call(kind, group, x, args, cfg).float() - want).abs().max().item()
                 if not err <= tol:
                     raise AssertionError(f"max error {err:.3g} > {tol:.3g}")
                 t = time_calls([lambda a=a, c=cfg, x=x: call(kind, group, x, a, c)
@@ -157,7 +179,7 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
                 continue
             timed.append((t, cfg))
         res: dict[str, Any] = {
-            "kind": KIND_NAMES[kind], "N": n, "K": k, "group": group, "rows": m,
+            "kind": NAMES[kind], "N": n, "K": k, "group": group, "rows": m,
             "key": config_key(m, n, k, group), "weight_MB": nbytes / 1e6, "budget": over,
             "num_timed": len(timed), "failed": failed}
         if timed:
@@ -169,11 +191,11 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
                 "default_us": None if t_default is None else t_default * 1e6,
                 "default_frac": None if t_default is None else frac(t_default),
                 "top3": [{"us": t * 1e6, "frac": frac(t), "config": c} for t, c in timed[:3]]})
-            print(f"{KIND_NAMES[kind]:>4} g{group:<4} {n:>6}x{k:<6} m={m}  {res['us']:7.1f} us "
+            print(f"{NAMES[kind]:>5} g{group:<4} {n:>6}x{k:<6} m={m}  {res['us']:7.1f} us "
                   f"({res['frac']:.2f} of copy bw)  default "
                   f"{res['default_us'] or float('nan'):7.1f} us  {best}", flush=True)
         else:
-            print(f"{KIND_NAMES[kind]:>4} g{group:<4} {n:>6}x{k:<6} m={m}  no config ran: "
+            print(f"{NAMES[kind]:>5} g{group:<4} {n:>6}x{k:<6} m={m}  no config ran: "
                   f"{failed[:1]}", flush=True)
         results.append(res)
     del copies, args
@@ -229,16 +251,17 @@ def main() -> None:
     print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, {num_sms} SMs")
     shapes = linear_shapes([a.model])
     # Row counts outermost (batch-1 decode first), so a short budget still tunes what matters.
-    cells = [(m, KINDS[kd], n, k, 0 if kd == "fp8" else g) for m in sorted(a.rows)
-             for kd in a.kinds for g in ([0] if kd == "fp8" else a.groups) for n, k in shapes]
+    cells = [(m, KINDS[kd], n, k, 0 if kd.startswith("fp8") else g) for m in sorted(a.rows)
+             for kd in a.kinds for g in ([0] if kd.startswith("fp8") else a.groups)
+             for n, k in shapes]
     results = []
     for m, kind, n, k, group in cells:
         try:
             results += tune_cell(kind, n, k, group, [m], copy_bw, num_sms, deadline)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
-            print(f"{KIND_NAMES[kind]} {n}x{k} g{group} m={m}: {type(e).__name__}: {e}",
+            print(f"{NAMES[kind]} {n}x{k} g{group} m={m}: {type(e).__name__}: {e}",
                   flush=True)
-            results.append({"kind": KIND_NAMES[kind], "N": n, "K": k, "group": group, "rows": m,
+            results.append({"kind": NAMES[kind], "N": n, "K": k, "group": group, "rows": m,
                             "error": f"{type(e).__name__}: {e}"[:300]})
             torch.cuda.empty_cache()
     command = "python " + " ".join(sys.argv)

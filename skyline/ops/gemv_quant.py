@@ -7,7 +7,11 @@ loaded in its stored width and converted in registers, so each weight byte is re
 - FP8 (WEIGHT_KIND 0): y = (x @ float(W_fp8)^T) * w_scale. Weight-only: activations stay in
   bf16/fp16 and are not quantized, so the result is at least as accurate as the W8A8
   `_scaled_mm` path (same weights, exact activations). The per-row scale is applied once, at
-  the end.
+  the end. `fp8_gemv_a8` is the W8A8 form, with the tensor cores multiplying fp8 tiles as
+  loaded (nothing converted per weight; kernel name "gemv_fp8a8" in the tuning tables):
+  either x quantized per row beforehand (y = (x_q @ W_q^T) * x_scale * w_scale, the values
+  `_scaled_mm` computes), or x in bf16/fp16 quantized inside the kernel, one e4m3 scale per
+  row and BLOCK_K-column tile (finer than per row; no separate kernel, no extra launch).
 - INT8 / INT4 (WEIGHT_KIND 1 / 2): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with
   g = k // GROUP. BLOCK_K divides GROUP, so every K tile of a row lies in one group: its scale
   and zero are two [BLOCK_N] loads per tile. INT4 bytes hold element 2j in the low nibble and
@@ -68,6 +72,34 @@ def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype)
 
 
+def quantize_tiles_fp8_ref(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [M, K] rounded as fp8_gemv_a8 quantizes it in the kernel: e4m3 with one scale per row
+    and block_k-column tile (amax / 448), returned dequantized in float32."""
+    m, k = x.shape
+    xt = torch.nn.functional.pad(x.float(), (0, -k % block_k)).view(m, -1, block_k)
+    amax = xt.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    q = (xt * (448.0 / amax)).to(torch.float8_e4m3fn).float() * (amax / 448.0)
+    return q.view(m, -1)[:, :k]
+
+
+def fp8_gemv_a8_ref(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
+                    w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16,
+                    block_k: int | None = None) -> torch.Tensor:
+    """e4m3 xq [M, K] with float32 x_scale [M] (or [M, 1]), e4m3 weight [N, K], w_scale [N]
+    -> [M, N] in out_dtype. With x_scale None, xq is bf16/fp16/fp32, quantized per row and
+    block_k-column tile as the kernel does."""
+    if x_scale is None:
+        assert block_k is not None, "in-kernel quantization rounds per block_k tile"
+        xd = quantize_tiles_fp8_ref(xq, block_k)
+    else:
+        xd = xq.float() * x_scale.float().reshape(-1, 1)
+    y = (xd @ weight.float().t()) * w_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
 def int_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, bits: int, group: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -100,7 +132,7 @@ def config_key(m: int, n: int, k: int, group: int = 0) -> str:
 
 
 def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
-                   num_sms: int = 132) -> dict:
+                   num_sms: int = 132, a8: bool = False) -> dict:
     """A launch configuration for shapes without a tuned entry.
 
     FMA for one or two rows, tensor cores above. Tiles of about 2 KiB of weight bytes per
@@ -109,7 +141,7 @@ def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
     programs per SM, keeping at least four K tiles per split. X_BCAST (integer weights, FMA
     mode): x loaded once per tile and broadcast over W's rows, from two rows of x on.
     """
-    use_dot = m > 2
+    use_dot = m > 2 or a8  # fp8 x fp8 (a8): always the tensor cores
     if kind == FP8:
         block_k = 256 if use_dot else 512
         block_n = 64 if use_dot else (16 if m == 1 else 8)
@@ -126,15 +158,20 @@ def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
             "X_BCAST": kind != FP8 and not use_dot and m >= 2}
 
 
+def kernel_name(kind: int, a8: bool = False) -> str:
+    """The tuning-table kernel name of a weight kind (W8A8 fp8: "gemv_fp8a8")."""
+    return "gemv_fp8a8" if a8 else f"gemv_{KIND_NAMES[kind]}"
+
+
 @functools.cache
 def quant_gemv_config(kind: int, m: int, n: int, k: int, group: int,
-                      device: torch.device) -> dict:
+                      device: torch.device, a8: bool = False) -> dict:
     """The tuned configuration on `device` if there is one, else default_config (cached)."""
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 132)
     m = row_bucket(m)
-    return get_config(f"gemv_{KIND_NAMES[kind]}", config_key(m, n, k, group),
-                      default_config(kind, m, n, k, group, num_sms))
+    return get_config(kernel_name(kind, a8), config_key(m, n, k, group),
+                      default_config(kind, m, n, k, group, num_sms, a8))
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
@@ -151,6 +188,33 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} does not match weight {(n, k)}")
     return _launch(FP8, x, weight.contiguous(), w_scale.reshape(-1).contiguous(), None, n, k, 0,
                    bias, config)
+
+
+def fp8_gemv_a8(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
+                w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16,
+                config: dict | None = None) -> torch.Tensor:
+    """W8A8 with e4m3 weight [N, K] and float32 w_scale [N], bias [N] -> [..., N] in out_dtype
+    (bf16/fp16). xq [..., K] (1..MAX_ROWS rows): e4m3 with float32 x_scale (one per row), or
+    (x_scale None) bf16/fp16 activations that the kernel quantizes tile by tile."""
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemv_a8: weight must be float8_e4m3fn [N, K], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if (xq.dtype == torch.float8_e4m3fn) != (x_scale is not None) or (
+            x_scale is None and xq.dtype not in _ACT_DTYPES):
+        raise ValueError(f"fp8_gemv_a8: x must be float8_e4m3fn with its scales, or bf16/fp16 "
+                         f"without; got {xq.dtype} and {'no ' if x_scale is None else ''}scales")
+    n, k = weight.shape
+    if w_scale.numel() != n or (x_scale is not None
+                                and x_scale.numel() != xq.numel() // max(k, 1)):
+        raise ValueError(f"fp8_gemv_a8: {w_scale.numel()} weight scales for {n} rows, x "
+                         f"scales for {xq.numel() // max(k, 1)} rows")
+    if xq.shape[-1] != k or out_dtype not in _ACT_DTYPES:
+        raise ValueError(f"fp8_gemv_a8: x {tuple(xq.shape)} against weight {(n, k)}, "
+                         f"out_dtype {out_dtype}")
+    xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None else None
+    return _launch(FP8, xq, weight.contiguous(), w_scale.reshape(-1).contiguous(), None, n, k,
+                   0, bias, config, xs, out_dtype, a8=True)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -176,7 +240,9 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 
 def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, n: int, k: int, group: int,
-            bias: torch.Tensor | None, config: dict | None) -> torch.Tensor:
+            bias: torch.Tensor | None, config: dict | None,
+            x_scale: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, a8: bool = False) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("the quantized GEMV needs triton; use the *_ref functions")
     if bias is not None and bias.shape != (n,):
@@ -187,9 +253,12 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     m = x2.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"quantized gemv takes 1..{MAX_ROWS} rows, got {m}")
-    cfg = config if config is not None else quant_gemv_config(kind, m, n, k, group, x.device)
+    cfg = config if config is not None else quant_gemv_config(kind, m, n, k, group, x.device,
+                                                               a8)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot = bool(cfg["USE_DOT"])
+    if a8 and (not use_dot or block_k < 32):
+        raise ValueError(f"fp8 x fp8 gemv config {cfg}: needs USE_DOT and BLOCK_K >= 32")
     if kind != FP8 and group % block_k:
         raise ValueError(f"quantized gemv config {cfg}: BLOCK_K must divide the group {group}")
     per_word = 8 if kind == INT4 else 4  # FMA mode reads integer weights as int32 words
@@ -207,7 +276,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     block_m = 16 if use_dot else row_bucket(m)
     k_iters = _cdiv(_cdiv(k, split_k), block_k)
     num_tiles = _cdiv(n, block_n)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     partial, counters = y, y
     if split_k > 1:
         if num_tiles > MAX_SPLIT_TILES:
@@ -230,11 +299,13 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     kernels.gemv_quant_kernel[(num_tiles, split_k)](
         x2, w, scales, zeros if zeros is not None else scales,
         bias if bias is not None else scales, y, partial, counters,
+        x_scale if x_scale is not None else scales,
         m, n, k, k_iters, split_k, x2.stride(0), w.stride(0), scales.stride(0) if kind else 0,
         WEIGHT_KIND=kind, GROUP=max(group, 1), HAS_BIAS=bias is not None,
         EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, USE_DOT=use_dot,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interpreted else 0,
+        X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interpreted,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y.reshape(*x.shape[:-1], n)

@@ -22,6 +22,20 @@ if triton is not None:
         return tl.dot(w, tl.trans(x), acc)
 
     @triton.jit
+    def _round_e4m3(v):
+        # v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32
+        # arithmetic: adding and subtracting 1.5 * 2^23 * step rounds to a multiple of step,
+        # the spacing of e4m3 values at v's exponent (2^(e - 3); 2^-9 below the normal
+        # range). The e4m3 conversion that follows is then exact, whatever its own rounding
+        # (Triton's interpreter carries a rounding into the exponent wrongly).
+        a = tl.abs(v)
+        e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        step_e = tl.maximum(e - 3, 127 - 9)
+        c = ((step_e + 23) << 23 | 0x400000).to(tl.float32, bitcast=True)
+        r = (a + c) - c
+        return tl.where(v < 0, -r, r)
+
+    @triton.jit
     def gemv_int_fma_kernel(
         x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
         M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
@@ -98,16 +112,21 @@ if triton is not None:
 
     @triton.jit
     def gemv_quant_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, xs_ptr,
         M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
         WEIGHT_KIND: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+        NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr, X_QUANT: tl.constexpr = 0,
+        ROUND_E4M3: tl.constexpr = False,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
         # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
         # bytes against the even (low nibbles) and odd (high nibbles) columns of x.
+        # X_QUANT (FP8 weights, DOT mode; the tensor cores multiply two fp8 tiles, nothing is
+        # converted per weight): 1, x is e4m3 with a float32 scale per row (xs_ptr); 2, x is
+        # bf16/fp16 and each [BLOCK_M, BLOCK_K] tile is quantized here, one scale per row and
+        # tile (amax / 448), its product scaled back before it joins the sum.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         PACK: tl.constexpr = 2 if WEIGHT_KIND == 2 else 1
@@ -169,7 +188,19 @@ if triton is not None:
             if WEIGHT_KIND == 2:
                 xh = tl.load(x_ptrs + 1, mask=x_mask_hi, other=0.0)
             if USE_DOT:
-                if WEIGHT_KIND == 0:
+                if WEIGHT_KIND == 0 and X_QUANT == 1:
+                    acc = tl.dot(wq, tl.trans(xv), acc)
+                elif WEIGHT_KIND == 0 and X_QUANT == 2:
+                    xf = xv.to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-30)  # [BLOCK_M]
+                    sx = amax / 448.0
+                    xs = xf * (448.0 / amax)[:, None]
+                    if ROUND_E4M3:  # the interpreter: round first, so its conversion is exact
+                        xs = _round_e4m3(xs)
+                    xq = xs.to(tl.float8e4nv)
+                    t = tl.dot(wq, tl.trans(xq), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
+                    acc += t * sx[None, :]
+                elif WEIGHT_KIND == 0:
                     acc = _dot_t(wq.to(xv.dtype), xv, acc, IEEE)
                 elif WEIGHT_KIND == 1:
                     wd = (wq.to(tl.float32) - z[:, None]).to(xv.dtype)
@@ -199,5 +230,7 @@ if triton is not None:
             out = tl.sum(acc, axis=2)
         if WEIGHT_KIND == 0:  # per-output-row scale, once
             out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if X_QUANT == 1:  # per-row scale of x
+            out = out * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
                          pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)

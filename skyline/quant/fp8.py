@@ -12,10 +12,16 @@ import torch.nn.functional as F
 
 from skyline.model.layers.linear import Linear
 from skyline.ops.fp8_quant import FP8, FP8_MAX, quantize_rows_fp8
-from skyline.ops.gemv_quant import fp8_gemv, quant_gemv_ok
+from skyline.ops.gemv_quant import fp8_gemv, fp8_gemv_a8, quant_gemv_ok
 from skyline.quant.base import QuantLinearMethod
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
+
+# Decode-sized batches (<= 8 rows) on the GPU: "a8" runs the fp8 x fp8 tensor-core GEMV, which
+# quantizes x itself per row and K tile (W8A8, finer-scaled than the per-token activations of
+# the _scaled_mm path for larger batches); "w8a16" streams the fp8 weights against unquantized
+# activations, converting every weight.
+GEMV_ACTIVATIONS = "a8"
 
 
 @functools.lru_cache(maxsize=16)
@@ -46,10 +52,12 @@ class Fp8LinearMethod(QuantLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         w, w_scale = layer.weight, layer.weight_scale
-        if quant_gemv_ok(x) and _has_fp8_units(x.device):
-            # Decode-sized batches: weight-only GEMV streaming the fp8 bytes (x not quantized).
-            return fp8_gemv(x, w, w_scale, layer.bias)
         lead = x.shape[:-1]
+        if quant_gemv_ok(x) and _has_fp8_units(x.device):
+            # Decode-sized batches: a GEMV streaming the fp8 weight bytes.
+            if GEMV_ACTIVATIONS == "w8a16":
+                return fp8_gemv(x, w, w_scale, layer.bias)
+            return fp8_gemv_a8(x, None, w, w_scale, layer.bias, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales
         if _scaled_mm_ok(x2, w):

@@ -23,10 +23,14 @@ from skyline.ops.gemv_quant import (  # noqa: E402
     INT8,
     default_config,
     fp8_gemv,
+    fp8_gemv_a8,
+    fp8_gemv_a8_ref,
     fp8_gemv_ref,
     int_gemv,
     int_gemv_ref,
+    quant_gemv_config,
     quant_gemv_ok,
+    quantize_tiles_fp8_ref,
 )
 from skyline.ops.int_matmul import dequantize_int_ref  # noqa: E402
 from skyline.quant.fp8 import quantize_rows_fp8  # noqa: E402
@@ -106,6 +110,36 @@ def test_fp8_gemv_matches_reference(dtype, use_dot, split_k, bias, m, n, k):
     b = b if bias else None
     out = fp8_gemv(x, q, s, b, config=config(16, 32, split_k, use_dot))
     check(out, fp8_gemv_ref(x, q, s, b))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16] + DTYPES[2:])
+@pytest.mark.parametrize("in_kernel", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 33, 200), (8, 16, 64), (5, 17, 40)])
+def test_fp8_gemv_a8_matches_reference(out_dtype, in_kernel, split_k, bias, m, n, k):
+    # W8A8: x quantized per row beforehand, or per row and 32-column tile in the kernel; the
+    # tensor cores multiply the two fp8 tiles. K = 200 and 40 are not multiples of the tile,
+    # so the masked tails of x and W are exercised.
+    x, w, b = operands(m, n, k, torch.float32, seed=m * n + k + 1)
+    q, s = fp8_weights(w)
+    b = b.to(out_dtype) if bias else None
+    cfg = config(16, 32, split_k, True)
+    if in_kernel:
+        xin = guarded(x.to(out_dtype))
+        out = fp8_gemv_a8(xin, None, q, s, b, out_dtype, config=cfg)
+        ref = fp8_gemv_a8_ref(xin, None, q, s, b, out_dtype, block_k=32)
+    else:
+        xq, xs = quantize_rows_fp8(x.cpu())
+        xq, xs = guarded(xq.to(DEV)), guarded(xs.reshape(-1).to(DEV))
+        out = fp8_gemv_a8(xq, xs, q, s, b, out_dtype, config=cfg)
+        ref = fp8_gemv_a8_ref(xq, xs, q, s, b, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    check(out, ref)
+    # the W8A8 product of the original x: within fp8 rounding of x
+    exact = F.linear(x.float(), q.float() * s[:, None].float())
+    torch.testing.assert_close(out.float(), exact + (b.float() if bias else 0), atol=0.15,
+                               rtol=0.1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,6 +226,14 @@ def test_bad_inputs_are_refused():
         int_gemv(x, c, sc, z, 4, 32, config=config(16, 64, 1, False))
     with pytest.raises(ValueError, match="multiple of 8"):  # int4 FMA reads 8-nibble words
         int_gemv(x, c, sc, z, 4, 32, config=config(16, 4, 1, False))
+    xq, xs = quantize_rows_fp8(x)
+    with pytest.raises(ValueError, match="USE_DOT"):
+        fp8_gemv_a8(xq.to(DEV), xs.to(DEV), q.to(DEV), s.reshape(-1).to(DEV),
+                    config=config(16, 32, 1, False))
+    with pytest.raises(ValueError, match="float8_e4m3fn with its scales"):
+        fp8_gemv_a8(x.half(), xs.to(DEV), q.to(DEV), s.reshape(-1).to(DEV))
+    with pytest.raises(ValueError, match="float8_e4m3fn with its scales"):
+        fp8_gemv_a8(xq.to(DEV), None, q.to(DEV), s.reshape(-1).to(DEV))
     assert not quant_gemv_ok(torch.zeros(1, 64))  # CPU tensors keep the PyTorch paths
 
 
@@ -221,7 +263,11 @@ def test_linear_methods_dispatch_to_the_gemv():
     for method in (Fp8LinearMethod(cfg), IntLinearMethod(cfg, 4), IntLinearMethod(cfg, 8)):
         params = {k: v.to(DEV) for k, v in method.quantize(w).items()}
         layer = SimpleNamespace(bias=b, **params)
-        ref = F.linear(x.float(), method.dequantize(params, 256).float(), b.float())
+        xr = x.float()
+        if isinstance(method, Fp8LinearMethod):  # W8A8: x quantized per row and K tile
+            block_k = quant_gemv_config(FP8, 2, 64, 256, 0, x.device, True)["BLOCK_K"]
+            xr = quantize_tiles_fp8_ref(x, block_k)
+        ref = F.linear(xr, method.dequantize(params, 256).float(), b.float())
         out = method.apply(layer, x)
         assert out.shape == (2, 64) and out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
