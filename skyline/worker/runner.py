@@ -12,6 +12,7 @@ collected in turn, as `execute` does.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from skyline.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from skyline.worker.cuda_graph import CudaGraphRunner
-from skyline.worker.inputs import RequestState, build_inputs
+from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.kv_cache import (
     allocate_kv_cache,
     bytes_per_block,
@@ -37,6 +38,12 @@ from skyline.worker.sampler import DeviceSample, SamplingRow, sample_on_device
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# CPU: a step of at most this many tokens runs on one thread. Its operations are too small to
+# share well (in process, batch-1 decode gains 6% from a second thread), and in a server the
+# API process needs a core for every token it streams: an engine thread waiting for that core
+# stalls each parallel region (BENCHMARKS.md, "Threads of a CPU server";
+# SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
+CPU_SERIAL_TOKENS = int(os.environ.get("SKYLINE_CPU_SERIAL_TOKENS", "4"))
 
 
 @dataclass
@@ -95,6 +102,7 @@ class ModelRunner:
             self.arch, self.block_size, self.kv_dtype
         )
         self._in_flight: _InFlight | None = None
+        self.cpu_threads = torch.get_num_threads()  # as configured (--threads)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
@@ -159,6 +167,18 @@ class ModelRunner:
             in_flight = ({r: i for i, r in enumerate(prev.sampling_req_ids)}, prev.sample.tokens)
         inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device,
                            out.spec_token_ids, in_flight)
+        serial = (self.device.type == "cpu" and self.cpu_threads > 1
+                  and inp.input_ids.shape[0] <= CPU_SERIAL_TOKENS)
+        if serial:  # restored below: the process's other torch work keeps its threads
+            torch.set_num_threads(1)
+        try:
+            return self._launch(out, inp, prev)
+        finally:
+            if serial:
+                torch.set_num_threads(self.cpu_threads)
+
+    def _launch(self, out: SchedulerOutput, inp: StepInputs, prev: _InFlight | None
+                ) -> RunnerOutput | None:
         shape = self.graphs.shape_for(inp) if self.graphs is not None else None
         if shape is not None:
             hidden = self.graphs.run(inp, shape)  # [num_tokens, hidden]

@@ -179,3 +179,35 @@ def test_async_scheduling_same_outputs(tiny_model):
     assert run("on", max_num_batched_tokens=5) == ref  # chunked prefill mixed with decodes
     tiny = dict(num_blocks=16, block_size=4, max_model_len=64)  # preemption by recompute
     assert run("on", **tiny) == run("off", **tiny) == ref
+
+
+def test_small_cpu_steps_run_on_one_thread_and_restore_it(tiny_model, monkeypatch):
+    """A CPU step of at most CPU_SERIAL_TOKENS tokens runs single-threaded (in a server the API
+    process needs a core); larger steps keep the configured threads, and so does the process
+    between steps; greedy tokens are those of a one-thread engine."""
+    from skyline.worker import runner as runner_mod
+
+    path, _ = tiny_model
+    prompts = _prompts(3, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(path, device="cpu", dtype="float32")
+        runner = llm.engine.executor.runner
+        seen: list[tuple[int, int]] = []
+        inner = runner._launch
+
+        def spy(out, inp, prev):
+            seen.append((inp.input_ids.shape[0], torch.get_num_threads()))
+            return inner(out, inp, prev)
+
+        monkeypatch.setattr(runner, "_launch", spy)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        assert torch.get_num_threads() == 2
+        small = runner_mod.CPU_SERIAL_TOKENS
+        assert {t for n, t in seen if n <= small} == {1}
+        assert {t for n, t in seen if n > small} == {2}  # the prefill of the three prompts
+        torch.set_num_threads(1)
+        assert _run(path, prompts) == tokens
+    finally:
+        torch.set_num_threads(before)

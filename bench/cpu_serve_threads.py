@@ -1,0 +1,73 @@
+"""Threads of a CPU server: `skyline serve` on the default model at several concurrency levels,
+with one engine thread, with all of them, and with all of them but small steps on one thread
+(the engine's default, `CPU_SERIAL_TOKENS` in skyline/worker/runner.py).
+
+    python bench/cpu_serve_threads.py [--threads 2] [--concurrency 1,2,4,8,16]
+        [--flags "--dtype bfloat16 --quantization gguf"] [--out bench/results/F.json]
+
+Random 128-token prompts, 128 output tokens (EOS ignored), `skyline bench serve`'s load
+generator; each variant is a fresh server. The engine and the API server are two processes:
+on a machine with few cores, the API process's work for every streamed token competes with
+the engine's threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+from skyline.bench.frontier import start_server, stop_server
+from skyline.bench.metrics import summarize
+from skyline.bench.offline import machine_info, save_json
+from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.workloads import WorkloadSpec
+
+
+def variants(threads: int) -> dict[str, tuple[int, str]]:
+    """name -> (--threads, SKYLINE_CPU_SERIAL_TOKENS)."""
+    return {"1 thread": (1, "0"), f"{threads} threads": (threads, "0"),
+            f"{threads} threads, small steps on 1 (default)": (threads, "4")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--flags", default="--dtype bfloat16 --quantization gguf",
+                    help="extra `skyline serve` flags")
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    levels = [int(c) for c in a.concurrency.split(",")]
+    rows: list[dict[str, Any]] = []
+    for name, (threads, serial) in variants(a.threads).items():
+        os.environ["SKYLINE_CPU_SERIAL_TOKENS"] = serial
+        flags = [*shlex.split(a.flags), "--threads", str(threads)]
+        proc, url = start_server(flags, "/tmp/cpu-serve-threads.log", timeout=300)
+        try:
+            for c in levels:
+                load = LoadSpec(base_url=url, concurrency=c,
+                                num_requests=max(4, c * a.requests_per_stream), warmup=1,
+                                progress=False)
+                results, duration, _, _ = run_load(load, WorkloadSpec("random", "128", "128"))
+                s = summarize(results, duration, None)
+                rows.append({"variant": name, "threads": threads, "serial_tokens": int(serial),
+                             "concurrency": c, "output_tok_s": s["output_throughput"],
+                             "tpot_ms_p50": s["tpot_ms"]["median"],
+                             "ttft_ms_p50": s["ttft_ms"]["median"]})
+                print(f"{name:<40} c={c:<3} {s['output_throughput']:7.1f} tok/s  TPOT p50 "
+                      f"{s['tpot_ms']['median']:6.1f} ms", flush=True)
+        finally:
+            stop_server(proc)
+    res = {"benchmark": "cpu_serve_threads", "command": "python " + " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "flags": a.flags,
+           "rows": rows, "machine": machine_info("cpu")}
+    save_json(res, a.out)
+
+
+if __name__ == "__main__":
+    main()
