@@ -39,10 +39,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # CPU: a step of at most this many tokens runs on one thread. Its operations are too small to
-# share well (in process, batch-1 decode gains 6% from a second thread), and in a server the
-# API process needs a core for every token it streams: an engine thread waiting for that core
-# stalls each parallel region (BENCHMARKS.md, "Threads of a CPU server";
-# SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
+# share well, and in a server the API process needs a core for every token it streams: an
+# engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
+# a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
 CPU_SERIAL_TOKENS = int(os.environ.get("SKYLINE_CPU_SERIAL_TOKENS", "4"))
 
 
