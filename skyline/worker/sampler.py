@@ -48,6 +48,14 @@ def to_device(values: list[int] | list[float], dtype: torch.dtype,
     return t.to(device)
 
 
+def _penalized(r: SamplingRow) -> bool:
+    """Whether `_apply_penalties` changes the row."""
+    p = r.params
+    return (p.repetition_penalty != 1.0
+            or bool((p.presence_penalty or p.frequency_penalty) and r.output_token_ids)
+            or bool(p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.stop_ids))
+
+
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     # logits [n, vocab], modified in place; only rows that ask for penalties pay for them.
     vocab = logits.shape[1]
@@ -184,8 +192,9 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     """
     dev = logits.device
     raw = logits
-    logits = logits.clone()
-    _apply_penalties(logits, rows)
+    if any(_penalized(r) for r in rows):  # in place, on a copy: logprobs read the raw ones
+        logits = logits.clone()
+        _apply_penalties(logits, rows)
     tokens = logits.argmax(-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) == len(rows):
