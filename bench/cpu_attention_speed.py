@@ -16,23 +16,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from skyline.bench.offline import median_call_s
 from skyline.ops.attention import _attend_small
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 SCALE = DIM**-0.5
-
-
-def timed(fn, min_s: float = 0.3) -> float:
-    """Median seconds per call over at least `min_s` of calls (after three warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < min_s or len(times) < 5:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def decode_rows(g: torch.Generator) -> list[dict]:
@@ -44,7 +32,7 @@ def decode_rows(g: torch.Generator) -> list[dict]:
         t = {}
         for dtype in (torch.float32, torch.bfloat16):
             qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
-            t[str(dtype).removeprefix("torch.")] = timed(
+            t[str(dtype).removeprefix("torch.")] = median_call_s(
                 lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(
                     qd, kd, vd, scale=SCALE, enable_gqa=True))
         rows.append({"context": ctx, "sdpa_float32_us": t["float32"] * 1e6,
@@ -62,9 +50,9 @@ def extend_rows(g: torch.Generator) -> list[dict]:
         k = torch.randn(KV_HEADS, ctx, DIM, generator=g)
         v = torch.randn(KV_HEADS, ctx, DIM, generator=g)
         mask = torch.arange(ctx - q_len, ctx)[:, None] >= torch.arange(ctx)[None, :]
-        t_sdpa = timed(lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(
+        t_sdpa = median_call_s(lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(
             q, k, v, attn_mask=m, scale=SCALE, enable_gqa=True))
-        t_small = timed(lambda q=q, k=k, v=v, m=mask: _attend_small(q, k, v, m, SCALE))
+        t_small = median_call_s(lambda q=q, k=k, v=v, m=mask: _attend_small(q, k, v, m, SCALE))
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE,
                                              enable_gqa=True)
         err = (_attend_small(q, k, v, mask, SCALE) - ref).abs().max().item()

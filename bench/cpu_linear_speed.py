@@ -18,24 +18,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from skyline.bench.offline import median_call_s
 from skyline.ops import cpu_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}  # SmolLM2-135M: (out, in)
 ROWS = (1, 2, 4, 8, 9, 16, 64, 512)
-
-
-def timed(fn, min_s: float = 0.3) -> float:
-    """Median seconds per call over at least `min_s` of calls (after three warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < min_s or len(times) < 5:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -55,8 +43,8 @@ def main() -> None:
             full_ref = F.linear(x_all, w)
             for m in ROWS:
                 x = x_all[:m]
-                t_ref = timed(lambda x=x, w=w: F.linear(x, w))
-                t_dnn = timed(lambda x=x, p=packed: cpu_linear.packed_linear(x, p))
+                t_ref = median_call_s(lambda x=x, w=w: F.linear(x, w))
+                t_dnn = median_call_s(lambda x=x, p=packed: cpu_linear.packed_linear(x, p))
                 row = {"dtype": str(dtype).removeprefix("torch."), "proj": name, "n": n, "k": k,
                        "rows": m, "f_linear_us": t_ref * 1e6, "onednn_packed_us": t_dnn * 1e6,
                        "speedup": t_ref / t_dnn,

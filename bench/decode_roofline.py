@@ -46,9 +46,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     ap.add_argument("--quantization", default=None, help="weights: fp8 | int8 | int4 | ...")
-    ap.add_argument("--fp8-gemv", default=None, choices=["a8", "w8a16"],
-                    help="fp8 weights at <= 8 rows: fp8 x fp8 tensor-core GEMV (a8, default) "
-                         "or weight-only (w8a16)")
+    ap.add_argument("--fp8-gemv", default=None, choices=["a8", "a8q", "w8a16"],
+                    help="fp8 weights at <= 8 rows: fp8 x fp8 tensor-core GEMV (a8, default; "
+                         "a8q: x quantized by its own kernel first) or weight-only (w8a16)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fp8_gemv is not None:

@@ -8,7 +8,8 @@ For each Linear shape of the model (qkv, o, gate_up, down, lm_head), weight kind
 (integer kinds) and row count, a small grid of launch configurations (BLOCK_N, BLOCK_K, SPLIT_K,
 FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles) is checked against the
 PyTorch reference and timed; the fastest goes into the tuning tables "gemv_fp8" / "gemv_int8" /
-"gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the kernel; `--configs-out`,
+"gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the kernel) / "gemv_fp8a8q" (x quantized
+per row before the call, outside the timing; `--configs-out`,
 default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set). Timing as in
 bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight copies that
 L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth (read +
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from skyline.bench.offline import machine_info, save_json
+from skyline.ops.fp8_quant import quantize_rows_fp8
 from skyline.ops.gemv_quant import (
     FP8,
     INT4,
@@ -61,12 +63,13 @@ from tune_gemv import (  # noqa: E402
 )
 
 FP8A8 = 3  # fp8 x fp8 (fp8_gemv_a8, x quantized in the kernel), tuned as kernel "gemv_fp8a8"
-KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8}
-NAMES = {**KIND_NAMES, FP8A8: "fp8a8"}
+FP8A8Q = 4  # the same with x quantized per row beforehand: "gemv_fp8a8q"
+KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q}
+NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q"}
 
 
 def default(kind: int, m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, Any]:
-    if kind == FP8A8:
+    if kind in (FP8A8, FP8A8Q):
         return default_config(FP8, m, n, k, group, num_sms, a8=True)
     return default_config(kind, m, n, k, group, num_sms)
 
@@ -77,7 +80,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     per thread), tensor-core tiles for every m; split K from 1 while each split keeps at least
     max(2, num_stages) K tiles and there are at most 16 waves of programs."""
     tiles: list[tuple[bool, int, int, int, int]] = []  # (dot, BLOCK_N, BLOCK_K, warps, stages)
-    if kind == FP8A8:  # tensor cores only: nothing to convert, the tiles feed the MMA as loaded
+    if kind in (FP8A8, FP8A8Q):  # tensor cores only: the tiles feed the MMA as loaded
         fma = []
         dot = [(64, 256, 4, 3), (128, 128, 4, 3), (32, 512, 4, 3), (64, 512, 4, 4),
                (128, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4)]
@@ -91,7 +94,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     if m <= 4:
         tiles += [(False, bn, bk, w, s) for bn, bk, w, s in fma
                   if bn * m * bk // (32 * w) <= 64]
-    if m <= 2 and kind != FP8A8:
+    if m <= 2 and kind in (FP8, INT8, INT4):
         dot = dot[:1]  # FMA usually wins here; one tensor-core tile for comparison
     tiles += [(True, bn, bk, w, s) for bn, bk, w, s in dot if bk >= (32 if kind == INT4 else 16)]
     out, seen = [], set()
@@ -116,7 +119,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
 def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
     """Random quantized weights of one [n, k] Linear as the call's arguments after x, and their
     bytes (weights + scales + zeros)."""
-    if kind in (FP8, FP8A8):
+    if kind in (FP8, FP8A8, FP8A8Q):
         w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
         s = torch.rand(n, device="cuda") * 1e-3 + 1e-4
         return (w, s), w.numel() + s.numel() * 4
@@ -129,19 +132,21 @@ def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
     return (codes, scales, zeros), codes.numel() + scales.numel() * 5
 
 
-def call(kind: int, group: int, x: torch.Tensor, args: tuple, cfg: dict | None
-         ) -> torch.Tensor:
+def call(kind: int, group: int, x: Any, args: tuple, cfg: dict | None) -> torch.Tensor:
     if kind == FP8A8:
         return fp8_gemv_a8(x, None, *args, config=cfg)
+    if kind == FP8A8Q:  # x: (e4m3 rows, their scales)
+        return fp8_gemv_a8(*x, *args, config=cfg)
     if kind == FP8:
         return fp8_gemv(x, *args, config=cfg)
     return int_gemv(x, *args, 4 if kind == INT4 else 8, group, config=cfg)
 
 
-def reference(kind: int, group: int, x: torch.Tensor, args: tuple, block_k: int = 0
-              ) -> torch.Tensor:
+def reference(kind: int, group: int, x: Any, args: tuple, block_k: int = 0) -> torch.Tensor:
     if kind == FP8A8:  # x rounded per row and BLOCK_K tile, as the kernel does
         return fp8_gemv_a8_ref(x, None, *args, block_k=block_k)
+    if kind == FP8A8Q:
+        return fp8_gemv_a8_ref(*x, *args)
     if kind == FP8:
         return fp8_gemv_ref(x, *args)
     return int_gemv_ref(x, *args, 4 if kind == INT4 else 8, group)
@@ -157,7 +162,9 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
     frac = lambda t: nbytes / t / copy_bw  # noqa: E731
     results = []
     for m in rows:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x: Any = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if kind == FP8A8Q:
+            x = quantize_rows_fp8(x)
         ref = reference(kind, group, x, args, 128).float()
         tol = 1e-2 * ref.abs().max().item() + 1e-3
         base = default(kind, m, n, k, group, num_sms)

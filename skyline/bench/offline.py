@@ -51,6 +51,20 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
+def median_call_s(fn: Any, min_s: float = 0.3) -> float:
+    """Median seconds per call of `fn` (host-timed: CPU work) over at least `min_s` of calls
+    and at least five, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_s or len(times) < 5:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def save_json(result: dict[str, Any], path: str | None) -> None:
     """Write a benchmark result (if a path is given), creating its folder."""
     if not path:

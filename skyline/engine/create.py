@@ -230,8 +230,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         ngram_max=args.ngram_max,
         # Where a step stops being memory-bound, and what one more query token costs: a few
         # barely change a decode step's time on a GPU or (oneDNN-packed weights) on a CPU; the
-        # price is mostly the proposer's own step, ~2% of a CPU decode step for the EAGLE
-        # head in bfloat16 (chat on the default model: 1.43x at 0.1, 1.53x at 0.02; BENCHMARKS.md).
+        # price is mostly the proposer's own step, small for the EAGLE head in bfloat16 (chat
+        # on the default model: 1.43x at 0.1, 1.53x at 0.02; BENCHMARKS.md).
         max_batch_tokens=args.speculative_max_batch_tokens or (256 if on_gpu else 16),
         draft_cost=0.1 if on_gpu else 0.02,
         gate=args.speculative_gate,

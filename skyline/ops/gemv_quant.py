@@ -8,10 +8,11 @@ loaded in its stored width and converted in registers, so each weight byte is re
   bf16/fp16 and are not quantized, so the result is at least as accurate as the W8A8
   `_scaled_mm` path (same weights, exact activations). The per-row scale is applied once, at
   the end. `fp8_gemv_a8` is the W8A8 form, with the tensor cores multiplying fp8 tiles as
-  loaded (nothing converted per weight; kernel name "gemv_fp8a8" in the tuning tables):
-  either x quantized per row beforehand (y = (x_q @ W_q^T) * x_scale * w_scale, the values
-  `_scaled_mm` computes), or x in bf16/fp16 quantized inside the kernel, one e4m3 scale per
-  row and BLOCK_K-column tile (finer than per row; no separate kernel, no extra launch).
+  loaded (nothing converted per weight): either x in bf16/fp16 quantized inside the kernel,
+  one e4m3 scale per row and BLOCK_K-column tile (finer than per row; no separate kernel, no
+  extra launch; kernel name "gemv_fp8a8" in the tuning tables), or x quantized per row
+  beforehand (y = (x_q @ W_q^T) * x_scale * w_scale, the values `_scaled_mm` computes;
+  "gemv_fp8a8q").
 - INT8 / INT4 (WEIGHT_KIND 1 / 2): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with
   g = k // GROUP. BLOCK_K divides GROUP, so every K tile of a row lies in one group: its scale
   and zero are two [BLOCK_N] loads per tile. INT4 bytes hold element 2j in the low nibble and
@@ -158,19 +159,23 @@ def default_config(kind: int, m: int, n: int, k: int, group: int = 0,
             "X_BCAST": kind != FP8 and not use_dot and m >= 2}
 
 
-def kernel_name(kind: int, a8: bool = False) -> str:
-    """The tuning-table kernel name of a weight kind (W8A8 fp8: "gemv_fp8a8")."""
-    return "gemv_fp8a8" if a8 else f"gemv_{KIND_NAMES[kind]}"
+def kernel_name(kind: int, a8: bool = False, prequant: bool = False) -> str:
+    """The tuning-table kernel name of a weight kind (W8A8 fp8: "gemv_fp8a8", with x
+    quantized beforehand "gemv_fp8a8q")."""
+    if a8:
+        return "gemv_fp8a8q" if prequant else "gemv_fp8a8"
+    return f"gemv_{KIND_NAMES[kind]}"
 
 
 @functools.cache
 def quant_gemv_config(kind: int, m: int, n: int, k: int, group: int,
-                      device: torch.device, a8: bool = False) -> dict:
+                      device: torch.device, a8: bool = False, prequant: bool = False
+                      ) -> dict:
     """The tuned configuration on `device` if there is one, else default_config (cached)."""
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 132)
     m = row_bucket(m)
-    return get_config(kernel_name(kind, a8), config_key(m, n, k, group),
+    return get_config(kernel_name(kind, a8, prequant), config_key(m, n, k, group),
                       default_config(kind, m, n, k, group, num_sms, a8))
 
 
@@ -253,8 +258,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     m = x2.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"quantized gemv takes 1..{MAX_ROWS} rows, got {m}")
-    cfg = config if config is not None else quant_gemv_config(kind, m, n, k, group, x.device,
-                                                               a8)
+    cfg = config if config is not None else quant_gemv_config(
+        kind, m, n, k, group, x.device, a8, x_scale is not None)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot = bool(cfg["USE_DOT"])
     if a8 and (not use_dot or block_k < 32):

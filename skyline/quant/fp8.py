@@ -19,8 +19,9 @@ __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
 # Decode-sized batches (<= 8 rows) on the GPU: "a8" runs the fp8 x fp8 tensor-core GEMV, which
 # quantizes x itself per row and K tile (W8A8, finer-scaled than the per-token activations of
-# the _scaled_mm path for larger batches); "w8a16" streams the fp8 weights against unquantized
-# activations, converting every weight.
+# the _scaled_mm path for larger batches); "a8q" quantizes x per row with its own kernel first
+# (a faster GEMV, one more launch per Linear); "w8a16" streams the fp8 weights against
+# unquantized activations, converting every weight. BENCHMARKS.md compares the three.
 GEMV_ACTIVATIONS = "a8"
 
 
@@ -57,6 +58,10 @@ class Fp8LinearMethod(QuantLinearMethod):
             # Decode-sized batches: a GEMV streaming the fp8 weight bytes.
             if GEMV_ACTIVATIONS == "w8a16":
                 return fp8_gemv(x, w, w_scale, layer.bias)
+            if GEMV_ACTIVATIONS == "a8q":
+                xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+                y = fp8_gemv_a8(xq, x_scale, w, w_scale, layer.bias, x.dtype)
+                return y.reshape(*lead, -1)
             return fp8_gemv_a8(x, None, w, w_scale, layer.bias, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales

@@ -114,7 +114,6 @@ class EagleProposer:
                 c = self.caches[rid] = HeadCache(start, self.pool)
             c.length = start - c.base  # a recompute overwrites from `start`
             n = rows.shape[0]
-            c.reserve(c.length + n)
             caches.append(c)
             cstarts.append(c.length)
             lengths.append(n)
@@ -128,12 +127,11 @@ class EagleProposer:
             last += n
             self.last[rid] = out[last - 1].clone()  # not a view pinning the whole batch
 
-    def _step(self, tokens: list[int] | torch.Tensor, feats: torch.Tensor, positions: list[int],
+    def _step(self, tokens: list[int], feats: torch.Tensor, positions: list[int],
               plan: AttnPlan) -> torch.Tensor:
         """One head forward: the normed predicted features f' [T, H]."""
-        dev = self.device
-        ids = tokens if isinstance(tokens, torch.Tensor) else to_device(tokens, torch.int64, dev)
-        pos = to_device(positions, torch.int64, dev)
+        ids = to_device(tokens, torch.int64, self.device)
+        pos = to_device(positions, torch.int64, self.device)
         g = self.head(self.parts.embed(ids).to(self.dtype), feats, pos, plan)
         return self.parts.norm(g).to(self.dtype)
 
@@ -154,15 +152,8 @@ class EagleProposer:
                   and self.caches[r].base + self.caches[r].length == len(token_ids[i]) - 1]
         if not active or max_depth == 0:
             return drafts
-        self._draft_stepwise(req_ids, token_ids, active, max_depth, drafts)
-        return drafts
-
-    def _draft_stepwise(self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
-                        active: list[int], max_depth: int, drafts: list[list[int]]) -> None:
-        """Read each step's top-1 and go on with the requests still confident. (Drafting every
-        request to max_depth with one read at the end costs more head steps than the reads it
-        saves: code editing on the H200 1.13x instead of 1.85x,
-        bench/results/spec-h200-smollm2-eagle-drafts-unread.json.)"""
+        # Each step's top-1 is read and only the requests still confident go on: drafting all
+        # of them to max_depth with one read at the end runs more head steps than it saves.
         feats = torch.stack([self.last[req_ids[i]] for i in active])  # [B, H]
         conf = [1.0] * len(active)
         for j in range(max_depth):
@@ -188,6 +179,7 @@ class EagleProposer:
             positions = [len(token_ids[i]) - 1 + j for i in active]
             plan = AttnPlan([1] * len(active), caches, [c.length + j for c in caches])
             feats = self._step(toks, feats[keep], positions, plan)
+        return drafts
 
     def finish(self, req_id: str, token_ids: Sequence[int]) -> None:
         if self.lookup is not None:

@@ -48,12 +48,13 @@ def to_device(values: list[int] | list[float], dtype: torch.dtype,
     return t.to(device)
 
 
-def _penalized(r: SamplingRow) -> bool:
-    """Whether `_apply_penalties` changes the row."""
+def _penalties(r: SamplingRow) -> tuple[bool, bool, bool]:
+    """Which penalties `_apply_penalties` applies to the row: repetition, presence/frequency,
+    min_tokens (its stop tokens masked)."""
     p = r.params
-    return (p.repetition_penalty != 1.0
-            or bool((p.presence_penalty or p.frequency_penalty) and r.output_token_ids)
-            or bool(p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.stop_ids))
+    return (p.repetition_penalty != 1.0,
+            bool((p.presence_penalty or p.frequency_penalty) and r.output_token_ids),
+            bool(p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.stop_ids))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -62,21 +63,22 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     dev = logits.device
     for i, r in enumerate(rows):
         p = r.params
-        if p.repetition_penalty != 1.0:
+        repetition, counts_based, min_tokens = _penalties(r)
+        if repetition:
             seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
             seen[to_device(r.prompt_token_ids + r.output_token_ids, torch.long, dev)] = True
             vals = logits[i]
             penalized = torch.where(vals > 0, vals / p.repetition_penalty,
                                     vals * p.repetition_penalty)
             logits[i] = torch.where(seen, penalized, vals)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        if counts_based:
             ids = to_device(r.output_token_ids, torch.long, dev)
             counts = torch.zeros(vocab, dtype=logits.dtype, device=dev)
             counts.index_add_(0, ids, torch.ones(len(r.output_token_ids), dtype=logits.dtype,
                                                  device=dev))
             logits[i] -= p.frequency_penalty * counts
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
-        if p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.stop_ids:
+        if min_tokens:
             logits[i, to_device(list(r.stop_ids), torch.long, dev)] = _MASK
 
 
@@ -192,7 +194,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     """
     dev = logits.device
     raw = logits
-    if any(_penalized(r) for r in rows):  # in place, on a copy: logprobs read the raw ones
+    if any(any(_penalties(r)) for r in rows):  # in place, on a copy: logprobs read raw ones
         logits = logits.clone()
         _apply_penalties(logits, rows)
     tokens = logits.argmax(-1)

@@ -271,3 +271,28 @@ def test_linear_methods_dispatch_to_the_gemv():
         out = method.apply(layer, x)
         assert out.shape == (2, 64) and out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["a8", "a8q", "w8a16"])
+def test_fp8_linear_decode_gemv_modes(mode, monkeypatch):
+    # every --fp8-gemv variant of the fp8 Linear at decode-sized batches, against its reference
+    from types import SimpleNamespace
+
+    from skyline.quant import fp8
+
+    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", mode)
+    x, w, b = operands(3, 64, 512, torch.bfloat16, seed=12)
+    method = fp8.Fp8LinearMethod(SimpleNamespace(group_size=128, prequantized=False))
+    params = {k: v.to(DEV) for k, v in method.quantize(w).items()}
+    q, s = params["weight"], params["weight_scale"]
+    out = method.apply(SimpleNamespace(bias=b, **params), x)
+    if mode == "a8":
+        block_k = quant_gemv_config(FP8, 3, 64, 512, 0, x.device, True)["BLOCK_K"]
+        ref = fp8_gemv_a8_ref(x, None, q, s, b, torch.bfloat16, block_k=block_k)
+    elif mode == "a8q":
+        xq, xs = quantize_rows_fp8(x)
+        ref = fp8_gemv_a8_ref(xq, xs, q, s, b, torch.bfloat16)
+    else:
+        ref = fp8_gemv_ref(x, q, s, b)
+    check(out, ref)
