@@ -6,6 +6,8 @@
 #                                            # bench/tune_gemv_quant.py (tables -> $OUT)
 #   STAGE=measure bash bench/h200_kernels.sh # with those tables: batch-1 decode bf16 / fp8 /
 #                                            # int4 against the roofline, offline 1000x1000
+# Narrower rounds: TESTK (pytest -k), KINDS (GEMV kinds tuned), QUANTS (weights measured),
+# SKIP (stages left out: tests attn gemv decode offline).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/cfg
@@ -18,11 +20,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # gguf (tests/ops imports it)
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 skip tests || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops \
-  -k "attention or paged or gemv_quant" 2>&1 | tee "$OUT/pytest-cuda-kernels.log" | tail -4
+  -k "${TESTK:-attention or paged or gemv_quant}" 2>&1 | tee "$OUT/pytest-cuda-kernels.log" | tail -4
 if [ "${STAGE:-tune}" = tune ]; then
   skip attn || timeout 200 python3 bench/tune_attention.py --budget-s ${ATTN_BUDGET:-110} \
     --out "$OUT/attention-tune-h200.json" 2>&1 | tail -30
-  skip gemv || timeout 170 python3 bench/tune_gemv_quant.py --rows 1 2 --kinds int4 fp8 \
+  skip gemv || timeout 170 python3 bench/tune_gemv_quant.py --rows 1 2 --kinds ${KINDS:-int4 fp8} \
     --budget-s ${GEMV_BUDGET:-100} --report "$OUT/gemv-quant-tune-h200.json" 2>&1 | tail -20
   cp skyline/ops/configs/attention-h200.json skyline/ops/configs/gemv-quant-h200.json \
     "$OUT/" 2>/dev/null
@@ -30,7 +32,7 @@ if [ "${STAGE:-tune}" = tune ]; then
 else
   cp /root/cfg/*.json skyline/ops/configs/ 2>/dev/null; ls skyline/ops/configs
   if ! skip decode; then
-    for q in none fp8 int4; do
+    for q in ${QUANTS:-none fp8 int4}; do
       echo "== decode b1, weights $q"
       qa=(); [ $q != none ] && qa=(--quantization $q)
       timeout 150 python3 bench/decode_roofline.py --model "$M" --prompt-len 512 \

@@ -1,8 +1,9 @@
 """Where a decode step's time goes: torch.profiler over steady-state decode steps.
 
   python bench/profile_step.py --model llama-3.1-8b --load-format dummy --batch 64 --input-len 512
-Prints the top kernels by GPU time, wall time per step (with and without async scheduling) and
-the fraction of it the GPU was busy (with async scheduling, as the engine runs by default).
+Prints (and saves) the top kernels by GPU time, wall time per step (with and without async
+scheduling) and the fraction of it the GPU was busy (with async scheduling, as the engine runs
+by default).
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def main() -> None:
            "kv_cache_dtype": a.kv_cache_dtype, "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
-           "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()}}
+           "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()},
+           "kernels": [{"name": ev.key[:120], "us_per_step": ev.self_device_time_total / a.steps,
+                        "calls_per_step": ev.count / a.steps}
+                       for ev in sorted(events, key=lambda ev: -ev.self_device_time_total)
+                       if ev.self_device_time_total > 0][:25]}
     print(json.dumps(res, indent=1))
     save_json(res, a.out)
 

@@ -6,16 +6,16 @@ this GPU against the copy bandwidth measured in the same run.
 
 For each Linear shape of the model (qkv, o, gate_up, down, lm_head), weight kind, group size
 (integer kinds) and row count, a small grid of launch configurations (BLOCK_N, BLOCK_K, SPLIT_K,
-FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles) is checked against the
-PyTorch reference and timed; the fastest goes into the tuning tables "gemv_fp8" / "gemv_int8" /
-"gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the kernel) / "gemv_fp8a8q" (x quantized
-per row before the call, outside the timing; `--configs-out`,
-default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set). Timing as in
-bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight copies that
-L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth (read +
-write bytes of a 2 GiB device-to-device copy). A configuration that fails to compile, run or
-match the reference is recorded and skipped; past `--budget-s` the remaining cells keep the
-default configuration, timed once ("budget": true), so the run never aborts and stays short.
+FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles, X_LEFT for INT4 DOT
+tiles) is checked against the PyTorch reference and timed; the fastest goes into the tuning
+tables "gemv_fp8" / "gemv_int8" / "gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the
+kernel) / "gemv_fp8a8q" (x quantized per row before the call, outside the timing;
+`--configs-out`, default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set).
+Timing as in bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight
+copies that L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth
+(read + write bytes of a 2 GiB device-to-device copy). A configuration that fails to compile,
+run or match the reference is recorded and skipped; past `--budget-s` the remaining cells keep
+the default configuration, timed once ("budget": true), so the run never aborts and stays short.
 """
 
 from __future__ import annotations
@@ -94,7 +94,10 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     if m <= 4:
         tiles += [(False, bn, bk, w, s) for bn, bk, w, s in fma
                   if bn * m * bk // (32 * w) <= 64]
-    if m <= 2 and kind in (FP8, INT8, INT4):
+    if kind == INT4:  # INT4 tiles reach the tensor cores unpacked by bit operations alone
+        dot += [(128, bk, 8, 3), (256, bk, 8, 3), (128, bk, 4, 4), (64, bk, 8, 3),
+                (128, bk, 4, 1), (128, bk, 8, 1)]
+    elif m <= 2 and kind in (FP8, INT8):
         dot = dot[:1]  # FMA usually wins here; one tensor-core tile for comparison
     tiles += [(True, bn, bk, w, s) for bn, bk, w, s in dot if bk >= (32 if kind == INT4 else 16)]
     out, seen = [], set()
@@ -110,6 +113,8 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
                        "X_BCAST": kind != FP8 and not use_dot and bcast}
                 out.append(cfg)
                 seen.add(json.dumps(cfg, sort_keys=True))
+                if kind == INT4 and use_dot:  # x as the left operand
+                    out.append({**cfg, "X_LEFT": True})
     base = default(kind, m, n, k, group, num_sms)
     if json.dumps(base, sort_keys=True) not in seen:
         out.append(base)

@@ -23,9 +23,15 @@ loaded in its stored width and converted in registers, so each weight byte is re
   shifted under the mantissa of a power of two MAGIC and OR-ed with its exponent is the float
   MAGIC + q, and
   (MAGIC + q) * scale - (MAGIC + zero) * scale is one FMA with a per-row constant per tile.
-  In DOT mode the tensor cores take the exact integers q - zero (|q - zero| <= 255 is exact in
-  bf16/fp16) against the even (low nibble) and odd (high nibble) columns of x, and the group
-  scale multiplies the tile's [BLOCK_N, 16] result.
+  In DOT mode INT8 tiles enter the tensor cores as the exact integers q - zero (|q - zero| <=
+  255 is exact in bf16/fp16). INT4 tiles enter as OFFSET + q, floats built from the nibbles by
+  bit operations alone (a PTX prmt and lop3 per two weights on NVIDIA GPUs: OFFSET 128 in bf16,
+  1024 in fp16, exact), against the even (low nibble) and odd (high nibble) columns of x; the
+  tile's sum then loses (OFFSET + zero) * sum(x over the tile), and the group scale multiplies
+  the [BLOCK_N, 16] result. Nothing is converted or subtracted per weight. X_LEFT (a config
+  key) swaps the operands, x [16, BLOCK_K / 2] times the weight tile transposed: Triton then
+  streams the packed tile through shared memory in 16-byte vectors into the MMA's right-hand
+  registers, instead of 2-byte loads into its left-hand layout (fewer instructions per weight).
 
 All masks are booleans (comparisons and their `&`), as Triton's interpreter from 3.9 requires.
 
@@ -54,6 +60,10 @@ from skyline.ops.tuning import get_config
 FP8, INT8, INT4 = 0, 1, 2  # WEIGHT_KIND
 KIND_NAMES = {FP8: "fp8", INT8: "int8", INT4: "int4"}
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
+# INT4 in DOT mode: the PTX unpacking of gemv_quant_triton.py per activation dtype, and the
+# offset its floats carry (OFFSET + q exact in that dtype; float32 x converts q itself).
+_INT4_ASM = {torch.bfloat16: 1, torch.float16: 2}
+_INT4_OFFSET = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
 
 def quant_gemv_ok(x: torch.Tensor) -> bool:
@@ -271,6 +281,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                                         or w.data_ptr() % 4):
         raise ValueError(f"quantized gemv config {cfg}: FMA mode needs BLOCK_K a multiple of "
                          f"{per_word} and 4-byte aligned weight rows, got {tuple(w.shape)}")
+    if cfg.get("X_LEFT") and (kind != INT4 or not use_dot):
+        raise ValueError(f"quantized gemv config {cfg}: X_LEFT is an INT4 tensor-core mode")
     min_k = 32 if kind == INT4 else 16  # INT4 dots take BLOCK_K / 2 columns
     if use_dot and (block_n < 16 or block_k < min_k):
         raise ValueError(f"quantized gemv config {cfg}: USE_DOT needs BLOCK_N >= 16 and "
@@ -311,6 +323,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interpreted else 0,
         X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interpreted,
+        INT4_ASM=0 if interpreted or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
+        INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y.reshape(*x.shape[:-1], n)

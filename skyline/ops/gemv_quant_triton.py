@@ -16,7 +16,7 @@ if triton is not None:
 
     @triton.jit
     def _dot_t(w, x, acc, IEEE: tl.constexpr):
-        # acc [BN, BM] += w [BN, BK] @ x[BM, BK]^T
+        # acc [BN, BM] += w [BN, BK] @ x[BM, BK]^T (or, operands swapped, [BM, BN])
         if IEEE:
             return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         return tl.dot(w, tl.trans(x), acc)
@@ -34,6 +34,46 @@ if triton is not None:
         c = ((step_e + 23) << 23 | 0x400000).to(tl.float32, bitcast=True)
         r = (a + c) - c
         return tl.where(v < 0, -r, r)
+
+    # INT4 codes to exact floats OFFSET + q for the tensor cores (DOT mode), two nibbles of a
+    # byte at a time: PTX over 4 bytes (one 32-bit register) per call. Each byte is moved to
+    # the low byte of a 16-bit half (prmt), its nibble masked and OR-ed under the exponent of
+    # OFFSET in one lop3 ((a & b) | c, LUT 0xEA): 16-bit float OFFSET + q, two per register,
+    # about one instruction per weight and no int->float conversion. OFFSET is 128 for bf16
+    # (0x4300: the mantissa's last bit weighs 1) and 1024 for fp16 (0x6400).
+    def _int4_asm(magic: str) -> tl.constexpr:
+        return tl.constexpr(f"""
+        {{
+        .reg .b32 t0, t1, u0, u1;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        shr.b32 u0, t0, 4;
+        shr.b32 u1, t1, 4;
+        lop3.b32 $0, t0, 0x000F000F, {magic}, 0xEA;
+        lop3.b32 $1, t1, 0x000F000F, {magic}, 0xEA;
+        lop3.b32 $2, u0, 0x000F000F, {magic}, 0xEA;
+        lop3.b32 $3, u1, 0x000F000F, {magic}, 0xEA;
+        }}
+        """)
+
+    _INT4_ASM_BF16 = _int4_asm("0x43004300")
+    _INT4_ASM_FP16 = _int4_asm("0x64006400")
+
+    @triton.jit
+    def _int4_offset_floats(wq, dtype: tl.constexpr, ASM: tl.constexpr, OFFSET: tl.constexpr):
+        # uint8 [.., n] -> (low nibbles, high nibbles) as dtype [.., n], each OFFSET + code.
+        if ASM == 1:
+            return tl.inline_asm_elementwise(
+                _INT4_ASM_BF16, "=r,=r,=r,=r,r", [wq],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        elif ASM == 2:
+            return tl.inline_asm_elementwise(
+                _INT4_ASM_FP16, "=r,=r,=r,=r,r", [wq],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:  # portable: the same values through float conversions
+            lo = ((wq & 0x0F).to(tl.float32) + OFFSET).to(dtype)
+            hi = ((wq >> 4).to(tl.float32) + OFFSET).to(dtype)
+            return lo, hi
 
     @triton.jit
     def gemv_int_fma_kernel(
@@ -118,7 +158,8 @@ if triton is not None:
         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr, X_QUANT: tl.constexpr = 0,
-        ROUND_E4M3: tl.constexpr = False,
+        ROUND_E4M3: tl.constexpr = False, INT4_ASM: tl.constexpr = 0,
+        INT4_OFFSET: tl.constexpr = 128.0, X_LEFT: tl.constexpr = False,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
         # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
@@ -140,7 +181,9 @@ if triton is not None:
         w_ptrs = (w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
                   + (k_start // PACK + offs_b)[None, :])
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_b * PACK)[None, :]
-        if USE_DOT:
+        if X_LEFT:  # INT4 DOT: x the left operand, the accumulator [BLOCK_M, BLOCK_N]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        elif USE_DOT:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_M, BKW), dtype=tl.float32)
@@ -207,11 +250,18 @@ if triton is not None:
                     t = _dot_t(wd, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
                     acc += t * s[:, None]
                 else:
-                    lo = ((wq & 0x0F).to(tl.float32) - z[:, None]).to(xv.dtype)
-                    hi = ((wq >> 4).to(tl.float32) - z[:, None]).to(xv.dtype)
-                    t = _dot_t(lo, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
-                    t = _dot_t(hi, xh, t, IEEE)
-                    acc += t * s[:, None]
+                    # The MMA takes OFFSET + q as unpacked; the zero point and OFFSET leave
+                    # the tile's sum afterwards as (OFFSET + zero) * sum(x over the tile).
+                    lo, hi = _int4_offset_floats(wq, xv.dtype, INT4_ASM, INT4_OFFSET)
+                    xsum = tl.sum(xv.to(tl.float32) + xh.to(tl.float32), axis=1)  # [BLOCK_M]
+                    if X_LEFT:
+                        t = _dot_t(xv, lo, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
+                        t = _dot_t(xh, hi, t, IEEE)
+                        acc += (t - xsum[:, None] * (z[None, :] + INT4_OFFSET)) * s[None, :]
+                    else:
+                        t = _dot_t(lo, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
+                        t = _dot_t(hi, xh, t, IEEE)
+                        acc += (t - (z[:, None] + INT4_OFFSET) * xsum[None, :]) * s[:, None]
             else:
                 if WEIGHT_KIND == 0:
                     acc += wq.to(tl.float32) * xv.to(tl.float32)
@@ -224,7 +274,9 @@ if triton is not None:
                     acc += lo * xv.to(tl.float32) + hi * xh.to(tl.float32)
             w_ptrs += BKW
             x_ptrs += BLOCK_K
-        if USE_DOT:
+        if X_LEFT:
+            out = tl.trans(acc)
+        elif USE_DOT:
             out = acc
         else:
             out = tl.sum(acc, axis=2)

@@ -157,6 +157,20 @@ def test_int_gemv_matches_reference(dtype, bits, group, use_dot, split_k, m, n, 
     check(out, int_gemv_ref(x, c, s, z, bits, group, b))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (2, 33, 200), (5, 17, 136)])
+def test_int4_gemv_with_x_left(dtype, split_k, m, n, k):
+    # X_LEFT: x the left operand of the tensor-core product (accumulator [rows, outputs],
+    # transposed once at the end); same sums as the default DOT layout.
+    x, w, b = operands(m, n, k, dtype, seed=m + n + k)
+    c, s, z = int_weights(w, 4, 32)
+    cfg = {**config(16, 32, split_k, True), "X_LEFT": True}
+    check(int_gemv(x, c, s, z, 4, 32, b, config=cfg), int_gemv_ref(x, c, s, z, 4, 32, b))
+    with pytest.raises(ValueError, match="X_LEFT"):
+        int_gemv(x, c, s, z, 4, 32, b, config={**cfg, "USE_DOT": False})
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (2, 33, 200), (5, 17, 136)])
