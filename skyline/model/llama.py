@@ -17,6 +17,7 @@ from skyline.model.layers.linear import Linear, QKVLinear, default_weight_loader
 from skyline.model.layers.mlp import MLP
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding
+from skyline.ops.kv_write import KVWrite
 
 
 class LlamaAttention(nn.Module):
@@ -36,11 +37,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
                               self.num_kv_heads)
 
-    def position_qk(self, positions: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    kv: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head q and k made ready for attention: rotated by their positions (Qwen3 norms
-        them first)."""
-        return self.rotary_emb(positions, q, k)
+        them first); with `kv`, k and kv.v stored in the KV cache by the same kernel."""
+        return self.rotary_emb(positions, q, k, kv)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
@@ -48,8 +49,9 @@ class LlamaAttention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [T, num_heads, head_dim]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, num_kv_heads, head_dim]
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        q, k = self.position_qk(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # [num_tokens, hidden_size]
+        kv = self.attn.kv_write(v)
+        q, k = self.position_qk(positions, q, k, kv)
+        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None))  # [T, hidden_size]
 
 
 class LlamaDecoderLayer(nn.Module):

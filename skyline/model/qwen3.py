@@ -9,6 +9,7 @@ from skyline.config import ModelArch
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding
 from skyline.model.llama import LlamaAttention, LlamaForCausalLM
+from skyline.ops.kv_write import KVWrite
 from skyline.ops.rotary import qk_norm_rotary
 
 
@@ -18,11 +19,11 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 
-    def position_qk(self, positions: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    kv: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # q and k normed over head_dim (each with its own weight), then rotated
         return qk_norm_rotary(positions, q, k, self.rotary_emb.cos_sin_cache, self.q_norm.weight,
-                              self.k_norm.weight, self.q_norm.eps)
+                              self.k_norm.weight, self.q_norm.eps, kv=kv)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -8,9 +8,22 @@ KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8, quantize_kv
+
+
+class KVWrite(NamedTuple):
+    """Where this step's K/V go, for a kernel that produces K (rope) to store it on the way:
+    the V to store with it, the layer's cache, the tokens' slots, and the cache's scales."""
+
+    v: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def write_kv_ref(

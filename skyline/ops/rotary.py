@@ -1,6 +1,8 @@
 """Rotary position embedding (NeoX / rotate-half layout) read from a cos/sin cache by position,
 optionally preceded by a per-head RMSNorm of q and k (Qwen3): PyTorch references, and one
-Triton kernel for both (CUDA) that rotates q and k in place.
+Triton kernel for both (CUDA) that rotates q and k in place. Given a `KVWrite` (ops/kv_write.py)
+the same launch also stores the rotated k and v in the paged KV cache, as write_kv would, so a
+decode step spends one launch per layer on rope and the cache write instead of two.
 
 The cache is [max_position, head_dim] float32, cos half then sin half (see
 model/layers/rotary.py); every scaling (llama3, yarn, linear, ...) is already in it.
@@ -13,6 +15,8 @@ from typing import Any
 
 import torch
 
+from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8
+from skyline.ops.kv_write import KVWrite, write_kv
 from skyline.ops.norm import rms_norm_ref
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
@@ -52,34 +56,47 @@ def qk_norm_rotary_ref(
 
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-    config: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None, kv: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotary_embedding_ref's contract. On CUDA one Triton launch rotates q and k in place
-    (they may be strided views, e.g. of one qkv tensor) and returns them."""
-    if not _use_triton(positions, q, k, cos_sin_cache):
-        return rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    return rotary_triton(positions, q, k, cos_sin_cache, config=config)
+    """rotary_embedding_ref's contract, and with `kv` the rotated k and kv.v written to the
+    cache (write_kv's contract). On CUDA one Triton launch rotates q and k in place (they may
+    be strided views, e.g. of one qkv tensor), writes the cache, and returns them."""
+    if not _use_triton(positions, q, k, cos_sin_cache, kv):
+        q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
+        return _write(q, k, kv)
+    return rotary_triton(positions, q, k, cos_sin_cache, config=config, kv=kv)
+
+
+def _write(q: torch.Tensor, k: torch.Tensor, kv: KVWrite | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv is not None:
+        write_kv(k, kv.v, kv.kv_cache, kv.slot_mapping, kv.k_scale, kv.v_scale)
+    return q, k
 
 
 def qk_norm_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-    config: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None, kv: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """qk_norm_rotary_ref's contract. On CUDA one Triton launch norms and rotates q and k in
-    place and returns them."""
+    """qk_norm_rotary_ref's contract (and the cache write of `kv`, as rotary_embedding). On
+    CUDA one Triton launch norms and rotates q and k in place and returns them."""
     same = q_weight.dtype == q.dtype and k_weight.dtype == q.dtype
-    if not (same and _use_triton(positions, q, k, cos_sin_cache)):
-        return qk_norm_rotary_ref(positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
-    return rotary_triton(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, config)
+    if not (same and _use_triton(positions, q, k, cos_sin_cache, kv)):
+        q, k = qk_norm_rotary_ref(positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
+        return _write(q, k, kv)
+    return rotary_triton(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, config, kv)
 
 
 def _use_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cache: torch.Tensor) -> bool:
+                cache: torch.Tensor, kv: KVWrite | None = None) -> bool:
     return (q.is_cuda and triton is not None and q.dim() == 3 and k.dim() == 3
             and q.dtype == k.dtype and q.stride(-1) == 1 and k.stride(-1) == 1
             and q.shape[-1] == k.shape[-1] == cache.shape[-1] and q.shape[-1] % 2 == 0
-            and cache.stride(-1) == 1 and positions.is_contiguous() and q.shape[0] > 0)
+            and cache.stride(-1) == 1 and positions.is_contiguous() and q.shape[0] > 0
+            and (kv is None or (kv.v.shape == k.shape and kv.v.stride(-1) == 1
+                                and kv.kv_cache.is_contiguous()
+                                and kv.slot_mapping.is_contiguous())))
 
 
 def default_config(head_dim: int, num_heads: int) -> dict[str, Any]:
@@ -113,9 +130,11 @@ def rotary_triton(
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     config: dict[str, Any] | None = None,  # None: tuned or default_config
+    kv: KVWrite | None = None,  # also store the rotated k and kv.v in kv.kv_cache
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel behind rotary_embedding and qk_norm_rotary (any device Triton runs
-    on): rotates q and k in place, after a per-head RMSNorm when weights are given."""
+    on): rotates q and k in place, after a per-head RMSNorm when weights are given, and with
+    `kv` writes the cache as write_kv does (fp8 caches scaled and saturated alike)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     norm = q_weight is not None
@@ -127,11 +146,20 @@ def rotary_triton(
     num_q_blocks = triton.cdiv(num_heads, block_h)
     grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, block_h))
     qw, kw = (q_weight, k_weight) if norm else (cache, cache)  # unused when NORM is False
+    if kv is not None:
+        v, ck, cv, slots = kv.v, kv.kv_cache[0], kv.kv_cache[1], kv.slot_mapping
+        inv_k, inv_v = inverse_scale(kv.k_scale), inverse_scale(kv.v_scale)
+        page, fp8 = kv.kv_cache.shape[2], is_fp8(kv.kv_cache)
+    else:  # unused when WRITE_KV is False
+        v, ck, cv, slots, inv_k, inv_v, page, fp8 = k, k, k, positions, 1.0, 1.0, 1, False
     _rotary_kernel[grid](
         positions, q, k, cache, qw, kw, eps, num_heads, num_kv_heads, num_q_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0),
+        v, ck, cv, slots, inv_k, inv_v, v.stride(0), v.stride(1), ck.stride(0), ck.stride(1),
+        ck.stride(2),
         HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
-        NORM=norm, num_warps=config["num_warps"],
+        NORM=norm, WRITE_KV=kv is not None, PAGE=page, FP8_MAX=FP8_MAX, SATURATE=fp8,
+        num_warps=config["num_warps"],
     )
     return q, k
 
@@ -149,6 +177,7 @@ if triton is not None:
                       HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                       NORM: tl.constexpr):
         # Heads [h0, h0 + BLOCK_H) of one token at x_ptr, in place: [optional RMSNorm] + rope.
+        # Returns the stored halves ([BLOCK_H, HALF_PAD] in x's dtype) and their mask.
         h = h0 + tl.arange(0, BLOCK_H)
         j = tl.arange(0, HALF_PAD)
         jm = j < HALF
@@ -164,17 +193,33 @@ if triton is not None:
             w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
             x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
             x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-        tl.store(p1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-        tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+        r1 = (x1 * cos - x2 * sin).to(dtype)
+        r2 = (x2 * cos + x1 * sin).to(dtype)
+        tl.store(p1, r1, mask=mask)
+        tl.store(p1 + HALF, r2, mask=mask)
+        return r1, r2, h, j, mask
+
+    @triton.jit
+    def _to_cache(dst_ptr, x, inv_scale, mask, FP8_MAX: tl.constexpr, SATURATE: tl.constexpr):
+        # as ops/kv_write.py's kernel: fp8 caches hold x / scale, saturated
+        if SATURATE:
+            x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+        tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(
         pos_ptr, q_ptr, k_ptr, cache_ptr, qw_ptr, kw_ptr, eps, num_heads, num_kv_heads,
         num_q_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+        v_ptr, cache_k_ptr, cache_v_ptr, slot_ptr, inv_k_scale, inv_v_scale,
+        stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+        WRITE_KV: tl.constexpr, PAGE: tl.constexpr, FP8_MAX: tl.constexpr,
+        SATURATE: tl.constexpr,
     ):
         # One program per (token, block of BLOCK_H heads); q's head blocks come first, then
-        # k's. cos/sin are cast to q's dtype first, as the reference (and HF) does.
+        # k's. cos/sin are cast to q's dtype first, as the reference (and HF) does. With
+        # WRITE_KV a k block also stores its rotated heads, and the same heads of v, at the
+        # token's slot of the paged cache.
         tok = tl.program_id(0)
         blk = tl.program_id(1)
         j = tl.arange(0, HALF_PAD)
@@ -187,5 +232,17 @@ if triton is not None:
             _rotate_heads(q_ptr + tok64 * stride_qt, stride_qh, blk * BLOCK_H, num_heads, qw_ptr,
                           eps, cos, sin, HALF, HALF_PAD, BLOCK_H, NORM)
         else:
-            _rotate_heads(k_ptr + tok64 * stride_kt, stride_kh, (blk - num_q_blocks) * BLOCK_H,
-                          num_kv_heads, kw_ptr, eps, cos, sin, HALF, HALF_PAD, BLOCK_H, NORM)
+            k1, k2, h, j, mask = _rotate_heads(
+                k_ptr + tok64 * stride_kt, stride_kh, (blk - num_q_blocks) * BLOCK_H,
+                num_kv_heads, kw_ptr, eps, cos, sin, HALF, HALF_PAD, BLOCK_H, NORM)
+            if WRITE_KV:
+                slot = tl.load(slot_ptr + tok).to(tl.int64)
+                dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs \
+                    + h[:, None] * stride_ch + j[None, :]  # first half of each head
+                _to_cache(cache_k_ptr + dst, k1, inv_k_scale, mask, FP8_MAX, SATURATE)
+                _to_cache(cache_k_ptr + dst + HALF, k2, inv_k_scale, mask, FP8_MAX, SATURATE)
+                pv = v_ptr + tok64 * stride_vt + h[:, None] * stride_vh + j[None, :]
+                _to_cache(cache_v_ptr + dst, tl.load(pv, mask=mask), inv_v_scale, mask,
+                          FP8_MAX, SATURATE)
+                _to_cache(cache_v_ptr + dst + HALF, tl.load(pv + HALF, mask=mask), inv_v_scale,
+                          mask, FP8_MAX, SATURATE)

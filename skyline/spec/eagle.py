@@ -77,7 +77,12 @@ class HeadAttention(nn.Module):
         self.plan: AttnPlan | None = None
         self.last_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # training: this pass's
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_write(self, v: torch.Tensor) -> None:
+        """No cache write for the rope kernel to fuse: attend_cached writes the head's pool."""
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_written: bool = False) -> torch.Tensor:
         plan = self.plan
         assert plan is not None, "EagleHead sets the attention plan"
         if plan.caches is not None:  # serving: the paged head cache

@@ -160,3 +160,59 @@ def test_dispatch_on_cuda_is_in_place_and_graph_safe(norm):
     graph.replay()
     close(sq, want_q)
     close(sk, want_k)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qknorm_rope"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["model_dtype_cache", "fp8_cache"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,config", [
+    (4, 2, 16, None), (6, 2, 32, dict(BLOCK_H=1, num_warps=1)), (8, 8, 16, None)])
+def test_rotary_with_kv_write_equals_rotary_then_write_kv(norm, fp8, num_heads, num_kv_heads,
+                                                          head_dim, config):
+    # One launch (rope + the cache write of k and v) against two (rope, then write_kv's
+    # kernel): the same q and k, the same cache bytes, fp8 caches scaled and saturated alike.
+    from skyline.ops.kv_quant import FP8_DTYPE
+    from skyline.ops.kv_write import KVWrite, write_kv_triton
+
+    page, num_blocks, num_tokens = 4, 7, 9
+    g = torch.Generator().manual_seed(head_dim + num_heads)
+    slots = torch.randperm(num_blocks * page, generator=g)[:num_tokens].to(DEV)
+    cos_sin = cache_of(head_dim, LLAMA3 if head_dim % 32 == 0 else None)
+    w = (torch.rand(2, head_dim, generator=g) + 0.5).to(DEV)
+    scales = (2**-4, 2**-6) if fp8 else (1.0, 1.0)
+    runs = []
+    for fused in (False, True):
+        qkv, q, k, v, positions = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim,
+                                            torch.float32, seed=5)
+        v = v.unflatten(-1, (num_kv_heads, head_dim))
+        v[0, 0, :2] = 1e4  # beyond the fp8 range at these scales: saturates
+        kv_cache = torch.zeros(2, num_blocks, page, num_kv_heads, head_dim, device=DEV,
+                               dtype=FP8_DTYPE if fp8 else torch.float32)
+        kv = KVWrite(v, kv_cache, slots, *scales) if fused else None
+        args = (w[0], w[1], 1e-6) if norm else (None, None, 0.0)
+        rotary_triton(positions, q, k, cos_sin, *args, config=config, kv=kv)
+        if not fused:
+            write_kv_triton(k, v, kv_cache, slots, *scales)
+        runs.append((qkv, kv_cache.view(torch.uint8) if fp8 else kv_cache))
+    (qkv_a, cache_a), (qkv_b, cache_b) = runs
+    assert torch.equal(qkv_a, qkv_b)
+    assert torch.equal(cache_a, cache_b)
+    assert cache_b.float().abs().sum() > 0
+
+
+def test_dispatch_on_cpu_writes_the_cache_with_kv():
+    # CPU: the references rotate, then write_kv_ref stores k (rotated) and v
+    from skyline.ops.kv_write import KVWrite, write_kv_ref
+
+    _, q, k, v, positions = qkv_views(3, 4, 2, 16, torch.float32, seed=6)
+    q, k, positions = q.cpu(), k.cpu(), positions.cpu()
+    v = v.cpu().unflatten(-1, (2, 16))
+    cos_sin = RotaryEmbedding(16, MAX_POS, 10000.0).cos_sin_cache
+    slots = torch.tensor([5, 0, 9])
+    got_cache = torch.zeros(2, 3, 4, 2, 16)
+    got_q, got_k = rotary_embedding(positions, q, k, cos_sin,
+                                    kv=KVWrite(v, got_cache, slots))
+    want_q, want_k = rotary_embedding_ref(positions, q, k, cos_sin)
+    want_cache = torch.zeros(2, 3, 4, 2, 16)
+    write_kv_ref(want_k, v, want_cache, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(got_cache, want_cache)

@@ -15,7 +15,7 @@ from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
 from skyline.ops.attention import paged_attention
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
-from skyline.ops.kv_write import write_kv
+from skyline.ops.kv_write import KVWrite, write_kv
 
 
 class Attention(nn.Module):
@@ -47,11 +47,20 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    def kv_write(self, v: torch.Tensor) -> KVWrite | None:
+        """Where this forward's k and v go in the cache, for a rope kernel to store them on the
+        way (then `forward(..., kv_written=True)`); None without a forward context or cache."""
+        meta = get_forward_context()
+        if meta is None or self.kv_cache is None:
+            return None
+        return KVWrite(v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_written: bool = False,  # k and v are already in the cache (see kv_write)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         meta = get_forward_context()
         if meta is None:
@@ -64,7 +73,8 @@ class Attention(nn.Module):
         elif self.kv_cache is None:
             out = self._varlen_no_cache(q, k, v, meta)
         else:
-            write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            if not kv_written:
+                write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             out = paged_attention(
                 q,
                 self.kv_cache,

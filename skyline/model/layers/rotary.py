@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.ops.kv_write import KVWrite
 from skyline.ops.rotary import rotary_embedding
 
 
@@ -147,9 +148,11 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv: KVWrite | None = None,  # also store k and kv.v in the KV cache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated by their positions; on CUDA in place (one kernel), and returned."""
-        return rotary_embedding(positions, q, k, self.cos_sin_cache)
+        """q and k rotated by their positions; on CUDA in place (one kernel, which also writes
+        the cache when given `kv`), and returned."""
+        return rotary_embedding(positions, q, k, self.cos_sin_cache, kv=kv)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
