@@ -172,32 +172,77 @@ _BLOCK_FNS = {
 
 # Types whose weights are 4-bit codes with an affine map per 32 elements.
 INT4_GROUP_TYPES = (2, 3, 12)  # Q4_0, Q4_1, Q4_K
+# Block types as integer codes with a scale and an offset per group: elements per group.
+AFFINE_GROUP = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 10: 16, 11: 16, 12: 32, 13: 32, 14: 16}
+
+
+def affine_groups(data: torch.Tensor, qtype: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A block-quantized tensor `[rows, bytes_per_row]` as unsigned integer codes with a
+    scale and an offset per group of elements: W = q * scale + offset, the values
+    `dequantize_ref` computes (every product and sum here is exact in float32). Returns codes
+    `[rows, cols]` uint8, scale and offset `[rows, cols / group]` float32, and the group:
+    32 for Q4_0 (d, -8d), Q4_1 (d, m), Q5_0 (d, -16d), Q5_1 (d, m), Q8_0 (codes q + 128:
+    d, -128d), Q4_K / Q5_K (d * sc, -dmin * mn); 16 for Q6_K (d * sc, -32 d * sc), Q2_K
+    (d * sc, -dmin * mn) and Q3_K (codes ql + 4 * hbit: d * sc, -4 d * sc)."""
+    qtype = int(qtype)
+    if qtype not in AFFINE_GROUP:
+        raise ValueError(f"{type_name(qtype)} is not a block type of integer codes")
+    _, _, type_size = GGML_TYPES[qtype]
+    rows = data.shape[0]
+    b = data.contiguous().reshape(-1, type_size)
+    n = b.shape[0]
+    if qtype in (2, 3, 6, 7, 8):  # one fp16 scale (and Q4_1 / Q5_1: an fp16 offset) per 32
+        d = _f16(b, 0)  # [n, 1]
+        if qtype == 8:
+            q = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        elif qtype in (6, 7):
+            q = _q5(b, 2 if qtype == 6 else 4)
+        else:
+            q = _nibbles(b[:, 2 if qtype == 2 else 4 :], 16).reshape(n, 32)
+        scale = d
+        offset = {2: -8 * d, 6: -16 * d, 8: -128 * d}.get(qtype)
+        if offset is None:
+            offset = _f16(b, 2)
+    elif qtype in (12, 13):
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _scale_min_k4(b[:, 4:16])
+        scale, offset = d * sc.float(), -(dmin * mn.float())  # [n, 8]
+        q = _nibbles(b[:, 16:], 32).reshape(n, 8, 32) if qtype == 12 else (
+            _nibbles(b[:, 48:], 32).reshape(n, 8, 32) | (_bits(b[:, 16:48]) << 4))
+    elif qtype == 14:
+        scale = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+        offset = -32 * scale
+        ql = _nibbles(b[:, :128], 64).reshape(n, -1, 32)
+        qh = b[:, 128:192].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+        q = ql | ((qh & 0x03).reshape(n, -1, 32) << 4)
+    elif qtype == 10:
+        sc = b[:, :16]
+        scale, offset = _f16(b, 80) * (sc & 0x0F).float(), -(_f16(b, 82) * (sc >> 4).float())
+        q = b[:, 16:80].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+        q = q & 0x03
+    else:  # Q3_K
+        scales = b[:, 96:108]
+        lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device, (1, 2, 1)))
+        hsc = scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device, (1, 4, 1))
+        sc = (lsc.reshape(n, 16) & 0x0F) | ((hsc.reshape(n, 16) & 0x03) << 4)
+        scale = _f16(b, 108) * (sc.to(torch.int16) - 32).float()
+        offset = -4 * scale
+        ql = b[:, 32:96].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+        qh = b[:, :32].reshape(n, -1, 1, 32) >> _shifts(list(range(8)), b.device, (1, 1, 8, 1))
+        q = (ql.reshape(n, 16, 16) & 0x03) | ((qh.reshape(n, 16, 16) & 0x01) << 2)
+    return (q.reshape(rows, -1).to(torch.uint8), scale.reshape(rows, -1).float(),
+            offset.reshape(rows, -1).float(), AFFINE_GROUP[qtype])
 
 
 def int4_groups(data: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor,
                                                          torch.Tensor]:
-    """A Q4_0 / Q4_1 / Q4_K tensor `[rows, bytes_per_row]` as 4-bit codes with a scale and an
-    offset per 32 elements: W = q * scale + offset exactly as `dequantize_ref` computes it
-    (Q4_0: d, -8d; Q4_1: d, m; Q4_K: d * sc, -dmin * mn). Returns codes `[rows, cols]` uint8
-    (0..15) and scale, offset `[rows, cols / 32]` float32."""
-    qtype = int(qtype)
-    if qtype not in INT4_GROUP_TYPES:
+    """A Q4_0 / Q4_1 / Q4_K tensor as 4-bit codes with a scale and an offset per 32 elements
+    (affine_groups for the 4-bit group types): codes `[rows, cols]` uint8 (0..15) and scale,
+    offset `[rows, cols / 32]` float32."""
+    if int(qtype) not in INT4_GROUP_TYPES:
         raise ValueError(f"{type_name(qtype)} is not a 4-bit group type")
-    _, block_size, type_size = GGML_TYPES[qtype]
-    rows = data.shape[0]
-    b = data.contiguous().reshape(-1, type_size)
-    n = b.shape[0]
-    if qtype == 12:
-        d, dmin = _f16(b, 0), _f16(b, 2)
-        sc, mn = _scale_min_k4(b[:, 4:16])
-        scale, offset = d * sc.float(), -(dmin * mn.float())  # [n, 8]
-        q = _nibbles(b[:, 16:], 32).reshape(n, 8, 32)
-    else:
-        scale = _f16(b, 0)  # [n, 1]
-        offset = _f16(b, 2) if qtype == 3 else -8 * scale
-        q = _nibbles(b[:, 2 if qtype == 2 else 4 :], 16).reshape(n, 1, 32)
-    return (q.reshape(rows, -1).to(torch.uint8), scale.reshape(rows, -1),
-            offset.reshape(rows, -1))
+    return affine_groups(data, qtype)[:3]
 
 
 def type_name(qtype: int) -> str:

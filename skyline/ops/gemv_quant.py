@@ -23,15 +23,17 @@ loaded in its stored width and converted in registers, so each weight byte is re
   shifted under the mantissa of a power of two MAGIC and OR-ed with its exponent is the float
   MAGIC + q, and
   (MAGIC + q) * scale - (MAGIC + zero) * scale is one FMA with a per-row constant per tile.
-  In DOT mode INT8 tiles enter the tensor cores as the exact integers q - zero (|q - zero| <=
-  255 is exact in bf16/fp16). INT4 tiles enter as OFFSET + q, floats built from the nibbles by
-  bit operations alone (a PTX prmt and lop3 per two weights on NVIDIA GPUs: OFFSET 128 in bf16,
-  1024 in fp16, exact), against the even (low nibble) and odd (high nibble) columns of x; the
-  tile's sum then loses (OFFSET + zero) * sum(x over the tile), and the group scale multiplies
-  the [BLOCK_N, 16] result. Nothing is converted or subtracted per weight. X_LEFT (a config
-  key) swaps the operands, x [16, BLOCK_K / 2] times the weight tile transposed: Triton then
-  streams the packed tile through shared memory in 16-byte vectors into the MMA's right-hand
-  registers, instead of 2-byte loads into its left-hand layout (fewer instructions per weight).
+  In DOT mode INT8 tiles enter the tensor cores as the codes q (0..255, exact in bf16/fp16) and
+  the tile's sum loses zero * sum(x over the tile), so zeros may be any float (GGUF's offsets,
+  quant/gguf.py), not only integers. INT4 tiles enter as OFFSET + q, floats built from the
+  nibbles by bit operations alone (a PTX prmt and lop3 per two weights on NVIDIA GPUs: OFFSET
+  128 in bf16, 1024 in fp16, exact), against the even (low nibble) and odd (high nibble) columns
+  of x; the tile's sum then loses (OFFSET + zero) * sum(x over the tile), and the group scale
+  multiplies the [BLOCK_N, 16] result. Nothing is converted or subtracted per weight. X_LEFT (a
+  config key) swaps the operands, x [16, BLOCK_K / 2] times the weight tile transposed: Triton
+  then streams the packed tile through shared memory in 16-byte vectors into the MMA's
+  right-hand registers, instead of 2-byte loads into its left-hand layout (fewer instructions
+  per weight).
 
 All masks are booleans (comparisons and their `&`), as Triton's interpreter from 3.9 requires.
 
@@ -236,8 +238,8 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
              bits: int, group: int, bias: torch.Tensor | None = None,
              config: dict | None = None) -> torch.Tensor:
     """x [..., K] (1..MAX_ROWS rows) times group-wise INT8/INT4 weights in ops/int_matmul.py's
-    layout (qweight uint8 [N, Kp * bits / 8], scales float32 / zeros uint8 [N, Kp / group],
-    Kp >= K a multiple of group) -> [..., N] in x's dtype."""
+    layout (qweight uint8 [N, Kp * bits / 8], scales float32 / zeros uint8 or float32
+    [N, Kp / group], Kp >= K a multiple of group) -> [..., N] in x's dtype."""
     if bits not in (4, 8):
         raise ValueError(f"int_gemv: bits must be 4 or 8, got {bits}")
     n, k = qweight.shape[0], x.shape[-1]

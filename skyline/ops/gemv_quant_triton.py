@@ -246,9 +246,12 @@ if triton is not None:
                 elif WEIGHT_KIND == 0:
                     acc = _dot_t(wq.to(xv.dtype), xv, acc, IEEE)
                 elif WEIGHT_KIND == 1:
-                    wd = (wq.to(tl.float32) - z[:, None]).to(xv.dtype)
-                    t = _dot_t(wd, xv, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), IEEE)
-                    acc += t * s[:, None]
+                    # codes 0..255 are exact in bf16/fp16; the zero (an integer, or any float:
+                    # GGUF offsets) leaves the sum as zero * sum(x over the tile)
+                    t = _dot_t(wq.to(xv.dtype), xv, tl.zeros((BLOCK_N, BLOCK_M),
+                                                             dtype=tl.float32), IEEE)
+                    xsum = tl.sum(xv.to(tl.float32), axis=1)  # [BLOCK_M]
+                    acc += (t - z[:, None] * xsum[None, :]) * s[:, None]
                 else:
                     # The MMA takes OFFSET + q as unpacked; the zero point and OFFSET leave
                     # the tile's sum afterwards as (OFFSET + zero) * sum(x over the tile).

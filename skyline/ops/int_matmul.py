@@ -4,7 +4,7 @@ W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group].
 Layout (rows = output features, padded input dim Kp = num_groups * group):
   qweight: uint8 [N, Kp] (8 bits) or [N, Kp / 2] (4 bits: element 2j in the low nibble of
   byte j, element 2j + 1 in the high nibble); scales: float32 [N, num_groups];
-  zeros: uint8 [N, num_groups].
+  zeros: uint8 [N, num_groups] (or float32: GGUF blocks with an arbitrary offset per group).
 
 `int_matmul_ref` dequantizes and runs one torch matmul; `int_matmul_triton` dequantizes
 tile by tile inside the matmul, so the full-precision weight never exists in memory.

@@ -12,7 +12,15 @@ layer with other block types (Q5_K, Q6_K, Q8_0, ... as in Q4_K_M files) is dequa
 bfloat16 at its first bfloat16 call instead, its raw blocks dropped: 16 bits a weight rather
 than the file's 5-8.5, because dequantizing whole blocks at every call makes decode 4-5x
 slower. Float32 (the default) keeps the raw blocks and dequantizes them with ops/dequant.py at
-each call, exact. A Triton dequant-matmul for the GPU is the next step."""
+each call, exact.
+
+On CUDA, a layer's first call turns its blocks into the group-wise integer layout of
+ops/int_matmul.py (every block type with integer codes: W = (q - zero) * scale per group, the
+zero a float32 so that any affine map of the file is kept; 4-bit codes when all of the layer's
+types are Q4_0 / Q4_1 / Q4_K, groups of 32, else 8-bit codes in groups of 32 or 16) and drops
+the raw blocks: decode-sized batches run the quantized GEMV of ops/gemv_quant.py, larger ones
+the Triton dequant-matmul. That is 6 bits a weight for the 4-bit types and 10-12 for the
+others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go dense once."""
 
 from __future__ import annotations
 
@@ -25,7 +33,15 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.layers.linear import Linear
-from skyline.ops.dequant import INT4_GROUP_TYPES, dequantize_ref, int4_groups
+from skyline.ops.dequant import (
+    AFFINE_GROUP,
+    INT4_GROUP_TYPES,
+    affine_groups,
+    dequantize_ref,
+    int4_groups,
+)
+from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
+from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 
@@ -72,6 +88,10 @@ class GGUFLinearMethod:
         del layer.gguf_parts
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if hasattr(layer, "gguf_qweight"):
+            w = dequantize_int_ref(layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
+                                   *layer.gguf_bits_group)
+            return w[:, : layer.in_features]
         if getattr(layer, "gguf_int4", None) is not None:
             return _int4_weight(*layer.gguf_int4)
         if hasattr(layer, "gguf_dense"):
@@ -79,6 +99,10 @@ class GGUFLinearMethod:
         return _dequantize_blocks(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and _cuda_ready(layer, x.dtype):
+            if not hasattr(layer, "gguf_qweight"):
+                return F.linear(x, layer.gguf_dense, layer.bias)
+            return _int_apply(layer, x)
         if x.device.type == "cpu" and _cpu_ready(layer, build=x.dtype == torch.bfloat16):
             if layer.gguf_int4 is None:
                 return F.linear(x, layer.gguf_dense.to(x.dtype), layer.bias)
@@ -107,6 +131,57 @@ def _cpu_ready(layer: Linear, build: bool) -> bool:
         for i in range(len(layer.gguf_types)):
             delattr(layer, f"gguf_w{i}")
     return True
+
+
+def _cuda_ready(layer: Linear, dtype: torch.dtype) -> bool:
+    """Makes the layer's CUDA form at its first call (an eager one: the engine's profiling run
+    comes before any graph capture): the integer layout (`gguf_qweight`, `gguf_scales`,
+    `gguf_zeros`, `gguf_bits_group`), or dense weights in `dtype` for float types; the raw
+    blocks are dropped."""
+    if not (hasattr(layer, "gguf_qweight") or hasattr(layer, "gguf_dense")):
+        layout = int_layout(layer)
+        if layout is None:
+            layer.register_buffer("gguf_dense", _dequantize_blocks(layer).to(dtype))
+        else:
+            for name, t in zip(("gguf_qweight", "gguf_scales", "gguf_zeros"), layout[:3],
+                               strict=True):
+                layer.register_buffer(name, t)
+            layer.gguf_bits_group = layout[3:]
+        for i in range(len(layer.gguf_types)):
+            delattr(layer, f"gguf_w{i}")
+    return True
+
+
+def _int_apply(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    args = (layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros, *layer.gguf_bits_group)
+    if quant_gemv_ok(x):  # decode-sized batches: codes unpacked in registers
+        return int_gemv(x, *args, bias=layer.bias)
+    y = int_matmul_triton(x, *args) if x.is_cuda else int_matmul_ref(x, *args)
+    return y if layer.bias is None else y + layer.bias
+
+
+def int_layout(layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
+    """The layer's blocks as (qweight, scales, zeros, bits, group) in ops/int_matmul.py's
+    layout with float32 zeros, the same weights (W = q * s + o = (q - z) * s, z = -o / s);
+    None if a run is not a type of integer codes. Runs of different group sizes share the
+    smaller group (a group of 32 repeats its scale and zero over two of 16)."""
+    types = [int(t) for t in layer.gguf_types]
+    if not all(t in AFFINE_GROUP for t in types):
+        return None
+    parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t) for i, t in enumerate(types)]
+    group = min(p[3] for p in parts)
+    bits = 4 if all(t in INT4_GROUP_TYPES for t in types) else 8
+    q = torch.cat([p[0] for p in parts])
+    s = torch.cat([p[1].repeat_interleave(p[3] // group, 1) for p in parts])
+    o = torch.cat([p[2].repeat_interleave(p[3] // group, 1) for p in parts])
+    # A group whose scale is 0 holds the constant o: codes 0, scale 1, zero -o.
+    flat = s == 0
+    z = torch.where(flat, -o, -o / torch.where(flat, torch.ones_like(s), s))
+    s = torch.where(flat, torch.ones_like(s), s)
+    q = torch.where(flat.repeat_interleave(group, 1), torch.zeros_like(q), q)
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return q.contiguous(), s.contiguous(), z.contiguous(), bits, group
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:

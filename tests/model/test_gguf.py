@@ -285,3 +285,32 @@ def test_weight_names() -> None:
     assert hf_weight_name("rope_freqs.weight") is None
     with pytest.raises(ConfigError, match="ffn_gate_exps"):
         hf_weight_name("blk.0.ffn_gate_exps.weight")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_gguf_on_cuda_matches_dense(tmp_path, dtype) -> None:
+    """--quantization gguf on CUDA: Q4_0 / Q5_1 / Q8_0 layers in the integer layout of the GPU
+    kernels (GEMV for a few tokens, dequant-matmul for more) give the dense model's logits."""
+    from skyline.engine.create import EngineArgs, create_engine_config
+    from skyline.model.loader import load_model
+
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, tiny_model("llama", tie=True), "llama", quant=True)
+
+    def run(quantization: str | None, n: int) -> tuple[torch.Tensor, torch.nn.Module]:
+        cfg, _ = create_engine_config(EngineArgs(model=path, dtype=dtype, device="cuda",
+                                                 quantization=quantization))
+        model = load_model(cfg.model, "cuda")
+        ids = torch.arange(3, 3 + n, device="cuda") % 96
+        with torch.no_grad():
+            return model.compute_logits(model(ids, torch.arange(n, device="cuda"))), model
+
+    for n in (3, 40):  # the GEMV's rows, then the dequant-matmul's
+        dense, _ = run(None, n)
+        packed, model = run("gguf", n)
+        layer = model.model.layers[0].mlp.gate_up_proj
+        assert layer.gguf_qweight.dtype == torch.uint8 and not hasattr(layer, "gguf_w0")
+        err = ((packed - dense).norm() / dense.norm()).item()
+        assert err < (1e-5 if dtype == "float32" else 3e-2), (n, err)
