@@ -1,18 +1,19 @@
 """GGUF weights kept packed: a Linear holds the file's raw blocks (Q4_1, Q6_K, ... as stored),
 so the model takes about as much memory as the file, as in llama.cpp.
 
-Matmuls: on the CPU with bfloat16 activations, a layer whose blocks are all 4-bit group types
-(Q4_0, Q4_1, Q4_K: 4-bit codes with an affine map per 32 elements) runs torch's int4
-weight-only kernel (`_weight_int4pack_mm_for_cpu`), which reads 4.5 bits per weight and
-unpacks in registers; its repacked weights are made at the first such call and replace the raw
-blocks, which are dropped (scale and offset per 32 elements stored in bfloat16, so within bf16
-rounding of the file's fp16 scales); from then on the layer runs every input on that kernel
-(other dtypes through bfloat16), and `dequantized_weight` reads the weights back from it. A
-layer with other block types (Q5_K, Q6_K, Q8_0, ... as in Q4_K_M files) is dequantized once to
-bfloat16 at its first bfloat16 call instead, its raw blocks dropped: 16 bits a weight rather
-than the file's 5-8.5, because dequantizing whole blocks at every call makes decode 4-5x
-slower. Float32 (the default) keeps the raw blocks and dequantizes them with ops/dequant.py at
-each call, exact.
+Matmuls: on the CPU with bfloat16 activations, a layer whose blocks all have an affine map per
+32 elements runs torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which reads 5
+bits per weight (4-bit codes, a bf16 scale and zero per 32) and unpacks in registers: 4-bit
+codes (Q4_0, Q4_1, Q4_K) as one plane, 5- to 8-bit codes (Q5_0, Q5_1, Q5_K, Q8_0) as two, low
+and high nibbles (W = lo * s + 16 s * hi + o: two kernel calls, 10 bits a weight). The repacked
+weights are made at the first such call and replace the raw blocks, which are dropped (scale and
+offset per 32 elements stored in bfloat16, so within bf16 rounding of the file's fp16 scales);
+from then on the layer runs every input on that kernel (other dtypes through bfloat16), and
+`dequantized_weight` reads the weights back from it. A layer with types of 16-element groups
+(Q6_K, Q2_K, Q3_K: the kernel takes groups of 32 or more) is dequantized once to bfloat16 at its
+first bfloat16 call instead, its raw blocks dropped: 16 bits a weight rather than the file's
+2.6-6.6, because dequantizing whole blocks at every call makes decode 4-5x slower. Float32 (the
+default) keeps the raw blocks and dequantizes them with ops/dequant.py at each call, exact.
 
 On CUDA, a layer's first call turns its blocks into the group-wise integer layout of
 ops/int_matmul.py (every block type with integer codes: W = (q - zero) * scale per group, the
@@ -24,6 +25,7 @@ others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go d
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +40,15 @@ from skyline.ops.dequant import (
     INT4_GROUP_TYPES,
     affine_groups,
     dequantize_ref,
-    int4_groups,
 )
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
+# Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
+# weight, faster than dense bf16 for one or two rows but about half its speed at eight: the
+# kernel is compute-bound there); 1 keeps those types dense bfloat16 (16 bits).
+MAX_CPU_PLANES = int(os.environ.get("SKYLINE_GGUF_CPU_PLANES", "2"))
 
 
 @dataclass
@@ -93,7 +98,7 @@ class GGUFLinearMethod:
                                    *layer.gguf_bits_group)
             return w[:, : layer.in_features]
         if getattr(layer, "gguf_int4", None) is not None:
-            return _int4_weight(*layer.gguf_int4)
+            return sum(_int4_weight(*plane) for plane in layer.gguf_int4)
         if hasattr(layer, "gguf_dense"):
             return layer.gguf_dense.float()
         return _dequantize_blocks(layer)
@@ -106,7 +111,10 @@ class GGUFLinearMethod:
         if x.device.type == "cpu" and _cpu_ready(layer, build=x.dtype == torch.bfloat16):
             if layer.gguf_int4 is None:
                 return F.linear(x, layer.gguf_dense.to(x.dtype), layer.bias)
-            y = _int4_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), *layer.gguf_int4)
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = _int4_mm(x2, *layer.gguf_int4[0])
+            for plane in layer.gguf_int4[1:]:  # high nibbles of 5- to 8-bit codes
+                y = y + _int4_mm(x2, *plane)
             y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
             return y if layer.bias is None else y + layer.bias
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
@@ -207,21 +215,39 @@ def _has_int4_kernel() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def _pack_int4(layer: Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(packed codes, scales_and_zeros [cols / 32, rows, 2] bf16) in the layout of torch's CPU
-    int4 kernel, which computes W = (q - 8) * scale + zero; None unless every run of the layer
-    is a 4-bit group type."""
-    if not all(int(t) in INT4_GROUP_TYPES for t in layer.gguf_types):
+def _pack_int4(layer: Linear) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+    """Planes of (packed codes, scales_and_zeros [cols / 32, rows, 2] bf16) in the layout of
+    torch's CPU int4 kernel, which computes W = (q - 8) * scale + zero; the layer's weights are
+    their sum. One plane when every run is a 4-bit group type; two (the codes' low nibbles with
+    the group's scale and offset, the high nibbles with 16 * scale and no offset) when a run
+    has wider codes; None unless every run has an affine map per 32 elements."""
+    types = [int(t) for t in layer.gguf_types]
+    if not all(AFFINE_GROUP.get(t) == INT4_GROUP for t in types):
         return None
-    parts = [int4_groups(getattr(layer, f"gguf_w{i}"), t)
-             for i, t in enumerate(layer.gguf_types)]
+    if MAX_CPU_PLANES < 2 and not all(t in INT4_GROUP_TYPES for t in types):
+        return None
+    parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t)[:3] for i, t in enumerate(types)]
     codes, scale, offset = (torch.cat(c) for c in zip(*parts, strict=True))
-    if codes.shape[1] % (2 * INT4_GROUP):
-        return None  # the kernel packs pairs of groups along K
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    zero = offset + 8 * scale
-    scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-    return packed, scales_zeros
+    if codes.shape[1] % (2 * INT4_GROUP) or codes.shape[0] % 16:
+        return None  # the kernel packs pairs of groups along K, and rows in sixteens
+    if all(t in INT4_GROUP_TYPES for t in types):
+        planes = [(codes, scale, offset + 8 * scale)]
+    else:
+        # Each plane's product is rounded to bf16 before the two are added, so neither plane
+        # may carry a large constant the other cancels: an offset of the size of the high
+        # plane's range (Q8_0: -128 s, codes centred on 128) goes with the high plane, whose
+        # zero point it then nearly cancels; a small one (Q5: about -16 s) with the low plane.
+        # Zeros come from the bf16-rounded scale the kernel multiplies by.
+        s_b = scale.to(torch.bfloat16).float()
+        high = offset.abs() >= 64 * scale.abs()
+        planes = [(codes & 0x0F, s_b, torch.where(high, 8 * s_b, offset + 8 * s_b)),
+                  (codes >> 4, 16 * s_b, torch.where(high, offset + 128 * s_b, 128 * s_b))]
+    out = []
+    for q, s, zero in planes:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        out.append((packed, torch.stack([s.t(), zero.t()], -1).to(torch.bfloat16).contiguous()))
+    return tuple(out)
+
 
 
 def _loader(layer: Linear) -> Any:

@@ -1,6 +1,7 @@
-"""GGUF 4-bit group types on the CPU's int4 kernel: codes, scales and offsets reproduce the
-blocks exactly; bfloat16 matmuls through torch's int4 kernel match the dequantized weights; other
-types become dense bfloat16 once; float32 keeps the exact dequantize-and-matmul path."""
+"""GGUF group types on the CPU's int4 kernel: codes, scales and offsets reproduce the blocks
+exactly; bfloat16 matmuls through torch's int4 kernel (one plane for 4-bit codes, two for 5- to
+8-bit ones) match the dequantized weights; types of 16-element groups become dense bfloat16
+once; float32 keeps the exact dequantize-and-matmul path."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from skyline.ops.dequant import dequantize_ref, int4_groups
 from skyline.quant.gguf import GGUFLinearMethod, _has_int4_kernel
 
 # byte offsets of the fp16 scales in each block type
-FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208], Q.Q5_0: [0],
+           Q.Q5_1: [0, 2], Q.Q5_K: [0, 2], Q.Q8_0: [0]}
 
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -83,6 +85,48 @@ def test_bf16_matmul_on_the_int4_kernel_matches_the_dequantized_weights():
     y32 = method.apply(layer, x)
     assert y32.dtype == torch.float32
     torch.testing.assert_close(y32, y.float())
+
+
+@pytest.mark.skipif(not _has_int4_kernel(), reason="torch lacks the CPU int4 kernel")
+@pytest.mark.parametrize("runs", [[Q.Q8_0], [Q.Q5_0], [Q.Q5_1], [Q.Q5_K], [Q.Q4_K, Q.Q5_K]],
+                         ids=lambda r: "+".join(q.name for q in r))
+def test_wider_codes_run_as_two_int4_planes(runs):
+    """5- to 8-bit codes: low and high nibbles as two int4 planes whose weights add up to the
+    blocks' (within the bf16 rounding of scales and zero points), 10 bits a weight."""
+    layer = _Layer([(q, blocks(q, 32, 512, 10 + i)) for i, q in enumerate(runs)])
+    method = GGUFLinearMethod()
+    w = method.dequantized_weight(layer)
+    x = torch.randn(5, 512)
+    y = method.apply(layer, x.to(torch.bfloat16))
+    assert len(layer.gguf_int4) == 2 and not hasattr(layer, "gguf_w0")
+    ref = x.to(torch.bfloat16).float() @ w.T
+    assert (y.float() - ref).abs().max() / ref.abs().max() < 2e-2
+    w_back = method.dequantized_weight(layer)
+    # per weight: within bf16 rounding of the scale (2^-9 of the largest code's weight)
+    assert (w_back - w).abs().max() / w.abs().max() < 1e-2
+    packed_bytes = sum(t.numel() * t.element_size() for p in layer.gguf_int4 for t in p)
+    # two planes of 4-bit codes, each with a bf16 scale and zero per 32 weights
+    assert packed_bytes * 8 / w.numel() == 10
+
+
+@pytest.mark.skipif(not _has_int4_kernel(), reason="torch lacks the CPU int4 kernel")
+def test_one_plane_setting_keeps_wider_codes_dense(monkeypatch):
+    # SKYLINE_GGUF_CPU_PLANES=1: 5- to 8-bit codes stay dense bf16 (batched decode speed over
+    # memory); 4-bit codes still run the kernel
+    import skyline.quant.gguf as gguf_method
+
+    monkeypatch.setattr(gguf_method, "MAX_CPU_PLANES", 1)
+    method = GGUFLinearMethod()
+    wide = _Layer([(Q.Q8_0, blocks(Q.Q8_0, 16, 256, 20))])
+    narrow = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 16, 256, 21))])
+    odd = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 8, 256, 22))])  # the kernel packs rows in sixteens
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    method.apply(wide, x)
+    method.apply(narrow, x)
+    method.apply(odd, x)
+    assert wide.gguf_int4 is None and wide.gguf_dense.dtype == torch.bfloat16
+    assert narrow.gguf_int4 is not None and len(narrow.gguf_int4) == 1
+    assert odd.gguf_int4 is None and odd.gguf_dense.dtype == torch.bfloat16
 
 
 def test_float32_before_any_bfloat16_call_keeps_the_exact_path():
