@@ -13,19 +13,18 @@ import argparse
 import json
 import platform
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from skyline.bench.gguf_blocks import random_blocks
 from skyline.bench.offline import machine_info, median_call_s, save_json
 from skyline.quant.gguf import GGUFLinearMethod
 
 SHAPES = {"smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
           "llama-8b o": (4096, 4096), "llama-8b down": (4096, 14336)}  # (out, in)
 TYPES = {"Q4_1": Q.Q4_1, "Q5_1": Q.Q5_1, "Q5_K": Q.Q5_K, "Q8_0": Q.Q8_0, "Q6_K": Q.Q6_K}
-FP16_AT = {Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q5_K: [0, 2], Q.Q8_0: [0], Q.Q6_K: [208]}
 
 
 class _Layer(torch.nn.Module):
@@ -34,18 +33,6 @@ class _Layer(torch.nn.Module):
         self.gguf_types = [int(qtype)]
         self.register_buffer("gguf_w0", data)
         self.bias = None
-
-
-def blocks(qtype: Q, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Random blocks with moderate fp16 scales (speed does not depend on the values)."""
-    rng = np.random.default_rng(seed)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block_size
-    b = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
-    for at in FP16_AT[qtype]:
-        b[:, at : at + 2] = rng.uniform(-0.01, 0.01, n).astype(np.float16).view(np.uint8) \
-            .reshape(n, 2)
-    return torch.from_numpy(b.reshape(rows, -1).copy())
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
         for tname, qtype in TYPES.items():
             if k % GGML_QUANT_SIZES[qtype][0]:
                 continue  # rows of K-quants are whole 256-element blocks
-            layer = _Layer(qtype, blocks(qtype, n, k, n + k))
+            layer = _Layer(qtype, random_blocks(qtype, n, k, n + k, scale=0.01))
             dense = method.dequantized_weight(layer).to(torch.bfloat16)
             x0 = torch.randn(max(a.rows), k, dtype=torch.bfloat16)
             method.apply(layer, x0[:1])  # builds the packed planes (or dense bf16)

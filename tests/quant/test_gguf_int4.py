@@ -5,31 +5,16 @@ once; float32 keeps the exact dequantize-and-matmul path."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from skyline.bench.gguf_blocks import random_blocks
 from skyline.ops.dequant import dequantize_ref, int4_groups
 from skyline.quant.gguf import GGUFLinearMethod, _has_int4_kernel
 
-# byte offsets of the fp16 scales in each block type
-FP16_AT = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q6_K: [208], Q.Q5_0: [0],
-           Q.Q5_1: [0, 2], Q.Q5_K: [0, 2], Q.Q8_0: [0]}
-
-
-def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Random blocks with finite, moderate fp16 scales: [rows, bytes_per_row] uint8."""
-    rng = np.random.default_rng(seed)
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block_size
-    b = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
-    for at in FP16_AT[qtype]:
-        b[:, at : at + 2] = rng.uniform(-0.05, 0.05, n).astype(np.float16).view(np.uint8) \
-            .reshape(n, 2)
-    return torch.from_numpy(b.reshape(rows, -1).copy())
+blocks = random_blocks  # (qtype, rows, cols, seed): scales in [-0.05, 0.05]
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)

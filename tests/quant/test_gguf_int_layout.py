@@ -6,35 +6,21 @@ zeros) match the dense weights. Kernels run in Triton's interpreter on CPU, on C
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from skyline.bench.gguf_blocks import random_blocks
 from skyline.ops.dequant import AFFINE_GROUP, affine_groups, dequantize_ref
 from skyline.ops.gemv_quant import int_gemv
 from skyline.quant.gguf import GGUFLinearMethod, _cuda_ready, _int_apply, int_layout
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-FP16_AT = {  # byte offsets of the fp16 scales in each block type
-    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-}
-
-
 def blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
-    """Random blocks with finite, moderate fp16 scales: [rows, bytes_per_row] uint8."""
-    rng = np.random.default_rng(seed + int(qtype))
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    n = rows * cols // block_size
-    b = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)
-    for at in FP16_AT[qtype]:
-        b[:, at : at + 2] = rng.uniform(-0.05, 0.05, n).astype(np.float16).view(np.uint8) \
-            .reshape(n, 2)
-    return torch.from_numpy(b.reshape(rows, -1).copy())
+    return random_blocks(qtype, rows, cols, seed + int(qtype))
 
 
 class _Layer(torch.nn.Module):
