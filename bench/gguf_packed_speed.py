@@ -6,6 +6,9 @@ CPU int4 kernel (quant/gguf.py).
     python bench/gguf_packed_speed.py [--threads N] [--model FILE.gguf]
                                       [--out bench/results/gguf-packed-cpu.json]
 
+`--methods none,int4,int8` compares other --quantization values the same way (skyline's own
+INT4 / INT8 run the same CPU int4 kernel in bfloat16).
+
 Decides quant/resolve.py's GGUF_PACKED_BY_DEFAULT: packed becomes the default only if its
 float32 decode is at most 1.5x slower.
 """
@@ -43,22 +46,26 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded model)")
+    ap.add_argument("--methods", default="none,gguf",
+                    help="comma-separated --quantization values; none first (the baseline)")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated, float32 first (the packed-by-default decision)")
     ns = ap.parse_args()
     results: dict[str, dict[str, float]] = {}
-    variants = [(m, d) for d in ns.dtypes.split(",") for m in ("none", "gguf")]
+    variants = [(m, d) for d in ns.dtypes.split(",") for m in ns.methods.split(",")]
     for method, dtype in variants:
         key = method if dtype == "float32" else f"{method}-{dtype}"
         llm = LLM(model=ns.model, quantization=method, dtype=dtype, threads=ns.threads,
                   enable_prefix_caching=False)
         decode_tok_s(llm, 1, 16, 4)  # warm-up (builds the int4 kernel's packed weights)
+        decode_tok_s(llm, 8, 16, 4)
         model = llm.engine.executor.runner.model if hasattr(llm.engine, "executor") else None
         mem = None
         if model is not None:  # weights held after the warm-up, the int4 kernel's included
             tensors = [*model.parameters(), *model.buffers()]
-            tensors += [t for m in model.modules() for plane in (getattr(m, "gguf_int4", None)
-                                                                 or ()) for t in plane]
+            tensors += [t for m in model.modules()
+                        for plane in (getattr(m, "gguf_int4", None) or getattr(
+                            m, "int_planes", None) or ()) for t in plane]
             mem = sum(t.numel() * t.element_size() for t in tensors) / 2**20
         results[key] = {
             "weights_mib": mem,

@@ -35,6 +35,7 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.layers.linear import Linear
+from skyline.ops import cpu_int4
 from skyline.ops.dequant import (
     AFFINE_GROUP,
     INT4_GROUP_TYPES,
@@ -98,7 +99,7 @@ class GGUFLinearMethod:
                                    *layer.gguf_bits_group)
             return w[:, : layer.in_features]
         if getattr(layer, "gguf_int4", None) is not None:
-            return sum(_int4_weight(*plane) for plane in layer.gguf_int4)
+            return cpu_int4.planes_weight(layer.gguf_int4)
         if hasattr(layer, "gguf_dense"):
             return layer.gguf_dense.float()
         return _dequantize_blocks(layer)
@@ -111,12 +112,7 @@ class GGUFLinearMethod:
         if x.device.type == "cpu" and _cpu_ready(layer, build=x.dtype == torch.bfloat16):
             if layer.gguf_int4 is None:
                 return F.linear(x, layer.gguf_dense.to(x.dtype), layer.bias)
-            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-            y = _int4_mm(x2, *layer.gguf_int4[0])
-            for plane in layer.gguf_int4[1:]:  # high nibbles of 5- to 8-bit codes
-                y = y + _int4_mm(x2, *plane)
-            y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
-            return y if layer.bias is None else y + layer.bias
+            return cpu_int4.planes_linear(x, layer.gguf_int4, layer.bias)
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
 
 
@@ -133,7 +129,7 @@ def _cpu_ready(layer: Linear, build: bool) -> bool:
     if not hasattr(layer, "gguf_int4"):
         if not build:
             return False
-        layer.gguf_int4 = _pack_int4(layer) if _has_int4_kernel() else None
+        layer.gguf_int4 = _pack_int4(layer) if cpu_int4.has_kernel() else None
         if layer.gguf_int4 is None:
             layer.register_buffer("gguf_dense", _dequantize_blocks(layer).to(torch.bfloat16))
         for i in range(len(layer.gguf_types)):
@@ -192,62 +188,23 @@ def int_layout(layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return q.contiguous(), s.contiguous(), z.contiguous(), bits, group
 
 
-def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
-
-
-def _int4_weight(packed: torch.Tensor, scales_zeros: torch.Tensor,
-                 chunk: int = 1024) -> torch.Tensor:
-    """The float32 weights [rows, cols] the int4 kernel multiplies by: the kernel applied to
-    rows of the identity (each output is one weight times 1, so exact but for the bf16
-    output), `chunk` rows at a time."""
-    cols = scales_zeros.shape[0] * INT4_GROUP
-    parts = []
-    for k0 in range(0, cols, chunk):
-        k = torch.arange(k0, min(k0 + chunk, cols))
-        eye = torch.zeros(len(k), cols, dtype=torch.bfloat16)
-        eye[torch.arange(len(k)), k] = 1
-        parts.append(_int4_mm(eye, packed, scales_zeros))  # [chunk, rows]
-    return torch.cat(parts).t().float()
-
-
 def _has_int4_kernel() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return cpu_int4.has_kernel()
 
 
-def _pack_int4(layer: Linear) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
-    """Planes of (packed codes, scales_and_zeros [cols / 32, rows, 2] bf16) in the layout of
-    torch's CPU int4 kernel, which computes W = (q - 8) * scale + zero; the layer's weights are
-    their sum. One plane when every run is a 4-bit group type; two (the codes' low nibbles with
-    the group's scale and offset, the high nibbles with 16 * scale and no offset) when a run
-    has wider codes; None unless every run has an affine map per 32 elements."""
+def _pack_int4(layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+    """The layer's weights as planes of torch's CPU int4 kernel (ops/cpu_int4.py): one when
+    every run is a 4-bit group type, two when a run has wider codes; None unless every run has
+    an affine map per 32 elements (and the kernel takes the shape)."""
     types = [int(t) for t in layer.gguf_types]
     if not all(AFFINE_GROUP.get(t) == INT4_GROUP for t in types):
         return None
-    if MAX_CPU_PLANES < 2 and not all(t in INT4_GROUP_TYPES for t in types):
+    wide = not all(t in INT4_GROUP_TYPES for t in types)
+    if wide and MAX_CPU_PLANES < 2:
         return None
     parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t)[:3] for i, t in enumerate(types)]
     codes, scale, offset = (torch.cat(c) for c in zip(*parts, strict=True))
-    if codes.shape[1] % (2 * INT4_GROUP) or codes.shape[0] % 16:
-        return None  # the kernel packs pairs of groups along K, and rows in sixteens
-    if all(t in INT4_GROUP_TYPES for t in types):
-        planes = [(codes, scale, offset + 8 * scale)]
-    else:
-        # Each plane's product is rounded to bf16 before the two are added, so neither plane
-        # may carry a large constant the other cancels: an offset of the size of the high
-        # plane's range (Q8_0: -128 s, codes centred on 128) goes with the high plane, whose
-        # zero point it then nearly cancels; a small one (Q5: about -16 s) with the low plane.
-        # Zeros come from the bf16-rounded scale the kernel multiplies by.
-        s_b = scale.to(torch.bfloat16).float()
-        high = offset.abs() >= 64 * scale.abs()
-        planes = [(codes & 0x0F, s_b, torch.where(high, 8 * s_b, offset + 8 * s_b)),
-                  (codes >> 4, 16 * s_b, torch.where(high, offset + 128 * s_b, 128 * s_b))]
-    out = []
-    for q, s, zero in planes:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        out.append((packed, torch.stack([s.t(), zero.t()], -1).to(torch.bfloat16).contiguous()))
-    return tuple(out)
-
+    return cpu_int4.pack_planes(codes, scale, offset, INT4_GROUP, wide)
 
 
 def _loader(layer: Linear) -> Any:

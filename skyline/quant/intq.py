@@ -2,10 +2,13 @@
 
 Each group of `group_size` input elements of a row gets a float32 scale and an integer zero
 point, so q = clamp(round(w / scale) + zero, 0, 2^bits - 1) and w ~ (q - zero) * scale; the
-range always includes 0, so zero padding dequantizes to exactly 0. With calibration
-statistics, each group's range is clipped to the ratio that minimises the activation-weighted
-error sum_k E[x_k^2] (w_k - w'_k)^2: an outlier weight on a quiet input channel is not worth
-coarsening the whole group for (AWQ/GPTQ-style clip search).
+range always includes 0, so zero padding dequantizes to exactly 0. On the CPU, bfloat16
+inputs run torch's int4 kernel (ops/cpu_int4.py; INT8 as two 4-bit planes), whose planes are
+made at the first such call and kept beside the packed tensors; float32 inputs dequantize the
+weight at each call (the exact reference). With calibration statistics, each group's range
+is clipped to the ratio that minimises the activation-weighted error sum_k E[x_k^2]
+(w_k - w'_k)^2: an outlier weight on a quiet input channel is not worth coarsening the whole
+group for (AWQ/GPTQ-style clip search).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from skyline.model.layers.linear import Linear
+from skyline.ops import cpu_int4
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
 from skyline.quant.base import QuantLinearMethod, pad_cols
@@ -88,6 +92,24 @@ class IntLinearMethod(QuantLinearMethod):
             return int_gemv(x, *args, bias=layer.bias)
         if x.is_cuda:
             y = int_matmul_triton(x, *args)
+        elif x.dtype == torch.bfloat16 and (planes := self._cpu_planes(layer)) is not None:
+            return cpu_int4.planes_linear(x, planes, layer.bias)
         else:
             y = int_matmul_ref(x, *args)
         return y if layer.bias is None else y + layer.bias
+
+    def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+        """The layer's codes as planes of torch's CPU int4 kernel (ops/cpu_int4.py: one for
+        INT4, two for INT8), made at the first bfloat16 call on the CPU and kept beside the
+        packed tensors (None where the kernel is missing or cannot take the shape)."""
+        if not hasattr(layer, "int_planes"):
+            planes = None
+            if cpu_int4.has_kernel():
+                q = layer.qweight
+                if self.bits == 4:
+                    q = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)
+                scale = layer.scales.float()
+                planes = cpu_int4.pack_planes(q, scale, -layer.zeros.float() * scale,
+                                              self.group_size, wide=self.bits == 8)
+            layer.int_planes = planes
+        return layer.int_planes

@@ -1,0 +1,94 @@
+"""Group-wise integer weights on torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`:
+bfloat16 activations, 4-bit codes unpacked in registers, W = (q - 8) * scale + zero with a
+bf16 scale and zero per group of 32, 64, 128 or 256 input elements).
+
+Weights given as unsigned codes with a float32 scale and offset per group (W = q * s + o: GGUF
+blocks, skyline's INT4/INT8 layout with o = -zero * s) become one *plane* of the kernel when
+the codes fit in 4 bits, and two when they are 5 to 8 bits wide: the low nibbles with scale s,
+the high nibbles with 16 s, the two products added (10 bits a weight with groups of 32). The
+offset goes with the plane whose values it does not cancel (each product is rounded to bf16
+before they are added): an offset of the size of the high plane's range (-128 s: codes centred
+on 128, as GGUF Q8_0) with the high plane, a small one with the low plane.
+
+The kernel is compute-bound from a few rows on: two planes are faster than dense bf16 for one
+or two rows on large Linears and about half its speed at eight (bench/gguf_cpu_planes.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Plane = tuple[torch.Tensor, torch.Tensor]  # (packed codes, scales_and_zeros [G, N, 2] bf16)
+GROUPS = (32, 64, 128, 256)  # group sizes the kernel takes
+
+
+def has_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def pack_planes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                group: int, wide: bool) -> tuple[Plane, ...] | None:
+    """codes [N, K] uint8 (0..15, or 0..255 with `wide`), scale and offset [N, K / group]
+    float32 -> the kernel's planes; None where the kernel cannot take the shape (N not a
+    multiple of 16, K not whole groups, a group size it lacks)."""
+    n, k = codes.shape
+    if group not in GROUPS or n % 16 or k % group or scale.shape != (n, k // group):
+        return None
+    if not wide:
+        planes = [(codes, scale, offset + 8 * scale)]
+    else:
+        s_b = scale.to(torch.bfloat16).float()  # zeros from the scale the kernel multiplies by
+        high = offset.abs() >= 64 * scale.abs()
+        planes = [(codes & 0x0F, s_b, torch.where(high, 8 * s_b, offset + 8 * s_b)),
+                  (codes >> 4, 16 * s_b, torch.where(high, offset + 128 * s_b, 128 * s_b))]
+    out = []
+    for q, s, zero in planes:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        out.append((packed, torch.stack([s.t(), zero.t()], -1).to(torch.bfloat16).contiguous()))
+    return tuple(out)
+
+
+def planes_mm(x: torch.Tensor, planes: tuple[Plane, ...]) -> torch.Tensor:
+    """x [M, K] bfloat16 -> [M, N] bfloat16: the sum of the planes' products."""
+    group = _group(planes)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, planes[0][0], group, planes[0][1])
+    for packed, sz in planes[1:]:
+        y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
+    return y
+
+
+def planes_linear(x: torch.Tensor, planes: tuple[Plane, ...],
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K'] (K' <= K: the weights' padding columns meet zeros) -> [..., N] in x's
+    dtype, through bfloat16."""
+    k = _cols(planes)
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    if x2.shape[1] < k:
+        x2 = torch.nn.functional.pad(x2, (0, k - x2.shape[1]))
+    y = planes_mm(x2, planes).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def planes_weight(planes: tuple[Plane, ...], chunk: int = 1024) -> torch.Tensor:
+    """The float32 weights [N, K] the planes multiply by: the kernel applied to rows of the
+    identity (each output one weight times 1: exact but for the bf16 output), `chunk` rows at
+    a time."""
+    k, group = _cols(planes), _group(planes)
+    parts = []
+    for k0 in range(0, k, chunk):
+        cols = torch.arange(k0, min(k0 + chunk, k))
+        eye = torch.zeros(len(cols), k, dtype=torch.bfloat16)
+        eye[torch.arange(len(cols)), cols] = 1
+        parts.append(sum(torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, packed, group, sz).float() for packed, sz in planes))
+    return torch.cat(parts).t()
+
+
+def _cols(planes: tuple[Plane, ...]) -> int:
+    # K: the packed codes are N x K / 2 bytes
+    packed, sz = planes[0]
+    return packed.numel() * 2 // sz.shape[1]
+
+
+def _group(planes: tuple[Plane, ...]) -> int:
+    return _cols(planes) // planes[0][1].shape[0]
