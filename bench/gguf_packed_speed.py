@@ -66,6 +66,8 @@ def main() -> None:
             tensors += [t for m in model.modules()
                         for plane in (getattr(m, "gguf_int4", None) or getattr(
                             m, "int_planes", None) or ()) for t in plane]
+            tensors += [m.packed_weight for m in model.modules()  # oneDNN's prepacked weights
+                        if getattr(m, "packed_weight", None) is not None]
             mem = sum(t.numel() * t.element_size() for t in tensors) / 2**20
         results[key] = {
             "weights_mib": mem,
