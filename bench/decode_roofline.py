@@ -15,6 +15,7 @@ import torch
 
 from skyline.bench.offline import machine_info, random_prompts, save_json
 from skyline.engine.frontend import LLM
+from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
 from skyline.types import SamplingParams
 
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--fp8-gemv", default=None, choices=["a8", "a8q", "w8a16"],
                     help="fp8 weights at <= 8 rows: fp8 x fp8 tensor-core GEMV (a8, default; "
                          "a8q: x quantized by its own kernel first) or weight-only (w8a16)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="with --quantization fp8: the LM head in fp8 too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fp8_gemv is not None:
@@ -58,7 +61,7 @@ def main() -> None:
     bw = copy_bandwidth()
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + a.new_tokens + 16,
               max_num_seqs=8, enforce_eager=a.enforce_eager, kv_cache_dtype=a.kv_cache_dtype,
-              quantization=a.quantization)
+              quantization=a.quantization, quantize_lm_head=a.quantize_lm_head)
     arch = llm.config.model.arch
     model = llm.engine.executor.runner.model
     # Every parameter, plus the buffers of Linear layers (packed quantized weights, scales).
@@ -67,6 +70,10 @@ def main() -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     if not arch.tie_word_embeddings:  # an untied embedding table is read one row per token
         weight_bytes -= arch.vocab_size * arch.hidden_size * 2
+    for m in model.modules():  # an fp8 head is read instead of the dense one
+        if isinstance(m, LMHead) and m.fp8_weight is not None:
+            weight_bytes += sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
+            weight_bytes -= m.weight.numel() * m.weight.element_size()
     kv_elem = 1 if llm.config.cache.kv_cache_dtype == "fp8_e4m3" else 2
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * kv_elem
     mean_ctx = a.prompt_len + a.new_tokens / 2
@@ -95,6 +102,7 @@ def main() -> None:
         "new_tokens": a.new_tokens, "cuda_graphs": not a.enforce_eager,
         "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
         "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8",
+        "lm_head_fp8": llm.config.model.quant.lm_head,
         "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9,
         "bytes_per_token_GB": bytes_per_token / 1e9, "roofline_tok_s": roofline,
         "decode_tok_s": decode_tok_s, "fraction_of_roofline": decode_tok_s / roofline,

@@ -33,6 +33,7 @@ VARIANTS = {
     "reference (Q4_1 dequantized, fp32)": ("none", 128, False),
     "gguf (Q4_1 kept packed)": ("gguf", 128, False),
     "fp8 (W8A8 e4m3)": ("fp8", 128, False),
+    "fp8 + fp8 LM head (--quantize-lm-head)": ("fp8+head", 128, False),
     "int8 g128": ("int8", 128, False),
     "int4 g128": ("int4", 128, False),
     "int4 g128 + calibrated clip": ("int4", 128, True),
@@ -102,7 +103,8 @@ def main() -> None:
             model = load_model(base.model, "cpu")
             quantize_loaded(model, QuantConfig(method=method, group_size=group), act_sq)
         else:
-            qcfg = QuantConfig(method=method, group_size=group)
+            qcfg = QuantConfig(method=method.removesuffix("+head"), group_size=group,
+                               lm_head=method.endswith("+head"))
             model = load_model(dataclasses.replace(base.model, quant=qcfg, dtype=dtype), "cpu")
         logp = window_logits(model, evals, ns.window)
         nll, kl, agree, n = 0.0, 0.0, 0, 0

@@ -76,8 +76,9 @@ QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
 @dataclass(frozen=True)
 class QuantConfig:
     """How Linear weights are stored and multiplied (skyline/quant/); embeddings and the LM
-    head stay in the model dtype. `prequantized`: the checkpoint already holds the quantized
-    tensors (written by `skyline quantize`); otherwise weights are quantized while loading.
+    head stay in the model dtype unless `lm_head` (fp8 only) quantizes the head.
+    `prequantized`: the checkpoint already holds the quantized tensors (written by `skyline
+    quantize`); otherwise weights are quantized while loading.
 
     `layers` gives some Linears their own format (mixed precision): (pattern, method,
     group_size) triples, the first whose fnmatch pattern matches the Linear's module name
@@ -87,8 +88,12 @@ class QuantConfig:
     group_size: int = 128  # int8/int4: input elements per scale and zero point
     prequantized: bool = False
     layers: tuple[tuple[str, str, int], ...] = ()
+    lm_head: bool = False  # --quantize-lm-head: the LM head in fp8 too (with method fp8)
 
     def __post_init__(self) -> None:
+        if self.lm_head and self.method != "fp8":
+            raise ConfigError("--quantize-lm-head quantizes the LM head to fp8; it needs "
+                              f"--quantization fp8, got {self.method!r}")
         if self.method not in QUANT_METHODS:
             raise ConfigError(
                 f"--quantization must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}"

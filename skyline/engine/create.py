@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class EngineArgs:
     threads: int | None = None  # CPU threads for torch
     quantization: str | None = None  # None: the checkpoint's own format (see quant/resolve.py)
     quant_group_size: int = 128
+    quantize_lm_head: bool = False  # with --quantization fp8: the LM head in fp8 too
     enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
     async_scheduling: str = "auto"  # auto (on for CUDA) | on | off
     speculative_method: str = "none"  # none | ngram | suffix | eagle | draft
@@ -207,6 +209,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
     quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
+    if args.quantize_lm_head:
+        quant = dataclasses.replace(quant, lm_head=True)
     model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,
                             max_model_len=max_len, seed=args.seed, name=name, quant=quant)
     cache = CacheConfig(

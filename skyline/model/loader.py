@@ -145,6 +145,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
                 f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"
             )
         finish_loading(model)  # online quantization once every shard is loaded
+        if cfg.quant.lm_head:
+            for m in model.modules():
+                if isinstance(m, LMHead):
+                    m.quantize_fp8()
     return model
 
 

@@ -1,18 +1,14 @@
 """FP8 W8A8: e4m3 weights with one float32 scale per output channel, activations quantized
-per token at run time. CUDA GPUs of compute capability >= 8.9 multiply with
-`torch._scaled_mm`; elsewhere an exact emulation dequantizes both sides and multiplies in
-float32 (the same values _scaled_mm multiplies, accumulated in a different order)."""
+per token at run time; the product is ops/fp8_linear.py's (fp8 GEMVs and `torch._scaled_mm` on
+CUDA GPUs of compute capability >= 8.9, an exact float32 emulation elsewhere)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 
 from skyline.model.layers.linear import Linear
+from skyline.ops.fp8_linear import fp8_linear
 from skyline.ops.fp8_quant import FP8, FP8_MAX, quantize_rows_fp8
-from skyline.ops.gemv_quant import fp8_gemv, fp8_gemv_a8, quant_gemv_ok
 from skyline.quant.base import QuantLinearMethod
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
@@ -23,17 +19,6 @@ __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 # (a faster GEMV, one more launch per Linear); "w8a16" streams the fp8 weights against
 # unquantized activations, converting every weight. BENCHMARKS.md compares the three.
 GEMV_ACTIVATIONS = "a8"
-
-
-@functools.lru_cache(maxsize=16)
-def _has_fp8_units(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not x.is_cuda or not _has_fp8_units(x.device):
-        return False
-    return x.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
 
 
 class Fp8LinearMethod(QuantLinearMethod):
@@ -52,29 +37,4 @@ class Fp8LinearMethod(QuantLinearMethod):
         return q["weight"].float() * q["weight_scale"].unsqueeze(-1)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        w, w_scale = layer.weight, layer.weight_scale
-        lead = x.shape[:-1]
-        if quant_gemv_ok(x) and _has_fp8_units(x.device):
-            # Decode-sized batches: a GEMV streaming the fp8 weight bytes.
-            if GEMV_ACTIVATIONS == "w8a16":
-                return fp8_gemv(x, w, w_scale, layer.bias)
-            if GEMV_ACTIVATIONS == "a8q":
-                xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
-                y = fp8_gemv_a8(xq, x_scale, w, w_scale, layer.bias, x.dtype)
-                return y.reshape(*lead, -1)
-            return fp8_gemv_a8(x, None, w, w_scale, layer.bias, x.dtype)
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales
-        if _scaled_mm_ok(x2, w):
-            # Row-wise scales: x_scale [M, 1], w_scale [1, N]; w.t() is column-major as required.
-            y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.unsqueeze(0),
-                                 out_dtype=x.dtype)
-            if layer.bias is not None:
-                y = y + layer.bias
-            return y.reshape(*lead, -1)
-        xd = xq.float() * x_scale
-        wd = w.float() * w_scale.unsqueeze(-1)
-        y = F.linear(xd, wd).to(x.dtype)
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.reshape(*lead, -1)
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)

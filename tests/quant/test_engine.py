@@ -121,6 +121,24 @@ def test_bad_quantization_value_is_one_clear_error(hf_dir, capsys):
     assert "\n" not in str(e.value)
 
 
+def test_fp8_lm_head(hf_dir, ref_logits):
+    """--quantize-lm-head: the head computes from an e4m3 copy (one scale per vocabulary row),
+    close to the fp8 model with a dense head; only with --quantization fp8."""
+    cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="float32", device="cpu",
+                                             quantization="fp8", quantize_lm_head=True))
+    model = load_model(cfg.model, "cpu")
+    head = model.lm_head
+    assert head.fp8_weight.dtype == torch.float8_e4m3fn
+    assert head.fp8_scale.shape == (head.vocab_size,)
+    dense_head = load_model(model_cfg(hf_dir, "fp8"), "cpu")
+    got, want = logits(model), logits(dense_head)
+    assert 0 < rel_err(got, want) < 0.05
+    assert rel_err(got, ref_logits) < 2 * BOUNDS["fp8"]
+    with pytest.raises(ConfigError, match="--quantize-lm-head .* needs --quantization fp8"):
+        create_engine_config(EngineArgs(model=hf_dir, quantization="int8",
+                                        quantize_lm_head=True))
+
+
 def test_gguf_packed_equals_dequantized_at_load():
     from skyline.model.default import default_model_path
 

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.ops import cpu_linear
+from skyline.ops.fp8_linear import fp8_linear
+from skyline.ops.fp8_quant import quantize_rows_fp8
 
 
 class VocabEmbedding(nn.Module):
@@ -43,6 +45,9 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.packed_weight: torch.Tensor | None = None
+        # --quantize-lm-head: an e4m3 copy with a float32 scale per vocabulary row
+        self.register_buffer("fp8_weight", None)
+        self.register_buffer("fp8_scale", None)
 
     def prepack(self) -> bool:
         """On the CPU, compute through a oneDNN-packed copy of the loaded weight
@@ -54,11 +59,22 @@ class LMHead(nn.Module):
         self.packed_weight = cpu_linear.pack(self.weight.data)
         return True
 
+    def quantize_fp8(self) -> None:
+        """Compute the logits from an e4m3 copy of the loaded weight (one scale per vocabulary
+        row; ops/fp8_linear.py: the fp8 GEMV at decode on GPUs with fp8 units), reading half
+        the bytes of a 16-bit head per step. The dense weight stays (the embedding and the
+        speculators read it)."""
+        q, scale = quantize_rows_fp8(self.weight.data)
+        self.fp8_weight, self.fp8_scale = q, scale.reshape(-1)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
+        if self.fp8_weight is not None:
+            return fp8_linear(hidden, self.fp8_weight, self.fp8_scale).float()
         if self.packed_weight is not None:
             return cpu_linear.packed_linear(hidden, self.packed_weight).float()
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:
-        return f"{self.vocab_size}, tied={self.tied}"
+        fp8 = ", fp8" if self.fp8_weight is not None else ""
+        return f"{self.vocab_size}, tied={self.tied}{fp8}"

@@ -1,0 +1,53 @@
+"""The FP8 W8A8 product y = x W^T (+ b) for e4m3 weights with one float32 scale per output
+row, on whatever the device offers: the fp8 GEMVs of ops/gemv_quant.py for decode-sized batches
+on GPUs with fp8 units, `torch._scaled_mm` (activations quantized per token) above that, and
+elsewhere an exact emulation (both sides dequantized, multiplied in float32: the values
+_scaled_mm multiplies, accumulated in another order). Shared by the fp8 Linear
+(quant/fp8.py) and the fp8 LM head (model/layers/embedding.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from skyline.ops.fp8_quant import quantize_rows_fp8
+from skyline.ops.gemv_quant import fp8_gemv, fp8_gemv_a8, quant_gemv_ok
+
+
+@functools.lru_cache(maxsize=16)
+def has_fp8_units(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not x.is_cuda or not has_fp8_units(x.device):
+        return False
+    return x.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, gemv: str = "a8") -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype. `gemv` picks the decode-sized GEMV (quant/fp8.py's
+    GEMV_ACTIVATIONS): "a8" fp8 x fp8 with x quantized in the kernel, "a8q" x quantized per
+    row first, "w8a16" unquantized x against the fp8 weights."""
+    lead = x.shape[:-1]
+    if quant_gemv_ok(x) and has_fp8_units(x.device):
+        if gemv == "w8a16":
+            return fp8_gemv(x, w, w_scale, bias)
+        if gemv == "a8q":
+            xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+            return fp8_gemv_a8(xq, x_scale, w, w_scale, bias, x.dtype).reshape(*lead, -1)
+        return fp8_gemv_a8(x, None, w, w_scale, bias, x.dtype)
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales
+    if scaled_mm_ok(x2, w):
+        # Row-wise scales: x_scale [M, 1], w_scale [1, N]; w.t() is column-major as required.
+        y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.unsqueeze(0),
+                             out_dtype=x.dtype)
+    else:
+        y = F.linear(xq.float() * x_scale, w.float() * w_scale.unsqueeze(-1)).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, -1)
