@@ -139,6 +139,25 @@ def test_fp8_lm_head(hf_dir, ref_logits):
                                         quantize_lm_head=True))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_lm_head_on_cuda(hf_dir):
+    # bf16 on the GPU: the fp8 GEMV for a few rows, _scaled_mm (or the emulation) for more;
+    # both close to the same model with its dense head
+    def load(head: bool):
+        cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="bfloat16", device="cuda",
+                                                 quantization="fp8", quantize_lm_head=head))
+        return load_model(cfg.model, "cuda")
+
+    fp8_head, dense_head = load(True), load(False)
+    for n in (3, 40):
+        ids, pos = IDS[:n].cuda(), torch.arange(n, device="cuda")
+        with torch.no_grad():
+            got = fp8_head.compute_logits(fp8_head(ids, pos))
+            want = dense_head.compute_logits(dense_head(ids, pos))
+        assert got.dtype == torch.float32 and rel_err(got, want) < 0.05
+
+
 def test_gguf_packed_equals_dequantized_at_load():
     from skyline.model.default import default_model_path
 
