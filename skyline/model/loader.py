@@ -154,12 +154,17 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
 
 def prepack_for_cpu(model: nn.Module) -> int:
     """Pack a loaded CPU model's unquantized Linears and LM head for oneDNN
-    (`ops/cpu_linear.py`): what the engine serves with. Tools that read or save weights
-    (quantize, reports) keep the plain layout. Returns how many products were packed."""
+    (`ops/cpu_linear.py`), and let quantized Linears take their serving layout (a method's
+    `prepack_cpu`: INT4/INT8 in bfloat16 keep only the int4 kernel's planes): what the engine
+    serves with. Tools that read or save weights (quantize, reports) keep the plain layout.
+    Returns how many products were packed."""
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    dtype = heads[0].weight.dtype if heads else torch.get_default_dtype()
     packed = 0
     for module in model.modules():
         if isinstance(module, Linear):
-            packed += prepack(module)
+            hook = getattr(module.linear_method, "prepack_cpu", None)
+            packed += hook(module, dtype) if hook is not None else prepack(module)
         elif isinstance(module, LMHead):
             packed += module.prepack()
     return packed

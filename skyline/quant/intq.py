@@ -4,8 +4,9 @@ Each group of `group_size` input elements of a row gets a float32 scale and an i
 point, so q = clamp(round(w / scale) + zero, 0, 2^bits - 1) and w ~ (q - zero) * scale; the
 range always includes 0, so zero padding dequantizes to exactly 0. On the CPU, bfloat16
 inputs run torch's int4 kernel (ops/cpu_int4.py; INT8 as two 4-bit planes), whose planes are
-made at the first such call and kept beside the packed tensors; float32 inputs dequantize the
-weight at each call (the exact reference). With calibration statistics, each group's range
+made at the first such call and kept beside the packed tensors, or, in a CPU engine serving in
+bfloat16, made at load in their place; float32 inputs dequantize the weight at each call (the
+exact reference). With calibration statistics, each group's range
 is clipped to the ratio that minimises the activation-weighted error sum_k E[x_k^2]
 (w_k - w'_k)^2: an outlier weight on a quiet input channel is not worth coarsening the whole
 group for (AWQ/GPTQ-style clip search).
@@ -85,7 +86,24 @@ class IntLinearMethod(QuantLinearMethod):
         w = dequantize_int_ref(q["qweight"], q["scales"], q["zeros"], self.bits, self.group_size)
         return w[:, :cols]
 
+    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+        """For a CPU engine in bfloat16 (loader.prepack_for_cpu; tools that save weights never
+        call it): the int4 kernel's planes replace the packed tensors, so the layer holds about
+        as many bytes as the codes (4.25 bits a weight for INT4 in groups of 128, 8.5 for INT8)."""
+        if dtype != torch.bfloat16 or self._cpu_planes(layer) is None:
+            return False
+        for name in ("qweight", "scales", "zeros"):
+            delattr(layer, name)
+        return True
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):  # prepacked: read back from the kernel's planes
+            return cpu_int4.planes_weight(layer.int_planes)[:, : layer.in_features]
+        return super().dequantized_weight(layer)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):  # prepacked for the CPU: every input on the planes
+            return cpu_int4.planes_linear(x, layer.int_planes, layer.bias)
         args = (layer.qweight, layer.scales, layer.zeros, self.bits, self.group_size)
         if quant_gemv_ok(x) and self.group_size % 32 == 0:
             # Decode-sized batches: a GEMV unpacking the codes in registers.

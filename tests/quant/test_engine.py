@@ -139,6 +139,31 @@ def test_fp8_lm_head(hf_dir, ref_logits):
                                         quantize_lm_head=True))
 
 
+@pytest.mark.parametrize("method,planes", [("int4", 1), ("int8", 2)])
+def test_cpu_engine_keeps_only_the_int4_kernel_planes(hf_dir, method, planes):
+    """A CPU engine in bfloat16 (prepack_for_cpu) serves INT4 / INT8 from the int4 kernel's
+    planes alone: the packed tensors are dropped, the logits are those of the layer run
+    before prepacking (the same planes), and the weights read back within bf16 rounding."""
+    from skyline.model.loader import prepack_for_cpu
+    from skyline.ops import cpu_int4
+
+    if not cpu_int4.has_kernel():
+        pytest.skip("torch lacks the CPU int4 kernel")
+    cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="bfloat16", device="cpu",
+                                             quantization=method, quant_group_size=32))
+    model = load_model(cfg.model, "cpu")
+    layer = model.model.layers[0].mlp.down_proj
+    w = layer.linear_method.dequantized_weight(layer)
+    before = logits(model)  # the first bf16 calls build the planes beside the packed tensors
+    assert prepack_for_cpu(model) > 0
+    assert not hasattr(layer, "qweight") and len(layer.int_planes) == planes
+    assert torch.equal(logits(model), before)
+    w_back = layer.linear_method.dequantized_weight(layer)
+    assert (w_back - w).abs().max() / w.abs().max() < 1e-2
+    planes_bytes = sum(t.numel() * t.element_size() for p in layer.int_planes for t in p)
+    assert planes_bytes * 8 / w.numel() == (5 if planes == 1 else 10)  # codes + bf16 s, z
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fp8_lm_head_on_cuda(hf_dir):
