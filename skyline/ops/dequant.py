@@ -55,18 +55,21 @@ def _bits(qh: torch.Tensor) -> torch.Tensor:
     return q & 0x01
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    d = _f16(b, 0)
-    q = _nibbles(b[:, 2:], 16).reshape(n, 32).to(torch.int16) - 8
-    return d * q.float()
+# Each block type decoded to unsigned integer codes q [n, groups, group] with a float32 scale
+# and offset per group [n, groups], and, for types stored as scale * (q - center), the center.
+_Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    d, m = _f16(b, 0), _f16(b, 2)
-    q = _nibbles(b[:, 4:], 16).reshape(n, 32).float()
-    return (d * q) + m
+def _centered(q: torch.Tensor, d: torch.Tensor, center: int) -> _Parts:
+    return q, d, -center * d, center
+
+
+def _q4_0(b: torch.Tensor) -> _Parts:
+    return _centered(_nibbles(b[:, 2:], 16).reshape(-1, 1, 32), _f16(b, 0), 8)
+
+
+def _q4_1(b: torch.Tensor) -> _Parts:
+    return _nibbles(b[:, 4:], 16).reshape(-1, 1, 32), _f16(b, 0), _f16(b, 2), None
 
 
 def _q5(b: torch.Tensor, qh_at: int) -> torch.Tensor:
@@ -74,50 +77,44 @@ def _q5(b: torch.Tensor, qh_at: int) -> torch.Tensor:
     n = b.shape[0]
     qh = _bits(b[:, qh_at : qh_at + 4]).transpose(1, 2).reshape(n, 32)  # element j = byte j//8
     ql = _nibbles(b[:, qh_at + 4 :], 16).reshape(n, 32)
-    return ql | (qh << 4)
+    return (ql | (qh << 4)).reshape(n, 1, 32)
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    q = _q5(b, 2).to(torch.int16) - 16
-    return _f16(b, 0) * q.float()
+def _q5_0(b: torch.Tensor) -> _Parts:
+    return _centered(_q5(b, 2), _f16(b, 0), 16)
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(b, 0), _f16(b, 2)
-    return (d * _q5(b, 4).float()) + m
+def _q5_1(b: torch.Tensor) -> _Parts:
+    return _q5(b, 4), _f16(b, 0), _f16(b, 2), None
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    x = b[:, 2:].contiguous().view(torch.int8).float()
-    return x * _f16(b, 0)
+def _q8_0(b: torch.Tensor) -> _Parts:
+    x = b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128  # signed -> unsigned
+    return _centered(x.to(torch.uint8).reshape(-1, 1, 32), _f16(b, 0), 128)
 
 
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
+def _q2_k(b: torch.Tensor) -> _Parts:
     n = b.shape[0]
     scales, qs = b[:, :16], b[:, 16:80]
-    d, dmin = _f16(b, 80), _f16(b, 82)
-    dl = (d * (scales & 0x0F).float()).reshape(n, 16, 1)
-    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    dl = _f16(b, 80) * (scales & 0x0F).float()  # [n, 16]
+    ml = _f16(b, 82) * (scales >> 4).float()
     q = qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-    q = (q & 0x03).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return (q & 0x03).reshape(n, 16, 16), dl, -ml, None
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _q3_k(b: torch.Tensor) -> _Parts:
     n = b.shape[0]
     hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
-    d = _f16(b, 108)
     # 16 six-bit scales: low 4 bits from bytes 0..7 (two nibbles), high 2 bits from bytes 8..11
     lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device, (1, 2, 1))).reshape(n, 16)
     hsc = scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device, (1, 4, 1))
     sc = (lsc & 0x0F) | ((hsc.reshape(n, 16) & 0x03) << 4)
-    dl = (d * (sc.to(torch.int16) - 32).float()).reshape(n, 16, 1)
+    dl = _f16(b, 108) * (sc.to(torch.int16) - 32).float()  # [n, 16]
     ql = qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-    ql = (ql.reshape(n, 16, 16) & 0x03).to(torch.int16)
     qh = hmask.reshape(n, -1, 1, 32) >> _shifts(list(range(8)), b.device, (1, 1, 8, 1))
-    qh = (qh.reshape(n, 16, 16) & 0x01) ^ 0x01  # a set bit means no -4 offset
-    q = (ql - (qh.to(torch.int16) << 2)).float()
-    return (dl * q).reshape(n, QK_K)
+    # a set high bit means no -4 offset: q - 4 with q = ql + 4 * hbit in 0..7
+    q = (ql.reshape(n, 16, 16) & 0x03) | ((qh.reshape(n, 16, 16) & 0x01) << 2)
+    return _centered(q, dl, 4)
 
 
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,44 +127,45 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
+def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Q4_K / Q5_K: d * sc and -dmin * mn per 32 elements, [n, 8]
     sc, mn = _scale_min_k4(b[:, 4:16])
-    d = (d * sc.float()).reshape(n, -1, 1)  # [n, 8, 1]
-    dm = (dmin * mn.float()).reshape(n, -1, 1)
-    q = _nibbles(b[:, 16:], 32).reshape(n, -1, 32).float()  # [n, 8, 32]
-    return (d * q - dm).reshape(n, QK_K)
+    return _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _q4_k(b: torch.Tensor) -> _Parts:
+    return _nibbles(b[:, 16:], 32).reshape(-1, 8, 32), *_k4_scales(b), None
+
+
+def _q5_k(b: torch.Tensor) -> _Parts:
+    q = _nibbles(b[:, 48:], 32).reshape(-1, 8, 32) | (_bits(b[:, 16:48]) << 4)
+    return q, *_k4_scales(b), None
+
+
+def _q6_k(b: torch.Tensor) -> _Parts:
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _scale_min_k4(b[:, 4:16])
-    d = (d * sc.float()).reshape(n, -1, 1)
-    dm = (dmin * mn.float()).reshape(n, -1, 1)
-    ql = _nibbles(b[:, 48:], 32).reshape(n, -1, 32)  # [n, 8, 32]
-    qh = _bits(b[:, 16:48])  # [n, 8, 32]
-    q = (ql | (qh << 4)).float()
-    return (d * q - dm).reshape(n, QK_K)
-
-
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    ql, qh = b[:, :128], b[:, 128:192]
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16(b, 208) * scales).reshape(n, 16, 1)
-    ql = _nibbles(ql, 64).reshape(n, -1, 32)  # [n, 8, 32]
-    qh = qh.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-    qh = (qh & 0x03).reshape(n, -1, 32)
-    q = ((ql | (qh << 4)).to(torch.int16) - 32).reshape(n, 16, -1).float()
-    return (d * q).reshape(n, QK_K)
+    d = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    ql = _nibbles(b[:, :128], 64).reshape(n, -1, 32)  # [n, 8, 32]
+    qh = b[:, 128:192].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+    q = ql | ((qh & 0x03).reshape(n, -1, 32) << 4)
+    return _centered(q.reshape(n, 16, 16), d, 32)
 
 
 _BLOCK_FNS = {
     2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0,
     10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
 }
+
+
+def _values(parts: _Parts) -> torch.Tensor:
+    """The float32 weights [n, groups * group], in gguf.quants' arithmetic: scale * (q - center)
+    for centred types, q * scale + offset for the others."""
+    q, scale, offset, center = parts
+    if center is not None:
+        w = scale[..., None] * (q.to(torch.int16) - center).float()
+    else:
+        w = q.float() * scale[..., None] + offset[..., None]
+    return w.reshape(q.shape[0], -1)
 
 
 # Types whose weights are 4-bit codes with an affine map per 32 elements.
@@ -179,58 +177,17 @@ AFFINE_GROUP = {2: 32, 3: 32, 6: 32, 7: 32, 8: 32, 10: 16, 11: 16, 12: 32, 13: 3
 def affine_groups(data: torch.Tensor, qtype: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A block-quantized tensor `[rows, bytes_per_row]` as unsigned integer codes with a
-    scale and an offset per group of elements: W = q * scale + offset, the values
-    `dequantize_ref` computes (every product and sum here is exact in float32). Returns codes
-    `[rows, cols]` uint8, scale and offset `[rows, cols / group]` float32, and the group:
-    32 for Q4_0 (d, -8d), Q4_1 (d, m), Q5_0 (d, -16d), Q5_1 (d, m), Q8_0 (codes q + 128:
-    d, -128d), Q4_K / Q5_K (d * sc, -dmin * mn); 16 for Q6_K (d * sc, -32 d * sc), Q2_K
-    (d * sc, -dmin * mn) and Q3_K (codes ql + 4 * hbit: d * sc, -4 d * sc)."""
+    scale and an offset per group of elements: W = q * scale + offset, `dequantize_ref`'s
+    values (exactly, as every product is exact in float32, but for Q6_K whose d * sc * q can
+    need 25 bits). Returns codes `[rows, cols]` uint8, scale and offset `[rows, cols / group]`
+    float32, and the group: 32 for Q4_0 (d, -8d), Q4_1 (d, m), Q5_0 (d, -16d), Q5_1 (d, m),
+    Q8_0 (codes q + 128: d, -128d), Q4_K / Q5_K (d * sc, -dmin * mn); 16 for Q6_K (d * sc,
+    -32 d * sc), Q2_K (d * sc, -dmin * mn) and Q3_K (codes ql + 4 * hbit: d * sc, -4 d * sc)."""
     qtype = int(qtype)
     if qtype not in AFFINE_GROUP:
         raise ValueError(f"{type_name(qtype)} is not a block type of integer codes")
-    _, _, type_size = GGML_TYPES[qtype]
     rows = data.shape[0]
-    b = data.contiguous().reshape(-1, type_size)
-    n = b.shape[0]
-    if qtype in (2, 3, 6, 7, 8):  # one fp16 scale (and Q4_1 / Q5_1: an fp16 offset) per 32
-        d = _f16(b, 0)  # [n, 1]
-        if qtype == 8:
-            q = (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        elif qtype in (6, 7):
-            q = _q5(b, 2 if qtype == 6 else 4)
-        else:
-            q = _nibbles(b[:, 2 if qtype == 2 else 4 :], 16).reshape(n, 32)
-        scale = d
-        offset = {2: -8 * d, 6: -16 * d, 8: -128 * d}.get(qtype)
-        if offset is None:
-            offset = _f16(b, 2)
-    elif qtype in (12, 13):
-        d, dmin = _f16(b, 0), _f16(b, 2)
-        sc, mn = _scale_min_k4(b[:, 4:16])
-        scale, offset = d * sc.float(), -(dmin * mn.float())  # [n, 8]
-        q = _nibbles(b[:, 16:], 32).reshape(n, 8, 32) if qtype == 12 else (
-            _nibbles(b[:, 48:], 32).reshape(n, 8, 32) | (_bits(b[:, 16:48]) << 4))
-    elif qtype == 14:
-        scale = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
-        offset = -32 * scale
-        ql = _nibbles(b[:, :128], 64).reshape(n, -1, 32)
-        qh = b[:, 128:192].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-        q = ql | ((qh & 0x03).reshape(n, -1, 32) << 4)
-    elif qtype == 10:
-        sc = b[:, :16]
-        scale, offset = _f16(b, 80) * (sc & 0x0F).float(), -(_f16(b, 82) * (sc >> 4).float())
-        q = b[:, 16:80].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-        q = q & 0x03
-    else:  # Q3_K
-        scales = b[:, 96:108]
-        lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device, (1, 2, 1)))
-        hsc = scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device, (1, 4, 1))
-        sc = (lsc.reshape(n, 16) & 0x0F) | ((hsc.reshape(n, 16) & 0x03) << 4)
-        scale = _f16(b, 108) * (sc.to(torch.int16) - 32).float()
-        offset = -4 * scale
-        ql = b[:, 32:96].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-        qh = b[:, :32].reshape(n, -1, 1, 32) >> _shifts(list(range(8)), b.device, (1, 1, 8, 1))
-        q = (ql.reshape(n, 16, 16) & 0x03) | ((qh.reshape(n, 16, 16) & 0x01) << 2)
+    q, scale, offset, _ = _BLOCK_FNS[qtype](data.contiguous().reshape(-1, GGML_TYPES[qtype][2]))
     return (q.reshape(rows, -1).to(torch.uint8), scale.reshape(rows, -1).float(),
             offset.reshape(rows, -1).float(), AFFINE_GROUP[qtype])
 
@@ -277,4 +234,4 @@ def dequantize_ref(data: torch.Tensor, qtype: int) -> torch.Tensor:
     if qtype == 30:
         return data.view(torch.bfloat16).float()
     blocks = data.reshape(-1, type_size)  # [n_blocks, type_size]
-    return _BLOCK_FNS[qtype](blocks).reshape(*lead, cols)
+    return _values(_BLOCK_FNS[qtype](blocks)).reshape(*lead, cols)

@@ -67,6 +67,14 @@ except ImportError:  # CPU-only installs: the reference serves
 if triton is not None:
 
     @triton.jit
+    def store_kv(dst_ptr, x, inv_scale, mask, FP8_MAX: tl.constexpr, SATURATE: tl.constexpr):
+        # x into the cache as quantize_kv stores it: for fp8 (SATURATE) x times the float32
+        # reciprocal of the scale, saturated, then converted (shared with ops/rotary.py)
+        if SATURATE:
+            x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+        tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr, v_ptr, cache_k_ptr, cache_v_ptr, slot_ptr, inv_k_scale, inv_v_scale,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
@@ -83,13 +91,9 @@ if triton is not None:
         dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs \
             + h[:, None] * stride_ch + d[None, :]  # [H, D]
         k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        if SATURATE:
-            k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
-        tl.store(cache_k_ptr + dst, k.to(cache_k_ptr.dtype.element_ty), mask=mask)
+        store_kv(cache_k_ptr + dst, k, inv_k_scale, mask, FP8_MAX, SATURATE)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        if SATURATE:
-            v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
-        tl.store(cache_v_ptr + dst, v.to(cache_v_ptr.dtype.element_ty), mask=mask)
+        store_kv(cache_v_ptr + dst, v, inv_v_scale, mask, FP8_MAX, SATURATE)
 
 
 def write_kv_triton(

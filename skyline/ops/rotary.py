@@ -171,6 +171,7 @@ except ImportError:  # CPU-only installs: the references above serve
     triton = None
 
 if triton is not None:
+    from skyline.ops.kv_write import store_kv
 
     @triton.jit
     def _rotate_heads(x_ptr, stride_h, h0, num_heads, w_ptr, eps, cos, sin,
@@ -198,13 +199,6 @@ if triton is not None:
         tl.store(p1, r1, mask=mask)
         tl.store(p1 + HALF, r2, mask=mask)
         return r1, r2, h, j, mask
-
-    @triton.jit
-    def _to_cache(dst_ptr, x, inv_scale, mask, FP8_MAX: tl.constexpr, SATURATE: tl.constexpr):
-        # as ops/kv_write.py's kernel: fp8 caches hold x / scale, saturated
-        if SATURATE:
-            x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
-        tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotary_kernel(
@@ -239,10 +233,10 @@ if triton is not None:
                 slot = tl.load(slot_ptr + tok).to(tl.int64)
                 dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs \
                     + h[:, None] * stride_ch + j[None, :]  # first half of each head
-                _to_cache(cache_k_ptr + dst, k1, inv_k_scale, mask, FP8_MAX, SATURATE)
-                _to_cache(cache_k_ptr + dst + HALF, k2, inv_k_scale, mask, FP8_MAX, SATURATE)
+                store_kv(cache_k_ptr + dst, k1, inv_k_scale, mask, FP8_MAX, SATURATE)
+                store_kv(cache_k_ptr + dst + HALF, k2, inv_k_scale, mask, FP8_MAX, SATURATE)
                 pv = v_ptr + tok64 * stride_vt + h[:, None] * stride_vh + j[None, :]
-                _to_cache(cache_v_ptr + dst, tl.load(pv, mask=mask), inv_v_scale, mask,
+                store_kv(cache_v_ptr + dst, tl.load(pv, mask=mask), inv_v_scale, mask,
                           FP8_MAX, SATURATE)
-                _to_cache(cache_v_ptr + dst + HALF, tl.load(pv + HALF, mask=mask), inv_v_scale,
+                store_kv(cache_v_ptr + dst + HALF, tl.load(pv + HALF, mask=mask), inv_v_scale,
                           mask, FP8_MAX, SATURATE)

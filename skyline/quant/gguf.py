@@ -44,6 +44,7 @@ from skyline.ops.dequant import (
 )
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
+from skyline.quant.base import pack_nibbles
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 # Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
@@ -184,12 +185,8 @@ def int_layout(layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     s = torch.where(flat, torch.ones_like(s), s)
     q = torch.where(flat.repeat_interleave(group, 1), torch.zeros_like(q), q)
     if bits == 4:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
+        q = pack_nibbles(q)
     return q.contiguous(), s.contiguous(), z.contiguous(), bits, group
-
-
-def _has_int4_kernel() -> bool:
-    return cpu_int4.has_kernel()
 
 
 def _pack_int4(layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:

@@ -6,10 +6,9 @@ range always includes 0, so zero padding dequantizes to exactly 0. On the CPU, b
 inputs run torch's int4 kernel (ops/cpu_int4.py; INT8 as two 4-bit planes), whose planes are
 made at the first such call and kept beside the packed tensors, or, in a CPU engine serving in
 bfloat16, made at load in their place; float32 inputs dequantize the weight at each call (the
-exact reference). With calibration statistics, each group's range
-is clipped to the ratio that minimises the activation-weighted error sum_k E[x_k^2]
-(w_k - w'_k)^2: an outlier weight on a quiet input channel is not worth coarsening the whole
-group for (AWQ/GPTQ-style clip search).
+exact reference). With calibration statistics, each group's range is clipped to the ratio that
+minimises the activation-weighted error sum_k E[x_k^2] (w_k - w'_k)^2: an outlier weight on a
+quiet input channel is not worth coarsening the whole group for (AWQ/GPTQ-style clip search).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
-from skyline.quant.base import QuantLinearMethod, pad_cols
+from skyline.quant.base import QuantLinearMethod, pack_nibbles, pad_cols, unpack_nibbles
 
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
 
@@ -79,7 +78,7 @@ class IntLinearMethod(QuantLinearMethod):
     ) -> dict[str, torch.Tensor]:
         codes, scales, zeros = quantize_groups(w, self.bits, self.group_size, act_sq)
         if self.bits == 4:
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            codes = pack_nibbles(codes)
         return {"qweight": codes, "scales": scales, "zeros": zeros}
 
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
@@ -123,9 +122,7 @@ class IntLinearMethod(QuantLinearMethod):
         if not hasattr(layer, "int_planes"):
             planes = None
             if cpu_int4.has_kernel():
-                q = layer.qweight
-                if self.bits == 4:
-                    q = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)
+                q = unpack_nibbles(layer.qweight) if self.bits == 4 else layer.qweight
                 scale = layer.scales.float()
                 planes = cpu_int4.pack_planes(q, scale, -layer.zeros.float() * scale,
                                               self.group_size, wide=self.bits == 8)

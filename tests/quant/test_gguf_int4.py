@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from skyline.bench.gguf_blocks import random_blocks
+from skyline.ops import cpu_int4
 from skyline.ops.dequant import dequantize_ref, int4_groups
-from skyline.quant.gguf import GGUFLinearMethod, _has_int4_kernel
+from skyline.quant.gguf import GGUFLinearMethod
 
 blocks = random_blocks  # (qtype, rows, cols, seed): scales in [-0.05, 0.05]
 
@@ -43,7 +44,7 @@ class _Layer(torch.nn.Module):
         self.bias = None
 
 
-@pytest.mark.skipif(not _has_int4_kernel(), reason="torch lacks the CPU int4 kernel")
+@pytest.mark.skipif(not cpu_int4.has_kernel(), reason="torch lacks the CPU int4 kernel")
 def test_bf16_matmul_on_the_int4_kernel_matches_the_dequantized_weights():
     # a merged projection of two runs of different 4-bit types, as qkv can be
     layer = _Layer([(Q.Q4_1, blocks(Q.Q4_1, 48, 512, 1)), (Q.Q4_K, blocks(Q.Q4_K, 16, 512, 2))])
@@ -72,7 +73,7 @@ def test_bf16_matmul_on_the_int4_kernel_matches_the_dequantized_weights():
     torch.testing.assert_close(y32, y.float())
 
 
-@pytest.mark.skipif(not _has_int4_kernel(), reason="torch lacks the CPU int4 kernel")
+@pytest.mark.skipif(not cpu_int4.has_kernel(), reason="torch lacks the CPU int4 kernel")
 @pytest.mark.parametrize("runs", [[Q.Q8_0], [Q.Q5_0], [Q.Q5_1], [Q.Q5_K], [Q.Q4_K, Q.Q5_K]],
                          ids=lambda r: "+".join(q.name for q in r))
 def test_wider_codes_run_as_two_int4_planes(runs):
@@ -94,7 +95,7 @@ def test_wider_codes_run_as_two_int4_planes(runs):
     assert packed_bytes * 8 / w.numel() == 10
 
 
-@pytest.mark.skipif(not _has_int4_kernel(), reason="torch lacks the CPU int4 kernel")
+@pytest.mark.skipif(not cpu_int4.has_kernel(), reason="torch lacks the CPU int4 kernel")
 def test_one_plane_setting_keeps_wider_codes_dense(monkeypatch):
     # SKYLINE_GGUF_CPU_PLANES=1: 5- to 8-bit codes stay dense bf16 (batched decode speed over
     # memory); 4-bit codes still run the kernel
