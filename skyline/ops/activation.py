@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 
@@ -35,8 +36,10 @@ def silu_and_mul_triton(
     if config is None:
         config = _config(d, x.dtype, token_bucket(num_tokens))
     block = config["BLOCK"]
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK=block, num_warps=config["num_warps"],
+        x, out, d, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl,
+        num_warps=config["num_warps"], launch_pdl=pdl,
     )
     return out
 
@@ -63,9 +66,11 @@ except ImportError:  # CPU-only installs: the reference above serves
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         # One program per (token, BLOCK columns). Rounded as the reference: silu's result is
         # cast to the dtype before the multiply.
+        pdl_wait(PDL)
         tok = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < d

@@ -33,6 +33,7 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     shape_key,
 )
 from skyline.ops.attention_triton import triton
+from skyline.ops.pdl import use_pdl
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -190,13 +191,14 @@ def paged_attention(
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                    num_decodes, seq_lens_tensor, k_scale, v_scale)
+    if len(seq_lens) == num_decodes:  # a pure decode batch
+        return paged_decode_attention(q, kv_cache, block_tables, seq_lens_tensor, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(q)
     if num_decodes:
-        out[:num_decodes] = paged_decode_attention(
-            q[:num_decodes], kv_cache, block_tables[:num_decodes],
-            seq_lens_tensor[:num_decodes], scale, k_scale=k_scale, v_scale=v_scale)
-    if len(seq_lens) == num_decodes:
-        return out
+        paged_decode_attention(q[:num_decodes], kv_cache, block_tables[:num_decodes],
+                               seq_lens_tensor[:num_decodes], scale, k_scale=k_scale,
+                               v_scale=v_scale, out=out[:num_decodes])
     if query_start_loc_tensor is None:
         _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
                  k_scale, v_scale)
@@ -239,6 +241,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,  # fp8 cache: the layer's K and V scales
     v_scale: float = 1.0,
     config: dict | None = None,  # None: decode_config (tuned, else the default)
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim] to write; None: new
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
@@ -251,7 +254,8 @@ def paged_decode_attention(
     _check(config, DECODE_KERNEL)
     if num_splits is None:
         num_splits = config["NUM_SPLITS"]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     ml = acc = out  # unused unless split
     if num_splits > 1:
         ml = torch.empty(num_seqs, num_heads, num_splits, 2, device=q.device, dtype=torch.float32)
@@ -259,6 +263,7 @@ def paged_decode_attention(
                           dtype=torch.float32)
     k, v = kv_cache[0], kv_cache[1]
     d_pad = max(16, triton.next_power_of_2(head_dim))
+    pdl = use_pdl(q.device)
     kernels.paged_decode_kernel[(num_seqs, kvh, num_splits)](
         q, k, v, out, ml, acc, block_tables, seq_lens, scale * k_scale, v_scale, num_heads,
         num_splits,
@@ -267,13 +272,14 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         SPLIT=num_splits > 1, PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"],
-        F16=_f16_tiles(q, k), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        F16=_f16_tiles(q, k), PDL=pdl, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], launch_pdl=pdl,
     )
     if num_splits > 1:
         kernels.combine_splits_kernel[(num_seqs * num_heads,)](
             ml, acc, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
             S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
-            num_warps=1,
+            PDL=pdl, num_warps=1, launch_pdl=pdl,
         )
     return out
 
@@ -305,6 +311,7 @@ def paged_prefill_attention(
     k, v = kv_cache[0], kv_cache[1]
     block_m = config["BLOCK_M"]
     grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
+    pdl = use_pdl(q.device)
     kernels.paged_prefill_kernel[grid](
         q, k, v, out, block_tables, seq_lens, query_start_loc, scale * k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
@@ -312,6 +319,7 @@ def paged_prefill_attention(
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        launch_pdl=pdl,
     )
     return out

@@ -13,6 +13,7 @@ except ImportError:  # CPU-only installs: the references serve
     triton = None
 
 if triton is not None:
+    from skyline.ops.pdl import pdl_wait
 
     @triton.jit
     def _page_ids(block_tables_ptr, seq, pos, end, stride_bt, PAGE: tl.constexpr):
@@ -88,13 +89,14 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         SPLIT: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
-        F16: tl.constexpr,
+        F16: tl.constexpr, PDL: tl.constexpr,
     ):
         # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
         # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
         # table. With SPLIT (flash-decoding), each of the num_splits programs of a sequence
         # covers one slice of the context and writes its partial (max, sum, acc) for
         # _combine_splits. `scale` includes the fp8 k_scale; v_scale multiplies the output.
+        pdl_wait(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -149,9 +151,10 @@ if triton is not None:
     def combine_splits_kernel(
         ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
+        D_PAD: tl.constexpr, PDL: tl.constexpr,
     ):
         # One program per (sequence, head): _combine_splits_ref in one launch.
+        pdl_wait(PDL)
         row = tl.program_id(0)
         s = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
@@ -189,12 +192,14 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
         # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
         # Tiles run last first: the last tiles of a causal prefill see the most keys, so the
         # long programs start first and the short ones fill the tail.
         # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
+        pdl_wait(PDL)
         seq = tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.num_programs(2) - 1 - tl.program_id(2)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from skyline.ops.pdl import pdl_wait, use_pdl
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -45,9 +47,10 @@ def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     q = torch.empty(rows, k, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = min(BLOCK, triton.next_power_of_2(k))
+    pdl = use_pdl(x.device)
     _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0),
                                    BLOCK=block, ITERS=triton.cdiv(k, block), FP8_MAX=FP8_MAX,
-                                   num_warps=4 if block >= 512 else 1)
+                                   PDL=pdl, num_warps=4 if block >= 512 else 1, launch_pdl=pdl)
     return q, scale
 
 
@@ -62,7 +65,8 @@ if triton is not None:
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
                               BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                              FP8_MAX: tl.constexpr):
+                              FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+        pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         x_row = x_ptr + row * stride_x

@@ -32,6 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from skyline.ops.pdl import pdl_wait, prefetch_lines, prefetch_rows, use_pdl
 from skyline.ops.tuning import get_config
 
 try:
@@ -147,14 +148,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = use_pdl(x.device)
     _gemv_kernel[(num_tiles, split_k)](
         x2, weight, bias if bias is not None else weight, y, partial, counters,
         m, n, k, k_iters, split_k, x2.stride(0), weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
-        STATIC_ITERS=k_iters if interpreted else 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        STATIC_ITERS=k_iters if interpreted else 0, PDL=pdl,
+        PREFETCH=prefetch_lines(pdl, block_k * weight.element_size()),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y.reshape(*x.shape[:-1], n)
 
@@ -214,7 +217,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
         USE_DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-        STATIC_ITERS: tl.constexpr,
+        STATIC_ITERS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         # Program (pid_n, pid_k): output rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the
         # K tiles [pid_k * k_iters, +k_iters). With SPLIT, each program writes its fp32 partial
@@ -227,6 +230,9 @@ if triton is not None:
         n_mask = offs_n < N
         m_mask = offs_m < M
         k_start = pid_k * k_iters * BLOCK_K
+        if PREFETCH > 0:
+            prefetch_rows(w_ptr, offs_n, N, stride_wn, k_start, K, PREFETCH)
+        pdl_wait(PDL)
         # int64 row offsets: N * K passes 2^31 for large vocabularies.
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8, quantize_kv
+from skyline.ops.pdl import pdl_wait, use_pdl
 
 
 class KVWrite(NamedTuple):
@@ -80,9 +81,11 @@ if triton is not None:
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
         NUM_KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, FP8_MAX: tl.constexpr, SATURATE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One program per token: all its kv heads, K and V. Multiplying by the float32
         # reciprocal, then saturating, rounds exactly as quantize_kv does.
+        pdl_wait(PDL)
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         h = tl.arange(0, H_PAD)
@@ -111,12 +114,13 @@ def write_kv_triton(
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
     ck, cv = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(k.device)
     _write_kv_kernel[(num_tokens,)](
         k, v, ck, cv, slot_mapping, inverse_scale(k_scale), inverse_scale(v_scale),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), ck.stride(0), ck.stride(1),
         ck.stride(2),
         NUM_KV_HEADS=kvh, H_PAD=triton.next_power_of_2(kvh), HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), PAGE=kv_cache.shape[2], FP8_MAX=FP8_MAX,
-        SATURATE=is_fp8(kv_cache),
-        num_warps=4,
+        SATURATE=is_fp8(kv_cache), PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )

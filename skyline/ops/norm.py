@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 
@@ -117,11 +118,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         kernel = "rms_norm" if residual is None else "fused_add_rms_norm"
         config = _config(kernel, d, x.dtype, token_bucket(num_rows))
     res = x if residual is None else residual  # unused when HAS_RESIDUAL is False
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, config["BLOCK_M"]),)](
         x3, res, weight, out3, eps, num_rows, num_heads, d,
         x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_M=config["BLOCK_M"],
-        BLOCK_N=triton.next_power_of_2(d), num_warps=config["num_warps"],
+        BLOCK_N=triton.next_power_of_2(d), PDL=pdl, num_warps=config["num_warps"],
+        launch_pdl=pdl,
     )
 
 
@@ -138,10 +141,12 @@ if triton is not None:
         x_ptr, res_ptr, w_ptr, out_ptr, eps, num_rows, num_heads, d,
         stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One program per BLOCK_M rows; a row is one (token, head) of d values, wholly in
         # registers. With a residual (heads == 1): residual <- x + residual, then the sum is
         # normed. Every row is loaded before it is stored, so out may alias x.
+        pdl_wait(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         row_ok = rows < num_rows

@@ -18,6 +18,7 @@ import torch
 from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8
 from skyline.ops.kv_write import KVWrite, write_kv
 from skyline.ops.norm import rms_norm_ref
+from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 
@@ -152,6 +153,7 @@ def rotary_triton(
         page, fp8 = kv.kv_cache.shape[2], is_fp8(kv.kv_cache)
     else:  # unused when WRITE_KV is False
         v, ck, cv, slots, inv_k, inv_v, page, fp8 = k, k, k, positions, 1.0, 1.0, 1, False
+    pdl = use_pdl(q.device)
     _rotary_kernel[grid](
         positions, q, k, cache, qw, kw, eps, num_heads, num_kv_heads, num_q_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0),
@@ -159,7 +161,7 @@ def rotary_triton(
         ck.stride(2),
         HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
         NORM=norm, WRITE_KV=kv is not None, PAGE=page, FP8_MAX=FP8_MAX, SATURATE=fp8,
-        num_warps=config["num_warps"],
+        PDL=pdl, num_warps=config["num_warps"], launch_pdl=pdl,
     )
     return q, k
 
@@ -208,12 +210,13 @@ if triton is not None:
         stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
         WRITE_KV: tl.constexpr, PAGE: tl.constexpr, FP8_MAX: tl.constexpr,
-        SATURATE: tl.constexpr,
+        SATURATE: tl.constexpr, PDL: tl.constexpr,
     ):
         # One program per (token, block of BLOCK_H heads); q's head blocks come first, then
         # k's. cos/sin are cast to q's dtype first, as the reference (and HF) does. With
         # WRITE_KV a k block also stores its rotated heads, and the same heads of v, at the
         # token's slot of the paged cache.
+        pdl_wait(PDL)
         tok = tl.program_id(0)
         blk = tl.program_id(1)
         j = tl.arange(0, HALF_PAD)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from skyline.ops.argmax import argmax
 from skyline.types import SamplingParams, TokenLogprobs
 
 _MASK = float("-inf")
@@ -197,7 +198,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     if any(any(_penalties(r)) for r in rows):  # in place, on a copy: logprobs read raw ones
         logits = logits.clone()
         _apply_penalties(logits, rows)
-    tokens = logits.argmax(-1)
+    tokens = argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if len(random_rows) == len(rows):
         tokens = _draw(_filter(logits, rows), rows)

@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a step.
+
+A batch-1 decode step of an 8B model is a chain of ~260 kernels, most of them a few
+microseconds long. Between two kernels the GPU drains one grid before it schedules the next,
+which costs about a microsecond even inside a CUDA graph. On Hopper and later, a kernel
+launched with PDL is scheduled as soon as every program of its predecessor has signalled
+(`griddepcontrol.launch_dependents`); its programs then wait at `griddepcontrol.wait` until the
+predecessor has completed and its writes are visible. Every kernel here calls `pdl_wait` before
+it touches global memory, so it reads nothing early and overwrites nothing its predecessor
+still reads; the call also signals its own successor, keeping exactly one launch ahead.
+
+Launches without the attribute (torch ops, cuBLAS) keep their full-grid ordering, and a PDL
+launch after one of them waits for its completion as usual, so the two kinds mix safely, also
+in a captured CUDA graph. `SKYLINE_PDL=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: no kernel calls pdl_wait
+    triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    gdc_wait = gdc_launch_dependents = None
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched with PDL (CUDA, compute capability >= 9)."""
+    return device.type == "cuda" and _enabled(device.index)
+
+
+# K tiles of weights a GEMV program asks L2 for before it waits (SKYLINE_PREFETCH_TILES=0: none)
+PREFETCH_TILES = int(os.environ.get("SKYLINE_PREFETCH_TILES", "2"))
+
+
+def prefetch_lines(pdl: bool, tile_row_bytes: int) -> int:
+    """128-byte lines per weight row that a GEMV program prefetches before pdl_wait (the
+    LINES of prefetch_rows; 0 without PDL, when nothing runs while it waits)."""
+    return max(1, PREFETCH_TILES * tile_row_bytes // 128) if pdl and PREFETCH_TILES else 0
+
+
+@functools.cache
+def _enabled(index: int | None) -> bool:
+    if (gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1"
+            or os.environ.get("SKYLINE_PDL", "1") == "0"):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        # First thing a kernel does: wait for the previous grid, then let the next one launch.
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_rows(w_ptr, rows, num_rows, stride_row, col0, row_len, LINES: tl.constexpr):
+        # Asks L2 for LINES 128-byte lines of each of `rows` of a row-major matrix, from
+        # column col0 on (clamped inside the matrix), without waiting for them: the weights
+        # a GEMV program reads first do not depend on the previous kernel, so they can come
+        # from memory while it finishes (call before pdl_wait).
+        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements
+        r = tl.minimum(rows, num_rows - 1).to(tl.int64)
+        c = tl.minimum(col0 + tl.arange(0, LINES) * LINE, row_len - 1)
+        ptrs = w_ptr + r[:, None] * stride_row + c[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
