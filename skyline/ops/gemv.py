@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from skyline.ops.pdl import pdl_wait, prefetch_lines, prefetch_rows, use_pdl
+from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import get_config
 
 try:
@@ -156,7 +156,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interpreted else 0, PDL=pdl,
-        PREFETCH=prefetch_lines(pdl, block_k * weight.element_size()),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y.reshape(*x.shape[:-1], n)
@@ -217,7 +216,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
         USE_DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-        STATIC_ITERS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
     ):
         # Program (pid_n, pid_k): output rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the
         # K tiles [pid_k * k_iters, +k_iters). With SPLIT, each program writes its fp32 partial
@@ -230,8 +229,6 @@ if triton is not None:
         n_mask = offs_n < N
         m_mask = offs_m < M
         k_start = pid_k * k_iters * BLOCK_K
-        if PREFETCH > 0:
-            prefetch_rows(w_ptr, offs_n, N, stride_wn, k_start, K, PREFETCH)
         pdl_wait(PDL)
         # int64 row offsets: N * K passes 2^31 for large vocabularies.
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]

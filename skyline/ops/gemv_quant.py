@@ -57,7 +57,7 @@ from skyline.ops.gemv import (
     row_bucket,
 )
 from skyline.ops.gemv_quant_triton import triton
-from skyline.ops.pdl import prefetch_lines, use_pdl
+from skyline.ops.pdl import use_pdl
 from skyline.ops.tuning import get_config
 
 FP8, INT8, INT4 = 0, 1, 2  # WEIGHT_KIND
@@ -306,7 +306,6 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         counters = _split_counters(x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x.device)
-    prefetch = prefetch_lines(pdl, block_k * (4 if kind == INT4 else 8) // 8)
     if kind != FP8 and not use_dot:
         kernels.gemv_int_fma_kernel[(num_tiles, split_k)](
             x2, w.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
@@ -315,8 +314,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
             HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
             STATIC_ITERS=k_iters if interpreted else 0, X_BCAST=bool(cfg.get("X_BCAST", False)),
-            PDL=pdl, PREFETCH=prefetch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            launch_pdl=pdl,
+            PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )
         return y.reshape(*x.shape[:-1], n)
     kernels.gemv_quant_kernel[(num_tiles, split_k)](
@@ -331,7 +329,6 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interpreted,
         INT4_ASM=0 if interpreted or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
         INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
-        PDL=pdl, PREFETCH=prefetch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        launch_pdl=pdl,
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y.reshape(*x.shape[:-1], n)

@@ -13,7 +13,7 @@ except ImportError:  # CPU-only installs: callers keep their PyTorch paths
 
 if triton is not None:
     from skyline.ops.gemv import split_k_epilogue
-    from skyline.ops.pdl import pdl_wait, prefetch_rows
+    from skyline.ops.pdl import pdl_wait
 
     @triton.jit
     def _dot_t(w, x, acc, IEEE: tl.constexpr):
@@ -83,7 +83,7 @@ if triton is not None:
         BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
-        X_BCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        X_BCAST: tl.constexpr, PDL: tl.constexpr,
     ):
         # INT8 / INT4 weights in FMA mode, read as int32 words (PER = 4 bytes or 8 nibbles;
         # element 8j + i of a row is nibble i of word j, bits 4i..4i+3, little-endian) against
@@ -106,8 +106,6 @@ if triton is not None:
         n_mask = offs_n < N
         m_mask = offs_m < M
         k_start = pid_k * k_iters * BLOCK_K
-        if PREFETCH > 0:  # rows of stride_wn words
-            prefetch_rows(w_ptr, offs_n, N, stride_wn, k_start // PER, stride_wn, PREFETCH)
         pdl_wait(PDL)
         n4 = offs_n[:, None, None, None]
         zero4 = tl.zeros((BLOCK_N, BLOCK_M, BW, PER), dtype=tl.int32)
@@ -164,7 +162,7 @@ if triton is not None:
         NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr, X_QUANT: tl.constexpr = 0,
         ROUND_E4M3: tl.constexpr = False, INT4_ASM: tl.constexpr = 0,
         INT4_OFFSET: tl.constexpr = 128.0, X_LEFT: tl.constexpr = False,
-        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
         # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
@@ -183,8 +181,6 @@ if triton is not None:
         n_mask = offs_n < N
         m_mask = offs_m < M
         k_start = pid_k * k_iters * BLOCK_K
-        if PREFETCH > 0:  # rows of stride_wn bytes
-            prefetch_rows(w_ptr, offs_n, N, stride_wn, k_start // PACK, stride_wn, PREFETCH)
         pdl_wait(PDL)
         w_ptrs = (w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
                   + (k_start // PACK + offs_b)[None, :])

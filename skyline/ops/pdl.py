@@ -37,16 +37,6 @@ def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and _enabled(device.index)
 
 
-# K tiles of weights a GEMV program asks L2 for before it waits (SKYLINE_PREFETCH_TILES=0: none)
-PREFETCH_TILES = int(os.environ.get("SKYLINE_PREFETCH_TILES", "2"))
-
-
-def prefetch_lines(pdl: bool, tile_row_bytes: int) -> int:
-    """128-byte lines per weight row that a GEMV program prefetches before pdl_wait (the
-    LINES of prefetch_rows; 0 without PDL, when nothing runs while it waits)."""
-    return max(1, PREFETCH_TILES * tile_row_bytes // 128) if pdl and PREFETCH_TILES else 0
-
-
 @functools.cache
 def _enabled(index: int | None) -> bool:
     if (gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,16 +53,3 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_rows(w_ptr, rows, num_rows, stride_row, col0, row_len, LINES: tl.constexpr):
-        # Asks L2 for LINES 128-byte lines of each of `rows` of a row-major matrix, from
-        # column col0 on (clamped inside the matrix), without waiting for them: the weights
-        # a GEMV program reads first do not depend on the previous kernel, so they can come
-        # from memory while it finishes (call before pdl_wait).
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements
-        r = tl.minimum(rows, num_rows - 1).to(tl.int64)
-        c = tl.minimum(col0 + tl.arange(0, LINES) * LINE, row_len - 1)
-        ptrs = w_ptr + r[:, None] * stride_row + c[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
