@@ -107,17 +107,21 @@ def gemv_or_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 add_norm: bool = False) -> bool:
+                 form_input: bool = False, add_norm: bool = False) -> bool:
     """Whether the dispatchers take the Triton GEMV: CUDA, 1..MAX_ROWS rows of bf16/fp16 x
     ([..., K] or, for silu_mul, [..., 2K]), a weight of x's dtype with unit stride along K;
-    for add_norm also a launch configuration that does not split K."""
+    to form its input (`form_input`), a tensor-core launch configuration, and for add_norm
+    one that does not split K."""
     k = weight.shape[-1]
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (triton is None or not x.is_cuda or not 1 <= m <= MAX_ROWS or x.dtype not in _DTYPES
             or weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1
             or (bias is not None and bias.dtype != x.dtype)):
         return False
-    return not add_norm or gemv_config(m, weight.shape[0], k, x.device)["SPLIT_K"] == 1
+    if not form_input:
+        return True
+    cfg = gemv_config(m, weight.shape[0], k, x.device)
+    return bool(cfg["USE_DOT"]) and (not add_norm or cfg["SPLIT_K"] == 1)
 
 
 class AddRmsNorm(NamedTuple):
@@ -136,11 +140,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x [..., K] (at most MAX_ROWS rows in all), weight [N, K] with unit stride along K,
     bias [N] -> [..., N] in x's dtype. `config` overrides the tuned/default launch config.
 
-    The input may be formed on the way in, saving the kernel that would make it:
-    `silu_mul`, x is [..., 2K] and the input is silu(gate) * up (ops/activation.py, rounded
-    the same); `add_norm`, the input is the RMSNorm of x + residual (the GEMV runs on
-    (x + residual) * weight and scales each row by its 1 / rms at the end, so it does not split
-    K: the sum of squares comes from the same loop)."""
+    With a tensor-core configuration the input may be formed on the way in, saving the
+    kernel that would make it: `silu_mul`, x is [..., 2K] and the input is silu(gate) * up
+    (ops/activation.py, rounded the same); `add_norm`, the input is the RMSNorm of x + residual
+    (the GEMV runs on (x + residual) * weight and scales each row by its 1 / rms at the end, so
+    it does not split K: the sum of squares comes from the same loop). Each [BLOCK_M, BLOCK_K]
+    input tile is then formed once for BLOCK_N rows of W; FMA mode would form it for every
+    weight (measured 0.7x of the unfused step on the H200), so it is not offered there."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs triton; install it or use gemv_ref")
     if weight.dim() != 2:
@@ -170,6 +176,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     use_dot = bool(cfg["USE_DOT"])
     if use_dot and min(block_n, block_k) < 16:
         raise ValueError(f"gemv config {cfg}: USE_DOT needs BLOCK_N and BLOCK_K >= 16")
+    if (silu_mul or add_norm is not None) and not use_dot:
+        raise ValueError(f"gemv config {cfg}: silu_mul and add_norm need USE_DOT")
     if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
             and torch.cuda.is_current_stream_capturing()) or add_norm is not None:
         split_k = 1  # the counters' zeroing would only be recorded into the graph, not run
@@ -295,8 +303,7 @@ if triton is not None:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
         x_offs = offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         cols = (k_start + offs_k)[None, :]  # x's columns (X_ADD_NORM's weight)
-        # The program that stores X_ADD_NORM's residual sums: the first along N.
-        store_x = pid_n == 0
+        store_x = pid_n == 0  # the program that stores X_ADD_NORM's residual sums
         if USE_DOT:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -308,9 +315,6 @@ if triton is not None:
             # a [BLOCK_M, BLOCK_K] load would cost a shared-memory layout conversion of the W
             # tile (and barriers) on every iteration.
             x_offs = x_offs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.int32)
-            cols = cols[None, :, :]
-            store_x = store_x & (tl.arange(0, BLOCK_N) == 0)[:, None, None]
-            sq = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
         # Triton's interpreter cannot loop to a runtime bound; it gets the count as a constant.
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
@@ -336,25 +340,16 @@ if triton is not None:
                     acc = tl.dot(w, tl.trans(x), acc)
             else:
                 w = tl.load(w_ptrs, mask=w_mask[:, None, :], other=0.0)
-                if X_MODE == 0:
-                    x = tl.load(x_ptr + x_offs, mask=x_mask[None, :, :], other=0.0)  # [BN, BM, BK]
-                else:
-                    x, sq_t = _x_tile(x_ptr, r_ptr, g_ptr, ro_ptr, x_offs, cols,
-                                      x_mask[None, :, :], x_mask[None, :, :] & store_x, K,
-                                      X_MODE)
-                    if X_MODE == 2:
-                        sq += sq_t
+                x = tl.load(x_ptr + x_offs, mask=x_mask[None, :, :], other=0.0)  # [BN, BM, BK]
                 acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_offs += BLOCK_K
             cols += BLOCK_K
         if USE_DOT:
             out = acc  # [BLOCK_N, BLOCK_M]
-            ss = tl.sum(sq, axis=1)  # [BLOCK_M]
+            if X_MODE == 2:  # the norm's 1 / rms, applied to the product of the unscaled input
+                out = out * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[None, :]
         else:
             out = tl.sum(acc, axis=2)
-            ss = tl.max(tl.sum(sq, axis=2), axis=0)  # every row of W saw the same x
-        if X_MODE == 2:  # the norm's 1 / rms, applied to the product of the unscaled input
-            out = out * tl.rsqrt(ss / K + eps)[None, :]
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
                          pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)

@@ -45,7 +45,7 @@ class UnquantizedLinearMethod:
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
         # The GEMV forms silu(gate) * up as it reads it; None where it does not run.
         if gate_up.shape[-1] != 2 * layer.in_features or not gemv_applies(
-                gate_up, layer.weight, layer.bias):
+                gate_up, layer.weight, layer.bias, form_input=True):
             return None
         return gemv(gate_up, layer.weight, layer.bias, silu_mul=True)
 
@@ -54,7 +54,7 @@ class UnquantizedLinearMethod:
         # The GEMV norms x + residual as it reads it; None where it does not run.
         if not (x.dim() == 2 and x.is_contiguous() and residual.shape == x.shape
                 and residual.is_contiguous() and norm.weight.dtype == x.dtype
-                and gemv_applies(x, layer.weight, layer.bias, add_norm=True)):
+                and gemv_applies(x, layer.weight, layer.bias, form_input=True, add_norm=True)):
             return None
         res_out = torch.empty_like(x)
         y = gemv(x, layer.weight, layer.bias,
