@@ -18,8 +18,7 @@ run() { [[ " $SKIP " == *" $1 "* ]] && return; shift; echo "== $*"; "$@"; }
 run tests python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tail -3
 run tests python3 -m pytest -q -p no:cacheprovider tests/ops/test_fused_rotary.py \
   tests/ops/test_paged_decode_triton.py tests/ops/test_kv_write_triton.py tests/ops/test_pdl.py \
-  tests/ops/test_argmax.py tests/ops/test_gemv.py tests/ops/test_gemv_fused.py \
-  tests/ops/test_gemv_quant.py tests/model 2>&1 | tail -3
+  tests/ops/test_argmax.py tests/ops/test_gemv.py tests/ops/test_gemv_quant.py 2>&1 | tail -3
 for q in ${QUANTS:-none fp8 int4}; do
   qa=(); [ $q != none ] && qa=(--quantization $q)
   run decode python3 bench/decode_roofline.py --model "$M" --prompt-len 512 --new-tokens 256 \

@@ -44,11 +44,7 @@ class LlamaAttention(nn.Module):
         return self.rotary_emb(positions, q, k, kv)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The attention block after its q/k/v projection:
-        qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] -> [num_tokens, hidden]."""
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [T, num_heads, head_dim]
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, num_kv_heads, head_dim]
@@ -71,17 +67,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it, and the
-        # norm into the projection after it where the GEMV can take it (small batches on CUDA).
-        attn = self.self_attn
+        # The residual add of each sublayer is fused into the norm that follows it.
         if residual is None:
-            residual, qkv = x, attn.qkv_proj(self.input_layernorm(x))
+            residual, x = x, self.input_layernorm(x)
         else:
-            qkv, residual = attn.qkv_proj.forward_add_norm(x, residual, self.input_layernorm)
-        x = attn.attend(positions, qkv)
-        gate_up, residual = self.mlp.gate_up_proj.forward_add_norm(
-            x, residual, self.post_attention_layernorm)
-        return self.mlp.down(gate_up), residual
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +43,6 @@ except ImportError:  # CPU-only installs: the dispatcher falls back to F.linear
 
 MAX_ROWS = 8  # the dispatcher uses the kernel for at most this many rows of x
 MAX_SPLIT_TILES = 1 << 16  # output tiles (N / BLOCK_N) a split-K launch may have
-X_PLAIN, X_SILU_MUL, X_ADD_NORM = 0, 1, 2  # how the kernel forms its input (X_MODE)
 KERNEL = "gemv"  # the kernel's name in the tuning tables
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -101,73 +99,32 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> dict:
 def gemv_or_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """F.linear's contract; the Triton GEMV on CUDA for 1..MAX_ROWS rows of bf16/fp16."""
-    if not gemv_applies(x, weight, bias):
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if (triton is None or not x.is_cuda or not 1 <= m <= MAX_ROWS or x.dtype not in _DTYPES
+            or weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1
+            or (bias is not None and bias.dtype != x.dtype)):
         return F.linear(x, weight, bias)
     return gemv(x, weight, bias)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 form_input: bool = False, add_norm: bool = False) -> bool:
-    """Whether the dispatchers take the Triton GEMV: CUDA, 1..MAX_ROWS rows of bf16/fp16 x
-    ([..., K] or, for silu_mul, [..., 2K]), a weight of x's dtype with unit stride along K;
-    to form its input (`form_input`), a tensor-core launch configuration, and for add_norm
-    one that does not split K."""
-    k = weight.shape[-1]
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (triton is None or not x.is_cuda or not 1 <= m <= MAX_ROWS or x.dtype not in _DTYPES
-            or weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1
-            or (bias is not None and bias.dtype != x.dtype)):
-        return False
-    if not form_input:
-        return True
-    cfg = gemv_config(m, weight.shape[0], k, x.device)
-    return bool(cfg["USE_DOT"]) and (not add_norm or cfg["SPLIT_K"] == 1)
-
-
-class AddRmsNorm(NamedTuple):
-    """A GEMV input still to be formed: rms_norm(x + residual) * weight (ops/norm.py), with
-    x + residual stored to residual_out ([M, K], not aliasing x or residual)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    residual_out: torch.Tensor
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: dict | None = None, *, silu_mul: bool = False,
-         add_norm: AddRmsNorm | None = None) -> torch.Tensor:
+         config: dict | None = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows in all), weight [N, K] with unit stride along K,
-    bias [N] -> [..., N] in x's dtype. `config` overrides the tuned/default launch config.
-
-    With a tensor-core configuration the input may be formed on the way in, saving the
-    kernel that would make it: `silu_mul`, x is [..., 2K] and the input is silu(gate) * up
-    (ops/activation.py, rounded the same); `add_norm`, the input is the RMSNorm of x + residual
-    (the GEMV runs on (x + residual) * weight and scales each row by its 1 / rms at the end, so
-    it does not split K: the sum of squares comes from the same loop). Each [BLOCK_M, BLOCK_K]
-    input tile is then formed once for BLOCK_N rows of W; FMA mode would form it for every
-    weight (measured 0.7x of the unfused step on the H200), so it is not offered there."""
+    bias [N] -> [..., N] in x's dtype. `config` overrides the tuned/default launch config."""
     if triton is None:
         raise RuntimeError("the Triton GEMV needs triton; install it or use gemv_ref")
     if weight.dim() != 2:
         raise ValueError(f"gemv: weight must be [N, K], got shape {tuple(weight.shape)}")
     n, k = weight.shape
-    x_cols = 2 * k if silu_mul else k
-    if x.shape[-1] != x_cols or weight.stride(1) != 1:
+    if x.shape[-1] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} does not match a contiguous weight "
                          f"{tuple(weight.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match {n} output features")
-    x2 = x.reshape(-1, x_cols)  # [M, K] (or [M, 2K])
+    x2 = x.reshape(-1, k)  # [M, K]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    res = res_out = norm_w = x2  # unused unless add_norm
-    if add_norm is not None:
-        res, norm_w, res_out = add_norm.residual, add_norm.weight, add_norm.residual_out
-        if not (res.shape == res_out.shape == x2.shape and res.stride() == res_out.stride()
-                == x2.stride() and norm_w.shape == (k,)):
-            raise ValueError("gemv: add_norm needs residual, residual_out of x's shape and "
-                             f"strides and a [{k}] weight")
     m = x2.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}; use F.linear")
@@ -176,10 +133,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     use_dot = bool(cfg["USE_DOT"])
     if use_dot and min(block_n, block_k) < 16:
         raise ValueError(f"gemv config {cfg}: USE_DOT needs BLOCK_N and BLOCK_K >= 16")
-    if (silu_mul or add_norm is not None) and not use_dot:
-        raise ValueError(f"gemv config {cfg}: silu_mul and add_norm need USE_DOT")
     if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
-            and torch.cuda.is_current_stream_capturing()) or add_norm is not None:
+            and torch.cuda.is_current_stream_capturing()):
         split_k = 1  # the counters' zeroing would only be recorded into the graph, not run
     block_m = 16 if use_dot else row_bucket(m)  # tensor-core operands have at least 16 rows
     k_iters = _cdiv(_cdiv(k, split_k), block_k)  # K tiles per split
@@ -196,9 +151,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     pdl = use_pdl(x.device)
     _gemv_kernel[(num_tiles, split_k)](
         x2, weight, bias if bias is not None else weight, y, partial, counters,
-        res, norm_w, res_out, add_norm.eps if add_norm is not None else 0.0,
         m, n, k, k_iters, split_k, x2.stride(0), weight.stride(0),
-        X_MODE=X_SILU_MUL if silu_mul else X_ADD_NORM if add_norm is not None else X_PLAIN,
         HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
@@ -257,31 +210,9 @@ if triton is not None:
             tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
     @triton.jit
-    def _x_tile(x_ptr, r_ptr, g_ptr, ro_ptr, offs, cols, mask, store_mask, K,
-                X_MODE: tl.constexpr):
-        # The input tile at x offsets `offs` (columns `cols`) in float32, and for X_ADD_NORM
-        # also the squares that add up to its rows' sums of squares.
-        dt = x_ptr.dtype.element_ty
-        if X_MODE == 1:  # silu(gate) * up, cast as silu_and_mul does
-            gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            return (act * up).to(dt).to(tl.float32), act  # (no squares)
-        elif X_MODE == 2:  # (x + residual) * weight, the sum kept in the dtype as in norm.py
-            h = (tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                 + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-            tl.store(ro_ptr + offs, h, mask=store_mask)
-            h = h.to(tl.float32)
-            g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            return h * g, h * h
-        else:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            return x, x
-
-    @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, r_ptr, g_ptr, ro_ptr, eps,
-        M, N, K, k_iters, num_splits, stride_xm, stride_wn, X_MODE: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+        M, N, K, k_iters, num_splits, stride_xm, stride_wn,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
         USE_DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -301,20 +232,17 @@ if triton is not None:
         pdl_wait(PDL)
         # int64 row offsets: N * K passes 2^31 for large vocabularies.
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
-        x_offs = offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
-        cols = (k_start + offs_k)[None, :]  # x's columns (X_ADD_NORM's weight)
-        store_x = pid_n == 0  # the program that stores X_ADD_NORM's residual sums
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
         if USE_DOT:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
             w_ptrs = w_ptrs[:, None, :]  # [BLOCK_N, 1, BLOCK_K]
-            # x's offsets spread over the whole [BLOCK_N, BLOCK_M, BLOCK_K] tile: a thread then
+            # x's pointers spread over the whole [BLOCK_N, BLOCK_M, BLOCK_K] tile: a thread then
             # loads (from L1) the x values it multiplies, in the same layout as its W values;
             # a [BLOCK_M, BLOCK_K] load would cost a shared-memory layout conversion of the W
             # tile (and barriers) on every iteration.
-            x_offs = x_offs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.int32)
+            x_ptrs = x_ptrs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.int32)
         # Triton's interpreter cannot loop to a runtime bound; it gets the count as a constant.
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
@@ -326,29 +254,19 @@ if triton is not None:
                 x_mask = x_mask & k_mask
             if USE_DOT:
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-                if X_MODE == 0:
-                    x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-                else:
-                    x, sq_t = _x_tile(x_ptr, r_ptr, g_ptr, ro_ptr, x_offs, cols, x_mask,
-                                      x_mask & store_x, K, X_MODE)
-                    x = x.to(w.dtype)
-                    if X_MODE == 2:
-                        sq += sq_t
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
                 if IEEE:
                     acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(w, tl.trans(x), acc)
             else:
                 w = tl.load(w_ptrs, mask=w_mask[:, None, :], other=0.0)
-                x = tl.load(x_ptr + x_offs, mask=x_mask[None, :, :], other=0.0)  # [BN, BM, BK]
+                x = tl.load(x_ptrs, mask=x_mask[None, :, :], other=0.0)  # [BN, BM, BK]
                 acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
-            x_offs += BLOCK_K
-            cols += BLOCK_K
+            x_ptrs += BLOCK_K
         if USE_DOT:
             out = acc  # [BLOCK_N, BLOCK_M]
-            if X_MODE == 2:  # the norm's 1 / rms, applied to the product of the unscaled input
-                out = out * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[None, :]
         else:
             out = tl.sum(acc, axis=2)
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,

@@ -11,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
-import skyline.model.layers.linear as linear_layer  # noqa: E402
+import skyline.model.layers.mlp as mlp_layer  # noqa: E402
 import skyline.model.layers.norm as norm_layer  # noqa: E402
 import skyline.model.layers.rotary as rotary_layer  # noqa: E402
 import skyline.model.qwen3 as qwen3_model  # noqa: E402
@@ -69,7 +69,7 @@ def test_kernels_in_the_model_match_hf_on_cpu(hf_dir, monkeypatch):
     monkeypatch.setattr(norm_layer, "fused_add_rms_norm", fused_add_rms_norm_triton)
     monkeypatch.setattr(rotary_layer, "rotary_embedding", rotary_triton)
     monkeypatch.setattr(qwen3_model, "qk_norm_rotary", rotary_triton)
-    monkeypatch.setattr(linear_layer, "silu_and_mul", silu_and_mul_triton)
+    monkeypatch.setattr(mlp_layer, "silu_and_mul", silu_and_mul_triton)
     assert rel_err(skyline_logits(path, ids, "cpu", "float32"), want) < 1e-4
 
 

@@ -16,10 +16,8 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.model.layers.norm import RMSNorm
 from skyline.ops import cpu_linear
-from skyline.ops.activation import silu_and_mul
-from skyline.ops.gemv import AddRmsNorm, gemv, gemv_applies, gemv_or_linear
+from skyline.ops.gemv import gemv_or_linear
 
 
 class LinearMethod(Protocol):
@@ -41,25 +39,6 @@ class UnquantizedLinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         # F.linear, except a few rows of bf16/fp16 on CUDA (decode) take the Triton GEMV.
         return gemv_or_linear(x, layer.weight, layer.bias)
-
-    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor | None:
-        # The GEMV forms silu(gate) * up as it reads it; None where it does not run.
-        if gate_up.shape[-1] != 2 * layer.in_features or not gemv_applies(
-                gate_up, layer.weight, layer.bias, form_input=True):
-            return None
-        return gemv(gate_up, layer.weight, layer.bias, silu_mul=True)
-
-    def apply_add_norm(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
-        # The GEMV norms x + residual as it reads it; None where it does not run.
-        if not (x.dim() == 2 and x.is_contiguous() and residual.shape == x.shape
-                and residual.is_contiguous() and norm.weight.dtype == x.dtype
-                and gemv_applies(x, layer.weight, layer.bias, form_input=True, add_norm=True)):
-            return None
-        res_out = torch.empty_like(x)
-        y = gemv(x, layer.weight, layer.bias,
-                 add_norm=AddRmsNorm(residual, norm.weight, norm.eps, res_out))
-        return y, res_out
 
     def full_weight(self, layer: Linear) -> torch.Tensor:
         return layer.weight
@@ -163,23 +142,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(gate_up)), in one kernel where the method can form its input."""
-        fused = getattr(self.linear_method, "apply_silu_mul", None)
-        y = fused(self, gate_up) if fused is not None else None
-        return self(silu_and_mul(gate_up)) if y is None else y
-
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), in one kernel where the method can form
-        its input. Like RMSNorm with a residual, it may write over x and residual."""
-        fused = getattr(self.linear_method, "apply_add_norm", None)
-        out = fused(self, x, residual, norm) if fused is not None else None
-        if out is None:
-            h, residual = norm(x, residual)
-            return self(h), residual
-        return out
 
     def full_weight(self) -> torch.Tensor | None:
         """The [out, in] weight in the model dtype if the layer is unquantized (dense or

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from skyline.model.layers.linear import Linear, MergedLinear
+from skyline.ops.activation import silu_and_mul
 
 
 class MLP(nn.Module):
@@ -15,10 +16,5 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))  # [num_tokens, hidden_size]
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after its gate/up projection: [num_tokens, 2 * intermediate_size] ->
-        [num_tokens, hidden_size] (the activation fused into the down projection where it
-        can be)."""
-        return self.down_proj.forward_silu_mul(gate_up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        return self.down_proj(silu_and_mul(gate_up))  # [num_tokens, hidden_size]
