@@ -17,6 +17,7 @@ from skyline.bench.offline import machine_info, random_prompts, save_json
 from skyline.engine.frontend import LLM
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
+from skyline.ops.pdl import use_pdl
 from skyline.types import SamplingParams
 
 
@@ -103,6 +104,7 @@ def main() -> None:
         "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
         "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8",
         "lm_head_fp8": llm.config.model.quant.lm_head,
+        "pdl": use_pdl(torch.device("cuda")),  # programmatic dependent launch (SKYLINE_PDL)
         "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9,
         "bytes_per_token_GB": bytes_per_token / 1e9, "roofline_tok_s": roofline,
         "decode_tok_s": decode_tok_s, "fraction_of_roofline": decode_tok_s / roofline,

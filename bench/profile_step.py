@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from skyline.bench.offline import random_prompts, save_json
 from skyline.engine.frontend import LLM
+from skyline.ops.pdl import use_pdl
 from skyline.types import SamplingParams
 
 
@@ -79,7 +80,10 @@ def main() -> None:
     gpu_us = sum(ev.self_device_time_total for ev in events) / a.steps
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
     res = {"batch": a.batch, "input_len": a.input_len, "quantization": a.quantization,
-           "kv_cache_dtype": a.kv_cache_dtype, "wall_ms_per_step": wall * 1e3,
+           "kv_cache_dtype": a.kv_cache_dtype,
+           # With programmatic dependent launch a kernel's time includes its wait for the
+           # previous one: the kernel table then overlaps and does not add up to the step.
+           "pdl": use_pdl(torch.device("cuda")), "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
            "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()},
