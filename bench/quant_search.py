@@ -60,8 +60,6 @@ def main() -> None:
     ap.add_argument("--search-tokens", type=int, default=512)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-evals", type=int, default=64)
-    ap.add_argument("--trim", type=float, default=0.0,
-                    help="fraction of the search tokens with the largest KL left out of its score")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--text", default="builtin", help="builtin | self | a UTF-8 text file")
     ns = ap.parse_args()
@@ -79,8 +77,7 @@ def main() -> None:
     model = load_model(base.model, "cpu")
     formats = parse_formats(ns.formats)
     act_sq = collect_act_sq(model, calib)
-    cands = prepare(model, calib, formats, act_sq, sensitivity_tokens=ns.sensitivity_tokens,
-                    trim=ns.trim)
+    cands = prepare(model, calib, formats, act_sq, sensitivity_tokens=ns.sensitivity_tokens)
     held = HeldOut(model, evals, ns.eval_window)
     uniform = []
     for f in formats:
@@ -91,8 +88,7 @@ def main() -> None:
     for spec in ns.budgets.split(","):
         budget = by_name.get(spec) or parse_budget(spec, held.num_weights)
         result = search(model, calib, formats, budget, act_sq, search_tokens=ns.search_tokens,
-                        window=ns.window, max_evals=ns.max_evals, candidates=cands,
-                        trim=ns.trim)
+                        window=ns.window, max_evals=ns.max_evals, candidates=cands)
         seed = None
         if result.seed != result.assignment:
             seed = held.row("mixed (knapsack seed)", result.seed, cands.choices)
@@ -113,7 +109,6 @@ def main() -> None:
         "calibration_tokens": len(calib), "eval_tokens": len(evals),
         "eval_window": ns.eval_window, "sensitivity_tokens": ns.sensitivity_tokens,
         "search_tokens": ns.search_tokens, "window": ns.window, "max_evals": ns.max_evals,
-        "trim": ns.trim,
         "prepare_seconds": round(cands.seconds, 1),
         "search_split_uniform_kl": cands.uniform_kl,
         "sensitivity": cands.sensitivity,

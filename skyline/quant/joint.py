@@ -133,16 +133,9 @@ def spread_windows(ids: list[int], num_tokens: int, window: int) -> list[list[in
 class JointKL:
     """KL(reference || model) per token over fixed windows of token ids, for whatever methods
     the model's Linears hold now. Keeps every decoder layer's input for the last committed
-    state, so a change in layer i re-runs layers i.. only.
+    state, so a change in layer i re-runs layers i.. only."""
 
-    `trim` leaves the largest per-token KLs (that fraction of the tokens) out of the score: a
-    few tokens of a passage the model has memorised can outweigh the rest of a short sample,
-    and they do not predict other text."""
-
-    def __init__(self, model: nn.Module, windows: list[list[int]], trim: float = 0.0) -> None:
-        if not 0.0 <= trim < 1.0:
-            raise ConfigError(f"trim must be in [0, 1), got {trim}")
-        self.trim = trim
+    def __init__(self, model: nn.Module, windows: list[list[int]]) -> None:
         inner = getattr(model, "model", None)
         if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
             raise ConfigError(f"the mixed-precision search supports Llama-style models, not "
@@ -184,14 +177,9 @@ class JointKL:
         `start` changed since the last commit; also a token to `commit` this state."""
         self.num_evals += 1
         states, logps = self._run(start, self.states)
-        pairs = zip(logps, self.ref_logp, strict=True)
-        if not self.trim:
-            kl = sum(F.kl_div(lp, rp, log_target=True, reduction="sum").item() for lp, rp in pairs)
-            return kl / self.num_tokens, (start, states)
-        per_token = torch.cat([F.kl_div(lp, rp, log_target=True, reduction="none").sum(-1)
-                               for lp, rp in pairs])
-        kept = per_token.sort().values[: per_token.numel() - int(self.trim * per_token.numel())]
-        return kept.double().sum().item() / kept.numel(), (start, states)
+        kl = sum(F.kl_div(lp, rp, log_target=True, reduction="sum").item()
+                 for lp, rp in zip(logps, self.ref_logp, strict=True))
+        return kl / self.num_tokens, (start, states)
 
     def commit(self, token: Any) -> None:
         start, states = token

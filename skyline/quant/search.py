@@ -89,7 +89,7 @@ class Candidates:
 def prepare(
     model: nn.Module, calib_ids: list[int], formats: list[Format],
     act_sq: dict[str, torch.Tensor] | None = None, sensitivity_tokens: int = 256,
-    window: int = 256, energy_tokens: int = 64, trim: float = 0.0,
+    window: int = 256, energy_tokens: int = 64,
 ) -> Candidates:
     """Steps 1 and 2 for the unquantized `model`: quantize every Linear to every format
     (`act_sq` from calibrate.py drives the int formats' clipping) and predict each one's KL
@@ -98,7 +98,7 @@ def prepare(
     choices = quantize_choices(model, formats, act_sq, calib_ids[:energy_tokens])
     lin = linears(model)
     originals = {n: m.linear_method for n, m in lin.items()}
-    scorer = JointKL(model, spread_windows(calib_ids, sensitivity_tokens, window), trim)
+    scorer = JointKL(model, spread_windows(calib_ids, sensitivity_tokens, window))
     pred, sensitivity, uniform_kl = {}, {}, {}
     try:
         for n, layer in lin.items():
@@ -132,14 +132,13 @@ def search(
     model: nn.Module, calib_ids: list[int], formats: list[Format], budget: int,
     act_sq: dict[str, torch.Tensor] | None = None, search_tokens: int = 512,
     window: int = 256, max_evals: int = 64, time_limit: float | None = None,
-    candidates: Candidates | None = None, trim: float = 0.0, **prepare_kw: Any,
+    candidates: Candidates | None = None, **prepare_kw: Any,
 ) -> SearchResult:
     """The assignment of `formats` to the Linears of the unquantized, loaded `model` that
     minimises the joint KL on `search_tokens` of `calib_ids` (windows of `window` tokens
     spread over them) with the Linears' bytes <= `budget`. `candidates` (from `prepare`, made
     here when None) may be shared between budgets. `max_evals` / `time_limit` (seconds from
-    the start of this call) bound the local search; `trim` is JointKL's (the same for a
-    `prepare` made here). The model is left as it was."""
+    the start of this call) bound the local search. The model is left as it was."""
     t0 = time.time()
     lin = linears(model)
     num_weights = sum(m.in_features * m.out_features for m in lin.values())
@@ -148,15 +147,14 @@ def search(
     if sum(len(w) for w in windows if len(w) > 1) < 2:
         raise ConfigError("the search needs at least 2 calibration tokens; pass a longer text")
     if candidates is None:
-        candidates = prepare(model, calib_ids, formats, act_sq, window=window, trim=trim,
-                             **prepare_kw)
+        candidates = prepare(model, calib_ids, formats, act_sq, window=window, **prepare_kw)
     elif candidates.formats != formats:
         raise ValueError("candidates were prepared for other formats")
     choices, pred = candidates.choices, candidates.pred
     originals = {n: m.linear_method for n, m in lin.items()}
     try:
         seed = _seed(pred, choices, formats, budget)
-        scorer = JointKL(model, windows, trim)
+        scorer = JointKL(model, windows)
         starts = [("knapsack seed", seed)] + [
             (f"uniform {f.name}", {n: f for n in lin}) for f in formats
             if sum(choices[n][f].nbytes for n in lin) <= budget]

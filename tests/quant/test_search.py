@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from skyline.config import ConfigError, QuantConfig
 from skyline.engine.create import EngineArgs, create_engine_config
@@ -183,24 +182,6 @@ def test_suffix_rerun_scores_like_full_run(hf_dir):
     suffix, _ = scorer.score(scorer.block_of[name])
     full, _ = scorer.score(0)
     assert suffix == pytest.approx(full, rel=1e-6) and suffix != pytest.approx(kl_all)
-
-
-def test_trimmed_score_leaves_out_the_largest_token_kls(hf_dir):
-    model = load_model(model_cfg(hf_dir), "cpu")
-    choices = quantize_choices(model, FORMATS, None, CALIB[:32])
-    windows = [CALIB[:48], CALIB[48:96]]
-    full, trimmed = JointKL(model, windows), JointKL(model, windows, trim=0.25)
-    lin = linears(model)
-    swap_in(lin, choices, {n: Format("mxfp4") for n in lin})
-    per_token = torch.cat([
-        F.kl_div(lp, rp, log_target=True, reduction="none").sum(-1)
-        for lp, rp in zip(full._run(0, None)[1], full.ref_logp, strict=True)])
-    assert per_token.numel() == 96
-    assert full.score(0)[0] == pytest.approx(per_token.mean().item(), rel=1e-5)
-    want = per_token.sort().values[:72].mean().item()  # the 24 largest left out
-    assert trimmed.score(0)[0] == pytest.approx(want, rel=1e-5) and want < per_token.mean()
-    with pytest.raises(ConfigError, match="trim"):
-        JointKL(model, windows, trim=1.0)
 
 
 def _uniform_bytes(model, fmt: Format) -> int:
