@@ -33,15 +33,15 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with PDL (CUDA, compute capability >= 9)."""
+    """Whether kernels on `device` are launched with PDL (NVIDIA, compute capability >= 9)."""
     return device.type == "cuda" and _enabled(device.index)
 
 
 @functools.cache
 def _enabled(index: int | None) -> bool:
-    if (gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1"
+    if (gdc_wait is None or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1"
             or os.environ.get("SKYLINE_PDL", "1") == "0"):
-        return False
+        return False  # (ROCm reports compute capabilities >= 9 too, without PDL)
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
