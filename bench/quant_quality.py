@@ -46,6 +46,9 @@ VARIANTS = {
     # kernel (5- to 8-bit codes as two planes)
     "bf16 (dequantized)": ("none", 128, False, "bfloat16"),
     "gguf bf16 (packed; CPU int4 kernel planes)": ("gguf", 128, False, "bfloat16"),
+    # FP4 in bf16 on the CPU: MXFP4 on the int4 kernel (two exact planes), NVFP4 dequantized
+    "mxfp4 bf16 (CPU int4 kernel planes)": ("mxfp4", 128, False, "bfloat16"),
+    "nvfp4 bf16": ("nvfp4", 128, False, "bfloat16"),
 }
 
 

@@ -10,6 +10,10 @@ offset goes with the plane whose values it does not cancel (each product is roun
 before they are added): an offset of the size of the high plane's range (-128 s: codes centred
 on 128, as GGUF Q8_0) with the high plane, a small one with the low plane.
 
+E2M1 (FP4) codes are not affine in their values, but twice their magnitudes (0, 1, 2, 3, 4, 6,
+8, 12) are a + 8 b with a <= 6 and b <= 1: two planes again, signed codes 8 +- a with half the
+block scale and 8 +- b with four times it (`pack_e2m1_planes`, MXFP4's blocks of 32).
+
 The kernel is compute-bound from a few rows on: two planes are faster than dense bf16 for one
 or two rows on large Linears and about half its speed at eight (bench/gguf_cpu_planes.py).
 """
@@ -41,11 +45,29 @@ def pack_planes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
         high = offset.abs() >= 64 * scale.abs()
         planes = [(codes & 0x0F, s_b, torch.where(high, 8 * s_b, offset + 8 * s_b)),
                   (codes >> 4, 16 * s_b, torch.where(high, offset + 128 * s_b, 128 * s_b))]
-    out = []
-    for q, s, zero in planes:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        out.append((packed, torch.stack([s.t(), zero.t()], -1).to(torch.bfloat16).contiguous()))
-    return tuple(out)
+    return tuple(_plane(q, s, zero) for q, s, zero in planes)
+
+
+def pack_e2m1_planes(codes: torch.Tensor, scale: torch.Tensor, group: int
+                     ) -> tuple[Plane, ...] | None:
+    """E2M1 codes [N, K] uint8 (bit 3 the sign, bits 0-2 the magnitude index) with a float32
+    scale per block [N, K / group] -> two planes whose sum is exactly code value x scale (the
+    scales must be exact in bf16, as MXFP4's powers of two are); None as pack_planes."""
+    n, k = codes.shape
+    if group not in GROUPS or n % 16 or k % group or scale.shape != (n, k // group):
+        return None
+    twice = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)[(codes & 7).long()]
+    b = (twice >= 8).to(torch.int32)
+    sign = 1 - 2 * (codes >> 3).to(torch.int32)
+    zero = torch.zeros_like(scale)
+    return (_plane(8 + sign * (twice - 8 * b), scale / 2, zero),
+            _plane(8 + sign * b, scale * 4, zero))
+
+
+def _plane(q: torch.Tensor, s: torch.Tensor, zero: torch.Tensor) -> Plane:
+    # codes q [N, K] (0..15) with W = (q - 8) * s + zero, s and zero [N, K / group]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    return packed, torch.stack([s.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
 
 
 def planes_mm(x: torch.Tensor, planes: tuple[Plane, ...]) -> torch.Tensor:

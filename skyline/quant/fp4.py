@@ -15,7 +15,10 @@ saturates at 6. Two codes per byte, element 2j in the low nibble.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from skyline.model.layers.linear import Linear
+from skyline.ops import cpu_int4, cpu_linear
 from skyline.quant.base import QuantLinearMethod, pack_nibbles, pad_cols, unpack_nibbles
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -112,6 +115,41 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return dequantize_mxfp4(q["qweight"], q["scales"])[:, :cols]
 
+    # The CPU in bfloat16: torch's int4 kernel, the E2M1 codes as two planes (ops/cpu_int4.py),
+    # exact values at 10 bits a weight (codes and bf16 scales) instead of a full dequantization
+    # at every call.
+
+    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+        """For a CPU engine in bfloat16 (loader.prepack_for_cpu): keep only the planes."""
+        if dtype != torch.bfloat16 or self._cpu_planes(layer) is None:
+            return False
+        del layer.qweight, layer.scales
+        return True
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):  # prepacked: read back from the planes
+            return cpu_int4.planes_weight(layer.fp4_planes)[:, : layer.in_features]
+        return super().dequantized_weight(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):
+            return cpu_int4.planes_linear(x, layer.fp4_planes, layer.bias)
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and (
+                planes := self._cpu_planes(layer)) is not None:
+            return cpu_int4.planes_linear(x, planes, layer.bias)
+        return super().apply(layer, x)
+
+    def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+        # made at the first use, kept beside the packed tensors (None: no kernel, or a shape
+        # it cannot take)
+        if not hasattr(layer, "fp4_planes"):
+            planes = None
+            if layer.qweight.device.type == "cpu" and cpu_int4.has_kernel():
+                planes = cpu_int4.pack_e2m1_planes(unpack_nibbles(layer.qweight),
+                                                   e8m0_to_float(layer.scales), 32)
+            layer.fp4_planes = planes
+        return layer.fp4_planes
+
 
 class Nvfp4LinearMethod(QuantLinearMethod):
     name = "nvfp4"
@@ -131,3 +169,27 @@ class Nvfp4LinearMethod(QuantLinearMethod):
 
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return dequantize_nvfp4(q["qweight"], q["scales"], q["tensor_scale"])[:, :cols]
+
+    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+        """For a CPU engine (loader.prepack_for_cpu): no CPU kernel takes 16-element blocks,
+        so the layer keeps its weight dequantized once, in the engine's dtype and packed for
+        oneDNN where it can be (the values every call would otherwise dequantize to; dense
+        memory, dense speed)."""
+        w = self.dequantized_weight(layer).to(dtype)
+        layer.dense_weight = cpu_linear.pack(w) if cpu_linear.can_pack(w) else w
+        del layer.qweight, layer.scales, layer.tensor_scale
+        return True
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):
+            w = layer.dense_weight
+            return (cpu_linear.unpack(w) if w.is_mkldnn else w).float()
+        return super().dequantized_weight(layer)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "qweight"):
+            w = layer.dense_weight
+            if w.is_mkldnn:
+                return cpu_linear.packed_linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
+            return F.linear(x, w.to(x.dtype), layer.bias)
+        return super().apply(layer, x)

@@ -66,3 +66,20 @@ def test_int_linear_in_bfloat16_runs_the_kernel(bits, group):
     assert len(layer.int_planes) == (1 if bits == 4 else 2)
     assert y.dtype == torch.bfloat16
     assert rel(y, F.linear(x.to(torch.bfloat16).float(), wq, b)) < 2e-2
+
+
+@pytest.mark.parametrize("k", [32, 96])
+def test_e2m1_planes_are_exact(k):
+    from skyline.quant.fp4 import decode_e2m1
+
+    g = torch.Generator().manual_seed(k)
+    n = 32
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code
+    scale = torch.exp2(torch.randint(-20, 4, (n, k // 32), generator=g).float())  # E8M0 values
+    planes = cpu_int4.pack_e2m1_planes(codes, scale, 32)
+    assert planes is not None and len(planes) == 2
+    want = decode_e2m1(codes) * scale.repeat_interleave(32, 1)
+    assert torch.equal(cpu_int4.planes_weight(planes), want)
+    assert cpu_int4.pack_e2m1_planes(codes[:24], scale[:24], 32) is None  # rows not 16k
+    assert cpu_int4.pack_e2m1_planes(codes, scale, 16) is None  # blocks the kernel lacks

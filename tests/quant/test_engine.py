@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from skyline.config import ConfigError, QuantConfig
 from skyline.engine.create import EngineArgs, create_engine_config
@@ -162,6 +163,33 @@ def test_cpu_engine_keeps_only_the_int4_kernel_planes(hf_dir, method, planes):
     assert (w_back - w).abs().max() / w.abs().max() < 1e-2
     planes_bytes = sum(t.numel() * t.element_size() for p in layer.int_planes for t in p)
     assert planes_bytes * 8 / w.numel() == (5 if planes == 1 else 10)  # codes + bf16 s, z
+
+
+def test_cpu_engine_serves_fp4_without_dequantizing_per_call(hf_dir):
+    """MXFP4 on a bfloat16 CPU engine keeps only the int4 kernel's two exact planes, NVFP4
+    (16-element blocks, which no CPU kernel takes) its weight dequantized once; both give the
+    logits of the per-call dequantization within bf16 rounding."""
+    from skyline.model.loader import prepack_for_cpu
+    from skyline.ops import cpu_int4
+
+    for method in ("mxfp4", "nvfp4"):
+        if method == "mxfp4" and not cpu_int4.has_kernel():
+            continue
+        cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="bfloat16", device="cpu",
+                                                 quantization=method))
+        model = load_model(cfg.model, "cpu")
+        layer = model.model.layers[0].mlp.down_proj
+        w = layer.linear_method.dequantized_weight(layer)
+        x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+        want = F.linear(x, w.to(torch.bfloat16))  # the reference path
+        before = logits(model)
+        assert prepack_for_cpu(model) > 0
+        assert not hasattr(layer, "qweight")
+        assert torch.equal(layer.linear_method.dequantized_weight(layer),
+                           w if method == "mxfp4" else w.to(torch.bfloat16).float())
+        got = layer(x)
+        assert rel_err(got, want) < 2e-2, method
+        assert rel_err(logits(model), before) < 2e-2, method
 
 
 @pytest.mark.cuda
