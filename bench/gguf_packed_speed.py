@@ -23,29 +23,9 @@ import time
 
 import torch
 
+from skyline.bench.weights import held_bytes
 from skyline.engine.frontend import LLM
 from skyline.types import SamplingParams
-
-
-def held_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor the model's modules hold: parameters, buffers and serving
-    layouts kept as plain attributes (the int4 kernel's planes, oneDNN-packed or dequantized
-    weights), each tensor once; not the attention layers' KV caches."""
-    seen: dict[int, torch.Tensor] = {}
-
-    def visit(value: object) -> None:
-        if isinstance(value, torch.Tensor):
-            seen[id(value)] = value
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-
-    for m in model.modules():
-        visit({k: v for k, v in vars(m).items() if k != "kv_cache"})  # weights only
-    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def decode_tok_s(llm: LLM, batch: int, prompt_len: int, out_len: int) -> float:
@@ -83,7 +63,7 @@ def main() -> None:
         model = llm.engine.executor.runner.model if hasattr(llm.engine, "executor") else None
         mem = None
         if model is not None:  # weights held after the warm-up, the int4 kernel's included
-            mem = held_bytes(model) / 2**20
+            mem = held_bytes(model.modules()) / 2**20
         results[key] = {
             "weights_mib": mem,
             "decode_tok_s_b1": decode_tok_s(llm, 1, 64, ns.out_len),

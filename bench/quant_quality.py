@@ -20,15 +20,17 @@ import time
 import torch
 import torch.nn.functional as F
 
+from skyline.bench.weights import held_bytes
 from skyline.config import QuantConfig
 from skyline.engine.create import EngineArgs, create_engine_config
 from skyline.engine.frontend import load_tokenizer
 from skyline.model.layers.linear import Linear
-from skyline.model.loader import load_model
+from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.quant.calibrate import builtin_text, collect_act_sq
 from skyline.quant.checkpoint import quantize_loaded
 
-# name -> (method, group size, calibrated[, model dtype])
+# name -> (method, group size, calibrated[, model dtype[, "serve": the CPU engine's layout,
+# loader.prepack_for_cpu]])
 VARIANTS = {
     "reference (Q4_1 dequantized, fp32)": ("none", 128, False),
     "gguf (Q4_1 kept packed)": ("gguf", 128, False),
@@ -46,9 +48,11 @@ VARIANTS = {
     # kernel (5- to 8-bit codes as two planes)
     "bf16 (dequantized)": ("none", 128, False, "bfloat16"),
     "gguf bf16 (packed; CPU int4 kernel planes)": ("gguf", 128, False, "bfloat16"),
-    # FP4 in bf16 on the CPU: MXFP4 on the int4 kernel (two exact planes), NVFP4 dequantized
-    "mxfp4 bf16 (CPU int4 kernel planes)": ("mxfp4", 128, False, "bfloat16"),
-    "nvfp4 bf16": ("nvfp4", 128, False, "bfloat16"),
+    # FP4 / FP8 in bf16 as a CPU engine serves them: MXFP4 on the int4 kernel (two exact
+    # planes), NVFP4 and FP8 dequantized once (FP8's activations still quantized per token)
+    "mxfp4 bf16 (CPU int4 kernel planes)": ("mxfp4", 128, False, "bfloat16", "serve"),
+    "nvfp4 bf16 (dequantized once)": ("nvfp4", 128, False, "bfloat16", "serve"),
+    "fp8 bf16 (dequantized once)": ("fp8", 128, False, "bfloat16", "serve"),
 }
 
 
@@ -65,10 +69,7 @@ def window_logits(model, ids: list[int], window: int) -> list[torch.Tensor]:
 
 
 def linear_bytes(model) -> int:
-    tensors = {id(t): t for m in model.modules() if isinstance(m, Linear)
-               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False),
-                         *(t for plane in getattr(m, "gguf_int4", None) or () for t in plane)]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return held_bytes(m for m in model.modules() if isinstance(m, Linear))
 
 
 def main() -> None:
@@ -109,6 +110,8 @@ def main() -> None:
             qcfg = QuantConfig(method=method.removesuffix("+head"), group_size=group,
                                lm_head=method.endswith("+head"))
             model = load_model(dataclasses.replace(base.model, quant=qcfg, dtype=dtype), "cpu")
+            if dt[1:] == ["serve"]:
+                prepack_for_cpu(model)
         logp = window_logits(model, evals, ns.window)
         nll, kl, agree, n = 0.0, 0.0, 0, 0
         for lp, rp, s in zip(logp, ref, range(0, len(evals), ns.window), strict=False):

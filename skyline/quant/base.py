@@ -17,12 +17,36 @@ from torch import nn
 
 from skyline.config import ConfigError, QuantConfig
 from skyline.model.layers.linear import Linear, _shape_error
+from skyline.ops import cpu_linear
 
 
 def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
     """[rows, cols] -> [rows, ceil(cols / multiple) * multiple], zero-padded on the right."""
     pad = -w.shape[-1] % multiple
     return F.pad(w, (0, pad)) if pad else w
+
+
+def keep_dense(layer: Linear, w: torch.Tensor, drop: tuple[str, ...]) -> None:
+    """A CPU serving layout for formats no CPU kernel takes: the weight w [out, in],
+    dequantized once (in the engine's dtype), packed for oneDNN where it can be, replaces the
+    quantized tensors `drop`."""
+    layer.dense_weight = cpu_linear.pack(w) if cpu_linear.can_pack(w) else w
+    for name in drop:
+        delattr(layer, name)
+
+
+def dense_weight(layer: Linear) -> torch.Tensor:
+    """keep_dense's weight as float32 [out, in]."""
+    w = layer.dense_weight
+    return (cpu_linear.unpack(w) if w.is_mkldnn else w).float()
+
+
+def dense_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype, through keep_dense's weight (its dtype)."""
+    w = layer.dense_weight
+    if w.is_mkldnn:
+        return cpu_linear.packed_linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
+    return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

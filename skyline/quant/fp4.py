@@ -15,11 +15,18 @@ saturates at 6. Two codes per byte, element 2j in the low nibble.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from skyline.model.layers.linear import Linear
-from skyline.ops import cpu_int4, cpu_linear
-from skyline.quant.base import QuantLinearMethod, pack_nibbles, pad_cols, unpack_nibbles
+from skyline.ops import cpu_int4
+from skyline.quant.base import (
+    QuantLinearMethod,
+    dense_linear,
+    dense_weight,
+    keep_dense,
+    pack_nibbles,
+    pad_cols,
+    unpack_nibbles,
+)
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes; a tie rounds to the even code, i.e. up when the
@@ -175,21 +182,16 @@ class Nvfp4LinearMethod(QuantLinearMethod):
         so the layer keeps its weight dequantized once, in the engine's dtype and packed for
         oneDNN where it can be (the values every call would otherwise dequantize to; dense
         memory, dense speed)."""
-        w = self.dequantized_weight(layer).to(dtype)
-        layer.dense_weight = cpu_linear.pack(w) if cpu_linear.can_pack(w) else w
-        del layer.qweight, layer.scales, layer.tensor_scale
+        keep_dense(layer, self.dequantized_weight(layer).to(dtype),
+                   ("qweight", "scales", "tensor_scale"))
         return True
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
-            w = layer.dense_weight
-            return (cpu_linear.unpack(w) if w.is_mkldnn else w).float()
+            return dense_weight(layer)
         return super().dequantized_weight(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
-            w = layer.dense_weight
-            if w.is_mkldnn:
-                return cpu_linear.packed_linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
-            return F.linear(x, w.to(x.dtype), layer.bias)
+            return dense_linear(layer, x)
         return super().apply(layer, x)

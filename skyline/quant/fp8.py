@@ -9,7 +9,7 @@ import torch
 from skyline.model.layers.linear import Linear
 from skyline.ops.fp8_linear import fp8_linear
 from skyline.ops.fp8_quant import FP8, FP8_MAX, quantize_rows_fp8
-from skyline.quant.base import QuantLinearMethod
+from skyline.quant.base import QuantLinearMethod, dense_linear, dense_weight, keep_dense
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
@@ -37,4 +37,22 @@ class Fp8LinearMethod(QuantLinearMethod):
         return q["weight"].float() * q["weight_scale"].unsqueeze(-1)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "weight_scale"):  # prepacked for the CPU
+            xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+            xd = (xq.float() * x_scale).reshape(x.shape)  # the activations W8A8 multiplies
+            return dense_linear(layer, xd).to(x.dtype)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)
+
+    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+        """For a CPU engine (loader.prepack_for_cpu). CPUs have no fp8 matmul units (torch's
+        CPU `_scaled_mm` is slower than the float32 emulation), and the emulation dequantizes
+        the weight at every call: keep it dequantized once in the engine's dtype (packed for
+        oneDNN), activations still quantized per token — W8A8's values at dense speed and
+        memory."""
+        keep_dense(layer, self.dequantized_weight(layer).to(dtype), ("weight", "weight_scale"))
+        return True
+
+    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if not hasattr(layer, "weight_scale"):
+            return dense_weight(layer)
+        return super().dequantized_weight(layer)

@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from skyline.config import ConfigError, QuantConfig
 from skyline.engine.create import EngineArgs, create_engine_config
@@ -165,31 +164,33 @@ def test_cpu_engine_keeps_only_the_int4_kernel_planes(hf_dir, method, planes):
     assert planes_bytes * 8 / w.numel() == (5 if planes == 1 else 10)  # codes + bf16 s, z
 
 
-def test_cpu_engine_serves_fp4_without_dequantizing_per_call(hf_dir):
-    """MXFP4 on a bfloat16 CPU engine keeps only the int4 kernel's two exact planes, NVFP4
-    (16-element blocks, which no CPU kernel takes) its weight dequantized once; both give the
-    logits of the per-call dequantization within bf16 rounding."""
+@pytest.mark.parametrize("method,dtype", [("mxfp4", "bfloat16"), ("nvfp4", "bfloat16"),
+                                          ("fp8", "bfloat16"), ("fp8", "float32")])
+def test_cpu_engine_does_not_dequantize_per_call(hf_dir, method, dtype):
+    """On a CPU engine MXFP4 in bfloat16 keeps only the int4 kernel's two exact planes; NVFP4
+    (16-element blocks, which no CPU kernel takes) and FP8 (no CPU fp8 units) keep their
+    weight dequantized once in the engine's dtype; all give the logits of the per-call
+    dequantization within that dtype's rounding."""
     from skyline.model.loader import prepack_for_cpu
     from skyline.ops import cpu_int4
 
-    for method in ("mxfp4", "nvfp4"):
-        if method == "mxfp4" and not cpu_int4.has_kernel():
-            continue
-        cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="bfloat16", device="cpu",
-                                                 quantization=method))
-        model = load_model(cfg.model, "cpu")
-        layer = model.model.layers[0].mlp.down_proj
-        w = layer.linear_method.dequantized_weight(layer)
-        x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
-        want = F.linear(x, w.to(torch.bfloat16))  # the reference path
-        before = logits(model)
-        assert prepack_for_cpu(model) > 0
-        assert not hasattr(layer, "qweight")
-        assert torch.equal(layer.linear_method.dequantized_weight(layer),
-                           w if method == "mxfp4" else w.to(torch.bfloat16).float())
-        got = layer(x)
-        assert rel_err(got, want) < 2e-2, method
-        assert rel_err(logits(model), before) < 2e-2, method
+    if method == "mxfp4" and not cpu_int4.has_kernel():
+        pytest.skip("torch lacks the CPU int4 kernel")
+    cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype=dtype, device="cpu",
+                                             quantization=method))
+    model = load_model(cfg.model, "cpu")
+    layer = model.model.layers[0].mlp.down_proj
+    w = layer.linear_method.dequantized_weight(layer)
+    x = torch.randn(3, layer.in_features).to(getattr(torch, dtype))
+    want = layer(x)  # the per-call path
+    before = logits(model)
+    assert prepack_for_cpu(model) > 0
+    assert not hasattr(layer, "qweight") and not hasattr(layer, "weight_scale")
+    rounded = w if method == "mxfp4" else w.to(getattr(torch, dtype)).float()
+    assert torch.equal(layer.linear_method.dequantized_weight(layer), rounded)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    assert rel_err(layer(x).float(), want.float()) < tol
+    assert rel_err(logits(model), before) < tol
 
 
 @pytest.mark.cuda
