@@ -93,6 +93,10 @@ def _resolve_device(device: str) -> str:
     return device
 
 
+# Weight formats whose fast CPU path (torch's int4 kernel) needs bfloat16 activations.
+CPU_BF16_KERNEL_FORMATS = ("int4", "int8", "mxfp4")
+
+
 def _resolve_dtype(dtype: str, device: str, model_dtype: str | None) -> str:
     if dtype == "auto":
         if device == "cpu":
@@ -209,6 +213,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
     quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
+    if device == "cpu" and dtype == "float32" and quant.method in CPU_BF16_KERNEL_FORMATS:
+        log.warning("--quantization %s on the CPU in float32 dequantizes every layer at every "
+                    "call; --dtype bfloat16 runs it on torch's int4 kernel, several times "
+                    "faster (BENCHMARKS.md)", quant.method)
     if args.quantize_lm_head:
         quant = dataclasses.replace(quant, lm_head=True)
     model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,

@@ -263,3 +263,15 @@ def test_quantize_cli_writes_a_loadable_checkpoint(hf_dir, tmp_path, ref_logits)
     assert rel_err(logits(load_model(cfg, "cpu")), ref_logits) < BOUNDS["int8"]
     with pytest.raises(SystemExit, match="already quantized as int8"):
         main(["quantize", str(out), "--format", "int4", "--out", str(tmp_path / "again")])
+
+
+def test_cpu_float32_int_formats_point_to_bfloat16(hf_dir, caplog):
+    with caplog.at_level("WARNING", logger="skyline.engine.create"):
+        create_engine_config(EngineArgs(model=hf_dir, device="cpu", quantization="int4"))
+    assert "--dtype bfloat16" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="skyline.engine.create"):
+        create_engine_config(EngineArgs(model=hf_dir, device="cpu", dtype="bfloat16",
+                                        quantization="mxfp4"))
+        create_engine_config(EngineArgs(model=hf_dir, device="cpu", quantization="fp8"))
+    assert "--dtype bfloat16" not in caplog.text
