@@ -134,6 +134,13 @@ def test_fp8_lm_head(hf_dir, ref_logits):
     got, want = logits(model), logits(dense_head)
     assert 0 < rel_err(got, want) < 0.05
     assert rel_err(got, ref_logits) < 2 * BOUNDS["fp8"]
+    # As a CPU engine serves it (prepack_for_cpu): the e4m3 values packed for oneDNN, the same
+    # logits as the per-call emulation but for float32 summation order
+    from skyline.model.loader import prepack_for_cpu
+
+    prepack_for_cpu(model)
+    if head.packed_weight is not None:
+        assert rel_err(logits(model), got) < 1e-5
     with pytest.raises(ConfigError, match="--quantize-lm-head .* needs --quantization fp8"):
         create_engine_config(EngineArgs(model=hf_dir, quantization="int8",
                                         quantize_lm_head=True))

@@ -53,10 +53,14 @@ class LMHead(nn.Module):
         """On the CPU, compute through a oneDNN-packed copy of the loaded weight
         (`ops/cpu_linear.py`; the head is the largest product of a small model's step). The
         dense weight stays (the embedding and the speculators read it): one more copy of the
-        head in memory. Returns whether it packed."""
-        if not cpu_linear.can_pack(self.weight):
+        head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
+        emulation would dequantize them at every step). Returns whether it packed."""
+        w = self.weight.data
+        if self.fp8_weight is not None:
+            w = (self.fp8_weight.float() * self.fp8_scale.unsqueeze(-1)).to(w.dtype)
+        if not cpu_linear.can_pack(w):
             return False
-        self.packed_weight = cpu_linear.pack(self.weight.data)
+        self.packed_weight = cpu_linear.pack(w)
         return True
 
     def quantize_fp8(self) -> None:
@@ -69,10 +73,13 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
+        if self.packed_weight is not None:
+            if self.fp8_weight is not None:  # W8A8: the activations quantized per token
+                hq, h_scale = quantize_rows_fp8(hidden.reshape(-1, hidden.shape[-1]))
+                hidden = (hq.float() * h_scale).to(hidden.dtype).reshape(hidden.shape)
+            return cpu_linear.packed_linear(hidden, self.packed_weight).float()
         if self.fp8_weight is not None:
             return fp8_linear(hidden, self.fp8_weight, self.fp8_scale).float()
-        if self.packed_weight is not None:
-            return cpu_linear.packed_linear(hidden, self.packed_weight).float()
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:
