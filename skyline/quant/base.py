@@ -18,12 +18,27 @@ from torch import nn
 from skyline.config import ConfigError, QuantConfig
 from skyline.model.layers.linear import Linear, _shape_error
 from skyline.ops import cpu_linear
+from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
+from skyline.ops.int_matmul import int_matmul_ref, int_matmul_triton
 
 
 def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
     """[rows, cols] -> [rows, ceil(cols / multiple) * multiple], zero-padded on the right."""
     pad = -w.shape[-1] % multiple
     return F.pad(w, (0, pad)) if pad else w
+
+
+def int_codes_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, bits: int, group: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] through W = (q - zero) * scale in ops/int_matmul.py's layout: the quantized
+    GEMV for decode-sized batches on CUDA (codes unpacked in registers), the dequant-matmul
+    kernel above that, the reference elsewhere."""
+    if quant_gemv_ok(x):
+        return int_gemv(x, qweight, scales, zeros, bits, group, bias=bias)
+    args = (x, qweight, scales, zeros, bits, group)
+    y = int_matmul_triton(*args) if x.is_cuda else int_matmul_ref(*args)
+    return y if bias is None else y + bias
 
 
 def keep_dense(layer: Linear, w: torch.Tensor, drop: tuple[str, ...]) -> None:

@@ -18,10 +18,12 @@ import torch
 
 from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
+from skyline.ops.int_matmul import dequantize_int_ref
 from skyline.quant.base import (
     QuantLinearMethod,
     dense_linear,
     dense_weight,
+    int_codes_linear,
     keep_dense,
     pack_nibbles,
     pad_cols,
@@ -122,9 +124,11 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return dequantize_mxfp4(q["qweight"], q["scales"])[:, :cols]
 
-    # The CPU in bfloat16: torch's int4 kernel, the E2M1 codes as two planes (ops/cpu_int4.py),
-    # exact values at 10 bits a weight (codes and bf16 scales) instead of a full dequantization
-    # at every call.
+    # Served without a full dequantization at every call, exact values at 10 bits a weight:
+    # on the CPU in bfloat16 torch's int4 kernel, the E2M1 codes as two planes
+    # (ops/cpu_int4.py); on CUDA the INT8 kernels, codes 128 + 2v with zero point 128 and half
+    # the block scale per group of 32 (the layout of GGUF's Q8_0 there), made at the first
+    # (eager) call.
 
     def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
         """For a CPU engine in bfloat16 (loader.prepack_for_cpu): keep only the planes."""
@@ -134,24 +138,36 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         return True
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if hasattr(layer, "fp4_int8"):
+            return dequantize_int_ref(*layer.fp4_int8, 8, 32)[:, : layer.in_features]
         if not hasattr(layer, "qweight"):  # prepacked: read back from the planes
             return cpu_int4.planes_weight(layer.fp4_planes)[:, : layer.in_features]
         return super().dequantized_weight(layer)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if not hasattr(layer, "qweight"):
-            return cpu_int4.planes_linear(x, layer.fp4_planes, layer.bias)
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and (
-                planes := self._cpu_planes(layer)) is not None:
+        if x.is_cuda:
+            return int_codes_linear(x, *self._int8_layout(layer), 8, 32, bias=layer.bias)
+        if x.dtype == torch.bfloat16 and (planes := self._cpu_planes(layer)) is not None:
             return cpu_int4.planes_linear(x, planes, layer.bias)
         return super().apply(layer, x)
+
+    def _int8_layout(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # (codes uint8 [N, Kp], scales, zeros float32 [N, Kp / 32]); replaces the packed
+        # tensors at the first call
+        if not hasattr(layer, "fp4_int8"):
+            twice = (2 * decode_e2m1(unpack_nibbles(layer.qweight))).to(torch.int32)
+            scale = e8m0_to_float(layer.scales) / 2
+            layer.fp4_int8 = ((128 + twice).to(torch.uint8), scale,
+                              torch.full_like(scale, 128.0))
+            del layer.qweight, layer.scales
+        return layer.fp4_int8
 
     def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
         # made at the first use, kept beside the packed tensors (None: no kernel, or a shape
         # it cannot take)
         if not hasattr(layer, "fp4_planes"):
             planes = None
-            if layer.qweight.device.type == "cpu" and cpu_int4.has_kernel():
+            if cpu_int4.has_kernel():
                 planes = cpu_int4.pack_e2m1_planes(unpack_nibbles(layer.qweight),
                                                    e8m0_to_float(layer.scales), 32)
             layer.fp4_planes = planes

@@ -42,9 +42,8 @@ from skyline.ops.dequant import (
     affine_groups,
     dequantize_ref,
 )
-from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
-from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
-from skyline.quant.base import pack_nibbles
+from skyline.ops.int_matmul import dequantize_int_ref
+from skyline.quant.base import int_codes_linear, pack_nibbles
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 # Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
@@ -158,11 +157,8 @@ def _cuda_ready(layer: Linear, dtype: torch.dtype) -> bool:
 
 
 def _int_apply(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-    args = (layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros, *layer.gguf_bits_group)
-    if quant_gemv_ok(x):  # decode-sized batches: codes unpacked in registers
-        return int_gemv(x, *args, bias=layer.bias)
-    y = int_matmul_triton(x, *args) if x.is_cuda else int_matmul_ref(x, *args)
-    return y if layer.bias is None else y + layer.bias
+    return int_codes_linear(x, layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
+                            *layer.gguf_bits_group, bias=layer.bias)
 
 
 def int_layout(layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
