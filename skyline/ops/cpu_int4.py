@@ -35,8 +35,7 @@ def pack_planes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     """codes [N, K] uint8 (0..15, or 0..255 with `wide`), scale and offset [N, K / group]
     float32 -> the kernel's planes; None where the kernel cannot take the shape (N not a
     multiple of 16, K not whole groups, a group size it lacks)."""
-    n, k = codes.shape
-    if group not in GROUPS or n % 16 or k % group or scale.shape != (n, k // group):
+    if not _fits(codes, scale, group):
         return None
     if not wide:
         planes = [(codes, scale, offset + 8 * scale)]
@@ -53,8 +52,7 @@ def pack_e2m1_planes(codes: torch.Tensor, scale: torch.Tensor, group: int
     """E2M1 codes [N, K] uint8 (bit 3 the sign, bits 0-2 the magnitude index) with a float32
     scale per block [N, K / group] -> two planes whose sum is exactly code value x scale (the
     scales must be exact in bf16, as MXFP4's powers of two are); None as pack_planes."""
-    n, k = codes.shape
-    if group not in GROUPS or n % 16 or k % group or scale.shape != (n, k // group):
+    if not _fits(codes, scale, group):
         return None
     twice = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)[(codes & 7).long()]
     b = (twice >= 8).to(torch.int32)
@@ -62,6 +60,12 @@ def pack_e2m1_planes(codes: torch.Tensor, scale: torch.Tensor, group: int
     zero = torch.zeros_like(scale)
     return (_plane(8 + sign * (twice - 8 * b), scale / 2, zero),
             _plane(8 + sign * b, scale * 4, zero))
+
+
+def _fits(codes: torch.Tensor, scale: torch.Tensor, group: int) -> bool:
+    # the shapes the kernel takes: rows a multiple of 16, whole groups of a size it has
+    n, k = codes.shape
+    return group in GROUPS and not n % 16 and not k % group and scale.shape == (n, k // group)
 
 
 def _plane(q: torch.Tensor, s: torch.Tensor, zero: torch.Tensor) -> Plane:

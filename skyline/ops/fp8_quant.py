@@ -37,6 +37,13 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_fp8_triton(x)
 
 
+def fake_quantize_rows_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> float32 [..., K]: each row quantized to e4m3 (quantize_rows_fp8) and
+    scaled back, the activations a W8A8 product multiplies."""
+    xq, scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
+    return (xq.float() * scale).reshape(x.shape)
+
+
 BLOCK = 1024  # elements of a row per loop iteration
 
 

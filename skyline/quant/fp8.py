@@ -8,7 +8,7 @@ import torch
 
 from skyline.model.layers.linear import Linear
 from skyline.ops.fp8_linear import fp8_linear
-from skyline.ops.fp8_quant import FP8, FP8_MAX, quantize_rows_fp8
+from skyline.ops.fp8_quant import FP8, FP8_MAX, fake_quantize_rows_fp8, quantize_rows_fp8
 from skyline.quant.base import QuantLinearMethod, dense_linear, dense_weight, keep_dense
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
@@ -38,9 +38,7 @@ class Fp8LinearMethod(QuantLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "weight_scale"):  # prepacked for the CPU
-            xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
-            xd = (xq.float() * x_scale).reshape(x.shape)  # the activations W8A8 multiplies
-            return dense_linear(layer, xd).to(x.dtype)
+            return dense_linear(layer, fake_quantize_rows_fp8(x)).to(x.dtype)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)
 
     def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:

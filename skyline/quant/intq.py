@@ -17,9 +17,14 @@ import torch
 
 from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
-from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
-from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_ref, int_matmul_triton
-from skyline.quant.base import QuantLinearMethod, pack_nibbles, pad_cols, unpack_nibbles
+from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_triton
+from skyline.quant.base import (
+    QuantLinearMethod,
+    int_codes_linear,
+    pack_nibbles,
+    pad_cols,
+    unpack_nibbles,
+)
 
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
 
@@ -103,17 +108,14 @@ class IntLinearMethod(QuantLinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "qweight"):  # prepacked for the CPU: every input on the planes
             return cpu_int4.planes_linear(x, layer.int_planes, layer.bias)
-        args = (layer.qweight, layer.scales, layer.zeros, self.bits, self.group_size)
-        if quant_gemv_ok(x) and self.group_size % 32 == 0:
-            # Decode-sized batches: a GEMV unpacking the codes in registers.
-            return int_gemv(x, *args, bias=layer.bias)
-        if x.is_cuda:
-            y = int_matmul_triton(x, *args)
-        elif x.dtype == torch.bfloat16 and (planes := self._cpu_planes(layer)) is not None:
+        if (not x.is_cuda and x.dtype == torch.bfloat16
+                and (planes := self._cpu_planes(layer)) is not None):
             return cpu_int4.planes_linear(x, planes, layer.bias)
-        else:
-            y = int_matmul_ref(x, *args)
-        return y if layer.bias is None else y + layer.bias
+        args = (layer.qweight, layer.scales, layer.zeros, self.bits, self.group_size)
+        if x.is_cuda and self.group_size % 32:  # the GEMV is for groups of 32k only
+            y = int_matmul_triton(x, *args)
+            return y if layer.bias is None else y + layer.bias
+        return int_codes_linear(x, *args, bias=layer.bias)
 
     def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
         """The layer's codes as planes of torch's CPU int4 kernel (ops/cpu_int4.py: one for

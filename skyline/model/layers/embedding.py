@@ -8,7 +8,7 @@ from torch import nn
 
 from skyline.ops import cpu_linear
 from skyline.ops.fp8_linear import fp8_linear
-from skyline.ops.fp8_quant import quantize_rows_fp8
+from skyline.ops.fp8_quant import fake_quantize_rows_fp8, quantize_rows_fp8
 
 
 class VocabEmbedding(nn.Module):
@@ -75,8 +75,7 @@ class LMHead(nn.Module):
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token
-                hq, h_scale = quantize_rows_fp8(hidden.reshape(-1, hidden.shape[-1]))
-                hidden = (hq.float() * h_scale).to(hidden.dtype).reshape(hidden.shape)
+                hidden = fake_quantize_rows_fp8(hidden).to(hidden.dtype)
             return cpu_linear.packed_linear(hidden, self.packed_weight).float()
         if self.fp8_weight is not None:
             return fp8_linear(hidden, self.fp8_weight, self.fp8_scale).float()
