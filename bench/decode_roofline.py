@@ -48,9 +48,10 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     ap.add_argument("--quantization", default=None, help="weights: fp8 | int8 | int4 | ...")
-    ap.add_argument("--fp8-gemv", default=None, choices=["a8", "a8q", "w8a16"],
-                    help="fp8 weights at <= 8 rows: fp8 x fp8 tensor-core GEMV (a8, default; "
-                         "a8q: x quantized by its own kernel first) or weight-only (w8a16)")
+    ap.add_argument("--fp8-gemv", default=None, choices=["a8p", "a8", "a8q", "w8a16"],
+                    help="fp8 weights at <= 8 rows: fp8 x fp8 tensor-core GEMV with x quantized "
+                         "by the norm / SiLU kernel that makes it (a8p, default), in the GEMV "
+                         "(a8) or by its own kernel first (a8q); or weight-only (w8a16)")
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="with --quantization fp8: the LM head in fp8 too")
     ap.add_argument("--out", default=None)
@@ -102,7 +103,7 @@ def main() -> None:
         "model": a.model, "dtype": llm.config.model.dtype, "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens, "cuda_graphs": not a.enforce_eager,
         "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
-        "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8",
+        "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8p",
         "lm_head_fp8": llm.config.model.quant.lm_head,
         "pdl": use_pdl(torch.device("cuda")),  # programmatic dependent launch (SKYLINE_PDL)
         "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9,

@@ -67,13 +67,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it.
+        # The residual add of each sublayer is fused into the norm that follows it, which
+        # hands fp8 Linears their input quantized when they take it so.
+        fp8 = self.self_attn.qkv_proj.takes_fp8_rows(x)
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, fp8=fp8)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8=fp8)
         x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(x)
+        x, residual = self.post_attention_layernorm(x, residual, fp8=fp8)
         return self.mlp(x), residual
 
 

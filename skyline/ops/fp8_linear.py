@@ -12,7 +12,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from skyline.ops.fp8_quant import quantize_rows_fp8
+from skyline.ops.fp8_quant import Fp8Rows, quantize_rows_fp8
 from skyline.ops.gemv_quant import fp8_gemv, fp8_gemv_a8, quant_gemv_ok
 
 
@@ -27,11 +27,21 @@ def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, gemv: str = "a8") -> torch.Tensor:
+def fp8_gemv_takes_rows(x: torch.Tensor) -> bool:
+    """Whether fp8_linear would run x through a decode-sized fp8 x fp8 GEMV, which can take it
+    already quantized per row (Fp8Rows)."""
+    return quant_gemv_ok(x) and x.dim() == 2 and has_fp8_units(x.device)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, gemv: str = "a8p") -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype. `gemv` picks the decode-sized GEMV (quant/fp8.py's
-    GEMV_ACTIVATIONS): "a8" fp8 x fp8 with x quantized in the kernel, "a8q" x quantized per
-    row first, "w8a16" unquantized x against the fp8 weights."""
+    GEMV_ACTIVATIONS): "a8p" / "a8" fp8 x fp8 with x quantized in the kernel, "a8q" x
+    quantized per row first, "w8a16" unquantized x against the fp8 weights. x may come
+    quantized per row already (Fp8Rows [M, K], from a producer that fp8_gemv_takes_rows
+    allowed)."""
+    if isinstance(x, Fp8Rows):
+        return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype)
     lead = x.shape[:-1]
     if quant_gemv_ok(x) and has_fp8_units(x.device):
         if gemv == "w8a16":

@@ -7,9 +7,15 @@ of x; before every fp8 product of a prefill chunk or a large decode batch that t
 more than the halved weight bytes saved. The kernel reads x twice (amax, then quantize; the
 second pass mostly from L2) and writes one byte per element plus the scale, rounding exactly
 as the reference does (IEEE division, round to nearest even).
+
+Decode-sized W8A8 products take their activations already quantized from the kernel that makes
+them (RMSNorm, SiLU-and-mul) as `Fp8Rows`; `quantize_rows_in_registers` is that kernels' share.
 """
 
 from __future__ import annotations
+
+import os
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +33,29 @@ def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantized per row for a W8A8 product: e4m3 values [R, K], float32 scales
+    [R, 1] (x ~ q * scale, as quantize_rows_fp8), and the dtype the activations had, which the
+    product returns. Made by the kernel that produces the activations when the Linear that
+    consumes them asks for it (Linear.takes_fp8_rows)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def fp8_rows_ref(y: torch.Tensor) -> Fp8Rows:
+    """y [R, K] quantized per row by the reference: what a producing kernel's Fp8Rows hold."""
+    q, scale = quantize_rows_fp8_ref(y)
+    return Fp8Rows(q, scale, y.dtype)
+
+
+def software_rounding() -> bool:
+    """Whether kernels round to e4m3 in float arithmetic before converting: in Triton's
+    interpreter, whose conversion carries a rounding into the exponent wrongly (7.77 -> 4)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +86,8 @@ def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     pdl = use_pdl(x.device)
     _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0),
                                    BLOCK=block, ITERS=triton.cdiv(k, block), FP8_MAX=FP8_MAX,
-                                   PDL=pdl, num_warps=4 if block >= 512 else 1, launch_pdl=pdl)
+                                   ROUND=software_rounding(), PDL=pdl,
+                                   num_warps=4 if block >= 512 else 1, launch_pdl=pdl)
     return q, scale
 
 
@@ -70,9 +100,43 @@ except ImportError:  # CPU-only installs: the reference serves
 if triton is not None:
 
     @triton.jit
+    def round_e4m3(v):
+        # v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32
+        # arithmetic: adding and subtracting 1.5 * 2^23 * step rounds to a multiple of step,
+        # the spacing of e4m3 values at v's exponent (2^(e - 3); 2^-9 below the normal
+        # range). The e4m3 conversion that follows is then exact, whatever its own rounding.
+        a = tl.abs(v)
+        e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        step_e = tl.maximum(e - 3, 127 - 9)
+        c = ((step_e + 23) << 23 | 0x400000).to(tl.float32, bitcast=True)
+        r = (a + c) - c
+        return tl.where(v < 0, -r, r)
+
+    @triton.jit
+    def row_scale(amax, FP8_MAX: tl.constexpr):
+        # the reference's scale of a row: amax / 448 (IEEE division), 1 for a zero row
+        return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+
+    @triton.jit
+    def e4m3_values(y, scale, FP8_MAX: tl.constexpr, ROUND: tl.constexpr):
+        # y / scale clamped to +-448 (IEEE division), to be stored as e4m3 with rtne; ROUND
+        # rounds it to e4m3 first (software_rounding)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+        if ROUND:
+            v = round_e4m3(v)
+        return v
+
+    @triton.jit
+    def quantize_rows_in_registers(y, FP8_MAX: tl.constexpr, ROUND: tl.constexpr):
+        # y [BLOCK_M, BLOCK_N] float32, each row whole (masked columns 0) -> (e4m3_values,
+        # scale [BLOCK_M])
+        scale = row_scale(tl.max(tl.abs(y), axis=1), FP8_MAX)
+        return e4m3_values(y, scale[:, None], FP8_MAX, ROUND), scale
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
                               BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                              FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+                              FP8_MAX: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
         pdl_wait(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
@@ -82,14 +146,13 @@ if triton is not None:
             cols = i * BLOCK + offs
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        m = tl.max(amax, axis=0)
-        scale = tl.where(m > 0, tl.math.div_rn(m, FP8_MAX), 1.0)
+        scale = row_scale(tl.max(amax, axis=0), FP8_MAX)
         tl.store(scale_ptr + row, scale)
         q_row = q_ptr + row * stride_q
         for i in range(ITERS):
             cols = i * BLOCK + offs
             mask = cols < K
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+            y = e4m3_values(x, scale, FP8_MAX, ROUND)
             tl.store(q_row + cols, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)

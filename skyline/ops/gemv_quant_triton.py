@@ -12,6 +12,7 @@ except ImportError:  # CPU-only installs: callers keep their PyTorch paths
     triton = None
 
 if triton is not None:
+    from skyline.ops.fp8_quant import round_e4m3
     from skyline.ops.gemv import split_k_epilogue
     from skyline.ops.pdl import pdl_wait
 
@@ -21,20 +22,6 @@ if triton is not None:
         if IEEE:
             return tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         return tl.dot(w, tl.trans(x), acc)
-
-    @triton.jit
-    def _round_e4m3(v):
-        # v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32
-        # arithmetic: adding and subtracting 1.5 * 2^23 * step rounds to a multiple of step,
-        # the spacing of e4m3 values at v's exponent (2^(e - 3); 2^-9 below the normal
-        # range). The e4m3 conversion that follows is then exact, whatever its own rounding
-        # (Triton's interpreter carries a rounding into the exponent wrongly).
-        a = tl.abs(v)
-        e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        step_e = tl.maximum(e - 3, 127 - 9)
-        c = ((step_e + 23) << 23 | 0x400000).to(tl.float32, bitcast=True)
-        r = (a + c) - c
-        return tl.where(v < 0, -r, r)
 
     # INT4 codes to exact floats OFFSET + q for the tensor cores (DOT mode), two nibbles of a
     # byte at a time: PTX over 4 bytes (one 32-bit register) per call. Each byte is moved to
@@ -243,7 +230,7 @@ if triton is not None:
                     sx = amax / 448.0
                     xs = xf * (448.0 / amax)[:, None]
                     if ROUND_E4M3:  # the interpreter: round first, so its conversion is exact
-                        xs = _round_e4m3(xs)
+                        xs = round_e4m3(xs)
                     xq = xs.to(tl.float8e4nv)
                     t = tl.dot(wq, tl.trans(xq), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
                     acc += t * sx[None, :]

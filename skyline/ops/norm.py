@@ -3,6 +3,10 @@ kernel for both (CUDA), which also norms each head of q/k (rows = tokens x heads
 
 Numerics follow HF Llama: the add stays in the model dtype, the normalization runs in float32,
 its result is cast back to the model dtype, and only then multiplied by the weight.
+
+With `fp8=True` the normed rows come out quantized for a W8A8 Linear (ops/fp8_quant.py's
+Fp8Rows: e4m3 with one scale per row, the bytes quantize_rows_fp8 makes of the unquantized
+result), which saves the fp8 GEMV quantizing them itself.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 import torch
 
+from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
 from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
@@ -37,9 +42,14 @@ def fused_add_rms_norm_ref(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             config: dict[str, Any] | None = None) -> torch.Tensor:
+             config: dict[str, Any] | None = None, fp8: bool = False) -> torch.Tensor | Fp8Rows:
     """rms_norm_ref's contract; on CUDA one Triton launch. x may be a strided view [T, d] or
-    [T, heads, d] (e.g. the q part of a qkv projection): each row of d is normed."""
+    [T, heads, d] (e.g. the q part of a qkv projection): each row of d is normed. With `fp8`
+    (x [T, d], weight in x's dtype) the result comes quantized per row, as Fp8Rows."""
+    if fp8:
+        if _use_triton(x) and x.dim() == 2 and weight.dtype == x.dtype:
+            return rms_norm_triton(x, weight, eps, config, fp8=True)
+        return fp8_rows_ref(rms_norm_ref(x, weight, eps))
     if not _use_triton(x) or x.dim() not in (2, 3):
         return rms_norm_ref(x, weight, eps)
     return rms_norm_triton(x, weight, eps, config)
@@ -51,14 +61,17 @@ def fused_add_rms_norm(
     weight: torch.Tensor,  # [d]
     eps: float,
     config: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """fused_add_rms_norm_ref's contract. Both inputs are consumed: on CUDA one Triton launch
-    writes x + residual over `residual` and the normed sum over `x`, and returns them."""
+    writes x + residual over `residual` and the normed sum over `x`, and returns them. With
+    `fp8` the normed sum comes quantized per row, as Fp8Rows (x is left unwritten)."""
     same = (x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
             and residual.stride(-1) == 1)
     if not (_use_triton(x) and same and x.dim() == 2):
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
-    return fused_add_rms_norm_triton(x, residual, weight, eps, config)
+        normed, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
+        return (fp8_rows_ref(normed) if fp8 else normed), residual
+    return fused_add_rms_norm_triton(x, residual, weight, eps, config, fp8)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -70,8 +83,11 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [d]
     eps: float,
     config: dict[str, Any] | None = None,  # None: tuned or default_config
-) -> torch.Tensor:  # contiguous, x's shape
+    fp8: bool = False,  # x [T, d] and weight of one dtype: the result as Fp8Rows
+) -> torch.Tensor | Fp8Rows:  # contiguous, x's shape
     """The Triton kernel behind rms_norm (any device Triton runs on)."""
+    if fp8:
+        return _launch_fp8(x, None, weight, eps, config)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _launch(x, None, weight, out, eps, config)
     return out
@@ -83,9 +99,12 @@ def fused_add_rms_norm_triton(
     weight: torch.Tensor,  # [d], x's dtype
     eps: float,
     config: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """The Triton kernel behind fused_add_rms_norm: writes x + residual over residual and the
-    normed sum over x; returns (x, residual)."""
+    normed sum over x (or, with `fp8`, returns it as Fp8Rows); returns (x, residual)."""
+    if fp8:
+        return _launch_fp8(x, residual, weight, eps, config), residual
     _launch(x, residual, weight, x, eps, config)
     return x, residual
 
@@ -108,8 +127,17 @@ def _config(kernel: str, d: int, dtype: torch.dtype, bucket: int) -> dict[str, A
     return get_config(kernel, config_key(d, dtype, bucket), default_config(d, bucket))
 
 
+def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float, config: dict[str, Any] | None) -> Fp8Rows:
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    _launch(x, residual, weight, q, eps, config, scale)
+    return Fp8Rows(q, scale, x.dtype)
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            out: torch.Tensor, eps: float, config: dict[str, Any] | None) -> None:
+            out: torch.Tensor, eps: float, config: dict[str, Any] | None,
+            scale: torch.Tensor | None = None) -> None:
     # x/out [T, d] or [T, H, d], residual [T, d]: rows are (token, head) pairs
     x3, out3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
     num_tokens, num_heads, d = x3.shape
@@ -124,7 +152,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_M=config["BLOCK_M"],
         BLOCK_N=triton.next_power_of_2(d), PDL=pdl, num_warps=config["num_warps"],
-        launch_pdl=pdl,
+        scale_ptr=scale, FP8_OUT=scale is not None, FP8_MAX=FP8_MAX,
+        ROUND_E4M3=software_rounding(), launch_pdl=pdl,
     )
 
 
@@ -135,17 +164,20 @@ except ImportError:  # CPU-only installs: the references above serve
     triton = None
 
 if triton is not None:
+    from skyline.ops.fp8_quant import quantize_rows_in_registers
 
     @triton.jit
     def _rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, eps, num_rows, num_heads, d,
         stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,
         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, scale_ptr=None, FP8_OUT: tl.constexpr = False,
+        FP8_MAX: tl.constexpr = 448.0, ROUND_E4M3: tl.constexpr = False,
     ):
         # One program per BLOCK_M rows; a row is one (token, head) of d values, wholly in
         # registers. With a residual (heads == 1): residual <- x + residual, then the sum is
-        # normed. Every row is loaded before it is stored, so out may alias x.
+        # normed. Every row is loaded before it is stored, so out may alias x. FP8_OUT
+        # (heads == 1): out is e4m3, each row's result in x's dtype quantized with its scale.
         pdl_wait(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -164,6 +196,13 @@ if triton is not None:
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / d + eps)  # [BLOCK_M]
         normed = (h * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
-        y = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
         o_off = tok * stride_ot + head * stride_oh
-        tl.store(out_ptr + o_off[:, None] + cols[None, :], y, mask=mask)
+        if FP8_OUT:
+            y = (normed * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            q, scale = quantize_rows_in_registers(y, FP8_MAX, ROUND_E4M3)
+            tl.store(out_ptr + o_off[:, None] + cols[None, :],
+                     q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+        else:
+            y = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + o_off[:, None] + cols[None, :], y, mask=mask)

@@ -7,18 +7,26 @@ from __future__ import annotations
 import torch
 
 from skyline.model.layers.linear import Linear
-from skyline.ops.fp8_linear import fp8_linear
-from skyline.ops.fp8_quant import FP8, FP8_MAX, fake_quantize_rows_fp8, quantize_rows_fp8
+from skyline.ops.fp8_linear import fp8_gemv_takes_rows, fp8_linear
+from skyline.ops.fp8_quant import (
+    FP8,
+    FP8_MAX,
+    Fp8Rows,
+    fake_quantize_rows_fp8,
+    quantize_rows_fp8,
+)
 from skyline.quant.base import QuantLinearMethod, dense_linear, dense_weight, keep_dense
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
-# Decode-sized batches (<= 8 rows) on the GPU: "a8" runs the fp8 x fp8 tensor-core GEMV, which
-# quantizes x itself per row and K tile (W8A8, finer-scaled than the per-token activations of
-# the _scaled_mm path for larger batches); "a8q" quantizes x per row with its own kernel first
-# (a faster GEMV, one more launch per Linear); "w8a16" streams the fp8 weights against
-# unquantized activations, converting every weight. BENCHMARKS.md compares the three.
-GEMV_ACTIVATIONS = "a8"
+# Decode-sized batches (<= 8 rows) on the GPU run an fp8 x fp8 tensor-core GEMV. "a8p": x
+# comes quantized per row from the kernel that makes it (RMSNorm before qkv and gate/up,
+# SiLU-and-mul before down: Linear.takes_fp8_rows), the GEMV quantizes the rest itself; "a8":
+# the GEMV quantizes x itself per row and K tile (finer-scaled than the per-token activations of
+# the _scaled_mm path for larger batches); "a8q": x quantized per row by a kernel of its own
+# first (one more launch per Linear); "w8a16" streams the fp8 weights against unquantized
+# activations, converting every weight. BENCHMARKS.md compares them.
+GEMV_ACTIVATIONS = "a8p"
 
 
 class Fp8LinearMethod(QuantLinearMethod):
@@ -36,10 +44,16 @@ class Fp8LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return q["weight"].float() * q["weight_scale"].unsqueeze(-1)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if not hasattr(layer, "weight_scale"):  # prepacked for the CPU
             return dense_linear(layer, fake_quantize_rows_fp8(x)).to(x.dtype)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)
+
+    def takes_fp8_rows(self, layer: Linear, x: torch.Tensor) -> bool:
+        """Whether x, about to be made by a norm or activation kernel, should come quantized
+        per row (Fp8Rows) for this layer's GEMV."""
+        return (GEMV_ACTIVATIONS == "a8p" and hasattr(layer, "weight_scale")
+                and fp8_gemv_takes_rows(x))
 
     def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
         """For a CPU engine (loader.prepack_for_cpu). CPUs have no fp8 matmul units (torch's

@@ -8,7 +8,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from skyline.ops.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from skyline.ops import activation  # noqa: E402
+from skyline.ops.activation import (  # noqa: E402
+    silu_and_mul,
+    silu_and_mul_fp8_triton,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
+from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA_ONLY = pytest.mark.skipif(DEV == "cpu", reason="large sweep: CUDA only")
@@ -82,3 +89,27 @@ def test_dispatch_on_cuda_graph_safe():
     static.copy_(x2)
     graph.replay()
     close(out, silu_and_mul_ref(x2))
+
+
+@pytest.mark.parametrize("d", [64, 200, 1536, pytest.param(14336, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("num_tokens", [1, 3, pytest.param(33, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [None, 64])  # one pass over the row, or two (row > block)
+def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype, block, monkeypatch):
+    # The W8A8 input of the down projection straight from the activation kernel: the kernel's
+    # own unquantized result, quantized per row as quantize_rows_fp8 does, bit for bit.
+    if block is not None:
+        monkeypatch.setattr(activation, "FP8_BLOCK", block)
+    x = gate_up(num_tokens, d, dtype, seed=5)
+    rows = silu_and_mul_fp8_triton(x)
+    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_triton(x))
+    assert rows.dtype == dtype and rows.q.dtype == FP8 and rows.q.shape == (num_tokens, d)
+    assert torch.equal(rows.scale, s_ref)
+    assert torch.equal(rows.q.float(), q_ref.float())  # the interpreter may drop -0's sign
+
+
+def test_fp8_dispatch_on_cpu_is_the_reference():
+    x = torch.randn(3, 32)
+    rows = silu_and_mul(x, fp8=True)
+    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_ref(x))
+    assert torch.equal(rows.scale, s_ref) and torch.equal(rows.q.float(), q_ref.float())

@@ -9,6 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
 from skyline.ops.norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -137,3 +138,45 @@ def test_dispatch_on_cuda_is_in_place_and_graph_safe():
     close(sx, want_out)
     close(sr, want_res)
     close(plain, rms_norm_ref(want_res, w, 1e-5))
+
+
+def same_fp8_rows(got, want_values: torch.Tensor) -> None:
+    # got (Fp8Rows): exactly the values and scales the reference quantization makes of the
+    # unquantized result, and its dtype
+    q_ref, s_ref = quantize_rows_fp8_ref(want_values)
+    assert got.dtype == want_values.dtype and got.q.dtype == FP8
+    assert torch.equal(got.scale, s_ref)
+    assert torch.equal(got.q.float(), q_ref.float())  # the interpreter may drop -0's sign
+
+
+@pytest.mark.parametrize("d", [64, 576, pytest.param(4096, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("num_tokens", [1, 5, pytest.param(33, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype):
+    # The W8A8 input straight from the norm: the kernel's own unquantized result (checked
+    # against the reference above), quantized per row as quantize_rows_fp8 does, bit for bit.
+    x, residual, w = inputs(num_tokens, d, dtype, seed=5)
+    x[0, 3] = 0.0
+    same_fp8_rows(rms_norm_triton(x, w, 1e-6, fp8=True), rms_norm_triton(x, w, 1e-6))
+    x2, r2 = x.clone(), residual.clone()
+    rows, res = fused_add_rms_norm_triton(x, residual, w, 1e-6, fp8=True)
+    want, want_res = fused_add_rms_norm_triton(x2, r2, w, 1e-6)
+    assert torch.equal(res, want_res) and res.data_ptr() == residual.data_ptr()
+    same_fp8_rows(rows, want)
+
+
+def test_fp8_out_of_a_zero_row_has_scale_one():
+    x, residual, w = inputs(3, 64, torch.float32, seed=6)
+    rows, _ = fused_add_rms_norm_triton(torch.zeros_like(x), torch.zeros_like(x), w, 1e-6,
+                                        fp8=True)
+    assert torch.equal(rows.scale, torch.ones(3, 1, device=DEV))
+    assert not rows.q.float().any()
+
+
+def test_fp8_dispatch_on_cpu_is_the_reference():
+    x, residual, w = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
+    same_fp8_rows(rms_norm(x, w, 1e-6, fp8=True), rms_norm_ref(x, w, 1e-6))
+    want, want_res = fused_add_rms_norm_ref(x, residual, w, 1e-6)
+    rows, res = fused_add_rms_norm(x, residual, w, 1e-6, fp8=True)
+    same_fp8_rows(rows, want)
+    assert torch.equal(res, want_res)

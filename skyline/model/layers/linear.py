@@ -141,7 +141,15 @@ class Linear(nn.Module):
         linear_method.create_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x may also be ops/fp8_quant.Fp8Rows, when takes_fp8_rows said so
         return self.linear_method.apply(self, x)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether the kernel about to make x (a norm, an activation) should hand it over
+        quantized per row (ops/fp8_quant.Fp8Rows): an fp8 layer's decode GEMV on a GPU with
+        fp8 units, which then skips quantizing it."""
+        wants = getattr(self.linear_method, "takes_fp8_rows", None)
+        return wants is not None and wants(self, x)
 
     def full_weight(self) -> torch.Tensor | None:
         """The [out, in] weight in the model dtype if the layer is unquantized (dense or

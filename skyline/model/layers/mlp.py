@@ -17,4 +17,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        return self.down_proj(silu_and_mul(gate_up))  # [num_tokens, hidden_size]
+        act = silu_and_mul(gate_up, fp8=self.down_proj.takes_fp8_rows(gate_up))
+        return self.down_proj(act)  # [num_tokens, hidden_size]

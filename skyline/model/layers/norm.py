@@ -21,14 +21,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> normed; with `residual`, x + residual is normed and also returned
         as the new residual: (normed, x + residual). With a residual both inputs are consumed
-        (on CUDA the results are written over them, by one kernel)."""
+        (on CUDA the results are written over them, by one kernel). With `fp8` (x [T, hidden])
+        the normed rows come quantized per row for an fp8 Linear (ops/fp8_quant.Fp8Rows)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, fp8=fp8)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, fp8=fp8)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
