@@ -14,6 +14,7 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, random_prompts, save_json
+from skyline.bench.weights import held_bytes
 from skyline.engine.frontend import LLM
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
@@ -66,10 +67,12 @@ def main() -> None:
               quantization=a.quantization, quantize_lm_head=a.quantize_lm_head)
     arch = llm.config.model.arch
     model = llm.engine.executor.runner.model
-    # Every parameter, plus the buffers of Linear layers (packed quantized weights, scales).
-    tensors = {id(t): t for m in model.modules() for t in [
-        *m.parameters(recurse=False), *(m.buffers(recurse=False) if isinstance(m, Linear) else ())]}
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    # Every tensor a Linear layer holds (packed quantized weights, scales, the layouts its
+    # kernels serve from), plus the other modules' parameters (embedding, norms, LM head).
+    others = {id(p): p for m in model.modules() if not isinstance(m, Linear)
+              for p in m.parameters(recurse=False)}
+    weight_bytes = held_bytes(m for m in model.modules() if isinstance(m, Linear)) + sum(
+        p.numel() * p.element_size() for p in others.values())
     if not arch.tie_word_embeddings:  # an untied embedding table is read one row per token
         weight_bytes -= arch.vocab_size * arch.hidden_size * 2
     for m in model.modules():  # an fp8 head is read instead of the dense one

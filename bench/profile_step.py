@@ -30,8 +30,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--fp8-gemv", default=None, choices=["a8p", "a8", "a8q", "w8a16"],
+                    help="fp8 weights at <= 8 rows: quant/fp8.py's GEMV_ACTIVATIONS")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.fp8_gemv is not None:
+        from skyline.quant import fp8
+
+        fp8.GEMV_ACTIVATIONS = a.fp8_gemv
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256,
               quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     prompts = random_prompts(a.batch, a.input_len, llm.config.model.arch.vocab_size)
@@ -83,7 +89,8 @@ def main() -> None:
            "kv_cache_dtype": a.kv_cache_dtype,
            # With programmatic dependent launch a kernel's time includes its wait for the
            # previous one: the kernel table then overlaps and does not add up to the step.
-           "pdl": use_pdl(torch.device("cuda")), "wall_ms_per_step": wall * 1e3,
+           "pdl": use_pdl(torch.device("cuda")), "fp8_gemv": a.fp8_gemv,
+           "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
            "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()},

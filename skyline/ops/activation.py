@@ -1,6 +1,6 @@
 """SiLU-and-mul, the SwiGLU gate: PyTorch reference and a Triton kernel (CUDA). With `fp8=True`
-the result comes quantized per row for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows), one program
-per row."""
+the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows) with one scale per
+row and FP8_BLOCK columns, so the programs of a row stay independent."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor, config: dict[str, Any] | None = None,
                  fp8: bool = False) -> torch.Tensor | Fp8Rows:
     """silu_and_mul_ref's contract; on CUDA one Triton launch for x [num_tokens, 2 * d]. With
-    `fp8` the result comes quantized per row, as Fp8Rows."""
+    `fp8` the result comes quantized, as Fp8Rows with one scale per row and FP8_BLOCK columns."""
     if not (x.is_cuda and triton is not None and x.dim() == 2 and x.stride(-1) == 1
             and x.shape[0] > 0 and x.shape[1] % 2 == 0):
-        return fp8_rows_ref(silu_and_mul_ref(x)) if fp8 else silu_and_mul_ref(x)
+        return fp8_rows_ref(silu_and_mul_ref(x), FP8_BLOCK) if fp8 else silu_and_mul_ref(x)
     if fp8:
         return silu_and_mul_fp8_triton(x)
     return silu_and_mul_triton(x, config)
@@ -51,24 +51,24 @@ def silu_and_mul_triton(
     return out
 
 
-FP8_BLOCK = 16384  # columns of a row per iteration of the fp8 kernel (Llama-3 8B's 14,336: one)
+# Columns per activation scale of the fp8 result: one program each (14 per token for Llama-3
+# 8B's 14,336); a multiple of every fp8 GEMV tile's BLOCK_K (fp8_gemv_a8's x_scale_block).
+FP8_BLOCK = 1024
 
 
 def silu_and_mul_fp8_triton(x: torch.Tensor) -> Fp8Rows:
-    """silu_and_mul_triton's result quantized per row (the bytes quantize_rows_fp8 makes of
-    it), one program per row: a row up to FP8_BLOCK wide is held in registers (16 warps),
-    a wider one is read twice (its scale, then its values)."""
+    """silu_and_mul_triton's result quantized with one scale per row and FP8_BLOCK columns (the
+    bytes quantize_rows_fp8_ref(result, FP8_BLOCK) makes of it), one program per block."""
     num_tokens, d = x.shape[0], x.shape[1] // 2
+    blocks = triton.cdiv(d, FP8_BLOCK)
     q = torch.empty(num_tokens, d, dtype=FP8, device=x.device)
-    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
-    block = min(FP8_BLOCK, triton.next_power_of_2(d))
+    scale = torch.empty(num_tokens, blocks, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x.device)
-    _silu_and_mul_fp8_kernel[(num_tokens,)](
-        x, q, scale, d, x.stride(0), q.stride(0), BLOCK=block, ITERS=triton.cdiv(d, block),
-        FP8_MAX=FP8_MAX, ROUND_E4M3=software_rounding(), PDL=pdl,
-        num_warps=max(1, min(16, block // 1024)), launch_pdl=pdl,
+    _silu_and_mul_fp8_kernel[(num_tokens, blocks)](
+        x, q, scale, d, x.stride(0), q.stride(0), BLOCK=FP8_BLOCK, FP8_MAX=FP8_MAX,
+        ROUND_E4M3=software_rounding(), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
-    return Fp8Rows(q, scale, x.dtype)
+    return Fp8Rows(q, scale, x.dtype, FP8_BLOCK)
 
 
 DEFAULT_CONFIG: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
@@ -91,7 +91,7 @@ except ImportError:  # CPU-only installs: the reference above serves
     triton = None
 
 if triton is not None:
-    from skyline.ops.fp8_quant import e4m3_values, quantize_rows_in_registers, row_scale
+    from skyline.ops.fp8_quant import quantize_rows_in_registers
 
     @triton.jit
     def _silu_and_mul_tile(x_row, cols, d, dtype: tl.constexpr):
@@ -105,36 +105,19 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, d, stride_x, stride_q,
-                                 BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                                 FP8_MAX: tl.constexpr, ROUND_E4M3: tl.constexpr,
-                                 PDL: tl.constexpr):
-        # One program per token; its row's scale needs the whole row's amax.
+                                 BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                                 ROUND_E4M3: tl.constexpr, PDL: tl.constexpr):
+        # One program per (token, BLOCK columns), each with its own scale.
         pdl_wait(PDL)
         tok = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + tok * stride_x
-        q_row = q_ptr + tok * stride_q
-        offs = tl.arange(0, BLOCK)
-        dtype = x_ptr.dtype.element_ty
-        if ITERS == 1:
-            y = _silu_and_mul_tile(x_row, offs, d, dtype)
-            q, scale = quantize_rows_in_registers(y[None, :], FP8_MAX, ROUND_E4M3)
-            tl.store(q_row + offs[None, :],
-                     q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                     mask=(offs < d)[None, :])
-            tl.store(scale_ptr + tok + tl.arange(0, 1), scale)
-        else:
-            amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for i in range(ITERS):
-                amax = tl.maximum(amax, tl.abs(_silu_and_mul_tile(x_row, i * BLOCK + offs, d,
-                                                                  dtype)))
-            s = row_scale(tl.max(amax, axis=0), FP8_MAX)
-            for i in range(ITERS):
-                cols = i * BLOCK + offs
-                v = e4m3_values(_silu_and_mul_tile(x_row, cols, d, dtype), s, FP8_MAX,
-                                ROUND_E4M3)
-                tl.store(q_row + cols, v.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
-                         mask=cols < d)
-            tl.store(scale_ptr + tok, s)
+        blk = tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        y = _silu_and_mul_tile(x_ptr + tok * stride_x, cols, d, x_ptr.dtype.element_ty)
+        q, scale = quantize_rows_in_registers(y[None, :], FP8_MAX, ROUND_E4M3)
+        tl.store(q_ptr + tok * stride_q + cols[None, :],
+                 q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                 mask=(cols < d)[None, :])
+        tl.store(scale_ptr + tok * tl.num_programs(1) + blk + tl.arange(0, 1), scale)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,

@@ -41,7 +41,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor
     quantized per row already (Fp8Rows [M, K], from a producer that fp8_gemv_takes_rows
     allowed)."""
     if isinstance(x, Fp8Rows):
-        return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype)
+        return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype, x_scale_block=x.block)
     lead = x.shape[:-1]
     if quant_gemv_ok(x) and has_fp8_units(x.device):
         if gemv == "w8a16":

@@ -1,15 +1,17 @@
 """Per-token FP8 (e4m3) quantization of activations for W8A8 Linears: the PyTorch reference
 and, on CUDA, one Triton kernel.
 
-Each row x [K] becomes q = round(x / s) in e4m3 with s = amax(|x|) / 448 (1 for a zero row), so
-the row's largest value lands on +-448. The reference takes ~8 kernels and three float32 copies
-of x; before every fp8 product of a prefill chunk or a large decode batch that traffic cost
-more than the halved weight bytes saved. The kernel reads x twice (amax, then quantize; the
-second pass mostly from L2) and writes one byte per element plus the scale, rounding exactly
-as the reference does (IEEE division, round to nearest even).
+Each row x [K] becomes q = round(x * (448 / amax(|x|))) in e4m3 with scale s = amax / 448 (both
+1 for a zero row), so the row's largest value lands on +-448 and x ~ q * s. The reference takes
+~8 kernels and three float32 copies of x; before every fp8 product of a prefill chunk or a large
+decode batch that traffic cost more than the halved weight bytes saved. The kernel reads x twice
+(amax, then quantize; the second pass mostly from L2) and writes one byte per element plus the
+scale, rounding exactly as the reference does (IEEE division for s and 448 / amax, round to
+nearest even).
 
 Decode-sized W8A8 products take their activations already quantized from the kernel that makes
-them (RMSNorm, SiLU-and-mul) as `Fp8Rows`; `quantize_rows_in_registers` is that kernels' share.
+them (RMSNorm per row, SiLU-and-mul per row and block of columns) as `Fp8Rows`;
+`quantize_rows_in_registers` is those kernels' share.
 """
 
 from __future__ import annotations
@@ -18,38 +20,49 @@ import os
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from skyline.ops.pdl import pdl_wait, use_pdl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+FLOAT_MAX = torch.finfo(torch.float32).max
 
 
-def quantize_rows_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (e4m3 [R, K], float32 scale [R, 1]) with x ~ q * scale, |q| <= 448."""
-    amax = x.float().abs().amax(-1, keepdim=True)
-    # A tensor divisor: CUDA turns division by a Python scalar into a product with its
-    # reciprocal, which rounds differently from the CPU's (and the kernel's) IEEE division.
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+def quantize_rows_fp8_ref(x: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (e4m3 [R, K], float32 scale [R, 1]) with x ~ q * scale, |q| <= 448; with
+    `block`, one scale per row and block of columns: scale [R, cdiv(K, block)]."""
+    r, k = x.shape
+    xf = F.pad(x.float(), (0, -k % block)).view(r, -1, block) if block else x.float()[:, None]
+    amax = xf.abs().amax(-1, keepdim=True)
+    # Tensor divisions: CUDA turns division by a Python scalar into a product with its
+    # reciprocal, which rounds differently from the CPU's (and the kernels') IEEE division.
+    full = torch.full_like(amax, FP8_MAX)
+    pos = amax > 0
+    scale = torch.where(pos, amax / full, torch.ones_like(amax))
+    inv = torch.where(pos, full / torch.where(pos, amax, full), torch.ones_like(amax))
+    q = (xf * inv.clamp(max=FLOAT_MAX)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    groups = xf.shape[1]
+    return q.reshape(r, groups * xf.shape[2])[:, :k].contiguous(), scale.reshape(r, groups)
 
 
 class Fp8Rows(NamedTuple):
-    """Activations quantized per row for a W8A8 product: e4m3 values [R, K], float32 scales
-    [R, 1] (x ~ q * scale, as quantize_rows_fp8), and the dtype the activations had, which the
-    product returns. Made by the kernel that produces the activations when the Linear that
-    consumes them asks for it (Linear.takes_fp8_rows)."""
+    """Activations quantized for a W8A8 product: e4m3 values [R, K], float32 scales (x ~ q *
+    scale, as quantize_rows_fp8_ref(x, block)): [R, 1], or with `block` one per row and block
+    of columns [R, cdiv(K, block)]; the dtype the activations had, which the product returns.
+    Made by the kernel that produces the activations when the Linear that consumes them asks
+    for it (Linear.takes_fp8_rows)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    block: int = 0
 
 
-def fp8_rows_ref(y: torch.Tensor) -> Fp8Rows:
-    """y [R, K] quantized per row by the reference: what a producing kernel's Fp8Rows hold."""
-    q, scale = quantize_rows_fp8_ref(y)
-    return Fp8Rows(q, scale, y.dtype)
+def fp8_rows_ref(y: torch.Tensor, block: int = 0) -> Fp8Rows:
+    """y [R, K] quantized by the reference: what a producing kernel's Fp8Rows hold."""
+    q, scale = quantize_rows_fp8_ref(y, block)
+    return Fp8Rows(q, scale, y.dtype, block)
 
 
 def software_rounding() -> bool:
@@ -113,15 +126,20 @@ if triton is not None:
         return tl.where(v < 0, -r, r)
 
     @triton.jit
-    def row_scale(amax, FP8_MAX: tl.constexpr):
-        # the reference's scale of a row: amax / 448 (IEEE division), 1 for a zero row
-        return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    def fp8_scales(amax, FP8_MAX: tl.constexpr):
+        # the reference's (scale, multiplier) of a row or block: amax / 448 and 448 / amax
+        # (IEEE divisions, the multiplier at most FLOAT_MAX), both 1 for a zero row
+        pos = amax > 0
+        safe = tl.where(pos, amax, FP8_MAX)
+        scale = tl.where(pos, tl.math.div_rn(safe, FP8_MAX), 1.0)
+        inv = tl.math.div_rn(tl.zeros_like(safe) + FP8_MAX, safe)
+        return scale, tl.where(pos, tl.minimum(inv, 3.4028234663852886e38), 1.0)
 
     @triton.jit
-    def e4m3_values(y, scale, FP8_MAX: tl.constexpr, ROUND: tl.constexpr):
-        # y / scale clamped to +-448 (IEEE division), to be stored as e4m3 with rtne; ROUND
-        # rounds it to e4m3 first (software_rounding)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+    def e4m3_values(y, inv, FP8_MAX: tl.constexpr, ROUND: tl.constexpr):
+        # y * inv clamped to +-448, to be stored as e4m3 with rtne; ROUND rounds it to e4m3
+        # first (software_rounding)
+        v = tl.minimum(tl.maximum(y * inv, -FP8_MAX), FP8_MAX)
         if ROUND:
             v = round_e4m3(v)
         return v
@@ -130,8 +148,8 @@ if triton is not None:
     def quantize_rows_in_registers(y, FP8_MAX: tl.constexpr, ROUND: tl.constexpr):
         # y [BLOCK_M, BLOCK_N] float32, each row whole (masked columns 0) -> (e4m3_values,
         # scale [BLOCK_M])
-        scale = row_scale(tl.max(tl.abs(y), axis=1), FP8_MAX)
-        return e4m3_values(y, scale[:, None], FP8_MAX, ROUND), scale
+        scale, inv = fp8_scales(tl.max(tl.abs(y), axis=1), FP8_MAX)
+        return e4m3_values(y, inv[:, None], FP8_MAX, ROUND), scale
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q,
@@ -146,13 +164,13 @@ if triton is not None:
             cols = i * BLOCK + offs
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = row_scale(tl.max(amax, axis=0), FP8_MAX)
+        scale, inv = fp8_scales(tl.max(amax, axis=0), FP8_MAX)
         tl.store(scale_ptr + row, scale)
         q_row = q_ptr + row * stride_q
         for i in range(ITERS):
             cols = i * BLOCK + offs
             mask = cols < K
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            y = e4m3_values(x, scale, FP8_MAX, ROUND)
+            y = e4m3_values(x, inv, FP8_MAX, ROUND)
             tl.store(q_row + cols, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                      mask=mask)

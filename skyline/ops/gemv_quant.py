@@ -99,13 +99,17 @@ def quantize_tiles_fp8_ref(x: torch.Tensor, block_k: int) -> torch.Tensor:
 def fp8_gemv_a8_ref(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
                     w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                     out_dtype: torch.dtype = torch.bfloat16,
-                    block_k: int | None = None) -> torch.Tensor:
-    """e4m3 xq [M, K] with float32 x_scale [M] (or [M, 1]), e4m3 weight [N, K], w_scale [N]
-    -> [M, N] in out_dtype. With x_scale None, xq is bf16/fp16/fp32, quantized per row and
-    block_k-column tile as the kernel does."""
+                    block_k: int | None = None, x_scale_block: int = 0) -> torch.Tensor:
+    """e4m3 xq [M, K] with float32 x_scale [M] (or [M, 1]; with x_scale_block, [M, G]: one
+    per row and x_scale_block columns), e4m3 weight [N, K], w_scale [N] -> [M, N] in
+    out_dtype. With x_scale None, xq is bf16/fp16/fp32, quantized per row and block_k-column
+    tile as the kernel does."""
     if x_scale is None:
         assert block_k is not None, "in-kernel quantization rounds per block_k tile"
         xd = quantize_tiles_fp8_ref(xq, block_k)
+    elif x_scale_block:
+        k = xq.shape[-1]
+        xd = xq.float() * x_scale.float().repeat_interleave(x_scale_block, dim=-1)[:, :k]
     else:
         xd = xq.float() * x_scale.float().reshape(-1, 1)
     y = (xd @ weight.float().t()) * w_scale.float()
@@ -211,10 +215,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
 def fp8_gemv_a8(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
                 w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.bfloat16,
-                config: dict | None = None) -> torch.Tensor:
+                config: dict | None = None, x_scale_block: int = 0) -> torch.Tensor:
     """W8A8 with e4m3 weight [N, K] and float32 w_scale [N], bias [N] -> [..., N] in out_dtype
-    (bf16/fp16). xq [..., K] (1..MAX_ROWS rows): e4m3 with float32 x_scale (one per row), or
-    (x_scale None) bf16/fp16 activations that the kernel quantizes tile by tile."""
+    (bf16/fp16). xq [..., K] (1..MAX_ROWS rows): e4m3 with float32 x_scale (one per row; with
+    x_scale_block, a power of two >= 128, [rows, cdiv(K, x_scale_block)]: one per row and
+    block), or (x_scale None) bf16/fp16 activations that the kernel quantizes tile by tile."""
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_gemv_a8: weight must be float8_e4m3fn [N, K], got "
                          f"{weight.dtype} {tuple(weight.shape)}")
@@ -223,16 +228,20 @@ def fp8_gemv_a8(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Te
         raise ValueError(f"fp8_gemv_a8: x must be float8_e4m3fn with its scales, or bf16/fp16 "
                          f"without; got {xq.dtype} and {'no ' if x_scale is None else ''}scales")
     n, k = weight.shape
+    groups = _cdiv(k, x_scale_block) if x_scale_block else 1
     if w_scale.numel() != n or (x_scale is not None
-                                and x_scale.numel() != xq.numel() // max(k, 1)):
+                                and x_scale.numel() != xq.numel() // max(k, 1) * groups):
         raise ValueError(f"fp8_gemv_a8: {w_scale.numel()} weight scales for {n} rows, x "
-                         f"scales for {xq.numel() // max(k, 1)} rows")
+                         f"scales for {xq.numel() // max(k, 1)} rows of {groups} blocks")
+    if x_scale_block and (x_scale_block < 128 or x_scale_block & (x_scale_block - 1)):
+        raise ValueError(f"fp8_gemv_a8: x_scale_block {x_scale_block} is not a power of two "
+                         f">= 128")
     if xq.shape[-1] != k or out_dtype not in _ACT_DTYPES:
         raise ValueError(f"fp8_gemv_a8: x {tuple(xq.shape)} against weight {(n, k)}, "
                          f"out_dtype {out_dtype}")
     xs = x_scale.reshape(-1).float().contiguous() if x_scale is not None else None
     return _launch(FP8, xq, weight.contiguous(), w_scale.reshape(-1).contiguous(), None, n, k,
-                   0, bias, config, xs, out_dtype, a8=True)
+                   0, bias, config, xs, out_dtype, a8=True, xs_block=x_scale_block)
 
 
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -260,7 +269,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, n: int, k: int, group: int,
             bias: torch.Tensor | None, config: dict | None,
             x_scale: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None, a8: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype | None = None, a8: bool = False,
+            xs_block: int = 0) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("the quantized GEMV needs triton; use the *_ref functions")
     if bias is not None and bias.shape != (n,):
@@ -275,8 +285,9 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         kind, m, n, k, group, x.device, a8, x_scale is not None)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot = bool(cfg["USE_DOT"])
-    if a8 and (not use_dot or block_k < 32):
-        raise ValueError(f"fp8 x fp8 gemv config {cfg}: needs USE_DOT and BLOCK_K >= 32")
+    if a8 and (not use_dot or block_k < 32 or xs_block % block_k):
+        raise ValueError(f"fp8 x fp8 gemv config {cfg}: needs USE_DOT and BLOCK_K >= 32 "
+                         f"dividing the x scales' block {xs_block}")
     if kind != FP8 and group % block_k:
         raise ValueError(f"quantized gemv config {cfg}: BLOCK_K must divide the group {group}")
     per_word = 8 if kind == INT4 else 4  # FMA mode reads integer weights as int32 words
@@ -327,6 +338,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interpreted else 0,
         X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interpreted,
+        XS_BLOCK=xs_block, XS_STRIDE=_cdiv(k, xs_block) if xs_block else 1,
         INT4_ASM=0 if interpreted or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
         INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
         PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,

@@ -147,6 +147,7 @@ if triton is not None:
         EVEN_K: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr, X_QUANT: tl.constexpr = 0,
+        XS_BLOCK: tl.constexpr = 0, XS_STRIDE: tl.constexpr = 1,
         ROUND_E4M3: tl.constexpr = False, INT4_ASM: tl.constexpr = 0,
         INT4_OFFSET: tl.constexpr = 128.0, X_LEFT: tl.constexpr = False,
         PDL: tl.constexpr = False,
@@ -155,7 +156,9 @@ if triton is not None:
         # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
         # bytes against the even (low nibbles) and odd (high nibbles) columns of x.
         # X_QUANT (FP8 weights, DOT mode; the tensor cores multiply two fp8 tiles, nothing is
-        # converted per weight): 1, x is e4m3 with a float32 scale per row (xs_ptr); 2, x is
+        # converted per weight): 1, x is e4m3 with a float32 scale per row (xs_ptr), or with
+        # XS_BLOCK one per row and XS_BLOCK columns (a multiple of BLOCK_K; XS_STRIDE scales
+        # a row), applied tile by tile; 2, x is
         # bf16/fp16 and each [BLOCK_M, BLOCK_K] tile is quantized here, one scale per row and
         # tile (amax / 448), its product scaled back before it joins the sum.
         pid_n = tl.program_id(0)
@@ -222,7 +225,13 @@ if triton is not None:
             if WEIGHT_KIND == 2:
                 xh = tl.load(x_ptrs + 1, mask=x_mask_hi, other=0.0)
             if USE_DOT:
-                if WEIGHT_KIND == 0 and X_QUANT == 1:
+                if WEIGHT_KIND == 0 and X_QUANT == 1 and XS_BLOCK > 0:
+                    # a split's tiles may start past K (their x is masked to 0): no scale
+                    sx = tl.load(xs_ptr + offs_m * XS_STRIDE + k0 // XS_BLOCK,
+                                 mask=m_mask & ((offs_m * 0 + k0) < K), other=0.0)
+                    t = tl.dot(wq, tl.trans(xv), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
+                    acc += t * sx[None, :]
+                elif WEIGHT_KIND == 0 and X_QUANT == 1:
                     acc = tl.dot(wq, tl.trans(xv), acc)
                 elif WEIGHT_KIND == 0 and X_QUANT == 2:
                     xf = xv.to(tl.float32)
@@ -276,7 +285,7 @@ if triton is not None:
             out = tl.sum(acc, axis=2)
         if WEIGHT_KIND == 0:  # per-output-row scale, once
             out = out * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        if X_QUANT == 1:  # per-row scale of x
+        if X_QUANT == 1 and XS_BLOCK == 0:  # per-row scale of x
             out = out * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
                          pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)

@@ -94,16 +94,18 @@ def test_dispatch_on_cuda_graph_safe():
 @pytest.mark.parametrize("d", [64, 200, 1536, pytest.param(14336, marks=CUDA_ONLY)])
 @pytest.mark.parametrize("num_tokens", [1, 3, pytest.param(33, marks=CUDA_ONLY)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [None, 64])  # one pass over the row, or two (row > block)
+@pytest.mark.parametrize("block", [None, 128])  # blocks past d, or several per row
 def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype, block, monkeypatch):
     # The W8A8 input of the down projection straight from the activation kernel: the kernel's
-    # own unquantized result, quantized per row as quantize_rows_fp8 does, bit for bit.
+    # own unquantized result, quantized per row and block as quantize_rows_fp8_ref does.
     if block is not None:
         monkeypatch.setattr(activation, "FP8_BLOCK", block)
     x = gate_up(num_tokens, d, dtype, seed=5)
+    x[0, :3] = 0.0  # zeros keep their sign, whatever the interpreter does to -0
     rows = silu_and_mul_fp8_triton(x)
-    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_triton(x))
+    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_triton(x), activation.FP8_BLOCK)
     assert rows.dtype == dtype and rows.q.dtype == FP8 and rows.q.shape == (num_tokens, d)
+    assert rows.block == activation.FP8_BLOCK and rows.scale.shape == s_ref.shape
     assert torch.equal(rows.scale, s_ref)
     assert torch.equal(rows.q.float(), q_ref.float())  # the interpreter may drop -0's sign
 
@@ -111,5 +113,5 @@ def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype, block
 def test_fp8_dispatch_on_cpu_is_the_reference():
     x = torch.randn(3, 32)
     rows = silu_and_mul(x, fp8=True)
-    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_ref(x))
+    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_ref(x), activation.FP8_BLOCK)
     assert torch.equal(rows.scale, s_ref) and torch.equal(rows.q.float(), q_ref.float())

@@ -142,9 +142,16 @@ def test_dispatch_on_cuda_is_in_place_and_graph_safe():
 
 def same_fp8_rows(got, want_values: torch.Tensor) -> None:
     # got (Fp8Rows): exactly the values and scales the reference quantization makes of the
-    # unquantized result, and its dtype
+    # unquantized result, and its dtype. float32 rows (which no fp8 GEMV takes) may differ from
+    # the unquantized kernel's in the last bit on a GPU (another contraction of the sum of
+    # squares into FMAs): there within one e4m3 rounding.
     q_ref, s_ref = quantize_rows_fp8_ref(want_values)
-    assert got.dtype == want_values.dtype and got.q.dtype == FP8
+    assert got.dtype == want_values.dtype and got.q.dtype == FP8 and got.block == 0
+    if want_values.dtype == torch.float32 and DEV == "cuda":
+        torch.testing.assert_close(got.scale, s_ref, rtol=1e-6, atol=0)
+        err = (got.q.float() * got.scale - want_values).abs()
+        assert (err <= want_values.abs() / 16 + s_ref / 512).all()
+        return
     assert torch.equal(got.scale, s_ref)
     assert torch.equal(got.q.float(), q_ref.float())  # the interpreter may drop -0's sign
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
+from skyline.ops.fp8_quant import quantize_rows_fp8_ref  # noqa: E402
 from skyline.ops.gemv_quant import (  # noqa: E402
     FP8,
     INT4,
@@ -113,27 +114,30 @@ def test_fp8_gemv_matches_reference(dtype, use_dot, split_k, bias, m, n, k):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16] + DTYPES[2:])
-@pytest.mark.parametrize("in_kernel", [False, True])
+@pytest.mark.parametrize("x_mode", ["kernel", "row", "block"])
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 33, 200), (8, 16, 64), (5, 17, 40)])
-def test_fp8_gemv_a8_matches_reference(out_dtype, in_kernel, split_k, bias, m, n, k):
-    # W8A8: x quantized per row beforehand, or per row and 32-column tile in the kernel; the
-    # tensor cores multiply the two fp8 tiles. K = 200 and 40 are not multiples of the tile,
-    # so the masked tails of x and W are exercised.
+def test_fp8_gemv_a8_matches_reference(out_dtype, x_mode, split_k, bias, m, n, k):
+    # W8A8: x quantized beforehand per row or per row and 128 columns (two blocks at K = 200),
+    # or per row and 32-column tile in the kernel; the tensor cores multiply the two fp8
+    # tiles. K = 200 and 40 are not multiples of the tile, so the masked tails of x and W are
+    # exercised.
     x, w, b = operands(m, n, k, torch.float32, seed=m * n + k + 1)
     q, s = fp8_weights(w)
     b = b.to(out_dtype) if bias else None
     cfg = config(16, 32, split_k, True)
-    if in_kernel:
+    if x_mode == "kernel":
         xin = guarded(x.to(out_dtype))
         out = fp8_gemv_a8(xin, None, q, s, b, out_dtype, config=cfg)
         ref = fp8_gemv_a8_ref(xin, None, q, s, b, out_dtype, block_k=32)
     else:
-        xq, xs = quantize_rows_fp8(x.cpu())
-        xq, xs = guarded(xq.to(DEV)), guarded(xs.reshape(-1).to(DEV))
-        out = fp8_gemv_a8(xq, xs, q, s, b, out_dtype, config=cfg)
-        ref = fp8_gemv_a8_ref(xq, xs, q, s, b, out_dtype)
+        block = 128 if x_mode == "block" else 0
+        xq, xs = quantize_rows_fp8_ref(x.cpu(), block)
+        assert xs.shape == (m, -(-k // 128) if block else 1)
+        xq, xs = guarded(xq.to(DEV)), guarded(xs.to(DEV))
+        out = fp8_gemv_a8(xq, xs, q, s, b, out_dtype, config=cfg, x_scale_block=block)
+        ref = fp8_gemv_a8_ref(xq, xs, q, s, b, out_dtype, x_scale_block=block)
     assert out.dtype == out_dtype and out.shape == (m, n)
     check(out, ref)
     # the W8A8 product of the original x: within fp8 rounding of x

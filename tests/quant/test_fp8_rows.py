@@ -58,6 +58,8 @@ def spy_rows(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter (CPU machines); "
+                    "the CUDA test below covers GPUs")
 def test_producers_hand_over_rows_on_the_decode_path(hf_dir, monkeypatch):
     # CPU: the GEMV runs in Triton's interpreter as if the CPU had fp8 units, the producers'
     # references make the rows. Against every Linear quantizing its own input per row ("a8q",
