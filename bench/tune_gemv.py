@@ -81,6 +81,8 @@ def candidates(m: int, n: int, k: int, num_sms: int) -> list[dict[str, Any]]:
     FMA tiles for up to four rows (each thread keeps at most 64 fp32 accumulators; beyond four
     rows the repeated x loads cost more than tensor cores), tensor-core tiles for every m; split K
     from 1 up to ~16 waves of programs, keeping at least max(2, num_stages) K tiles per split.
+    Unpipelined tiles (num_stages 1) are also tried with PREFETCH (the next W tile loaded into
+    registers a step ahead) where the splits' K tiles are whole.
     """
     tiles: list[tuple[bool, int, int, int, int]] = []  # (dot, BLOCK_N, BLOCK_K, warps, stages)
     if m <= 4:
@@ -89,7 +91,8 @@ def candidates(m: int, n: int, k: int, num_sms: int) -> list[dict[str, Any]]:
             if bn * m * bk // (32 * warps) <= 64:
                 tiles += [(False, bn, bk, warps, 1), (False, bn, bk, warps, 3)]
     tiles += [(True, 64, 128, 4, 3), (True, 64, 128, 4, 5), (True, 64, 256, 4, 3),
-              (True, 128, 128, 4, 3), (True, 128, 64, 4, 4), (True, 32, 256, 4, 4)]
+              (True, 128, 128, 4, 3), (True, 128, 64, 4, 4), (True, 32, 256, 4, 4),
+              (True, 64, 128, 4, 1), (True, 64, 256, 4, 1)]
     out, seen = [], set()
     for dot, bn, bk, warps, stages in tiles:
         programs = -(-n // bn)
@@ -101,6 +104,8 @@ def candidates(m: int, n: int, k: int, num_sms: int) -> list[dict[str, Any]]:
                    "num_warps": warps, "num_stages": stages}
             out.append(cfg)
             seen.add(json.dumps(cfg, sort_keys=True))
+            if stages == 1 and k % (split * bk) == 0:  # the next W tile loaded a step ahead
+                out.append({**cfg, "PREFETCH": True})
     base = default_config(m, n, k, num_sms)
     if json.dumps(base, sort_keys=True) not in seen:
         out.append(base)

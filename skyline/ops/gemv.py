@@ -156,6 +156,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interpreted else 0, PDL=pdl,
+        PREFETCH=bool(cfg.get("PREFETCH", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y.reshape(*x.shape[:-1], n)
@@ -216,11 +217,13 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
         USE_DOT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-        STATIC_ITERS: tl.constexpr, PDL: tl.constexpr,
+        STATIC_ITERS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
     ):
         # Program (pid_n, pid_k): output rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the
         # K tiles [pid_k * k_iters, +k_iters). With SPLIT, each program writes its fp32 partial
         # sums to part [num_splits, M, N]; the last split of a tile to finish adds them all.
+        # PREFETCH (EVEN_K, num_stages 1): each iteration issues the next W tile's load into
+        # registers before using the current one, so its latency overlaps this tile's math.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -244,6 +247,10 @@ if triton is not None:
             # tile (and barriers) on every iteration.
             x_ptrs = x_ptrs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.int32)
         # Triton's interpreter cannot loop to a runtime bound; it gets the count as a constant.
+        PF: tl.constexpr = PREFETCH and EVEN_K
+        if PF:
+            wn_mask = n_mask[:, None] if USE_DOT else n_mask[:, None, None]
+            w_next = tl.load(w_ptrs, mask=wn_mask, other=0.0)
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
             w_mask = n_mask[:, None]
@@ -252,15 +259,22 @@ if triton is not None:
                 k_mask = (k_start + it * BLOCK_K + offs_k < K)[None, :]
                 w_mask = w_mask & k_mask
                 x_mask = x_mask & k_mask
-            if USE_DOT:
+            if PF:  # this tile was loaded last iteration; the next one goes out now
+                w = w_next
+                more = (offs_n * 0 + it + 1) < (STATIC_ITERS if STATIC_ITERS > 0 else k_iters)
+                more = more[:, None] if USE_DOT else more[:, None, None]
+                w_next = tl.load(w_ptrs + BLOCK_K, mask=wn_mask & more, other=0.0)
+            elif USE_DOT:
                 w = tl.load(w_ptrs, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+            else:
+                w = tl.load(w_ptrs, mask=w_mask[:, None, :], other=0.0)
+            if USE_DOT:
                 x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
                 if IEEE:
                     acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(w, tl.trans(x), acc)
             else:
-                w = tl.load(w_ptrs, mask=w_mask[:, None, :], other=0.0)
                 x = tl.load(x_ptrs, mask=x_mask[None, :, :], other=0.0)  # [BN, BM, BK]
                 acc += w.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K

@@ -59,6 +59,20 @@ def test_gemv_matches_reference(dtype, use_dot, split_k, bias, m, n, k):
     check(out, gemv_ref(x, w, b))
 
 
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 33, 192), (8, 64, 288), (5, 16, 40)])
+def test_prefetch_uses_each_tile_once_in_order(use_dot, split_k, m, n, k):
+    # PREFETCH loads the next W tile before using the current one. W's rows end in NaN
+    # columns (a wider buffer): a tile used one step off would bring them into the sums. K = 40
+    # is not a multiple of the tiles (no prefetch there: the masked path).
+    x, w, b = operands(m, n, k, torch.float32, seed=m + n + k)
+    wide = torch.full((n, k + 64), float("nan"), device=DEV)
+    wide[:, :k] = w
+    cfg = {**config(16, 32, split_k, use_dot, stages=1), "PREFETCH": True}
+    check(gemv(x, wide[:, :k], b, config=cfg), gemv_ref(x, w, b))
+
+
 @pytest.mark.parametrize("m", range(1, MAX_ROWS + 1))
 @pytest.mark.parametrize("use_dot", [False, True])
 def test_every_row_count(m, use_dot):
