@@ -17,7 +17,7 @@ import skyline.model.layers.rotary as rotary_layer  # noqa: E402
 import skyline.model.qwen3 as qwen3_model  # noqa: E402
 from skyline.config import ModelConfig  # noqa: E402
 from skyline.model.loader import load_model, read_model_arch  # noqa: E402
-from skyline.ops.activation import silu_and_mul_triton  # noqa: E402
+from skyline.ops.activation import silu_and_mul_fp8_triton, silu_and_mul_triton  # noqa: E402
 from skyline.ops.norm import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from skyline.ops.rotary import rotary_triton  # noqa: E402
 
@@ -69,7 +69,8 @@ def test_kernels_in_the_model_match_hf_on_cpu(hf_dir, monkeypatch):
     monkeypatch.setattr(norm_layer, "fused_add_rms_norm", fused_add_rms_norm_triton)
     monkeypatch.setattr(rotary_layer, "rotary_embedding", rotary_triton)
     monkeypatch.setattr(qwen3_model, "qk_norm_rotary", rotary_triton)
-    monkeypatch.setattr(mlp_layer, "silu_and_mul", silu_and_mul_triton)
+    monkeypatch.setattr(mlp_layer, "silu_and_mul", lambda x, fp8=False: (
+        silu_and_mul_fp8_triton(x) if fp8 else silu_and_mul_triton(x)))
     assert rel_err(skyline_logits(path, ids, "cpu", "float32"), want) < 1e-4
 
 
