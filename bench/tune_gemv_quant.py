@@ -78,14 +78,12 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
                ) -> list[dict[str, Any]]:
     """A small grid for one cell: FMA tiles for up to four rows (at most 64 fp32 accumulators
     per thread), tensor-core tiles for every m; split K from 1 while each split keeps at least
-    max(2, num_stages) K tiles and there are at most 16 waves of programs. Unpipelined
-    tensor-core tiles are also tried with PREFETCH where the splits' K tiles are whole."""
+    max(2, num_stages) K tiles and there are at most 16 waves of programs."""
     tiles: list[tuple[bool, int, int, int, int]] = []  # (dot, BLOCK_N, BLOCK_K, warps, stages)
     if kind in (FP8A8, FP8A8Q):  # tensor cores only: the tiles feed the MMA as loaded
         fma = []
         dot = [(64, 256, 4, 3), (128, 128, 4, 3), (32, 512, 4, 3), (64, 512, 4, 4),
-               (128, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 1),
-               (64, 512, 4, 1), (128, 128, 4, 1)]
+               (128, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4)]
     elif kind == FP8:
         fma = [(16, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 3)]
         dot = [(64, 256, 4, 3), (128, 128, 4, 3)]
@@ -113,14 +111,10 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
                 cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "USE_DOT": use_dot,
                        "num_warps": warps, "num_stages": stages,
                        "X_BCAST": kind != FP8 and not use_dot and bcast}
-                variants = [cfg]
-                if stages == 1 and k % (split * bk) == 0 and (use_dot or kind == FP8):
-                    variants.append({**cfg, "PREFETCH": True})  # next tile a step ahead
-                for v in variants:
-                    out.append(v)
-                    seen.add(json.dumps(v, sort_keys=True))
-                    if kind == INT4 and use_dot:  # x as the left operand
-                        out.append({**v, "X_LEFT": True})
+                out.append(cfg)
+                seen.add(json.dumps(cfg, sort_keys=True))
+                if kind == INT4 and use_dot:  # x as the left operand
+                    out.append({**cfg, "X_LEFT": True})
     base = default(kind, m, n, k, group, num_sms)
     if json.dumps(base, sort_keys=True) not in seen:
         out.append(base)

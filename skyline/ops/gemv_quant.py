@@ -341,7 +341,6 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         XS_BLOCK=xs_block, XS_STRIDE=_cdiv(k, xs_block) if xs_block else 1,
         INT4_ASM=0 if interpreted or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
         INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
-        PDL=pdl, PREFETCH=bool(cfg.get("PREFETCH", False)), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], launch_pdl=pdl,
+        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y.reshape(*x.shape[:-1], n)

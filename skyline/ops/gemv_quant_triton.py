@@ -150,7 +150,7 @@ if triton is not None:
         XS_BLOCK: tl.constexpr = 0, XS_STRIDE: tl.constexpr = 1,
         ROUND_E4M3: tl.constexpr = False, INT4_ASM: tl.constexpr = 0,
         INT4_OFFSET: tl.constexpr = 128.0, X_LEFT: tl.constexpr = False,
-        PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+        PDL: tl.constexpr = False,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
         # [pid_k * k_iters, +k_iters), as in gemv.py. INT4 tiles are [BLOCK_N, BLOCK_K / 2]
@@ -161,8 +161,6 @@ if triton is not None:
         # a row), applied tile by tile; 2, x is
         # bf16/fp16 and each [BLOCK_M, BLOCK_K] tile is quantized here, one scale per row and
         # tile (amax / 448), its product scaled back before it joins the sum.
-        # PREFETCH (EVEN_K, num_stages 1): the next tile's weights (and group scales and zeros)
-        # are loaded into registers before the current tile is used, as in gemv.py.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         PACK: tl.constexpr = 2 if WEIGHT_KIND == 2 else 1
@@ -186,16 +184,6 @@ if triton is not None:
             w_ptrs = w_ptrs[:, None, :]
             # x spread over the whole tile, as in gemv.py (no layout conversion of the W tile).
             x_ptrs = x_ptrs[None, :, :] + tl.zeros((BLOCK_N, BLOCK_M, BKW), dtype=tl.int32)
-        PF: tl.constexpr = PREFETCH and EVEN_K
-        if PF:
-            wn_mask = n_mask[:, None] if USE_DOT else n_mask[:, None, None]
-            wq_next = tl.load(w_ptrs, mask=wn_mask, other=0.0 if WEIGHT_KIND == 0 else 0)
-            s_next = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            z_next = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            if WEIGHT_KIND != 0:
-                sz_next = offs_n * stride_sn + k_start // GROUP
-                s_next = tl.load(s_ptr + sz_next, mask=n_mask, other=0.0).to(tl.float32)
-                z_next = tl.load(z_ptr + sz_next, mask=n_mask, other=0).to(tl.float32)
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
             k0 = k_start + it * BLOCK_K
@@ -228,25 +216,11 @@ if triton is not None:
                 x_mask = x_mask[None, :, :]
                 if WEIGHT_KIND == 2:
                     x_mask_hi = x_mask_hi[None, :, :]
-            if PF:  # this tile came last iteration; the next one goes out now
-                wq, s, z = wq_next, s_next, z_next
-                more = (offs_n * 0 + it + 1) < (STATIC_ITERS if STATIC_ITERS > 0 else k_iters)
-                wq_next = tl.load(w_ptrs + BKW, mask=wn_mask & (
-                    more[:, None] if USE_DOT else more[:, None, None]),
-                    other=0.0 if WEIGHT_KIND == 0 else 0)
-                if WEIGHT_KIND != 0:
-                    sz_next = offs_n * stride_sn + (k0 + BLOCK_K) // GROUP
-                    s_next = tl.load(s_ptr + sz_next, mask=n_mask & more,
-                                     other=0.0).to(tl.float32)
-                    z_next = tl.load(z_ptr + sz_next, mask=n_mask & more,
-                                     other=0).to(tl.float32)
-            else:
-                if WEIGHT_KIND != 0:
-                    g = k0 // GROUP
-                    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0.0)
-                    z = tl.load(z_ptr + offs_n * stride_sn + g, mask=sz_mask,
-                                other=0).to(tl.float32)
-                wq = tl.load(w_ptrs, mask=w_mask, other=0.0 if WEIGHT_KIND == 0 else 0)
+            if WEIGHT_KIND != 0:
+                g = k0 // GROUP
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0.0)
+                z = tl.load(z_ptr + offs_n * stride_sn + g, mask=sz_mask, other=0).to(tl.float32)
+            wq = tl.load(w_ptrs, mask=w_mask, other=0.0 if WEIGHT_KIND == 0 else 0)
             xv = tl.load(x_ptrs, mask=x_mask, other=0.0)
             if WEIGHT_KIND == 2:
                 xh = tl.load(x_ptrs + 1, mask=x_mask_hi, other=0.0)
