@@ -283,6 +283,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"quantized gemv takes 1..{MAX_ROWS} rows, got {m}")
     cfg = config if config is not None else quant_gemv_config(
         kind, m, n, k, group, x.device, a8, x_scale is not None)
+    if config is None and xs_block and cfg["BLOCK_K"] > xs_block:
+        cfg = {**cfg, "BLOCK_K": xs_block}  # a K tile may not span two x scales
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot = bool(cfg["USE_DOT"])
     if a8 and (not use_dot or block_k < 32 or xs_block % block_k):

@@ -10,7 +10,6 @@ import torch
 from skyline.engine.create import EngineArgs, create_engine_config
 from skyline.model.loader import load_model
 from skyline.ops import fp8_linear
-from skyline.ops.fp8_quant import Fp8Rows
 from skyline.quant import fp8
 
 pytest.importorskip("triton")
@@ -45,8 +44,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def spy_rows(monkeypatch) -> list[int]:
-    """Counts the fp8 GEMV calls that receive Fp8Rows."""
+def a8q_then_a8p(model, device: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Decode logits with every Linear quantizing its own input per row ("a8q"), then with the
+    producers handing over rows ("a8p"), and the fp8 GEMV calls of the second run (1 for a
+    call that received Fp8Rows, 0 for one that quantized x itself)."""
+    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8q")
+    want = run(model, device)
+    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8p")
     calls: list[int] = []
     real = fp8_linear.fp8_gemv_a8
 
@@ -55,7 +59,7 @@ def spy_rows(monkeypatch) -> list[int]:
         return real(xq, x_scale, *args, **kw)
 
     monkeypatch.setattr(fp8_linear, "fp8_gemv_a8", spy)
-    return calls
+    return want, run(model, device), calls
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter (CPU machines); "
@@ -63,19 +67,15 @@ def spy_rows(monkeypatch) -> list[int]:
 def test_producers_hand_over_rows_on_the_decode_path(hf_dir, monkeypatch):
     # CPU: the GEMV runs in Triton's interpreter as if the CPU had fp8 units, the producers'
     # references make the rows. Against every Linear quantizing its own input per row ("a8q",
-    # the same reference), qkv, gate/up and down get the same rows; o_proj quantizes in its
-    # GEMV per row and K tile under "a8p", here one tile (K = 64): the same rows again, so
-    # the logits are equal.
+    # the same reference), qkv and gate/up get the same rows, and so does down (SiLU's
+    # 1,024-column scale blocks span its 96 columns); o_proj quantizes in its GEMV per row and
+    # K tile under "a8p", here one tile (K = 64): the same rows again, so the logits are equal.
     decode = lambda x: x.dtype == torch.bfloat16 and x.dim() == 2 and len(x) <= 8  # noqa: E731
     monkeypatch.setattr(fp8_linear, "quant_gemv_ok", decode)
     monkeypatch.setattr(fp8_linear, "has_fp8_units", lambda device: True)
     monkeypatch.setattr(fp8, "fp8_gemv_takes_rows", decode)
     model = fp8_model(hf_dir, "cpu")
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8q")
-    want = run(model, "cpu")
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8p")
-    calls = spy_rows(monkeypatch)
-    got = run(model, "cpu")
+    want, got, calls = a8q_then_a8p(model, "cpu", monkeypatch)
     # per layer: qkv (input norm), gate/up (post-attention norm), down (SiLU-and-mul) take
     # rows; o_proj (attention output) quantizes in its GEMV
     assert sum(calls) == 3 * 2 and len(calls) == 4 * 2
@@ -86,27 +86,13 @@ def test_producers_hand_over_rows_on_the_decode_path(hf_dir, monkeypatch):
     assert len(calls) == 4 * 2 and not any(calls)
 
 
-def test_rows_type_carries_the_output_dtype():
-    rows = Fp8Rows(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), torch.ones(2, 1), torch.float16)
-    w = torch.zeros(3, 4, dtype=torch.float8_e4m3fn)
-    if not torch.cuda.is_available():
-        pytest.skip("the Fp8Rows product is the CUDA GEMV's")
-    y = fp8_linear.fp8_linear(Fp8Rows(rows.q.cuda(), rows.scale.cuda(), rows.dtype), w.cuda(),
-                              torch.ones(3, device="cuda"))
-    assert y.dtype == torch.float16 and y.shape == (2, 3)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_decode_takes_rows_from_producers(hf_dir, monkeypatch):
-    # On the GPU the norm / SiLU kernels quantize; the same model with every Linear quantizing
-    # its own input ("a8q", the per-row kernel) gives the same rows to qkv, gate/up and down.
+    # On the GPU the norm / SiLU kernels quantize; against every Linear quantizing its own input
+    # ("a8q", the per-row kernel) qkv and gate/up get the same rows, down finer-scaled ones.
     model = fp8_model(hf_dir, "cuda")
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8q")
-    want = run(model, "cuda")
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8p")
-    calls = spy_rows(monkeypatch)
-    got = run(model, "cuda")
+    want, got, calls = a8q_then_a8p(model, "cuda", monkeypatch)
     assert sum(calls) == 3 * 2 and len(calls) == 4 * 2  # o_proj quantizes in its GEMV
     assert rel_err(got, want) < 2e-2
     prefill = run(model, "cuda", n=40)  # past the GEMV's rows: _scaled_mm, no Fp8Rows
