@@ -54,7 +54,7 @@ def main() -> None:
                          "by the norm / SiLU kernel that makes it (a8p, default), in the GEMV "
                          "(a8) or by its own kernel first (a8q); or weight-only (w8a16)")
     ap.add_argument("--quantize-lm-head", action="store_true",
-                    help="with --quantization fp8: the LM head in fp8 too")
+                    help="the LM head in fp8 (W8A8), with any --quantization")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fp8_gemv is not None:

@@ -39,8 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=128,
                    help="int8/int4: input elements per scale")
     g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization fp8: the LM head in fp8 too (half its bytes per "
-                        "decode step; an e4m3 copy beside the dense weight)")
+                   help="the LM head in fp8 (W8A8), with any --quantization: half its bytes "
+                        "per decode step; an e4m3 copy beside the dense weight")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="schedule the next step while the device runs this one "

@@ -88,12 +88,9 @@ class QuantConfig:
     group_size: int = 128  # int8/int4: input elements per scale and zero point
     prequantized: bool = False
     layers: tuple[tuple[str, str, int], ...] = ()
-    lm_head: bool = False  # --quantize-lm-head: the LM head in fp8 too (with method fp8)
+    lm_head: bool = False  # --quantize-lm-head: the LM head in fp8 (W8A8), whatever `method`
 
     def __post_init__(self) -> None:
-        if self.lm_head and self.method != "fp8":
-            raise ConfigError("--quantize-lm-head quantizes the LM head to fp8; it needs "
-                              f"--quantization fp8, got {self.method!r}")
         if self.method not in QUANT_METHODS:
             raise ConfigError(
                 f"--quantization must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}"

@@ -50,7 +50,7 @@ class EngineArgs:
     threads: int | None = None  # CPU threads for torch
     quantization: str | None = None  # None: the checkpoint's own format (see quant/resolve.py)
     quant_group_size: int = 128
-    quantize_lm_head: bool = False  # with --quantization fp8: the LM head in fp8 too
+    quantize_lm_head: bool = False  # the LM head in fp8 (W8A8), with any --quantization
     enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
     async_scheduling: str = "auto"  # auto (on for CUDA) | on | off
     speculative_method: str = "none"  # none | ngram | suffix | eagle | draft

@@ -123,7 +123,7 @@ def test_bad_quantization_value_is_one_clear_error(hf_dir, capsys):
 
 def test_fp8_lm_head(hf_dir, ref_logits):
     """--quantize-lm-head: the head computes from an e4m3 copy (one scale per vocabulary row),
-    close to the fp8 model with a dense head; only with --quantization fp8."""
+    close to the fp8 model with a dense head; with other weight formats too."""
     cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="float32", device="cpu",
                                              quantization="fp8", quantize_lm_head=True))
     model = load_model(cfg.model, "cpu")
@@ -141,9 +141,13 @@ def test_fp8_lm_head(hf_dir, ref_logits):
     prepack_for_cpu(model)
     if head.packed_weight is not None:
         assert rel_err(logits(model), got) < 1e-5
-    with pytest.raises(ConfigError, match="--quantize-lm-head .* needs --quantization fp8"):
-        create_engine_config(EngineArgs(model=hf_dir, quantization="int8",
-                                        quantize_lm_head=True))
+    for method in ("int4", "none"):  # the head's format is its own
+        cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="float32", device="cpu",
+                                                 quantization=method, quantize_lm_head=True))
+        model = load_model(cfg.model, "cpu")
+        assert model.lm_head.fp8_weight is not None
+        dense_head = load_model(model_cfg(hf_dir, method), "cpu")
+        assert 0 < rel_err(logits(model), logits(dense_head)) < 2 * BOUNDS["fp8"]
 
 
 @pytest.mark.parametrize("method,planes", [("int4", 1), ("int8", 2)])
