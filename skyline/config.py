@@ -76,7 +76,7 @@ QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
 @dataclass(frozen=True)
 class QuantConfig:
     """How Linear weights are stored and multiplied (skyline/quant/); embeddings and the LM
-    head stay in the model dtype unless `lm_head` (fp8 only) quantizes the head.
+    head stay in the model dtype unless `lm_head` puts the head in fp8 (W8A8).
     `prequantized`: the checkpoint already holds the quantized tensors (written by `skyline
     quantize`); otherwise weights are quantized while loading.
 

@@ -158,9 +158,9 @@ if triton is not None:
         # X_QUANT (FP8 weights, DOT mode; the tensor cores multiply two fp8 tiles, nothing is
         # converted per weight): 1, x is e4m3 with a float32 scale per row (xs_ptr), or with
         # XS_BLOCK one per row and XS_BLOCK columns (a multiple of BLOCK_K; XS_STRIDE scales
-        # a row), applied tile by tile; 2, x is
-        # bf16/fp16 and each [BLOCK_M, BLOCK_K] tile is quantized here, one scale per row and
-        # tile (amax / 448), its product scaled back before it joins the sum.
+        # a row), applied tile by tile; 2, x is bf16/fp16 and each [BLOCK_M, BLOCK_K] tile is
+        # quantized here, one scale per row and tile (amax / 448), its product scaled back
+        # before it joins the sum.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         PACK: tl.constexpr = 2 if WEIGHT_KIND == 2 else 1
