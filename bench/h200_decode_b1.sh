@@ -5,7 +5,8 @@
 # per-kernel profile of a bf16 batch-1 step (bench/profile_step.py).
 #   bash bench/h200_decode_b1.sh        # results in $OUT; SKIP="tests profile" etc.
 #   QUANTS="none fp8 fp8:a8 fp8+head mxfp4" bash bench/h200_decode_b1.sh
-# A QUANTS entry is a --quantization value, optionally with :G (fp8: --fp8-gemv G) and +head
+# A QUANTS entry is a --quantization value, optionally with :G (fp8: --fp8-gemv G, int4:
+# --int4-gemv G) and +head
 # (--quantize-lm-head); the JSON is named after the entry (':' -> '-', '+' -> '-').
 # The stages take about: tests 2 min, decode 20-40 s per format, profile 30 s.
 set -uo pipefail
@@ -26,7 +27,8 @@ run kernels python3 -m pytest -q -p no:cacheprovider tests/ops/test_fused_rotary
 for q in ${QUANTS:-none fp8 int4}; do
   base=${q%%[:+]*}; qa=()
   [ "$base" != none ] && qa=(--quantization "$base")
-  [[ $q == *:* ]] && { g=${q#*:}; qa+=(--fp8-gemv "${g%%+*}"); }
+  [[ $q == fp8:* ]] && { g=${q#*:}; qa+=(--fp8-gemv "${g%%+*}"); }
+  [[ $q == int4:* ]] && { g=${q#*:}; qa+=(--int4-gemv "${g%%+*}"); }
   [[ $q == *+head* ]] && qa+=(--quantize-lm-head)
   name=${q//[:+]/-}
   run decode python3 bench/decode_roofline.py --model "$M" --prompt-len 512 --new-tokens 256 \

@@ -1,0 +1,170 @@
+"""Small-batch GEMV of group-wise INT4 weights against int8 activations (W4A8), by `dp4a`.
+
+At one row of x the INT4 GEMV on the tensor cores (gemv_quant.py) streams its weights at only
+~0.3 of the copy bandwidth: the MMA wants each weight tile in its operand layout, so every tile
+goes through shared memory (Nsight Compute: L1/shared at 0.74 of its peak, DRAM at 0.30). This
+kernel keeps the weights in registers, in the layout they are loaded in. x is first rounded to
+int8 by a small kernel, one float scale per row and 32 columns (as llama.cpp's q8_1 for its
+quantized GEMVs); then each int32 word of weights (eight nibbles) meets two words of x in one
+PTX routine: two masks and a shift split it into its four low and four high nibbles, and two
+`dp4a` multiply them by the matching int8 values of x and add, exactly, in int32. Per word,
+scale[n, g] * (dot * x_scale - zero[n, g] * x_scale * sum(x_q over the word)) joins a float32
+sum. The scales and zeros are read once per word from L1, best stored group-major ([G, N] in
+memory, any strides are taken): consecutive rows then share a cache line.
+
+Nibble i of word j of a row is element 8j + i (int_matmul.py's layout), so the low nibbles of a
+word are its even elements and the high nibbles its odd ones; x's words are formed from the even
+(`xa`) and the odd (`xb`) elements of each 8. Rounding of x: v = x * (127 / amax) with the
+chunk's amax (IEEE divisions), q = trunc(v + 0.5 sign(v)) (half away from zero); the chunk's
+scale is amax / 127.
+
+Numerics: the weights' values are those of the weight-only GEMV; x loses what int8 with
+32-column scales loses (up to 1/254 of the chunk's amax per element). Accumulation: exact int32
+per word, float32 across words and splits. Launch configurations: tuning tables, kernel
+"gemv_int4a8", over `default_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from skyline.ops import gemv_int_a8_triton as kernels
+from skyline.ops.gemv import _COUNTERS, MAX_ROWS, MAX_SPLIT_TILES, _split_counters, row_bucket
+from skyline.ops.gemv_int_a8_triton import triton
+from skyline.ops.pdl import use_pdl
+from skyline.ops.tuning import get_config
+
+KERNEL = "gemv_int4a8"
+_XQ = 16  # 32-column chunks of x per program of the quantization kernel
+CHUNK = 32  # columns of x per int8 scale
+INT8_MAX = 127.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_chunks_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 codes [M, K] as int32, float32 scales [M, cdiv(K, 32)]) as the kernel
+    rounds them: per row and 32 columns, x * (127 / amax) rounded half away from zero, scale
+    amax / 127 (1 for an all-zero chunk)."""
+    m, k = x.shape
+    xt = torch.nn.functional.pad(x.float(), (0, -k % CHUNK)).view(m, -1, CHUNK)
+    amax = xt.abs().amax(-1, keepdim=True)
+    pos = amax > 0
+    safe = torch.where(pos, amax, torch.full_like(amax, INT8_MAX))
+    scale = torch.where(pos, safe / INT8_MAX, torch.ones_like(amax))
+    inv = torch.where(pos, (INT8_MAX / safe).clamp(max=3.4028234663852886e38),
+                      torch.ones_like(amax))
+    v = xt * inv
+    q = torch.trunc(v + torch.where(v < 0, -0.5, 0.5)).clamp(-127, 127).to(torch.int32)
+    return q.view(m, -1)[:, :k], scale.view(m, -1)
+
+
+def int4_gemv_a8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, group: int, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """x [..., K] rounded as the kernel rounds it, times the INT4 weights of ops/int_matmul.py's
+    layout (float64 sums) -> [..., N] in x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    q, sx = quantize_chunks_int8_ref(x2)
+    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).flatten(-2)[:, :k].double()
+    g = torch.arange(k, device=x.device) // group
+    w = (codes - zeros.double()[:, g]) * scales.double()[:, g]
+    xd = q.double() * sx.double().repeat_interleave(CHUNK, dim=1)[:, :k]
+    y = xd @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
+    """Tiles of 16 rows and up to 1,024 columns (512 bytes of each row), split K while there
+    are fewer programs than SMs and each split keeps at least two K tiles."""
+    block_n, block_k = 16, min(1024, max(32, 1 << (k - 1).bit_length()))
+    split_k = 1
+    while (_cdiv(n, block_n) * split_k < num_sms and k // (2 * split_k) >= 2 * block_k
+           and split_k < 16):
+        split_k *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
+            "num_stages": 1}
+
+
+@functools.cache
+def int4_a8_config(m: int, n: int, k: int, group: int, device: torch.device) -> dict:
+    """The tuned configuration on `device` if there is one, else default_config (cached)."""
+    from skyline.ops.gemv_quant import config_key
+
+    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 132)
+    return get_config(KERNEL, config_key(row_bucket(m), n, k, group),
+                      default_config(row_bucket(m), n, k, num_sms))
+
+
+def int4_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, group: int, bias: torch.Tensor | None = None,
+                 config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (1..MAX_ROWS rows, bf16/fp16/fp32) times group-wise INT4 weights (qweight
+    uint8 [N, Kp / 2], scales float32 and zeros uint8 [N, Kp / group], Kp >= K a multiple of
+    group, group a multiple of 32) -> [..., N] in x's dtype; x rounded to int8 per 32 columns."""
+    if triton is None:
+        raise RuntimeError("int4_gemv_a8 needs triton; use int4_gemv_a8_ref")
+    n, k = qweight.shape[0], x.shape[-1]
+    num_groups = scales.shape[-1]
+    if (qweight.dtype != torch.uint8 or scales.shape != (n, num_groups)
+            or zeros.shape != (n, num_groups) or zeros.dtype != torch.uint8
+            or qweight.shape[1] * 2 != num_groups * group or num_groups * group < k
+            or group % CHUNK or qweight.shape[1] % 4 or qweight.stride(1) != 1):
+        raise ValueError(f"int4_gemv_a8: qweight {tuple(qweight.shape)}, scales "
+                         f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)} {zeros.dtype} are "
+                         f"not an int4 group-{group} weight for K = {k} (groups of a multiple "
+                         "of 32, integer zeros)")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"int4_gemv_a8: bias {tuple(bias.shape)} does not match {n} outputs")
+    if scales.stride() != zeros.stride():  # one stride pair serves both
+        scales, zeros = scales.contiguous(), zeros.contiguous()
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"int4_gemv_a8 takes 1..{MAX_ROWS} rows, got {m}")
+    cfg = config if config is not None else int4_a8_config(m, n, k, group, x.device)
+    block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    if block_k % CHUNK or block_k & (block_k - 1):
+        raise ValueError(f"int4_gemv_a8 config {cfg}: BLOCK_K must be a power of two >= 32")
+    if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
+            and torch.cuda.is_current_stream_capturing()):
+        split_k = 1  # as in gemv: the counters' zeroing would only be recorded
+    k_iters = _cdiv(_cdiv(k, split_k), block_k)
+    num_tiles = _cdiv(n, block_n)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial, counters = y, y
+    if split_k > 1:
+        if num_tiles > MAX_SPLIT_TILES:
+            raise ValueError(f"int4_gemv_a8 config {cfg}: split K needs at most "
+                             f"{MAX_SPLIT_TILES} output tiles")
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    kw = _cdiv(k, CHUNK) * 4  # x's int8 words (4 per 32 columns and plane) per row
+    xq = torch.empty(2, m, kw, dtype=torch.int32, device=x.device)
+    xf = torch.empty(2, m, kw, dtype=torch.float32, device=x.device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = use_pdl(x.device)
+    kernels.quantize_x_words_kernel[(m, _cdiv(kw // 4, _XQ))](
+        x2, xq, xf, m, k, kw, x2.stride(0), XQ=_XQ, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    kernels.gemv_int4_a8_kernel[(num_tiles, split_k)](
+        qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
+        partial, counters, xq, xf, m, n, kw, k_iters, split_k, qweight.stride(0) // 4,
+        scales.stride(0), scales.stride(1), GROUP=group, HAS_BIAS=bias is not None,
+        EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, BLOCK_M=row_bucket(m),
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
+        STATIC_ITERS=k_iters if interpreted else 0,
+        ASM=not interpreted and x.is_cuda and not torch.version.hip, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+    )
+    return y.reshape(*x.shape[:-1], n)

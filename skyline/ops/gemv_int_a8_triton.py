@@ -1,0 +1,158 @@
+"""Triton kernel of the W4A8 GEMV (ops/gemv_int_a8.py holds the reference, configurations and
+launcher): INT4 weight words against int8 activations by `dp4a`, ending in gemv.py's split-K
+epilogue."""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: callers keep their PyTorch paths
+    triton = None
+
+if triton is not None:
+    from skyline.ops.gemv import split_k_epilogue
+    from skyline.ops.pdl import pdl_wait
+
+    # One int32 word of weights (8 nibbles, unsigned) against two words of int8 x: the low
+    # nibbles (even elements) times xa's bytes plus the high nibbles (odd elements) times xb's,
+    # exact in int32. Five instructions per eight weights.
+    _DP4A_INT4 = tl.constexpr("""
+    {
+    .reg .b32 lo, hi;
+    and.b32 lo, $1, 0x0F0F0F0F;
+    shr.u32 hi, $1, 4;
+    and.b32 hi, hi, 0x0F0F0F0F;
+    dp4a.u32.s32 $0, lo, $2, 0;
+    dp4a.u32.s32 $0, hi, $3, $0;
+    }
+    """)
+
+    @triton.jit
+    def _dot_words(w, xa, xb, ASM: tl.constexpr):
+        if ASM:
+            return tl.inline_asm_elementwise(_DP4A_INT4, "=r,r,r,r", [w, xa, xb],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:  # portable: the same sum byte by byte (x's bytes sign-extended)
+            acc = tl.zeros_like(w)
+            for b in tl.static_range(4):
+                lo = (w >> (8 * b)) & 0xF
+                hi = (w >> (8 * b + 4)) & 0xF
+                acc += lo * ((xa << (24 - 8 * b)) >> 24) + hi * ((xb << (24 - 8 * b)) >> 24)
+            return acc
+
+    @triton.jit
+    def int8_scales(amax):
+        # the reference's (scale, multiplier) of a chunk: amax / 127 and 127 / amax (IEEE
+        # divisions, the multiplier at most FLOAT_MAX), both 1 for an all-zero chunk
+        pos = amax > 0
+        safe = tl.where(pos, amax, 127.0)
+        scale = tl.where(pos, tl.math.div_rn(safe, 127.0), 1.0)
+        inv = tl.math.div_rn(tl.zeros_like(safe) + 127.0, safe)
+        return scale, tl.where(pos, tl.minimum(inv, 3.4028234663852886e38), 1.0)
+
+    @triton.jit
+    def _round_half_away(v):
+        return (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)  # the conversion truncates
+
+    @triton.jit
+    def _quantize_x_slice(x_ptr, xq_ptr, xf_ptr, m, M, K, KW, k_start, chunks, stride_xm,
+                          XQ: tl.constexpr):
+        # Row m's columns [k_start, k_start + 32 * chunks) (XQ >= chunks, a power of two) as
+        # int8 words and per-word floats: xq [2, M, KW] (even / odd elements of each word),
+        # xf [2, M, KW] (the chunk's scale; the word's sum of x_q times it).
+        offs_q = tl.arange(0, XQ)
+        offs_j = tl.arange(0, 4)
+        offs_b = tl.arange(0, 4)
+        cols = (k_start + offs_q[:, None, None] * 32 + offs_j[None, :, None] * 8
+                + offs_b[None, None, :] * 2)  # the even columns, [XQ, 4 (word), 4 (byte)]
+        ok = (offs_q[:, None, None] < chunks) & (m < M)
+        xe = tl.load(x_ptr + m * stride_xm + cols, mask=ok & (cols < K), other=0.0)
+        xo = tl.load(x_ptr + m * stride_xm + cols + 1, mask=ok & (cols + 1 < K), other=0.0)
+        xe = xe.to(tl.float32)
+        xo = xo.to(tl.float32)
+        amax = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
+        sx, inv = int8_scales(amax)  # [XQ]
+        qe = _round_half_away(xe * inv[:, None, None])
+        qo = _round_half_away(xo * inv[:, None, None])
+        shifts = (offs_b * 8)[None, None, :]
+        xa = tl.sum((qe & 0xFF) << shifts, axis=2)  # [XQ, 4] words
+        xb = tl.sum((qo & 0xFF) << shifts, axis=2)
+        v = tl.sum(qe + qo, axis=2).to(tl.float32) * sx[:, None]
+        words = k_start // 8 + offs_q[:, None] * 4 + offs_j[None, :]
+        w_ok = (offs_q[:, None] < chunks) & (words < KW) & (m < M)
+        base = m * KW + words
+        tl.store(xq_ptr + base, xa, mask=w_ok)
+        tl.store(xq_ptr + M * KW + base, xb, mask=w_ok)
+        tl.store(xf_ptr + base, sx[:, None] + tl.zeros_like(v), mask=w_ok)
+        tl.store(xf_ptr + M * KW + base, v, mask=w_ok)
+
+    @triton.jit
+    def quantize_x_words_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KW, stride_xm, XQ: tl.constexpr,
+                                PDL: tl.constexpr):
+        # program (row, block): XQ chunks of 32 columns of one row of x into xq / xf
+        pdl_wait(PDL)
+        _quantize_x_slice(x_ptr, xq_ptr, xf_ptr, tl.program_id(0), M, K, KW,
+                          tl.program_id(1) * XQ * 32, XQ, stride_xm, XQ)
+
+    @triton.jit
+    def gemv_int4_a8_kernel(
+        w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, xq_ptr, xf_ptr,
+        M, N, KW, k_iters, num_splits, stride_wn, stride_sn, stride_sg,
+        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr,
+    ):
+        # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
+        # [pid_k * k_iters, +k_iters), streaming [BLOCK_N, BLOCK_K / 8] weight words. Every
+        # value the product needs besides the weights (x's words and per-word floats from
+        # quantize_x_words_kernel, the group's scale and zero) is loaded in the layout of the
+        # word it meets (x's from L1), so nothing changes layout inside the loop. Word w of a
+        # row holds columns 8w .. 8w + 7, its low nibbles the even ones; per word,
+        # scale * (dot * x_scale - zero * x_scale * sum(x_q)) joins the float32 sum.
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        BW: tl.constexpr = BLOCK_K // 8
+        k_start = pid_k * k_iters * BLOCK_K
+        pdl_wait(PDL)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_w = tl.arange(0, BW)
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        n3 = offs_n[:, None, None]
+        zero3 = tl.zeros((BLOCK_N, BLOCK_M, BW), dtype=tl.int32)
+        w_ptrs = w_ptr + n3.to(tl.int64) * stride_wn + k_start // 8 + offs_w[None, None, :]
+        x_offs = offs_m[None, :, None] * KW + k_start // 8 + offs_w[None, None, :] + zero3
+        g_offs = n3 * stride_sn + tl.zeros((BLOCK_N, 1, BW), dtype=tl.int32)
+        n_ok = n3 < N
+        x_ok = (offs_m[None, :, None] < M) & (zero3 == 0)
+        acc = tl.zeros((BLOCK_N, BLOCK_M, BW), dtype=tl.float32)
+        # (the interpreter cannot loop to a runtime bound; it gets the count as a constant)
+        for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
+                           num_stages=NUM_STAGES):
+            k0 = k_start + it * BLOCK_K
+            w_mask = n_ok
+            xw_mask = x_ok
+            if not EVEN_K:
+                # a word of a chunk that starts at or past K (past the weights' padded Kp and
+                # the x buffers' KW) loads nothing
+                in_k = (k0 // 8 + offs_w)[None, None, :] < KW
+                w_mask = w_mask & in_k
+                xw_mask = xw_mask & in_k
+            g = ((k0 + offs_w * 8) // GROUP)[None, None, :] * stride_sg
+            wv = tl.load(w_ptrs, mask=w_mask, other=0)
+            s = tl.load(s_ptr + g_offs + g, mask=w_mask, other=0.0)
+            z = tl.load(z_ptr + g_offs + g, mask=w_mask, other=0).to(tl.float32)
+            xo = x_offs + it * BW
+            xa = tl.load(xq_ptr + xo, mask=xw_mask, other=0)
+            xb = tl.load(xq_ptr + M * KW + xo, mask=xw_mask, other=0)
+            u = tl.load(xf_ptr + xo, mask=xw_mask, other=0.0)
+            v = tl.load(xf_ptr + M * KW + xo, mask=xw_mask, other=0.0)
+            d = _dot_words(wv, xa, xb, ASM).to(tl.float32)
+            acc += s * (d * u - z * v)
+            w_ptrs += BW
+        out = tl.sum(acc, axis=2)
+        split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
+                         pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
