@@ -120,7 +120,7 @@ class IntLinearMethod(QuantLinearMethod):
                 and (planes := self._cpu_planes(layer)) is not None):
             return cpu_int4.planes_linear(x, planes, layer.bias)
         if (INT4_GEMV == "a8" and self.bits == 4 and self.group_size % CHUNK == 0
-                and quant_gemv_ok(x)):
+                and layer.zeros.dtype == torch.uint8 and quant_gemv_ok(x)):
             scales, zeros = self._group_major(layer)
             return int4_gemv_a8(x, layer.qweight, scales, zeros, self.group_size,
                                 bias=layer.bias)
