@@ -9,7 +9,8 @@ For each Linear shape of the model (qkv, o, gate_up, down, lm_head), weight kind
 FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles, X_LEFT for INT4 DOT
 tiles) is checked against the PyTorch reference and timed; the fastest goes into the tuning
 tables "gemv_fp8" / "gemv_int8" / "gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the
-kernel) / "gemv_fp8a8q" (x quantized per row before the call, outside the timing;
+kernel) / "gemv_fp8a8q" (x quantized per row before the call, outside the timing) /
+"gemv_int4a8" (INT4 against int8 x, ops/gemv_int_a8.py, its x-rounding launch timed with it;
 `--configs-out`, default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set).
 Timing as in bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight
 copies that L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth
@@ -33,6 +34,8 @@ import torch
 
 from skyline.bench.offline import machine_info, save_json
 from skyline.ops.fp8_quant import quantize_rows_fp8
+from skyline.ops.gemv_int_a8 import default_config as int4a8_default
+from skyline.ops.gemv_int_a8 import int4_gemv_a8, int4_gemv_a8_ref
 from skyline.ops.gemv_quant import (
     FP8,
     INT4,
@@ -64,11 +67,18 @@ from tune_gemv import (  # noqa: E402
 
 FP8A8 = 3  # fp8 x fp8 (fp8_gemv_a8, x quantized in the kernel), tuned as kernel "gemv_fp8a8"
 FP8A8Q = 4  # the same with x quantized per row beforehand: "gemv_fp8a8q"
-KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q}
-NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q"}
+INT4A8 = 5  # INT4 weights against int8 x by dp4a (ops/gemv_int_a8.py): "gemv_int4a8"
+KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q,
+         "int4a8": INT4A8}
+NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q", INT4A8: "int4a8"}
+# INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps, num_stages): registers only, no tensor cores
+INT4A8_TILES = [(16, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 256, 4, 1),
+                (64, 512, 4, 1), (128, 256, 4, 1), (128, 512, 8, 1), (256, 256, 8, 1)]
 
 
 def default(kind: int, m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, Any]:
+    if kind == INT4A8:
+        return int4a8_default(m, n, k, num_sms)
     if kind in (FP8A8, FP8A8Q):
         return default_config(FP8, m, n, k, group, num_sms, a8=True)
     return default_config(kind, m, n, k, group, num_sms)
@@ -79,6 +89,16 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     """A small grid for one cell: FMA tiles for up to four rows (at most 64 fp32 accumulators
     per thread), tensor-core tiles for every m; split K from 1 while each split keeps at least
     max(2, num_stages) K tiles and there are at most 16 waves of programs."""
+    if kind == INT4A8:
+        out = []
+        for bn, bk, warps, stages in INT4A8_TILES:
+            for split in (1, 2, 4, 8):
+                if split > 1 and (k // (split * bk) < 2 or -(-n // bn) * split > 16 * num_sms):
+                    break
+                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                            "num_warps": warps, "num_stages": stages})
+        base = default(kind, m, n, k, group, num_sms)
+        return out + ([base] if base not in out else [])
     tiles: list[tuple[bool, int, int, int, int]] = []  # (dot, BLOCK_N, BLOCK_K, warps, stages)
     if kind in (FP8A8, FP8A8Q):  # tensor cores only: the tiles feed the MMA as loaded
         fma = []
@@ -128,16 +148,20 @@ def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
         w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
         s = torch.rand(n, device="cuda") * 1e-3 + 1e-4
         return (w, s), w.numel() + s.numel() * 4
-    bits = 4 if kind == INT4 else 8
+    bits = 8 if kind == INT8 else 4
     groups = -(-k // group)
     codes = torch.randint(0, 256, (n, groups * group * bits // 8), dtype=torch.uint8,
                           device="cuda")
     scales = torch.rand(n, groups, device="cuda") * 2e-3 + 1e-4
     zeros = torch.randint(0, 2**bits, (n, groups), dtype=torch.uint8, device="cuda")
+    if kind == INT4A8:  # group-major, as the INT4 Linear hands them to this GEMV
+        scales, zeros = scales.t().contiguous().t(), zeros.t().contiguous().t()
     return (codes, scales, zeros), codes.numel() + scales.numel() * 5
 
 
 def call(kind: int, group: int, x: Any, args: tuple, cfg: dict | None) -> torch.Tensor:
+    if kind == INT4A8:
+        return int4_gemv_a8(x, *args, group, config=cfg)
     if kind == FP8A8:
         return fp8_gemv_a8(x, None, *args, config=cfg)
     if kind == FP8A8Q:  # x: (e4m3 rows, their scales)
@@ -148,6 +172,8 @@ def call(kind: int, group: int, x: Any, args: tuple, cfg: dict | None) -> torch.
 
 
 def reference(kind: int, group: int, x: Any, args: tuple, block_k: int = 0) -> torch.Tensor:
+    if kind == INT4A8:
+        return int4_gemv_a8_ref(x, *args, group)
     if kind == FP8A8:  # x rounded per row and BLOCK_K tile, as the kernel does
         return fp8_gemv_a8_ref(x, None, *args, block_k=block_k)
     if kind == FP8A8Q:

@@ -29,19 +29,25 @@ FP8_MAX = 448.0
 FLOAT_MAX = torch.finfo(torch.float32).max
 
 
+def absmax_scales_ref(amax: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, multiplier) of rows or blocks with these amax values for a format whose largest
+    value is qmax: amax / qmax and qmax / amax (at most FLOAT_MAX), both 1 where amax is 0."""
+    # Tensor divisions: CUDA turns division by a Python scalar into a product with its
+    # reciprocal, which rounds differently from the CPU's (and the kernels') IEEE division.
+    full = torch.full_like(amax, qmax)
+    pos = amax > 0
+    scale = torch.where(pos, amax / full, torch.ones_like(amax))
+    inv = torch.where(pos, full / torch.where(pos, amax, full), torch.ones_like(amax))
+    return scale, inv.clamp(max=FLOAT_MAX)
+
+
 def quantize_rows_fp8_ref(x: torch.Tensor, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (e4m3 [R, K], float32 scale [R, 1]) with x ~ q * scale, |q| <= 448; with
     `block`, one scale per row and block of columns: scale [R, cdiv(K, block)]."""
     r, k = x.shape
     xf = F.pad(x.float(), (0, -k % block)).view(r, -1, block) if block else x.float()[:, None]
-    amax = xf.abs().amax(-1, keepdim=True)
-    # Tensor divisions: CUDA turns division by a Python scalar into a product with its
-    # reciprocal, which rounds differently from the CPU's (and the kernels') IEEE division.
-    full = torch.full_like(amax, FP8_MAX)
-    pos = amax > 0
-    scale = torch.where(pos, amax / full, torch.ones_like(amax))
-    inv = torch.where(pos, full / torch.where(pos, amax, full), torch.ones_like(amax))
-    q = (xf * inv.clamp(max=FLOAT_MAX)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scale, inv = absmax_scales_ref(xf.abs().amax(-1, keepdim=True), FP8_MAX)
+    q = (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     groups = xf.shape[1]
     return q.reshape(r, groups * xf.shape[2])[:, :k].contiguous(), scale.reshape(r, groups)
 
@@ -126,13 +132,13 @@ if triton is not None:
         return tl.where(v < 0, -r, r)
 
     @triton.jit
-    def fp8_scales(amax, FP8_MAX: tl.constexpr):
-        # the reference's (scale, multiplier) of a row or block: amax / 448 and 448 / amax
-        # (IEEE divisions, the multiplier at most FLOAT_MAX), both 1 for a zero row
+    def absmax_scales(amax, QMAX: tl.constexpr):
+        # absmax_scales_ref's (scale, multiplier): amax / QMAX and QMAX / amax (IEEE divisions,
+        # the multiplier at most FLOAT_MAX), both 1 for a zero row or block
         pos = amax > 0
-        safe = tl.where(pos, amax, FP8_MAX)
-        scale = tl.where(pos, tl.math.div_rn(safe, FP8_MAX), 1.0)
-        inv = tl.math.div_rn(tl.zeros_like(safe) + FP8_MAX, safe)
+        safe = tl.where(pos, amax, QMAX)
+        scale = tl.where(pos, tl.math.div_rn(safe, QMAX), 1.0)
+        inv = tl.math.div_rn(tl.zeros_like(safe) + QMAX, safe)
         return scale, tl.where(pos, tl.minimum(inv, 3.4028234663852886e38), 1.0)
 
     @triton.jit
@@ -148,7 +154,7 @@ if triton is not None:
     def quantize_rows_in_registers(y, FP8_MAX: tl.constexpr, ROUND: tl.constexpr):
         # y [BLOCK_M, BLOCK_N] float32, each row whole (masked columns 0) -> (e4m3_values,
         # scale [BLOCK_M])
-        scale, inv = fp8_scales(tl.max(tl.abs(y), axis=1), FP8_MAX)
+        scale, inv = absmax_scales(tl.max(tl.abs(y), axis=1), FP8_MAX)
         return e4m3_values(y, inv[:, None], FP8_MAX, ROUND), scale
 
     @triton.jit
@@ -164,7 +170,7 @@ if triton is not None:
             cols = i * BLOCK + offs
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale, inv = fp8_scales(tl.max(amax, axis=0), FP8_MAX)
+        scale, inv = absmax_scales(tl.max(amax, axis=0), FP8_MAX)
         tl.store(scale_ptr + row, scale)
         q_row = q_ptr + row * stride_q
         for i in range(ITERS):

@@ -133,20 +133,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     use_dot = bool(cfg["USE_DOT"])
     if use_dot and min(block_n, block_k) < 16:
         raise ValueError(f"gemv config {cfg}: USE_DOT needs BLOCK_N and BLOCK_K >= 16")
-    if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
-            and torch.cuda.is_current_stream_capturing()):
-        split_k = 1  # the counters' zeroing would only be recorded into the graph, not run
+    num_tiles = _cdiv(n, block_n)
+    split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n, f"gemv config {cfg}")
     block_m = 16 if use_dot else row_bucket(m)  # tensor-core operands have at least 16 rows
     k_iters = _cdiv(_cdiv(k, split_k), block_k)  # K tiles per split
-    num_tiles = _cdiv(n, block_n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial, counters = y, y  # unused unless split
-    if split_k > 1:
-        if num_tiles > MAX_SPLIT_TILES:
-            raise ValueError(f"gemv config {cfg}: split K needs at most {MAX_SPLIT_TILES} "
-                             "output tiles; raise BLOCK_N or use SPLIT_K 1")
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+    if partial is None:  # unused unless split
+        partial, counters = y, y
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x.device)
     _gemv_kernel[(num_tiles, split_k)](
@@ -163,6 +156,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_plan(x: torch.Tensor, split_k: int, num_tiles: int, m: int, n: int, what: str
+                 ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """(split_k, fp32 partials [split_k, m, n], counters) of a launch over num_tiles output
+    tiles, shared by the GEMVs here and in gemv_quant.py / gemv_int_a8.py; (1, None, None)
+    unsplit. A launch captured into a graph before the device's counters exist does not split:
+    their zeroing would only be recorded into the graph, not run."""
+    if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
+            and torch.cuda.is_current_stream_capturing()):
+        split_k = 1
+    if split_k == 1:
+        return 1, None, None
+    if num_tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"{what}: split K needs at most {MAX_SPLIT_TILES} output tiles; raise "
+                         "BLOCK_N or use SPLIT_K 1")
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    return split_k, partial, _split_counters(x.device)
 
 
 def _split_counters(device: torch.device) -> torch.Tensor:

@@ -32,8 +32,10 @@ import os
 import torch
 
 from skyline.ops import gemv_int_a8_triton as kernels
-from skyline.ops.gemv import _COUNTERS, MAX_ROWS, MAX_SPLIT_TILES, _split_counters, row_bucket
+from skyline.ops.fp8_quant import absmax_scales_ref
+from skyline.ops.gemv import MAX_ROWS, _cdiv, row_bucket, split_k_plan
 from skyline.ops.gemv_int_a8_triton import triton
+from skyline.ops.gemv_quant import config_key
 from skyline.ops.pdl import use_pdl
 from skyline.ops.tuning import get_config
 
@@ -43,22 +45,13 @@ CHUNK = 32  # columns of x per int8 scale
 INT8_MAX = 127.0
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def quantize_chunks_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 codes [M, K] as int32, float32 scales [M, cdiv(K, 32)]) as the kernel
     rounds them: per row and 32 columns, x * (127 / amax) rounded half away from zero, scale
     amax / 127 (1 for an all-zero chunk)."""
     m, k = x.shape
     xt = torch.nn.functional.pad(x.float(), (0, -k % CHUNK)).view(m, -1, CHUNK)
-    amax = xt.abs().amax(-1, keepdim=True)
-    pos = amax > 0
-    safe = torch.where(pos, amax, torch.full_like(amax, INT8_MAX))
-    scale = torch.where(pos, safe / INT8_MAX, torch.ones_like(amax))
-    inv = torch.where(pos, (INT8_MAX / safe).clamp(max=3.4028234663852886e38),
-                      torch.ones_like(amax))
+    scale, inv = absmax_scales_ref(xt.abs().amax(-1, keepdim=True), INT8_MAX)
     v = xt * inv
     q = torch.trunc(v + torch.where(v < 0, -0.5, 0.5)).clamp(-127, 127).to(torch.int32)
     return q.view(m, -1)[:, :k], scale.view(m, -1)
@@ -97,8 +90,6 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
 @functools.cache
 def int4_a8_config(m: int, n: int, k: int, group: int, device: torch.device) -> dict:
     """The tuned configuration on `device` if there is one, else default_config (cached)."""
-    from skyline.ops.gemv_quant import config_key
-
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 132)
     return get_config(KERNEL, config_key(row_bucket(m), n, k, group),
@@ -137,26 +128,21 @@ def int4_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if block_k % CHUNK or block_k & (block_k - 1):
         raise ValueError(f"int4_gemv_a8 config {cfg}: BLOCK_K must be a power of two >= 32")
-    if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
-            and torch.cuda.is_current_stream_capturing()):
-        split_k = 1  # as in gemv: the counters' zeroing would only be recorded
-    k_iters = _cdiv(_cdiv(k, split_k), block_k)
     num_tiles = _cdiv(n, block_n)
+    split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
+                                               f"int4_gemv_a8 config {cfg}")
+    k_iters = _cdiv(_cdiv(k, split_k), block_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial, counters = y, y
-    if split_k > 1:
-        if num_tiles > MAX_SPLIT_TILES:
-            raise ValueError(f"int4_gemv_a8 config {cfg}: split K needs at most "
-                             f"{MAX_SPLIT_TILES} output tiles")
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+    if partial is None:
+        partial, counters = y, y
     kw = _cdiv(k, CHUNK) * 4  # x's int8 words (4 per 32 columns and plane) per row
     xq = torch.empty(2, m, kw, dtype=torch.int32, device=x.device)
     xf = torch.empty(2, m, kw, dtype=torch.float32, device=x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x.device)
     kernels.quantize_x_words_kernel[(m, _cdiv(kw // 4, _XQ))](
-        x2, xq, xf, m, k, kw, x2.stride(0), XQ=_XQ, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        x2, xq, xf, m, k, kw, x2.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4,
+        launch_pdl=pdl)
     kernels.gemv_int4_a8_kernel[(num_tiles, split_k)](
         qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
         partial, counters, xq, xf, m, n, kw, k_iters, split_k, qweight.stride(0) // 4,

@@ -11,6 +11,7 @@ except ImportError:  # CPU-only installs: callers keep their PyTorch paths
     triton = None
 
 if triton is not None:
+    from skyline.ops.fp8_quant import absmax_scales
     from skyline.ops.gemv import split_k_epilogue
     from skyline.ops.pdl import pdl_wait
 
@@ -42,58 +43,40 @@ if triton is not None:
             return acc
 
     @triton.jit
-    def int8_scales(amax):
-        # the reference's (scale, multiplier) of a chunk: amax / 127 and 127 / amax (IEEE
-        # divisions, the multiplier at most FLOAT_MAX), both 1 for an all-zero chunk
-        pos = amax > 0
-        safe = tl.where(pos, amax, 127.0)
-        scale = tl.where(pos, tl.math.div_rn(safe, 127.0), 1.0)
-        inv = tl.math.div_rn(tl.zeros_like(safe) + 127.0, safe)
-        return scale, tl.where(pos, tl.minimum(inv, 3.4028234663852886e38), 1.0)
-
-    @triton.jit
     def _round_half_away(v):
         return (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)  # the conversion truncates
 
     @triton.jit
-    def _quantize_x_slice(x_ptr, xq_ptr, xf_ptr, m, M, K, KW, k_start, chunks, stride_xm,
-                          XQ: tl.constexpr):
-        # Row m's columns [k_start, k_start + 32 * chunks) (XQ >= chunks, a power of two) as
-        # int8 words and per-word floats: xq [2, M, KW] (even / odd elements of each word),
-        # xf [2, M, KW] (the chunk's scale; the word's sum of x_q times it).
+    def quantize_x_words_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KW, stride_xm, XQ: tl.constexpr,
+                                INT8_MAX: tl.constexpr, PDL: tl.constexpr):
+        # Program (m, block): XQ chunks of 32 columns of row m of x as int8 words and per-word
+        # floats: xq [2, M, KW] (each word's even / odd elements, one byte each), xf [2, M, KW]
+        # (the chunk's scale; the word's sum of x_q times it).
+        pdl_wait(PDL)
+        m = tl.program_id(0)
         offs_q = tl.arange(0, XQ)
         offs_j = tl.arange(0, 4)
         offs_b = tl.arange(0, 4)
-        cols = (k_start + offs_q[:, None, None] * 32 + offs_j[None, :, None] * 8
-                + offs_b[None, None, :] * 2)  # the even columns, [XQ, 4 (word), 4 (byte)]
-        ok = (offs_q[:, None, None] < chunks) & (m < M)
-        xe = tl.load(x_ptr + m * stride_xm + cols, mask=ok & (cols < K), other=0.0)
-        xo = tl.load(x_ptr + m * stride_xm + cols + 1, mask=ok & (cols + 1 < K), other=0.0)
-        xe = xe.to(tl.float32)
-        xo = xo.to(tl.float32)
+        cols = (tl.program_id(1) * XQ * 32 + offs_q[:, None, None] * 32
+                + offs_j[None, :, None] * 8 + offs_b[None, None, :] * 2)  # even, [XQ, 4, 4]
+        xe = tl.load(x_ptr + m * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        xo = tl.load(x_ptr + m * stride_xm + cols + 1, mask=cols + 1 < K,
+                     other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
-        sx, inv = int8_scales(amax)  # [XQ]
+        sx, inv = absmax_scales(amax, INT8_MAX)  # [XQ]
         qe = _round_half_away(xe * inv[:, None, None])
         qo = _round_half_away(xo * inv[:, None, None])
         shifts = (offs_b * 8)[None, None, :]
         xa = tl.sum((qe & 0xFF) << shifts, axis=2)  # [XQ, 4] words
         xb = tl.sum((qo & 0xFF) << shifts, axis=2)
         v = tl.sum(qe + qo, axis=2).to(tl.float32) * sx[:, None]
-        words = k_start // 8 + offs_q[:, None] * 4 + offs_j[None, :]
-        w_ok = (offs_q[:, None] < chunks) & (words < KW) & (m < M)
+        words = tl.program_id(1) * XQ * 4 + offs_q[:, None] * 4 + offs_j[None, :]
+        ok = words < KW
         base = m * KW + words
-        tl.store(xq_ptr + base, xa, mask=w_ok)
-        tl.store(xq_ptr + M * KW + base, xb, mask=w_ok)
-        tl.store(xf_ptr + base, sx[:, None] + tl.zeros_like(v), mask=w_ok)
-        tl.store(xf_ptr + M * KW + base, v, mask=w_ok)
-
-    @triton.jit
-    def quantize_x_words_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KW, stride_xm, XQ: tl.constexpr,
-                                PDL: tl.constexpr):
-        # program (row, block): XQ chunks of 32 columns of one row of x into xq / xf
-        pdl_wait(PDL)
-        _quantize_x_slice(x_ptr, xq_ptr, xf_ptr, tl.program_id(0), M, K, KW,
-                          tl.program_id(1) * XQ * 32, XQ, stride_xm, XQ)
+        tl.store(xq_ptr + base, xa, mask=ok)
+        tl.store(xq_ptr + M * KW + base, xb, mask=ok)
+        tl.store(xf_ptr + base, sx[:, None] + tl.zeros_like(v), mask=ok)
+        tl.store(xf_ptr + M * KW + base, v, mask=ok)
 
     @triton.jit
     def gemv_int4_a8_kernel(

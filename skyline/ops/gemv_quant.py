@@ -49,13 +49,7 @@ import os
 import torch
 
 from skyline.ops import gemv_quant_triton as kernels
-from skyline.ops.gemv import (
-    _COUNTERS,
-    MAX_ROWS,
-    MAX_SPLIT_TILES,
-    _split_counters,
-    row_bucket,
-)
+from skyline.ops.gemv import MAX_ROWS, _cdiv, row_bucket, split_k_plan
 from skyline.ops.gemv_quant_triton import triton
 from skyline.ops.pdl import use_pdl
 from skyline.ops.tuning import get_config
@@ -130,10 +124,6 @@ def int_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pow2_divisor(group: int, cap: int) -> int:
@@ -303,20 +293,14 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     if use_dot and (block_n < 16 or block_k < min_k):
         raise ValueError(f"quantized gemv config {cfg}: USE_DOT needs BLOCK_N >= 16 and "
                          f"BLOCK_K >= {min_k}")
-    if (split_k > 1 and x.is_cuda and x.device not in _COUNTERS
-            and torch.cuda.is_current_stream_capturing()):
-        split_k = 1  # as in gemv: the counters' zeroing would only be recorded
+    num_tiles = _cdiv(n, block_n)
+    split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
+                                               f"quantized gemv config {cfg}")
     block_m = 16 if use_dot else row_bucket(m)
     k_iters = _cdiv(_cdiv(k, split_k), block_k)
-    num_tiles = _cdiv(n, block_n)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    partial, counters = y, y
-    if split_k > 1:
-        if num_tiles > MAX_SPLIT_TILES:
-            raise ValueError(f"quantized gemv config {cfg}: split K needs at most "
-                             f"{MAX_SPLIT_TILES} output tiles")
-        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = _split_counters(x.device)
+    if partial is None:
+        partial, counters = y, y
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x.device)
     if kind != FP8 and not use_dot:
