@@ -122,12 +122,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{tuple(weight.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match {n} output features")
-    x2 = x.reshape(-1, k)  # [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = gemv_rows(x, k, "gemv")
     m = x2.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows, got {m}; use F.linear")
     cfg = config if config is not None else gemv_config(m, n, k, x.device)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     use_dot = bool(cfg["USE_DOT"])
@@ -153,6 +149,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y.reshape(*x.shape[:-1], n)
+
+
+def gemv_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+    """x [..., K] as the [M, K] rows a GEMV launch reads (unit stride along K), 1 <= M <=
+    MAX_ROWS (a ValueError naming `what` otherwise)."""
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if not 1 <= x2.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{what} takes 1..{MAX_ROWS} rows, got {x2.shape[0]}; use F.linear")
+    return x2
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -33,7 +33,7 @@ import torch
 
 from skyline.ops import gemv_int_a8_triton as kernels
 from skyline.ops.fp8_quant import absmax_scales_ref
-from skyline.ops.gemv import MAX_ROWS, _cdiv, row_bucket, split_k_plan
+from skyline.ops.gemv import _cdiv, gemv_rows, row_bucket, split_k_plan
 from skyline.ops.gemv_int_a8_triton import triton
 from skyline.ops.gemv_quant import config_key
 from skyline.ops.pdl import use_pdl
@@ -118,12 +118,8 @@ def int4_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"int4_gemv_a8: bias {tuple(bias.shape)} does not match {n} outputs")
     if scales.stride() != zeros.stride():  # one stride pair serves both
         scales, zeros = scales.contiguous(), zeros.contiguous()
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = gemv_rows(x, k, "int4_gemv_a8")
     m = x2.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"int4_gemv_a8 takes 1..{MAX_ROWS} rows, got {m}")
     cfg = config if config is not None else int4_a8_config(m, n, k, group, x.device)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if block_k % CHUNK or block_k & (block_k - 1):

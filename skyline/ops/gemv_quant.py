@@ -49,7 +49,7 @@ import os
 import torch
 
 from skyline.ops import gemv_quant_triton as kernels
-from skyline.ops.gemv import MAX_ROWS, _cdiv, row_bucket, split_k_plan
+from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
 from skyline.ops.gemv_quant_triton import triton
 from skyline.ops.pdl import use_pdl
 from skyline.ops.tuning import get_config
@@ -265,12 +265,8 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         raise RuntimeError("the quantized GEMV needs triton; use the *_ref functions")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"quantized gemv: bias {tuple(bias.shape)} does not match {n} outputs")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = gemv_rows(x, k, "quantized gemv")
     m = x2.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"quantized gemv takes 1..{MAX_ROWS} rows, got {m}")
     cfg = config if config is not None else quant_gemv_config(
         kind, m, n, k, group, x.device, a8, x_scale is not None)
     if config is None and xs_block and cfg["BLOCK_K"] > xs_block:
