@@ -19,6 +19,7 @@ from skyline.engine.frontend import LLM
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
 from skyline.ops.pdl import use_pdl
+from skyline.quant import intq
 from skyline.types import SamplingParams
 
 
@@ -56,13 +57,11 @@ def main() -> None:
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="the LM head in fp8 (W8A8), with any --quantization")
     ap.add_argument("--int4-gemv", default=None, choices=["a16", "a8"],
-                    help="int4 weights at <= 8 rows: weight-only tensor-core GEMV (a16, "
-                         "default) or W4A8 by dp4a with x rounded to int8 per 32 columns (a8)")
+                    help="int4 weights at <= 8 rows: weight-only tensor-core GEMV (a16) or "
+                         "W4A8 by dp4a with x rounded to int8 per 32 columns (a8, default)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.int4_gemv is not None:
-        from skyline.quant import intq
-
         intq.INT4_GEMV = a.int4_gemv
     if a.fp8_gemv is not None:
         from skyline.quant import fp8
@@ -114,7 +113,7 @@ def main() -> None:
         "new_tokens": a.new_tokens, "cuda_graphs": not a.enforce_eager,
         "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
         "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8p",
-        "int4_gemv": a.int4_gemv or "a16",
+        "int4_gemv": intq.INT4_GEMV,
         "lm_head_fp8": llm.config.model.quant.lm_head,
         "pdl": use_pdl(torch.device("cuda")),  # programmatic dependent launch (SKYLINE_PDL)
         "copy_bandwidth_TBps": bw / 1e12, "weight_GB": weight_bytes / 1e9,

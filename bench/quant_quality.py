@@ -26,11 +26,12 @@ from skyline.engine.create import EngineArgs, create_engine_config
 from skyline.engine.frontend import load_tokenizer
 from skyline.model.layers.linear import Linear
 from skyline.model.loader import load_model, prepack_for_cpu
+from skyline.ops.gemv_int_a8 import CHUNK, quantize_chunks_int8_ref
 from skyline.quant.calibrate import builtin_text, collect_act_sq
 from skyline.quant.checkpoint import quantize_loaded
 
 # name -> (method, group size, calibrated[, model dtype[, "serve": the CPU engine's layout,
-# loader.prepack_for_cpu]])
+# loader.prepack_for_cpu | "a8": x rounded as the CUDA W4A8 decode GEMV rounds it]])
 VARIANTS = {
     "reference (Q4_1 dequantized, fp32)": ("none", 128, False),
     "gguf (Q4_1 kept packed)": ("gguf", 128, False),
@@ -40,6 +41,13 @@ VARIANTS = {
     "int4 g128": ("int4", 128, False),
     "int4 g128 + calibrated clip": ("int4", 128, True),
     "int4 g32 + calibrated clip": ("int4", 32, True),
+    # INT4 as the CUDA decode GEMV with int8 activations (`--int4-gemv a8`) computes it: every
+    # Linear's input rounded to int8 per row and 32 columns first (ops/gemv_int_a8.py), here
+    # for every token, so prefill too (the engine rounds only decode batches of <= 8 rows)
+    "int4 g128 W4A8": ("int4", 128, False, "float32", "a8"),
+    "int4 g128 + calibrated clip + W4A8": ("int4", 128, True, "float32", "a8"),
+    "reference weights + W4A8's int8 x (the activation rounding alone)":
+        ("none", 128, False, "float32", "a8"),
     "mxfp4": ("mxfp4", 128, False),
     "nvfp4": ("nvfp4", 128, False),
     "bf16 (Q4_1 dequantized)": ("none", 128, False, "bfloat16"),
@@ -66,6 +74,21 @@ def window_logits(model, ids: list[int], window: int) -> list[torch.Tensor]:
         logits = model.compute_logits(model(chunk, torch.arange(len(chunk))))
         out.append(logits.float().log_softmax(-1))
     return out  # [len(window), vocab] log-probs per window
+
+
+def round_linear_inputs_int8(model) -> None:
+    """Every Linear's input replaced by its int8 rounding per row and 32 columns, the values the
+    W4A8 GEMV multiplies (ops/gemv_int_a8.quantize_chunks_int8_ref)."""
+    def hook(_module, args):
+        x = args[0]
+        x2 = x.reshape(-1, x.shape[-1])
+        q, scale = quantize_chunks_int8_ref(x2)
+        deq = q.float() * scale.repeat_interleave(CHUNK, dim=1)[:, : x2.shape[1]]
+        return (deq.to(x.dtype).reshape(x.shape),)
+
+    for m in model.modules():
+        if isinstance(m, Linear):  # (the LM head is not one)
+            m.register_forward_pre_hook(hook)
 
 
 def linear_bytes(model) -> int:
@@ -112,6 +135,8 @@ def main() -> None:
             model = load_model(dataclasses.replace(base.model, quant=qcfg, dtype=dtype), "cpu")
             if dt[1:] == ["serve"]:
                 prepack_for_cpu(model)
+        if dt[1:] == ["a8"]:
+            round_linear_inputs_int8(model)
         logp = window_logits(model, evals, ns.window)
         nll, kl, agree, n = 0.0, 0.0, 0, 0
         for lp, rp, s in zip(logp, ref, range(0, len(evals), ns.window), strict=False):

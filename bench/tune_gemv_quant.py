@@ -71,9 +71,10 @@ INT4A8 = 5  # INT4 weights against int8 x by dp4a (ops/gemv_int_a8.py): "gemv_in
 KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q,
          "int4a8": INT4A8}
 NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q", INT4A8: "int4a8"}
-# INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps, num_stages): registers only, no tensor cores
-INT4A8_TILES = [(16, 1024, 4, 1), (32, 512, 4, 1), (32, 1024, 4, 1), (64, 256, 4, 1),
-                (64, 512, 4, 1), (128, 256, 4, 1), (128, 512, 8, 1), (256, 256, 8, 1)]
+# INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps): registers only, no tensor cores, no pipelining;
+# each with and without the next tile's words loaded ahead (PREFETCH)
+INT4A8_TILES = [(4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (16, 512, 4),
+                (16, 1024, 4), (16, 2048, 8), (32, 512, 4), (32, 1024, 8), (64, 256, 4)]
 
 
 def default(kind: int, m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, Any]:
@@ -91,12 +92,13 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     max(2, num_stages) K tiles and there are at most 16 waves of programs."""
     if kind == INT4A8:
         out = []
-        for bn, bk, warps, stages in INT4A8_TILES:
+        for bn, bk, warps in INT4A8_TILES:
             for split in (1, 2, 4, 8):
                 if split > 1 and (k // (split * bk) < 2 or -(-n // bn) * split > 16 * num_sms):
                     break
-                out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
-                            "num_warps": warps, "num_stages": stages})
+                for prefetch in (False, True):
+                    out.append({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                                "num_warps": warps, "num_stages": 1, "PREFETCH": prefetch})
         base = default(kind, m, n, k, group, num_sms)
         return out + ([base] if base not in out else [])
     tiles: list[tuple[bool, int, int, int, int]] = []  # (dot, BLOCK_N, BLOCK_K, warps, stages)
@@ -154,8 +156,6 @@ def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
                           device="cuda")
     scales = torch.rand(n, groups, device="cuda") * 2e-3 + 1e-4
     zeros = torch.randint(0, 2**bits, (n, groups), dtype=torch.uint8, device="cuda")
-    if kind == INT4A8:  # group-major, as the INT4 Linear hands them to this GEMV
-        scales, zeros = scales.t().contiguous().t(), zeros.t().contiguous().t()
     return (codes, scales, zeros), codes.numel() + scales.numel() * 5
 
 

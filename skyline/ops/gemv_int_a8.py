@@ -7,10 +7,12 @@ kernel keeps the weights in registers, in the layout they are loaded in. x is fi
 int8 by a small kernel, one float scale per row and 32 columns (as llama.cpp's q8_1 for its
 quantized GEMVs); then each int32 word of weights (eight nibbles) meets two words of x in one
 PTX routine: two masks and a shift split it into its four low and four high nibbles, and two
-`dp4a` multiply them by the matching int8 values of x and add, exactly, in int32. Per word,
-scale[n, g] * (dot * x_scale - zero[n, g] * x_scale * sum(x_q over the word)) joins a float32
-sum. The scales and zeros are read once per word from L1, best stored group-major ([G, N] in
-memory, any strides are taken): consecutive rows then share a cache line.
+`dp4a` multiply them by the matching int8 values of x and add, exactly, in int32. The four
+words of a 32-column chunk add up in int32, then scale[n, g] * (dot * x_scale - zero[n, g] *
+x_scale * sum(x_q over the chunk)) joins a float32 sum: per chunk, one scale, zero, x scale and
+x sum, each loaded in the layout of the words they meet (the scales row-major, as the Linear
+holds them: stored group-major they would be loaded along N and change layout through shared
+memory on every K tile).
 
 Nibble i of word j of a row is element 8j + i (int_matmul.py's layout), so the low nibbles of a
 word are its even elements and the high nibbles its odd ones; x's words are formed from the even
@@ -20,7 +22,7 @@ scale is amax / 127.
 
 Numerics: the weights' values are those of the weight-only GEMV; x loses what int8 with
 32-column scales loses (up to 1/254 of the chunk's amax per element). Accumulation: exact int32
-per word, float32 across words and splits. Launch configurations: tuning tables, kernel
+per chunk, float32 across chunks and splits. Launch configurations: tuning tables, kernel
 "gemv_int4a8", over `default_config`.
 """
 
@@ -77,7 +79,7 @@ def int4_gemv_a8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """Tiles of 16 rows and up to 1,024 columns (512 bytes of each row), split K while there
-    are fewer programs than SMs and each split keeps at least two K tiles."""
+    are fewer programs than SMs and each split keeps at least two K tiles; no loads ahead."""
     block_n, block_k = 16, min(1024, max(32, 1 << (k - 1).bit_length()))
     split_k = 1
     while (_cdiv(n, block_n) * split_k < num_sms and k // (2 * split_k) >= 2 * block_k
@@ -131,21 +133,21 @@ def int4_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if partial is None:
         partial, counters = y, y
-    kw = _cdiv(k, CHUNK) * 4  # x's int8 words (4 per 32 columns and plane) per row
-    xq = torch.empty(2, m, kw, dtype=torch.int32, device=x.device)
-    xf = torch.empty(2, m, kw, dtype=torch.float32, device=x.device)
+    kc = _cdiv(k, CHUNK)  # x's chunks of 32 columns: 4 int8 words a plane, 2 floats
+    xq = torch.empty(2, m, kc * 4, dtype=torch.int32, device=x.device)
+    xf = torch.empty(m, kc, 2, dtype=torch.float32, device=x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = use_pdl(x.device)
-    kernels.quantize_x_words_kernel[(m, _cdiv(kw // 4, _XQ))](
-        x2, xq, xf, m, k, kw, x2.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4,
+    kernels.quantize_x_words_kernel[(m, _cdiv(kc, _XQ))](
+        x2, xq, xf, m, k, kc, x2.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4,
         launch_pdl=pdl)
     kernels.gemv_int4_a8_kernel[(num_tiles, split_k)](
         qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
-        partial, counters, xq, xf, m, n, kw, k_iters, split_k, qweight.stride(0) // 4,
+        partial, counters, xq, xf, m, n, kc, k_iters, split_k, qweight.stride(0) // 4,
         scales.stride(0), scales.stride(1), GROUP=group, HAS_BIAS=bias is not None,
         EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, BLOCK_M=row_bucket(m),
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
-        STATIC_ITERS=k_iters if interpreted else 0,
+        STATIC_ITERS=k_iters if interpreted else 0, PREFETCH=cfg.get("PREFETCH", False),
         ASM=not interpreted and x.is_cuda and not torch.version.hip, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )

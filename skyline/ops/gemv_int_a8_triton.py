@@ -47,11 +47,12 @@ if triton is not None:
         return (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)  # the conversion truncates
 
     @triton.jit
-    def quantize_x_words_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KW, stride_xm, XQ: tl.constexpr,
+    def quantize_x_words_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KC, stride_xm, XQ: tl.constexpr,
                                 INT8_MAX: tl.constexpr, PDL: tl.constexpr):
-        # Program (m, block): XQ chunks of 32 columns of row m of x as int8 words and per-word
-        # floats: xq [2, M, KW] (each word's even / odd elements, one byte each), xf [2, M, KW]
-        # (the chunk's scale; the word's sum of x_q times it).
+        # Program (m, block): XQ chunks of 32 columns of row m of x as int8 words and per-chunk
+        # floats: xq [2, M, 4 KC] (each word's even / odd elements, one byte each), xf [M, KC, 2]
+        # (the chunk's scale, its sum of x_q times it; interleaved, so that their loads in the
+        # GEMV take the layout of the scales' loads).
         pdl_wait(PDL)
         m = tl.program_id(0)
         offs_q = tl.arange(0, XQ)
@@ -69,73 +70,97 @@ if triton is not None:
         shifts = (offs_b * 8)[None, None, :]
         xa = tl.sum((qe & 0xFF) << shifts, axis=2)  # [XQ, 4] words
         xb = tl.sum((qo & 0xFF) << shifts, axis=2)
-        v = tl.sum(qe + qo, axis=2).to(tl.float32) * sx[:, None]
-        words = tl.program_id(1) * XQ * 4 + offs_q[:, None] * 4 + offs_j[None, :]
-        ok = words < KW
-        base = m * KW + words
-        tl.store(xq_ptr + base, xa, mask=ok)
-        tl.store(xq_ptr + M * KW + base, xb, mask=ok)
-        tl.store(xf_ptr + base, sx[:, None] + tl.zeros_like(v), mask=ok)
-        tl.store(xf_ptr + M * KW + base, v, mask=ok)
+        chunks = tl.program_id(1) * XQ + offs_q
+        words = chunks[:, None] * 4 + offs_j[None, :]
+        ok = chunks < KC
+        base = m * KC * 4 + words
+        tl.store(xq_ptr + base, xa, mask=ok[:, None])
+        tl.store(xq_ptr + M * KC * 4 + base, xb, mask=ok[:, None])
+        v = tl.sum(tl.sum(qe + qo, axis=2), axis=1).to(tl.float32) * sx
+        tl.store(xf_ptr + (m * KC + chunks) * 2, sx, mask=ok)
+        tl.store(xf_ptr + (m * KC + chunks) * 2 + 1, v, mask=ok)
 
     @triton.jit
     def gemv_int4_a8_kernel(
         w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, xq_ptr, xf_ptr,
-        M, N, KW, k_iters, num_splits, stride_wn, stride_sn, stride_sg,
+        M, N, KC, k_iters, num_splits, stride_wn, stride_sn, stride_sg,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
-        ASM: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
-        # [pid_k * k_iters, +k_iters), streaming [BLOCK_N, BLOCK_K / 8] weight words. Every
-        # value the product needs besides the weights (x's words and per-word floats from
-        # quantize_x_words_kernel, the group's scale and zero) is loaded in the layout of the
-        # word it meets (x's from L1), so nothing changes layout inside the loop. Word w of a
-        # row holds columns 8w .. 8w + 7, its low nibbles the even ones; per word,
-        # scale * (dot * x_scale - zero * x_scale * sum(x_q)) joins the float32 sum.
+        # [pid_k * k_iters, +k_iters), streaming [BLOCK_N, BLOCK_K / 32, 4] weight words (chunk
+        # c of a row: words 4c .. 4c + 3, columns 32c .. 32c + 31; word w's low nibbles are
+        # columns 8w, 8w + 2, .., its high ones 8w + 1, ..). Tiles are [BLOCK_N, chunks,
+        # BLOCK_M, 4 words]: rows of x come after chunks, so that the loads of weights, of x and
+        # of per-chunk values all spread their threads over N, then chunks. Every value besides
+        # the weights (x's words and per-chunk floats from quantize_x_words_kernel, the chunk's
+        # group scale and zero) is loaded in the layout of the words it meets (x's from L1), so
+        # nothing changes layout inside the loop. A chunk's four dp4a sums add up exactly in
+        # int32, then scale * (dot * x_scale - zero * x_scale * sum(x_q)) joins the float32 sum.
+        # PREFETCH (EVEN_K): the next tile's words are loaded before this one's are used.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        BW: tl.constexpr = BLOCK_K // 8
-        k_start = pid_k * k_iters * BLOCK_K
+        BC: tl.constexpr = BLOCK_K // 32
+        c_start = pid_k * k_iters * BC
         pdl_wait(PDL)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
-        offs_w = tl.arange(0, BW)
+        offs_c = tl.arange(0, BC)
+        offs_j = tl.arange(0, 4)
         n_mask = offs_n < N
         m_mask = offs_m < M
-        n3 = offs_n[:, None, None]
-        zero3 = tl.zeros((BLOCK_N, BLOCK_M, BW), dtype=tl.int32)
-        w_ptrs = w_ptr + n3.to(tl.int64) * stride_wn + k_start // 8 + offs_w[None, None, :]
-        x_offs = offs_m[None, :, None] * KW + k_start // 8 + offs_w[None, None, :] + zero3
-        g_offs = n3 * stride_sn + tl.zeros((BLOCK_N, 1, BW), dtype=tl.int32)
-        n_ok = n3 < N
-        x_ok = (offs_m[None, :, None] < M) & (zero3 == 0)
-        acc = tl.zeros((BLOCK_N, BLOCK_M, BW), dtype=tl.float32)
+        n4 = offs_n[:, None, None, None]
+        c4 = offs_c[None, :, None, None]
+        m4 = offs_m[None, None, :, None]
+        zero4 = tl.zeros((BLOCK_N, BC, BLOCK_M, 4), dtype=tl.int32)
+        zero1 = tl.zeros((BLOCK_N, BC, BLOCK_M, 1), dtype=tl.int32)
+        w_ptrs = (w_ptr + n4.to(tl.int64) * stride_wn + (c_start + c4) * 4
+                  + offs_j[None, None, None, :])  # [BLOCK_N, BC, 1, 4]
+        x_offs = m4 * (KC * 4) + (c_start + c4) * 4 + offs_j[None, None, None, :] + zero4
+        f_offs = (m4 * KC + c_start + c4) * 2 + zero1  # [BLOCK_N, BC, BLOCK_M, 1]
+        g_offs = n4 * stride_sn + tl.zeros((BLOCK_N, BC, 1, 1), dtype=tl.int32)
+        n_ok = n4 < N
+        x_ok = (m4 < M) & (zero4 == 0)
+        f_ok = (m4 < M) & (zero1 == 0)
+        acc = tl.zeros((BLOCK_N, BC, BLOCK_M, 1), dtype=tl.float32)
+        n_iters = STATIC_ITERS if STATIC_ITERS > 0 else k_iters
+        PF: tl.constexpr = PREFETCH and EVEN_K
+        if PF:
+            w_next = tl.load(w_ptrs, mask=n_ok, other=0)
         # (the interpreter cannot loop to a runtime bound; it gets the count as a constant)
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
-            k0 = k_start + it * BLOCK_K
-            w_mask = n_ok
+            c0 = c_start + it * BC
+            w_mask = n_ok  # [BLOCK_N, 1, 1, 1], or [BLOCK_N, BC, 1, 1] past here
             xw_mask = x_ok
+            f_mask = f_ok
             if not EVEN_K:
-                # a word of a chunk that starts at or past K (past the weights' padded Kp and
-                # the x buffers' KW) loads nothing
-                in_k = (k0 // 8 + offs_w)[None, None, :] < KW
+                # a chunk that starts at or past K (past the weights' padded Kp and the x
+                # buffers' KC) loads nothing
+                in_k = (c0 + offs_c)[None, :, None, None] < KC
                 w_mask = w_mask & in_k
                 xw_mask = xw_mask & in_k
-            g = ((k0 + offs_w * 8) // GROUP)[None, None, :] * stride_sg
-            wv = tl.load(w_ptrs, mask=w_mask, other=0)
+                f_mask = f_mask & in_k
+            if PF:
+                wv = w_next
+                more = (offs_n * 0 + it + 1 < n_iters)[:, None, None, None]
+                w_next = tl.load(w_ptrs + BC * 4, mask=n_ok & more, other=0)
+            else:
+                wv = tl.load(w_ptrs, mask=w_mask, other=0)
+            g = ((c0 + offs_c) * 32 // GROUP)[None, :, None, None] * stride_sg
             s = tl.load(s_ptr + g_offs + g, mask=w_mask, other=0.0)
             z = tl.load(z_ptr + g_offs + g, mask=w_mask, other=0).to(tl.float32)
-            xo = x_offs + it * BW
+            xo = x_offs + it * BC * 4
             xa = tl.load(xq_ptr + xo, mask=xw_mask, other=0)
-            xb = tl.load(xq_ptr + M * KW + xo, mask=xw_mask, other=0)
-            u = tl.load(xf_ptr + xo, mask=xw_mask, other=0.0)
-            v = tl.load(xf_ptr + M * KW + xo, mask=xw_mask, other=0.0)
-            d = _dot_words(wv, xa, xb, ASM).to(tl.float32)
+            xb = tl.load(xq_ptr + M * KC * 4 + xo, mask=xw_mask, other=0)
+            fo = f_offs + it * BC * 2
+            u = tl.load(xf_ptr + fo, mask=f_mask, other=0.0)
+            v = tl.load(xf_ptr + fo + 1, mask=f_mask, other=0.0)
+            d = tl.sum(_dot_words(wv, xa, xb, ASM), axis=3, keep_dims=True).to(tl.float32)
             acc += s * (d * u - z * v)
-            w_ptrs += BW
-        out = tl.sum(acc, axis=2)
+            w_ptrs += BC * 4
+        out = tl.sum(tl.sum(acc, axis=3), axis=1)
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
                          pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
