@@ -68,15 +68,15 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of each sublayer is fused into the norm that follows it, which
-        # hands fp8 Linears their input quantized when they take it so.
-        fp8 = self.self_attn.qkv_proj.takes_fp8_rows(x)
+        # hands quantized Linears their input quantized when they take it so.
+        quant = self.self_attn.qkv_proj.input_quant(x)
         if residual is None:
-            residual, x = x, self.input_layernorm(x, fp8=fp8)
+            residual, x = x, self.input_layernorm(x, quant=quant)
         else:
-            x, residual = self.input_layernorm(x, residual, fp8=fp8)
+            x, residual = self.input_layernorm(x, residual, quant=quant)
         x = self.self_attn(positions, x)
-        fp8 = self.mlp.gate_up_proj.takes_fp8_rows(x)
-        x, residual = self.post_attention_layernorm(x, residual, fp8=fp8)
+        quant = self.mlp.gate_up_proj.input_quant(x)
+        x, residual = self.post_attention_layernorm(x, residual, quant=quant)
         return self.mlp(x), residual
 
 

@@ -1,6 +1,8 @@
-"""SiLU-and-mul, the SwiGLU gate: PyTorch reference and a Triton kernel (CUDA). With `fp8=True`
-the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows) with one scale per
-row and FP8_BLOCK columns, so the programs of a row stay independent."""
+"""SiLU-and-mul, the SwiGLU gate: PyTorch reference and a Triton kernel (CUDA). With
+`quant="fp8"` the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows) with one
+scale per row and FP8_BLOCK columns, so the programs of a row stay independent; with
+`quant="int8"` rounded for the W4A8 GEMV (ops/gemv_int_a8.py's Int8Chunks, 32 columns a scale),
+each program reading back the columns it has just written in the model dtype."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
+from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
@@ -22,14 +25,20 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(x: torch.Tensor, config: dict[str, Any] | None = None,
-                 fp8: bool = False) -> torch.Tensor | Fp8Rows:
+                 quant: str | None = None) -> torch.Tensor | Fp8Rows | Int8Chunks:
     """silu_and_mul_ref's contract; on CUDA one Triton launch for x [num_tokens, 2 * d]. With
-    `fp8` the result comes quantized, as Fp8Rows with one scale per row and FP8_BLOCK columns."""
+    `quant` the result comes quantized: "fp8" as Fp8Rows with one scale per row and FP8_BLOCK
+    columns, "int8" as Int8Chunks."""
     if not (x.is_cuda and triton is not None and x.dim() == 2 and x.stride(-1) == 1
             and x.shape[0] > 0 and x.shape[1] % 2 == 0):
-        return fp8_rows_ref(silu_and_mul_ref(x), FP8_BLOCK) if fp8 else silu_and_mul_ref(x)
-    if fp8:
+        y = silu_and_mul_ref(x)
+        if quant is None:
+            return y
+        return fp8_rows_ref(y, FP8_BLOCK) if quant == "fp8" else int8_chunks_ref(y)
+    if quant == "fp8":
         return silu_and_mul_fp8_triton(x)
+    if quant == "int8":
+        return silu_and_mul_int8_triton(x)
     return silu_and_mul_triton(x, config)
 
 
@@ -71,6 +80,22 @@ def silu_and_mul_fp8_triton(x: torch.Tensor) -> Fp8Rows:
     return Fp8Rows(q, scale, x.dtype, FP8_BLOCK)
 
 
+def silu_and_mul_int8_triton(x: torch.Tensor) -> Int8Chunks:
+    """silu_and_mul_triton's result rounded to Int8Chunks (int8_chunks_ref's values), one
+    program per FP8_BLOCK columns (32 chunks)."""
+    num_tokens, d = x.shape[0], x.shape[1] // 2
+    kc = triton.cdiv(d, CHUNK)
+    out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    words = torch.empty(2, num_tokens, kc * 4, dtype=torch.int32, device=x.device)
+    floats = torch.empty(num_tokens, kc, 2, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x.device)
+    _silu_and_mul_int8_kernel[(num_tokens, triton.cdiv(d, FP8_BLOCK))](
+        x, out, words, floats, num_tokens, d, kc, x.stride(0), out.stride(0), BLOCK=FP8_BLOCK,
+        INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )
+    return Int8Chunks(words, floats, x.dtype, d)
+
+
 DEFAULT_CONFIG: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}
 
 
@@ -92,6 +117,7 @@ except ImportError:  # CPU-only installs: the reference above serves
 
 if triton is not None:
     from skyline.ops.fp8_quant import quantize_rows_in_registers
+    from skyline.ops.gemv_int_a8_triton import round_chunks_to_words
 
     @triton.jit
     def _silu_and_mul_tile(x_row, cols, d, dtype: tl.constexpr):
@@ -118,6 +144,23 @@ if triton is not None:
                  q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                  mask=(cols < d)[None, :])
         tl.store(scale_ptr + tok * tl.num_programs(1) + blk + tl.arange(0, 1), scale)
+
+    @triton.jit
+    def _silu_and_mul_int8_kernel(x_ptr, out_ptr, words_ptr, floats_ptr, num_tokens, d, kc,
+                                  stride_x, stride_o, BLOCK: tl.constexpr,
+                                  INT8_MAX: tl.constexpr, PDL: tl.constexpr):
+        # One program per (token, BLOCK columns): the result stored in the dtype, then read
+        # back and rounded, BLOCK / 32 chunks (ops/gemv_int_a8_triton.round_chunks_to_words).
+        pdl_wait(PDL)
+        tok = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        o_row = out_ptr + tok.to(tl.int64) * stride_o
+        y = _silu_and_mul_tile(x_ptr + tok.to(tl.int64) * stride_x, cols, d,
+                               out_ptr.dtype.element_ty)
+        tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=cols < d)
+        tl.debug_barrier()  # the stores, visible to all of this program's threads
+        round_chunks_to_words(o_row, words_ptr, floats_ptr, tok, num_tokens, d, kc,
+                              tl.program_id(1) * (BLOCK // 32), BLOCK // 32, INT8_MAX)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,

@@ -57,7 +57,7 @@ class Fp8Rows(NamedTuple):
     scale, as quantize_rows_fp8_ref(x, block)): [R, 1], or with `block` one per row and block
     of columns [R, cdiv(K, block)]; the dtype the activations had, which the product returns.
     Made by the kernel that produces the activations when the Linear that consumes them asks
-    for it (Linear.takes_fp8_rows)."""
+    for it (Linear.input_quant)."""
 
     q: torch.Tensor
     scale: torch.Tensor

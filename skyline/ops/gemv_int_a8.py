@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,34 @@ KERNEL = "gemv_int4a8"
 _XQ = 16  # 32-column chunks of x per program of the quantization kernel
 CHUNK = 32  # columns of x per int8 scale
 INT8_MAX = 127.0
+
+
+class Int8Chunks(NamedTuple):
+    """Activations [M, cols] rounded for the W4A8 GEMV, as quantize_chunks_int8_ref rounds them:
+    words int32 [2, M, 4 cdiv(cols, 32)] (per word of 8 columns, its even then its odd elements,
+    one byte each), floats float32 [M, cdiv(cols, 32), 2] (per chunk of 32 columns, the scale and
+    the scale times the chunk's sum of codes); the dtype the activations had, which the product
+    returns. Made by the kernel that produces the activations when the Linear that consumes them
+    asks for it (Linear.input_quant), or by round_to_int8_chunks."""
+
+    words: torch.Tensor
+    floats: torch.Tensor
+    dtype: torch.dtype
+    cols: int
+
+
+def int8_chunks_ref(x: torch.Tensor) -> Int8Chunks:
+    """x [M, K] rounded by the reference, in Int8Chunks' layout."""
+    m, k = x.shape
+    q, scale = quantize_chunks_int8_ref(x)
+    kc = scale.shape[1]
+    q = torch.nn.functional.pad(q, (0, kc * CHUNK - k)).long().view(m, kc * 4, 4, 2)
+    shifts = torch.arange(4, device=x.device) * 8
+    planes = ((q & 0xFF) << shifts[:, None]).sum(2)  # [M, words, 2]: even, odd
+    planes = torch.where(planes >= 2**31, planes - 2**32, planes).to(torch.int32)
+    sums = q.view(m, kc, CHUNK).sum(-1).float() * scale
+    return Int8Chunks(planes.permute(2, 0, 1).contiguous(), torch.stack([scale, sums], -1),
+                      x.dtype, k)
 
 
 def quantize_chunks_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +107,10 @@ def int4_gemv_a8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
-    """Tiles of 16 rows and up to 1,024 columns (512 bytes of each row), split K while there
-    are fewer programs than SMs and each split keeps at least two K tiles; no loads ahead."""
-    block_n, block_k = 16, min(1024, max(32, 1 << (k - 1).bit_length()))
+    """What the H200's tables chose for every Llama-3.1-8B projection at one row: tiles of 4
+    rows and up to 4,096 columns (2 KiB of each row), with K split while there are fewer
+    programs than SMs and each split keeps at least two K tiles; no loads ahead."""
+    block_n, block_k = 4, min(4096, max(32, 1 << (k - 1).bit_length()))
     split_k = 1
     while (_cdiv(n, block_n) * split_k < num_sms and k // (2 * split_k) >= 2 * block_k
            and split_k < 16):
@@ -98,15 +128,30 @@ def int4_a8_config(m: int, n: int, k: int, group: int, device: torch.device) -> 
                       default_config(row_bucket(m), n, k, num_sms))
 
 
-def int4_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+def round_to_int8_chunks(x: torch.Tensor) -> Int8Chunks:
+    """x [M, K] (last dim contiguous) rounded by one launch: int8_chunks_ref's values."""
+    m, k = x.shape
+    kc = _cdiv(k, CHUNK)
+    words = torch.empty(2, m, kc * 4, dtype=torch.int32, device=x.device)
+    floats = torch.empty(m, kc, 2, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x.device)
+    kernels.quantize_x_words_kernel[(m, _cdiv(kc, _XQ))](
+        x, words, floats, m, k, kc, x.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
+    return Int8Chunks(words, floats, x.dtype, k)
+
+
+def int4_gemv_a8(x: torch.Tensor | Int8Chunks, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group: int, bias: torch.Tensor | None = None,
                  config: dict | None = None) -> torch.Tensor:
     """x [..., K] (1..MAX_ROWS rows, bf16/fp16/fp32) times group-wise INT4 weights (qweight
     uint8 [N, Kp / 2], scales float32 and zeros uint8 [N, Kp / group], Kp >= K a multiple of
-    group, group a multiple of 32) -> [..., N] in x's dtype; x rounded to int8 per 32 columns."""
+    group, group a multiple of 32) -> [..., N] in x's dtype; x rounded to int8 per 32 columns
+    first, or handed over rounded (Int8Chunks [M, K]: the result is [M, N])."""
     if triton is None:
         raise RuntimeError("int4_gemv_a8 needs triton; use int4_gemv_a8_ref")
-    n, k = qweight.shape[0], x.shape[-1]
+    rounded = isinstance(x, Int8Chunks)
+    n, k = qweight.shape[0], x.cols if rounded else x.shape[-1]
     num_groups = scales.shape[-1]
     if (qweight.dtype != torch.uint8 or scales.shape != (n, num_groups)
             or zeros.shape != (n, num_groups) or zeros.dtype != torch.uint8
@@ -120,35 +165,29 @@ def int4_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"int4_gemv_a8: bias {tuple(bias.shape)} does not match {n} outputs")
     if scales.stride() != zeros.stride():  # one stride pair serves both
         scales, zeros = scales.contiguous(), zeros.contiguous()
-    x2 = gemv_rows(x, k, "int4_gemv_a8")
-    m = x2.shape[0]
-    cfg = config if config is not None else int4_a8_config(m, n, k, group, x.device)
+    xr = x if rounded else round_to_int8_chunks(gemv_rows(x, k, "int4_gemv_a8"))
+    m, dev = xr.words.shape[1], xr.words.device
+    cfg = config if config is not None else int4_a8_config(m, n, k, group, dev)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     if block_k % CHUNK or block_k & (block_k - 1):
         raise ValueError(f"int4_gemv_a8 config {cfg}: BLOCK_K must be a power of two >= 32")
     num_tiles = _cdiv(n, block_n)
-    split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
+    split_k, partial, counters = split_k_plan(xr.floats, split_k, num_tiles, m, n,
                                                f"int4_gemv_a8 config {cfg}")
     k_iters = _cdiv(_cdiv(k, split_k), block_k)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=xr.dtype, device=dev)
     if partial is None:
         partial, counters = y, y
-    kc = _cdiv(k, CHUNK)  # x's chunks of 32 columns: 4 int8 words a plane, 2 floats
-    xq = torch.empty(2, m, kc * 4, dtype=torch.int32, device=x.device)
-    xf = torch.empty(m, kc, 2, dtype=torch.float32, device=x.device)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    pdl = use_pdl(x.device)
-    kernels.quantize_x_words_kernel[(m, _cdiv(kc, _XQ))](
-        x2, xq, xf, m, k, kc, x2.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4,
-        launch_pdl=pdl)
+    pdl = use_pdl(dev)
     kernels.gemv_int4_a8_kernel[(num_tiles, split_k)](
         qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
-        partial, counters, xq, xf, m, n, kc, k_iters, split_k, qweight.stride(0) // 4,
-        scales.stride(0), scales.stride(1), GROUP=group, HAS_BIAS=bias is not None,
-        EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, BLOCK_M=row_bucket(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
+        partial, counters, xr.words, xr.floats, m, n, _cdiv(k, CHUNK), k_iters, split_k,
+        qweight.stride(0) // 4, scales.stride(0), scales.stride(1), GROUP=group,
+        HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
+        BLOCK_M=row_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interpreted else 0, PREFETCH=cfg.get("PREFETCH", False),
-        ASM=not interpreted and x.is_cuda and not torch.version.hip, PDL=pdl,
+        ASM=not interpreted and dev.type == "cuda" and not torch.version.hip, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
-    return y.reshape(*x.shape[:-1], n)
+    return y if rounded else y.reshape(*x.shape[:-1], n)

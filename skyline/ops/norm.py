@@ -4,9 +4,11 @@ kernel for both (CUDA), which also norms each head of q/k (rows = tokens x heads
 Numerics follow HF Llama: the add stays in the model dtype, the normalization runs in float32,
 its result is cast back to the model dtype, and only then multiplied by the weight.
 
-With `fp8=True` the normed rows come out quantized for a W8A8 Linear (ops/fp8_quant.py's
+With `quant="fp8"` the normed rows come out quantized for a W8A8 Linear (ops/fp8_quant.py's
 Fp8Rows: e4m3 with one scale per row, the bytes quantize_rows_fp8 makes of the unquantized
-result), which saves the fp8 GEMV quantizing them itself.
+result), which saves the fp8 GEMV quantizing them itself; with `quant="int8"` rounded for the
+W4A8 GEMV (ops/gemv_int_a8.py's Int8Chunks, from the rows in the model dtype, which the same
+program writes first), which saves its rounding launch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
+from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
@@ -41,15 +44,24 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(x, weight, eps), x
 
 
+def quantized_ref(y: torch.Tensor, quant: str | None) -> torch.Tensor | Fp8Rows | Int8Chunks:
+    """y as a producing kernel hands it to a Linear that asked for `quant` (None: as it is)."""
+    if quant is None:
+        return y
+    return fp8_rows_ref(y) if quant == "fp8" else int8_chunks_ref(y)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             config: dict[str, Any] | None = None, fp8: bool = False) -> torch.Tensor | Fp8Rows:
+             config: dict[str, Any] | None = None, quant: str | None = None
+             ) -> torch.Tensor | Fp8Rows | Int8Chunks:
     """rms_norm_ref's contract; on CUDA one Triton launch. x may be a strided view [T, d] or
-    [T, heads, d] (e.g. the q part of a qkv projection): each row of d is normed. With `fp8`
-    (x [T, d], weight in x's dtype) the result comes quantized per row, as Fp8Rows."""
-    if fp8:
+    [T, heads, d] (e.g. the q part of a qkv projection): each row of d is normed. With `quant`
+    (x [T, d], weight in x's dtype) the result comes quantized: "fp8" per row, as Fp8Rows;
+    "int8" per 32 columns, as Int8Chunks."""
+    if quant is not None:
         if _use_triton(x) and x.dim() == 2 and weight.dtype == x.dtype:
-            return rms_norm_triton(x, weight, eps, config, fp8=True)
-        return fp8_rows_ref(rms_norm_ref(x, weight, eps))
+            return rms_norm_triton(x, weight, eps, config, quant=quant)
+        return quantized_ref(rms_norm_ref(x, weight, eps), quant)
     if not _use_triton(x) or x.dim() not in (2, 3):
         return rms_norm_ref(x, weight, eps)
     return rms_norm_triton(x, weight, eps, config)
@@ -61,17 +73,17 @@ def fused_add_rms_norm(
     weight: torch.Tensor,  # [d]
     eps: float,
     config: dict[str, Any] | None = None,
-    fp8: bool = False,
-) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    quant: str | None = None,
+) -> tuple[torch.Tensor | Fp8Rows | Int8Chunks, torch.Tensor]:
     """fused_add_rms_norm_ref's contract. Both inputs are consumed: on CUDA one Triton launch
     writes x + residual over `residual` and the normed sum over `x`, and returns them. With
-    `fp8` the normed sum comes quantized per row, as Fp8Rows (x is left unwritten)."""
+    `quant` the normed sum comes quantized, as rms_norm's (with "fp8" x is left unwritten)."""
     same = (x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
             and residual.stride(-1) == 1)
     if not (_use_triton(x) and same and x.dim() == 2):
         normed, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
-        return (fp8_rows_ref(normed) if fp8 else normed), residual
-    return fused_add_rms_norm_triton(x, residual, weight, eps, config, fp8)
+        return quantized_ref(normed, quant), residual
+    return fused_add_rms_norm_triton(x, residual, weight, eps, config, quant)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -83,12 +95,14 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [d]
     eps: float,
     config: dict[str, Any] | None = None,  # None: tuned or default_config
-    fp8: bool = False,  # x [T, d] and weight of one dtype: the result as Fp8Rows
-) -> torch.Tensor | Fp8Rows:  # contiguous, x's shape
+    quant: str | None = None,  # x [T, d] and weight of one dtype: "fp8" / "int8"
+) -> torch.Tensor | Fp8Rows | Int8Chunks:  # contiguous, x's shape
     """The Triton kernel behind rms_norm (any device Triton runs on)."""
-    if fp8:
+    if quant == "fp8":
         return _launch_fp8(x, None, weight, eps, config)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if quant == "int8":
+        return _launch_int8(x, None, weight, out, eps, config)
     _launch(x, None, weight, out, eps, config)
     return out
 
@@ -99,12 +113,15 @@ def fused_add_rms_norm_triton(
     weight: torch.Tensor,  # [d], x's dtype
     eps: float,
     config: dict[str, Any] | None = None,
-    fp8: bool = False,
-) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    quant: str | None = None,
+) -> tuple[torch.Tensor | Fp8Rows | Int8Chunks, torch.Tensor]:
     """The Triton kernel behind fused_add_rms_norm: writes x + residual over residual and the
-    normed sum over x (or, with `fp8`, returns it as Fp8Rows); returns (x, residual)."""
-    if fp8:
+    normed sum over x (with `quant` "fp8", returns it as Fp8Rows and leaves x unwritten; with
+    "int8", also rounds it to Int8Chunks, which it returns); returns (x, residual)."""
+    if quant == "fp8":
         return _launch_fp8(x, residual, weight, eps, config), residual
+    if quant == "int8":
+        return _launch_int8(x, residual, weight, x, eps, config), residual
     _launch(x, residual, weight, x, eps, config)
     return x, residual
 
@@ -135,9 +152,22 @@ def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return Fp8Rows(q, scale, x.dtype)
 
 
+def _launch_int8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 out: torch.Tensor, eps: float, config: dict[str, Any] | None) -> Int8Chunks:
+    t, d = x.shape
+    kc = triton.cdiv(d, CHUNK)
+    words = torch.empty(2, t, kc * 4, dtype=torch.int32, device=x.device)
+    floats = torch.empty(t, kc, 2, dtype=torch.float32, device=x.device)
+    config = config or _config("rms_norm" if residual is None else "fused_add_rms_norm", d,
+                               x.dtype, token_bucket(t))
+    _launch(x, residual, weight, out, eps, {**config, "BLOCK_M": 1}, int8=(words, floats))
+    return Int8Chunks(words, floats, out.dtype, d)
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             out: torch.Tensor, eps: float, config: dict[str, Any] | None,
-            scale: torch.Tensor | None = None) -> None:
+            scale: torch.Tensor | None = None,
+            int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     # x/out [T, d] or [T, H, d], residual [T, d]: rows are (token, head) pairs
     x3, out3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
     num_tokens, num_heads, d = x3.shape
@@ -146,6 +176,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         kernel = "rms_norm" if residual is None else "fused_add_rms_norm"
         config = _config(kernel, d, x.dtype, token_bucket(num_rows))
     res = x if residual is None else residual  # unused when HAS_RESIDUAL is False
+    chunks = triton.cdiv(triton.next_power_of_2(d), CHUNK)  # int8: rounded 32 at a time
     pdl = use_pdl(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, config["BLOCK_M"]),)](
         x3, res, weight, out3, eps, num_rows, num_heads, d,
@@ -153,7 +184,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         HAS_RESIDUAL=residual is not None, BLOCK_M=config["BLOCK_M"],
         BLOCK_N=triton.next_power_of_2(d), PDL=pdl, num_warps=config["num_warps"],
         scale_ptr=scale, FP8_OUT=scale is not None, FP8_MAX=FP8_MAX,
-        ROUND_E4M3=software_rounding(), launch_pdl=pdl,
+        ROUND_E4M3=software_rounding(), words_ptr=int8 and int8[0], floats_ptr=int8 and int8[1],
+        INT8_OUT=int8 is not None, INT8_MAX=INT8_MAX, INT8_CHUNKS=chunks,
+        INT8_XQ=min(32, chunks), launch_pdl=pdl,
     )
 
 
@@ -165,6 +198,7 @@ except ImportError:  # CPU-only installs: the references above serve
 
 if triton is not None:
     from skyline.ops.fp8_quant import quantize_rows_in_registers
+    from skyline.ops.gemv_int_a8_triton import round_chunks_to_words
 
     @triton.jit
     def _rms_norm_kernel(
@@ -173,11 +207,16 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PDL: tl.constexpr, scale_ptr=None, FP8_OUT: tl.constexpr = False,
         FP8_MAX: tl.constexpr = 448.0, ROUND_E4M3: tl.constexpr = False,
+        words_ptr=None, floats_ptr=None, INT8_OUT: tl.constexpr = False,
+        INT8_MAX: tl.constexpr = 127.0, INT8_CHUNKS: tl.constexpr = 1,
+        INT8_XQ: tl.constexpr = 1,
     ):
         # One program per BLOCK_M rows; a row is one (token, head) of d values, wholly in
         # registers. With a residual (heads == 1): residual <- x + residual, then the sum is
         # normed. Every row is loaded before it is stored, so out may alias x. FP8_OUT
         # (heads == 1): out is e4m3, each row's result in x's dtype quantized with its scale.
+        # INT8_OUT (heads == 1, BLOCK_M == 1): the row, once stored, is read back and rounded
+        # to int8 words (ops/gemv_int_a8_triton.round_chunks_to_words).
         pdl_wait(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -206,3 +245,10 @@ if triton is not None:
         else:
             y = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + o_off[:, None] + cols[None, :], y, mask=mask)
+            if INT8_OUT:
+                tl.debug_barrier()  # the row's stores, visible to all of this program's threads
+                row = tl.program_id(0)
+                for c in tl.static_range(0, INT8_CHUNKS, INT8_XQ):
+                    round_chunks_to_words(out_ptr + row.to(tl.int64) * stride_ot, words_ptr,
+                                          floats_ptr, row, num_rows, d, tl.cdiv(d, 32), c,
+                                          INT8_XQ, INT8_MAX)

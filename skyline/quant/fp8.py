@@ -21,7 +21,7 @@ __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
 # Decode-sized batches (<= 8 rows) on the GPU run an fp8 x fp8 tensor-core GEMV. "a8p": x
 # comes quantized per row from the kernel that makes it (RMSNorm before qkv and gate/up,
-# SiLU-and-mul before down: Linear.takes_fp8_rows), the GEMV quantizes the rest itself; "a8":
+# SiLU-and-mul before down: Linear.input_quant), the GEMV quantizes the rest itself; "a8":
 # the GEMV quantizes x itself per row and K tile (finer-scaled than the per-token activations of
 # the _scaled_mm path for larger batches); "a8q": x quantized per row by a kernel of its own
 # first (one more launch per Linear); "w8a16" streams the fp8 weights against unquantized
@@ -49,11 +49,12 @@ class Fp8LinearMethod(QuantLinearMethod):
             return dense_linear(layer, fake_quantize_rows_fp8(x)).to(x.dtype)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)
 
-    def takes_fp8_rows(self, layer: Linear, x: torch.Tensor) -> bool:
-        """Whether x, about to be made by a norm or activation kernel, should come quantized
+    def input_quant(self, layer: Linear, x: torch.Tensor) -> str | None:
+        """"fp8" where x, about to be made by a norm or activation kernel, should come quantized
         per row (Fp8Rows) for this layer's GEMV."""
-        return (GEMV_ACTIVATIONS == "a8p" and hasattr(layer, "weight_scale")
-                and fp8_gemv_takes_rows(x))
+        wants = (GEMV_ACTIVATIONS == "a8p" and hasattr(layer, "weight_scale")
+                 and fp8_gemv_takes_rows(x))
+        return "fp8" if wants else None
 
     def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
         """For a CPU engine (loader.prepack_for_cpu). CPUs have no fp8 matmul units (torch's

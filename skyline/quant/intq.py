@@ -23,7 +23,7 @@ import torch
 
 from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
-from skyline.ops.gemv_int_a8 import CHUNK, int4_gemv_a8
+from skyline.ops.gemv_int_a8 import CHUNK, Int8Chunks, int4_gemv_a8
 from skyline.ops.gemv_quant import quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_triton
 from skyline.quant.base import (
@@ -114,21 +114,29 @@ class IntLinearMethod(QuantLinearMethod):
             return cpu_int4.planes_weight(layer.int_planes)[:, : layer.in_features]
         return super().dequantized_weight(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor | Int8Chunks) -> torch.Tensor:
+        # x comes as Int8Chunks when input_quant asked its producer for them
+        if isinstance(x, Int8Chunks) or self.input_quant(layer, x) == "int8":
+            return int4_gemv_a8(x, layer.qweight, layer.scales, layer.zeros, self.group_size,
+                                bias=layer.bias)
         if not hasattr(layer, "qweight"):  # prepacked for the CPU: every input on the planes
             return cpu_int4.planes_linear(x, layer.int_planes, layer.bias)
         if (not x.is_cuda and x.dtype == torch.bfloat16
                 and (planes := self._cpu_planes(layer)) is not None):
             return cpu_int4.planes_linear(x, planes, layer.bias)
-        if (INT4_GEMV == "a8" and self.bits == 4 and self.group_size % CHUNK == 0
-                and layer.zeros.dtype == torch.uint8 and quant_gemv_ok(x)):
-            return int4_gemv_a8(x, layer.qweight, layer.scales, layer.zeros, self.group_size,
-                                bias=layer.bias)
         args = (layer.qweight, layer.scales, layer.zeros, self.bits, self.group_size)
         if x.is_cuda and self.group_size % 32:  # the GEMV is for groups of 32k only
             y = int_matmul_triton(x, *args)
             return y if layer.bias is None else y + layer.bias
         return int_codes_linear(x, *args, bias=layer.bias)
+
+    def input_quant(self, layer: Linear, x: torch.Tensor) -> str | None:
+        """"int8" where x (made by a norm or activation kernel, or about to be) goes to the W4A8
+        GEMV, which takes it rounded (Int8Chunks)."""
+        wants = (INT4_GEMV == "a8" and self.bits == 4 and self.group_size % CHUNK == 0
+                 and hasattr(layer, "qweight") and layer.zeros.dtype == torch.uint8
+                 and quant_gemv_ok(x))
+        return "int8" if wants else None
 
     def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
         """The layer's codes as planes of torch's CPU int4 kernel (ops/cpu_int4.py: one for

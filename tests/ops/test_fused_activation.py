@@ -12,10 +12,12 @@ from skyline.ops import activation  # noqa: E402
 from skyline.ops.activation import (  # noqa: E402
     silu_and_mul,
     silu_and_mul_fp8_triton,
+    silu_and_mul_int8_triton,
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
 from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
+from skyline.ops.gemv_int_a8 import int8_chunks_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA_ONLY = pytest.mark.skipif(DEV == "cpu", reason="large sweep: CUDA only")
@@ -112,6 +114,24 @@ def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype, block
 
 def test_fp8_dispatch_on_cpu_is_the_reference():
     x = torch.randn(3, 32)
-    rows = silu_and_mul(x, fp8=True)
+    rows = silu_and_mul(x, quant="fp8")
     q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_ref(x), activation.FP8_BLOCK)
     assert torch.equal(rows.scale, s_ref) and torch.equal(rows.q.float(), q_ref.float())
+
+
+@pytest.mark.parametrize("d,num_tokens", [(64, 1), (1000, 2), (2100, 2),
+                                          pytest.param(14336, 3, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_out_rounds_the_unquantized_result(d, num_tokens, dtype):
+    # The W4A8 input straight from the activation: its own result in the dtype (programs of
+    # 1,024 columns, a part-filled last chunk), rounded as int8_chunks_ref rounds it.
+    x = gate_up(num_tokens, d, dtype, seed=8)
+    got, want = silu_and_mul_int8_triton(x), int8_chunks_ref(silu_and_mul_triton(x))
+    assert got.dtype == dtype and got.cols == d
+    assert torch.equal(got.words, want.words) and torch.equal(got.floats, want.floats)
+
+
+def test_int8_dispatch_on_cpu_is_the_reference():
+    x = torch.randn(3, 64)
+    got, want = silu_and_mul(x, quant="int8"), int8_chunks_ref(silu_and_mul_ref(x))
+    assert torch.equal(got.words, want.words) and torch.equal(got.floats, want.floats)

@@ -69,8 +69,8 @@ def test_kernels_in_the_model_match_hf_on_cpu(hf_dir, monkeypatch):
     monkeypatch.setattr(norm_layer, "fused_add_rms_norm", fused_add_rms_norm_triton)
     monkeypatch.setattr(rotary_layer, "rotary_embedding", rotary_triton)
     monkeypatch.setattr(qwen3_model, "qk_norm_rotary", rotary_triton)
-    monkeypatch.setattr(mlp_layer, "silu_and_mul", lambda x, fp8=False: (
-        silu_and_mul_fp8_triton(x) if fp8 else silu_and_mul_triton(x)))
+    monkeypatch.setattr(mlp_layer, "silu_and_mul", lambda x, quant=None: (
+        silu_and_mul_fp8_triton(x) if quant == "fp8" else silu_and_mul_triton(x)))
     assert rel_err(skyline_logits(path, ids, "cpu", "float32"), want) < 1e-4
 
 

@@ -10,6 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
+from skyline.ops.gemv_int_a8 import int8_chunks_ref  # noqa: E402
 from skyline.ops.norm import (  # noqa: E402
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
@@ -164,9 +165,9 @@ def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype):
     # against the reference above), quantized per row as quantize_rows_fp8 does, bit for bit.
     x, residual, w = inputs(num_tokens, d, dtype, seed=5)
     x[0, 3] = 0.0
-    same_fp8_rows(rms_norm_triton(x, w, 1e-6, fp8=True), rms_norm_triton(x, w, 1e-6))
+    same_fp8_rows(rms_norm_triton(x, w, 1e-6, quant="fp8"), rms_norm_triton(x, w, 1e-6))
     x2, r2 = x.clone(), residual.clone()
-    rows, res = fused_add_rms_norm_triton(x, residual, w, 1e-6, fp8=True)
+    rows, res = fused_add_rms_norm_triton(x, residual, w, 1e-6, quant="fp8")
     want, want_res = fused_add_rms_norm_triton(x2, r2, w, 1e-6)
     assert torch.equal(res, want_res) and res.data_ptr() == residual.data_ptr()
     same_fp8_rows(rows, want)
@@ -175,15 +176,54 @@ def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype):
 def test_fp8_out_of_a_zero_row_has_scale_one():
     x, residual, w = inputs(3, 64, torch.float32, seed=6)
     rows, _ = fused_add_rms_norm_triton(torch.zeros_like(x), torch.zeros_like(x), w, 1e-6,
-                                        fp8=True)
+                                        quant="fp8")
     assert torch.equal(rows.scale, torch.ones(3, 1, device=DEV))
     assert not rows.q.float().any()
 
 
 def test_fp8_dispatch_on_cpu_is_the_reference():
     x, residual, w = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
-    same_fp8_rows(rms_norm(x, w, 1e-6, fp8=True), rms_norm_ref(x, w, 1e-6))
+    same_fp8_rows(rms_norm(x, w, 1e-6, quant="fp8"), rms_norm_ref(x, w, 1e-6))
     want, want_res = fused_add_rms_norm_ref(x, residual, w, 1e-6)
-    rows, res = fused_add_rms_norm(x, residual, w, 1e-6, fp8=True)
+    rows, res = fused_add_rms_norm(x, residual, w, 1e-6, quant="fp8")
     same_fp8_rows(rows, want)
+    assert torch.equal(res, want_res)
+
+
+def same_int8_chunks(got, values: torch.Tensor) -> None:
+    # got (Int8Chunks): bit for bit what the reference rounding makes of `values`
+    want = int8_chunks_ref(values)
+    assert got.dtype == values.dtype and got.cols == values.shape[1]
+    assert torch.equal(got.words, want.words) and torch.equal(got.floats, want.floats)
+
+
+@pytest.mark.parametrize("d", [40, 576, pytest.param(4096, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_out_rounds_the_rows_it_writes(d, num_tokens, dtype):
+    # The W4A8 input straight from the norm: with a residual the normed sum still goes over x
+    # (as without `quant`) and is what gets rounded; without one, the rows match the plain
+    # kernel's (exactly but for float32 on a GPU, where contraction into FMAs may differ).
+    x, residual, w = inputs(num_tokens, d, dtype, seed=7)
+    x2, r2 = x.clone(), residual.clone()
+    chunks, res = fused_add_rms_norm_triton(x, residual, w, 1e-6, quant="int8")
+    want, want_res = fused_add_rms_norm_triton(x2, r2, w, 1e-6)
+    assert torch.equal(res, want_res) and res.data_ptr() == residual.data_ptr()
+    same_int8_chunks(chunks, x)
+    close(x, want)
+    chunks = rms_norm_triton(want_res, w, 1e-6, quant="int8")
+    plain = rms_norm_triton(want_res, w, 1e-6)
+    if dtype == torch.float32 and DEV == "cuda":
+        want = int8_chunks_ref(plain)
+        torch.testing.assert_close(chunks.floats[..., 0], want.floats[..., 0], rtol=1e-5, atol=0)
+        return
+    same_int8_chunks(chunks, plain)
+
+
+def test_int8_dispatch_on_cpu_is_the_reference():
+    x, residual, w = torch.randn(3, 64), torch.randn(3, 64), torch.rand(64)
+    same_int8_chunks(rms_norm(x, w, 1e-6, quant="int8"), rms_norm_ref(x, w, 1e-6))
+    want, want_res = fused_add_rms_norm_ref(x, residual, w, 1e-6)
+    chunks, res = fused_add_rms_norm(x, residual, w, 1e-6, quant="int8")
+    same_int8_chunks(chunks, want)
     assert torch.equal(res, want_res)

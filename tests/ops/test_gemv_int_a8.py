@@ -19,7 +19,9 @@ from skyline.ops.gemv_int_a8 import (  # noqa: E402
     default_config,
     int4_gemv_a8,
     int4_gemv_a8_ref,
+    int8_chunks_ref,
     quantize_chunks_int8_ref,
+    round_to_int8_chunks,
 )
 from skyline.ops.gemv_quant import int_gemv_ref  # noqa: E402
 
@@ -108,6 +110,37 @@ def test_zero_and_sparse_rows():
     assert q[1, 70].item() == -127 and s[1, 2].item() == pytest.approx(5 / 127)
 
 
+@pytest.mark.parametrize("m,k", [(1, 4096), (3, 1000), (8, 96), (2, 33)])
+def test_round_to_int8_chunks_kernel(m, k):
+    """The rounding launch writes int8_chunks_ref's words and floats bit for bit (the tail of a
+    part-filled chunk rounds as zeros), and the GEMV gives the same result for x and its
+    rounding handed over."""
+    torch.manual_seed(m + k)
+    x = torch.randn(m, k, device=DEV) * torch.logspace(-2, 1, k, device=DEV)
+    got, ref = round_to_int8_chunks(x), int8_chunks_ref(x)
+    assert got.cols == ref.cols == k and got.dtype == ref.dtype == x.dtype
+    assert torch.equal(got.words, ref.words.to(DEV))
+    assert torch.equal(got.floats, ref.floats.to(DEV))
+    args = weights(24, k, 32)
+    y = int4_gemv_a8(ref, *args, 32, config=cfg(16, 128, 1))
+    assert y.shape == (m, 24)
+    assert torch.equal(y, int4_gemv_a8(x, *args, 32, config=cfg(16, 128, 1)))
+
+
+def test_int8_chunks_ref_words():
+    """Word j of a row holds the codes of columns 8j, 8j + 2, .. (even plane) and 8j + 1, ..
+    (odd plane), lowest byte first, two's complement."""
+    x = torch.zeros(1, 32)
+    x[0, :8] = torch.tensor([127.0, -1, 2, -3, 4, -5, 6, -7])  # amax 127: codes = values
+    r = int8_chunks_ref(x)
+    even = [127, 2, 4, 6]
+    odd = [-1, -3, -5, -7]
+    pack = lambda v: int.from_bytes(bytes(b & 0xFF for b in v), "little", signed=True)  # noqa: E731
+    assert r.words[0, 0, 0].item() == pack(even) and r.words[1, 0, 0].item() == pack(odd)
+    assert r.words[:, 0, 1:].eq(0).all()
+    assert r.floats[0, 0].tolist() == [1.0, float(sum(even) + sum(odd))]
+
+
 def test_rounding_half_away_from_zero():
     x = torch.zeros(1, 32)
     x[0, :4] = torch.tensor([127.0, 2.5, -2.5, 0.49])  # scale 1: 127 / amax = 1
@@ -189,6 +222,11 @@ def test_linear_mode_a8(monkeypatch):
     else:
         ref = int_gemv_ref(x, *args, 4, 32)
     assert (y - ref).abs().max().item() <= TOL[dtype] * ref.abs().max().item()
+    # a producer's rounding, handed over when the layer asks for it (on CUDA decode rows)
+    assert layer.input_quant(x) == ("int8" if DEV == "cuda" else None)
+    yc = layer(int8_chunks_ref(x)).float()
+    assert (yc - int4_gemv_a8_ref(x, *args, 32).float()).abs().max().item() <= (
+        TOL[dtype] * ref.abs().max().item())
     xl = torch.randn(9, 96, device=DEV).to(dtype)  # past the GEMV's rows: weight-only
     exact = int_gemv_ref(xl, *args, 4, 32).float()
     err = (layer(xl).float() - exact).abs().max().item()

@@ -141,15 +141,17 @@ class Linear(nn.Module):
         linear_method.create_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x may also be ops/fp8_quant.Fp8Rows, when takes_fp8_rows said so
+        # x may also be ops/fp8_quant.Fp8Rows or ops/gemv_int_a8.Int8Chunks, as input_quant
+        # asked
         return self.linear_method.apply(self, x)
 
-    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
-        """Whether the kernel about to make x (a norm, an activation) should hand it over
-        quantized per row (ops/fp8_quant.Fp8Rows): an fp8 layer's decode GEMV on a GPU with
-        fp8 units, which then skips quantizing it."""
-        wants = getattr(self.linear_method, "takes_fp8_rows", None)
-        return wants is not None and wants(self, x)
+    def input_quant(self, x: torch.Tensor) -> str | None:
+        """How the kernel about to make x (a norm, an activation) should hand it over: "fp8",
+        quantized per row (ops/fp8_quant.Fp8Rows), for an fp8 layer's decode GEMV on a GPU with
+        fp8 units; "int8", rounded per 32 columns (ops/gemv_int_a8.Int8Chunks), for an INT4
+        layer's W4A8 decode GEMV; None as it is. The GEMV then skips quantizing it."""
+        wants = getattr(self.linear_method, "input_quant", None)
+        return wants(self, x) if wants is not None else None
 
     def full_weight(self) -> torch.Tensor | None:
         """The [out, in] weight in the model dtype if the layer is unquantized (dense or

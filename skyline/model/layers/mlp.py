@@ -17,5 +17,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        act = silu_and_mul(gate_up, fp8=self.down_proj.takes_fp8_rows(gate_up))
+        act = silu_and_mul(gate_up, quant=self.down_proj.input_quant(gate_up))
         return self.down_proj(act)  # [num_tokens, hidden_size]

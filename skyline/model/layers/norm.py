@@ -21,15 +21,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: bool = False
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: str | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> normed; with `residual`, x + residual is normed and also returned
         as the new residual: (normed, x + residual). With a residual both inputs are consumed
-        (on CUDA the results are written over them, by one kernel). With `fp8` (x [T, hidden])
-        the normed rows come quantized per row for an fp8 Linear (ops/fp8_quant.Fp8Rows)."""
+        (on CUDA the results are written over them, by one kernel). With `quant` (x [T, hidden])
+        the normed rows come quantized for the Linear that asked (Linear.input_quant)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps, fp8=fp8)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps, fp8=fp8)
+            return rms_norm(x, self.weight, self.eps, quant=quant)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, quant=quant)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
