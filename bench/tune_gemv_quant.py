@@ -10,7 +10,8 @@ FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles, X_LEFT fo
 tiles) is checked against the PyTorch reference and timed; the fastest goes into the tuning
 tables "gemv_fp8" / "gemv_int8" / "gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the
 kernel) / "gemv_fp8a8q" (x quantized per row before the call, outside the timing) /
-"gemv_int4a8" (INT4 against int8 x, ops/gemv_int_a8.py, its x-rounding launch timed with it;
+"gemv_int4a8" (INT4 against int8 x, ops/gemv_int_a8.py, x rounded before the call as the norm
+and SiLU kernels hand it over, outside the timing;
 `--configs-out`, default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set).
 Timing as in bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight
 copies that L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth
@@ -35,6 +36,7 @@ import torch
 from skyline.bench.offline import machine_info, save_json
 from skyline.ops.fp8_quant import quantize_rows_fp8
 from skyline.ops.gemv_int_a8 import default_config as int4a8_default
+from skyline.ops.gemv_int_a8 import round_to_int8_chunks
 from skyline.ops.gemv_int_a8 import int4_gemv_a8, int4_gemv_a8_ref
 from skyline.ops.gemv_quant import (
     FP8,
@@ -73,8 +75,9 @@ KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8
 NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q", INT4A8: "int4a8"}
 # INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps): registers only, no tensor cores, no pipelining;
 # each with and without the next tile's words loaded ahead (PREFETCH)
-INT4A8_TILES = [(4, 2048, 4), (4, 4096, 4), (8, 1024, 4), (8, 2048, 4), (16, 512, 4),
-                (16, 1024, 4), (16, 2048, 8), (32, 512, 4), (32, 1024, 8), (64, 256, 4)]
+INT4A8_TILES = [(2, 4096, 4), (2, 8192, 4), (4, 2048, 4), (4, 4096, 2), (4, 4096, 4),
+                (4, 4096, 8), (4, 8192, 4), (8, 1024, 4), (8, 2048, 4), (8, 4096, 8),
+                (16, 1024, 4), (16, 2048, 8), (32, 512, 4)]
 
 
 def default(kind: int, m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, Any]:
@@ -197,6 +200,8 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
         if kind == FP8A8Q:
             x = quantize_rows_fp8(x)
         ref = reference(kind, group, x, args, 128).float()
+        if kind == INT4A8:  # x rounded beforehand, as the norm and SiLU kernels hand it over
+            x = round_to_int8_chunks(x)
         tol = 1e-2 * ref.abs().max().item() + 1e-3
         base = default(kind, m, n, k, group, num_sms)
         over = time.time() > deadline
