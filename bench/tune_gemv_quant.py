@@ -36,8 +36,7 @@ import torch
 from skyline.bench.offline import machine_info, save_json
 from skyline.ops.fp8_quant import quantize_rows_fp8
 from skyline.ops.gemv_int_a8 import default_config as int4a8_default
-from skyline.ops.gemv_int_a8 import round_to_int8_chunks
-from skyline.ops.gemv_int_a8 import int4_gemv_a8, int4_gemv_a8_ref
+from skyline.ops.gemv_int_a8 import int4_gemv_a8, int4_gemv_a8_ref, round_to_int8_chunks
 from skyline.ops.gemv_quant import (
     FP8,
     INT4,
