@@ -2,7 +2,7 @@
 `quant="fp8"` the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows) with one
 scale per row and FP8_BLOCK columns, so the programs of a row stay independent; with
 `quant="int8"` rounded for the W4A8 GEMV (ops/gemv_int_a8.py's Int8Chunks, 32 columns a scale),
-each program reading back the columns it has just written in the model dtype."""
+each program rounding the values it writes in the model dtype."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ except ImportError:  # CPU-only installs: the reference above serves
 
 if triton is not None:
     from skyline.ops.fp8_quant import quantize_rows_in_registers
-    from skyline.ops.gemv_int_a8_triton import round_chunks_to_words
+    from skyline.ops.gemv_int_a8_triton import round_row_to_words
 
     @triton.jit
     def _silu_and_mul_tile(x_row, cols, d, dtype: tl.constexpr):
@@ -149,8 +149,8 @@ if triton is not None:
     def _silu_and_mul_int8_kernel(x_ptr, out_ptr, words_ptr, floats_ptr, num_tokens, d, kc,
                                   stride_x, stride_o, BLOCK: tl.constexpr,
                                   INT8_MAX: tl.constexpr, PDL: tl.constexpr):
-        # One program per (token, BLOCK columns): the result stored in the dtype, then read
-        # back and rounded, BLOCK / 32 chunks (ops/gemv_int_a8_triton.round_chunks_to_words).
+        # One program per (token, BLOCK columns): the result stored in the dtype and rounded,
+        # BLOCK / 32 chunks (ops/gemv_int_a8_triton.round_row_to_words).
         pdl_wait(PDL)
         tok = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -158,9 +158,8 @@ if triton is not None:
         y = _silu_and_mul_tile(x_ptr + tok.to(tl.int64) * stride_x, cols, d,
                                out_ptr.dtype.element_ty)
         tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=cols < d)
-        tl.debug_barrier()  # the stores, visible to all of this program's threads
-        round_chunks_to_words(o_row, words_ptr, floats_ptr, tok, num_tokens, d, kc,
-                              tl.program_id(1) * (BLOCK // 32), BLOCK // 32, INT8_MAX)
+        round_row_to_words(y, words_ptr, floats_ptr, tok, num_tokens, kc,
+                           tl.program_id(1) * (BLOCK // 32), BLOCK // 32, INT8_MAX)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,

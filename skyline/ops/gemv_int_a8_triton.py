@@ -47,24 +47,20 @@ if triton is not None:
         return (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)  # the conversion truncates
 
     @triton.jit
-    def round_chunks_to_words(row_ptr, xq_ptr, xf_ptr, m, M, K, KC, chunk0,
-                              XQ: tl.constexpr, INT8_MAX: tl.constexpr):
-        # Chunks [chunk0, chunk0 + XQ) of 32 columns of row m of x (its K values at row_ptr) as
+    def round_words(xe, xo, xq_ptr, xf_ptr, m, M, KC, chunk0, XQ: tl.constexpr,
+                    INT8_MAX: tl.constexpr):
+        # Chunks [chunk0, chunk0 + XQ) of 32 columns of row m of x, given as float32 values
+        # xe / xo [XQ, 4 words, 4 bytes] (column 32c + 8j + 2b and the one after it), stored as
         # int8 words and per-chunk floats: xq [2, M, 4 KC] (each word's even / odd elements, one
         # byte each), xf [M, KC, 2] (the chunk's scale, its sum of x_q times it; interleaved, so
         # that their loads in the GEMV take the layout of the scales' loads).
         offs_q = tl.arange(0, XQ)
         offs_j = tl.arange(0, 4)
-        offs_b = tl.arange(0, 4)
-        cols = ((chunk0 + offs_q[:, None, None]) * 32 + offs_j[None, :, None] * 8
-                + offs_b[None, None, :] * 2)  # even, [XQ, 4, 4]
-        xe = tl.load(row_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        xo = tl.load(row_ptr + cols + 1, mask=cols + 1 < K, other=0.0).to(tl.float32)
         amax = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
         sx, inv = absmax_scales(amax, INT8_MAX)  # [XQ]
         qe = _round_half_away(xe * inv[:, None, None])
         qo = _round_half_away(xo * inv[:, None, None])
-        shifts = (offs_b * 8)[None, None, :]
+        shifts = (tl.arange(0, 4) * 8)[None, None, :]
         xa = tl.sum((qe & 0xFF) << shifts, axis=2)  # [XQ, 4] words
         xb = tl.sum((qo & 0xFF) << shifts, axis=2)
         chunks = chunk0 + offs_q
@@ -78,13 +74,25 @@ if triton is not None:
         tl.store(xf_ptr + (m * KC + chunks) * 2 + 1, v, mask=ok)
 
     @triton.jit
+    def round_row_to_words(y, xq_ptr, xf_ptr, m, M, KC, chunk0, XQ: tl.constexpr,
+                           INT8_MAX: tl.constexpr):
+        # round_words over y [XQ * 32] in registers: the columns of chunks chunk0 ...
+        xe, xo = tl.split(tl.reshape(y, (XQ, 4, 4, 2)))
+        round_words(xe, xo, xq_ptr, xf_ptr, m, M, KC, chunk0, XQ, INT8_MAX)
+
+    @triton.jit
     def quantize_x_words_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KC, stride_xm, XQ: tl.constexpr,
                                 INT8_MAX: tl.constexpr, PDL: tl.constexpr):
-        # Program (m, block): XQ chunks of row m of x by round_chunks_to_words.
+        # Program (m, block): XQ chunks of row m of x by round_words.
         pdl_wait(PDL)
         m = tl.program_id(0)
-        round_chunks_to_words(x_ptr + m * stride_xm, xq_ptr, xf_ptr, m, M, K, KC,
-                              tl.program_id(1) * XQ, XQ, INT8_MAX)
+        cols = (tl.program_id(1) * XQ * 32 + tl.arange(0, XQ)[:, None, None] * 32
+                + tl.arange(0, 4)[None, :, None] * 8
+                + tl.arange(0, 4)[None, None, :] * 2)  # even, [XQ, 4, 4]
+        row = x_ptr + m * stride_xm
+        xe = tl.load(row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        xo = tl.load(row + cols + 1, mask=cols + 1 < K, other=0.0).to(tl.float32)
+        round_words(xe, xo, xq_ptr, xf_ptr, m, M, KC, tl.program_id(1) * XQ, XQ, INT8_MAX)
 
     @triton.jit
     def gemv_int4_a8_kernel(

@@ -176,17 +176,16 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         kernel = "rms_norm" if residual is None else "fused_add_rms_norm"
         config = _config(kernel, d, x.dtype, token_bucket(num_rows))
     res = x if residual is None else residual  # unused when HAS_RESIDUAL is False
-    chunks = triton.cdiv(triton.next_power_of_2(d), CHUNK)  # int8: rounded 32 at a time
     pdl = use_pdl(x.device)
     _rms_norm_kernel[(triton.cdiv(num_rows, config["BLOCK_M"]),)](
         x3, res, weight, out3, eps, num_rows, num_heads, d,
         x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_M=config["BLOCK_M"],
-        BLOCK_N=triton.next_power_of_2(d), PDL=pdl, num_warps=config["num_warps"],
+        BLOCK_N=max(triton.next_power_of_2(d), CHUNK if int8 else 1), PDL=pdl,
+        num_warps=config["num_warps"],
         scale_ptr=scale, FP8_OUT=scale is not None, FP8_MAX=FP8_MAX,
         ROUND_E4M3=software_rounding(), words_ptr=int8 and int8[0], floats_ptr=int8 and int8[1],
-        INT8_OUT=int8 is not None, INT8_MAX=INT8_MAX, INT8_CHUNKS=chunks,
-        INT8_XQ=min(32, chunks), launch_pdl=pdl,
+        INT8_OUT=int8 is not None, INT8_MAX=INT8_MAX, launch_pdl=pdl,
     )
 
 
@@ -198,7 +197,7 @@ except ImportError:  # CPU-only installs: the references above serve
 
 if triton is not None:
     from skyline.ops.fp8_quant import quantize_rows_in_registers
-    from skyline.ops.gemv_int_a8_triton import round_chunks_to_words
+    from skyline.ops.gemv_int_a8_triton import round_row_to_words
 
     @triton.jit
     def _rms_norm_kernel(
@@ -208,15 +207,14 @@ if triton is not None:
         PDL: tl.constexpr, scale_ptr=None, FP8_OUT: tl.constexpr = False,
         FP8_MAX: tl.constexpr = 448.0, ROUND_E4M3: tl.constexpr = False,
         words_ptr=None, floats_ptr=None, INT8_OUT: tl.constexpr = False,
-        INT8_MAX: tl.constexpr = 127.0, INT8_CHUNKS: tl.constexpr = 1,
-        INT8_XQ: tl.constexpr = 1,
+        INT8_MAX: tl.constexpr = 127.0,
     ):
         # One program per BLOCK_M rows; a row is one (token, head) of d values, wholly in
         # registers. With a residual (heads == 1): residual <- x + residual, then the sum is
         # normed. Every row is loaded before it is stored, so out may alias x. FP8_OUT
         # (heads == 1): out is e4m3, each row's result in x's dtype quantized with its scale.
-        # INT8_OUT (heads == 1, BLOCK_M == 1): the row, once stored, is read back and rounded
-        # to int8 words (ops/gemv_int_a8_triton.round_chunks_to_words).
+        # INT8_OUT (heads == 1, BLOCK_M == 1): the row as stored also rounded to int8 words
+        # (ops/gemv_int_a8_triton.round_row_to_words).
         pdl_wait(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -245,10 +243,7 @@ if triton is not None:
         else:
             y = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + o_off[:, None] + cols[None, :], y, mask=mask)
-            if INT8_OUT:
-                tl.debug_barrier()  # the row's stores, visible to all of this program's threads
-                row = tl.program_id(0)
-                for c in tl.static_range(0, INT8_CHUNKS, INT8_XQ):
-                    round_chunks_to_words(out_ptr + row.to(tl.int64) * stride_ot, words_ptr,
-                                          floats_ptr, row, num_rows, d, tl.cdiv(d, 32), c,
-                                          INT8_XQ, INT8_MAX)
+            if INT8_OUT:  # the row as stored, rounded in registers (BLOCK_N >= 32)
+                round_row_to_words(tl.reshape(y.to(tl.float32), (BLOCK_N,)), words_ptr,
+                                   floats_ptr, tl.program_id(0), num_rows, tl.cdiv(d, 32), 0,
+                                   BLOCK_N // 32, INT8_MAX)
