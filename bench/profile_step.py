@@ -32,14 +32,16 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--fp8-gemv", default=None, choices=["a8p", "a8", "a8q", "w8a16"],
                     help="fp8 weights at <= 8 rows: quant/fp8.py's GEMV_ACTIVATIONS")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fp8_gemv is not None:
         from skyline.quant import fp8
 
         fp8.GEMV_ACTIVATIONS = a.fp8_gemv
+    extra = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256,
-              quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+              quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, **extra)
     prompts = random_prompts(a.batch, a.input_len, llm.config.model.arch.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     for p in prompts:
