@@ -56,9 +56,11 @@ def main() -> None:
                          "(a8) or by its own kernel first (a8q); or weight-only (w8a16)")
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="the LM head in fp8 (W8A8), with any --quantization")
-    ap.add_argument("--int4-gemv", default=None, choices=["a16", "a8"],
+    ap.add_argument("--int4-gemv", default=None, choices=["a16", "a8", "a8p"],
                     help="int4 weights at <= 8 rows: weight-only tensor-core GEMV (a16) or "
-                         "W4A8 by dp4a with x rounded to int8 per 32 columns (a8, default)")
+                         "W4A8 by dp4a with x rounded to int8 per 32 columns, by the norm / "
+                         "SiLU kernels that make it (a8p, default) or by a launch of its own "
+                         "before every GEMV (a8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.int4_gemv is not None:

@@ -10,11 +10,13 @@ exact reference). With calibration statistics, each group's range is clipped to 
 minimises the activation-weighted error sum_k E[x_k^2] (w_k - w'_k)^2: an outlier weight on a
 quiet input channel is not worth coarsening the whole group for (AWQ/GPTQ-style clip search).
 
-On CUDA, decode-sized batches (<= 8 rows) of INT4 run a GEMV: with `INT4_GEMV = "a8"` (the
+On CUDA, decode-sized batches (<= 8 rows) of INT4 run a GEMV: with `INT4_GEMV = "a8p"` (the
 default) the W4A8 one (ops/gemv_int_a8.py: x rounded to int8 per 32 columns, `dp4a`; faster,
 not exact in x: on the default model its rounding of x alone costs a KL of 0.005 against the
 0.53-0.66 of INT4's weights, bench/results/quant-quality-cpu-smollm2-w4a8.json), with "a16" the
-weight-only one on the tensor cores (ops/gemv_quant.py; x stays bf16/fp16).
+weight-only one on the tensor cores (ops/gemv_quant.py; x stays bf16/fp16). With "a8p" the
+kernel that makes x (RMSNorm, SiLU-and-mul) hands it over rounded (Linear.input_quant), the
+GEMV rounds the rest (the attention output) by a launch of its own; "a8" rounds every x so.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from skyline.quant.base import (
     unpack_nibbles,
 )
 
-INT4_GEMV = "a8"  # INT4 on CUDA at <= 8 rows: "a8" int8 activations, "a16" weight-only
+INT4_GEMV = "a8p"  # INT4 on CUDA at <= 8 rows: "a8p" / "a8" int8 activations, "a16" weight-only
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
 
 
@@ -116,7 +118,7 @@ class IntLinearMethod(QuantLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor | Int8Chunks) -> torch.Tensor:
         # x comes as Int8Chunks when input_quant asked its producer for them
-        if isinstance(x, Int8Chunks) or self.input_quant(layer, x) == "int8":
+        if isinstance(x, Int8Chunks) or self._w4a8(layer, x):
             return int4_gemv_a8(x, layer.qweight, layer.scales, layer.zeros, self.group_size,
                                 bias=layer.bias)
         if not hasattr(layer, "qweight"):  # prepacked for the CPU: every input on the planes
@@ -131,12 +133,15 @@ class IntLinearMethod(QuantLinearMethod):
         return int_codes_linear(x, *args, bias=layer.bias)
 
     def input_quant(self, layer: Linear, x: torch.Tensor) -> str | None:
-        """"int8" where x (made by a norm or activation kernel, or about to be) goes to the W4A8
-        GEMV, which takes it rounded (Int8Chunks)."""
-        wants = (INT4_GEMV == "a8" and self.bits == 4 and self.group_size % CHUNK == 0
-                 and hasattr(layer, "qweight") and layer.zeros.dtype == torch.uint8
-                 and quant_gemv_ok(x))
-        return "int8" if wants else None
+        """"int8" where x, about to be made by a norm or activation kernel, should come rounded
+        (Int8Chunks) for this layer's W4A8 GEMV."""
+        return "int8" if INT4_GEMV == "a8p" and self._w4a8(layer, x) else None
+
+    def _w4a8(self, layer: Linear, x: torch.Tensor) -> bool:
+        """Whether x (or the x about to be made) goes to the W4A8 GEMV."""
+        return (INT4_GEMV in ("a8p", "a8") and self.bits == 4 and self.group_size % CHUNK == 0
+                and hasattr(layer, "qweight") and layer.zeros.dtype == torch.uint8
+                and quant_gemv_ok(x))
 
     def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
         """The layer's codes as planes of torch's CPU int4 kernel (ops/cpu_int4.py: one for

@@ -1,8 +1,8 @@
 """The W4A8 GEMV (ops/gemv_int_a8.py: INT4 weights against int8 x by dp4a) against its
 reference over rows 1..8, K tails, group sizes, split-K, scales stored row- or group-major, bias
 and dtypes; the rounding of x; its distance from the weight-only product; the input checks; and
-the INT4 Linear's "a8" mode. On CPU in Triton's interpreter (the portable byte-by-byte dot), on
-a GPU with the PTX routine.
+the INT4 Linear's modes. On CPU in Triton's interpreter (the portable byte-by-byte dot), on a
+GPU with the PTX routine.
 
 Every weight, scale and zero tensor sits at the start of a larger buffer whose tail is NaN (or
 0xFF bytes), and the padding columns past K hold random codes, so a program that reads past a
@@ -197,9 +197,11 @@ def test_input_errors(bad):
         int4_gemv_a8(x, *args, group, bias=bias, config=config)
 
 
-def test_linear_mode_a8(monkeypatch):
-    """INT4_GEMV = "a8": CUDA decode rows run the W4A8 GEMV (its reference's values), other
-    inputs (CPU, more than 8 rows) keep the exact weight-only path."""
+@pytest.mark.parametrize("mode", ["a8p", "a8", "a16"])
+def test_linear_modes(monkeypatch, mode):
+    """INT4_GEMV "a8p" / "a8": CUDA decode rows run the W4A8 GEMV (its reference's values),
+    other inputs (CPU, more than 8 rows) keep the exact weight-only path; "a8p" asks the
+    producer for x rounded. "a16": weight-only everywhere."""
     from types import SimpleNamespace
 
     from skyline.model.layers.linear import Linear
@@ -212,18 +214,18 @@ def test_linear_mode_a8(monkeypatch):
     layer.weight.data.copy_(w)
     method.process_weights_after_loading(layer)
     layer.to(DEV)
-    monkeypatch.setattr(intq, "INT4_GEMV", "a8")
+    monkeypatch.setattr(intq, "INT4_GEMV", mode)
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32  # the GEMVs take bf16 / fp16
     x = torch.randn(2, 96, device=DEV).to(dtype)
     args = (layer.qweight, layer.scales, layer.zeros)
     y = layer(x).float()
-    if DEV == "cuda":
+    if DEV == "cuda" and mode != "a16":
         ref = int4_gemv_a8_ref(x, *args, 32).float()
     else:
         ref = int_gemv_ref(x, *args, 4, 32)
     assert (y - ref).abs().max().item() <= TOL[dtype] * ref.abs().max().item()
     # a producer's rounding, handed over when the layer asks for it (on CUDA decode rows)
-    assert layer.input_quant(x) == ("int8" if DEV == "cuda" else None)
+    assert layer.input_quant(x) == ("int8" if DEV == "cuda" and mode == "a8p" else None)
     yc = layer(int8_chunks_ref(x)).float()
     assert (yc - int4_gemv_a8_ref(x, *args, 32).float()).abs().max().item() <= (
         TOL[dtype] * ref.abs().max().item())
