@@ -7,9 +7,9 @@ bandwidth measured in the same run: where the INT4 GEMV loses its bytes' worth o
 
 For each shape (the Llama-3.1-8B projections by default): bf16 (`gemv`), fp8 W8A8 with x
 quantized beforehand (`fp8_gemv_a8`, what the norm / SiLU kernels hand it at decode), INT8 and
-INT4 group-128 (`int_gemv`), each with its tuned launch configuration, timed as
-bench/tune_gemv.py times (one CUDA graph of back-to-back calls over weight copies that L2 cannot
-hold). Reported: microseconds a call, weight bytes a call (with scales and zeros), and their rate
+INT4 group-128 (`int_gemv`), INT4 against int8 x (`int4_gemv_a8`, x rounded beforehand), each
+with its tuned launch configuration, timed as bench/tune_gemv.py times (one CUDA graph of
+back-to-back calls over weight copies that L2 cannot hold). Reported: microseconds a call, weight bytes a call (with scales and zeros), and their rate
 as a fraction of the copy bandwidth.
 """
 
@@ -24,6 +24,7 @@ import torch
 from skyline.bench.offline import machine_info, save_json
 from skyline.ops.fp8_quant import quantize_rows_fp8
 from skyline.ops.gemv import gemv
+from skyline.ops.gemv_int_a8 import int4_gemv_a8, round_to_int8_chunks
 from skyline.ops.gemv_quant import FP8, INT4, INT8, fp8_gemv_a8, int_gemv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,12 +44,15 @@ def formats(n: int, k: int, x: torch.Tensor) -> dict:
     copies = max(1, -(-ROTATE_BYTES // (w.numel() * 2)))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     out["bf16"] = (w.numel() * 2, [lambda w=w: gemv(x, w) for w in ws])
-    for name, kind in (("fp8a8q", FP8), ("int8", INT8), ("int4", INT4)):
+    for name, kind in (("fp8a8q", FP8), ("int8", INT8), ("int4", INT4), ("int4a8", INT4)):
         args, nbytes = make_weights(kind, n, k, GROUP)
         copies = max(1, -(-ROTATE_BYTES // nbytes))
         sets = [args] + [tuple(t.clone() for t in args) for _ in range(copies - 1)]
         if kind == FP8:
             fns = [lambda a=a: fp8_gemv_a8(xq, xs, *a) for a in sets]
+        elif name == "int4a8":  # x rounded beforehand, as the norm / SiLU kernels hand it
+            xr = round_to_int8_chunks(x)
+            fns = [lambda a=a: int4_gemv_a8(xr, *a, GROUP) for a in sets]
         else:
             bits = 4 if kind == INT4 else 8
             fns = [lambda a=a, b=bits: int_gemv(x, *a, b, GROUP) for a in sets]
