@@ -72,11 +72,11 @@ INT4A8 = 5  # INT4 weights against int8 x by dp4a (ops/gemv_int_a8.py): "gemv_in
 KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q,
          "int4a8": INT4A8}
 NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q", INT4A8: "int4a8"}
-# INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps): registers only, no tensor cores, no pipelining;
-# each with and without the next tile's words loaded ahead (PREFETCH)
-INT4A8_TILES = [(2, 4096, 4), (2, 8192, 4), (4, 2048, 4), (4, 4096, 2), (4, 4096, 4),
-                (4, 4096, 8), (4, 8192, 4), (8, 1024, 4), (8, 2048, 4), (8, 4096, 8),
-                (16, 1024, 4), (16, 2048, 8), (32, 512, 4)]
+# INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps): registers only, no tensor cores, no pipelining,
+# at least one 32-column chunk per thread (BLOCK_K >= 1,024 num_warps: below that the layout
+# changes inside the K loop); each with and without the next tile's words loaded ahead
+INT4A8_TILES = [(1, 4096, 4), (2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (16, 4096, 4),
+                (2, 2048, 2), (4, 2048, 2), (8, 2048, 2), (4, 8192, 8), (8, 8192, 8)]
 
 
 def default(kind: int, m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, Any]:

@@ -107,16 +107,16 @@ def int4_gemv_a8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
-    """What the H200's tables chose for every Llama-3.1-8B projection at one row: tiles of 4
-    rows and up to 4,096 columns (2 KiB of each row), with K split while there are fewer
-    programs than SMs and each split keeps at least two K tiles; no loads ahead."""
+    """Tiles of 4 rows and up to 4,096 columns (2 KiB of each row), a warp per 1,024 columns
+    (one chunk of 32 per thread), with K split while there are fewer programs than SMs and each
+    split keeps at least two K tiles; no loads ahead."""
     block_n, block_k = 4, min(4096, max(32, 1 << (k - 1).bit_length()))
     split_k = 1
     while (_cdiv(n, block_n) * split_k < num_sms and k // (2 * split_k) >= 2 * block_k
            and split_k < 16):
         split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
-            "num_stages": 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+            "num_warps": max(1, min(4, block_k // 1024)), "num_stages": 1}
 
 
 @functools.cache

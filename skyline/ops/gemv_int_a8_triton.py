@@ -104,15 +104,16 @@ if triton is not None:
         PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
-        # [pid_k * k_iters, +k_iters), streaming [BLOCK_N, BLOCK_K / 32, 4] weight words (chunk
+        # [pid_k * k_iters, +k_iters), streaming [BLOCK_K / 32, BLOCK_N, 4] weight words (chunk
         # c of a row: words 4c .. 4c + 3, columns 32c .. 32c + 31; word w's low nibbles are
-        # columns 8w, 8w + 2, .., its high ones 8w + 1, ..). Tiles are [BLOCK_N, chunks,
-        # BLOCK_M, 4 words]: rows of x come after chunks, so that the loads of weights, of x and
-        # of per-chunk values all spread their threads over N, then chunks. Every value besides
-        # the weights (x's words and per-chunk floats from quantize_x_words_kernel, the chunk's
-        # group scale and zero) is loaded in the layout of the words it meets (x's from L1), so
-        # nothing changes layout inside the loop. A chunk's four dp4a sums add up exactly in
-        # int32, then scale * (dot * x_scale - zero * x_scale * sum(x_q)) joins the float32 sum.
+        # columns 8w, 8w + 2, .., its high ones 8w + 1, ..). Tiles are [chunks, BLOCK_N,
+        # BLOCK_M, 4 words]: the loads spread their threads over chunks, so a thread holds all
+        # BLOCK_N rows of its chunks and loads x's words and per-chunk floats ([chunks, 1,
+        # BLOCK_M, .]) once for all of them, from L1. Everything is loaded in the layout of the
+        # words it meets, so nothing changes layout inside the loop (for BLOCK_K / 32 chunks at
+        # least as many as the threads: smaller tiles leave warps without chunks of their own).
+        # A chunk's four dp4a sums add up exactly in int32, then
+        # scale * (dot * x_scale - zero * x_scale * sum(x_q)) joins the float32 sum.
         # PREFETCH (EVEN_K): the next tile's words are loaded before this one's are used.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -125,20 +126,19 @@ if triton is not None:
         offs_j = tl.arange(0, 4)
         n_mask = offs_n < N
         m_mask = offs_m < M
-        n4 = offs_n[:, None, None, None]
-        c4 = offs_c[None, :, None, None]
+        c4 = offs_c[:, None, None, None]
+        n4 = offs_n[None, :, None, None]
         m4 = offs_m[None, None, :, None]
-        zero4 = tl.zeros((BLOCK_N, BC, BLOCK_M, 4), dtype=tl.int32)
-        zero1 = tl.zeros((BLOCK_N, BC, BLOCK_M, 1), dtype=tl.int32)
+        j4 = offs_j[None, None, None, :]
         w_ptrs = (w_ptr + n4.to(tl.int64) * stride_wn + (c_start + c4) * 4
-                  + offs_j[None, None, None, :])  # [BLOCK_N, BC, 1, 4]
-        x_offs = m4 * (KC * 4) + (c_start + c4) * 4 + offs_j[None, None, None, :] + zero4
-        f_offs = (m4 * KC + c_start + c4) * 2 + zero1  # [BLOCK_N, BC, BLOCK_M, 1]
-        g_offs = n4 * stride_sn + tl.zeros((BLOCK_N, BC, 1, 1), dtype=tl.int32)
+                  + j4)  # [BC, BLOCK_N, 1, 4]
+        x_offs = m4 * (KC * 4) + (c_start + c4) * 4 + j4  # [BC, 1, BLOCK_M, 4]
+        f_offs = (m4 * KC + c_start + c4) * 2  # [BC, 1, BLOCK_M, 1]
+        g_offs = n4 * stride_sn + tl.zeros((BC, 1, 1, 1), dtype=tl.int32)  # [BC, BLOCK_N, 1, 1]
         n_ok = n4 < N
-        x_ok = (m4 < M) & (zero4 == 0)
-        f_ok = (m4 < M) & (zero1 == 0)
-        acc = tl.zeros((BLOCK_N, BC, BLOCK_M, 1), dtype=tl.float32)
+        x_ok = (m4 < M) & (j4 >= 0)
+        f_ok = m4 < M
+        acc = tl.zeros((BC, BLOCK_N, BLOCK_M, 1), dtype=tl.float32)
         n_iters = STATIC_ITERS if STATIC_ITERS > 0 else k_iters
         PF: tl.constexpr = PREFETCH and EVEN_K
         if PF:
@@ -147,23 +147,23 @@ if triton is not None:
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
             c0 = c_start + it * BC
-            w_mask = n_ok  # [BLOCK_N, 1, 1, 1], or [BLOCK_N, BC, 1, 1] past here
+            w_mask = n_ok  # [1, BLOCK_N, 1, 1], or [BC, BLOCK_N, 1, 1] past here
             xw_mask = x_ok
             f_mask = f_ok
             if not EVEN_K:
                 # a chunk that starts at or past K (past the weights' padded Kp and the x
                 # buffers' KC) loads nothing
-                in_k = (c0 + offs_c)[None, :, None, None] < KC
+                in_k = (c0 + offs_c)[:, None, None, None] < KC
                 w_mask = w_mask & in_k
                 xw_mask = xw_mask & in_k
                 f_mask = f_mask & in_k
             if PF:
                 wv = w_next
-                more = (offs_n * 0 + it + 1 < n_iters)[:, None, None, None]
+                more = (offs_n * 0 + it + 1 < n_iters)[None, :, None, None]
                 w_next = tl.load(w_ptrs + BC * 4, mask=n_ok & more, other=0)
             else:
                 wv = tl.load(w_ptrs, mask=w_mask, other=0)
-            g = ((c0 + offs_c) * 32 // GROUP)[None, :, None, None] * stride_sg
+            g = ((c0 + offs_c) * 32 // GROUP)[:, None, None, None] * stride_sg
             s = tl.load(s_ptr + g_offs + g, mask=w_mask, other=0.0)
             z = tl.load(z_ptr + g_offs + g, mask=w_mask, other=0).to(tl.float32)
             xo = x_offs + it * BC * 4
@@ -175,6 +175,6 @@ if triton is not None:
             d = tl.sum(_dot_words(wv, xa, xb, ASM), axis=3, keep_dims=True).to(tl.float32)
             acc += s * (d * u - z * v)
             w_ptrs += BC * 4
-        out = tl.sum(tl.sum(acc, axis=3), axis=1)
+        out = tl.sum(tl.sum(acc, axis=3), axis=0)
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
                          pid_n, pid_k, M, N, num_splits, HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M)
