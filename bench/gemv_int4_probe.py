@@ -9,8 +9,9 @@ For each shape (the Llama-3.1-8B projections by default): bf16 (`gemv`), fp8 W8A
 quantized beforehand (`fp8_gemv_a8`, what the norm / SiLU kernels hand it at decode), INT8 and
 INT4 group-128 (`int_gemv`), INT4 against int8 x (`int4_gemv_a8`, x rounded beforehand), each
 with its tuned launch configuration, timed as bench/tune_gemv.py times (one CUDA graph of
-back-to-back calls over weight copies that L2 cannot hold). Reported: microseconds a call, weight bytes a call (with scales and zeros), and their rate
-as a fraction of the copy bandwidth.
+back-to-back calls over weight copies that L2 cannot hold). Reported: microseconds a call,
+weight bytes a call (with scales and zeros), and their rate as a fraction of the copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def formats(n: int, k: int, x: torch.Tensor) -> dict:
             fns = [lambda a=a: fp8_gemv_a8(xq, xs, *a) for a in sets]
         elif name == "int4a8":  # x rounded beforehand, as the norm / SiLU kernels hand it
             xr = round_to_int8_chunks(x)
-            fns = [lambda a=a: int4_gemv_a8(xr, *a, GROUP) for a in sets]
+            fns = [lambda a=a, xr=xr: int4_gemv_a8(xr, *a, GROUP) for a in sets]
         else:
             bits = 4 if kind == INT4 else 8
             fns = [lambda a=a, b=bits: int_gemv(x, *a, b, GROUP) for a in sets]
