@@ -3,9 +3,10 @@
 At one row of x the INT4 GEMV on the tensor cores (gemv_quant.py) streams its weights at only
 ~0.3 of the copy bandwidth: the MMA wants each weight tile in its operand layout, so every tile
 goes through shared memory (Nsight Compute: L1/shared at 0.74 of its peak, DRAM at 0.30). This
-kernel keeps the weights in registers, in the layout they are loaded in. x is first rounded to
-int8 by a small kernel, one float scale per row and 32 columns (as llama.cpp's q8_1 for its
-quantized GEMVs); then each int32 word of weights (eight nibbles) meets two words of x in one
+kernel keeps the weights in registers, in the layout they are loaded in. x comes rounded to
+int8, one float scale per row and 32 columns (as llama.cpp's q8_1 for its quantized GEMVs), from
+the kernel that makes it (RMSNorm, SiLU-and-mul: Int8Chunks) or from a small kernel of its own
+(round_to_int8_chunks); then each int32 word of weights (eight nibbles) meets two words of x in one
 PTX routine: two masks and a shift split it into its four low and four high nibbles, and two
 `dp4a` multiply them by the matching int8 values of x and add, exactly, in int32. The four
 words of a 32-column chunk add up in int32, then scale[n, g] * (dot * x_scale - zero[n, g] *

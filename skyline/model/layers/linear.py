@@ -141,8 +141,7 @@ class Linear(nn.Module):
         linear_method.create_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x may also be ops/fp8_quant.Fp8Rows or ops/gemv_int_a8.Int8Chunks, as input_quant
-        # asked
+        # x may also come quantized (ops/fp8_quant.Fp8Rows, ops/gemv_int_a8.Int8Chunks)
         return self.linear_method.apply(self, x)
 
     def input_quant(self, x: torch.Tensor) -> str | None:
