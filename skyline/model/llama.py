@@ -51,7 +51,8 @@ class LlamaAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         kv = self.attn.kv_write(v)
         q, k = self.position_qk(positions, q, k, kv)
-        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None))  # [T, hidden_size]
+        quant = self.o_proj.input_quant(q.flatten(1))  # asks for the output o_proj takes
+        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None, quant=quant))
 
 
 class LlamaDecoderLayer(nn.Module):

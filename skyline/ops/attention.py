@@ -33,6 +33,7 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     shape_key,
 )
 from skyline.ops.attention_triton import triton
+from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
 
 
@@ -186,14 +187,18 @@ def paged_attention(
     query_start_loc_tensor: torch.Tensor | None = None,  # [num_seqs + 1] int32, on q's device
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> torch.Tensor:
-    """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills."""
+    int8_out: bool = False,
+) -> torch.Tensor | Int8Chunks:
+    """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills.
+    With `int8_out`, a pure decode batch whose splits are combined by a kernel (and a head
+    size that is a power of two and a multiple of 32) returns [T, H * D] rounded for the W4A8
+    GEMV, as Int8Chunks, from that kernel; otherwise the plain output."""
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                    num_decodes, seq_lens_tensor, k_scale, v_scale)
     if len(seq_lens) == num_decodes:  # a pure decode batch
         return paged_decode_attention(q, kv_cache, block_tables, seq_lens_tensor, scale,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale, int8_out=int8_out)
     out = torch.empty_like(q)
     if num_decodes:
         paged_decode_attention(q[:num_decodes], kv_cache, block_tables[:num_decodes],
@@ -242,7 +247,8 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     config: dict | None = None,  # None: decode_config (tuned, else the default)
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim] to write; None: new
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    int8_out: bool = False,  # see paged_attention
+) -> torch.Tensor | Int8Chunks:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
     group = num_heads // kvh
@@ -275,13 +281,22 @@ def paged_decode_attention(
         F16=_f16_tiles(q, k), PDL=pdl, num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=pdl,
     )
+    rounded = None
+    if int8_out and num_splits > 1 and head_dim == d_pad and head_dim % CHUNK == 0:
+        kc = num_heads * head_dim // CHUNK
+        rounded = Int8Chunks(
+            torch.empty(2, num_seqs, kc * 4, dtype=torch.int32, device=q.device),
+            torch.empty(num_seqs, kc, 2, dtype=torch.float32, device=q.device),
+            out.dtype, num_heads * head_dim)
     if num_splits > 1:
         kernels.combine_splits_kernel[(num_seqs * num_heads,)](
             ml, acc, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
             S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
-            PDL=pdl, num_warps=1, launch_pdl=pdl,
+            PDL=pdl, num_seqs=num_seqs, words_ptr=rounded and rounded.words,
+            floats_ptr=rounded and rounded.floats, INT8_OUT=rounded is not None,
+            INT8_MAX=INT8_MAX, num_warps=1, launch_pdl=pdl,
         )
-    return out
+    return out if rounded is None else rounded
 
 
 # ----------------------------------------------------------------------------------------

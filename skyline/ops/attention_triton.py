@@ -13,6 +13,7 @@ except ImportError:  # CPU-only installs: the references serve
     triton = None
 
 if triton is not None:
+    from skyline.ops.gemv_int_a8_triton import round_row_to_words
     from skyline.ops.pdl import pdl_wait
 
     @triton.jit
@@ -151,9 +152,13 @@ if triton is not None:
     def combine_splits_kernel(
         ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr, PDL: tl.constexpr,
+        D_PAD: tl.constexpr, PDL: tl.constexpr, num_seqs=1, words_ptr=None, floats_ptr=None,
+        INT8_OUT: tl.constexpr = False, INT8_MAX: tl.constexpr = 127.0,
     ):
-        # One program per (sequence, head): _combine_splits_ref in one launch.
+        # One program per (sequence, head): _combine_splits_ref in one launch. INT8_OUT
+        # (HEAD_DIM == D_PAD, a multiple of 32): the head's values as stored are also rounded
+        # to int8 words, chunks head * HEAD_DIM / 32 .. of the sequence's [heads * HEAD_DIM]
+        # row (ops/gemv_int_a8_triton.round_row_to_words).
         pdl_wait(PDL)
         row = tl.program_id(0)
         s = tl.arange(0, S_PAD)
@@ -169,6 +174,10 @@ if triton is not None:
         seq, head = row // num_heads, row % num_heads
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        if INT8_OUT:
+            round_row_to_words(out.to(out_ptr.dtype.element_ty).to(tl.float32), words_ptr,
+                               floats_ptr, seq, num_seqs, num_heads * (HEAD_DIM // 32),
+                               head * (HEAD_DIM // 32), HEAD_DIM // 32, INT8_MAX)
 
     @triton.jit
     def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,

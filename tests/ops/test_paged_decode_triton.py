@@ -13,6 +13,7 @@ triton = pytest.importorskip("triton")
 from paged_tables import shuffled_table  # noqa: E402
 
 from skyline.ops.attention import paged_attention_ref, paged_decode_attention  # noqa: E402
+from skyline.ops.gemv_int_a8 import int8_chunks_ref  # noqa: E402
 from skyline.ops.kv_quant import FP8_DTYPE, quantize_kv  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,3 +80,33 @@ def test_decode_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, p
     assert ref.abs().max() > 0.1  # v_scale applied: outputs of the size of V (~0.5)
     err = (out.double() - ref).norm() / ref.norm()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err.item()
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,num_splits,rounds", [
+    (4, 2, 32, 3, True), (2, 2, 64, 2, True), (32, 8, 128, 4, True),
+    (4, 2, 32, 1, False),  # no combine kernel: the plain output
+    (4, 4, 16, 3, False),  # heads narrower than a chunk: the plain output
+])
+def test_decode_int8_out_is_the_output_rounded(num_heads, num_kv_heads, head_dim, num_splits,
+                                               rounds):
+    """With int8_out the split combine hands the output over rounded for the W4A8 GEMV:
+    int8_chunks_ref of the [seqs, heads * head_dim] output it stores, bit for bit."""
+    if DEV == "cpu" and head_dim > 64:
+        pytest.skip("interpreter: small shapes only")
+    rng = random.Random(head_dim + num_splits)
+    g = torch.Generator().manual_seed(head_dim)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    seq_lens, page = [37, 1, 90], 16
+    num_blocks = sum(-(-n // page) for n in seq_lens) + 2
+    cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=g).to(DEV, dtype)
+    table = shuffled_table(seq_lens, page, num_blocks, rng).to(DEV)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEV, dtype)
+    lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    plain = paged_decode_attention(q, cache, table, lens_t, 0.1, num_splits)
+    got = paged_decode_attention(q, cache, table, lens_t, 0.1, num_splits, int8_out=True)
+    if not rounds:
+        assert torch.equal(got, plain)
+        return
+    want = int8_chunks_ref(plain.flatten(1))
+    assert got.dtype == dtype and got.cols == num_heads * head_dim
+    assert torch.equal(got.words, want.words) and torch.equal(got.floats, want.floats)

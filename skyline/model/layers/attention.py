@@ -14,6 +14,7 @@ from torch import nn
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
 from skyline.ops.attention import paged_attention
+from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from skyline.ops.kv_write import KVWrite, write_kv
 
@@ -61,7 +62,12 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_written: bool = False,  # k and v are already in the cache (see kv_write)
-    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        quant: str | None = None,  # "int8": the output as Int8Chunks where a kernel rounds it
+    ) -> torch.Tensor | Int8Chunks:  # [num_tokens, num_heads * head_dim]
+        """With quant "int8" (Linear.input_quant of the projection that follows), a pure decode
+        batch whose KV splits are combined by a kernel comes out rounded for the W4A8 GEMV, as
+        Int8Chunks; every other case, and any other request, returns the plain output (the
+        GEMV then rounds it itself)."""
         meta = get_forward_context()
         if meta is None:
             if self.kv_cache is not None and is_fp8(self.kv_cache):
@@ -87,7 +93,10 @@ class Attention(nn.Module):
                 query_start_loc_tensor=meta.query_start_loc_tensor,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
+                int8_out=quant == "int8",
             )
+            if isinstance(out, Int8Chunks):
+                return out
         return out.flatten(1, 2)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
