@@ -15,8 +15,9 @@ default) the W4A8 one (ops/gemv_int_a8.py: x rounded to int8 per 32 columns, `dp
 not exact in x: on the default model its rounding of x alone costs a KL of 0.005 against the
 0.53-0.66 of INT4's weights, bench/results/quant-quality-cpu-smollm2-w4a8.json), with "a16" the
 weight-only one on the tensor cores (ops/gemv_quant.py; x stays bf16/fp16). With "a8p" the
-kernel that makes x (RMSNorm, SiLU-and-mul) hands it over rounded (Linear.input_quant), the
-GEMV rounds the rest (the attention output) by a launch of its own; "a8" rounds every x so.
+kernel that makes x (RMSNorm, SiLU-and-mul, the split-KV combine of a decode batch's attention)
+hands it over rounded (Linear.input_quant); the GEMV rounds any other x by a launch of its own,
+as "a8" does for every x.
 """
 
 from __future__ import annotations
