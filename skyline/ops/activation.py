@@ -84,16 +84,14 @@ def silu_and_mul_int8_triton(x: torch.Tensor) -> Int8Chunks:
     """silu_and_mul_triton's result rounded to Int8Chunks (int8_chunks_ref's values), one
     program per FP8_BLOCK columns (32 chunks)."""
     num_tokens, d = x.shape[0], x.shape[1] // 2
-    kc = triton.cdiv(d, CHUNK)
     out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
-    words = torch.empty(2, num_tokens, kc * 4, dtype=torch.int32, device=x.device)
-    floats = torch.empty(num_tokens, kc, 2, dtype=torch.float32, device=x.device)
+    chunks = Int8Chunks.empty(num_tokens, d, x.dtype, x.device)
     pdl = use_pdl(x.device)
     _silu_and_mul_int8_kernel[(num_tokens, triton.cdiv(d, FP8_BLOCK))](
-        x, out, words, floats, num_tokens, d, kc, x.stride(0), out.stride(0), BLOCK=FP8_BLOCK,
-        INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        x, out, chunks.words, chunks.floats, num_tokens, d, triton.cdiv(d, CHUNK), x.stride(0),
+        out.stride(0), BLOCK=FP8_BLOCK, INT8_MAX=INT8_MAX, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
-    return Int8Chunks(words, floats, x.dtype, d)
+    return chunks
 
 
 DEFAULT_CONFIG: dict[str, Any] = {"BLOCK": 1024, "num_warps": 4}

@@ -283,11 +283,7 @@ def paged_decode_attention(
     )
     rounded = None
     if int8_out and num_splits > 1 and head_dim == d_pad and head_dim % CHUNK == 0:
-        kc = num_heads * head_dim // CHUNK
-        rounded = Int8Chunks(
-            torch.empty(2, num_seqs, kc * 4, dtype=torch.int32, device=q.device),
-            torch.empty(num_seqs, kc, 2, dtype=torch.float32, device=q.device),
-            out.dtype, num_heads * head_dim)
+        rounded = Int8Chunks.empty(num_seqs, num_heads * head_dim, out.dtype, q.device)
     if num_splits > 1:
         kernels.combine_splits_kernel[(num_seqs * num_heads,)](
             ml, acc, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,

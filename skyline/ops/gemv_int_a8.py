@@ -62,6 +62,14 @@ class Int8Chunks(NamedTuple):
     dtype: torch.dtype
     cols: int
 
+    @classmethod
+    def empty(cls, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+              ) -> Int8Chunks:
+        """Uninitialised buffers for `rows` x `cols` activations, for a kernel to fill."""
+        kc = _cdiv(cols, CHUNK)
+        return cls(torch.empty(2, rows, kc * 4, dtype=torch.int32, device=device),
+                   torch.empty(rows, kc, 2, dtype=torch.float32, device=device), dtype, cols)
+
 
 def int8_chunks_ref(x: torch.Tensor) -> Int8Chunks:
     """x [M, K] rounded by the reference, in Int8Chunks' layout."""
@@ -133,13 +141,12 @@ def round_to_int8_chunks(x: torch.Tensor) -> Int8Chunks:
     """x [M, K] (last dim contiguous) rounded by one launch: int8_chunks_ref's values."""
     m, k = x.shape
     kc = _cdiv(k, CHUNK)
-    words = torch.empty(2, m, kc * 4, dtype=torch.int32, device=x.device)
-    floats = torch.empty(m, kc, 2, dtype=torch.float32, device=x.device)
+    out = Int8Chunks.empty(m, k, x.dtype, x.device)
     pdl = use_pdl(x.device)
     kernels.quantize_x_words_kernel[(m, _cdiv(kc, _XQ))](
-        x, words, floats, m, k, kc, x.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl,
+        x, out.words, out.floats, m, k, kc, x.stride(0), XQ=_XQ, INT8_MAX=INT8_MAX, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
-    return Int8Chunks(words, floats, x.dtype, k)
+    return out
 
 
 def int4_gemv_a8(x: torch.Tensor | Int8Chunks, qweight: torch.Tensor, scales: torch.Tensor,

@@ -155,19 +155,17 @@ def _launch_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 def _launch_int8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  out: torch.Tensor, eps: float, config: dict[str, Any] | None) -> Int8Chunks:
     t, d = x.shape
-    kc = triton.cdiv(d, CHUNK)
-    words = torch.empty(2, t, kc * 4, dtype=torch.int32, device=x.device)
-    floats = torch.empty(t, kc, 2, dtype=torch.float32, device=x.device)
+    chunks = Int8Chunks.empty(t, d, out.dtype, x.device)
     config = config or _config("rms_norm" if residual is None else "fused_add_rms_norm", d,
                                x.dtype, token_bucket(t))
-    _launch(x, residual, weight, out, eps, {**config, "BLOCK_M": 1}, int8=(words, floats))
-    return Int8Chunks(words, floats, out.dtype, d)
+    _launch(x, residual, weight, out, eps, {**config, "BLOCK_M": 1}, int8=chunks)
+    return chunks
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             out: torch.Tensor, eps: float, config: dict[str, Any] | None,
             scale: torch.Tensor | None = None,
-            int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            int8: Int8Chunks | None = None) -> None:
     # x/out [T, d] or [T, H, d], residual [T, d]: rows are (token, head) pairs
     x3, out3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
     num_tokens, num_heads, d = x3.shape
@@ -182,10 +180,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_M=config["BLOCK_M"],
         BLOCK_N=max(triton.next_power_of_2(d), CHUNK if int8 else 1), PDL=pdl,
-        num_warps=config["num_warps"],
-        scale_ptr=scale, FP8_OUT=scale is not None, FP8_MAX=FP8_MAX,
-        ROUND_E4M3=software_rounding(), words_ptr=int8 and int8[0], floats_ptr=int8 and int8[1],
-        INT8_OUT=int8 is not None, INT8_MAX=INT8_MAX, launch_pdl=pdl,
+        num_warps=config["num_warps"], scale_ptr=scale, FP8_OUT=scale is not None,
+        FP8_MAX=FP8_MAX, ROUND_E4M3=software_rounding(), words_ptr=int8 and int8.words,
+        floats_ptr=int8 and int8.floats, INT8_OUT=int8 is not None, INT8_MAX=INT8_MAX,
+        launch_pdl=pdl,
     )
 
 
