@@ -19,7 +19,7 @@ from skyline.engine.frontend import LLM
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
 from skyline.ops.pdl import use_pdl
-from skyline.quant import intq
+from skyline.quant import fp8, intq
 from skyline.types import SamplingParams
 
 
@@ -66,8 +66,6 @@ def main() -> None:
     if a.int4_gemv is not None:
         intq.INT4_GEMV = a.int4_gemv
     if a.fp8_gemv is not None:
-        from skyline.quant import fp8
-
         fp8.GEMV_ACTIVATIONS = a.fp8_gemv
     bw = copy_bandwidth()
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + a.new_tokens + 16,
@@ -114,7 +112,7 @@ def main() -> None:
         "model": a.model, "dtype": llm.config.model.dtype, "prompt_len": a.prompt_len,
         "new_tokens": a.new_tokens, "cuda_graphs": not a.enforce_eager,
         "kv_cache_dtype": llm.config.cache.kv_cache_dtype,
-        "quantization": llm.config.model.quant.method, "fp8_gemv": a.fp8_gemv or "a8p",
+        "quantization": llm.config.model.quant.method, "fp8_gemv": fp8.GEMV_ACTIVATIONS,
         "int4_gemv": intq.INT4_GEMV,
         "lm_head_fp8": llm.config.model.quant.lm_head,
         "pdl": use_pdl(torch.device("cuda")),  # programmatic dependent launch (SKYLINE_PDL)

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from skyline.bench.offline import random_prompts, save_json
 from skyline.engine.frontend import LLM
 from skyline.ops.pdl import use_pdl
+from skyline.quant import fp8, intq
 from skyline.types import SamplingParams
 
 
@@ -36,8 +37,6 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.fp8_gemv is not None:
-        from skyline.quant import fp8
-
         fp8.GEMV_ACTIVATIONS = a.fp8_gemv
     extra = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256,
@@ -91,7 +90,8 @@ def main() -> None:
            "kv_cache_dtype": a.kv_cache_dtype,
            # With programmatic dependent launch a kernel's time includes its wait for the
            # previous one: the kernel table then overlaps and does not add up to the step.
-           "pdl": use_pdl(torch.device("cuda")), "fp8_gemv": a.fp8_gemv,
+           "pdl": use_pdl(torch.device("cuda")), "fp8_gemv": fp8.GEMV_ACTIVATIONS,
+           "int4_gemv": intq.INT4_GEMV,
            "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
