@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TAG=${TAG:-int4a8}
 python3 -m pytest -q -p no:cacheprovider tests/ops/test_gemv_int_a8.py ${TESTS:-} 2>&1 | tail -3
-[ "${TUNE:-1}" = 1 ] && python3 bench/tune_gemv_quant.py --kinds int4a8 --rows ${ROWS:-1 2 4 8} --budget-s ${BUDGET:-200} \
-  --report "$OUT/gemv-quant-tune-int4a8-$TAG-h200.json" 2>&1 | grep -v "^ *$" | tail -40
+[ "${TUNE:-1}" = 1 ] && python3 bench/tune_gemv_quant.py --kinds int4a8 --rows ${ROWS:-1 2 4 8} \
+  --budget-s ${BUDGET:-200} --report "$OUT/gemv-quant-tune-int4a8-$TAG-h200.json" 2>&1 \
+  | grep -v "^ *$" | tail -40
 SKIP="kernels tests profile" QUANTS=${QUANTS:-int4 int4:a16} TAG=$TAG bash bench/h200_decode_b1.sh
