@@ -13,19 +13,7 @@ from skyline.ops import fp8_linear
 from skyline.quant import fp8
 
 pytest.importorskip("triton")
-transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny_llama_fp8")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+pytest.importorskip("transformers")
 
 
 def fp8_model(path: str, device: str):
@@ -64,7 +52,7 @@ def a8q_then_a8p(model, device: str, monkeypatch) -> tuple[torch.Tensor, torch.T
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter (CPU machines); "
                     "the CUDA test below covers GPUs")
-def test_producers_hand_over_rows_on_the_decode_path(hf_dir, monkeypatch):
+def test_producers_hand_over_rows_on_the_decode_path(tiny_llama_dir, monkeypatch):
     # CPU: the GEMV runs in Triton's interpreter as if the CPU had fp8 units, the producers'
     # references make the rows. Against every Linear quantizing its own input per row ("a8q",
     # the same reference), qkv and gate/up get the same rows, and so does down (SiLU's
@@ -74,7 +62,7 @@ def test_producers_hand_over_rows_on_the_decode_path(hf_dir, monkeypatch):
     monkeypatch.setattr(fp8_linear, "quant_gemv_ok", decode)
     monkeypatch.setattr(fp8_linear, "has_fp8_units", lambda device: True)
     monkeypatch.setattr(fp8, "fp8_gemv_takes_rows", decode)
-    model = fp8_model(hf_dir, "cpu")
+    model = fp8_model(tiny_llama_dir, "cpu")
     want, got, calls = a8q_then_a8p(model, "cpu", monkeypatch)
     # per layer: qkv (input norm), gate/up (post-attention norm), down (SiLU-and-mul) take
     # rows; o_proj (attention output) quantizes in its GEMV
@@ -88,10 +76,10 @@ def test_producers_hand_over_rows_on_the_decode_path(hf_dir, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_decode_takes_rows_from_producers(hf_dir, monkeypatch):
+def test_cuda_decode_takes_rows_from_producers(tiny_llama_dir, monkeypatch):
     # On the GPU the norm / SiLU kernels quantize; against every Linear quantizing its own input
     # ("a8q", the per-row kernel) qkv and gate/up get the same rows, down finer-scaled ones.
-    model = fp8_model(hf_dir, "cuda")
+    model = fp8_model(tiny_llama_dir, "cuda")
     want, got, calls = a8q_then_a8p(model, "cuda", monkeypatch)
     assert sum(calls) == 3 * 2 and len(calls) == 4 * 2  # o_proj quantizes in its GEMV
     assert rel_err(got, want) < 2e-2

@@ -15,19 +15,7 @@ from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.quant import intq
 
 pytest.importorskip("triton")
-transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny_llama_int4")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+pytest.importorskip("transformers")
 
 
 def run(model, n: int = 3) -> torch.Tensor:
@@ -37,11 +25,11 @@ def run(model, n: int = 3) -> torch.Tensor:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter (CPU machines)")
-def test_producers_hand_over_int8_chunks_on_the_decode_path(hf_dir, monkeypatch):
+def test_producers_hand_over_int8_chunks_on_the_decode_path(tiny_llama_dir, monkeypatch):
     # bf16 rows of at most 8 count as a decode batch on this CPU, as on a GPU
     decode = lambda x: x.dtype == torch.bfloat16 and x.dim() == 2 and len(x) <= 8  # noqa: E731
     monkeypatch.setattr(intq, "quant_gemv_ok", decode)
-    cfg, _ = create_engine_config(EngineArgs(model=hf_dir, dtype="bfloat16", device="cpu",
+    cfg, _ = create_engine_config(EngineArgs(model=tiny_llama_dir, dtype="bfloat16", device="cpu",
                                              quantization="int4", quant_group_size=32))
     model = load_model(cfg.model, "cpu")
     calls: list[int] = []  # per W4A8 GEMV call: 1 if it received Int8Chunks
