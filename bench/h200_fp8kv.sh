@@ -7,8 +7,10 @@
 #   MODEL=llama-3.1-8b bash bench/h200_fp8kv.sh      # results in $OUT
 #   KVS=fp8 QUANT=fp8 SKIP="tests decode" bash bench/h200_fp8kv.sh   # fp8 weights and KV only
 #   KVS=fp8 QUANT="none fp8" SKIP="tune decode" ...   # both weight formats, one after the other
-# Stages can be skipped: SKIP="tests tune decode offline". The tune stage measures the fp8-KV
-# decode kernel's launch configurations at the offline run's batch sizes first (table -> $OUT).
+#   WORDS="1 0" KVS=fp8 ...   # the fp8 cache read as int32 words (default) and as fp8 (0)
+# Stages can be skipped: SKIP="tests tune decode profile offline". The tune stage measures the
+# fp8-KV decode kernel's launch configurations at the offline run's batch sizes first (table ->
+# $OUT); the profile stage times one decode step of 256 sequences at a 1,000-token context.
 # Carry the wheels in .whl (gguf is missing).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -44,13 +46,24 @@ for kv in ${KVS:-auto fp8}; do
         | grep -E "decode_tok_s\"|fraction|roofline_tok_s"
     done
   fi
-  if ! skip offline; then
+  for words in ${WORDS:-1}; do
+    export SKYLINE_KV_FP8_WORDS=$words
+    tag=""; [ "$words" = 0 ] && tag=-fp8tiles
     for q in $Q; do
-      echo "== offline 1000 x (1000, 1000), weights $q, kv $kv"
-      python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
-        --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
-        --max-model-len 2048 --kv-cache-dtype $kv --quantization $q \
-        --output "$OUT/offline-h200-$M-1000x1000-w$q-kv$kv.json" 2>&1 | tail -4
+      if ! skip profile; then
+        echo "== decode step, 256 x 1000 context, weights $q, kv $kv, words $words"
+        python3 bench/profile_step.py --model "$M" --batch 256 --input-len 1000 --steps 10 \
+          --quantization $q --kv-cache-dtype $kv \
+          --out "$OUT/profile-h200-$M-b256-w$q-kv$kv$tag.json" 2>&1 | tail -3
+      fi
+      if ! skip offline; then
+        echo "== offline 1000 x (1000, 1000), weights $q, kv $kv, words $words"
+        python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
+          --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
+          --max-model-len 2048 --kv-cache-dtype $kv --quantization $q \
+          --output "$OUT/offline-h200-$M-1000x1000-w$q-kv$kv$tag.json" 2>&1 | tail -4
+      fi
     done
-  fi
+  done
+  unset SKYLINE_KV_FP8_WORDS
 done

@@ -15,6 +15,8 @@ from shapes and the batch size only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -236,6 +238,15 @@ def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
     return k.dtype.itemsize == 1 and q.dtype == torch.bfloat16
 
 
+def _fp8_words(k: torch.Tensor, head_dim: int) -> int:
+    # an fp8 cache is read as int32 words (attention_triton._load_kv_tile): 2 when compiled
+    # (PTX conversion), 1 in Triton's interpreter; 0 for other caches, or with
+    # SKYLINE_KV_FP8_WORDS=0 (the fp8 tiles as loaded, for comparison)
+    if k.dtype.itemsize != 1 or head_dim % 4 or os.environ.get("SKYLINE_KV_FP8_WORDS") == "0":
+        return 0
+    return 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -278,8 +289,8 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         SPLIT=num_splits > 1, PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"],
-        F16=_f16_tiles(q, k), PDL=pdl, num_warps=config["num_warps"],
-        num_stages=config["num_stages"], launch_pdl=pdl,
+        F16=_f16_tiles(q, k), PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
     )
     rounded = None
     if int8_out and num_splits > 1 and head_dim == d_pad and head_dim % CHUNK == 0:
@@ -330,7 +341,7 @@ def paged_prefill_attention(
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
-        PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
-        launch_pdl=pdl,
+        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), num_warps=config["num_warps"],
+        num_stages=config["num_stages"], launch_pdl=pdl,
     )
     return out

@@ -26,15 +26,55 @@ if triton is not None:
         return tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=pos < end, other=0)
 
     @triton.jit
+    def _e4m3_byte(words, SHIFT: tl.constexpr):
+        # (the interpreter converts the NaN code 0x7f / 0xff to -+480; the GPU's cvt to NaN)
+        b = (words >> SHIFT) & 0xFF
+        f16 = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), f16).to(tl.float16)
+
+    @triton.jit
+    def _e4m3_words_to_f16(words, ASM: tl.constexpr):
+        # [N, W] int32 words of four e4m3 bytes each -> [N, 4 W] fp16, byte j of word w at
+        # column 4 w + j. ASM: two `cvt.rn.f16x2.e4m3x2` per word; else (Triton's interpreter)
+        # each byte reinterpreted and converted.
+        if ASM:
+            b0, b1, b2, b3 = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+                "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; "
+                "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+                "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+        else:
+            b0 = _e4m3_byte(words, 0)
+            b1 = _e4m3_byte(words, 8)
+            b2 = _e4m3_byte(words, 16)
+            b3 = _e4m3_byte(words, 24)
+        f16 = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [N, W, 2, 2]: [.., j, i] = b(2 j + i)
+        return tl.reshape(f16, (words.shape[0], 4 * words.shape[1]))
+
+    @triton.jit
     def _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
-                      stride_kh, PAGE: tl.constexpr, DTYPE: tl.constexpr):
+                      stride_kh, PAGE: tl.constexpr, DTYPE: tl.constexpr, FP8_WORDS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
         # K and V rows of context positions `pos` [N] on pages `blk` [N], converted to the
         # compute dtype DTYPE (exact from fp8 e4m3; the kernels apply the fp8 scales to scores
-        # and output, not to each element).
+        # and output, not to each element). FP8_WORDS (an fp8 cache, HEAD_DIM % 4 == 0): the
+        # rows are read as int32 words and converted by _e4m3_words_to_f16 (ASM when 2). Read
+        # as fp8, the compiler feeds V to the tensor cores from shared memory one byte at a
+        # time (the MMA wants consecutive tokens in a register); from fp16 tiles it transposes
+        # V with ldmatrix as it does a bf16 cache's.
         row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
-        kv_mask = valid[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8_WORDS:
+            w = tl.arange(0, D_PAD // 4)
+            w_mask = valid[:, None] & (w < HEAD_DIM // 4)[None, :]
+            word = row[:, None] // 4 + w[None, :]
+            k = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + word, mask=w_mask, other=0)
+            v = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + word, mask=w_mask, other=0)
+            k = _e4m3_words_to_f16(k, FP8_WORDS == 2)
+            v = _e4m3_words_to_f16(v, FP8_WORDS == 2)
+        else:
+            kv_mask = valid[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         return k.to(DTYPE), v.to(DTYPE)
 
     @triton.jit
@@ -71,14 +111,15 @@ if triton is not None:
     @triton.jit
     def _decode_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, blk, start, end, offs, d,
                      dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks, stride_kh,
-                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
         # The decode loop body: context positions [start, start + BLOCK_N) on pages `blk`.
         # Returns the new (m, l_sum, acc) and the next tile's page ids.
         pos = start + offs
         valid = pos < end
         blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
-                             stride_kh, PAGE, q.dtype)
+                             stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
         m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
         return m, l_sum, acc, blk_next
 
@@ -90,7 +131,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         SPLIT: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
-        F16: tl.constexpr, PDL: tl.constexpr,
+        F16: tl.constexpr, PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
     ):
         # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
         # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
@@ -127,13 +168,13 @@ if triton is not None:
                 m, l_sum, acc, blk = _decode_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, blk, tile, end, offs, d,
                     dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks, stride_kh,
-                    PAGE, BLOCK_N, IEEE)
+                    PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
         else:
             while start < end:
                 m, l_sum, acc, blk = _decode_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, blk, start, end, offs, d,
                     dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks, stride_kh,
-                    PAGE, BLOCK_N, IEEE)
+                    PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
                 start += BLOCK_N
         acc = acc * v_scale
         if SPLIT:
@@ -182,14 +223,15 @@ if triton is not None:
     @triton.jit
     def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
                       offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                      stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                      stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                      FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
         # The prefill loop body: context positions [start, start + BLOCK_N) on pages `blk`.
         # Returns the new (m, l_sum, acc) and the next tile's page ids.
         pos = start + offs
         valid = pos < end
         blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
-                             stride_kh, PAGE, q.dtype)
+                             stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
         m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
         return m, l_sum, acc, blk_next
@@ -201,7 +243,7 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
     ):
         # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
         # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
@@ -237,14 +279,14 @@ if triton is not None:
                 m, l_sum, acc, blk = _prefill_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
                     offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE)
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
         else:
             start = 0
             while start < end:
                 m, l_sum, acc, blk = _prefill_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
                     offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE)
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
                 start += BLOCK_N
         out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from paged_tables import shuffled_table  # noqa: E402
 
 from skyline.ops.attention import paged_attention_ref, paged_decode_attention  # noqa: E402
+from skyline.ops.attention_triton import _e4m3_words_to_f16  # noqa: E402
 from skyline.ops.gemv_int_a8 import int8_chunks_ref  # noqa: E402
 from skyline.ops.kv_quant import FP8_DTYPE, quantize_kv  # noqa: E402
 
@@ -48,7 +50,7 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (9, 3, 64),
-                                                             (32, 8, 128)])
+                                                             (2, 1, 24), (32, 8, 128)])
 @pytest.mark.parametrize("page", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -80,6 +82,29 @@ def test_decode_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, p
     assert ref.abs().max() > 0.1  # v_scale applied: outputs of the size of V (~0.5)
     err = (out.double() - ref).norm() / ref.norm()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err.item()
+
+
+def test_e4m3_words_convert_every_byte():
+    """An fp8 cache is read as int32 words and converted four bytes at a time (PTX on a GPU,
+    byte by byte in the interpreter): every e4m3 byte, at every position of a word, gives
+    torch's fp16 value (NaN for NaN)."""
+    @triton.jit
+    def convert(words_ptr, out_ptr, W: tl.constexpr, ASM: tl.constexpr):
+        n = tl.arange(0, 64)
+        w = tl.arange(0, W)
+        f16 = _e4m3_words_to_f16(tl.load(words_ptr + n[:, None] * W + w[None, :]), ASM)
+        c = tl.arange(0, 4 * W)
+        tl.store(out_ptr + n[:, None] * 4 * W + c[None, :], f16)
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    for roll in range(4):  # each byte at each of the four positions of a word
+        fp8 = codes.roll(roll).reshape(64, 4).view(FP8_DTYPE)
+        out = torch.empty(64, 4, dtype=torch.float16, device=DEV)
+        convert[(1,)](fp8.view(torch.int32).to(DEV), out, W=1, ASM=DEV == "cuda")
+        want = fp8.to(torch.float16)
+        assert torch.equal(out.cpu().isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(out.cpu()[ok], want[ok])
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,num_splits,rounds", [

@@ -52,7 +52,7 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, page, dtyp
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 3, 32),
-                                                             (32, 8, 128)])
+                                                             (2, 1, 24), (32, 8, 128)])
 @pytest.mark.parametrize("page", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype):
