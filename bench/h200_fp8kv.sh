@@ -8,6 +8,7 @@
 #   KVS=fp8 QUANT=fp8 SKIP="tests decode" bash bench/h200_fp8kv.sh   # fp8 weights and KV only
 #   KVS=fp8 QUANT="none fp8" SKIP="tune decode" ...   # both weight formats, one after the other
 #   WORDS="1 0" KVS=fp8 ...   # the fp8 cache read as int32 words (default) and as fp8 (0)
+#   TUNE_ARGS="--batches 1 8 --kv-dtypes bf16 fp8" CTXS=512 ...   # other tuning / decode runs
 # Stages can be skipped: SKIP="tests tune decode profile offline". The tune stage measures the
 # fp8-KV decode kernel's launch configurations at the offline run's batch sizes first (table ->
 # $OUT); the profile stage times one decode step of 256 sequences at a 1,000-token context.
@@ -32,14 +33,14 @@ if ! skip tests; then
 fi
 Q=${QUANT:-none}
 if ! skip tune; then
-  timeout 150 python3 bench/tune_attention.py --models "$M" --batches 256 512 1024 \
-    --contexts 1000 2000 --kv-dtypes fp8 --no-prefill --budget-s ${TUNE_BUDGET:-60} \
-    --out "$OUT/attention-tune-fp8kv-h200-$M.json" 2>&1 | tail -12
+  timeout 300 python3 bench/tune_attention.py --models "$M" \
+    ${TUNE_ARGS:---batches 256 512 1024 --contexts 1000 2000 --kv-dtypes fp8 --no-prefill} \
+    --budget-s ${TUNE_BUDGET:-60} --out "$OUT/attention-tune-fp8kv-h200-$M.json" 2>&1 | tail -40
   cp skyline/ops/configs/attention-h200.json "$OUT/" 2>/dev/null
 fi
 for kv in ${KVS:-auto fp8}; do
   if ! skip decode; then
-    for ctx in 512 32000; do
+    for ctx in ${CTXS:-512 32000}; do
       echo "== decode, kv $kv, context $ctx"
       python3 bench/decode_roofline.py --model "$M" --prompt-len $ctx --new-tokens 256 \
         --kv-cache-dtype $kv --out "$OUT/decode-roofline-h200-$M-ctx$ctx-kv$kv.json" 2>&1 \
