@@ -56,8 +56,8 @@ BASELINE = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 DECODE_TILES = [BASELINE] + [
     {"BLOCK_N": n, "num_warps": w, "num_stages": s}
     for n, w, s in [(32, 4, 3), (32, 4, 5), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3),
-                    (128, 4, 3), (128, 8, 3), (16, 1, 3), (32, 1, 2), (32, 1, 3), (64, 1, 2),
-                    (32, 2, 3), (64, 2, 2)]]
+                    (128, 4, 3), (128, 8, 3), (16, 1, 3), (16, 1, 4), (32, 1, 2), (32, 1, 3),
+                    (32, 1, 4), (64, 1, 2), (32, 2, 3), (64, 2, 2)]]
 PREFILL_BASELINE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 PREFILL_TILES = [PREFILL_BASELINE] + [
     {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
