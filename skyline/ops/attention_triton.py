@@ -61,19 +61,17 @@ if triton is not None:
         # rows are read as int32 words and converted by _e4m3_words_to_f16 (ASM when 2). Read
         # as fp8, the compiler feeds V to the tensor cores from shared memory one byte at a
         # time (the MMA wants consecutive tokens in a register); from fp16 tiles it transposes
-        # V with ldmatrix as it does a bf16 cache's. Word offsets are int32 (the launcher
-        # reads words only from caches of fewer than 2^31 words per layer).
+        # V with ldmatrix as it does a bf16 cache's.
+        row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
         if FP8_WORDS:
             w = tl.arange(0, D_PAD // 4)
             w_mask = valid[:, None] & (w < HEAD_DIM // 4)[None, :]
-            row = blk * (stride_kb // 4) + (pos % PAGE) * (stride_ks // 4) + kvh * (stride_kh // 4)
-            word = row[:, None] + w[None, :]
+            word = row[:, None] // 4 + w[None, :]
             k = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + word, mask=w_mask, other=0)
             v = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + word, mask=w_mask, other=0)
             k = _e4m3_words_to_f16(k, FP8_WORDS == 2)
             v = _e4m3_words_to_f16(v, FP8_WORDS == 2)
         else:
-            row = blk.to(tl.int64) * stride_kb + (pos % PAGE) * stride_ks + kvh * stride_kh
             kv_mask = valid[:, None] & dmask[None, :]
             k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -90,12 +88,9 @@ if triton is not None:
         return q
 
     @triton.jit
-    def _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE: tl.constexpr,
-                     LAZY: tl.constexpr = False):
+    def _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE: tl.constexpr):
         # One online-softmax step of queries q [R, D] over keys k / values v [N, D], where
         # see [R, N] says which keys each query may attend to. Returns the new (m, l_sum, acc).
-        # LAZY: acc and l_sum are rescaled only in tiles where some row's max grew (past the
-        # first few tiles, most do not); where none grew, alpha would be exactly 1.
         if IEEE:  # fp32: exact, not the tensor cores' tf32
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -105,17 +100,6 @@ if triton is not None:
         # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - shift[:, None])
-        if LAZY:
-            if tl.max((m_new > m).to(tl.int32), 0) > 0:
-                alpha = tl.exp(m - shift)
-                l_sum = l_sum * alpha
-                acc = acc * alpha[:, None]
-            l_sum = l_sum + tl.sum(p, 1)
-            if IEEE:
-                acc = acc + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc + tl.dot(p.to(v.dtype), v)
-            return m_new, l_sum, acc
         alpha = tl.exp(m - shift)
         l_sum = l_sum * alpha + tl.sum(p, 1)
         if IEEE:
@@ -136,8 +120,7 @@ if triton is not None:
         blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
                              stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
-        m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE,
-                                     LAZY=True)
+        m, l_sum, acc = _attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale, IEEE)
         return m, l_sum, acc, blk_next
 
     @triton.jit
