@@ -240,11 +240,13 @@ def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _fp8_words(k: torch.Tensor, head_dim: int) -> int:
     # an fp8 cache is read as int32 words (attention_triton._load_kv_tile): 2 when compiled
-    # (PTX conversion), 1 in Triton's interpreter; 0 for other caches, or with
-    # SKYLINE_KV_FP8_WORDS=0 (the fp8 tiles as loaded, for comparison)
+    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches, or
+    # with SKYLINE_KV_FP8_WORDS=0 (the fp8 tiles as loaded, for comparison)
     if k.dtype.itemsize != 1 or head_dim % 4 or os.environ.get("SKYLINE_KV_FP8_WORDS") == "0":
         return 0
-    return 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 1
+    return 2 if k.is_cuda and torch.cuda.get_device_capability(k.device) >= (8, 9) else 0
 
 
 def paged_decode_attention(
