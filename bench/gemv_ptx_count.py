@@ -45,6 +45,12 @@ def loop_ptx(block_n: int, warps: int, stages: int, x_left: bool) -> list[str]:
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    return inner_loop(ptx)
+
+
+def inner_loop(ptx: str) -> list[str]:
+    """The instructions of a kernel's first loop (a single-block loop, as Triton's pipelined
+    K loops are), from its header to the branch back to it."""
     lines = ptx.splitlines()
     start = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
     label = lines[start].split(":")[0]

@@ -35,6 +35,7 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     shape_key,
 )
 from skyline.ops.attention_triton import triton
+from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
 
@@ -246,7 +247,7 @@ def _fp8_words(k: torch.Tensor, head_dim: int) -> int:
         return 0
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 1
-    return 2 if k.is_cuda and torch.cuda.get_device_capability(k.device) >= (8, 9) else 0
+    return 2 if k.is_cuda and has_fp8_units(k.device) else 0
 
 
 def paged_decode_attention(

@@ -97,10 +97,10 @@ def test_e4m3_words_convert_every_byte():
         tl.store(out_ptr + n[:, None] * 4 * W + c[None, :], f16)
 
     codes = torch.arange(256, dtype=torch.uint8)
+    asm = DEV == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
     for roll in range(4):  # each byte at each of the four positions of a word
         fp8 = codes.roll(roll).reshape(64, 4).view(FP8_DTYPE)
         out = torch.empty(64, 4, dtype=torch.float16, device=DEV)
-        asm = DEV == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
         convert[(1,)](fp8.view(torch.int32).to(DEV), out, W=1, ASM=asm)
         want = fp8.to(torch.float16)
         assert torch.equal(out.cpu().isnan(), want.isnan())
