@@ -9,6 +9,7 @@
 #   KVS=fp8 QUANT="none fp8" SKIP="tune decode" ...   # both weight formats, one after the other
 #   WORDS="1 0" KVS=fp8 ...   # the fp8 cache read as int32 words (default) and as fp8 (0)
 #   TUNE_ARGS="--batches 1 8 --kv-dtypes bf16 fp8" CTXS=512 ...   # other tuning / decode runs
+#   BATCHED="8192 16384" SKIP="tests tune decode profile" ...   # offline at each token budget
 # Stages can be skipped: SKIP="tests tune decode profile offline". The tune stage measures the
 # fp8-KV decode kernel's launch configurations at the offline run's batch sizes first (table ->
 # $OUT); the profile stage times one decode step of 256 sequences at a 1,000-token context.
@@ -57,13 +58,16 @@ for kv in ${KVS:-auto fp8}; do
           --quantization $q --kv-cache-dtype $kv \
           --out "$OUT/profile-h200-$M-b256-w$q-kv$kv$tag.json" 2>&1 | tail -3
       fi
-      if ! skip offline; then
-        echo "== offline 1000 x (1000, 1000), weights $q, kv $kv, words $words"
+      for mbt in ${BATCHED:-8192}; do
+        skip offline && continue
+        echo "== offline 1000 x (1000, 1000), weights $q, kv $kv, words $words, tokens/step $mbt"
+        btag=""; [ "$mbt" != 8192 ] && btag=-mbt$mbt
         python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
           --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 1024 \
           --max-model-len 2048 --kv-cache-dtype $kv --quantization $q \
-          --output "$OUT/offline-h200-$M-1000x1000-w$q-kv$kv$tag.json" 2>&1 | tail -4
-      fi
+          --max-num-batched-tokens $mbt \
+          --output "$OUT/offline-h200-$M-1000x1000-w$q-kv$kv$tag$btag.json" 2>&1 | tail -5
+      done
     done
   done
   unset SKYLINE_KV_FP8_WORDS

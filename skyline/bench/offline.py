@@ -11,6 +11,7 @@ import random
 import time
 from typing import Any
 
+from skyline.bench.step_trace import StepTrace
 from skyline.engine.create import EngineArgs
 from skyline.engine.frontend import LLM
 from skyline.types import SamplingParams
@@ -23,12 +24,19 @@ def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[lis
     return [[rng.randrange(lo, vocab) for _ in range(length)] for _ in range(num)]
 
 
-def measure(llm: LLM, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+def measure(llm: LLM, prompts: list[list[int]], output_len: int,
+            trace: StepTrace | None = None) -> dict[str, Any]:
+    """Times one `generate` of all prompts after a short warm-up; `trace`, if given, sees
+    every step of the timed run."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm-up
+    if trace is not None:
+        llm.engine.step_observers.append(trace)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
+    if trace is not None:
+        llm.engine.step_observers.remove(trace)
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
@@ -80,7 +88,8 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     llm = LLM(**dataclasses.asdict(args))
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
-    res = measure(llm, prompts, output_len)
+    trace = StepTrace()
+    res = measure(llm, prompts, output_len, trace)
     result = {
         "benchmark": "offline",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -98,9 +107,13 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
         "machine": machine_info(cfg.device),
         "skyline": res,
         "engine": llm.engine.stats() | llm.engine.executor.describe(),
+        "steps": trace.summary(),
     }
     print(f"{num_prompts} prompts x ({input_len} in, {output_len} out) on {cfg.device}: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
           f"{res['total_tokens_per_s']:.1f} total tok/s")
+    st = result["steps"]
+    print(f"steps: {st['mixed_steps']} with prefill {st['mixed_seconds']:.1f} s, "
+          f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s")
     save_json(result, output)
     return result

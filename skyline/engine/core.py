@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from skyline.config import ConfigError, EngineConfig
 from skyline.sched.scheduler import Scheduler
@@ -48,6 +49,8 @@ class EngineCore:
         self._in_flight: SchedulerOutput | None = None  # launched, not yet updated
         self._in_flight_t = 0.0  # when the step in flight was scheduled
         self._last_output_t = 0.0  # when the last step's outputs were ready
+        # Called with each updated step and its seconds (benchmarks trace where time goes).
+        self.step_observers: list[Callable[[SchedulerOutput, float], None]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -102,6 +105,8 @@ class EngineCore:
         seconds = now - max(scheduled_t, self._last_output_t)
         self._last_output_t = now
         self.scheduler.record_step(out, sum(len(o.new_token_ids) for o in outputs), seconds)
+        for observe in self.step_observers:
+            observe(out, seconds)
         return outputs
 
     def stats(self) -> dict[str, float]:

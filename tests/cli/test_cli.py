@@ -30,6 +30,14 @@ def test_bench_offline_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["skyline"]["num_output_tokens"] == 12 and res["skyline"]["output_tokens_per_s"] > 0
+    # The step trace: one step prefills the three 8-token prompts (and samples each first
+    # token), three decode steps of three rows read 9, 10 and 11 positions per sequence.
+    steps = res["steps"]
+    assert steps["mixed_prefill_tokens"] == 24 and steps["mixed_decode_tokens"] == 0
+    assert steps["decode_steps"] == 3 and steps["decode_tokens"] == 9
+    [bucket] = steps["decode_by_batch"]
+    assert bucket["batch"] == "2-8" and bucket["mean_batch"] == 3 and bucket["mean_context"] == 10
+    assert abs(steps["mixed_seconds"] + steps["decode_seconds"] - steps["seconds"]) < 1e-9
 
 
 def test_bad_model_is_one_clear_line(tmp_path):

@@ -1,0 +1,71 @@
+"""Where an offline run's time goes: every engine step's shape and seconds, and a summary.
+
+A step is a *decode step* when each of its requests is scheduled one token (its last sampled
+token); otherwise it carries prefill (a prompt chunk, or a preempted request's recompute) and
+is a *mixed step*. The context of a step is the number of KV positions its attention reads:
+for each request, the tokens cached before the step plus those it schedules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyline.types import SchedulerOutput
+
+# Decode steps are grouped by batch size into these buckets (upper bounds, inclusive).
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 768, 1024, 1 << 30)
+
+
+class StepTrace:
+    """Collects (decode rows, prefill tokens, context tokens, seconds) per step of an engine
+    (`EngineCore.step_observers`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, float]] = []
+
+    def __call__(self, out: SchedulerOutput, seconds: float) -> None:
+        computed = {r.request_id: r.num_computed_tokens for r in out.new_requests}
+        computed.update((r.request_id, r.num_computed_tokens) for r in out.cached_requests)
+        decode = prefill = context = 0
+        for rid, n in out.num_scheduled_tokens.items():
+            context += computed.get(rid, 0) + n
+            if n == 1:
+                decode += 1
+            else:
+                prefill += n
+        self.rows.append((decode, prefill, context, seconds))
+
+    def summary(self) -> dict[str, Any]:
+        """Seconds in mixed and decode steps, and decode steps by batch size (seconds, steps,
+        mean step ms, mean context per sequence, output tok/s within those steps)."""
+        mixed = [r for r in self.rows if r[1]]
+        dec = [r for r in self.rows if not r[1]]
+        total = sum(r[3] for r in self.rows) or 1.0
+        by_batch: list[dict[str, Any]] = []
+        lo = 0
+        for hi in BATCH_BUCKETS:
+            rows = [r for r in dec if lo < r[0] <= hi]
+            if rows:
+                s = sum(r[3] for r in rows)
+                n = sum(r[0] for r in rows)
+                by_batch.append({
+                    "batch": f"{lo + 1}-{hi}" if hi < 1 << 30 else f">{lo}",
+                    "steps": len(rows), "seconds": s, "share": s / total,
+                    "mean_batch": n / len(rows), "mean_step_ms": 1e3 * s / len(rows),
+                    "mean_context": sum(r[2] for r in rows) / n, "tok_s": n / s,
+                })
+            lo = hi
+        ms = sum(r[3] for r in mixed)
+        return {
+            "steps": len(self.rows),
+            "seconds": total,
+            "mixed_steps": len(mixed),
+            "mixed_seconds": ms,
+            "mixed_share": ms / total,
+            "mixed_prefill_tokens": sum(r[1] for r in mixed),
+            "mixed_decode_tokens": sum(r[0] for r in mixed),
+            "decode_steps": len(dec),
+            "decode_seconds": total - ms,
+            "decode_tokens": sum(r[0] for r in dec),
+            "decode_by_batch": by_batch,
+        }
