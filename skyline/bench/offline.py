@@ -31,6 +31,7 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int,
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm-up
     if trace is not None:
+        trace.reset()
         llm.engine.step_observers.append(trace)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -88,7 +89,7 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     llm = LLM(**dataclasses.asdict(args))
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
-    trace = StepTrace()
+    trace = StepTrace(lambda: llm.engine.executor.runner.device_wait_s)
     res = measure(llm, prompts, output_len, trace)
     result = {
         "benchmark": "offline",
@@ -115,5 +116,8 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     st = result["steps"]
     print(f"steps: {st['mixed_steps']} with prefill {st['mixed_seconds']:.1f} s, "
           f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s")
+    for b in st["decode_by_batch"]:
+        print(f"  decode {b['batch']:>9} seqs: {b['steps']:5d} steps, {b['mean_step_ms']:7.2f} "
+              f"ms/step, context {b['mean_context']:6.0f}, host waits {b['wait_share']:.2f}")
     save_json(result, output)
     return result

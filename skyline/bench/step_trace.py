@@ -3,11 +3,14 @@
 A step is a *decode step* when each of its requests is scheduled one token (its last sampled
 token); otherwise it carries prefill (a prompt chunk, or a preempted request's recompute) and
 is a *mixed step*. The context of a step is the number of KV positions its attention reads:
-for each request, the tokens cached before the step plus those it schedules.
+for each request, the tokens cached before the step plus those it schedules. The wait of a
+step is how long the host blocked on the device for sampled tokens meanwhile: near zero when
+the host's own work (scheduling, input building, an eager forward) sets the pace.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from skyline.types import SchedulerOutput
@@ -17,11 +20,18 @@ BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 768, 1024, 1 << 30)
 
 
 class StepTrace:
-    """Collects (decode rows, prefill tokens, context tokens, seconds) per step of an engine
-    (`EngineCore.step_observers`)."""
+    """Collects (decode rows, prefill tokens, context tokens, seconds, wait seconds) per step
+    of an engine (`EngineCore.step_observers`); `wait_clock` returns the host's total seconds
+    of waiting for the device so far."""
 
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, int, int, float]] = []
+    def __init__(self, wait_clock: Callable[[], float] = lambda: 0.0) -> None:
+        self.wait_clock = wait_clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the steps seen so far (a warm-up's)."""
+        self.rows: list[tuple[int, int, int, float, float]] = []
+        self._waited = self.wait_clock()
 
     def __call__(self, out: SchedulerOutput, seconds: float) -> None:
         computed = {r.request_id: r.num_computed_tokens for r in out.new_requests}
@@ -33,11 +43,13 @@ class StepTrace:
                 decode += 1
             else:
                 prefill += n
-        self.rows.append((decode, prefill, context, seconds))
+        waited, self._waited = self._waited, self.wait_clock()
+        self.rows.append((decode, prefill, context, seconds, self._waited - waited))
 
     def summary(self) -> dict[str, Any]:
         """Seconds in mixed and decode steps, and decode steps by batch size (seconds, steps,
-        mean step ms, mean context per sequence, output tok/s within those steps)."""
+        mean step ms, mean context per sequence, output tok/s within those steps, and the
+        share of their seconds the host spent waiting for the device)."""
         mixed = [r for r in self.rows if r[1]]
         dec = [r for r in self.rows if not r[1]]
         total = sum(r[3] for r in self.rows) or 1.0
@@ -53,6 +65,7 @@ class StepTrace:
                     "steps": len(rows), "seconds": s, "share": s / total,
                     "mean_batch": n / len(rows), "mean_step_ms": 1e3 * s / len(rows),
                     "mean_context": sum(r[2] for r in rows) / n, "tok_s": n / s,
+                    "wait_share": sum(r[4] for r in rows) / s,
                 })
             lo = hi
         ms = sum(r[3] for r in mixed)
@@ -62,6 +75,7 @@ class StepTrace:
             "mixed_steps": len(mixed),
             "mixed_seconds": ms,
             "mixed_share": ms / total,
+            "mixed_wait_share": sum(r[4] for r in mixed) / (ms or 1.0),
             "mixed_prefill_tokens": sum(r[1] for r in mixed),
             "mixed_decode_tokens": sum(r[0] for r in mixed),
             "decode_steps": len(dec),

@@ -24,7 +24,7 @@ from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
-from skyline.worker.cuda_graph import CudaGraphRunner
+from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.kv_cache import (
     allocate_kv_cache,
@@ -101,6 +101,9 @@ class ModelRunner:
             self.arch, self.block_size, self.kv_dtype
         )
         self._in_flight: _InFlight | None = None
+        # Seconds the host has waited for sampled tokens: near zero when the host, not the
+        # device, sets the pace of the steps.
+        self.device_wait_s = 0.0
         self.cpu_threads = torch.get_num_threads()  # as configured (--threads)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -108,7 +111,8 @@ class ModelRunner:
             # verification steps: each request's last token and up to k drafts
             max_q = 1 + config.spec.num_speculative_tokens if self.proposer is not None else 1
             self.graphs = CudaGraphRunner(
-                self.model, min(sc.max_num_seqs, 512), -(-sc.max_model_len // self.block_size),
+                self.model, min(sc.max_num_seqs, MAX_GRAPH_BATCH),
+                -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device, max_q)
             self.graphs.capture()
             self.graph_capture_seconds = time.perf_counter() - t0
@@ -218,7 +222,9 @@ class ModelRunner:
             return step.result
         if step.sample is None:
             return self._output(step.req_ids, {}, {}, step.propose)
+        t = time.perf_counter()
         tokens, lps = step.sample.to_host()
+        self.device_wait_s += time.perf_counter() - t
         for rid, t in zip(step.sampling_req_ids, tokens, strict=True):
             state = self.states.get(rid)  # gone if it finished or was preempted meanwhile
             if state is not None:
