@@ -99,15 +99,17 @@ class KVCacheManager:
         cached blocks count as free, except the hits themselves, which this call revives."""
         rid = request.request_id
         held = self._blocks.get(rid)
-        if new_computed_blocks:
-            assert not held and request.num_computed_tokens == 0, "prefix hits only at admission"
-        num_held = len(held) if held else 0
         num_tokens = (
             request.num_computed_tokens
             + len(new_computed_blocks) * self.block_size
             + num_new_tokens
         )
         num_required = -(-num_tokens // self.block_size)
+        if held and num_required <= len(held):
+            return []  # most decode steps: the tail block has room
+        if new_computed_blocks:
+            assert not held and request.num_computed_tokens == 0, "prefix hits only at admission"
+        num_held = len(held) if held else 0
         num_fresh = max(0, num_required - num_held - len(new_computed_blocks))
         # Hits with ref_cnt 0 sit in the free queue: touching them removes them from it.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from skyline.config import ModelConfig
-from skyline.engine.core import EngineCore
+from skyline.engine.core import EngineCore, fewer_collections
 from skyline.engine.create import EngineArgs, create_engine_config
 from skyline.engine.output import OutputProcessor, child_params
 from skyline.engine.structured import attach_structured_outputs, check_structured
@@ -102,11 +102,12 @@ class LLM:
         order = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.step(final_only=True):
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
+        with fewer_collections():
+            while self.engine.has_unfinished():
+                for out in self.step(final_only=True):
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
         bar.close()
         return [done[r] for r in order]
 

@@ -224,7 +224,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
     _exit_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
     from skyline.config import ConfigError
-    from skyline.engine.core import EngineCore
+    from skyline.engine.core import EngineCore, tune_gc
     from skyline.engine.create import create_engine_config
 
     try:
@@ -249,6 +249,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         **core.executor.describe(),
     }
     loop = _EngineLoop(core, in_addr, out_addr)
+    tune_gc()
     conn.send(("ready", info))
     conn.close()
     try:

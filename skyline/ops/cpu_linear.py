@@ -34,7 +34,15 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in _DTYPES and weight.dim() == 2
             and not weight.is_mkldnn and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and _dtype_supported(weight.dtype))
+
+
+def _dtype_supported(dtype: torch.dtype) -> bool:
+    """oneDNN packs bf16 and fp16 only on CPUs with their instructions (AVX-512 BF16/FP16 or
+    AVX-NE-CONVERT); elsewhere such weights stay plain."""
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported",
+             torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    return probe is None or bool(getattr(torch.ops.mkldnn, probe, lambda: True)())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from skyline.ops.argmax import argmax
@@ -40,10 +41,10 @@ def _seed_for(seed: int, step: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-def to_device(values: list[int] | list[float], dtype: torch.dtype,
+def to_device(values: list[int] | list[float] | np.ndarray, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for it: a pageable copy would synchronise."""
-    t = torch.tensor(values, dtype=dtype)
+    """Host values on the device without waiting for them: a pageable copy would synchronise."""
+    t = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

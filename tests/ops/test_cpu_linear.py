@@ -25,6 +25,8 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2
 @pytest.mark.parametrize("n,k", [(96, 64), (130, 72), (7, 200), (1000, 33)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 300])
 def test_packed_linear_matches_reference(dtype, n, k, rows):
+    if not cpu_linear.can_pack(torch.zeros(1, 1, dtype=dtype)):
+        pytest.skip(f"this CPU has no oneDNN {dtype} products")
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
@@ -48,6 +50,13 @@ def test_unpack_is_exact_and_shapes_follow_f_linear():
     torch.testing.assert_close(cpu_linear.packed_linear(strided, packed), strided @ w.t())
     empty = cpu_linear.packed_linear(torch.empty(0, 40), packed)
     assert empty.shape == (0, 48)
+
+
+def test_bf16_packs_only_where_the_cpu_has_it():
+    # A CPU without AVX-512 BF16 / AVX-NE-CONVERT: bf16 weights stay plain (prepack skips them)
+    # rather than fail when the engine starts.
+    bf16 = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert cpu_linear.can_pack(bf16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def test_bad_input_is_refused():
