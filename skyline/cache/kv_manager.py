@@ -138,11 +138,13 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
+        start = self._num_cached.get(rid, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # most steps: no block filled up
         held = self._blocks.get(rid)
         if not held:
             return
         num_full = min(num_computed_tokens // self.block_size, len(held))
-        start = self._num_cached.get(rid, 0)
         if num_full <= start:
             return
         hashes = self._block_hashes(request)

@@ -10,7 +10,7 @@ import torch
 
 from skyline.model.forward_ctx import AttentionMetadata
 from skyline.types import NewRequestData, SamplingParams
-from skyline.worker.sampler import to_device
+from skyline.worker.sampler import SamplingRow, to_device
 
 
 @dataclass
@@ -22,6 +22,7 @@ class RequestState:
     block_ids: array  # int32 ('i'): a step copies each request's row in one call
     num_computed_tokens: int
     token_ids: list[int] = field(default_factory=list)  # prompt + output
+    sampling_row: SamplingRow | None = None  # the sampler's view, made at its first sample
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, array):

@@ -202,14 +202,19 @@ class ModelRunner:
                 sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
                 step.result = self._output(inp.req_ids, sampled, logprobs, step.propose)
             else:
-                states = [self.states[r] for r in inp.sampling_req_ids]
-                rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
-                                    self.eos_ids + tuple(s.params.stop_token_ids))
-                        for s in states]
+                rows = [self._sampling_row(self.states[r]) for r in inp.sampling_req_ids]
                 step.sample = sample_on_device(logits, rows)
                 step.sample.copy_to_host()
         self._in_flight = step
         return prev_out
+
+    def _sampling_row(self, s: RequestState) -> SamplingRow:
+        """The request's row for the sampler, made once: it holds the state's own token lists,
+        which grow in place."""
+        if s.sampling_row is None:
+            s.sampling_row = SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids,
+                                         self.eos_ids + tuple(s.params.stop_token_ids))
+        return s.sampling_row
 
     def collect(self) -> RunnerOutput:
         """Wait for the step in flight and return its output."""
@@ -225,13 +230,15 @@ class ModelRunner:
         t = time.perf_counter()
         tokens, lps = step.sample.to_host()
         self.device_wait_s += time.perf_counter() - t
+        sampled: dict[str, list[int]] = {}
         for rid, t in zip(step.sampling_req_ids, tokens, strict=True):
             state = self.states.get(rid)  # gone if it finished or was preempted meanwhile
             if state is not None:
                 state.append(t)
-        sampled = {r: [t] for r, t in zip(step.sampling_req_ids, tokens, strict=True)}
-        logprobs = {r: [lp] if lp is not None else None
-                    for r, lp in zip(step.sampling_req_ids, lps, strict=True)}
+            sampled[rid] = [t]
+        logprobs = ({r: [lp] if lp is not None else None
+                     for r, lp in zip(step.sampling_req_ids, lps, strict=True)}
+                    if any(lp is not None for lp in lps) else {})
         return self._output(step.req_ids, sampled, logprobs, step.propose)
 
     def _output(self, req_ids: list[str], sampled: dict[str, list[int]],
