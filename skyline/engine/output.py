@@ -103,6 +103,7 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, _Parent] = {}
         to_abort: list[str] = []
+        done: dict[str, _Parent] = {}  # parents whose last running child finished now
         for o in outputs:
             pid = self.child_to_parent.get(o.request_id)
             if pid is None:
@@ -118,10 +119,13 @@ class OutputProcessor:
                 p.last_token = now
             was_running = c.finish_reason is None
             self._apply(c, o)
-            if was_running and c.finish_reason is not None and o.finish_reason is None:
-                to_abort.append(o.request_id)  # a stop string ended it before the engine did
+            if was_running and c.finish_reason is not None:
+                if o.finish_reason is None:
+                    to_abort.append(o.request_id)  # a stop string ended it before the engine
+                if p.finished:
+                    done[pid] = p
             touched[pid] = p
-        finished = [p for p in touched.values() if p.finished]
+        finished = list(done.values())
         results = [self._output(p, delta) for p in (finished if final_only else touched.values())]
         for p in finished:
             self.abort(p.request_id)
