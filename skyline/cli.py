@@ -68,7 +68,8 @@ def _cmd_chat(ns: argparse.Namespace) -> None:
 def _cmd_bench_offline(ns: argparse.Namespace) -> None:
     from skyline.bench.offline import run_offline
 
-    run_offline(engine_args(ns), ns.num_prompts, ns.input_len, ns.output_len, ns.output)
+    run_offline(engine_args(ns), ns.num_prompts, ns.input_len, ns.output_len, ns.output,
+                floor=ns.floor)
 
 
 def _cmd_bench_serve(ns: argparse.Namespace) -> None:
@@ -241,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=128)
     b.add_argument("--output-len", type=int, default=128)
     b.add_argument("--output", default=None, help="JSON file for the results")
+    b.add_argument("--floor", action="store_true",
+                   help="measure the device's matmul peak and copy bandwidth first and report "
+                        "the run against the floor they set")
     add_engine_args(b)
     b.set_defaults(func=_cmd_bench_offline)
     b = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")

@@ -97,11 +97,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED  # checked per request per step: no enum `.value` lookups
-
-
-_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED))
+        # checked per request per step: identity tests (an enum's `.value` and `__hash__`
+        # run Python code)
+        return (self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH
+                or self is RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass
@@ -226,7 +225,7 @@ class RunnerOutput:
 # engine core -> frontend
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class StepOutput:
     """What one engine step produced for one request (a diff)."""
 

@@ -85,7 +85,10 @@ def save_json(result: dict[str, Any], path: str | None) -> None:
 
 
 def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
-                output: str | None) -> dict[str, Any]:
+                output: str | None, floor: bool = False) -> dict[str, Any]:
+    """`floor`: measure the device's matmul peak and copy bandwidth first (before the engine
+    takes its memory) and report the run against the floor they set (bench/floor.py)."""
+    peaks = _measure_peaks(args) if floor else None
     llm = LLM(**dataclasses.asdict(args))
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
@@ -113,6 +116,8 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     print(f"{num_prompts} prompts x ({input_len} in, {output_len} out) on {cfg.device}: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
           f"{res['total_tokens_per_s']:.1f} total tok/s")
+    if peaks is not None:
+        result["floor"] = _floor(llm, peaks, num_prompts, input_len, output_len, res)
     st = result["steps"]
     print(f"steps: {st['mixed_steps']} with prefill {st['mixed_seconds']:.1f} s, "
           f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s")
@@ -121,3 +126,45 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
               f"ms/step, context {b['mean_context']:6.0f}, host waits {b['wait_share']:.2f}")
     save_json(result, output)
     return result
+
+
+def _measure_peaks(args: EngineArgs) -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) of the device the engine will run on, for the products
+    it runs at large batches: fp8 with fp8 weights, else bf16 (float32 on the CPU)."""
+    import torch
+
+    from skyline.bench.floor import copy_bandwidth, matmul_peak
+
+    name = args.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    peak = matmul_peak(device, fp8=args.quantization == "fp8")
+    bandwidth = copy_bandwidth(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peak, bandwidth
+
+
+def _floor(llm: LLM, peaks: tuple[float, float], num_prompts: int, input_len: int,
+           output_len: int, res: dict[str, Any]) -> dict[str, Any]:
+    from skyline.bench.floor import ModelCost, offline_floor
+    from skyline.worker.kv_cache import bytes_per_block
+
+    cfg = llm.config
+    runner = llm.engine.executor.runner
+    block = cfg.cache.block_size
+    kv_per_token = bytes_per_block(cfg.model.arch, block, runner.kv_dtype) // block
+    capacity = llm.engine.executor.num_blocks * block // (input_len + output_len)
+    concurrency = min(cfg.scheduler.max_num_seqs, capacity)
+    floor = offline_floor(ModelCost.of(runner.model, kv_per_token), num_prompts, input_len,
+                          output_len, concurrency, *peaks)
+    floor["fraction_of_sequential"] = floor["sequential_s"] / res["elapsed_s"]
+    floor["fraction_of_overlapped"] = floor["overlapped_s"] / res["elapsed_s"]
+    print(f"floor at {floor['peak_TFLOPs']:.1f} TFLOP/s and {floor['bandwidth_TBps']:.2f} TB/s "
+          f"(measured now), {concurrency} at a time: sequential {floor['sequential_s']:.1f} s "
+          f"({floor['sequential_tok_s']:.0f} tok/s: prefill {floor['prefill_s']:.1f}, decode "
+          f"products {floor['decode_linear_s']:.1f}, decode attention "
+          f"{floor['decode_attention_s']:.1f}), overlapped {floor['overlapped_s']:.1f} s; "
+          f"this run {floor['fraction_of_sequential']:.2f} of the sequential floor")
+    return floor

@@ -26,10 +26,18 @@ def test_generate_and_chat():
 def test_bench_offline_writes_json(tmp_path):
     out = tmp_path / "r.json"
     r = _skyline("bench", "offline", "--num-prompts", "3", "--input-len", "8", "--output-len",
-                 "4", "--max-model-len", "64", "--output", str(out))
+                 "4", "--max-model-len", "64", "--output", str(out), "--floor")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert res["skyline"]["num_output_tokens"] == 12 and res["skyline"]["output_tokens_per_s"] > 0
+    # The floor, from the default model's layers: 30 layers of q, k, v, o (576 wide, 3 KV heads
+    # of 64) and a 1536-wide MLP; the tied head 49152 x 576; K and V of 3 x 64 per layer.
+    floor = res["floor"]
+    assert floor["cost"]["linear_params"] == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+    assert floor["cost"]["head_params"] == 49152 * 576
+    assert floor["cost"]["kv_bytes_per_token"] % (2 * 30 * 3 * 64) == 0
+    assert floor["concurrency"] == 3 and floor["decode_steps"] == 3
+    assert 0 < floor["fraction_of_overlapped"] <= floor["fraction_of_sequential"] <= 1
     # The step trace: one step prefills the three 8-token prompts (and samples each first
     # token), three decode steps of three rows read 9, 10 and 11 positions per sequence.
     steps = res["steps"]

@@ -1,0 +1,167 @@
+"""The floor of an offline run: the least time the device needs for its arithmetic and its
+bytes, at the matmul peak and the copy bandwidth measured in the same run.
+
+Every token, prompt or output, goes through the Linear layers: 2 FLOPs per weight element (the
+LM head only for the tokens that sample). A prompt's attention is arithmetic (causal: one
+query-key pair per earlier token); an output token's attention reads the K/V of its whole
+context once. A decode step also reads every weight once, whatever its batch. Two floors:
+
+- sequential: a step runs its products and then its attention, one after the other: prefill
+  arithmetic at the peak, each decode step's products at the larger of their FLOPs over the
+  peak and the weights over the bandwidth, and the decode attention's K/V over the bandwidth.
+  An engine that runs each kernel at its own roofline reaches it.
+- overlapped: the larger of all FLOPs over the peak and all bytes over the bandwidth, which no
+  schedule beats.
+
+Both assume every request decodes with the same step count as the others (`concurrency` at a
+time): a run with fewer rows per step than that can only be slower.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a model costs per token, from its layers."""
+
+    linear_params: int  # weight elements of the Linear layers every token runs through
+    head_params: int  # of the LM head, run by sampling tokens only
+    weight_bytes: int  # every weight a decode step reads (as the layers store them)
+    kv_bytes_per_token: int  # K and V of one token, every layer, as the cache stores them
+    attn_flops_per_pair: int  # one query against one key, every layer: QK^T and PV
+
+    @classmethod
+    def of(cls, model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
+        from skyline.bench.weights import held_bytes
+        from skyline.model.layers.embedding import LMHead
+        from skyline.model.layers.linear import Linear
+
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        heads = [m for m in model.modules() if isinstance(m, LMHead)]
+        arch = model.arch
+        head_bytes = sum(  # an fp8 head is read instead of the dense one
+            sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
+            if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
+            for m in heads)
+        return cls(
+            linear_params=sum(m.in_features * m.out_features for m in linears),
+            head_params=sum(m.weight.numel() for m in heads),
+            weight_bytes=held_bytes(linears) + head_bytes,
+            kv_bytes_per_token=kv_bytes_per_token,
+            attn_flops_per_pair=4 * arch.num_layers * arch.num_heads * arch.head_dim,
+        )
+
+
+def model_cost(model: str, quantization: str | None, kv_bytes: int) -> ModelCost:
+    """The cost per token of `model` (a shipped config's name or a directory) with weights in
+    `quantization` and K/V elements of `kv_bytes` bytes, built on the meta device: no memory,
+    no weights, the layouts the engine serves with (online quantization included)."""
+    from skyline.config import QuantConfig
+    from skyline.model.loader import read_model_arch
+    from skyline.model.registry import get_model_class
+    from skyline.quant import attach_quant_methods, finish_loading
+
+    arch, _ = read_model_arch(model, "dummy")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            m = get_model_class(arch.architecture)(arch)
+            attach_quant_methods(m, QuantConfig(method=quantization or "none"))
+        with torch.no_grad():
+            finish_loading(m)
+    finally:
+        torch.set_default_dtype(prev)
+    kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * kv_bytes
+    return ModelCost.of(m, kv_per_token)
+
+
+def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len: int,
+                  concurrency: int, peak_flops: float, bandwidth: float) -> dict[str, Any]:
+    """Seconds and output tok/s of both floors for prompts of `input_len` tokens, each making
+    `output_len` tokens (the first by its prefill), `concurrency` requests decoding at once."""
+    concurrency = max(1, min(concurrency, num_prompts))
+    n_decode = num_prompts * (output_len - 1)  # tokens fed by decode steps
+    steps = math.ceil(num_prompts / concurrency) * (output_len - 1)
+    rows = n_decode / steps if steps else 0.0
+    per_token = 2 * (cost.linear_params + cost.head_params)
+    prefill_flops = (2 * cost.linear_params * num_prompts * input_len
+                     + 2 * cost.head_params * num_prompts
+                     + cost.attn_flops_per_pair * num_prompts * input_len * (input_len + 1) / 2)
+    # The decode token t (1 .. output_len - 1) attends to input_len + t keys.
+    keys = num_prompts * ((output_len - 1) * input_len + (output_len - 1) * output_len / 2)
+    kv_bytes = keys * cost.kv_bytes_per_token
+    prefill_s = prefill_flops / peak_flops
+    decode_linear_s = steps * max(cost.weight_bytes / bandwidth, per_token * rows / peak_flops)
+    decode_attention_s = kv_bytes / bandwidth
+    total_flops = prefill_flops + per_token * n_decode + cost.attn_flops_per_pair * keys
+    total_bytes = steps * cost.weight_bytes + kv_bytes
+    sequential_s = prefill_s + decode_linear_s + decode_attention_s
+    overlapped_s = max(total_flops / peak_flops, total_bytes / bandwidth)
+    out_tokens = num_prompts * output_len
+    return {
+        "peak_TFLOPs": peak_flops / 1e12, "bandwidth_TBps": bandwidth / 1e12,
+        "concurrency": concurrency, "decode_steps": steps, "cost": asdict(cost),
+        "prefill_s": prefill_s, "decode_linear_s": decode_linear_s,
+        "decode_attention_s": decode_attention_s,
+        "sequential_s": sequential_s, "sequential_tok_s": out_tokens / sequential_s,
+        "overlapped_s": overlapped_s, "overlapped_tok_s": out_tokens / overlapped_s,
+    }
+
+
+def _timed(fn: Any, device: torch.device, reps: int) -> float:
+    """Median seconds of `fn` after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize(device)
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes read plus written per second by a device-to-device copy (2 GiB on a GPU)."""
+    n = 2**30 if device.type == "cuda" else 2**25
+    x = torch.randn(n, device=device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * n * 2 / _timed(lambda: y.copy_(x), device, 20)
+
+
+def matmul_peak(device: torch.device, fp8: bool = False) -> float:
+    """FLOP/s of a large square product: bf16 on a GPU (fp8 x fp8 through `torch._scaled_mm`
+    with `fp8` on one that has fp8 units), float32 on the CPU."""
+    if device.type != "cuda":
+        a = torch.randn(1024, 1024)
+        b = torch.randn(1024, 1024)
+        return 2 * 1024**3 / _timed(lambda: a @ b, device, 10)
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    fn = lambda: a @ b  # noqa: E731
+    from skyline.ops.fp8_linear import has_fp8_units
+
+    if fp8 and has_fp8_units(device):
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        sa = torch.ones(n, 1, device=device)
+        sb = torch.ones(1, n, device=device)
+        fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,  # noqa: E731
+                                      out_dtype=torch.bfloat16)
+    return 2 * n**3 / _timed(fn, device, 10)

@@ -1,0 +1,58 @@
+"""The offline floor (skyline/bench/floor.py): its arithmetic by hand, and the peaks measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyline.bench.floor import ModelCost, copy_bandwidth, matmul_peak, model_cost, offline_floor
+
+
+def test_floor_by_hand():
+    cost = ModelCost(linear_params=10, head_params=5, weight_bytes=100, kv_bytes_per_token=2,
+                     attn_flops_per_pair=4)
+    f = offline_floor(cost, num_prompts=2, input_len=3, output_len=4, concurrency=2,
+                      peak_flops=10.0, bandwidth=100.0)
+    # prefill: Linears 2*10*6, the head for each first token 2*5*2, causal pairs 2 * (1+2+3)
+    assert f["prefill_s"] == pytest.approx((120 + 20 + 4 * 12) / 10)
+    # decode: 3 steps of 2 rows, each max(weights 100 B / 100 B/s, 2*15*2 FLOPs / 10 FLOP/s)
+    assert f["decode_steps"] == 3 and f["decode_linear_s"] == pytest.approx(18.0)
+    # keys read: tokens t = 1..3 of each prompt see 3 + t keys
+    keys = sum(3 + t for _ in range(2) for t in range(1, 4))
+    assert f["decode_attention_s"] == pytest.approx(keys * 2 / 100)
+    assert f["sequential_s"] == pytest.approx(18.8 + 18.0 + 0.6)
+    flops = 188 + 30 * 6 + 4 * keys
+    assert f["overlapped_s"] == pytest.approx(max(flops / 10, (300 + keys * 2) / 100))
+    assert f["sequential_tok_s"] == pytest.approx(8 / f["sequential_s"])
+
+
+def test_fewer_at_a_time_means_more_steps_and_a_higher_floor():
+    cost = ModelCost(1000, 100, 1_000_000, 8, 16)  # decode steps read more than they compute
+    args = dict(num_prompts=100, input_len=50, output_len=20, peak_flops=1e9, bandwidth=1e9)
+    wide = offline_floor(cost, concurrency=100, **args)
+    narrow = offline_floor(cost, concurrency=10, **args)
+    assert narrow["decode_steps"] == 10 * wide["decode_steps"]
+    assert narrow["decode_linear_s"] > wide["decode_linear_s"]
+    assert narrow["prefill_s"] == wide["prefill_s"]
+    assert narrow["decode_attention_s"] == wide["decode_attention_s"]
+    assert offline_floor(cost, concurrency=1000, **args)["concurrency"] == 100
+
+
+def test_peaks_are_measured_on_the_cpu():
+    cpu = torch.device("cpu")
+    assert 1e8 < matmul_peak(cpu) < 1e14
+    assert 1e8 < copy_bandwidth(cpu) < 1e13
+
+
+def test_model_cost_of_a_shipped_config_on_the_meta_device():
+    # Llama-3.1-8B: 32 layers of q/o 4096^2, k/v 4096 x 1024, MLP 3 x 4096 x 14336; head 128256 wide
+    bf16 = model_cost("llama-3.1-8b", None, 2)
+    assert bf16.linear_params == 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert bf16.head_params == 128256 * 4096
+    assert bf16.weight_bytes == 2 * (bf16.linear_params + bf16.head_params)
+    assert bf16.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    fp8 = model_cost("llama-3.1-8b", "fp8", 1)
+    # one byte a weight plus a float32 scale per output channel; the head stays bf16
+    channels = 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
+    assert fp8.weight_bytes == fp8.linear_params + 4 * channels + 2 * fp8.head_params
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2
