@@ -161,10 +161,10 @@ def _floor(llm: LLM, peaks: tuple[float, float], num_prompts: int, input_len: in
                           output_len, concurrency, *peaks)
     floor["fraction_of_sequential"] = floor["sequential_s"] / res["elapsed_s"]
     floor["fraction_of_overlapped"] = floor["overlapped_s"] / res["elapsed_s"]
-    print(f"floor at {floor['peak_TFLOPs']:.1f} TFLOP/s and {floor['bandwidth_TBps']:.2f} TB/s "
-          f"(measured now), {concurrency} at a time: sequential {floor['sequential_s']:.1f} s "
-          f"({floor['sequential_tok_s']:.0f} tok/s: prefill {floor['prefill_s']:.1f}, decode "
-          f"products {floor['decode_linear_s']:.1f}, decode attention "
-          f"{floor['decode_attention_s']:.1f}), overlapped {floor['overlapped_s']:.1f} s; "
+    print(f"floor at {floor['peak_TFLOPs']:.3g} TFLOP/s and {floor['bandwidth_TBps']:.3g} TB/s "
+          f"(measured now), {floor['concurrency']} at a time: sequential {floor['sequential_s']:.3g} s "
+          f"({floor['sequential_tok_s']:.0f} tok/s: prefill {floor['prefill_s']:.3g}, decode "
+          f"products {floor['decode_linear_s']:.3g}, decode attention "
+          f"{floor['decode_attention_s']:.3g}), overlapped {floor['overlapped_s']:.3g} s; "
           f"this run {floor['fraction_of_sequential']:.2f} of the sequential floor")
     return floor
