@@ -162,7 +162,8 @@ def _floor(llm: LLM, peaks: tuple[float, float], num_prompts: int, input_len: in
     floor["fraction_of_sequential"] = floor["sequential_s"] / res["elapsed_s"]
     floor["fraction_of_overlapped"] = floor["overlapped_s"] / res["elapsed_s"]
     print(f"floor at {floor['peak_TFLOPs']:.3g} TFLOP/s and {floor['bandwidth_TBps']:.3g} TB/s "
-          f"(measured now), {floor['concurrency']} at a time: sequential {floor['sequential_s']:.3g} s "
+          f"(measured now), {floor['concurrency']} at a time: sequential "
+          f"{floor['sequential_s']:.3g} s "
           f"({floor['sequential_tok_s']:.0f} tok/s: prefill {floor['prefill_s']:.3g}, decode "
           f"products {floor['decode_linear_s']:.3g}, decode attention "
           f"{floor['decode_attention_s']:.3g}), overlapped {floor['overlapped_s']:.3g} s; "
