@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from skyline.bench.floor import copy_bandwidth
 from skyline.bench.offline import machine_info, random_prompts, save_json
 from skyline.bench.weights import held_bytes
 from skyline.engine.frontend import LLM
@@ -21,24 +22,6 @@ from skyline.model.layers.linear import Linear
 from skyline.ops.pdl import use_pdl
 from skyline.quant import fp8, intq
 from skyline.types import SamplingParams
-
-
-def copy_bandwidth() -> float:
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(20):
-        s.record()
-        y.copy_(x)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    times.sort()
-    return 2 * x.numel() * 2 / times[len(times) // 2]  # bytes read + written per second
 
 
 def main() -> None:
@@ -67,7 +50,7 @@ def main() -> None:
         intq.INT4_GEMV = a.int4_gemv
     if a.fp8_gemv is not None:
         fp8.GEMV_ACTIVATIONS = a.fp8_gemv
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + a.new_tokens + 16,
               max_num_seqs=8, enforce_eager=a.enforce_eager, kv_cache_dtype=a.kv_cache_dtype,
               quantization=a.quantization, quantize_lm_head=a.quantize_lm_head)

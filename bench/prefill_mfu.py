@@ -14,24 +14,10 @@ import time
 
 import torch
 
+from skyline.bench.floor import matmul_peak
 from skyline.bench.offline import machine_info, random_prompts, save_json
 from skyline.engine.frontend import LLM
 from skyline.types import SamplingParams
-
-
-def matmul_peak() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        a @ b
-    e.record()
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
 
 
 def main() -> None:
@@ -41,7 +27,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    peak = matmul_peak()
+    peak = matmul_peak(torch.device("cuda"))
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + 64,
               max_num_batched_tokens=a.prompt_len, max_num_seqs=4)
     arch = llm.config.model.arch
