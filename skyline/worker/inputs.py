@@ -19,7 +19,7 @@ class RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     params: SamplingParams
-    block_ids: array  # int32 ('i'): a step copies each request's row in one call
+    block_ids: array  # int32 ('i'): a step joins every request's ids without a loop over them
     num_computed_tokens: int
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     sampling_row: SamplingRow | None = None  # the sampler's view, made at its first sample
@@ -105,7 +105,7 @@ def build_inputs(
             logits_idx.extend(range(end_of_batch - 1 - len(drafts), end_of_batch))
             sampling.append(rid)
     lens = np.array(num_blocks, dtype=np.int64)
-    table = np.zeros((len(batch), max(1, lens.max())), dtype=np.int32)
+    table = np.zeros((len(batch), lens.max(initial=1)), dtype=np.int32)
     table[np.arange(table.shape[1]) < lens[:, None]] = np.frombuffer(flat_blocks, np.int32)
     n_tok = np.array(counts, dtype=np.int64)
     first = np.array(starts, dtype=np.int64)
