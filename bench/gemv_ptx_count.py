@@ -36,11 +36,14 @@ def loop_ptx(block_n: int, warps: int, stages: int, x_left: bool) -> list[str]:
 
     const = dict(WEIGHT_KIND=2, GROUP=128, HAS_BIAS=False, EVEN_K=True, SPLIT=True,
                  USE_DOT=True, IEEE=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128,
-                 NUM_STAGES=stages, STATIC_ITERS=0, X_QUANT=0, ROUND_E4M3=False, INT4_ASM=1,
-                 INT4_OFFSET=128.0, X_LEFT=x_left)
-    sig = {**SIGNATURE, **{k: "constexpr" for k in const}}
-    names = list(sig)
-    src = ASTSource(fn=kernels.gemv_quant_kernel, signature=sig,
+                 NUM_STAGES=stages, STATIC_ITERS=0, X_QUANT=0, XS_BLOCK=0, XS_STRIDE=1,
+                 ROUND_E4M3=False, INT4_ASM=1, INT4_OFFSET=128.0, X_LEFT=x_left, PDL=False)
+    fn = kernels.gemv_quant_kernel
+    names = list(fn.arg_names)  # in the kernel's order: constexprs are addressed by index
+    missing = set(names) - set(SIGNATURE) - set(const)
+    assert not missing, f"the kernel has arguments this script does not set: {missing}"
+    sig = {n: SIGNATURE.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=sig,
                     constexprs={(names.index(k),): v for k, v in const.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
