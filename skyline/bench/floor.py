@@ -60,14 +60,15 @@ class ModelCost:
         )
 
 
-def model_cost(model: str, quantization: str | None, kv_bytes: int) -> ModelCost:
+def model_cost(model: str, quantization: str | None, kv_dtype: torch.dtype) -> ModelCost:
     """The cost per token of `model` (a shipped config's name or a directory) with weights in
-    `quantization` and K/V elements of `kv_bytes` bytes, built on the meta device: no memory,
-    no weights, the layouts the engine serves with (online quantization included)."""
+    `quantization` and a KV cache of `kv_dtype`, built on the meta device: no memory, no
+    weights, the layouts the engine serves with (online quantization included)."""
     from skyline.config import QuantConfig
     from skyline.model.loader import read_model_arch
     from skyline.model.registry import get_model_class
     from skyline.quant import attach_quant_methods, finish_loading
+    from skyline.worker.kv_cache import bytes_per_block
 
     arch, _ = read_model_arch(model, "dummy")
     prev = torch.get_default_dtype()
@@ -80,8 +81,7 @@ def model_cost(model: str, quantization: str | None, kv_bytes: int) -> ModelCost
             finish_loading(m)
     finally:
         torch.set_default_dtype(prev)
-    kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * kv_bytes
-    return ModelCost.of(m, kv_per_token)
+    return ModelCost.of(m, bytes_per_block(arch, 1, kv_dtype))
 
 
 def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len: int,

@@ -134,11 +134,9 @@ def _measure_peaks(args: EngineArgs) -> tuple[float, float]:
     import torch
 
     from skyline.bench.floor import copy_bandwidth, matmul_peak
+    from skyline.engine.create import resolve_device
 
-    name = args.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = torch.device(resolve_device(args.device))
     peak = matmul_peak(device, fp8=args.quantization == "fp8")
     bandwidth = copy_bandwidth(device)
     if device.type == "cuda":
@@ -154,7 +152,7 @@ def _floor(llm: LLM, peaks: tuple[float, float], num_prompts: int, input_len: in
     cfg = llm.config
     runner = llm.engine.executor.runner
     block = cfg.cache.block_size
-    kv_per_token = bytes_per_block(cfg.model.arch, block, runner.kv_dtype) // block
+    kv_per_token = bytes_per_block(cfg.model.arch, 1, runner.kv_dtype)
     capacity = llm.engine.executor.num_blocks * block // (input_len + output_len)
     concurrency = min(cfg.scheduler.max_num_seqs, capacity)
     floor = offline_floor(ModelCost.of(runner.model, kv_per_token), num_prompts, input_len,

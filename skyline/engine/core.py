@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 # Net allocations of container objects between young-generation collections (CPython's
 # default is 700). A step at a thousand requests allocates a few thousand short-lived
 # containers and frees them before the next: with the default, collections run several times
-# a step, and every few dozen steps a full one rescans each request's token lists (~0.3 s at
-# 1,000 requests of 1,500 tokens, bench/host_overhead.py), a pause the device waits out.
+# a step, and every few dozen steps a full one rescans each request's token lists: a pause the
+# device waits out (bench/host_overhead.py times them).
 GC_THRESHOLD0 = 20_000
 
 

@@ -82,7 +82,8 @@ def _resolve_async(value: str | bool, device: str) -> bool:
     return value == "on" or (value == "auto" and device.startswith("cuda"))
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """The device an engine of `--device` runs on ("auto": a GPU if one is visible)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -199,7 +200,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     if args.model is not None and dummy_config_dir(args.model) == path:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -31,7 +31,7 @@ class RequestState:
     @classmethod
     def from_new(cls, new: NewRequestData) -> RequestState:
         s = cls(new.request_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                new.sampling_params, array("i", new.block_ids), new.num_computed_tokens)
+                new.sampling_params, new.block_ids, new.num_computed_tokens)
         s.token_ids = s.prompt_token_ids + s.output_token_ids
         return s
 
