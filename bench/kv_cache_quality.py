@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.engine.frontend import load_tokenizer
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
 from skyline.model.loader import load_model

@@ -19,7 +19,7 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, measure, random_prompts, save_json
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 from skyline.engine.frontend import LLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

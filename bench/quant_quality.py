@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from skyline.bench.weights import held_bytes
 from skyline.config import QuantConfig
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.engine.frontend import load_tokenizer
 from skyline.model.layers.linear import Linear
 from skyline.model.loader import load_model, prepack_for_cpu

@@ -25,7 +25,8 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.engine.frontend import LLM, load_tokenizer
 from skyline.model.loader import load_model
 from skyline.quant.assignment import DEFAULT_CANDIDATES, parse_budget, parse_formats

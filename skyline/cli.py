@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench scripts and tests)
@@ -16,7 +17,7 @@ from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench script
     sampling_params,
 )
 from skyline.config import ConfigError
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
@@ -334,7 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _omp_wait_passive() -> None:
+    """Idle OpenMP workers sleep instead of spinning: spinning workers make CPU decode several
+    times slower whenever another process wants a core, at a cost of ~15% on a quiet machine
+    (bench/omp_wait_policy.py). OpenMP reads this once, when torch loads it, so the CLI sets it
+    before anything imports torch; spawned engine processes inherit it. A user's value wins."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _omp_wait_passive()
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -36,7 +36,7 @@ from typing import Any
 from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec, parse_len
 from skyline.configs import dummy_config_dir
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
 _NO_QUALITY = {"max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",

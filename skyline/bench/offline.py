@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from skyline.bench.step_trace import StepTrace
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 from skyline.engine.frontend import LLM
 from skyline.types import SamplingParams
 

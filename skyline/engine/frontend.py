@@ -11,8 +11,9 @@ from typing import Any
 from tqdm import tqdm
 
 from skyline.config import ModelConfig
+from skyline.engine.args import EngineArgs
 from skyline.engine.core import EngineCore, fewer_collections
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.create import create_engine_config
 from skyline.engine.output import OutputProcessor, child_params
 from skyline.engine.structured import attach_structured_outputs, check_structured
 from skyline.engine.tokenizer import Tokenizer

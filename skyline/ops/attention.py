@@ -15,8 +15,6 @@ from shapes and the batch size only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -34,10 +32,10 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     prefill_config,
     shape_key,
 )
-from skyline.ops.attention_triton import triton
 from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import interpreted, triton
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -241,11 +239,10 @@ def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _fp8_words(k: torch.Tensor, head_dim: int) -> int:
     # an fp8 cache is read as int32 words (attention_triton._load_kv_tile): 2 when compiled
-    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches, or
-    # with SKYLINE_KV_FP8_WORDS=0 (the fp8 tiles as loaded, for comparison)
-    if k.dtype.itemsize != 1 or head_dim % 4 or os.environ.get("SKYLINE_KV_FP8_WORDS") == "0":
+    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches
+    if k.dtype.itemsize != 1 or head_dim % 4:
         return 0
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return 1
     return 2 if k.is_cuda and has_fp8_units(k.device) else 0
 

@@ -6,11 +6,7 @@ interpreter."""
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references serve
-    triton = None
+from skyline.ops.triton_utils import tl, triton
 
 if triton is not None:
     from skyline.ops.gemv_int_a8_triton import round_row_to_words

@@ -25,7 +25,6 @@ others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from skyline import envs
 from skyline.config import ConfigError
 from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
@@ -49,7 +49,7 @@ INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 # Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
 # weight, faster than dense bf16 for one or two rows but about half its speed at eight: the
 # kernel is compute-bound there); 1 keeps those types dense bfloat16 (16 bits).
-MAX_CPU_PLANES = int(os.environ.get("SKYLINE_GGUF_CPU_PLANES", "2"))
+MAX_CPU_PLANES = envs.ENV.gguf_cpu_planes
 
 
 @dataclass

@@ -12,12 +12,12 @@ collected in turn, as `execute` does.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model, prepack_for_cpu
@@ -42,7 +42,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # share well, and in a server the API process needs a core for every token it streams: an
 # engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
 # a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
-CPU_SERIAL_TOKENS = int(os.environ.get("SKYLINE_CPU_SERIAL_TOKENS", "4"))
+CPU_SERIAL_TOKENS = envs.ENV.cpu_serial_tokens
 
 
 @dataclass

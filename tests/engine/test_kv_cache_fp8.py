@@ -14,7 +14,8 @@ import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.ops.kv_quant import FP8_DTYPE
 
 transformers = pytest.importorskip("transformers")

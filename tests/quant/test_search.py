@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from skyline.config import ConfigError, QuantConfig
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.model.loader import load_model
 from skyline.quant.assignment import (
     Format,

@@ -16,7 +16,8 @@ import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, ModelArch, SpecConfig
-from skyline.engine.create import EngineArgs, check_draft_vocab, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import check_draft_vocab, create_engine_config
 from skyline.spec.draft import DraftProposer, truncated_model
 
 transformers = pytest.importorskip("transformers")
