@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from skyline.bench.weights import held_bytes
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
+from skyline.model.weights import held_bytes
 from skyline.types import SamplingParams
 
 

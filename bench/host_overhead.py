@@ -37,7 +37,7 @@ try:
     from skyline.engine.core import fewer_collections
 except ImportError:  # an engine from before the collection thresholds: default rows only
     fewer_collections = None
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,

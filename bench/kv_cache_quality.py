@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from skyline.bench.offline import machine_info, save_json
 from skyline.engine.args import EngineArgs
 from skyline.engine.create import create_engine_config
-from skyline.engine.frontend import load_tokenizer
+from skyline.engine.frontend.llm import load_tokenizer
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
 from skyline.model.loader import load_model
 from skyline.ops.kv_quant import FP8_DTYPE

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.frontend import LLM
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.llm import LLM
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.model.default import default_model_path
 from skyline.model.gguf import gguf_value, open_gguf, type_name
 

@@ -19,7 +19,7 @@ import torch
 from prefill_mfu import matmul_peak
 
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 

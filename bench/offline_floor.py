@@ -16,16 +16,15 @@ import datetime
 import json
 from typing import Any
 
-import torch
-
-from skyline.bench.floor import model_cost, offline_floor
+from skyline.bench.floor import offline_floor
 from skyline.bench.offline import save_json
+from skyline.engine.cost import model_cost
 
 
 def run_floor(run: dict[str, Any], peak: float | None, bandwidth: float) -> dict[str, Any]:
     quant = run.get("quantization") or "none"
     fp8_kv = run.get("kv_cache_dtype") == "fp8_e4m3"
-    cost = model_cost(run["model"], quant, torch.float8_e4m3fn if fp8_kv else torch.bfloat16)
+    cost = model_cost(run["model"], quant, "fp8" if fp8_kv else "auto")
     tokens = run["engine"].get("kv_cache_tokens")
     length = run["input_len"] + run["output_len"]
     concurrency = min(run["max_num_seqs"], tokens // length if tokens else run["max_num_seqs"])

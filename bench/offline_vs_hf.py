@@ -20,7 +20,7 @@ import torch
 
 from skyline.bench.offline import machine_info, measure, random_prompts, save_json
 from skyline.engine.args import EngineArgs
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -30,7 +30,7 @@ elif policy != "default":
     os.environ["OMP_WAIT_POLICY"] = policy
 import torch  # OpenMP reads the policy now, before skyline could set its default
 
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 llm = LLM(threads=threads, kv_cache_memory="64MiB", max_model_len=512)

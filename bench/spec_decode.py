@@ -12,9 +12,9 @@ machine drifts as little as possible between the runs a ratio compares; the high
 runs once per method, in turn. `eagle` is the engine's EAGLE method (the head, with prompt
 lookup for the spans a request repeats), `eagle-head` the head alone; both need a head
 (`skyline train-speculator`; default: the head shipped for the default model,
-skyline/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
+skyline/worker/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
 speculation; the script checks it. The CHAT prompts are not in the head's training set
-(skyline/spec/prompts.jsonl).
+(skyline/tools/prompts.jsonl).
 """
 
 from __future__ import annotations

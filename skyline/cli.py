@@ -21,7 +21,7 @@ from skyline.engine.args import EngineArgs
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args(ns)))
     params = sampling_params(ns)
@@ -35,7 +35,7 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def _cmd_chat(ns: argparse.Namespace) -> None:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args(ns)))
     params = sampling_params(ns)
@@ -114,14 +114,14 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
 
 def _cmd_quantize(ns: argparse.Namespace) -> None:
     from skyline.engine.create import create_engine_config
-    from skyline.quant.checkpoint import quantize_checkpoint
+    from skyline.tools.quantize.checkpoint import quantize_checkpoint
 
     text = None
     if ns.calib_file is not None and ns.calib_self:
         raise ConfigError("pass --calib-file or --calib-self, not both")
     if ns.calib_self:
-        from skyline.engine.frontend import LLM
-        from skyline.quant.self_text import self_text
+        from skyline.engine.frontend.llm import LLM
+        from skyline.tools.quantize.self_text import self_text
 
         calib = ns.calib_tokens or (1024 if ns.search else 4096)
         need = calib + (ns.eval_tokens if ns.search else 0)
@@ -146,7 +146,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
                                              quantization="none"))
     if ns.search:
         from skyline.quant.assignment import DEFAULT_CANDIDATES
-        from skyline.quant.report import search_checkpoint, table
+        from skyline.tools.quantize.report import search_checkpoint, table
 
         report = search_checkpoint(
             cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
@@ -161,7 +161,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:
-    from skyline.spec.train import TrainArgs, train_speculator
+    from skyline.tools.speculator.train import TrainArgs, train_speculator
 
     args = TrainArgs(epochs=ns.epochs, steps=ns.steps, lr=ns.lr, batch_tokens=ns.batch_tokens,
                      unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)

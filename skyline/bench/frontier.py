@@ -117,7 +117,7 @@ def quality_status(spec: FrontierSpec, ref_args: EngineArgs) -> str:
 def calibration_text() -> str:
     import skyline
 
-    path = os.path.join(os.path.dirname(skyline.__file__), "quant", "calibration.txt")
+    path = os.path.join(os.path.dirname(skyline.__file__), "tools", "calibration.txt")
     with open(path, encoding="utf-8") as f:
         return f.read()
 
@@ -126,7 +126,7 @@ def _score(args: EngineArgs, calib_tokens: int) -> tuple[Any, list[int]]:
     """Reference-free scoring run: [n, vocab] log-probs and the text's token ids."""
     import gc
 
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     n = calib_tokens + 16
     kw = dataclasses.asdict(args) | {

@@ -86,7 +86,7 @@ def _resolve_spec_model(args: EngineArgs, arch: ModelArch) -> str | None:
     """The EAGLE head's directory, checked against the target's shape."""
     if args.speculative_method != "eagle":
         return args.speculative_model
-    from skyline.spec.eagle import check_head, default_head_dir
+    from skyline.worker.spec.eagle import check_head, default_head_dir
 
     path = args.speculative_model
     if path is None and args.model is None:

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from skyline.engine.async_llm import AsyncLLM
+from skyline.engine.frontend.async_llm import AsyncLLM
 from skyline.server.chat import create_chat_completion, render_chat
 from skyline.server.completions import create_completion
 from skyline.server.errors import APIError, error_body, install_error_handlers

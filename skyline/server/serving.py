@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from skyline.engine.async_llm import (
+from skyline.engine.frontend.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineOverloadedError,

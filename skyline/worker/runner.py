@@ -21,8 +21,6 @@ from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model, prepack_for_cpu
-from skyline.spec.proposer import HiddenStateProposer, make_proposer
-from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
@@ -34,6 +32,8 @@ from skyline.worker.kv_cache import (
     num_blocks_for,
 )
 from skyline.worker.sampler import DeviceSample, SamplingRow, sample_on_device
+from skyline.worker.spec.proposer import HiddenStateProposer, make_proposer
+from skyline.worker.spec.verify import sample_and_verify, verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +150,6 @@ class ModelRunner:
                 del s.block_ids[-c.num_freed_blocks :]
             s.block_ids.extend(c.new_block_ids)
             s.num_computed_tokens = c.num_computed_tokens
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step and wait for its tokens."""
-        assert self._in_flight is None, "collect the step in flight first"
-        self.launch(out)
-        return self.collect() if self._in_flight is not None else RunnerOutput()
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:

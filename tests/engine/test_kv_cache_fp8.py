@@ -96,7 +96,7 @@ def test_fp8_engine_equals_scoring_with_rounded_kv(tiny_dir):
         outs = llm.generate(prompts, params)
         worst[kv_dtype] = 0.0
         for p, o in zip(prompts, outs, strict=True):
-            logp = llm.engine.executor.score(p)[-1]
+            logp = llm.query("score", p)[-1]
             top = o.outputs[0].logprobs[0]
             worst[kv_dtype] = max([worst[kv_dtype]] + [
                 abs(logp[t].item() - lp) for t, lp in zip(top.token_ids, top.logprobs,

@@ -8,7 +8,7 @@ Any tail that could be the start of a stop string is held back until it is decid
 
 from __future__ import annotations
 
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 6  # prompt tokens decoded before the output, for correct leading spaces
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
 from skyline.config import ConfigError
-from skyline.engine.chat_template import render_chat_template
+from skyline.engine.frontend.chat_template import render_chat_template
 
 # Tokens that end an assistant turn in common chat formats. One counts as an end token of a
 # model when it is in the vocabulary and its chat template writes it.
@@ -73,7 +73,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
-        from skyline.engine.gguf_tokenizer import build_gguf_vocab
+        from skyline.engine.frontend.gguf_tokenizer import build_gguf_vocab
         from skyline.model.gguf import open_gguf
 
         v = build_gguf_vocab(open_gguf(path), path)

@@ -57,20 +57,20 @@ def make_proposer(cfg: SpecConfig, model: nn.Module | None = None) -> Proposer |
     if cfg.method == "none":
         return None
     if cfg.method == "ngram":
-        from skyline.spec.ngram import NgramProposer
+        from skyline.worker.spec.ngram import NgramProposer
 
         return NgramProposer(cfg.ngram_min, cfg.ngram_max)
     if cfg.method == "suffix":
-        from skyline.spec.suffix import SuffixProposer
+        from skyline.worker.spec.suffix import SuffixProposer
 
         return SuffixProposer(cfg.ngram_min, cfg.ngram_max, cfg.suffix_traffic_tokens)
     if cfg.method == "eagle":
-        from skyline.spec.eagle_proposer import EagleProposer
+        from skyline.worker.spec.eagle_proposer import EagleProposer
 
         assert model is not None, "the EAGLE proposer needs the target model"
         return EagleProposer(cfg, model)
     if cfg.method == "draft":
-        from skyline.spec.draft import DraftProposer
+        from skyline.worker.spec.draft import DraftProposer
 
         assert model is not None, "the draft proposer needs the target model"
         return DraftProposer(cfg, model)

@@ -1,5 +1,5 @@
 """The EAGLE proposer: keeps each request's head state in step with the target and drafts
-greedily with the head (spec/eagle.py).
+greedily with the head (worker/spec/eagle.py).
 
 Feeding: every step the runner hands over the target's hidden states of the tokens it just
 computed (`observe`: prefill chunks, decodes, and verified drafts). Head position t needs f_t
@@ -38,10 +38,10 @@ from torch import nn
 from skyline.config import SpecConfig
 from skyline.model.loader import prepack_for_cpu
 from skyline.ops import cpu_linear
-from skyline.spec.eagle import AttnPlan, load_head, target_parts
-from skyline.spec.head_cache import HeadCache, HeadKVPool
-from skyline.spec.ngram import NgramProposer
 from skyline.worker.sampler import to_device
+from skyline.worker.spec.eagle import AttnPlan, load_head, target_parts
+from skyline.worker.spec.head_cache import HeadCache, HeadKVPool
+from skyline.worker.spec.ngram import NgramProposer
 
 
 class EagleProposer:

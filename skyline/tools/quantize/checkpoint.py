@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from skyline.config import ConfigError, ModelConfig, QuantConfig
-from skyline.model.layers.linear import Linear, UnquantizedLinearMethod
+from skyline.model.layers.linear import Linear
 from skyline.quant import make_linear_method
 from skyline.quant.base import QuantLinearMethod
+from skyline.quant.method import UnquantizedLinearMethod
 from skyline.quant.resolve import QUANT_METHOD_TAG
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def _hf_config(path: str, load_format: str) -> dict[str, Any]:
 
 def _write_tokenizer(path: str, load_format: str, out: Path) -> None:
     if load_format == "gguf":
-        from skyline.engine.tokenizer import Tokenizer
+        from skyline.engine.frontend.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf(path)
         tok.backend.save(str(out / "tokenizer.json"))
@@ -132,7 +133,7 @@ def quantize_checkpoint(
     model = load_model(model_cfg, "cpu")
     source = "token ids"
     if calib_ids is None:
-        from skyline.engine.frontend import load_tokenizer
+        from skyline.engine.frontend.llm import load_tokenizer
 
         tok = load_tokenizer(model_cfg)
         if tok is None:

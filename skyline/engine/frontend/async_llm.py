@@ -21,7 +21,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from skyline.engine.output import OutputProcessor, child_params
+from skyline.engine.frontend.output import OutputProcessor, child_params
+from skyline.engine.frontend.structured import check_structured, grammar_for
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.engine.process import (
     EngineProcess,
     pack,
@@ -29,8 +31,6 @@ from skyline.engine.process import (
     step_output_from_list,
     unpack,
 )
-from skyline.engine.structured import check_structured, grammar_for
-from skyline.engine.tokenizer import Tokenizer
 from skyline.types import Request, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)

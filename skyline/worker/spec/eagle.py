@@ -40,7 +40,7 @@ from skyline.ops import cpu_linear
 from skyline.ops.activation import silu_and_mul_ref
 from skyline.ops.norm import fused_add_rms_norm_ref, rms_norm_ref
 from skyline.ops.rotary import rotary_embedding_ref
-from skyline.spec.head_cache import HeadCache, attend_cached
+from skyline.worker.spec.head_cache import HeadCache, attend_cached
 
 HEAD_FORMAT = "skyline-eagle-head"
 WEIGHTS_FILE = "head.safetensors"

@@ -35,9 +35,9 @@ import torch
 from skyline.config import ConfigError
 
 if TYPE_CHECKING:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
-BUILTIN_PROMPTS = os.path.join(os.path.dirname(__file__), "prompts.jsonl")
+BUILTIN_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prompts.jsonl")
 
 
 @dataclass

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from skyline.config import ModelConfig
 from skyline.types import RunnerOutput, SamplingParams, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -156,14 +157,15 @@ def _constrained(params: SamplingParams) -> bool:
     return params.json_schema is not None or params.regex is not None or params.grammar is not None
 
 
-def attach_structured_outputs(core: Any, load_tokenizer: Callable[[], Any]) -> None:
-    """Give an EngineCore's scheduler the structured-output hooks; the tokenizer (and
-    llguidance's view of it) is built on the first constrained request."""
-    eos = core.config.model.arch.eos_token_ids
+def structured_outputs(model: ModelConfig, load_tokenizer: Callable[[], Any]
+                       ) -> StructuredOutputs:
+    """The structured-output hooks an EngineCore's scheduler runs each step; the tokenizer
+    (and llguidance's view of it) is built on the first constrained request."""
+    eos = model.arch.eos_token_ids
 
     def ll_tokenizer() -> Any:
         tok = load_tokenizer()
         ids = tuple(tok.eos_token_ids) if tok is not None and tok.eos_token_ids else eos
-        return make_ll_tokenizer(tok, core.config.model.arch.vocab_size, ids)
+        return make_ll_tokenizer(tok, model.arch.vocab_size, ids)
 
-    core.scheduler.structured = StructuredOutputs(ll_tokenizer, eos)
+    return StructuredOutputs(ll_tokenizer, eos)

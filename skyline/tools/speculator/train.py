@@ -1,6 +1,6 @@
-"""`skyline train-speculator`: an EAGLE head (spec/eagle.py) trained by self-distillation.
+"""`skyline train-speculator`: an EAGLE head (worker/spec/eagle.py) trained by self-distillation.
 
-The target runs over the prompts and writes its own continuations (spec/data.py), which also
+The target runs over the prompts and writes its own continuations (tools/speculator/data.py), which also
 records its hidden state f_t at every position. Head position t then learns, from f_t and the
 token x_{t+1}, to predict
 - the target's next-token distribution softmax(lm_head(f_{t+1})) over the draft vocabulary
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.ops.norm import rms_norm_ref
-from skyline.spec.data import Sample
-from skyline.spec.eagle import AttnPlan, EagleHead, build_head, init_head, target_parts
+from skyline.tools.speculator.data import Sample
+from skyline.worker.spec.eagle import AttnPlan, EagleHead, build_head, init_head, target_parts
 
 log = logging.getLogger(__name__)
 
@@ -282,9 +282,9 @@ def train_speculator(engine_args: Any, prompts: str | None, out_dir: str, args: 
     train a head and save it to `out_dir`."""
     from dataclasses import replace
 
-    from skyline.engine.frontend import LLM
-    from skyline.spec import data
-    from skyline.spec.eagle import save_head
+    from skyline.engine.frontend.llm import LLM
+    from skyline.tools.speculator import data
+    from skyline.worker.spec.eagle import save_head
 
     t0 = time.perf_counter()
     llm = LLM(**asdict(replace(engine_args, speculative_method="none",

@@ -12,11 +12,11 @@ from tqdm import tqdm
 
 from skyline.config import ModelConfig
 from skyline.engine.args import EngineArgs
-from skyline.engine.core import EngineCore, fewer_collections
+from skyline.engine.core import EngineCore, StepObserver, fewer_collections
 from skyline.engine.create import create_engine_config
-from skyline.engine.output import OutputProcessor, child_params
-from skyline.engine.structured import attach_structured_outputs, check_structured
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.output import OutputProcessor, child_params
+from skyline.engine.frontend.structured import check_structured, structured_outputs
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.types import Request, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,14 +36,18 @@ def load_tokenizer(cfg: ModelConfig) -> Tokenizer | None:
 class LLM:
     """Runs many prompts with continuous batching on one engine, in this process."""
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, observers: Sequence[StepObserver] = (),
+                 **kwargs: Any) -> None:
+        """`kwargs` are EngineArgs; `observers` are told of every engine step
+        (engine/core.py)."""
         self.args = EngineArgs(model=model, **kwargs)
         config, auto_len = create_engine_config(self.args)
         self.tokenizer = load_tokenizer(config.model)
-        self.engine = EngineCore(config, max_model_len_auto=auto_len)
+        structured = (structured_outputs(config.model, lambda: self.tokenizer)
+                      if self.tokenizer is not None else None)
+        self.engine = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
+                                 observers=observers)
         self.config = self.engine.config
-        if self.tokenizer is not None:
-            attach_structured_outputs(self.engine, lambda: self.tokenizer)
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer)
 
@@ -129,8 +133,22 @@ class LLM:
         """Next-token log-probs at every position of the prompt (teacher forcing), scored in
         independent windows of `window` tokens: a list of [window_len, vocab] float32 tensors."""
         _, ids = self.encode(prompt)
-        return [self.engine.executor.score(ids[s : s + window])
+        return [self.engine.executor.query("score", ids[s : s + window])
                 for s in range(0, len(ids), window)]
+
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks of `config.cache.block_size` tokens."""
+        return self.engine.executor.num_blocks
+
+    def query(self, name: str, *args: Any) -> Any:
+        """Ask the loaded model a question of worker/queries.py (hidden states, calibration,
+        a quantized checkpoint, ...), wherever its workers run."""
+        return self.engine.executor.query(name, *args)
+
+    def shutdown(self) -> None:
+        """Release the engine's workers (idempotent)."""
+        self.engine.shutdown()
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         if self.tokenizer is None:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError, ModelConfig, QuantConfig
-from skyline.model.layers.linear import UnquantizedLinearMethod
 from skyline.quant import make_linear_method
 from skyline.quant.assignment import (
     Format,
@@ -33,6 +32,7 @@ from skyline.quant.assignment import (
 )
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.joint import Choice, linears
+from skyline.quant.method import UnquantizedLinearMethod
 from skyline.quant.search import SearchResult, search
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def write_search_outputs(
     out_dir: str, calibration: dict[str, Any],
 ) -> QuantConfig:
     """The checkpoint of the (installed) mixed model, assignment.json and report.json."""
-    from skyline.quant.checkpoint import write_checkpoint
+    from skyline.tools.quantize.checkpoint import write_checkpoint
 
     qcfg = to_quant_config(result.assignment)
     write_checkpoint(model, model_cfg, qcfg, out_dir, calibration)
@@ -227,7 +227,7 @@ def search_checkpoint(
     comma-separated list) for `budget` ("4.5" bits per weight, "70MiB", or a format name for
     that format's uniform size), score on held-out text, write `out_dir`. Returns the
     report."""
-    from skyline.engine.frontend import load_tokenizer
+    from skyline.engine.frontend.llm import load_tokenizer
     from skyline.model.loader import load_model
     from skyline.model.registry import get_model_class
     from skyline.quant.calibrate import builtin_text, collect_act_sq

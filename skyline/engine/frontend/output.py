@@ -7,8 +7,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from skyline.engine.detokenizer import IncrementalDetokenizer
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.detokenizer import IncrementalDetokenizer
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.types import (
     CompletionOutput,
     RequestOutput,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from skyline.bench.weights import held_bytes
+from skyline.model.weights import held_bytes
 
 
 def test_counts_parameters_buffers_and_layouts_once():

@@ -1,6 +1,6 @@
 """Calibration text the model writes itself: its answers, sampled as when serving
 (temperature 0.7, top-p 0.9, fixed seeds), to the built-in instruction prompts of
-skyline/spec/prompts.jsonl (chat questions, writing and code-editing tasks).
+skyline/tools/prompts.jsonl (chat questions, writing and code-editing tasks).
 
 For a user without text of their own this is the text that matters: the quantized model will
 be judged on what it writes. A famous public-domain text (calibration.txt) is partly
@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from skyline.spec.data import BUILTIN_PROMPTS
+from skyline.tools.speculator.data import BUILTIN_PROMPTS
 from skyline.types import SamplingParams
 
 if TYPE_CHECKING:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
 
 def self_text(llm: LLM, num_tokens: int, max_tokens: int = 256, batch: int = 16) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from skyline.spec.ngram import NgramIndex, continuation
+from skyline.worker.spec.ngram import NgramIndex, continuation
 
 
 class TrafficIndex:
