@@ -1,4 +1,5 @@
-"""engine/frontend/tokenizer.py: GGUF- and HF-dir-built tokenizers against transformers, chat templates."""
+"""engine/frontend/tokenizer.py: GGUF- and HF-dir-built tokenizers against transformers, chat
+templates."""
 
 from __future__ import annotations
 

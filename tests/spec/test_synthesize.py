@@ -1,5 +1,5 @@
-"""`train-speculator --synthesize` (tools/speculator/data.py): the default model writes user messages
-after its chat template's user header; they come back as chats for the target to answer."""
+"""`train-speculator --synthesize` (tools/speculator/data.py): the default model writes user
+messages after its chat template's user header; they come back as chats for the target to answer."""
 
 from __future__ import annotations
 
