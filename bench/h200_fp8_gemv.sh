@@ -13,7 +13,7 @@ SKIP=${SKIP:-}
 run() { [[ " $SKIP " == *" $1 "* ]] && return; shift; echo "== $*"; "$@"; }
 run test python3 -m pytest -q -p no:cacheprovider tests/ops/test_gemv_quant.py \
   -k "${TESTK:-a8 or linear_methods or default_configs_on_model or fp8}" 2>&1 | tail -3
-run tune python3 bench/tune_gemv_quant.py --kinds fp8a8 fp8a8q --rows 1 2 --budget-s ${BUDGET:-150} \
+run tune python3 bench/kernels/tune_gemv_quant.py --kinds fp8a8 fp8a8q --rows 1 2 --budget-s ${BUDGET:-150} \
   --report "$OUT/gemv-quant-tune-fp8a8-h200.json" 2>&1 | grep -v "^ *$" | tail -14
 for v in bf16 w8a16 a8q a8; do
   q=(--quantization fp8 --fp8-gemv $v); [ $v = bf16 ] && q=()

@@ -34,7 +34,7 @@ if ! skip tests; then
 fi
 Q=${QUANT:-none}
 if ! skip tune; then
-  timeout 300 python3 bench/tune_attention.py --models "$M" \
+  timeout 300 python3 bench/kernels/tune_attention.py --models "$M" \
     ${TUNE_ARGS:---batches 256 512 1024 --contexts 1000 2000 --kv-dtypes fp8 --no-prefill} \
     --budget-s ${TUNE_BUDGET:-60} --out "$OUT/attention-tune-fp8kv-h200-$M.json" 2>&1 | tail -40
   cp skyline/ops/configs/attention-h200.json "$OUT/" 2>/dev/null

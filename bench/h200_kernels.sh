@@ -2,8 +2,8 @@
 # The kernel round on the H200 (Llama-3.1-8B shape, dummy bf16 weights), as two device calls
 # back to back (tuned tables are kept in /root/cfg between them):
 #   STAGE=tune bash bench/h200_kernels.sh   # CUDA tests of the attention and quantized GEMV
-#                                            # kernels, then bench/tune_attention.py and
-#                                            # bench/tune_gemv_quant.py (tables -> $OUT)
+#                                            # kernels, then bench/kernels/tune_attention.py and
+#                                            # bench/kernels/tune_gemv_quant.py (tables -> $OUT)
 #   STAGE=measure bash bench/h200_kernels.sh # with those tables: batch-1 decode bf16 / fp8 /
 #                                            # int4 against the roofline, offline 1000x1000
 # Narrower rounds: TESTK (pytest -k), KINDS (GEMV kinds tuned), QUANTS (weights measured),
@@ -22,9 +22,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 skip tests || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops \
   -k "${TESTK:-attention or paged or gemv_quant}" 2>&1 | tee "$OUT/pytest-cuda-kernels.log" | tail -4
 if [ "${STAGE:-tune}" = tune ]; then
-  skip attn || timeout 200 python3 bench/tune_attention.py --budget-s ${ATTN_BUDGET:-110} \
+  skip attn || timeout 200 python3 bench/kernels/tune_attention.py --budget-s ${ATTN_BUDGET:-110} \
     --out "$OUT/attention-tune-h200.json" 2>&1 | tail -30
-  skip gemv || timeout 170 python3 bench/tune_gemv_quant.py --rows 1 2 --kinds ${KINDS:-int4 fp8} \
+  skip gemv || timeout 170 python3 bench/kernels/tune_gemv_quant.py --rows 1 2 --kinds ${KINDS:-int4 fp8} \
     --budget-s ${GEMV_BUDGET:-100} --report "$OUT/gemv-quant-tune-h200.json" 2>&1 | tail -20
   cp skyline/ops/configs/attention-h200.json skyline/ops/configs/gemv-quant-h200.json \
     "$OUT/" 2>/dev/null

@@ -1,7 +1,7 @@
 """What the paged decode kernel's loop does per K/V tile, read from the PTX Triton generates
 for sm_90, without a GPU (Triton compiles for a target it is told).
 
-  python bench/attention_ptx_count.py --out bench/results/attention-ptx-count.json
+  python bench/kernels/attention_ptx_count.py --out bench/results/kernels/attention-ptx-count.json
 
 The kernel of skyline/ops/attention_triton.py is compiled as the launcher would for the
 Llama-3.1-8B shape (32 / 8 heads, head_dim 128, 16-token pages, bf16 queries, KV splits) with a

@@ -1,14 +1,14 @@
 """Batch-1 GEMV of one Linear shape in every weight format, side by side against the copy
 bandwidth measured in the same run: where the INT4 GEMV loses its bytes' worth of time.
 
-  python bench/gemv_int4_probe.py --out $OUT/gemv-int4-probe-h200.json
+  python bench/kernels/gemv_int4_probe.py --out $OUT/gemv-int4-probe-h200.json
   ncu --clock-control none --kernel-name regex:gemv --section SpeedOfLight ... \
-      python bench/gemv_int4_probe.py --ncu      # a few plain launches per kernel, no graphs
+      python bench/kernels/gemv_int4_probe.py --ncu   # a few plain launches per kernel, no graphs
 
 For each shape (the Llama-3.1-8B projections by default): bf16 (`gemv`), fp8 W8A8 with x
 quantized beforehand (`fp8_gemv_a8`, what the norm / SiLU kernels hand it at decode), INT8 and
 INT4 group-128 (`int_gemv`), INT4 against int8 x (`int4_gemv_a8`, x rounded beforehand), each
-with its tuned launch configuration, timed as bench/tune_gemv.py times (one CUDA graph of
+with its tuned launch configuration, timed as bench/kernels/tune_gemv.py times (one CUDA graph of
 back-to-back calls over weight copies that L2 cannot hold). Reported: microseconds a call,
 weight bytes a call (with scales and zeros), and their rate as a fraction of the copy
 bandwidth.

@@ -1,8 +1,8 @@
 """Tune the quantized small-batch GEMV (skyline/ops/gemv_quant.py: FP8, INT8, INT4 weights) on
 this GPU against the copy bandwidth measured in the same run.
 
-  python bench/tune_gemv_quant.py                  # llama-3.1-8b shapes, rows 1 2 4 8, all kinds
-  python bench/tune_gemv_quant.py --kinds int4 --rows 1 --budget-s 60
+  python bench/kernels/tune_gemv_quant.py      # llama-3.1-8b shapes, rows 1 2 4 8, all kinds
+  python bench/kernels/tune_gemv_quant.py --kinds int4 --rows 1 --budget-s 60
 
 For each Linear shape of the model (qkv, o, gate_up, down, lm_head), weight kind, group size
 (integer kinds) and row count, a small grid of launch configurations (BLOCK_N, BLOCK_K, SPLIT_K,
@@ -13,11 +13,12 @@ kernel) / "gemv_fp8a8q" (x quantized per row before the call, outside the timing
 "gemv_int4a8" (INT4 against int8 x, ops/gemv_int_a8.py, x rounded before the call as the norm
 and SiLU kernels hand it over, outside the timing;
 `--configs-out`, default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set).
-Timing as in bench/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough weight
-copies that L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy bandwidth
-(read + write bytes of a 2 GiB device-to-device copy). A configuration that fails to compile,
-run or match the reference is recorded and skipped; past `--budget-s` the remaining cells keep
-the default configuration, timed once ("budget": true), so the run never aborts and stays short.
+Timing as in bench/kernels/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough
+weight copies that L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy
+bandwidth (read + write bytes of a 2 GiB device-to-device copy). A configuration that fails to
+compile, run or match the reference is recorded and skipped; past `--budget-s` the remaining cells
+keep the default configuration, timed once ("budget": true), so the run never aborts and stays
+short.
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def main() -> None:
                     help="tuning table to merge into (default "
                          "skyline/ops/configs/gemv-quant-<gpu>.json)")
     ap.add_argument("--report", default=None,
-                    help="JSON report (default bench/results/gemv-quant-tune-<gpu>.json)")
+                    help="JSON report (default bench/results/kernels/gemv-quant-tune-<gpu>.json)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_gemv_quant needs a CUDA GPU; run it on the GPU machine.")
@@ -326,7 +327,7 @@ def main() -> None:
         "decode_step_linears": step_summary(shapes, results, a.model, copy_bw),
         "shapes": results, "machine": machine_info("cuda"),
     }
-    path = a.report or os.path.join("bench/results", f"gemv-quant-tune-{slug}.json")
+    path = a.report or os.path.join("bench/results/kernels", f"gemv-quant-tune-{slug}.json")
     save_json(report, path)
     copy_to_out(path)
     for key, s in report["decode_step_linears"].items():

@@ -1,7 +1,7 @@
 """Instructions per weight in the inner loop of the INT4 tensor-core GEMV, read from the PTX
 that Triton generates for sm_90, without a GPU (Triton compiles for a target it is told).
 
-  python bench/gemv_ptx_count.py --out bench/results/gemv-int4-ptx-count.json
+  python bench/kernels/gemv_ptx_count.py --out bench/results/kernels/gemv-int4-ptx-count.json
 
 For each tile (BLOCK_N, warps, stages) and operand order (weights left, or X_LEFT), the kernel
 of skyline/ops/gemv_quant_triton.py is compiled as the launcher would on an H200 (bf16 x, INT4

@@ -2,8 +2,8 @@
 SiLU-and-mul) on this GPU for the shapes of the shipped model configs, and write the winners as
 data for skyline/ops/tuning.py; also time each against its PyTorch reference.
 
-  python bench/tune_kernels.py --out skyline/ops/configs/h200.json \
-      --results bench/results/kernels-h200.json
+  python bench/kernels/tune_kernels.py --out skyline/ops/configs/h200.json \
+      --results bench/results/kernels/kernels-h200.json
 
 Every candidate launch configuration is checked against the reference, then timed as GPU time
 per call: a CUDA graph of --calls back-to-back calls, replayed (the way decode steps run), so
@@ -174,7 +174,7 @@ def tune(case: Case, calls: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="configs JSON to write (merged if it exists)")
-    ap.add_argument("--results", default=None, help="timings JSON for bench/results/")
+    ap.add_argument("--results", default=None, help="timings JSON for bench/results/kernels/")
     ap.add_argument("--models", default="llama-3.1-8b,qwen3-8b",
                     help="shipped config names or HF directories")
     ap.add_argument("--dtypes", default="bfloat16", help="comma-separated: " + ",".join(DTYPES))
@@ -183,7 +183,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50, help="calls per timed CUDA graph")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/tune_kernels.py needs a CUDA GPU; run it on the machine to tune for")
+        sys.exit("bench/kernels/tune_kernels.py needs a CUDA GPU; run it on the machine to tune "
+                 "for")
     unknown = [d for d in a.dtypes.split(",") if d not in DTYPES]
     if unknown:
         sys.exit(f"unknown dtype(s) {unknown}; use some of {list(DTYPES)}")

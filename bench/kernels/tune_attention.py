@@ -2,8 +2,9 @@
 of batch sizes x context lengths and causal prefill, against the copy bandwidth measured in the
 same run.
 
-  python bench/tune_attention.py        # llama-3.1-8b / qwen3-8b (32 q heads, 8 kv, d128)
-  python bench/tune_attention.py --batches 1 256 --contexts 1000 --no-prefill --kv-dtypes fp8
+  python bench/kernels/tune_attention.py   # llama-3.1-8b / qwen3-8b (32 q heads, 8 kv, d128)
+  python bench/kernels/tune_attention.py --batches 1 256 --contexts 1000 --no-prefill \
+      --kv-dtypes fp8
 
 Decode: for each (batch, context) a paged cache of the model's shape (pages of --page tokens,
 shuffled, as the engine's block pool hands them out), every candidate launch configuration
@@ -342,7 +343,7 @@ def main() -> None:
     ap.add_argument("--configs-out", default=None, help="tuning table to merge into "
                     "(default skyline/ops/configs/attention-<gpu>.json)")
     ap.add_argument("--out", default=None, help="results JSON "
-                    "(default bench/results/attention-tune-<gpu>.json, or under $OUT)")
+                    "(default bench/results/kernels/attention-tune-<gpu>.json, or under $OUT)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_attention needs a CUDA GPU; run it on the GPU machine.")
@@ -384,7 +385,7 @@ def main() -> None:
                         "page": a.page})
     print(f"wrote {configs_out}")
     copy_to_out(configs_out)
-    out_dir = os.environ.get("OUT") or "bench/results"
+    out_dir = os.environ.get("OUT") or "bench/results/kernels"
     save_json({"benchmark": "tune_attention", "date": date, "command": command, "device": name,
                "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms, "page": a.page,
                "rotate_bytes": ROTATE_BYTES, "tolerance": TOL, "wall_s": time.time() - t0,

@@ -1,8 +1,8 @@
 """Tune the small-batch GEMV (skyline/ops/gemv.py) on this GPU against cuBLAS and the copy
 bandwidth measured in the same run.
 
-  python bench/tune_gemv.py                       # llama-3.1-8b and qwen3-8b shapes, rows 1,2,4,8
-  python bench/tune_gemv.py --models llama-3.1-8b --rows 1 --report /tmp/gemv.json
+  python bench/kernels/tune_gemv.py      # llama-3.1-8b and qwen3-8b shapes, rows 1,2,4,8
+  python bench/kernels/tune_gemv.py --models llama-3.1-8b --rows 1 --report /tmp/gemv.json
 
 For each Linear shape of the shipped configs (qkv, o, gate_up, down, lm_head) and each row count,
 every candidate launch configuration is checked against gemv_ref and timed; the fastest goes
@@ -234,7 +234,8 @@ def main() -> None:
     ap.add_argument("--configs-out", default=None,
                     help="tuning table to merge into (default skyline/ops/configs/gemv-<gpu>.json)")
     ap.add_argument("--report", default=None,
-                    help="JSON report (default $OUT/gemv-tune-<gpu>.json, else bench/results/)")
+                    help="JSON report (default $OUT/gemv-tune-<gpu>.json, else "
+                         "bench/results/kernels/)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_gemv needs a CUDA GPU; run it on the GPU machine.")
@@ -267,7 +268,7 @@ def main() -> None:
         "decode_step_linears": step_summary(shapes, results, a.models, copy_bw),
         "shapes": results, "machine": machine_info("cuda"),
     }
-    out_dir = os.environ.get("OUT") or "bench/results"
+    out_dir = os.environ.get("OUT") or "bench/results/kernels"
     save_json(report, a.report or os.path.join(out_dir, f"gemv-tune-{slug}.json"))
     for key, s in report["decode_step_linears"].items():
         print(f"{key}: decode-step linears {s['layers_weight_GB']:.2f} GB  cuBLAS "
