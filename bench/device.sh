@@ -23,8 +23,7 @@
 #                  HF_PROMPTS x (HF_IN, HF_OUT) tokens (default 64 x (512, 128))
 #   offline        1000 prompts x (1000 in, 1000 out) for each PAIRS entry WEIGHTS/KV (default
 #                  none/auto), MAX_SEQS (1024) running, each max-num-batched-tokens in BATCHED
-#                  (8192), each SKYLINE_KV_FP8_WORDS value in WORDS (unset: the default);
-#                  FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
+#                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
 #   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
 #   long           one LONG_LEN-token prompt (200000) in chunks of 8,192 against the compute
 #                  floor (bench/long_prompt.py)
@@ -143,24 +142,19 @@ stage_offline_hf() {
 }
 
 stage_offline() {
-  local pair q kv words mbt name env floor=()
+  local pair q kv mbt name floor=()
   [ "${FLOOR:-0}" = 1 ] && floor=(--floor)
   for pair in ${PAIRS:-none/auto}; do
     q=${pair%/*}; kv=${pair#*/}
-    for words in ${WORDS:--}; do
-      for mbt in ${BATCHED:-8192}; do
-        name=w$q-kv$kv; env=()
-        if [ "$words" != - ]; then
-          env=(env "SKYLINE_KV_FP8_WORDS=$words"); [ "$words" = 0 ] && name+=-fp8tiles
-        fi
-        [ "$mbt" != 8192 ] && name+=-mbt$mbt
-        echo "== offline 1000 x (1000, 1000), weights $q, kv $kv, words $words, tokens/step $mbt"
-        "${env[@]}" python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
-          --num-prompts 1000 --input-len 1000 --output-len 1000 \
-          --max-num-seqs "${MAX_SEQS:-1024}" --max-model-len 2048 --kv-cache-dtype "$kv" \
-          --quantization "$q" --max-num-batched-tokens "$mbt" "${floor[@]}" \
-          --output "$OUT/offline-h200-$M-1000x1000-$name$TAG.json"
-      done
+    for mbt in ${BATCHED:-8192}; do
+      name=w$q-kv$kv
+      [ "$mbt" != 8192 ] && name+=-mbt$mbt
+      echo "== offline 1000 x (1000, 1000), weights $q, kv $kv, tokens/step $mbt"
+      python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
+        --num-prompts 1000 --input-len 1000 --output-len 1000 \
+        --max-num-seqs "${MAX_SEQS:-1024}" --max-model-len 2048 --kv-cache-dtype "$kv" \
+        --quantization "$q" --max-num-batched-tokens "$mbt" "${floor[@]}" \
+        --output "$OUT/offline-h200-$M-1000x1000-$name$TAG.json"
     done
   done
 }
