@@ -9,7 +9,7 @@ and so are the garbage collector's pauses, with CPython's default collection thr
 with the engine's (`fewer_collections`, as `LLM.generate` and the engine process run);
 `--profile` adds a cProfile of the timed steps.
 
-    python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/X.json
+    python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/host/X.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ stored measurements of the same machine (cite their JSON). A run whose products 
 given (fp8 weights without --fp8-peak-tflops) gets its bandwidth-bound parts only.
 
     python bench/offline_floor.py --peak-tflops 802.2 --bandwidth-tbps 4.155 \\
-        --runs bench/results/offline-h200-*.json --out bench/results/offline-floor-h200.json
+        --runs bench/results/offline/offline-h200-*1000x1000*.json \\
+        --out bench/results/offline/offline-floor-h200.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Same model, same random prompts, same output length (EOS ignored), same device and dtype.
 
   CPU, default model:  python bench/offline_vs_hf.py --num-prompts 32 --input-len 128 \
-                           --output-len 64 --out bench/results/offline-cpu-smollm2.json
+                           --output-len 64 --out bench/results/offline/offline-cpu-smollm2.json
   H200, 8B dummy:      python bench/offline_vs_hf.py --model llama-3.1-8b --load-format dummy \
                            --num-prompts 256 --input-len 512 --output-len 256 --out ...
 """

@@ -7,7 +7,8 @@ hundreds of small parallel regions slows many times over. PASSIVE makes idle wor
 skyline sets PASSIVE unless the environment says otherwise (skyline/__init__.py); this script
 measures both. Each measurement is a fresh process (the policy is read when OpenMP loads).
 
-    python bench/omp_wait_policy.py --threads 2 --out bench/results/omp-wait-policy-cpu-smollm2.json
+    python bench/omp_wait_policy.py --threads 2 \
+        --out bench/results/cpu/omp-wait-policy-cpu-smollm2.json
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def linear_bytes(model) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/quant-quality-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/quant/quant-quality-cpu-smollm2.json")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--window", type=int, default=512)

@@ -3,7 +3,7 @@ on the real default model (SmolLM2-135M-Instruct Q4_1 GGUF, CPU; the reference i
 dequantized to float32, as in bench/quant_quality.py).
 
     python bench/quant_search.py [--budgets nvfp4,int4-g64,int4-g32] [--threads 1]
-        [--out bench/results/quant-search-cpu-smollm2.json]
+        [--out bench/results/quant/quant-search-cpu-smollm2.json]
 
 A budget named by a format is that uniform format's exact size in bytes (so the uniform
 format is the comparison at equal size); a number is bits per weight. Text (`--text`):
@@ -51,7 +51,7 @@ def load_text(source: str, num_tokens: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/quant-search-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/quant/quant-search-cpu-smollm2.json")
     ap.add_argument("--budgets", default="nvfp4,int4-g64,int4-g32")
     ap.add_argument("--formats", default=DEFAULT_CANDIDATES)
     ap.add_argument("--calib-tokens", type=int, default=1024)
