@@ -2,8 +2,8 @@
 self-distillation.
 
 The target runs over the prompts and writes its own continuations (tools/speculator/data.py),
-which also records its hidden state f_t at every position. Head position t then learns, from f_t and the
-token x_{t+1}, to predict
+which also records its hidden state f_t at every position. Head position t then learns, from
+f_t and the token x_{t+1}, to predict
 - the target's next-token distribution softmax(lm_head(f_{t+1})) over the draft vocabulary
   (cross-entropy to it: the distillation term, computed on the fly from f_{t+1}, so no
   distribution is stored), and
