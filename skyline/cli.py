@@ -145,11 +145,11 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
     cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
                                              quantization="none"))
     if ns.search:
-        from skyline.quant.assignment import DEFAULT_CANDIDATES
+        from skyline.config import DEFAULT_SEARCH_FORMATS
         from skyline.tools.quantize.report import search_checkpoint, table
 
         report = search_checkpoint(
-            cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
+            cfg.model, ns.formats or DEFAULT_SEARCH_FORMATS, ns.budget, ns.out, ns.group_size,
             calib_text=text, calib_tokens=ns.calib_tokens or 1024, eval_tokens=ns.eval_tokens,
             search_tokens=ns.search_tokens, max_evals=ns.max_evals)
         print(table(report))

@@ -71,8 +71,10 @@ class ModelArch:
 
 
 QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
-# The formats `skyline quantize` writes checkpoints of (quant/checkpoint.py).
+# The formats `skyline quantize` writes checkpoints of (quant/checkpoint.py), and the
+# candidates its format search (`--search`) chooses from by default (quant/assignment.py).
 SAVABLE_METHODS = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
+DEFAULT_SEARCH_FORMATS = "mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8"
 
 
 @dataclass(frozen=True)

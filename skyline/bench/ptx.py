@@ -16,6 +16,8 @@ def compile_for_sm90(kernel: Any, signature: dict[str, str], constexprs: dict[st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if not hasattr(kernel, "cache_key"):
+        raise SystemExit("Triton's interpreter compiles nothing: unset TRITON_INTERPRET")
     names = list(kernel.arg_names)  # in the kernel's order: constexprs are addressed by index
     missing = set(names) - set(signature) - set(constexprs)
     assert not missing, f"the kernel has arguments the caller does not set: {missing}"

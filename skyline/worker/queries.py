@@ -32,6 +32,7 @@ from skyline.quant.assignment import parse_formats, to_quant_config
 from skyline.quant.calibrate import collect_act_sq as _collect_act_sq
 from skyline.quant.checkpoint import quantize_loaded
 from skyline.quant.intq import round_linear_inputs_int8
+from skyline.quant.method import iter_linears
 from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
 from skyline.worker.runner import ModelRunner
 from skyline.worker.spec.train import Sample, train_and_save
@@ -107,6 +108,12 @@ def device_wait_seconds(r: ModelRunner) -> float:
     """Seconds the host has waited for sampled tokens so far (near zero when the host, not
     the device, sets the pace of the steps)."""
     return r.device_wait_s
+
+
+def linear_bytes(r: ModelRunner) -> int:
+    """Bytes the Linear layers hold as they serve now (their formats' tensors, any CPU
+    layout), the embedding and the LM head apart (bench/quant_quality.py)."""
+    return held_bytes(iter_linears(r.model))
 
 
 def model_cost(r: ModelRunner) -> ModelCost:
@@ -210,6 +217,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "hidden_states": hidden_states,
     "device_wait_seconds": device_wait_seconds,
     "model_cost": model_cost,
+    "linear_bytes": linear_bytes,
     "collect_act_sq": collect_act_sq,
     "quantize": quantize,
     "save_quantized": save_quantized,
