@@ -117,7 +117,7 @@ def linear_bytes(r: ModelRunner) -> int:
 
 
 def model_cost(r: ModelRunner) -> ModelCost:
-    """The loaded model's cost per token as it serves (bench/floor.py)."""
+    """The loaded model's cost per token as it serves (skyline/bench/floor.py)."""
     return ModelCost.of(r.model, bytes_per_block(r.arch, 1, r.kv_dtype))
 
 
