@@ -21,11 +21,11 @@ import sys
 import time
 from typing import Any
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.smoke import tiny_model
 from skyline.bench.workloads import WorkloadSpec
 
 

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.floor import copy_bandwidth
 from skyline.bench.offline import machine_info, random_prompts, save_json
+from skyline.bench.smoke import bench_device, tiny_model
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
@@ -36,11 +36,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random model, 16 + 8 tokens, on the CPU without a GPU")
     a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = bench_device("decode_roofline", a.smoke)
     if a.smoke:
         a.model, a.prompt_len, a.new_tokens = tiny_model(), 16, 8
-    elif device == "cpu":
-        raise SystemExit("decode_roofline measures a GPU; run it on the GPU machine (or --smoke)")
     bw = copy_bandwidth(torch.device(device))
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + a.new_tokens + 16,
               max_num_seqs=8, enforce_eager=a.enforce_eager, kv_cache_dtype=a.kv_cache_dtype,

@@ -22,8 +22,8 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import bench_device, tiny_model
 from skyline.config import ModelArch
 from skyline.configs import dummy_config_dir
 from skyline.engine.frontend.llm import LLM
@@ -84,11 +84,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random model's checkpoint, on the CPU without a GPU")
     a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = bench_device("fast_start", a.smoke)
     if a.smoke:
         a.model, a.dir = tiny_model(), tempfile.mkdtemp(prefix="skyline-smoke-")
-    elif device == "cpu":
-        raise SystemExit("fast_start measures a GPU; run it on the GPU machine (or --smoke)")
     write_s = None
     if not os.path.isdir(a.dir) or not any(f.endswith(".safetensors") for f in os.listdir(a.dir)):
         write_s = write_checkpoint(a.model, a.dir, device)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from skyline.bench.dummy_model import tiny_model
+from skyline.bench.smoke import tiny_model
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 

@@ -31,6 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.step_trace import timed
 from skyline.engine.core import fewer_collections
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
@@ -44,16 +45,6 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 # The runner's phases (the host_seconds query) by the names of this script's JSON.
 RUNNER_PHASES = {"runner_states": "states", "build_inputs": "inputs",
                  "runner_read_tokens": "read_tokens"}
-
-
-def _timed(phases: dict[str, float], name: str, fn: Any) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            phases[name] += time.perf_counter() - t
-    return wrapper
 
 
 class GcPauses:
@@ -96,9 +87,9 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
     for _ in range(4):
         llm.step()
     phases: dict[str, float] = defaultdict(float)
-    sched.schedule = _timed(phases, "schedule", sched.schedule)
-    sched.update = _timed(phases, "update", sched.update)
-    llm.outputs.process = _timed(phases, "outputs", llm.outputs.process)
+    sched.schedule = timed(phases, "schedule", sched.schedule)
+    sched.update = timed(phases, "update", sched.update)
+    llm.outputs.process = timed(phases, "outputs", llm.outputs.process)
     host_before = llm.query("host_seconds")  # the runner's own phases
     prof = cProfile.Profile() if profile else None
     pauses = GcPauses()

@@ -49,8 +49,8 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.engine.create import resolve_model_path
 from skyline.engine.frontend.llm import LLM
 from skyline.engine.frontend.tokenizer import Tokenizer

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.floor import matmul_peak
 from skyline.bench.offline import machine_info, random_prompts, save_json
+from skyline.bench.smoke import bench_device, tiny_model
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
@@ -43,11 +43,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random model, a short prompt, on the CPU without a GPU")
     a = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = bench_device("long_prompt", a.smoke)
     if a.smoke:
         a.model, a.prompt_len = tiny_model(), SMOKE_LEN
-    elif device == "cpu":
-        raise SystemExit("long_prompt measures a GPU; run it on the GPU machine (or --smoke)")
     peak = matmul_peak(torch.device(device))
     if a.smoke:
         a.chunk = 64

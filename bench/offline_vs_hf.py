@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, measure, random_prompts, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.engine.args import EngineArgs
 from skyline.engine.frontend.llm import LLM
 

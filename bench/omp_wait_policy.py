@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="one measurement (default policy, idle) of a tiny random model")
     ns = ap.parse_args()
-    from skyline.bench.dummy_model import tiny_model
     from skyline.bench.offline import machine_info, save_json
+    from skyline.bench.smoke import tiny_model
 
     model, loads = "", ("idle", "loaded")
     if ns.smoke:

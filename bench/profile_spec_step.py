@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, random_prompts, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 

@@ -12,27 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import random_prompts, save_json
+from skyline.bench.smoke import tiny_model
+from skyline.bench.step_trace import timed
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
-
-
-def timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, adding the seconds of each call to phases[name]."""
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            phases[name] += time.perf_counter() - t
-    return wrapper
 
 
 def main() -> None:

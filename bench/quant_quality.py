@@ -19,8 +19,8 @@ import argparse
 import json
 import time
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.quality import quality, window_logprobs
+from skyline.bench.smoke import tiny_model
 from skyline.config import QuantConfig
 from skyline.engine.frontend.llm import LLM
 from skyline.tools import builtin_text

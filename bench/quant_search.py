@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.config import DEFAULT_SEARCH_FORMATS
 from skyline.engine.frontend.llm import LLM
 from skyline.tools import builtin_text

@@ -29,8 +29,8 @@ import time
 from typing import Any
 
 from skyline import LLM, SamplingParams
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.bench.spec_prompts import CHAT, chat_prompts, code_prompts, warm_up
 
 SPEC_COUNTERS = ("spec_num_verifications", "spec_num_draft_tokens", "spec_num_accepted_tokens")

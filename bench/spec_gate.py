@@ -22,8 +22,8 @@ import time
 from typing import Any
 
 from skyline import LLM, SamplingParams
-from skyline.bench.dummy_model import tiny_model
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.bench.spec_prompts import chat_prompts, code_prompts, warm_up
 
 

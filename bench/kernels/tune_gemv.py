@@ -31,19 +31,8 @@ interpret_for_smoke(sys.argv)  # before Triton loads
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
-from skyline.bench.tuners import (  # noqa: E402
-    REPLAY_S,
-    ROTATE_BYTES,
-    TuneDevice,
-    copy_to_out,
-    device_bandwidth,
-    linear_shapes,
-    shipped_config,
-    time_calls,
-    triton_version,
-    tune_device,
-)
 from skyline.ops.gemv import KERNEL, config_key, default_config, gemv, gemv_ref  # noqa: E402
 from skyline.ops.tuning import CONFIG_DIR, write_configs  # noqa: E402
 
@@ -87,13 +76,13 @@ def candidates(m: int, n: int, k: int, num_sms: int) -> list[dict[str, Any]]:
     return out
 
 
-def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, dev: TuneDevice,
+def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, dev: tuners.TuneDevice,
                dtype: torch.dtype) -> list[dict[str, Any]]:
     nbytes = n * k * dtype.itemsize
-    num_copies = 1 if dev.out_dir else max(1, math.ceil(ROTATE_BYTES / nbytes))
+    num_copies = 1 if dev.out_dir else max(1, math.ceil(tuners.ROTATE_BYTES / nbytes))
     weights = [torch.randn(n, k, device=dev.device, dtype=dtype) * 0.02
                for _ in range(num_copies)]
-    calls = num_copies * max(1, round(REPLAY_S * 4e12 / nbytes / num_copies))
+    calls = num_copies * max(1, round(tuners.REPLAY_S * 4e12 / nbytes / num_copies))
     calls = 1 if dev.out_dir else min(calls, 512)
     frac = lambda t: nbytes / t / copy_bw  # noqa: E731
     results = []
@@ -101,7 +90,7 @@ def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, dev: TuneDevice,
         x = torch.randn(m, k, device=dev.device, dtype=dtype)
         ref = gemv_ref(x, weights[0]).float()
         tol = 1e-2 * ref.abs().max().item() + 1e-3
-        t_cublas = time_calls([lambda w=w, x=x: F.linear(x, w) for w in weights], calls)
+        t_cublas = tuners.time_calls([lambda w=w, x=x: F.linear(x, w) for w in weights], calls)
         timed, failed = [], []
         cands = candidates(m, n, k, dev.num_sms)
         for cfg in cands[:2] + cands[-1:] if dev.out_dir else cands:
@@ -109,8 +98,8 @@ def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, dev: TuneDevice,
                 err = (gemv(x, weights[0], config=cfg).float() - ref).abs().max().item()
                 if not err <= tol:
                     raise AssertionError(f"max error {err:.3g} > {tol:.3g}")
-                t = time_calls([lambda w=w, x=x, c=cfg: gemv(x, w, config=c) for w in weights],
-                               calls)
+                fns = [lambda w=w, x=x, c=cfg: gemv(x, w, config=c) for w in weights]
+                t = tuners.time_calls(fns, calls)
             except Exception as e:  # a config the GPU cannot run (e.g. too much shared memory)
                 failed.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
@@ -148,7 +137,7 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
     by = {(r["N"], r["K"], r["rows"]): r for r in results}
     out: dict[str, Any] = {}
     for model in models:
-        num_layers = shipped_config(model)["num_hidden_layers"]
+        num_layers = tuners.shipped_config(model)["num_hidden_layers"]
         mine = [nk for nk, names in shapes.items()
                 for name in names if name.startswith(model + ".") and not name.endswith("lm_head")]
         for m in sorted({r["rows"] for r in results}):
@@ -177,14 +166,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, a few configurations, on the CPU without a GPU")
     a = ap.parse_args()
-    dev = tune_device("tune_gemv", a.smoke)
+    dev = tuners.tune_device("tune_gemv", a.smoke)
     t0 = time.time()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     name, slug = dev.name, dev.slug
-    copy_bw = device_bandwidth(dev)
+    copy_bw = tuners.device_bandwidth(dev)
     print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, "
           f"{dev.num_sms} SMs")
-    shapes = SMOKE_SHAPES if dev.out_dir else linear_shapes(a.models)
+    shapes = SMOKE_SHAPES if dev.out_dir else tuners.linear_shapes(a.models)
     models = ["llama-3.1-8b"] if dev.out_dir else a.models
     rows = a.rows[:2] if dev.out_dir else a.rows
     results = []
@@ -198,13 +187,13 @@ def main() -> None:
     configs_out = dev.path(str(CONFIG_DIR / f"gemv-{slug}.json"), a.configs_out)
     write_configs(configs_out, name, {KERNEL: {r["key"]: r["config"] for r in results}},
                   meta={"date": date, "command": command, "torch": torch.__version__,
-                        "triton": triton_version(), "dtype": a.dtype})
+                        "triton": tuners.triton_version(), "dtype": a.dtype})
     print(f"wrote {configs_out}")
-    copy_to_out(configs_out)
+    tuners.copy_to_out(configs_out)
     report = {
         "benchmark": "tune_gemv", "date": date, "command": command, "device": name,
         "dtype": a.dtype, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": dev.num_sms,
-        "rotate_bytes": ROTATE_BYTES, "wall_s": time.time() - t0,
+        "rotate_bytes": tuners.ROTATE_BYTES, "wall_s": time.time() - t0,
         "decode_step_linears": step_summary(shapes, results, models, copy_bw),
         "shapes": results, "machine": machine_info(dev.device.type),
     }

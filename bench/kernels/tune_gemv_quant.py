@@ -38,20 +38,8 @@ interpret_for_smoke(sys.argv)  # before Triton loads
 
 import torch  # noqa: E402
 
+from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
-from skyline.bench.tuners import (  # noqa: E402
-    REPLAY_S,
-    ROTATE_BYTES,
-    TuneDevice,
-    copy_to_out,
-    device_bandwidth,
-    linear_shapes,
-    random_quant_weights,
-    shipped_config,
-    time_calls,
-    triton_version,
-    tune_device,
-)
 from skyline.ops.fp8_quant import quantize_rows_fp8  # noqa: E402
 from skyline.ops.gemv_int_a8 import default_config as int4a8_default  # noqa: E402
 from skyline.ops.gemv_int_a8 import (  # noqa: E402
@@ -155,7 +143,7 @@ def make_weights(kind: int, n: int, k: int, group: int, device: torch.device
     """Random quantized weights of one [n, k] Linear as the call's arguments after x, and their
     bytes (weights + scales + zeros)."""
     fmt = "fp8" if kind in (FP8A8, FP8A8Q) else "int8" if kind == INT8 else "int4"
-    return random_quant_weights(fmt, n, k, group, device)
+    return tuners.random_quant_weights(fmt, n, k, group, device)
 
 
 def call(kind: int, group: int, x: Any, args: tuple, cfg: dict | None) -> torch.Tensor:
@@ -179,13 +167,13 @@ def reference(kind: int, group: int, x: Any, args: tuple, block_k: int = 0) -> t
 
 
 def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: float,
-              dev: TuneDevice, deadline: float) -> list[dict[str, Any]]:
+              dev: tuners.TuneDevice, deadline: float) -> list[dict[str, Any]]:
     """The given row counts of one (kind, shape, group), on one set of weights."""
     num_sms = dev.num_sms
     args, nbytes = make_weights(kind, n, k, group, dev.device)
-    num_copies = 1 if dev.out_dir else max(1, math.ceil(ROTATE_BYTES / nbytes))
+    num_copies = 1 if dev.out_dir else max(1, math.ceil(tuners.ROTATE_BYTES / nbytes))
     copies = [args] + [tuple(a.clone() for a in args) for _ in range(num_copies - 1)]
-    calls = min(512, len(copies) * max(1, round(REPLAY_S * 4e12 / nbytes / len(copies))))
+    calls = min(512, len(copies) * max(1, round(tuners.REPLAY_S * 4e12 / nbytes / len(copies))))
     calls = 1 if dev.out_dir else calls
     frac = lambda t: nbytes / t / copy_bw  # noqa: E731
     results = []
@@ -211,7 +199,7 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
                 err = (call(kind, group, x, args, cfg).float() - want).abs().max().item()
                 if not err <= tol:
                     raise AssertionError(f"max error {err:.3g} > {tol:.3g}")
-                t = time_calls([lambda a=a, c=cfg, x=x: call(kind, group, x, a, c)
+                t = tuners.time_calls([lambda a=a, c=cfg, x=x: call(kind, group, x, a, c)
                                 for a in copies], calls)
             except Exception as e:  # noqa: BLE001 - e.g. too much shared memory: skip, record
                 failed.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
@@ -247,7 +235,7 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
                  model: str, copy_bw: float) -> dict[str, Any]:
     """Per kind, group and row count: the decode step's Linear layers (LM head apart) at the
     tuned configurations, as time and bandwidth fraction."""
-    layers = shipped_config(model)["num_hidden_layers"]
+    layers = tuners.shipped_config(model)["num_hidden_layers"]
     mine = [nk for nk, names in shapes.items() if not all(s.endswith("lm_head") for s in names)]
     by = {(r["kind"], r["group"], r["N"], r["K"], r["rows"]): r for r in results if "us" in r}
     out = {}
@@ -280,13 +268,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, a few configurations, on the CPU without a GPU")
     a = ap.parse_args()
-    dev = tune_device("tune_gemv_quant", a.smoke)
+    dev = tuners.tune_device("tune_gemv_quant", a.smoke)
     t0 = time.time()
     deadline = t0 + a.budget_s
     name, slug, num_sms = dev.name, dev.slug, dev.num_sms
-    copy_bw = device_bandwidth(dev)
+    copy_bw = tuners.device_bandwidth(dev)
     print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, {num_sms} SMs")
-    shapes = SMOKE_SHAPES if dev.out_dir else linear_shapes([a.model])
+    shapes = SMOKE_SHAPES if dev.out_dir else tuners.linear_shapes([a.model])
     if dev.out_dir:
         a.rows, a.groups, a.kinds = [1], [128], ["int4a8", "fp8a8", "fp8a8q", "int8", "int4"]
     # Row counts outermost (batch-1 decode first), so a short budget still tunes what matters.
@@ -314,20 +302,20 @@ def main() -> None:
     if tables:
         write_configs(configs_out, name, tables,
                       meta={"date": date, "command": command, "torch": torch.__version__,
-                            "triton": triton_version()})
+                            "triton": tuners.triton_version()})
         print(f"wrote {configs_out}")
-        copy_to_out(configs_out)
+        tuners.copy_to_out(configs_out)
     report = {
         "benchmark": "tune_gemv_quant", "date": date, "command": command, "device": name,
         "model": a.model, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms,
-        "rotate_bytes": ROTATE_BYTES, "budget_s": a.budget_s, "wall_s": time.time() - t0,
+        "rotate_bytes": tuners.ROTATE_BYTES, "budget_s": a.budget_s, "wall_s": time.time() - t0,
         "decode_step_linears": step_summary(shapes, results, a.model, copy_bw),
         "shapes": results, "machine": machine_info(dev.device.type),
     }
     path = dev.path(os.path.join("bench/results/kernels", f"gemv-quant-tune-{slug}.json"),
                     a.report)
     save_json(report, path)
-    copy_to_out(path)
+    tuners.copy_to_out(path)
     for key, s in report["decode_step_linears"].items():
         print(f"{key}: decode-step linears {s['layers_weight_GB']:.2f} GB  {s['ms']:.2f} ms "
               f"({s['frac']:.2f} of copy bw)")

@@ -1,6 +1,5 @@
-"""Model directories for dummy-weight benchmarks: a shipped config.json plus a synthetic
-word-level tokenizer.json with the model's full vocabulary (bench/dummy_tokenizer.py), and the
-tiny random model every bench script's --smoke runs the engine on.
+"""A model directory for dummy-weight serving benchmarks: a shipped config.json plus a synthetic
+word-level tokenizer.json with the model's full vocabulary (bench/dummy_tokenizer.py).
 
 A shipped config alone has no tokenizer, so `skyline serve` on it takes token ids only and
 streams empty text: a load generator then sees no first token (no TTFT, no inter-token times)
@@ -19,7 +18,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 from skyline.bench.workloads import _WORDS
@@ -65,30 +63,4 @@ def write_model_dir(model: str, out: str) -> str:
         tc["bos_token"] = "<|bos|>"
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(tc, f)
-    return out
-
-
-# A Llama small enough that an engine loads it (random weights) and runs a step in
-# milliseconds on a CPU: every code path of a benchmark in seconds, none of its figures.
-TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
-               "max_position_embeddings": 4096, "torch_dtype": "float32",
-               "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True}
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                      "{% if add_generation_prompt %}assistant {% endif %}")
-
-
-def tiny_model(out: str | None = None) -> str:
-    """A directory holding TINY_CONFIG (load it with load_format "dummy"), a word-level
-    tokenizer and a chat template: the model of the bench scripts' --smoke runs."""
-    out = out or tempfile.mkdtemp(prefix="skyline-tiny-")
-    tok = build_tokenizer(TINY_CONFIG["vocab_size"], TINY_CONFIG["bos_token_id"],
-                          [TINY_CONFIG["eos_token_id"]])
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(TINY_CONFIG, f)
-    tok.save(os.path.join(out, "tokenizer.json"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|bos|>", "eos_token": "<|eos_2|>", "add_bos_token": False,
-                   "chat_template": TINY_CHAT_TEMPLATE}, f)
     return out

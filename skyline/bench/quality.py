@@ -21,13 +21,14 @@ def window_logprobs(llm: LLM, ids: list[int], window: int, *args: Any) -> list[t
 def quality(logp: list[torch.Tensor], ref: list[torch.Tensor], ids: list[int], window: int
             ) -> dict[str, float]:
     """Perplexity of `ids` under `logp`, KL(reference || variant) per token and top-1
-    agreement, over windows as window_logprobs made them."""
-    nll, kl, agree, n = 0.0, 0.0, 0, 0
-    for lp, rp, s in zip(logp, ref, range(0, len(ids), window), strict=False):
-        targets = torch.tensor(ids[s + 1 : s + len(lp)])
-        nll += -lp[:-1].gather(-1, targets[:, None]).sum().item()
-        kl += F.kl_div(lp, rp, log_target=True, reduction="sum").item()
-        agree += (lp.argmax(-1) == rp.argmax(-1)).sum().item()
-        n += len(lp)
-    return {"perplexity": float(torch.tensor(nll / (n - len(logp))).exp()), "kl": kl / n,
-            "top1_agreement": agree / n}
+    agreement, over windows as window_logprobs made them. (The worker's copy of this measure,
+    quant/report.py, scores the format search; this package may not import it.)"""
+    starts = range(0, len(ids), window)
+    targets = torch.tensor([t for lp, s in zip(logp, starts, strict=False)
+                            for t in ids[s + 1 : s + len(lp)]])
+    predicted = torch.cat([lp[:-1] for lp in logp])  # positions that have a next token
+    lp, rp = torch.cat(logp), torch.cat(ref)
+    nll = -predicted.gather(-1, targets[:, None]).sum().item()
+    return {"perplexity": float(torch.tensor(nll / len(targets)).exp()),
+            "kl": F.kl_div(lp, rp, log_target=True, reduction="sum").item() / len(lp),
+            "top1_agreement": (lp.argmax(-1) == rp.argmax(-1)).sum().item() / len(lp)}
