@@ -31,7 +31,7 @@ from skyline.engine.process import (
 )
 from skyline.engine.structured import check_structured, grammar_for
 from skyline.engine.tokenizer import Tokenizer
-from skyline.types import Request, RequestOutput, SamplingParams
+from skyline.types import Request, RequestOutput, SamplingParams, is_valid_unicode
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class AsyncLLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; send prompt token ids instead")
+            if not is_valid_unicode(prompt):
+                raise ValueError("the prompt is not valid Unicode (it holds a lone surrogate "
+                                 "such as \\ud800); send UTF-8 text")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
@@ -186,6 +189,9 @@ class AsyncLLM:
                 f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); "
                 "retry later"
             )
+        # Everything above only checks: nothing is registered until here, and whatever fails
+        # below (a dead engine, a value msgpack cannot carry) unregisters what was, so a
+        # refused request leaves nothing behind in this process or in the engine.
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         children = self.outputs.add_request(request_id, text, ids, params)
         try:
@@ -193,8 +199,8 @@ class AsyncLLM:
                 req = Request(cid, ids, child_params(params, i), eos_token_ids=self.eos_token_ids)
                 self._send(("add", request_to_dict(req)))
                 self._num_adds += 1
-        except EngineDeadError:
-            self.outputs.abort(request_id)
+        except BaseException:
+            self.abort(request_id)
             raise
         self._queues[request_id] = queue
         return RequestStream(self, request_id, queue, len(ids))

@@ -133,14 +133,18 @@ class _EngineLoop:
         kind = msg[0]
         self.stats_dirty = True
         if kind == "add":
-            req = request_from_dict(msg[1])
             self.num_adds += 1
+            rid = str(msg[1].get("id")) if isinstance(msg[1], dict) else "?"
             try:
+                req = request_from_dict(msg[1])
+                # The front end validated it; validate again here, where a value the sampler
+                # cannot hold would otherwise fail a whole step, not just this request.
+                req.sampling_params.validate(self.core.config.model.arch.vocab_size)
                 self.core.add_request(req)
             except Exception as e:  # a bad request must not take the engine down
                 if not isinstance(e, ValueError):
-                    log.exception("request %s could not be added", req.request_id)
-                self.send(("add_error", req.request_id, str(e)))
+                    log.exception("request %s could not be added", rid)
+                self.send(("add_error", rid, str(e)))
                 return
             self.hooks.arrivals[req.request_id] = req.arrival_time
         elif kind == "abort":

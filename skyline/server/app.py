@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from skyline.engine.async_llm import AsyncLLM
 from skyline.server.chat import create_chat_completion, render_chat
 from skyline.server.completions import create_completion
-from skyline.server.errors import APIError, error_body, install_error_handlers
+from skyline.server.errors import UNICODE_ERROR, APIError, error_body, install_error_handlers
 from skyline.server.metrics import CONTENT_TYPE, Metrics
 from skyline.server.protocol import (
     ChatCompletionRequest,
@@ -33,6 +33,7 @@ from skyline.server.protocol import (
     TokenizeRequest,
 )
 from skyline.server.serving import ServerState
+from skyline.types import is_valid_unicode
 
 log = logging.getLogger("skyline.server")
 
@@ -74,7 +75,7 @@ class _Guard:
             if too_big:
                 return await self._reply(scope, receive, send, 413, self._too_big())
         if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
+            return await self._run(scope, receive, send)
         chunks, total = [], 0
         while True:
             msg = await receive()
@@ -96,7 +97,26 @@ class _Guard:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()  # after the body: wait for the client to disconnect
 
-        await self.app(scope, replay, send)
+        await self._run(scope, replay, send)
+
+    async def _run(self, scope: Any, receive: Any, send: Any) -> None:
+        """The app, with a bug answered as an OpenAI-shaped 500 on a connection that stays
+        open (Starlette's own handler re-raises, and uvicorn then drops the connection)."""
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.exception("internal error on %s %s", scope["method"], scope["path"])
+            if started:
+                raise  # the response is half sent: only closing the connection ends it
+            await self._reply(scope, receive, send, 500, "internal server error; this is a bug "
+                              "in skyline, please report it (the server log has the details)")
 
     def _too_big(self) -> str:
         return f"the request body is larger than {self.max_body_bytes} bytes; send a smaller one"
@@ -148,6 +168,8 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
         if req.messages is not None:
             _, ids = render_chat(state, req.messages, req.add_generation_prompt, None)
         elif req.prompt is not None:
+            if not is_valid_unicode(req.prompt):
+                raise APIError(400, UNICODE_ERROR, param="prompt")
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "give either 'prompt' or 'messages'")

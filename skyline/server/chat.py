@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from skyline.server.errors import APIError
+from skyline.server.errors import UNICODE_ERROR, APIError
 from skyline.server.metrics import RequestTracker
 from skyline.server.protocol import (
     AssistantMessage,
@@ -38,6 +38,7 @@ from skyline.server.serving import (
     stream_error,
     until_disconnect,
 )
+from skyline.types import is_valid_unicode
 
 log = logging.getLogger("skyline.server")
 
@@ -70,6 +71,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
         raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
                             "with prompt token ids")
     msgs = to_template_messages(messages)
+    if not all(is_valid_unicode(m["content"]) for m in msgs):
+        raise APIError(400, UNICODE_ERROR, param="messages")
     try:
         text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                        **(kwargs or {}))

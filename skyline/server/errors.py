@@ -29,6 +29,10 @@ _TYPES = {
 }
 
 
+UNICODE_ERROR = ("the request holds a string that is not valid Unicode (a lone surrogate such as "
+                 "\\ud800); send UTF-8 text")
+
+
 class APIError(Exception):
     """An error answered to the client as OpenAI does."""
 
@@ -97,9 +101,3 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal server error ({type(exc).__name__}); "
-                                   "this is a bug in skyline, please report it")
