@@ -184,6 +184,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
     import os
 
     from skyline.engine.process import EngineStartError
+    from skyline.engine.supervisor import EngineDeadError, RestartPolicy
     from skyline.server.app import serve
 
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
@@ -195,8 +196,9 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         serve(args, host=ns.host, port=ns.port,
               api_key=ns.api_key or os.environ.get("SKYLINE_API_KEY"),
               max_body_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,
-              log_level=ns.uvicorn_log_level)
-    except (EngineStartError, OSError) as e:
+              log_level=ns.uvicorn_log_level,
+              restart=RestartPolicy(max_restarts=ns.max_engine_restarts))
+    except (EngineStartError, EngineDeadError, OSError) as e:
         sys.exit(f"skyline: error: {e}")
 
 
@@ -231,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="restarts of a failed engine core allowed within ten minutes (with "
+                        "backoff); one more failure stops the server, exit code 1 (0: none)")
     p.add_argument("--uvicorn-log-level", default="info")
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)

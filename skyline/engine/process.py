@@ -127,6 +127,8 @@ class _EngineLoop:
         s = dict(self.core.stats())
         s["max_model_len"] = self.core.max_model_len
         s["num_adds"] = self.num_adds
+        pool = self.core.scheduler.kv_manager.block_pool
+        s["num_used_blocks"] = pool.num_blocks - pool.num_free_blocks  # 0 when idle
         return s
 
     def handle(self, msg: list[Any]) -> None:

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from skyline.engine.async_llm import AsyncLLM
+from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.chat import create_chat_completion, render_chat
 from skyline.server.completions import create_completion
 from skyline.server.errors import UNICODE_ERROR, APIError, error_body, install_error_handlers
@@ -124,10 +125,12 @@ class _Guard:
 
 def build_app(llm: AsyncLLM, *, api_key: str | None = None,
               max_body_bytes: int = 16 << 20) -> FastAPI:
-    state = ServerState(llm, llm.model_name, Metrics(llm.model_name, lambda: llm.stats))
+    metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts)
+    state = ServerState(llm, llm.model_name, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        llm.engine.start()  # watch the engine from now on, not from the first request
         yield
         # uvicorn has drained (or cancelled) the in-flight requests: stop the engine now, as
         # uvicorn re-raises SIGTERM once this returns.
@@ -141,11 +144,12 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
     install_error_handlers(app)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if llm.dead is not None or not llm.engine.alive:
-            return JSONResponse(error_body(503, llm.dead or "the engine is not running"),
-                                status_code=503)
+        # 503 while the engine restarts (or after it failed for good, or while shutting down)
+        if llm.dead is not None:
+            return JSONResponse(error_body(503, llm.dead), status_code=503,
+                                headers={"Retry-After": "5"})
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -230,14 +234,26 @@ def banner(llm: AsyncLLM, host: str, port: int) -> str:
 
 def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_body_bytes: int = 16 << 20,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+          shutdown_timeout: float = 30.0, log_level: str = "info",
+          restart: RestartPolicy | None = None) -> None:
     """Run the server until SIGTERM / Ctrl-C. Raises OSError / EngineStartError with one
-    sentence when it cannot start."""
+    sentence when it cannot start, EngineDeadError when the engine failed more often than
+    `restart` allows."""
     import uvicorn
 
     sock = bind_socket(host, port)
+    fatal: list[str] = []
+    servers: list[uvicorn.Server] = []
+
+    def on_fatal(reason: str) -> None:
+        # The engine will not come back: stop serving (in-flight requests end with errors)
+        # and exit non-zero, so that whatever supervises the server restarts it.
+        fatal.append(reason)
+        for s in servers:
+            s.should_exit = True
+
     try:
-        llm = AsyncLLM(engine_args)
+        llm = AsyncLLM(engine_args, restart=restart, on_fatal=on_fatal)
     except BaseException:
         sock.close()
         raise
@@ -246,7 +262,10 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
         print(banner(llm, host, sock.getsockname()[1]), flush=True)
         config = uvicorn.Config(app, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-        uvicorn.Server(config).run(sockets=[sock])
+        servers.append(uvicorn.Server(config))
+        servers[0].run(sockets=[sock])
     finally:
         llm.shutdown()  # already done by the lifespan unless uvicorn failed
         sock.close()
+    if fatal:
+        raise EngineDeadError(f"{fatal[0]}; the server stopped")
