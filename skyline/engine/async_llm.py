@@ -26,6 +26,9 @@ from skyline.types import Request, RequestOutput, SamplingParams, is_valid_unico
 log = logging.getLogger(__name__)
 
 
+WAITING_PER_SEQ = 4  # default waiting-queue bound, per place in the running batch
+
+
 class EngineOverloadedError(Exception):
     """The waiting queue is full: the caller should retry later."""
 
@@ -62,11 +65,18 @@ class RequestStream:
             self.llm._release(self.request_id, self.finished)
 
 
-def load_tokenizer(path: str, load_format: str) -> Tokenizer | None:
-    """The model's tokenizer; None for dummy weights from a bare config.json."""
+def load_tokenizer(path: str, load_format: str,
+                   chat_template: str | None = None) -> Tokenizer | None:
+    """The model's tokenizer; None for dummy weights from a bare config.json. A given
+    `chat_template` replaces the model's (its end-of-turn tokens become stop tokens too)."""
     if load_format == "dummy" and not os.path.exists(os.path.join(path, "tokenizer.json")):
         return None
-    return Tokenizer.load(path)
+    tok = Tokenizer.load(path)
+    if chat_template is None:
+        return tok
+    return Tokenizer(tok.backend, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                     unk_token=tok.unk_token, pad_token=tok.pad_token,
+                     chat_template=chat_template, extra_eos_ids=tok.eos_token_ids, name=tok.name)
 
 
 class AsyncLLM:
@@ -75,7 +85,12 @@ class AsyncLLM:
 
     def __init__(self, args: Any, startup_timeout: float | None = None,
                  restart: RestartPolicy | None = None,
-                 on_fatal: Callable[[str], None] = lambda reason: None) -> None:
+                 on_fatal: Callable[[str], None] = lambda reason: None,
+                 max_waiting: int | None = None, chat_template: str | None = None) -> None:
+        """`max_waiting`: requests that may wait for a place in the running batch before new
+        ones get EngineOverloadedError (None or negative: the engine args' value if positive,
+        else WAITING_PER_SEQ x max_num_seqs; 0: no limit). `chat_template`: the operator's
+        template, instead of the model's."""
         self.engine = EngineSupervisor(args, startup_timeout, restart or RestartPolicy(),
                                        on_message=self._handle, on_death=self._on_death,
                                        on_restart=self._on_restart, on_fatal=on_fatal)
@@ -83,9 +98,13 @@ class AsyncLLM:
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
-        self.max_waiting: int = info.get("max_waiting") or 0
+        if max_waiting is None or max_waiting < 0:
+            configured = info.get("max_waiting") or 0
+            max_waiting = configured if configured > 0 else WAITING_PER_SEQ * info["max_num_seqs"]
+        self.max_waiting: int = max_waiting
         try:
-            self.tokenizer = load_tokenizer(info["model_path"], info["load_format"])
+            self.tokenizer = load_tokenizer(info["model_path"], info["load_format"],
+                                            chat_template)
         except BaseException:
             self.engine.shutdown(0)
             raise
@@ -151,6 +170,14 @@ class AsyncLLM:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
 
+    def check_fits(self, num_seqs: int) -> None:
+        """Raise ValueError if `num_seqs` sequences asked at once could never be queued (an
+        overloaded server would make the caller retry in vain)."""
+        if self.max_waiting and num_seqs > self.max_waiting:
+            raise ValueError(f"the request asks for {num_seqs} sequences at once, but this "
+                             f"server queues at most {self.max_waiting}; lower n (or send "
+                             "fewer prompts per request)")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                     prompt_text: str | None = None) -> RequestStream:
         """Validate and queue a request; iterate the stream for its output deltas, and `close`
@@ -171,6 +198,7 @@ class AsyncLLM:
         self.check_prompt(ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_fits(params.n)
         if self.max_waiting and self.num_waiting + params.n > self.max_waiting:
             raise EngineOverloadedError(
                 f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); "
@@ -248,6 +276,13 @@ class AsyncLLM:
         """Stop the engine process (in-flight requests end with EngineDeadError). Idempotent."""
         self.engine.shutdown(timeout)
         self._fail_all(EngineDeadError(self.dead or "the server is shutting down"))
+
+    def cut_all(self, reason: str) -> None:
+        """End every request in flight now with EngineDeadError(reason) (their streams say
+        so), and abort them in the engine."""
+        self._fail_all(EngineDeadError(reason))
+        for rid in list(self.outputs.parents):
+            self.abort(rid)
 
     # ------------------------------------------------------------------ internals
 

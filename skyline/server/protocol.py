@@ -16,7 +16,8 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as vLLM does: clients send many optional OpenAI extras.
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are refused: no sampling parameter means anything with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

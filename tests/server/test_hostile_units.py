@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from skyline.server.app import _Guard
+from skyline.server.guard import Guard
 
 
 def _app_with_bug() -> FastAPI:
@@ -20,7 +20,7 @@ def _app_with_bug() -> FastAPI:
     async def ok() -> dict:
         return {"ok": True}
 
-    app.add_middleware(_Guard, api_key=None, max_body_bytes=1000)
+    app.add_middleware(Guard, api_key=None, max_body_bytes=1000)
     return app
 
 
