@@ -1,6 +1,7 @@
 """The engine core killed under load: requests in flight end with clean errors (an SSE error event
 and [DONE] for streams, a 503 otherwise), /health is 503 only while a new engine starts, and the
-server serves again with nothing leaked and the restart counted."""
+server serves again with nothing leaked and the restart counted. Then SIGTERM with requests that
+outlive the drain timeout: each ends with an error of its own."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory("--max-model-len", "512", "--max-num-seqs", "4")
+    return server_factory("--max-model-len", "512", "--max-num-seqs", "4",
+                          "--shutdown-timeout", "1")
 
 
 def _engine_pid(server) -> int:
@@ -39,6 +41,18 @@ def _post(server, body: dict, out: list, timeout: float = 60) -> None:
         conn.close()
 
 
+def _check_cut(results: list, word: str) -> None:
+    for status, body in results:
+        if status == 200:  # a stream: an error event, then [DONE]
+            events = [e for e in body.decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]", events[-3:]
+            err = json.loads(events[-2][len("data: "):])["error"]
+            assert err["code"] == 503 and word in err["message"], err
+        else:
+            assert status == 503, body
+            assert word in json.loads(body)["error"]["message"]
+
+
 def test_kill_the_engine_mid_load_and_recover(server):
     results: list = []
     threads = [threading.Thread(target=_post, args=(server, {**LONG, "stream": i % 2 == 0},
@@ -54,15 +68,7 @@ def test_kill_the_engine_mid_load_and_recover(server):
     for t in threads:
         t.join(60)
     assert len(results) == 6
-    for status, body in results:
-        if status == 200:  # a stream: an error event, then [DONE]
-            events = [e for e in body.decode().split("\n\n") if e]
-            assert events[-1] == "data: [DONE]"
-            err = json.loads(events[-2][len("data: "):])["error"]
-            assert err["code"] == 503 and "restarting" in err["message"]
-        else:
-            assert status == 503, body
-            assert "restarting" in json.loads(body)["error"]["message"]
+    _check_cut(results, "restarting")
     # /health: 503 while the new engine starts, then 200 by itself
     saw_503 = False
     while True:
@@ -81,3 +87,21 @@ def test_kill_the_engine_mid_load_and_recover(server):
     assert m["skyline:kv_cache_used_blocks"] == 0
     log = server.log()
     assert "restarting the engine core in" in log and "engine core restarted" in log
+
+
+def test_sigterm_cuts_what_outlives_the_drain_with_errors(server):
+    results: list = []
+    threads = [threading.Thread(target=_post, args=(server, {**LONG, "stream": i % 2 == 0},
+                                                    results)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.metrics()["skyline:num_requests_running"] < 2:
+        assert time.monotonic() < deadline, "the requests never ran"
+        time.sleep(0.1)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert len(results) == 2
+    _check_cut(results, "shut down")
+    server.proc.wait(30)
