@@ -237,6 +237,7 @@ class EngineSupervisor:
                             "%.0f minutes)", delay, len(self._crashes), self.policy.max_restarts,
                             self.policy.window_s / 60)
                 await asyncio.sleep(delay)
+                started = time.monotonic()
                 link = self._pending = self._sockets(old.gen + 1)
                 try:
                     link.proc = await in_daemon_thread(lambda gen=link.gen: self._spawn(gen))
@@ -255,7 +256,8 @@ class EngineSupervisor:
                 self.num_restarts += 1
                 self.dead = None
                 self._watch(link)
-                log.warning("engine core restarted (pid %s); serving again", self.pid)
+                log.warning("engine core restarted (pid %s) in %.1fs; serving again", self.pid,
+                            time.monotonic() - started)
                 self.on_restart()
                 return
         finally:

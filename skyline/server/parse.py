@@ -69,7 +69,12 @@ class Rejected:
 
 
 class PrepareTimeout(Exception):
-    """The request was not prepared within the time limit."""
+    """The request was not prepared within the time limit: because of its own cost, or (`busy`)
+    because every worker stayed busy with others."""
+
+    def __init__(self, message: str, busy: bool = False) -> None:
+        super().__init__(message)
+        self.busy = busy
 
 
 def validation_message(errors: list[Any]) -> tuple[str, str | None]:
@@ -214,7 +219,7 @@ class ParsePool:
         try:
             worker = await asyncio.wait_for(self._idle.get(), timeout)
         except TimeoutError:
-            raise PrepareTimeout("every parse worker stayed busy") from None
+            raise PrepareTimeout("every body parser stayed busy", busy=True) from None
         try:
             result = await asyncio.wait_for(worker.call(kind, body),
                                             max(deadline - time.monotonic(), 0.001))
@@ -223,7 +228,7 @@ class ParsePool:
             # so it is replaced rather than reused.
             self._replace(worker)
             if isinstance(e, TimeoutError):
-                raise PrepareTimeout("parsing the body took too long") from None
+                raise PrepareTimeout("its body took that long to parse") from None
             if isinstance(e, asyncio.IncompleteReadError | ConnectionError):
                 raise RuntimeError("a parse worker died") from None
             raise

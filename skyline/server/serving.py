@@ -65,6 +65,9 @@ class ServerState:
         try:
             result = await self.parse_pool.parse(kind, body, self.limits.prepare_timeout_s)
         except PrepareTimeout as e:
+            if e.busy:
+                raise APIError(503, "the server is busy parsing other large requests; retry "
+                                    "shortly", headers={"Retry-After": "1"}) from None
             raise self._timeout(str(e)) from None
         if isinstance(result, Rejected):
             raise APIError(result.status, result.message, param=result.param)
@@ -78,14 +81,14 @@ class ServerState:
             return await asyncio.wait_for(loop.run_in_executor(self.threads, fn),
                                           max(deadline - time.monotonic(), 0.001))
         except TimeoutError:
-            raise self._timeout("preparing it took too long") from None
+            raise self._timeout("its chat template and tokenization took that long") from None
         except ValueError as e:  # the template or the tokenizer refused the input
             raise APIError(400, str(e)) from None
 
     def _timeout(self, why: str) -> APIError:
-        return APIError(400, f"the request was not ready in {self.limits.prepare_timeout_s:g} s "
-                             f"({why}: parsing, the chat template and tokenization); send a "
-                             "smaller one", code="request_too_expensive")
+        return APIError(400, f"the request was not ready to run within "
+                             f"{self.limits.prepare_timeout_s:g} s ({why}); send a smaller one",
+                        code="request_too_expensive")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
