@@ -217,10 +217,38 @@ if triton is not None:
                                head * (HEAD_DIM // 32), HEAD_DIM // 32, INT8_MAX)
 
     @triton.jit
+    def _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE: tl.constexpr,
+                          MASKED: tl.constexpr):
+        # _attend_tile in base 2 (`qk_scale` includes log2(e); m is in log2 units) for the
+        # prefill loop. Unmasked tiles (MASKED False: every query sees every key of the tile)
+        # skip the mask and the guard for rows that have seen nothing.
+        if IEEE:  # fp32: exact, not the tensor cores' tf32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if MASKED:
+            # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            shift = m_new
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m - shift)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                      offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
+                      offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
                       stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                      FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                      MASKED: tl.constexpr):
         # The prefill loop body: context positions [start, start + BLOCK_N) on pages `blk`.
         # Returns the new (m, l_sum, acc) and the next tile's page ids.
         pos = start + offs
@@ -229,7 +257,7 @@ if triton is not None:
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
                              stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
-        m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
+        m, l_sum, acc = _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE, MASKED)
         return m, l_sum, acc, blk_next
 
     @triton.jit
@@ -269,20 +297,36 @@ if triton is not None:
         # keys this tile can see: up to its last query's position (tiles past q_len see none)
         end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
         end = tl.where(tile * BLOCK_M < q_len, end, 0)
+        # Keys before the tile's first query are seen by every query of the tile: those tiles
+        # run without the causal mask; the rest (the diagonal) with it.
+        full_end = tl.where(tile * BLOCK_M < q_len,
+                            (seq_len - q_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
+        qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
         blk = _page_ids(block_tables_ptr, seq, offs, end, stride_bt, PAGE)
         if PIPELINE:
-            for start in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES):
+            for start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 m, l_sum, acc, blk = _prefill_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, False)
+            for start in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
+                m, l_sum, acc, blk = _prefill_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
         else:
             start = 0
+            while start < full_end:
+                m, l_sum, acc, blk = _prefill_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, False)
+                start += BLOCK_N
             while start < end:
                 m, l_sum, acc, blk = _prefill_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
                 start += BLOCK_N
         out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],

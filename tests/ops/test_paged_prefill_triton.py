@@ -29,6 +29,7 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, page, dtyp
     g = torch.Generator().manual_seed(page)
     # (q_len, seq_len): fresh prompts, extends over a cached prefix, chunks, a single token
     shapes = [(rng.randint(1, 80), 0) for _ in range(3)] + [(17, 40), (1, 33), (70, 70), (5, 6)]
+    shapes += [(9, 150), (40, 203)]  # long cached prefixes: unmasked tiles before the diagonal
     shapes = [(q, max(q, s)) for q, s in shapes]
     seq_lens = [s for _, s in shapes]
     num_blocks = sum(-(-n // page) for n in seq_lens) + 3
