@@ -267,32 +267,37 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
-        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
+        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0, PACK: tl.constexpr = 1,
+        PACK_PAD: tl.constexpr = 1,
     ):
-        # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
-        # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
+        # One program per (sequence, PACK query heads of one kv head, tile of BLOCK_M query
+        # tokens): the PACK heads' queries are the rows of one [BLOCK_M * PACK_PAD, D] tile
+        # (token-major), so each K/V tile is read once for all of them. Query j of a sequence
+        # sits at absolute position seq_len - q_len + j and sees keys up to it.
         # Tiles run last first: the last tiles of a causal prefill see the most keys, so the
         # long programs start first and the short ones fill the tail.
         # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
         pdl_wait(PDL)
         seq = tl.program_id(0)
-        head = tl.program_id(1)
+        head0 = tl.program_id(1) * PACK
         tile = tl.num_programs(2) - 1 - tl.program_id(2)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + seq)
-        kvh = head // GROUP
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
-        q_pos = seq_len - q_len + rows  # [M]
+        kvh = head0 // GROUP
+        r = tl.arange(0, BLOCK_M * PACK_PAD)
+        tok = tile * BLOCK_M + r // PACK_PAD  # [R] query token within the sequence's new ones
+        head = head0 + r % PACK_PAD
+        row_ok = (tok < q_len) & (r % PACK_PAD < PACK)
+        q_pos = seq_len - q_len + tok  # [R]
         d = tl.arange(0, D_PAD)
         dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [R, D]
         q = _query_dtype(q, F16)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        m = tl.full([BLOCK_M * PACK_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M * PACK_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * PACK_PAD, D_PAD], tl.float32)
         offs = tl.arange(0, BLOCK_N)
         # keys this tile can see: up to its last query's position (tiles past q_len see none)
         end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
@@ -329,5 +334,6 @@ if triton is not None:
                     stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
                 start += BLOCK_N
         out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dmask[None, :])
