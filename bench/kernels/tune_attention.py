@@ -346,6 +346,7 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16, help="KV block size (the engine's default)")
     ap.add_argument("--kv-dtypes", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"])
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--budget-s", type=float, default=180,
                     help="after this many seconds, skip the split sweeps of later batch sizes")
     ap.add_argument("--configs-out", default=None, help="tuning table to merge into "
@@ -371,8 +372,10 @@ def main() -> None:
         print(f"heads {shape[0]}/{shape[1]}, head_dim {shape[2]}: {', '.join(layers)}",
               flush=True)
         for kv in a.kv_dtypes:
-            rows, chosen = tune_decode(shape, KV_DTYPES[kv], sorted(a.batches), a.contexts,
-                                       a.page, copy_bw, num_sms, t0 + a.budget_s)
+            rows, chosen = [], {}
+            if not a.no_decode:
+                rows, chosen = tune_decode(shape, KV_DTYPES[kv], sorted(a.batches), a.contexts,
+                                           a.page, copy_bw, num_sms, t0 + a.budget_s)
             for r in rows:
                 r["layers_ms"] = {m: n * r["chosen_us"] / 1e3 for m, n in layers.items()}
                 r["layers_ms_baseline"] = {m: None if r["baseline_us"] is None
