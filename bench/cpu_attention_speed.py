@@ -3,7 +3,8 @@ model's heads (9 query / 3 kv heads, head_dim 64): one query over a context (a d
 bfloat16 and float32, and a few queries with a causal mask over a longer context (a
 verification's drafts, `_attend_small`) against masked SDPA.
 
-  python bench/cpu_attention_speed.py --threads 2 --out bench/results/cpu-attention-2threads.json
+  python bench/cpu_attention_speed.py --threads 2 \
+      --out bench/results/cpu/cpu-attention-2threads.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ dequantized at every call), and the weight dequantized once into bf16 and packed
 with the activations still quantized per row (what a CPU engine serves since quant/fp8.py's
 prepack_cpu). Median milliseconds per product.
 
-  python bench/cpu_fp8_matmul.py --threads 2 --out bench/results/cpu-fp8-matmul.json
+  python bench/cpu_fp8_matmul.py --threads 2 --out bench/results/cpu/cpu-fp8-matmul.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ counts of decode steps, verification steps and prefill chunks; float32 and bfloa
 weight read rate of the packed product (bytes / time) and whether row results depend on the
 batch (batch invariance).
 
-  python bench/cpu_linear_speed.py --threads 2 --out bench/results/cpu-linear-onednn.json
+  python bench/cpu_linear_speed.py --threads 2 --out bench/results/cpu/cpu-linear-onednn.json
 """
 
 from __future__ import annotations

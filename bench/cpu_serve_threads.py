@@ -3,7 +3,7 @@ with one engine thread, with all of them, and with all of them but small steps o
 (the engine's default, `CPU_SERIAL_TOKENS` in skyline/worker/runner.py).
 
     python bench/cpu_serve_threads.py [--threads 2] [--concurrency 1,2,4,8,16]
-        [--flags "--dtype bfloat16 --quantization gguf"] [--out bench/results/F.json]
+        [--flags "--dtype bfloat16 --quantization gguf"] [--out bench/results/cpu/F.json]
 
 Random 128-token prompts, 128 output tokens (EOS ignored), `skyline bench serve`'s load
 generator; each variant is a fresh server. The engine and the API server are two processes:

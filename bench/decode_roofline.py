@@ -15,10 +15,10 @@ import torch
 
 from skyline.bench.floor import copy_bandwidth
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.bench.weights import held_bytes
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
+from skyline.model.weights import held_bytes
 from skyline.ops.pdl import use_pdl
 from skyline.quant import fp8, intq
 from skyline.types import SamplingParams

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from skyline.bench.offline import machine_info, save_json
 from skyline.config import ModelArch
 from skyline.configs import dummy_config_dir
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 
 
 def hf_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:

@@ -4,7 +4,7 @@ activation quantization (reference and Triton kernel), and the whole fp8 Linear 
 runs it, each against bf16 `F.linear`; with the matmul peak measured in the same run. GPU
 time per call, from CUDA graphs (host launch overheads excluded, as in the engine's decode).
 
-  python bench/fp8_linear_speed.py --out bench/results/fp8-linear-h200.json
+  python bench/fp8_linear_speed.py --out bench/results/kernels/fp8-linear-h200.json
 """
 
 from __future__ import annotations

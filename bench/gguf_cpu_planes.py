@@ -4,7 +4,7 @@ against the dense bfloat16 weights these types were served with before (and that
 is), for the default model's projections and two Llama-8B ones, at decode row counts.
 Time per call (median), the ratio to dense, and the resident bits per weight.
 
-  python bench/gguf_cpu_planes.py --threads 2 --out bench/results/gguf-cpu-planes.json
+  python bench/gguf_cpu_planes.py --threads 2 --out bench/results/cpu/gguf-cpu-planes.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ float32 dequantizes the blocks at every forward; packed bfloat16 runs the Q4 lay
 CPU int4 kernel (quant/gguf.py).
 
     python bench/gguf_packed_speed.py [--threads N] [--model FILE.gguf]
-                                      [--out bench/results/gguf-packed-cpu.json]
+                                      [--out bench/results/cpu/gguf-packed-cpu.json]
 
 `--methods none,int4,int8` compares other --quantization values the same way (skyline's own
 INT4 / INT8 run the same CPU int4 kernel in bfloat16).
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from skyline.bench.weights import held_bytes
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
+from skyline.model.weights import held_bytes
 from skyline.types import SamplingParams
 
 
@@ -43,7 +43,7 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int, out_len: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/gguf-packed-cpu.json")
+    ap.add_argument("--out", default="bench/results/cpu/gguf-packed-cpu.json")
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded model)")

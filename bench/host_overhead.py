@@ -9,7 +9,7 @@ and so are the garbage collector's pauses, with CPython's default collection thr
 with the engine's (`fewer_collections`, as `LLM.generate` and the engine process run);
 `--profile` adds a cProfile of the timed steps.
 
-    python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/X.json
+    python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/host/X.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ try:
     from skyline.engine.core import fewer_collections
 except ImportError:  # an engine from before the collection thresholds: default rows only
     fewer_collections = None
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,

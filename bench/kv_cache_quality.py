@@ -2,7 +2,7 @@
 GGUF, CPU): KL divergence, top-1 agreement and perplexity of next-token distributions against
 the same model with a float32 cache.
 
-    python bench/kv_cache_quality.py [--out bench/results/kv-cache-quality-cpu-smollm2.json]
+    python bench/kv_cache_quality.py [--out bench/results/kv/kv-cache-quality-cpu-smollm2.json]
 
 Every variant runs the engine's own attention path: each window of `--window` tokens is one
 sequence prefilled through the paged KV cache (K/V written, quantized for fp8, then read back
@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.create import EngineArgs, create_engine_config
-from skyline.engine.frontend import load_tokenizer
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
+from skyline.engine.frontend.llm import load_tokenizer
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
 from skyline.model.loader import load_model
 from skyline.ops.kv_quant import FP8_DTYPE
@@ -73,7 +74,7 @@ def score(logp, ref, evals, window) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/kv-cache-quality-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/kv/kv-cache-quality-cpu-smollm2.json")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--window", type=int, default=512)

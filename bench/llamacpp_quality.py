@@ -2,7 +2,8 @@
 on the same files, the same tokens and the same protocol.
 
     python bench/llamacpp_quality.py --llama-bin /path/to/llama.cpp/build/bin \
-        [--work-dir /work/gguf-variants] [--out bench/results/llamacpp-quality-cpu-smollm2.json]
+        [--work-dir /work/gguf-variants]
+        [--out bench/results/llamacpp/llamacpp-quality-cpu-smollm2.json]
 
 Reference: the embedded model (SmolLM2-135M-Instruct Q4_1 GGUF) dequantized to an F32 GGUF
 (`llama-quantize --allow-requantize model.gguf ref-f32.gguf F32`); each type (Q8_0, Q6_K, ...)
@@ -47,8 +48,8 @@ import numpy as np
 import torch
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.frontend import LLM
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.llm import LLM
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.model.default import default_model_path
 from skyline.model.gguf import gguf_value, open_gguf, type_name
 
@@ -152,7 +153,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--rebuild", action="store_true", help="requantize even if files exist")
-    ap.add_argument("--out", default="bench/results/llamacpp-quality-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/llamacpp/llamacpp-quality-cpu-smollm2.json")
     ns = ap.parse_args()
     types = [t for t in ns.types.split(",") if t]
     packed = [t for t in ns.packed.split(",") if t]

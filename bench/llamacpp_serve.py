@@ -1,7 +1,8 @@
 """skyline against llama.cpp's `llama-server` on the same GGUF file, on the CPU, in one run.
 
     python bench/llamacpp_serve.py --llama-server /path/to/llama-server \
-        [--threads 2] [--rounds 2] [--out bench/results/llamacpp-vs-skyline-cpu-smollm2.json]
+        [--threads 2] [--rounds 2]
+        [--out bench/results/llamacpp/llamacpp-vs-skyline-cpu-smollm2.json]
 
 Both servers load the embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF), listen on
 127.0.0.1, use the same number of CPU threads and have 16 sequence slots with continuous
@@ -177,7 +178,7 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--skyline-flags", default="", help="extra `skyline serve` flags")
     ap.add_argument("--log-dir", default="/tmp/llamacpp-serve-logs")
-    ap.add_argument("--out", default="bench/results/llamacpp-vs-skyline-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/llamacpp/llamacpp-vs-skyline-cpu-smollm2.json")
     ns = ap.parse_args()
     levels = [int(c) for c in ns.concurrency.split(",")]
     names = ns.workloads.split(",")

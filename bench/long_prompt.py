@@ -16,10 +16,10 @@ import json
 import time
 
 import torch
-from prefill_mfu import matmul_peak
 
+from skyline.bench.floor import matmul_peak
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    peak = matmul_peak()
+    peak = matmul_peak(torch.device("cuda"))
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + 64,
               max_num_batched_tokens=a.chunk, max_num_seqs=4)
     arch = llm.config.model.arch

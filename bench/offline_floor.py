@@ -6,7 +6,8 @@ stored measurements of the same machine (cite their JSON). A run whose products 
 given (fp8 weights without --fp8-peak-tflops) gets its bandwidth-bound parts only.
 
     python bench/offline_floor.py --peak-tflops 802.2 --bandwidth-tbps 4.155 \\
-        --runs bench/results/offline-h200-*.json --out bench/results/offline-floor-h200.json
+        --runs bench/results/offline/offline-h200-*1000x1000*.json \\
+        --out bench/results/offline/offline-floor-h200.json
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import datetime
 import json
 from typing import Any
 
-import torch
-
-from skyline.bench.floor import model_cost, offline_floor
+from skyline.bench.floor import offline_floor
 from skyline.bench.offline import save_json
+from skyline.engine.cost import model_cost
 
 
 def run_floor(run: dict[str, Any], peak: float | None, bandwidth: float) -> dict[str, Any]:
     quant = run.get("quantization") or "none"
     fp8_kv = run.get("kv_cache_dtype") == "fp8_e4m3"
-    cost = model_cost(run["model"], quant, torch.float8_e4m3fn if fp8_kv else torch.bfloat16)
+    cost = model_cost(run["model"], quant, "fp8" if fp8_kv else "auto")
     tokens = run["engine"].get("kv_cache_tokens")
     length = run["input_len"] + run["output_len"]
     concurrency = min(run["max_num_seqs"], tokens // length if tokens else run["max_num_seqs"])

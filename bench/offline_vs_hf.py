@@ -3,7 +3,7 @@
 Same model, same random prompts, same output length (EOS ignored), same device and dtype.
 
   CPU, default model:  python bench/offline_vs_hf.py --num-prompts 32 --input-len 128 \
-                           --output-len 64 --out bench/results/offline-cpu-smollm2.json
+                           --output-len 64 --out bench/results/offline/offline-cpu-smollm2.json
   H200, 8B dummy:      python bench/offline_vs_hf.py --model llama-3.1-8b --load-format dummy \
                            --num-prompts 256 --input-len 512 --output-len 256 --out ...
 """
@@ -19,8 +19,8 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, measure, random_prompts, save_json
-from skyline.engine.create import EngineArgs
-from skyline.engine.frontend import LLM
+from skyline.engine.args import EngineArgs
+from skyline.engine.frontend.llm import LLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

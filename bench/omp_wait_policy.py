@@ -7,7 +7,8 @@ hundreds of small parallel regions slows many times over. PASSIVE makes idle wor
 skyline sets PASSIVE unless the environment says otherwise (skyline/__init__.py); this script
 measures both. Each measurement is a fresh process (the policy is read when OpenMP loads).
 
-    python bench/omp_wait_policy.py --threads 2 --out bench/results/omp-wait-policy-cpu-smollm2.json
+    python bench/omp_wait_policy.py --threads 2 \
+        --out bench/results/cpu/omp-wait-policy-cpu-smollm2.json
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ elif policy != "default":
     os.environ["OMP_WAIT_POLICY"] = policy
 import torch  # OpenMP reads the policy now, before skyline could set its default
 
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 llm = LLM(threads=threads, kv_cache_memory="64MiB", max_model_len=512)

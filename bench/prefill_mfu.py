@@ -16,7 +16,7 @@ import torch
 
 from skyline.bench.floor import matmul_peak
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 

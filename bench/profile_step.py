@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from skyline.bench.offline import random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.ops.pdl import use_pdl
 from skyline.quant import fp8, intq
 from skyline.types import SamplingParams

@@ -20,15 +20,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from skyline.bench.weights import held_bytes
 from skyline.config import QuantConfig
-from skyline.engine.create import EngineArgs, create_engine_config
-from skyline.engine.frontend import load_tokenizer
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
+from skyline.engine.frontend.llm import load_tokenizer
 from skyline.model.layers.linear import Linear
 from skyline.model.loader import load_model, prepack_for_cpu
+from skyline.model.weights import held_bytes
 from skyline.ops.gemv_int_a8 import CHUNK, quantize_chunks_int8_ref
 from skyline.quant.calibrate import builtin_text, collect_act_sq
-from skyline.quant.checkpoint import quantize_loaded
+from skyline.tools.quantize.checkpoint import quantize_loaded
 
 # name -> (method, group size, calibrated[, model dtype[, "serve": the CPU engine's layout,
 # loader.prepack_for_cpu | "a8": x rounded as the CUDA W4A8 decode GEMV rounds it]])
@@ -97,7 +98,7 @@ def linear_bytes(model) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/quant-quality-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/quant/quant-quality-cpu-smollm2.json")
     ap.add_argument("--calib-tokens", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--window", type=int, default=512)

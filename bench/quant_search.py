@@ -3,13 +3,13 @@ on the real default model (SmolLM2-135M-Instruct Q4_1 GGUF, CPU; the reference i
 dequantized to float32, as in bench/quant_quality.py).
 
     python bench/quant_search.py [--budgets nvfp4,int4-g64,int4-g32] [--threads 1]
-        [--out bench/results/quant-search-cpu-smollm2.json]
+        [--out bench/results/quant/quant-search-cpu-smollm2.json]
 
 A budget named by a format is that uniform format's exact size in bytes (so the uniform
 format is the comparison at equal size); a number is bits per weight. Text (`--text`):
 skyline/quant/calibration.txt (`builtin`: three famous public-domain speeches, which the model
 has partly memorised), `self` (the model's own answers, sampled at temperature 0.7 and top-p
-0.9 with fixed seeds, to the built-in instruction prompts of skyline/spec/prompts.jsonl: the
+0.9 with fixed seeds, to the built-in instruction prompts of skyline/tools/prompts.jsonl: the
 text it writes when serving, and varied), or a file. The first --calib-tokens calibrate the
 int formats and drive the search; every reported metric is measured on the next
 --eval-tokens, which the search never sees. Formats are quantized and sensitivities measured
@@ -25,17 +25,18 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.create import EngineArgs, create_engine_config
-from skyline.engine.frontend import LLM, load_tokenizer
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
+from skyline.engine.frontend.llm import LLM, load_tokenizer
 from skyline.model.loader import load_model
 from skyline.quant.assignment import DEFAULT_CANDIDATES, parse_budget, parse_formats
 from skyline.quant.calibrate import builtin_text, collect_act_sq
-from skyline.quant.report import HeldOut, compare, table
 from skyline.quant.search import prepare, search
-from skyline.quant.self_text import self_text
+from skyline.tools.quantize.report import HeldOut, compare, table
+from skyline.tools.quantize.self_text import self_text
 
 TEXT_NAMES = {"builtin": "skyline/quant/calibration.txt",
-              "self": "the model's answers to skyline/spec/prompts.jsonl (T 0.7, top-p 0.9)"}
+              "self": "the model's answers to skyline/tools/prompts.jsonl (T 0.7, top-p 0.9)"}
 
 
 def load_text(source: str, num_tokens: int) -> str:
@@ -50,7 +51,7 @@ def load_text(source: str, num_tokens: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/quant-search-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/quant/quant-search-cpu-smollm2.json")
     ap.add_argument("--budgets", default="nvfp4,int4-g64,int4-g32")
     ap.add_argument("--formats", default=DEFAULT_CANDIDATES)
     ap.add_argument("--calib-tokens", type=int, default=1024)

@@ -4,7 +4,7 @@ answer mostly repeats the prompt) and a chat workload, and throughput at high lo
 
     python bench/spec_decode.py [--methods none,ngram,suffix,eagle,eagle-head]
                                 [--eagle-head DIR]
-                                [--out bench/results/spec-cpu-smollm2.json]
+                                [--out bench/results/spec/spec-cpu-smollm2.json]
 
 Each method gets its own engine, all alive at once. Batch-1 workloads interleave the methods
 prompt by prompt (and `--rounds` times over, rotating the order), so that the load of a shared
@@ -12,9 +12,9 @@ machine drifts as little as possible between the runs a ratio compares; the high
 runs once per method, in turn. `eagle` is the engine's EAGLE method (the head, with prompt
 lookup for the spans a request repeats), `eagle-head` the head alone; both need a head
 (`skyline train-speculator`; default: the head shipped for the default model,
-skyline/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
+skyline/worker/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
 speculation; the script checks it. The CHAT prompts are not in the head's training set
-(skyline/spec/prompts.jsonl).
+(skyline/tools/prompts.jsonl).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/spec-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/spec/spec-cpu-smollm2.json")
     ap.add_argument("--methods", default="none,ngram,suffix,eagle,eagle-head",
                     help="comma-separated; none (the baseline) is always run; eagle is the "
                          "head with prompt lookup for repeated spans (the engine's default), "

@@ -3,7 +3,7 @@ chat and code prompts of bench/spec_decode.py) with no speculation, with specula
 every step, and with the gate, the static batch-size bound lifted so that only the gate decides.
 
     python bench/spec_gate.py [--methods ngram,suffix] [--rounds 2]
-                              [--out bench/results/spec-gate-load-cpu-smollm2.json]
+                              [--out bench/results/spec/spec-gate-load-cpu-smollm2.json]
 
 Every configuration gets its own engine, all alive at once; the configurations run in turn,
 `--rounds` times over with the order reversed each round, so that the drift of a shared machine
@@ -40,7 +40,7 @@ def _spec_steps(s: dict[str, float]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/spec-gate-load-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/spec/spec-gate-load-cpu-smollm2.json")
     ap.add_argument("--methods", default="ngram,suffix")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)

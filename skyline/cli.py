@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench scripts and tests)
@@ -16,11 +17,11 @@ from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench script
     sampling_params,
 )
 from skyline.config import ConfigError
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args(ns)))
     params = sampling_params(ns)
@@ -34,7 +35,7 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def _cmd_chat(ns: argparse.Namespace) -> None:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args(ns)))
     params = sampling_params(ns)
@@ -113,14 +114,14 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
 
 def _cmd_quantize(ns: argparse.Namespace) -> None:
     from skyline.engine.create import create_engine_config
-    from skyline.quant.checkpoint import quantize_checkpoint
+    from skyline.tools.quantize.checkpoint import quantize_checkpoint
 
     text = None
     if ns.calib_file is not None and ns.calib_self:
         raise ConfigError("pass --calib-file or --calib-self, not both")
     if ns.calib_self:
-        from skyline.engine.frontend import LLM
-        from skyline.quant.self_text import self_text
+        from skyline.engine.frontend.llm import LLM
+        from skyline.tools.quantize.self_text import self_text
 
         calib = ns.calib_tokens or (1024 if ns.search else 4096)
         need = calib + (ns.eval_tokens if ns.search else 0)
@@ -145,7 +146,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
                                              quantization="none"))
     if ns.search:
         from skyline.quant.assignment import DEFAULT_CANDIDATES
-        from skyline.quant.report import search_checkpoint, table
+        from skyline.tools.quantize.report import search_checkpoint, table
 
         report = search_checkpoint(
             cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
@@ -160,7 +161,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:
-    from skyline.spec.train import TrainArgs, train_speculator
+    from skyline.tools.speculator.train import TrainArgs, train_speculator
 
     args = TrainArgs(epochs=ns.epochs, steps=ns.steps, lr=ns.lr, batch_tokens=ns.batch_tokens,
                      unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)
@@ -181,8 +182,7 @@ def _cmd_train_speculator(ns: argparse.Namespace) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> None:
-    import os
-
+    from skyline import envs
     from skyline.engine.process import EngineStartError
     from skyline.engine.supervisor import EngineDeadError, RestartPolicy
     from skyline.server.app import serve
@@ -192,7 +192,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         logging.getLogger("skyline.server").setLevel(logging.INFO)  # request ids in the log
     if ns.model_tag is not None and ns.model is None:
         ns.model = ns.model_tag
-    api_key = _serve_api_key(ns.api_key, ns.api_key_file, os.environ.get("SKYLINE_API_KEY"))
+    api_key = _serve_api_key(ns.api_key, ns.api_key_file, envs.ENV.api_key)
     chat_template = None
     if ns.chat_template is not None:
         try:
@@ -400,7 +400,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _omp_wait_passive() -> None:
+    """Idle OpenMP workers sleep instead of spinning: spinning workers make CPU decode several
+    times slower whenever another process wants a core, at a cost of ~15% on a quiet machine
+    (bench/omp_wait_policy.py). OpenMP reads this once, when torch loads it, so the CLI sets it
+    before anything imports torch; spawned engine processes inherit it. A user's value wins."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _omp_wait_passive()
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

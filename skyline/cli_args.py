@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 from skyline.types import SamplingParams
 
 

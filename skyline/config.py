@@ -154,7 +154,7 @@ SPEC_METHODS = ("none", "ngram", "suffix", "eagle", "draft")
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding (skyline/spec/): proposers guess up to `num_speculative_tokens`
+    """Speculative decoding (worker/spec/): proposers guess up to `num_speculative_tokens`
     tokens per request, the target verifies them in one pass. `max_batch_tokens`: steps whose
     batch (before drafts) exceeds this many tokens are compute-bound and do not speculate."""
 

@@ -46,7 +46,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Constrained decoding (llguidance, engine/structured.py); at most one of the three.
+    # Constrained decoding (llguidance, engine/frontend/structured.py); at most one of the three.
     json_schema: str | dict[str, Any] | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar

@@ -21,67 +21,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelCost:
-    """What a model costs per token, from its layers."""
-
-    linear_params: int  # weight elements of the Linear layers every token runs through
-    head_params: int  # of the LM head, run by sampling tokens only
-    weight_bytes: int  # every weight a decode step reads (as the layers store them)
-    kv_bytes_per_token: int  # K and V of one token, every layer, as the cache stores them
-    attn_flops_per_pair: int  # one query against one key, every layer: QK^T and PV
-
-    @classmethod
-    def of(cls, model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
-        from skyline.bench.weights import held_bytes
-        from skyline.model.layers.embedding import LMHead
-        from skyline.model.layers.linear import Linear
-
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        heads = [m for m in model.modules() if isinstance(m, LMHead)]
-        arch = model.arch
-        head_bytes = sum(  # an fp8 head is read instead of the dense one
-            sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
-            if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
-            for m in heads)
-        return cls(
-            linear_params=sum(m.in_features * m.out_features for m in linears),
-            head_params=sum(m.weight.numel() for m in heads),
-            weight_bytes=held_bytes(linears) + head_bytes,
-            kv_bytes_per_token=kv_bytes_per_token,
-            attn_flops_per_pair=4 * arch.num_layers * arch.num_heads * arch.head_dim,
-        )
-
-
-def model_cost(model: str, quantization: str | None, kv_dtype: torch.dtype) -> ModelCost:
-    """The cost per token of `model` (a shipped config's name or a directory) with weights in
-    `quantization` and a KV cache of `kv_dtype`, built on the meta device: no memory, no
-    weights, the layouts the engine serves with (online quantization included)."""
-    from skyline.config import QuantConfig
-    from skyline.model.loader import read_model_arch
-    from skyline.model.registry import get_model_class
-    from skyline.quant import attach_quant_methods, finish_loading
-    from skyline.worker.kv_cache import bytes_per_block
-
-    arch, _ = read_model_arch(model, "dummy")
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            m = get_model_class(arch.architecture)(arch)
-            attach_quant_methods(m, QuantConfig(method=quantization or "none"))
-        with torch.no_grad():
-            finish_loading(m)
-    finally:
-        torch.set_default_dtype(prev)
-    return ModelCost.of(m, bytes_per_block(arch, 1, kv_dtype))
+from skyline.engine.cost import ModelCost
 
 
 def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len: int,

@@ -36,7 +36,7 @@ from typing import Any
 from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec, parse_len
 from skyline.configs import dummy_config_dir
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
 _NO_QUALITY = {"max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
@@ -117,7 +117,7 @@ def quality_status(spec: FrontierSpec, ref_args: EngineArgs) -> str:
 def calibration_text() -> str:
     import skyline
 
-    path = os.path.join(os.path.dirname(skyline.__file__), "quant", "calibration.txt")
+    path = os.path.join(os.path.dirname(skyline.__file__), "tools", "calibration.txt")
     with open(path, encoding="utf-8") as f:
         return f.read()
 
@@ -126,7 +126,7 @@ def _score(args: EngineArgs, calib_tokens: int) -> tuple[Any, list[int]]:
     """Reference-free scoring run: [n, vocab] log-probs and the text's token ids."""
     import gc
 
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     n = calib_tokens + 16
     kw = dataclasses.asdict(args) | {

@@ -77,38 +77,32 @@ def step_output_from_list(v: list[Any]) -> StepOutput:
 # ---------------------------------------------------------------------------------- child
 
 
-class _HookedExecutor:
-    """Wraps the core's executor to record the time each request waited before its first
-    schedule (the queue-time metric)."""
+class _QueueTimes:
+    """A step observer: the seconds each request waited before its first schedule (the
+    queue-time metric), from the arrivals the loop records."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.arrivals: dict[str, float] = {}  # request id -> arrival, until first scheduled
-        self.queue_times: dict[str, float] = {}  # first scheduled this step: id -> seconds
+        self.seconds: dict[str, float] = {}  # first scheduled since the last report
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def launch(self, out: Any) -> Any:
-        now = time.monotonic()
+    def __call__(self, out: Any, scheduled_at: float, seconds: float) -> None:
         for new in out.new_requests:
             arrival = self.arrivals.pop(new.request_id, None)
             if arrival is not None:
-                self.queue_times[new.request_id] = now - arrival
-        return self.inner.launch(out)
+                self.seconds[new.request_id] = scheduled_at - arrival
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
 
 
 class _EngineLoop:
-    def __init__(self, core: Any, in_addr: str, out_addr: str) -> None:
+    def __init__(self, core: Any, queue_times: _QueueTimes, in_addr: str,
+                 out_addr: str) -> None:
         import zmq
 
-        from skyline.engine.frontend import load_tokenizer
-        from skyline.engine.structured import attach_structured_outputs
-
         self.core = core
-        attach_structured_outputs(core, lambda: load_tokenizer(core.config.model))
-        self.hooks = _HookedExecutor(core.executor)
-        core.executor = self.hooks
+        self.queue_times = queue_times
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.connect(in_addr)
@@ -148,11 +142,11 @@ class _EngineLoop:
                     log.exception("request %s could not be added", rid)
                 self.send(("add_error", rid, str(e)))
                 return
-            self.hooks.arrivals[req.request_id] = req.arrival_time
+            self.queue_times.arrivals[req.request_id] = req.arrival_time
         elif kind == "abort":
             self.core.abort_requests(msg[1])
             for rid in msg[1]:
-                self.hooks.arrivals.pop(rid, None)
+                self.queue_times.arrivals.pop(rid, None)
         elif kind == "call":
             _, call_id, method, args = msg
             if method == "stats":
@@ -189,9 +183,8 @@ class _EngineLoop:
                     self.stats_dirty = False
                 continue
             outputs = self.core.step()
-            queue_times, self.hooks.queue_times = self.hooks.queue_times, {}
             self.send(("out", [step_output_to_list(o) for o in outputs], self.stats(),
-                       queue_times))
+                       self.queue_times.take()))
             self.stats_dirty = False
 
     def close(self) -> None:
@@ -212,14 +205,6 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _weights_gib(core: Any) -> float | None:
-    model = getattr(getattr(core.executor, "runner", None), "model", None)
-    if model is None:
-        return None
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
-
-
 def run_engine_core(args: Any, in_addr: str, out_addr: str,
                     conn: multiprocessing.connection.Connection, log_level: int) -> None:
     """Entry point of the engine-core process (spawned)."""
@@ -232,10 +217,15 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
     from skyline.config import ConfigError
     from skyline.engine.core import EngineCore, tune_gc
     from skyline.engine.create import create_engine_config
+    from skyline.engine.frontend.llm import load_tokenizer
+    from skyline.engine.frontend.structured import structured_outputs
 
+    queue_times = _QueueTimes()
     try:
         config, auto_len = create_engine_config(args)
-        core = EngineCore(config, max_model_len_auto=auto_len)
+        structured = structured_outputs(config.model, lambda: load_tokenizer(config.model))
+        core = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
+                          observers=[queue_times])
     except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
         conn.send(("error", str(e)))
         return
@@ -251,10 +241,10 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         "eos_token_ids": list(cfg.model.arch.eos_token_ids),
         "block_size": cfg.cache.block_size, "max_waiting": cfg.scheduler.max_waiting,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
-        "weights_gib": _weights_gib(core), "pid": os.getpid(),
+        "pid": os.getpid(),
         **core.executor.describe(),
     }
-    loop = _EngineLoop(core, in_addr, out_addr)
+    loop = _EngineLoop(core, queue_times, in_addr, out_addr)
     tune_gc()
     conn.send(("ready", info))
     conn.close()
@@ -264,8 +254,10 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         traceback.print_exc()
         loop.send(("dead", f"the engine failed: {type(e).__name__}: {e}"))
         loop.close()
+        core.shutdown()
         os._exit(1)
     loop.close()
+    core.shutdown()
 
 
 # ---------------------------------------------------------------------------------- parent

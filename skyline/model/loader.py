@@ -15,11 +15,12 @@ from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.embedding import LMHead
-from skyline.model.layers.linear import Linear, prepack
+from skyline.model.layers.linear import Linear
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
 from skyline.quant import attach_quant_methods, finish_loading
+from skyline.quant.method import prepack
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

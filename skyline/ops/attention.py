@@ -15,8 +15,6 @@ from shapes and the batch size only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -34,10 +32,10 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     prefill_config,
     shape_key,
 )
-from skyline.ops.attention_triton import triton
 from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import interpreted, triton
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -241,11 +239,10 @@ def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _fp8_words(k: torch.Tensor, head_dim: int) -> int:
     # an fp8 cache is read as int32 words (attention_triton._load_kv_tile): 2 when compiled
-    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches, or
-    # with SKYLINE_KV_FP8_WORDS=0 (the fp8 tiles as loaded, for comparison)
-    if k.dtype.itemsize != 1 or head_dim % 4 or os.environ.get("SKYLINE_KV_FP8_WORDS") == "0":
+    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches
+    if k.dtype.itemsize != 1 or head_dim % 4:
         return 0
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return 1
     return 2 if k.is_cuda and has_fp8_units(k.device) else 0
 
@@ -335,7 +332,11 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     k, v = kv_cache[0], kv_cache[1]
     block_m = config["BLOCK_M"]
-    grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
+    # PACK query heads of one kv head per program (1, or the whole group): BLOCK_M is then
+    # in tokens, and the program's tile has BLOCK_M * PACK_PAD rows.
+    group = num_heads // kvh
+    pack = group if config.get("PACK", 1) > 1 else 1
+    grid = (seq_lens.shape[0], num_heads // pack, triton.cdiv(max_query_len, block_m))
     pdl = use_pdl(q.device)
     kernels.paged_prefill_kernel[grid](
         q, k, v, out, block_tables, seq_lens, query_start_loc, scale * k_scale, v_scale,
@@ -344,7 +345,8 @@ def paged_prefill_attention(
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
-        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), num_warps=config["num_warps"],
+        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), PACK=pack,
+        PACK_PAD=triton.next_power_of_2(pack), num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=pdl,
     )
     return out

@@ -44,14 +44,13 @@ from the tuning tables (kernels "gemv_fp8", "gemv_int8", "gemv_int4") over `defa
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from skyline.ops import gemv_quant_triton as kernels
 from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
-from skyline.ops.gemv_quant_triton import triton
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import get_config
 
 FP8, INT8, INT4 = 0, 1, 2  # WEIGHT_KIND
@@ -297,7 +296,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if partial is None:
         partial, counters = y, y
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreted()
     pdl = use_pdl(x.device)
     if kind != FP8 and not use_dot:
         kernels.gemv_int_fma_kernel[(num_tiles, split_k)](
@@ -306,7 +305,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
             scales.stride(0), BITS=4 if kind == INT4 else 8, GROUP=group,
             HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
-            STATIC_ITERS=k_iters if interpreted else 0, X_BCAST=bool(cfg.get("X_BCAST", False)),
+            STATIC_ITERS=k_iters if interp else 0, X_BCAST=bool(cfg.get("X_BCAST", False)),
             PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )
         return y.reshape(*x.shape[:-1], n)
@@ -318,10 +317,10 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         WEIGHT_KIND=kind, GROUP=max(group, 1), HAS_BIAS=bias is not None,
         EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, USE_DOT=use_dot,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interpreted else 0,
-        X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interpreted,
+        NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interp else 0,
+        X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interp,
         XS_BLOCK=xs_block, XS_STRIDE=_cdiv(k, xs_block) if xs_block else 1,
-        INT4_ASM=0 if interpreted or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
+        INT4_ASM=0 if interp or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
         INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
         PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )

@@ -2,9 +2,10 @@
 
 Formats: fp8 (W8A8), int8 / int4 (weight-only, group-wise), mxfp4 / nvfp4 (weight-only FP4
 blocks), gguf (a GGUF file's blocks kept packed). Embeddings and the LM head keep the model
-dtype. `skyline quantize` (checkpoint.py) writes a checkpoint that loads without requantizing.
-Formats may differ per Linear (QuantConfig.layers); search.py chooses them for a size budget
-by the end-to-end KL divergence they cause.
+dtype. `skyline quantize` writes a checkpoint that loads without requantizing. Formats may
+differ per Linear (QuantConfig.layers); search.py chooses them for a size budget by the
+end-to-end KL divergence they cause. The Linear itself is model/'s: this package knows it only
+through the protocol in method.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from skyline.config import QuantConfig
-from skyline.model.layers.linear import Linear, LinearMethod
+from skyline.quant.method import LinearMethod, iter_linears, linears
 
 
 def make_linear_method(cfg: QuantConfig) -> LinearMethod | None:
@@ -45,17 +46,15 @@ def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
     weights); Linears whose format is "none" keep the unquantized method."""
     if cfg.method == "none" and not cfg.layers:
         return
-    for name, module in model.named_modules():
-        if isinstance(module, Linear):
-            method = make_linear_method(cfg.for_layer(name))
-            if method is not None:
-                module.set_linear_method(method)
+    for name, module in linears(model).items():
+        method = make_linear_method(cfg.for_layer(name))
+        if method is not None:
+            module.set_linear_method(method)
 
 
 def finish_loading(model: nn.Module) -> None:
     """Let every Linear's method convert what was loaded (online quantization, packing)."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            process = getattr(module.linear_method, "process_weights_after_loading", None)
-            if process is not None:
-                process(module)
+    for module in iter_linears(model):
+        process = getattr(module.linear_method, "process_weights_after_loading", None)
+        if process is not None:
+            process(module)

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError, QuantConfig
-from skyline.model.layers.linear import Linear, _shape_error
 from skyline.ops import cpu_linear
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import int_matmul_ref, int_matmul_triton
+from skyline.quant.method import LinearLayer, set_loader, shape_error
 
 
 def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -41,7 +41,7 @@ def int_codes_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return y if bias is None else y + bias
 
 
-def keep_dense(layer: Linear, w: torch.Tensor, drop: tuple[str, ...]) -> None:
+def keep_dense(layer: LinearLayer, w: torch.Tensor, drop: tuple[str, ...]) -> None:
     """A CPU serving layout for formats no CPU kernel takes: the weight w [out, in],
     dequantized once (in the engine's dtype), packed for oneDNN where it can be, replaces the
     quantized tensors `drop`."""
@@ -50,13 +50,13 @@ def keep_dense(layer: Linear, w: torch.Tensor, drop: tuple[str, ...]) -> None:
         delattr(layer, name)
 
 
-def dense_weight(layer: Linear) -> torch.Tensor:
+def dense_weight(layer: LinearLayer) -> torch.Tensor:
     """keep_dense's weight as float32 [out, in]."""
     w = layer.dense_weight
     return (cpu_linear.unpack(w) if w.is_mkldnn else w).float()
 
 
-def dense_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+def dense_linear(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype, through keep_dense's weight (its dtype)."""
     w = layer.dense_weight
     if w.is_mkldnn:
@@ -104,19 +104,19 @@ class QuantLinearMethod:
 
     # -- the LinearMethod interface -----------------------------------------------------------
 
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: LinearLayer) -> None:
         if not self.prequantized:  # load full precision; process_weights_after_loading quantizes
             weight = torch.empty(layer.out_features, layer.in_features)
             layer.weight = nn.Parameter(weight, requires_grad=False)
-            _set_loader(layer.weight, layer, layer.weight_loader)
+            set_loader(layer.weight, layer, layer.weight_loader)
             return
         for name, (shape, dtype) in self.param_specs(layer.out_features, layer.in_features).items():
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             setattr(layer, name, param)
             loader = _per_tensor_loader(layer) if name in self.per_tensor else layer.weight_loader
-            _set_loader(param, layer, loader)
+            set_loader(param, layer, loader)
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def process_weights_after_loading(self, layer: LinearLayer) -> None:
         """Online: quantize each checkpoint tensor (shard) of the loaded weight, then drop it."""
         if self.prequantized:
             return
@@ -141,37 +141,32 @@ class QuantLinearMethod:
             out[name] = torch.cat(rows).contiguous()
         return out
 
-    def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor]) -> None:
+    def set_tensors(self, layer: LinearLayer, tensors: dict[str, torch.Tensor]) -> None:
         """Install quantized tensors (from `quantize_shards`) as the layer's parameters."""
         for name, tensor in tensors.items():
             setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
 
-    def tensors(self, layer: Linear) -> dict[str, torch.Tensor]:
+    def tensors(self, layer: LinearLayer) -> dict[str, torch.Tensor]:
         specs = self.param_specs(layer.out_features, layer.in_features)
         return {name: getattr(layer, name) for name in specs}
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         return self.dequantize(self.tensors(layer), layer.in_features)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         # Reference path: dequantize the whole weight, then one matmul in x's dtype.
         w = self.dequantized_weight(layer).to(x.dtype)
         return F.linear(x, w, layer.bias)
 
 
-def _set_loader(param: nn.Parameter, layer: Linear, loader: Any) -> None:
-    param.weight_loader = loader  # type: ignore[attr-defined]
-    param.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]
-
-
-def _per_tensor_loader(layer: Linear) -> Any:
+def _per_tensor_loader(layer: LinearLayer) -> Any:
     """A loader that writes one checkpoint scalar into every row of its shard."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id not in layer.shards:
             raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(layer.shards)}")
         if loaded.numel() != 1:
-            raise ConfigError(_shape_error(loaded.shape, torch.Size([1])))
+            raise ConfigError(shape_error(loaded.shape, torch.Size([1])))
         offset, size = layer.shards[shard_id]
         param.data.narrow(0, offset, size).copy_(loaded.reshape(1).expand(size))
 

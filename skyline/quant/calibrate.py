@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from skyline.model.layers.linear import Linear
+from skyline.quant.method import LinearLayer
 
-BUILTIN_TEXT = Path(__file__).with_name("calibration.txt")  # public domain, see its header
+# public domain, see its header
+BUILTIN_TEXT = Path(__file__).parent.parent / "tools" / "calibration.txt"
 
 
 def builtin_text() -> str:
@@ -30,7 +31,7 @@ def collect_act_sq(
     counts: dict[str, int] = {}
     hooks = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, LinearLayer):
             def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
                 x = args[0].reshape(-1, args[0].shape[-1]).float()  # [tokens, in_features]
                 sums[name] = sums.get(name, 0) + x.square().sum(0)

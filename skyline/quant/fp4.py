@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
 from skyline.ops.int_matmul import dequantize_int_ref
 from skyline.quant.base import (
@@ -29,6 +28,7 @@ from skyline.quant.base import (
     pad_cols,
     unpack_nibbles,
 )
+from skyline.quant.method import LinearLayer
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes; a tie rounds to the even code, i.e. up when the
@@ -130,28 +130,28 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     # the block scale per group of 32 (the layout of GGUF's Q8_0 there), made at the first
     # (eager) call.
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine in bfloat16 (loader.prepack_for_cpu): keep only the planes."""
         if dtype != torch.bfloat16 or self._cpu_planes(layer) is None:
             return False
         del layer.qweight, layer.scales
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if hasattr(layer, "fp4_int8"):
             return dequantize_int_ref(*layer.fp4_int8, 8, 32)[:, : layer.in_features]
         if not hasattr(layer, "qweight"):  # prepacked: read back from the planes
             return cpu_int4.planes_weight(layer.fp4_planes)[:, : layer.in_features]
         return super().dequantized_weight(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return int_codes_linear(x, *self._int8_layout(layer), 8, 32, bias=layer.bias)
         if x.dtype == torch.bfloat16 and (planes := self._cpu_planes(layer)) is not None:
             return cpu_int4.planes_linear(x, planes, layer.bias)
         return super().apply(layer, x)
 
-    def _int8_layout(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _int8_layout(self, layer: LinearLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # (codes uint8 [N, Kp], scales, zeros float32 [N, Kp / 32]); replaces the packed
         # tensors at the first call
         if not hasattr(layer, "fp4_int8"):
@@ -162,7 +162,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
             del layer.qweight, layer.scales
         return layer.fp4_int8
 
-    def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+    def _cpu_planes(self, layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
         # made at the first use, kept beside the packed tensors (None: no kernel, or a shape
         # it cannot take)
         if not hasattr(layer, "fp4_planes"):
@@ -193,7 +193,7 @@ class Nvfp4LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return dequantize_nvfp4(q["qweight"], q["scales"], q["tensor_scale"])[:, :cols]
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine (loader.prepack_for_cpu): no CPU kernel takes 16-element blocks,
         so the layer keeps its weight dequantized once, in the engine's dtype and packed for
         oneDNN where it can be (the values every call would otherwise dequantize to; dense
@@ -202,12 +202,12 @@ class Nvfp4LinearMethod(QuantLinearMethod):
                    ("qweight", "scales", "tensor_scale"))
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
             return dense_weight(layer)
         return super().dequantized_weight(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
             return dense_linear(layer, x)
         return super().apply(layer, x)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from skyline.model.layers.linear import Linear
 from skyline.ops.fp8_linear import fp8_gemv_takes_rows, fp8_linear
 from skyline.ops.fp8_quant import (
     FP8,
@@ -16,6 +15,7 @@ from skyline.ops.fp8_quant import (
     quantize_rows_fp8,
 )
 from skyline.quant.base import QuantLinearMethod, dense_linear, dense_weight, keep_dense
+from skyline.quant.method import LinearLayer
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
@@ -44,19 +44,19 @@ class Fp8LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return q["weight"].float() * q["weight_scale"].unsqueeze(-1)
 
-    def apply(self, layer: Linear, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if not hasattr(layer, "weight_scale"):  # prepacked for the CPU
             return dense_linear(layer, fake_quantize_rows_fp8(x)).to(x.dtype)
         return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)
 
-    def input_quant(self, layer: Linear, x: torch.Tensor) -> str | None:
+    def input_quant(self, layer: LinearLayer, x: torch.Tensor) -> str | None:
         """"fp8" where x, about to be made by a norm or activation kernel, should come quantized
         per row (Fp8Rows) for this layer's GEMV."""
         wants = (GEMV_ACTIVATIONS == "a8p" and hasattr(layer, "weight_scale")
                  and fp8_gemv_takes_rows(x))
         return "fp8" if wants else None
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine (loader.prepack_for_cpu). CPUs have no fp8 matmul units (torch's
         CPU `_scaled_mm` is slower than the float32 emulation), and the emulation dequantizes
         the weight at every call: keep it dequantized once in the engine's dtype (packed for
@@ -65,7 +65,7 @@ class Fp8LinearMethod(QuantLinearMethod):
         keep_dense(layer, self.dequantized_weight(layer).to(dtype), ("weight", "weight_scale"))
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if not hasattr(layer, "weight_scale"):
             return dense_weight(layer)
         return super().dequantized_weight(layer)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
 from skyline.ops.gemv_int_a8 import CHUNK, Int8Chunks, int4_gemv_a8
 from skyline.ops.gemv_quant import quant_gemv_ok
@@ -36,6 +35,7 @@ from skyline.quant.base import (
     pad_cols,
     unpack_nibbles,
 )
+from skyline.quant.method import LinearLayer
 
 INT4_GEMV = "a8p"  # INT4 on CUDA at <= 8 rows: "a8p" / "a8" int8 activations, "a16" weight-only
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
@@ -102,7 +102,7 @@ class IntLinearMethod(QuantLinearMethod):
         w = dequantize_int_ref(q["qweight"], q["scales"], q["zeros"], self.bits, self.group_size)
         return w[:, :cols]
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine in bfloat16 (loader.prepack_for_cpu; tools that save weights never
         call it): the int4 kernel's planes replace the packed tensors, so the layer holds about
         as many bytes as the codes (4.25 bits a weight for INT4 in groups of 128, 8.5 for INT8)."""
@@ -112,12 +112,12 @@ class IntLinearMethod(QuantLinearMethod):
             delattr(layer, name)
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if not hasattr(layer, "qweight"):  # prepacked: read back from the kernel's planes
             return cpu_int4.planes_weight(layer.int_planes)[:, : layer.in_features]
         return super().dequantized_weight(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor | Int8Chunks) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor | Int8Chunks) -> torch.Tensor:
         # x comes as Int8Chunks when input_quant asked its producer for them
         if isinstance(x, Int8Chunks) or self._w4a8(layer, x):
             return int4_gemv_a8(x, layer.qweight, layer.scales, layer.zeros, self.group_size,
@@ -133,18 +133,18 @@ class IntLinearMethod(QuantLinearMethod):
             return y if layer.bias is None else y + layer.bias
         return int_codes_linear(x, *args, bias=layer.bias)
 
-    def input_quant(self, layer: Linear, x: torch.Tensor) -> str | None:
+    def input_quant(self, layer: LinearLayer, x: torch.Tensor) -> str | None:
         """"int8" where x, about to be made by a norm or activation kernel, should come rounded
         (Int8Chunks) for this layer's W4A8 GEMV."""
         return "int8" if INT4_GEMV == "a8p" and self._w4a8(layer, x) else None
 
-    def _w4a8(self, layer: Linear, x: torch.Tensor) -> bool:
+    def _w4a8(self, layer: LinearLayer, x: torch.Tensor) -> bool:
         """Whether x (or the x about to be made) goes to the W4A8 GEMV."""
         return (INT4_GEMV in ("a8p", "a8") and self.bits == 4 and self.group_size % CHUNK == 0
                 and hasattr(layer, "qweight") and layer.zeros.dtype == torch.uint8
                 and quant_gemv_ok(x))
 
-    def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+    def _cpu_planes(self, layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
         """The layer's codes as planes of torch's CPU int4 kernel (ops/cpu_int4.py: one for
         INT4, two for INT8), made at the first bfloat16 call on the CPU and kept beside the
         packed tensors (None where the kernel is missing or cannot take the shape)."""

@@ -63,6 +63,7 @@ class Scheduler:
         cache_cfg: CacheConfig,
         num_blocks: int,
         spec_cfg: SpecConfig | None = None,
+        structured: Any = None,
     ) -> None:
         self.cfg = sched_cfg
         self.block_size = cache_cfg.block_size
@@ -80,9 +81,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
-        # Optional structured-output hooks (engine/structured.py), injected by the engine:
-        # before_step(out) fills out.token_masks, after_step(out, res) advances the matchers.
-        self.structured: Any = None
+        # Optional structured-output hooks (engine/frontend/structured.py): before_step(out)
+        # fills out.token_masks, after_step(out, res) advances the matchers.
+        self.structured = structured
         # Speculative decoding: the runner's latest drafts per running request, and tail blocks
         # freed since the request last ran (the runner drops them when it next runs).
         self.spec = SpecPolicy(spec_cfg) if spec_cfg is not None and spec_cfg.enabled else None

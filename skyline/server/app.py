@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from skyline.engine.async_llm import AsyncLLM
+from skyline.engine.frontend.async_llm import AsyncLLM
 from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.chat import create_chat_completion
 from skyline.server.completions import create_completion

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from skyline.engine.chat_template import RenderLimits, render_chat_template
+from skyline.engine.frontend.chat_template import RenderLimits, render_chat_template
 from skyline.server.errors import APIError
 from skyline.server.metrics import RequestTracker
 from skyline.server.protocol import (

@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from skyline.engine.async_llm import (
+from skyline.engine.frontend.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineOverloadedError,
     RequestStream,
 )
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.server.errors import APIError, error_body
 from skyline.server.limits import RequestLimits
 from skyline.server.metrics import Metrics

@@ -12,17 +12,15 @@ collected in turn, as `execute` does.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model, prepack_for_cpu
-from skyline.spec.proposer import HiddenStateProposer, make_proposer
-from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
@@ -34,6 +32,8 @@ from skyline.worker.kv_cache import (
     num_blocks_for,
 )
 from skyline.worker.sampler import DeviceSample, SamplingRow, sample_on_device
+from skyline.worker.spec.proposer import HiddenStateProposer, make_proposer
+from skyline.worker.spec.verify import sample_and_verify, verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # share well, and in a server the API process needs a core for every token it streams: an
 # engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
 # a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
-CPU_SERIAL_TOKENS = int(os.environ.get("SKYLINE_CPU_SERIAL_TOKENS", "4"))
+CPU_SERIAL_TOKENS = envs.ENV.cpu_serial_tokens
 
 
 @dataclass
@@ -150,12 +150,6 @@ class ModelRunner:
                 del s.block_ids[-c.num_freed_blocks :]
             s.block_ids.extend(c.new_block_ids)
             s.num_computed_tokens = c.num_computed_tokens
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step and wait for its tokens."""
-        assert self._in_flight is None, "collect the step in flight first"
-        self.launch(out)
-        return self.collect() if self._in_flight is not None else RunnerOutput()
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:

@@ -14,7 +14,8 @@ import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.ops.kv_quant import FP8_DTYPE
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +96,7 @@ def test_fp8_engine_equals_scoring_with_rounded_kv(tiny_dir):
         outs = llm.generate(prompts, params)
         worst[kv_dtype] = 0.0
         for p, o in zip(prompts, outs, strict=True):
-            logp = llm.engine.executor.score(p)[-1]
+            logp = llm.query("score", p)[-1]
             top = o.outputs[0].logprobs[0]
             worst[kv_dtype] = max([worst[kv_dtype]] + [
                 abs(logp[t].item() - lp) for t, lp in zip(top.token_ids, top.logprobs,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from skyline.engine.chat_template import (
+from skyline.engine.frontend.chat_template import (
     ChatTemplateError,
     RenderLimits,
     TemplateBudgetError,

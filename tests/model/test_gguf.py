@@ -302,7 +302,8 @@ def test_weight_names() -> None:
 def test_packed_gguf_on_cuda_matches_dense(tmp_path, dtype) -> None:
     """--quantization gguf on CUDA: Q4_0 / Q5_1 / Q8_0 layers in the integer layout of the GPU
     kernels (GEMV for a few tokens, dequant-matmul for more) give the dense model's logits."""
-    from skyline.engine.create import EngineArgs, create_engine_config
+    from skyline.engine.args import EngineArgs
+    from skyline.engine.create import create_engine_config
     from skyline.model.loader import load_model
 
     path = str(tmp_path / "tiny.gguf")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.model.loader import load_model
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.quant import intq

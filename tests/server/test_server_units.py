@@ -8,6 +8,11 @@ import json
 import pytest
 import torch
 
+from skyline.engine.frontend.structured import (
+    StructuredOutputs,
+    check_structured,
+    make_ll_tokenizer,
+)
 from skyline.engine.process import (
     pack,
     request_from_dict,
@@ -16,7 +21,6 @@ from skyline.engine.process import (
     step_output_to_list,
     unpack,
 )
-from skyline.engine.structured import StructuredOutputs, check_structured, make_ll_tokenizer
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -75,7 +79,7 @@ def test_apply_token_masks():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from skyline.engine.tokenizer import Tokenizer
+    from skyline.engine.frontend.tokenizer import Tokenizer
     from skyline.model.default import default_model_path
 
     return Tokenizer.load(default_model_path())

@@ -1,4 +1,4 @@
-"""The EAGLE head and proposer (spec/eagle.py, spec/eagle_proposer.py) on tiny random HF
+"""The EAGLE head and proposer (worker/spec/eagle.py, eagle_proposer.py) on tiny random HF
 models: shapes and the head's KV bookkeeping, training-time unrolling equal to drafting,
 lossless output (greedy identical, seeded identical, sampled distribution-identical), and
 `skyline train-speculator` end to end with its errors."""
@@ -16,7 +16,8 @@ import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, SpecConfig
-from skyline.spec.eagle import (
+from skyline.tools.speculator.train import TrainArgs, train_head
+from skyline.worker.spec.eagle import (
     AttnPlan,
     build_head,
     init_head,
@@ -24,9 +25,8 @@ from skyline.spec.eagle import (
     save_head,
     target_parts,
 )
-from skyline.spec.eagle_proposer import EagleProposer
-from skyline.spec.head_cache import PAGE, HeadCache, HeadKVPool
-from skyline.spec.train import TrainArgs, train_head
+from skyline.worker.spec.eagle_proposer import EagleProposer
+from skyline.worker.spec.head_cache import PAGE, HeadCache, HeadKVPool
 
 transformers = pytest.importorskip("transformers")
 
@@ -281,7 +281,7 @@ def test_the_head_is_not_fed_past_the_static_bound(tiny_model, random_head):
 def trained_head(tiny_model, tmp_path_factory):
     """A head trained briefly on the tiny model's own greedy continuations (the API path of
     `skyline train-speculator`); returns (path, stats)."""
-    from skyline.spec.data import Example, record
+    from skyline.tools.speculator.data import Example, record
 
     llm = LLM(tiny_model, device="cpu", dtype="float32", enable_prefix_caching=False)
     examples = [Example(p) for p in _prompts(24, seed=5)]
@@ -406,7 +406,7 @@ def test_config_needs_a_head():
 
 
 def test_recorder_keeps_features_by_position():
-    from skyline.spec.data import FeatureRecorder
+    from skyline.tools.speculator.data import FeatureRecorder
 
     rec = FeatureRecorder()
     rows = torch.arange(12.0).reshape(6, 2)
@@ -422,7 +422,7 @@ def test_recording_with_async_scheduling(tiny_model):
     a stop token is seen one step late, after the next step, which still samples it, was
     launched; that step's output must not ask the proposer about the finished request. The
     features are those of the synchronous loop."""
-    from skyline.spec.data import FeatureRecorder
+    from skyline.tools.speculator.data import FeatureRecorder
 
     prompts = _prompts(12, seed=7)
     ref = LLM(tiny_model, device="cpu", dtype="float32").generate(prompts, GREEDY)
@@ -461,7 +461,7 @@ def test_cuda_lossless_and_trainable(tiny_model, random_head):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
-    from skyline.spec.data import Example, record
+    from skyline.tools.speculator.data import Example, record
 
     llm = LLM(tiny_model, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2,
               enable_prefix_caching=False)

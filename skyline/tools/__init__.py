@@ -1,0 +1,1 @@
+"""Offline tools above the engine: they use its public API (`LLM` and the executor's methods)."""

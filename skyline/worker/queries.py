@@ -1,0 +1,58 @@
+"""What tools and start-up ask of a loaded model, answered where the model lives.
+
+Each query is a function of the rank's `ModelRunner` and plain arguments, returning plain data
+or CPU tensors, so that any executor can run it: in its own process, or on every rank's
+worker (`Executor.query(name, *args)`). One dict names them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from skyline.model.cost import ModelCost
+from skyline.worker.kv_cache import bytes_per_block
+from skyline.worker.runner import ModelRunner
+
+
+def describe(r: ModelRunner) -> dict[str, Any]:
+    """What start-up reports: the KV cache's size, load time, weights' size."""
+    tensors = [*r.model.parameters(), *r.model.buffers()]
+    return {
+        "num_blocks": r.num_blocks,
+        "kv_cache_gib": r.kv_cache_bytes / 2**30,
+        "kv_cache_tokens": r.num_blocks * r.block_size,
+        "load_seconds": r.load_seconds,
+        "weights_gib": sum(t.numel() * t.element_size() for t in tensors) / 2**30,
+    }
+
+
+@torch.inference_mode()
+def score(r: ModelRunner, token_ids: list[int]) -> torch.Tensor:
+    """Log-probs of the next token at every position of `token_ids` (teacher forcing): one
+    causal forward pass outside the KV cache. Returns [len(token_ids), vocab] float32 on the
+    CPU."""
+    ids = torch.tensor(token_ids, device=r.device)
+    hidden = r.model(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
+    return r.model.compute_logits(hidden).float().log_softmax(-1).cpu()
+
+
+def device_wait_seconds(r: ModelRunner) -> float:
+    """Seconds the host has waited for sampled tokens so far (near zero when the host, not
+    the device, sets the pace of the steps)."""
+    return r.device_wait_s
+
+
+def model_cost(r: ModelRunner) -> ModelCost:
+    """The loaded model's cost per token as it serves (bench/floor.py)."""
+    return ModelCost.of(r.model, bytes_per_block(r.arch, 1, r.kv_dtype))
+
+
+QUERIES: dict[str, Callable[..., Any]] = {
+    "describe": describe,
+    "score": score,
+    "device_wait_seconds": device_wait_seconds,
+    "model_cost": model_cost,
+}
