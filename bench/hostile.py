@@ -251,8 +251,8 @@ def _many(target: Target, tally: Tally, kind: str, items: list[tuple[str, bytes]
         list(pool.map(one, items))
 
 
-def burst(target: Target, tally: Tally, n: int) -> None:
-    body = json.dumps({"prompt": "Write a long story.", "max_tokens": 32,
+def burst(target: Target, tally: Tally, n: int, max_tokens: int = 32) -> None:
+    body = json.dumps({"prompt": "Write a long story.", "max_tokens": max_tokens,
                        "ignore_eos": True}).encode()
     _many(target, tally, "burst", [("/v1/completions", body)] * n, concurrency=n)
 
@@ -379,7 +379,7 @@ def run(target: Target, server: OwnServer | None, rounds: int, smoke: bool,
                   concurrency=4 if smoke else 8)
             _many(target, tally, "hostile", hostile_bodies(), concurrency=4)
             _many(target, tally, "big_body", [big[r % len(big)]], concurrency=1)
-            burst(target, tally, 16 if smoke else 100)
+            burst(target, tally, *((8, 8) if smoke else (100, 32)))
             malformed(target, tally)
             disconnects(target, tally, 2 if smoke else 5)
             well_behaved(target, tally, 2 if smoke else 5)
@@ -413,6 +413,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help=f"JSON (default: {RESULT}, full mode only)")
     ns = ap.parse_args()
+    load_before = os.getloadavg()[0]  # the CPU machine is shared: latencies depend on it
     server = None
     if ns.base_url:
         target = Target.from_url(ns.base_url, ns.api_key)
@@ -431,7 +432,9 @@ def main() -> None:
         "serve_flags": SERVE_FLAGS if server is not None else None,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "date": datetime.date.today().isoformat(),
-        "seed": ns.seed, **result,
+        "seed": ns.seed,
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        **result,
     }
     print(json.dumps(record, indent=2))
     out = ns.output or (None if ns.smoke else RESULT)
