@@ -45,9 +45,20 @@ def _load_bench():
 hostile = _load_bench()
 
 
+# The operator's template (--chat-template): SmolLM2's, with its own default system prompt.
+TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are the operator assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def server(server_factory):
+def server(server_factory, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
     return server_factory(
+        "--chat-template", str(template),
         "--max-model-len", "128", "--max-num-seqs", str(MAX_NUM_SEQS),
         "--max-waiting", str(MAX_WAITING), "--body-timeout", "2", "--prepare-timeout", "5",
         "--max-stop", "4", "--max-stop-chars", "50", "--max-n", "16", "--max-tools", "2",
@@ -140,6 +151,12 @@ def test_requests_over_the_limits_are_400(server, body, param):
 def test_a_request_that_can_never_be_queued_is_400_not_429(server, path, body):
     err = _status(server, path, {**body, "max_tokens": 2}, 400)["error"]
     assert "queues at most" in err["message"]
+
+
+def test_the_operators_template_renders_the_chat(server):
+    tokens = _status(server, "/tokenize", {"messages": _ask("hi")}, 200)["tokens"]
+    text = _status(server, "/detokenize", {"tokens": tokens}, 200)["prompt"]
+    assert "You are the operator assistant." in text and "SmolLM" not in text
 
 
 def test_template_kwargs_are_data(server):
