@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, arch.hidden_size, bias=o_bias)
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
-                              self.num_kv_heads)
+                              self.num_kv_heads, feeds=self.o_proj)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                     kv: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +51,7 @@ class LlamaAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         kv = self.attn.kv_write(v)
         q, k = self.position_qk(positions, q, k, kv)
-        quant = self.o_proj.input_quant(q.flatten(1))  # asks for the output o_proj takes
-        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None, quant=quant))
+        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,22 +61,22 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attention_cls(arch, rotary)
         self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Each norm hands the Linear it feeds its input quantized as that Linear takes it.
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                                       feeds=self.self_attn.qkv_proj)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                                                feeds=self.mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it, which
-        # hands quantized Linears their input quantized when they take it so.
-        quant = self.self_attn.qkv_proj.input_quant(x)
+        # The residual add of each sublayer is fused into the norm that follows it.
         if residual is None:
-            residual, x = x, self.input_layernorm(x, quant=quant)
+            residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual, quant=quant)
+            x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
-        quant = self.mlp.gate_up_proj.input_quant(x)
-        x, residual = self.post_attention_layernorm(x, residual, quant=quant)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 

@@ -7,6 +7,8 @@ runner; the layer holds only its KV cache tensor and, for an fp8 cache, its K an
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,11 @@ class Attention(nn.Module):
     computes.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 feeds: Any = None) -> None:
+        """`feeds`: the Linear that takes the output (o_proj): where it takes its input rounded
+        to int8 (Linear.input_quant), a decode batch whose KV splits a kernel combines comes out
+        rounded already."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ConfigError(
@@ -47,6 +53,8 @@ class Attention(nn.Module):
         # Fixed once bound (CUDA graphs capture them as kernel constants).
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # The consumer's question, not the consumer (a module attribute would register it twice)
+        self._input_quant = feeds.input_quant if feeds is not None else None
 
     def kv_write(self, v: torch.Tensor) -> KVWrite | None:
         """Where this forward's k and v go in the cache, for a rope kernel to store them on the
@@ -62,12 +70,10 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_written: bool = False,  # k and v are already in the cache (see kv_write)
-        quant: str | None = None,  # "int8": the output as Int8Chunks where a kernel rounds it
     ) -> torch.Tensor | Int8Chunks:  # [num_tokens, num_heads * head_dim]
-        """With quant "int8" (Linear.input_quant of the projection that follows), a pure decode
-        batch whose KV splits are combined by a kernel comes out rounded for the W4A8 GEMV, as
-        Int8Chunks; every other case, and any other request, returns the plain output (the
-        GEMV then rounds it itself)."""
+        """Where the Linear this feeds takes int8 input, a pure decode batch whose KV splits are
+        combined by a kernel comes out rounded for the W4A8 GEMV, as Int8Chunks; every other
+        case returns the plain output (the GEMV then rounds it itself)."""
         meta = get_forward_context()
         if meta is None:
             if self.kv_cache is not None and is_fp8(self.kv_cache):
@@ -93,11 +99,15 @@ class Attention(nn.Module):
                 query_start_loc_tensor=meta.query_start_loc_tensor,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
-                int8_out=quant == "int8",
+                int8_out=self._wants_int8(q),
             )
             if isinstance(out, Int8Chunks):
                 return out
         return out.flatten(1, 2)
+
+    def _wants_int8(self, q: torch.Tensor) -> bool:
+        return (self._input_quant is not None
+                and self._input_quant(q.flatten(1)) == "int8")  # asks with o_proj's input shape
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         o = F.scaled_dot_product_attention(

@@ -82,9 +82,8 @@ class HeadAttention(nn.Module):
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_written: bool = False, quant: str | None = None) -> torch.Tensor:
-        # quant (Attention's request for a rounded output) is not served: the plain output,
-        # which every Linear takes
+                kv_written: bool = False) -> torch.Tensor:
+        # the plain output, which every Linear takes (no rounded output for a quantized o_proj)
         plan = self.plan
         assert plan is not None, "EagleHead sets the attention plan"
         if plan.caches is not None:  # serving: the paged head cache
