@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from skyline.config import POLICIES, RouterConfig
 from skyline.engine.args import EngineArgs
 from skyline.types import SamplingParams
 
@@ -137,3 +138,53 @@ def load_specs(ns: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
     load = LoadSpec(endpoint=ns.endpoint, num_requests=num, duration=ns.duration,
                     ignore_eos=ns.ignore_eos, seed=ns.bench_seed)
     return load, workload, parse_goodput(ns.goodput)
+
+
+def add_router_args(p: argparse.ArgumentParser | Any) -> None:
+    """How `skyline router` (and `skyline serve --replicas N`) spreads requests."""
+    p.add_argument("--policy", default="cache-aware", choices=list(POLICIES),
+                   help="cache-aware: where the prompt's prefix is cached, unless that replica "
+                        "is overloaded; round-robin; least-load: fewest requests open")
+    p.add_argument("--balance-abs", type=int, default=4,
+                   help="cache-aware: a replica with this many more open requests than the "
+                        "least-loaded one ...")
+    p.add_argument("--balance-rel", type=float, default=1.5,
+                   help="... and more than this many times as many is overloaded")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between health checks of each replica")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="replicas a request is tried on before it starts")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
+                   help="prefill/decode: prompts with fewer uncached tokens are prefilled on "
+                        "the decode replica")
+
+
+def router_config(ns: argparse.Namespace, replicas: list[str], api_key: str | None) -> RouterConfig:
+    return RouterConfig(replicas=tuple(replicas), policy=ns.policy, balance_abs=ns.balance_abs,
+                        balance_rel=ns.balance_rel, health_interval_s=ns.health_interval,
+                        max_attempts=ns.max_attempts, api_key=api_key,
+                        pd_min_prompt_tokens=ns.pd_min_prompt_tokens)
+
+
+# `skyline serve` flags a replica of `--replicas N` does not inherit: the launcher sets them
+# per replica, or they are the router's.
+FLEET_ONLY_FLAGS = ("--replicas", "--ray", "--port", "--host", "--role", "--kv-events-port",
+                    "--policy", "--balance-abs", "--balance-rel", "--health-interval",
+                    "--max-attempts", "--pd-min-prompt-tokens", "--device", "--threads",
+                    "--gpu-memory-utilization", "--ray-address", "--ray-num-gpus")
+_SWITCHES = ("--ray",)
+
+
+def strip_flags(argv: list[str], flags: tuple[str, ...] = FLEET_ONLY_FLAGS,
+                switches: tuple[str, ...] = _SWITCHES) -> list[str]:
+    """`argv` without `flags` (as `--flag value` or `--flag=value`; `switches` take none)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name in flags:
+            i += 1 if (name in switches or "=" in a) else 2
+            continue
+        out.append(a)
+        i += 1
+    return out

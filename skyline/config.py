@@ -139,6 +139,9 @@ class CacheConfig:
     # one of KV_CACHE_DTYPES; fp8_e4m3: float8_e4m3fn with per-layer K/V scales, twice the
     # tokens of a bf16 cache in the same memory (ops/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # The block pool logs the hashes it stores and evicts (KV events, for a router's index);
+    # set where FleetConfig.kv_events_port is.
+    kv_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,68 @@ class SpecConfig:
         return self.method != "none"
 
 
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """This engine as one replica of a fleet behind `skyline router` (router/).
+
+    `role`: what the router sends it (prefill-only work, decodes, or both). `kv_events_port`:
+    the engine publishes its KV events (types.KVEventBatch) on a ZMQ PUB socket bound at
+    `kv_events_host:kv_events_port` and answers snapshot requests on the port after it;
+    None: no events."""
+
+    role: str = "both"
+    kv_events_host: str = "127.0.0.1"
+    kv_events_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_events_port is not None and not 1 <= self.kv_events_port < 65535:
+            raise ConfigError(f"--kv-events-port must be a TCP port below 65535 (it uses the "
+                              f"next one too), got {self.kv_events_port}")
+
+
+POLICIES = ("cache-aware", "round-robin", "least-load")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`skyline router`: replicas (URLs) and how requests are spread over them (router/)."""
+
+    replicas: tuple[str, ...]
+    policy: str = "cache-aware"  # cache-aware | round-robin | least-load
+    balance_abs: int = 4  # cache-aware: overloaded at this many more open requests ...
+    balance_rel: float = 1.5  # ... and this many times as many as the least-loaded replica
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    max_attempts: int = 3  # replicas a request may be tried on before it starts
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = 16 << 20
+    api_key: str | None = None  # required of clients, and sent to the replicas
+    # Prefill/decode: prompts shorter than this many tokens (after prefix hits on the decode
+    # replica) are prefilled where they decode; the KV of longer ones is prefilled on a
+    # prefill replica and moved.
+    pd_min_prompt_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ConfigError("give at least one replica (--replica http://HOST:PORT)")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, "
+                              f"got {self.policy!r}")
+        if self.balance_abs < 0 or self.balance_rel < 1:
+            raise ConfigError("--balance-abs must be >= 0 and --balance-rel >= 1")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ConfigError("--health-interval and --health-timeout must be positive")
+        if self.max_attempts < 1 or self.connect_timeout_s <= 0:
+            raise ConfigError("--max-attempts must be at least 1 and the timeouts positive")
+        if self.pd_min_prompt_tokens < 0:
+            raise ConfigError("--pd-min-prompt-tokens must be >= 0")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -224,6 +289,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     # Schedule step n+1 while the device runs step n (engine/core.py).
     async_scheduling: bool = False
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def __post_init__(self) -> None:
         c, s = self.cache, self.scheduler

@@ -6,6 +6,11 @@ Invariants (checked by `check_invariants`, which tests call):
   carrying the same hash keeps no hash at all (see `cache_full_block`);
 - a free block that still carries a hash is an *evictable* cached block: `touch` can revive it
   until `get_new_blocks` reallocates it, which drops its hash.
+
+With `record_events`, the pool logs every hash that becomes findable (STORED), stops being
+findable (REMOVED) and the forgetting of all of them (CLEARED), in order, for a router that
+keeps an index of which replica holds which prefix (engine/kv_events.py publishes them).
+Replaying the log over the hashes findable before it gives exactly `_cached`'s keys.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from skyline.cache.prefix import BlockHash
+from skyline.types import KVEventKind
 
 
 class KVCacheBlock:
@@ -39,7 +45,8 @@ class BlockPool:
     hold nothing anyone can reuse, so they go to the head and are handed out first.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -50,6 +57,8 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # (KVEventKind, hashes) in order, consecutive events of a kind merged; None: not kept
+        self._events: list[tuple[int, list[BlockHash]]] | None = [] if record_events else None
 
     # ---------------------------------------------------------------- queries
 
@@ -70,6 +79,25 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block whose computed KV holds the tokens behind `block_hash`, if still cached."""
         return self._cached.get(block_hash)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every findable hash (a KV-event snapshot)."""
+        return list(self._cached)
+
+    def take_events(self) -> list[tuple[int, list[BlockHash]]]:
+        """The events recorded since the last call (none unless `record_events`)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _record(self, kind: KVEventKind, block_hash: BlockHash) -> None:
+        if self._events is None:
+            return
+        if self._events and self._events[-1][0] == kind:
+            self._events[-1][1].append(block_hash)
+        else:
+            self._events.append((kind, [block_hash]))
 
     # ---------------------------------------------------------------- changes
 
@@ -115,6 +143,7 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            self._record(KVEventKind.STORED, block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after a weight update: all cached KV is stale). Blocks in use
@@ -123,12 +152,15 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self._events is not None:
+            self._events[:] = [(KVEventKind.CLEARED, [])]  # what came before no longer matters
         return n
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            self._record(KVEventKind.REMOVED, block.block_hash)
         block.block_hash = None
 
     # ---------------------------------------------------------------- testing

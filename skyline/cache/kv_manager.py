@@ -18,12 +18,13 @@ from skyline.types import Request
 class KVCacheManager:
     """Allocates, shares and frees the KV-cache blocks of requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 record_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, record_events)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         # Hashes of the request's full blocks of *tokens* (computed or not), extended as tokens
         # arrive; dropped by `free` (a preempted request re-hashes once when it resumes).

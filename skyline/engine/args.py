@@ -43,3 +43,6 @@ class EngineArgs:
     ngram_max: int = 5
     speculative_max_batch_tokens: int | None = None  # None: auto (by device)
     speculative_gate: bool = True  # speculate only where it was measured faster
+    role: str = "both"  # both | prefill | decode (a replica behind `skyline router`)
+    kv_events_host: str = "127.0.0.1"
+    kv_events_port: int | None = None  # publish KV events here (ZMQ PUB; snapshots on +1)

@@ -12,6 +12,7 @@ from skyline.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    FleetConfig,
     ModelArch,
     ModelConfig,
     SchedulerConfig,
@@ -190,7 +191,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         num_blocks=args.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, device),
+        kv_events=args.kv_events_port is not None,
     )
+    fleet = FleetConfig(role=args.role, kv_events_host=args.kv_events_host,
+                        kv_events_port=args.kv_events_port)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(
@@ -212,4 +216,5 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     )
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
-                         async_scheduling=_resolve_async(args.async_scheduling, device)), auto_len
+                        async_scheduling=_resolve_async(args.async_scheduling, device),
+                        fleet=fleet), auto_len

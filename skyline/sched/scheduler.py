@@ -74,7 +74,8 @@ class Scheduler:
             f"max_model_len={sched_cfg.max_model_len}"
         )
         self.kv_manager = KVCacheManager(
-            num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
+            num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
+            record_events=cache_cfg.kv_events,
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()

@@ -128,6 +128,13 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
                                 status_code=503)
         return Response(status_code=200)
 
+    @app.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        """What a router (skyline/router/) reads when this replica joins."""
+        i = llm.info
+        return {k: i.get(k) for k in ("model_name", "role", "block_size", "num_blocks",
+                                      "kv_events_port")}
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=state.model_name, root=llm.info["model_path"],
