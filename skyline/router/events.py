@@ -36,10 +36,14 @@ def _unpack(data: bytes) -> Any:
 class EventSubscriber:
     """Follows one replica's KV events until `close`."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, replica: Replica, index: PrefixIndex) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, replica: Replica, index: PrefixIndex,
+                 snapshot_timeout_s: float = SNAPSHOT_TIMEOUT_S,
+                 silence_s: float = SILENCE_S) -> None:
         assert replica.kv_events_port is not None
         self.replica = replica
         self.index = index
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.silence_s = silence_s
         host = replica.host
         where = f"[{host}]" if ":" in host else host
         self.sub = ctx.socket(zmq.SUB)
@@ -85,7 +89,7 @@ class EventSubscriber:
         if self.epoch is None and not await self.resync():
             await asyncio.sleep(1.0)
             return
-        if not await self.sub.poll(SILENCE_S * 1000):
+        if not await self.sub.poll(self.silence_s * 1000):
             self.epoch = None  # silent: restarted elsewhere, or batches lost
             return
         _, payload = await self.sub.recv_multipart()
@@ -114,7 +118,7 @@ class EventSubscriber:
         """Replace the replica's entry by a snapshot; False if none came in time."""
         nonce = os.urandom(8)
         await self.dealer.send_multipart([nonce])
-        deadline = asyncio.get_running_loop().time() + SNAPSHOT_TIMEOUT_S
+        deadline = asyncio.get_running_loop().time() + self.snapshot_timeout_s
         while (left := deadline - asyncio.get_running_loop().time()) > 0:
             if not await self.dealer.poll(left * 1000):
                 break

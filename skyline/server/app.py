@@ -132,8 +132,8 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
     async def fleet() -> dict[str, Any]:
         """What a router (skyline/router/) reads when this replica joins."""
         i = llm.info
-        return {k: i.get(k) for k in ("model_name", "role", "block_size", "num_blocks",
-                                      "kv_events_port")}
+        return {"pid": os.getpid(), **{k: i.get(k) for k in (
+            "model_name", "role", "block_size", "num_blocks", "kv_events_port")}}
 
     @app.get("/v1/models")
     async def models() -> ModelList:
