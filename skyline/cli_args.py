@@ -103,10 +103,15 @@ def add_load_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="random",
                    choices=["random", "shared-prefix", "multi-turn", "code-edit",
-                            "long-context", "file"])
+                            "long-context", "mixed", "file"])
     g.add_argument("--input-len", default="128", help="prompt tokens: N or LO:HI")
     g.add_argument("--output-len", default="64", help="generated tokens: N or LO:HI")
     g.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix workload")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix workload: distinct system prompts")
+    g.add_argument("--long-fraction", type=float, default=0.1,
+                   help="mixed workload: the fraction of long prompts among short ones")
+    g.add_argument("--long-len", default="4096", help="mixed workload: long prompts' tokens")
     g.add_argument("--num-turns", type=int, default=3, help="multi-turn workload")
     g.add_argument("--dataset", default=None, help="file workload: JSONL of {prompt|messages}")
     g = p.add_argument_group("load")
@@ -133,7 +138,9 @@ def load_specs(ns: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
     from skyline.bench.workloads import WorkloadSpec
 
     workload = WorkloadSpec(ns.workload, ns.input_len, ns.output_len, ns.system_prompt_len,
-                            ns.num_turns, ns.dataset, ns.bench_seed)
+                            ns.num_turns, ns.dataset, ns.bench_seed,
+                            num_prefixes=ns.num_prefixes, long_fraction=ns.long_fraction,
+                            long_len=ns.long_len)
     num = ns.num_requests if ns.num_requests is not None or ns.duration else 100
     load = LoadSpec(endpoint=ns.endpoint, num_requests=num, duration=ns.duration,
                     ignore_eos=ns.ignore_eos, seed=ns.bench_seed)

@@ -29,7 +29,7 @@ from skyline.bench.metrics import RequestResult, format_table, summarize
 from skyline.bench.workloads import Conversation, Turn, WorkloadSpec, iter_conversations
 
 # Workloads whose prompts are made token-exact on the completions endpoint.
-_EXACT = ("random", "long-context")
+_EXACT = ("random", "long-context", "mixed")
 CUT = "cut: still running at the hard deadline (duration + grace)"
 MAX_WARMUP_WIDTH = 256  # warm-up requests sent at once, at most
 
@@ -186,6 +186,8 @@ class _Client:
             res.output_len = usage["completion_tokens"] if usage else len(chunks)
             if usage and usage.get("prompt_tokens"):
                 res.input_len = usage["prompt_tokens"]
+                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens") or 0
         except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
             res.success, res.error = False, f"{type(e).__name__}: {e}"[:300]
             res.e2e = time.perf_counter() - t0
@@ -375,7 +377,8 @@ def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, floa
         "cut_requests": sum(r.error == CUT for r in results),
         "summary": summary,
         "requests": [{"start": r.start, "input_len": r.input_len, "output_len": r.output_len,
-                      "ttft": r.ttft, "e2e": r.e2e, "success": r.success, "error": r.error}
+                      "cached_tokens": r.cached_tokens, "ttft": r.ttft, "e2e": r.e2e,
+                      "success": r.success, "error": r.error}
                      for r in results],
     }
     if print_table:

@@ -33,7 +33,12 @@ APPROX_CAP = 100_000  # hashes remembered for a replica without KV events, at mo
 class PromptHasher(Protocol):
     """Chained block hashes of a prompt as the replicas compute them (the same tokenizer and
     chat template; engine/frontend/prompt_hash.py). Returns (prompt tokens, hashes), or None
-    where the prompt cannot be read (the replica will say why)."""
+    where the prompt cannot be read (the replica will say why). Until `ready` (`load` ran),
+    requests are routed without hashes."""
+
+    ready: bool
+
+    def load(self) -> None: ...
 
     def chat(self, body: dict[str, Any], block_size: int) -> tuple[int, list[bytes]] | None: ...
 
@@ -53,6 +58,7 @@ class Fleet:
         self.subscribers: dict[int, EventSubscriber] = {}
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self._health: asyncio.Task[None] | None = None
+        self._loading: asyncio.Task[None] | None = None
         self._checking: dict[int, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ life
@@ -62,8 +68,11 @@ class Fleet:
         self.session = aiohttp.ClientSession(
             timeout=timeout, auto_decompress=False,
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+        loop = asyncio.get_running_loop()
+        if self.hasher is not None and not self.hasher.ready:
+            self._loading = loop.create_task(asyncio.to_thread(self.hasher.load))
         await asyncio.gather(*(self.check(r) for r in self.replicas))
-        self._health = asyncio.get_running_loop().create_task(self._health_loop())
+        self._health = loop.create_task(self._health_loop())
 
     async def close(self) -> None:
         if self._health is not None:
@@ -151,7 +160,7 @@ class Fleet:
                             block_size: int | None) -> tuple[int, list[bytes]]:
         """(prompt tokens, block hashes) of a request, off the event loop; (0, []) when the
         policy needs none or the prompt cannot be read here."""
-        if self.hasher is None or body is None or block_size is None:
+        if self.hasher is None or not self.hasher.ready or body is None or block_size is None:
             return 0, []
         fn = self.hasher.chat if kind == "chat" else self.hasher.completion
         with contextlib.suppress(Exception):  # the replica gives the client the reason

@@ -80,6 +80,10 @@ class _FleetCollector(Collector):
             yield GaugeMetricFamily(PREFIX + name, doc, value=num / den if den else 0.0)
         yield CounterMetricFamily(PREFIX + "no_replica", "Requests refused: no replica could "
                                   "take them", value=float(self.num_no_replica()))
+        hasher = self.fleet.hasher
+        yield GaugeMetricFamily(PREFIX + "prompt_hashing_ready", "1 once prompts are hashed "
+                                "for cache-aware routing (the tokenizer has loaded)",
+                                value=float(hasher is not None and hasher.ready))
 
 
 def render(fleet: Fleet, num_no_replica: Callable[[], int]) -> bytes:

@@ -78,7 +78,8 @@ class Fleet:
                 pytest.fail(f"the fleet exited during start-up:\n{self.log()}")
             try:
                 h = self.healthy()
-                if len(h) == 2 and all(h.values()):
+                ready = metrics(self.base).get("skyline_router:prompt_hashing_ready") == 1.0
+                if len(h) == 2 and all(h.values()) and ready:
                     return
             except OSError:
                 pass

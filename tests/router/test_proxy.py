@@ -153,6 +153,11 @@ def test_router_errors_are_openai_shaped():
 class WordHasher:
     """A prompt's 'blocks' are its words: prompts sharing leading words share hashes."""
 
+    ready = True
+
+    def load(self) -> None:
+        pass
+
     def completion(self, body: dict[str, Any], block_size: int) -> tuple[int, list[bytes]]:
         words = str(body["prompt"]).split()
         return len(words), [" ".join(words[: i + 1]).encode() for i in range(len(words))]

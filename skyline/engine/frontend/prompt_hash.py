@@ -10,6 +10,7 @@ the replica it is sent to answers it, errors included.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from skyline.cache.prefix import hash_token_blocks
@@ -38,17 +39,29 @@ def _template_message(m: Any) -> dict[str, Any] | None:
 
 
 class PromptHasher:
-    """Hashes prompts for a model (a path, or None for the embedded default)."""
+    """Hashes prompts for a model (a path, or None for the embedded default). The tokenizer
+    loads in `load` (seconds for a GGUF file's vocabulary), which a router runs in the
+    background while it already routes by load alone."""
 
     def __init__(self, model: str | None = None) -> None:
-        path = resolve_model_path(model, "auto")
-        has_tokenizer = path.endswith(".gguf") or os.path.exists(
-            os.path.join(path, "tokenizer.json"))
-        self.tokenizer = Tokenizer.load(path) if has_tokenizer else None
+        self.path = resolve_model_path(model, "auto")  # a wrong path fails here, at once
+        self.tokenizer: Tokenizer | None = None
+        self.ready = False
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        with self._lock:
+            if self.ready:
+                return
+            path = self.path
+            if path.endswith(".gguf") or os.path.exists(os.path.join(path, "tokenizer.json")):
+                self.tokenizer = Tokenizer.load(path)
+            self.ready = True
 
     def token_ids(self, kind: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids for a chat or completion request body (the first prompt of
         a batch), or None."""
+        self.load()
         tok = self.tokenizer
         if kind == "chat":
             msgs = body.get("messages")

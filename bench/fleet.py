@@ -1,0 +1,391 @@
+"""A fleet behind one endpoint (`skyline serve --replicas N`, skyline/router/), measured.
+
+    python bench/fleet.py [--stages routing,kill,overhead] [--smoke] [--out-dir DIR]
+    python bench/fleet.py --stages gpu          # the H200 stage (one GPU, two engines)
+
+Stages, each writing DIR/<stage>.json (default DIR: bench/results/fleet):
+- routing: two replicas of the default model on the CPU behind the router, a shared-prefix
+  workload (several system prompts, more than one replica's cache holds) and a multi-turn one,
+  with cache-aware routing and with round-robin (each on fresh replicas, same prompts), and
+  one engine whose cache holds every prefix (the hit rate to reach): prefix hit rate (the
+  replicas' usage.cached_tokens over prompt tokens), TTFT p50/p99, and the ratios.
+- kill: a replica killed (SIGKILL) mid-load: every request ends (none cut at the deadline),
+  those not started on it complete on the other, streams it was serving end with an error
+  event; the router's retries and cut streams, and the time until the restarted replica
+  rejoins.
+- overhead: the router's own cost: a stub replica that streams as fast as it can, asked
+  directly and through the router (cache-aware, prompts hashed): added time per token and to
+  the first token.
+- gpu: one GPU, two engines: colocated (both do everything, cache-aware) against
+  prefill + decode on a mixed workload (long prompts among short chats): goodput under TTFT and
+  TPOT objectives (bench/fleet_gpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from skyline.bench.frontier import start_server, stop_server
+from skyline.bench.metrics import summarize
+from skyline.bench.offline import machine_info, save_json
+from skyline.bench.serve import CUT, LoadSpec, run_load
+from skyline.bench.workloads import WorkloadSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def router_metrics(base: str) -> dict[str, float]:
+    """The router's /metrics as {name{labels}: value}."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def per_replica(m: dict[str, float], name: str) -> dict[str, float]:
+    pat = re.compile(rf'^skyline_router:{name}\{{replica="([^"]+)"\}}$')
+    return {g.group(1): v for k, v in m.items() if (g := pat.match(k))}
+
+
+class Fleet:
+    """`skyline serve --replicas N` (replicas and router) in a subprocess."""
+
+    def __init__(self, flags: list[str], log_path: str, n: int = 2,
+                 timeout: float = 900.0) -> None:
+        self.n = n
+        self.proc, url = start_server(["--replicas", str(n), *flags], log_path, timeout)
+        self.base = url[: -len("/v1")]
+        self.url = url
+        self.wait_joined(timeout)
+
+    def healthy(self) -> dict[str, float]:
+        return per_replica(router_metrics(self.base), "replica_healthy")
+
+    def wait_joined(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(self.healthy().values()) < self.n or not router_metrics(self.base).get(
+                "skyline_router:prompt_hashing_ready"):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the fleet's replicas did not all join")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        stop_server(self.proc)
+
+
+def run(url: str, workload: WorkloadSpec, concurrency: int, num_requests: int,
+        endpoint: str = "chat", duration: float | None = None, warmup: int = 0
+        ) -> dict[str, Any]:
+    load = LoadSpec(base_url=url, endpoint=endpoint, concurrency=concurrency,
+                    num_requests=num_requests, duration=duration, warmup=warmup, progress=False,
+                    grace=120.0, setup_timeout=300.0)
+    results, seconds, _, _ = run_load(load, workload)
+    s = summarize(results, seconds, None)
+    s["cut_requests"] = sum(r.error == CUT for r in results)
+    return s
+
+
+def brief(s: dict[str, Any]) -> dict[str, Any]:
+    return {"completed": s["completed"], "failed": s["failed"],
+            "prefix_hit_rate": s["prefix_hit_rate"], "ttft_ms_p50": s["ttft_ms"]["median"],
+            "ttft_ms_p99": s["ttft_ms"]["p99"], "tpot_ms_p50": s["tpot_ms"]["median"],
+            "request_throughput": s["request_throughput"], "duration_s": s["duration_s"]}
+
+
+# ------------------------------------------------------------------------------ routing
+
+
+def stage_routing(a: argparse.Namespace) -> dict[str, Any]:
+    workloads = {
+        "shared-prefix": WorkloadSpec("shared-prefix", str(a.question_len), str(a.output_len),
+                                      system_prompt_len=a.prefix_len, seed=a.seed,
+                                      num_prefixes=a.num_prefixes),
+        "multi-turn": WorkloadSpec("multi-turn", str(a.turn_len), str(a.output_len),
+                                   num_turns=a.turns, seed=a.seed),
+    }
+    base = ["--device", "cpu", "--max-num-seqs", str(a.max_num_seqs), *a.flags.split()]
+    rows: dict[str, dict[str, Any]] = {}
+    # One engine whose cache holds every prefix: the hit rate routing should approach.
+    proc, url = start_server([*base, "--num-blocks", str(a.reference_blocks)],
+                             os.path.join(a.log_dir, "reference.log"), 900)
+    try:
+        for name, wl in workloads.items():
+            rows[f"single engine, every prefix cached/{name}"] = brief(
+                run(url, wl, a.concurrency, a.requests))
+            print(name, "single", rows[f"single engine, every prefix cached/{name}"], flush=True)
+    finally:
+        stop_server(proc)
+    for policy in ("cache-aware", "round-robin"):
+        fleet = Fleet([*base, "--num-blocks", str(a.replica_blocks), "--policy", policy],
+                      os.path.join(a.log_dir, f"fleet-{policy}.log"))
+        try:
+            for name, wl in workloads.items():
+                before = router_metrics(fleet.base)
+                row = brief(run(fleet.url, wl, a.concurrency, a.requests))
+                after = router_metrics(fleet.base)
+                routed = {k: v - per_replica(before, "requests_total").get(k, 0)
+                          for k, v in per_replica(after, "requests_total").items()}
+                row["routed_per_replica"] = routed
+                rows[f"2 replicas, {policy}/{name}"] = row
+                print(name, policy, row, flush=True)
+        finally:
+            fleet.stop()
+    ratios = {}
+    for name in workloads:
+        ca, rr = rows[f"2 replicas, cache-aware/{name}"], rows[f"2 replicas, round-robin/{name}"]
+        ref = rows[f"single engine, every prefix cached/{name}"]
+        ratios[name] = {
+            "ttft_p50_round_robin_over_cache_aware": rr["ttft_ms_p50"] / ca["ttft_ms_p50"],
+            "ttft_p99_round_robin_over_cache_aware": rr["ttft_ms_p99"] / ca["ttft_ms_p99"],
+            "hit_rate_cache_aware_over_single": (ca["prefix_hit_rate"] / ref["prefix_hit_rate"]
+                                                 if ref["prefix_hit_rate"] else None),
+            "hit_rate_round_robin_over_single": (rr["prefix_hit_rate"] / ref["prefix_hit_rate"]
+                                                 if ref["prefix_hit_rate"] else None),
+        }
+    return {"rows": rows, "ratios": ratios,
+            "workloads": {k: vars(v) for k, v in workloads.items()},
+            "replica_blocks": a.replica_blocks, "reference_blocks": a.reference_blocks,
+            "concurrency": a.concurrency, "requests": a.requests}
+
+
+# ------------------------------------------------------------------------------ kill
+
+
+def stage_kill(a: argparse.Namespace) -> dict[str, Any]:
+    flags = ["--device", "cpu", "--max-num-seqs", str(a.max_num_seqs), *a.flags.split()]
+    fleet = Fleet(flags, os.path.join(a.log_dir, "fleet-kill.log"))
+    wl = WorkloadSpec("shared-prefix", str(a.question_len), str(a.kill_output_len),
+                      system_prompt_len=a.prefix_len, seed=a.seed, num_prefixes=a.num_prefixes)
+    out: dict[str, Any] = {}
+    try:
+        victim = sorted(fleet.healthy())[0]
+        pid = get_json(f"http://{victim}/fleet")["pid"]
+        killed_at: list[float] = []
+
+        def kill_later() -> None:
+            time.sleep(a.kill_after)
+            os.kill(pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+        killer = threading.Thread(target=kill_later)
+        killer.start()
+        t0 = time.monotonic()
+        s = run(fleet.url, wl, a.concurrency, a.kill_requests, duration=a.kill_duration)
+        killer.join()
+        m = router_metrics(fleet.base)
+        out = {"victim": victim, "killed_after_s": killed_at[0] - t0, "completed": s["completed"],
+               "failed": s["failed"], "cut_at_deadline": s["cut_requests"],
+               "errors": s.get("errors", []),
+               "router_retries": sum(per_replica(m, "retries_total").values()),
+               "router_failed_streams": sum(per_replica(m, "failed_streams_total").values()),
+               "routed": per_replica(m, "requests_total")}
+        deadline = time.monotonic() + a.rejoin_timeout
+        while not fleet.healthy().get(victim) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out["rejoined"] = bool(fleet.healthy().get(victim))
+        out["rejoin_s_after_kill"] = time.monotonic() - killed_at[0] if out["rejoined"] else None
+        print("kill", out, flush=True)
+    finally:
+        fleet.stop()
+    return out
+
+
+# ------------------------------------------------------------------------------ overhead
+
+
+def serve_stub(port: int, itl_s: float) -> None:
+    """A replica that answers at once, one SSE event every `itl_s` seconds (0: as fast as it
+    can write them)."""
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        n = int(body.get("max_tokens") or 16)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            chunk = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
+                     "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if itl_s:
+                await asyncio.sleep(itl_s)
+        usage = {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def fleet(request: web.Request) -> web.Response:
+        return web.json_response({"role": "both", "block_size": 16, "kv_events_port": None})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/fleet", fleet)
+    app.router.add_get("/v1/models", models)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer")
+
+
+def stage_overhead(a: argparse.Namespace) -> dict[str, Any]:
+    from skyline.bench.frontier import _free_port
+
+    stub_port, router_port = _free_port(), _free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "--serve-stub", str(stub_port),
+                               "--overhead-itl-ms", str(a.overhead_itl_ms)])]
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "skyline.cli", "router", "--replica",
+         f"http://127.0.0.1:{stub_port}", "--port", str(router_port), "--uvicorn-log-level",
+         "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    rows = []
+    try:
+        _wait(f"http://127.0.0.1:{stub_port}/health")
+        _wait(f"http://127.0.0.1:{router_port}/health")
+        deadline = time.monotonic() + 120
+        while not router_metrics(f"http://127.0.0.1:{router_port}").get(
+                "skyline_router:prompt_hashing_ready") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        wl = WorkloadSpec("shared-prefix", "32", str(a.overhead_tokens), system_prompt_len=256)
+        for c in a.overhead_concurrency:
+            res = {}
+            for name, port in (("direct", stub_port), ("router", router_port)):
+                cpu0 = cpu_seconds(procs[1].pid)
+                res[name] = run(f"http://127.0.0.1:{port}/v1", wl, c, a.overhead_requests,
+                                endpoint="completions", warmup=1)
+                router_cpu = cpu_seconds(procs[1].pid) - cpu0
+            tokens = a.overhead_tokens
+            e2e = {k: v["e2e_ms"]["mean"] for k, v in res.items()}
+            row = {"concurrency": c, "tokens_per_request": tokens,
+                   "stub_itl_ms": a.overhead_itl_ms,
+                   "direct_e2e_ms_mean": e2e["direct"], "router_e2e_ms_mean": e2e["router"],
+                   "added_us_per_token": (e2e["router"] - e2e["direct"]) * 1000 / tokens,
+                   "added_ttft_ms_p50": res["router"]["ttft_ms"]["median"]
+                   - res["direct"]["ttft_ms"]["median"],
+                   "direct_tokens_per_s": res["direct"]["output_throughput"],
+                   "router_tokens_per_s": res["router"]["output_throughput"],
+                   # the router process's CPU time (user + system) per token it relayed,
+                   # warm-up requests included
+                   "router_cpu_us_per_token": router_cpu * 1e6 / (
+                       tokens * (a.overhead_requests + c))}
+            rows.append(row)
+            print("overhead", row, flush=True)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+    return {"rows": rows}
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", default="routing,kill,overhead")
+    ap.add_argument("--smoke", action="store_true", help="a few requests per stage (CI)")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results", "fleet"))
+    ap.add_argument("--log-dir", default="/tmp/skyline-fleet-bench")
+    ap.add_argument("--flags", default="", help="extra `skyline serve` flags for every engine")
+    ap.add_argument("--prefix-len", type=int, default=768, help="system prompt tokens")
+    ap.add_argument("--num-prefixes", type=int, default=8)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-len", type=int, default=128, help="multi-turn: tokens a turn adds")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--replica-blocks", type=int, default=320,
+                    help="KV blocks of each replica: room for about half the prefixes")
+    ap.add_argument("--reference-blocks", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-requests", type=int, default=48)
+    ap.add_argument("--kill-output-len", type=int, default=48)
+    ap.add_argument("--kill-after", type=float, default=20.0, help="seconds into the load")
+    ap.add_argument("--kill-duration", type=float, default=600.0, help="the load's time limit")
+    ap.add_argument("--rejoin-timeout", type=float, default=300.0)
+    ap.add_argument("--overhead-tokens", type=int, default=256)
+    ap.add_argument("--overhead-requests", type=int, default=64)
+    ap.add_argument("--overhead-concurrency", default="1,16")
+    ap.add_argument("--overhead-itl-ms", type=float, default=2.0,
+                    help="the stub's time between tokens (each its own event on the wire)")
+    ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.serve_stub is not None:
+        return serve_stub(a.serve_stub, a.overhead_itl_ms / 1000)
+    a.overhead_concurrency = [int(c) for c in str(a.overhead_concurrency).split(",")]
+    if a.smoke:
+        a = argparse.Namespace(**{**vars(a), **SMOKE})
+    os.makedirs(a.log_dir, exist_ok=True)
+    stages = {"routing": stage_routing, "kill": stage_kill, "overhead": stage_overhead}
+    if "gpu" in a.stages.split(","):
+        from fleet_gpu import stage_gpu  # type: ignore[import-not-found]
+
+        stages["gpu"] = stage_gpu
+    for name in a.stages.split(","):
+        if name not in stages:
+            raise SystemExit(f"unknown stage {name!r}; choose from routing, kill, overhead, gpu")
+        t0 = time.monotonic()
+        result = stages[name](a)
+        result.update({"benchmark": f"fleet/{name}", "smoke": a.smoke,
+                       "command": "python " + " ".join(sys.argv),
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                       "seconds": time.monotonic() - t0,
+                       "machine": machine_info("cuda" if name == "gpu" else "cpu")})
+        save_json(result, os.path.join(a.out_dir, f"{name}{'-smoke' if a.smoke else ''}.json"))
+
+
+# A few requests per stage on tiny prompts: every path runs, in about a minute a stage.
+SMOKE = {"prefix_len": 64, "num_prefixes": 2, "question_len": 8, "output_len": 2, "turns": 2,
+         "turn_len": 16,
+         "concurrency": 2, "requests": 6, "replica_blocks": 64, "reference_blocks": 128,
+         "kill_requests": 12, "kill_output_len": 24, "kill_after": 3.0, "kill_duration": 120.0,
+         "rejoin_timeout": 1.0, "overhead_tokens": 32, "overhead_requests": 8,
+         "overhead_concurrency": [4]}
+
+
+if __name__ == "__main__":
+    main()
