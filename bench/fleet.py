@@ -115,98 +115,127 @@ def brief(s: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ routing
 
 
-def stage_routing(a: argparse.Namespace) -> dict[str, Any]:
-    workloads = {
-        "shared-prefix": WorkloadSpec("shared-prefix", str(a.question_len), str(a.output_len),
-                                      system_prompt_len=a.prefix_len, seed=a.seed,
-                                      num_prefixes=a.num_prefixes),
-        "multi-turn": WorkloadSpec("multi-turn", str(a.turn_len), str(a.output_len),
-                                   num_turns=a.turns, seed=a.seed),
-    }
-    base = ["--device", "cpu", "--max-num-seqs", str(a.max_num_seqs), *a.flags.split()]
+class Router:
+    """A second `skyline router` over replicas another router already fronts."""
+
+    def __init__(self, replicas: list[str], policy: str, log_path: str) -> None:
+        from skyline.bench.frontier import _free_port
+
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.base}/v1"
+        args = [arg for r in replicas for arg in ("--replica", f"http://{r}")]
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "skyline.cli", "router", *args, "--policy", policy,
+                 "--port", str(self.port), "--uvicorn-log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT)
+        _wait(f"{self.base}/health")
+
+    def stop(self) -> None:
+        stop_server(self.proc)
+
+
+def stage_routing(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
+    """`fleet` routes cache-aware; a round-robin router is started over the same replicas.
+    Each policy gets its own prompts (another seed, same lengths), so that one cannot hit
+    what the other left in the replicas' caches."""
+    def workloads(seed: int) -> dict[str, WorkloadSpec]:
+        return {
+            "shared-prefix": WorkloadSpec("shared-prefix", str(a.question_len),
+                                          str(a.output_len), system_prompt_len=a.prefix_len,
+                                          seed=seed, num_prefixes=a.num_prefixes),
+            "multi-turn": WorkloadSpec("multi-turn", str(a.turn_len), str(a.output_len),
+                                       num_turns=a.turns, seed=seed),
+        }
+
     rows: dict[str, dict[str, Any]] = {}
     # One engine whose cache holds every prefix: the hit rate routing should approach.
-    proc, url = start_server([*base, "--num-blocks", str(a.reference_blocks)],
+    proc, url = start_server([*engine_flags(a), "--num-blocks", str(a.reference_blocks)],
                              os.path.join(a.log_dir, "reference.log"), 900)
     try:
-        for name, wl in workloads.items():
-            rows[f"single engine, every prefix cached/{name}"] = brief(
+        for name, wl in workloads(a.seed).items():
+            rows[f"single engine, every prefix cached/{name}"] = row = brief(
                 run(url, wl, a.concurrency, a.requests))
-            print(name, "single", rows[f"single engine, every prefix cached/{name}"], flush=True)
+            print(name, "single", row, flush=True)
     finally:
         stop_server(proc)
-    for policy in ("cache-aware", "round-robin"):
-        fleet = Fleet([*base, "--num-blocks", str(a.replica_blocks), "--policy", policy],
-                      os.path.join(a.log_dir, f"fleet-{policy}.log"))
-        try:
-            for name, wl in workloads.items():
-                before = router_metrics(fleet.base)
-                row = brief(run(fleet.url, wl, a.concurrency, a.requests))
-                after = router_metrics(fleet.base)
-                routed = {k: v - per_replica(before, "requests_total").get(k, 0)
-                          for k, v in per_replica(after, "requests_total").items()}
-                row["routed_per_replica"] = routed
+    rr = Router(sorted(fleet.healthy()), "round-robin", os.path.join(a.log_dir, "rr.log"))
+    try:
+        for policy, router, seed in (("cache-aware", fleet, a.seed),
+                                     ("round-robin", rr, a.seed + 1)):
+            for name, wl in workloads(seed).items():
+                before = router_metrics(router.base)
+                row = brief(run(router.url, wl, a.concurrency, a.requests))
+                after = router_metrics(router.base)
+                row["routed_per_replica"] = {
+                    k: v - per_replica(before, "requests_total").get(k, 0)
+                    for k, v in per_replica(after, "requests_total").items()}
                 rows[f"2 replicas, {policy}/{name}"] = row
                 print(name, policy, row, flush=True)
-        finally:
-            fleet.stop()
+    finally:
+        rr.stop()
     ratios = {}
-    for name in workloads:
-        ca, rr = rows[f"2 replicas, cache-aware/{name}"], rows[f"2 replicas, round-robin/{name}"]
-        ref = rows[f"single engine, every prefix cached/{name}"]
+    for name in workloads(a.seed):
+        ca, rr_ = rows[f"2 replicas, cache-aware/{name}"], rows[f"2 replicas, round-robin/{name}"]
+        ref = rows[f"single engine, every prefix cached/{name}"]["prefix_hit_rate"]
         ratios[name] = {
-            "ttft_p50_round_robin_over_cache_aware": rr["ttft_ms_p50"] / ca["ttft_ms_p50"],
-            "ttft_p99_round_robin_over_cache_aware": rr["ttft_ms_p99"] / ca["ttft_ms_p99"],
-            "hit_rate_cache_aware_over_single": (ca["prefix_hit_rate"] / ref["prefix_hit_rate"]
-                                                 if ref["prefix_hit_rate"] else None),
-            "hit_rate_round_robin_over_single": (rr["prefix_hit_rate"] / ref["prefix_hit_rate"]
-                                                 if ref["prefix_hit_rate"] else None),
+            "ttft_p50_round_robin_over_cache_aware": rr_["ttft_ms_p50"] / ca["ttft_ms_p50"],
+            "ttft_p99_round_robin_over_cache_aware": rr_["ttft_ms_p99"] / ca["ttft_ms_p99"],
+            "hit_rate_cache_aware_over_single": ca["prefix_hit_rate"] / ref if ref else None,
+            "hit_rate_round_robin_over_single": rr_["prefix_hit_rate"] / ref if ref else None,
         }
     return {"rows": rows, "ratios": ratios,
-            "workloads": {k: vars(v) for k, v in workloads.items()},
+            "workloads": {k: vars(v) for k, v in workloads(a.seed).items()},
             "replica_blocks": a.replica_blocks, "reference_blocks": a.reference_blocks,
             "concurrency": a.concurrency, "requests": a.requests}
+
+
+def engine_flags(a: argparse.Namespace) -> list[str]:
+    return ["--device", "cpu", "--max-num-seqs", str(a.max_num_seqs), *a.flags.split()]
 
 
 # ------------------------------------------------------------------------------ kill
 
 
-def stage_kill(a: argparse.Namespace) -> dict[str, Any]:
-    flags = ["--device", "cpu", "--max-num-seqs", str(a.max_num_seqs), *a.flags.split()]
-    fleet = Fleet(flags, os.path.join(a.log_dir, "fleet-kill.log"))
+def stage_kill(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
+    """Kill one of `fleet`'s replicas (its API process; its engine follows) mid-load."""
     wl = WorkloadSpec("shared-prefix", str(a.question_len), str(a.kill_output_len),
-                      system_prompt_len=a.prefix_len, seed=a.seed, num_prefixes=a.num_prefixes)
-    out: dict[str, Any] = {}
-    try:
-        victim = sorted(fleet.healthy())[0]
-        pid = get_json(f"http://{victim}/fleet")["pid"]
-        killed_at: list[float] = []
+                      system_prompt_len=a.prefix_len, seed=a.seed + 2,
+                      num_prefixes=a.num_prefixes)
+    victim = sorted(fleet.healthy())[0]
+    pid = get_json(f"http://{victim}/fleet")["pid"]
+    killed_at: list[float] = []
 
-        def kill_later() -> None:
-            time.sleep(a.kill_after)
-            os.kill(pid, signal.SIGKILL)
-            killed_at.append(time.monotonic())
+    def kill_later() -> None:
+        time.sleep(a.kill_after)
+        os.kill(pid, signal.SIGKILL)
+        killed_at.append(time.monotonic())
 
-        killer = threading.Thread(target=kill_later)
-        killer.start()
-        t0 = time.monotonic()
-        s = run(fleet.url, wl, a.concurrency, a.kill_requests, duration=a.kill_duration)
-        killer.join()
-        m = router_metrics(fleet.base)
-        out = {"victim": victim, "killed_after_s": killed_at[0] - t0, "completed": s["completed"],
-               "failed": s["failed"], "cut_at_deadline": s["cut_requests"],
-               "errors": s.get("errors", []),
-               "router_retries": sum(per_replica(m, "retries_total").values()),
-               "router_failed_streams": sum(per_replica(m, "failed_streams_total").values()),
-               "routed": per_replica(m, "requests_total")}
-        deadline = time.monotonic() + a.rejoin_timeout
-        while not fleet.healthy().get(victim) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        out["rejoined"] = bool(fleet.healthy().get(victim))
-        out["rejoin_s_after_kill"] = time.monotonic() - killed_at[0] if out["rejoined"] else None
-        print("kill", out, flush=True)
-    finally:
-        fleet.stop()
+    before = router_metrics(fleet.base)
+    killer = threading.Thread(target=kill_later)
+    killer.start()
+    t0 = time.monotonic()
+    s = run(fleet.url, wl, a.concurrency, a.kill_requests, duration=a.kill_duration)
+    killer.join()
+    m = router_metrics(fleet.base)
+
+    def delta(name: str) -> float:
+        return sum(per_replica(m, name).values()) - sum(per_replica(before, name).values())
+
+    out = {"victim": victim, "killed_after_s": killed_at[0] - t0, "requests": s["num_requests"],
+           "completed": s["completed"], "failed": s["failed"],
+           "cut_at_deadline": s["cut_requests"], "errors": s.get("errors", []),
+           "router_retries": delta("retries_total"),
+           "router_failed_streams": delta("failed_streams_total"),
+           "routed": {k: v - per_replica(before, "requests_total").get(k, 0)
+                      for k, v in per_replica(m, "requests_total").items()}}
+    deadline = time.monotonic() + a.rejoin_timeout
+    while not fleet.healthy().get(victim) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out["rejoined"] = bool(fleet.healthy().get(victim))
+    out["rejoin_s_after_kill"] = time.monotonic() - killed_at[0] if out["rejoined"] else None
+    print("kill", out, flush=True)
     return out
 
 
@@ -357,25 +386,42 @@ def main() -> None:
     if a.serve_stub is not None:
         return serve_stub(a.serve_stub, a.overhead_itl_ms / 1000)
     a.overhead_concurrency = [int(c) for c in str(a.overhead_concurrency).split(",")]
+    # SIGTERM unwinds (stopping the servers this run started) instead of leaving them behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.smoke:
         a = argparse.Namespace(**{**vars(a), **SMOKE})
     os.makedirs(a.log_dir, exist_ok=True)
+    names = a.stages.split(",")
     stages = {"routing": stage_routing, "kill": stage_kill, "overhead": stage_overhead}
-    if "gpu" in a.stages.split(","):
+    if "gpu" in names:
+        sys.path.insert(0, HERE)
         from fleet_gpu import stage_gpu  # type: ignore[import-not-found]
 
         stages["gpu"] = stage_gpu
-    for name in a.stages.split(","):
-        if name not in stages:
-            raise SystemExit(f"unknown stage {name!r}; choose from routing, kill, overhead, gpu")
-        t0 = time.monotonic()
-        result = stages[name](a)
-        result.update({"benchmark": f"fleet/{name}", "smoke": a.smoke,
-                       "command": "python " + " ".join(sys.argv),
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                       "seconds": time.monotonic() - t0,
-                       "machine": machine_info("cuda" if name == "gpu" else "cpu")})
-        save_json(result, os.path.join(a.out_dir, f"{name}{'-smoke' if a.smoke else ''}.json"))
+    unknown = [n for n in names if n not in stages]
+    if unknown:
+        raise SystemExit(f"unknown stage {unknown[0]!r}; choose from routing, kill, overhead, "
+                         "gpu")
+    # routing and kill share one pair of CPU replicas (killing one comes last)
+    fleet = None
+    if "routing" in names or "kill" in names:
+        fleet = Fleet([*engine_flags(a), "--num-blocks", str(a.replica_blocks), "--policy",
+                       "cache-aware"], os.path.join(a.log_dir, "fleet.log"))
+    try:
+        for name in sorted(names, key=lambda n: n == "kill"):
+            t0 = time.monotonic()
+            result = (stages[name](a, fleet) if name in ("routing", "kill")
+                      else stages[name](a))
+            result.update({"benchmark": f"fleet/{name}", "smoke": a.smoke,
+                           "command": "python " + " ".join(sys.argv),
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                           "seconds": time.monotonic() - t0,
+                           "machine": machine_info("cuda" if name == "gpu" else "cpu")})
+            save_json(result, os.path.join(a.out_dir,
+                                           f"{name}{'-smoke' if a.smoke else ''}.json"))
+    finally:
+        if fleet is not None:
+            fleet.stop()
 
 
 # A few requests per stage on tiny prompts: every path runs, in about a minute a stage.

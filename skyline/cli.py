@@ -230,12 +230,9 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
         raise ConfigError("--replicas must be at least 1")
     argv = ns.argv[ns.argv.index("serve") + 1:]
     base = strip_flags(argv)
-    flags, sequential = _replica_flags(ns)
     if ns.ray:
-        from skyline.deploy.ray import deploy_from_cli
-
-        deploy_from_cli(ns, [base + f for f in flags], router_config(ns, ["ray"], api_key))
-        return
+        return _serve_ray(ns, base, api_key)
+    flags, sequential = _replica_flags(ns)
     local = LocalReplicas([base + f for f in flags], sequential=sequential)
     print(f"skyline: starting {ns.replicas} replicas ...", flush=True)
     try:
@@ -247,6 +244,40 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
         sys.exit(f"skyline: error: {e}")
     finally:
         local.stop(ns.shutdown_timeout)  # done already unless the router failed to start
+
+
+def _serve_ray(ns: argparse.Namespace, base: list[str], api_key: str | None) -> None:
+    """`skyline serve --ray`: the replicas (a Serve deployment per role) and the router on
+    Ray Serve; Ray gives each replica its GPUs (--ray-num-gpus) and CPUs (--threads)."""
+    import signal
+    import threading
+
+    from skyline.deploy.ray import deploy_from_cli
+    from skyline.engine.create import resolve_device
+
+    roles = ns.role.split(",")
+    if len(roles) not in (1, ns.replicas):
+        raise ConfigError(f"--role takes one role or one per replica ({ns.replicas}), got "
+                          f"{ns.role!r}")
+    counts: dict[str, int] = {}
+    for role in roles * ns.replicas if len(roles) == 1 else roles:
+        counts[role] = counts.get(role, 0) + 1
+    on_gpu = ns.device.startswith("cuda") or (ns.device == "auto" and ns.ray_num_gpus)
+    device = "cuda" if on_gpu else resolve_device(ns.device).split(":")[0]
+    num_gpus = ns.ray_num_gpus if ns.ray_num_gpus is not None else float(device == "cuda")
+    threads = ns.threads or 1
+    argv = [*base, "--device", device, "--threads", str(threads)]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def wait() -> None:
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+    deploy_from_cli(argv, counts, router_config(ns, ["ray"], api_key), ns.model, ns.host,
+                    ns.port, num_gpus, float(threads), ns.ray_address, wait)
 
 
 def _cmd_router(ns: argparse.Namespace) -> None:

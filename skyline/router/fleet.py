@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import aiohttp
@@ -47,10 +47,17 @@ class PromptHasher(Protocol):
 
 
 class Fleet:
-    def __init__(self, cfg: RouterConfig, hasher: PromptHasher | None = None) -> None:
+    """`discover`, if given, is asked (in a thread) at every health check for the replicas'
+    URLs now (a Ray deployment's, which scales and restarts them): new ones join, gone ones
+    leave."""
+
+    def __init__(self, cfg: RouterConfig, hasher: PromptHasher | None = None,
+                 discover: Callable[[], list[str]] | None = None) -> None:
         self.cfg = cfg
         self.hasher = hasher
+        self.discover = discover
         self.replicas = [Replica(i, normalize_url(u)) for i, u in enumerate(cfg.replicas)]
+        self._next_index = len(self.replicas)
         self.index = PrefixIndex()
         self.policy = Policy(cfg.policy, cfg.balance_abs, cfg.balance_rel)
         self.session: aiohttp.ClientSession | None = None
@@ -87,7 +94,26 @@ class Fleet:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
+            if self.discover is not None:
+                try:
+                    await self.set_replicas(await asyncio.to_thread(self.discover))
+                except Exception:  # keep routing over the replicas known
+                    log.exception("replica discovery failed")
             await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def set_replicas(self, urls: list[str]) -> None:
+        """Follow a new list of replicas: new URLs are added (and checked at once), replicas
+        not in it are dropped (their open requests finish)."""
+        wanted = {normalize_url(u) for u in urls}
+        for r in [r for r in self.replicas if r.url not in wanted]:
+            self.mark_down(r, "removed from the fleet")
+            self.replicas.remove(r)
+            log.info("replica %s left the fleet", r.name)
+        known = {r.url for r in self.replicas}
+        fresh = [Replica(self._next_index + i, u) for i, u in enumerate(sorted(wanted - known))]
+        self._next_index += len(fresh)
+        self.replicas += fresh
+        await asyncio.gather(*(self.check(r) for r in fresh))
 
     # ------------------------------------------------------------------ health
 
