@@ -10,10 +10,21 @@ Invariants (checked by `check_invariants`, which tests call):
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from skyline.cache.prefix import BlockHash
+
+
+class BlockListener(Protocol):
+    """Told when a block's KV becomes findable by hash, and when it is about to be overwritten
+    (a KV connector writes such blocks down to a lower tier: cache/connector.py)."""
+
+    def block_cached(self, block_id: int, block_hash: BlockHash) -> None: ...
+
+    def block_evicted(self, block_id: int, block_hash: BlockHash) -> None: ...
 
 
 class KVCacheBlock:
@@ -39,11 +50,13 @@ class BlockPool:
     hold nothing anyone can reuse, so they go to the head and are handed out first.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 listener: BlockListener | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.listener = listener
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, head first. OrderedDict gives O(1) removal from the middle (`touch`).
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
@@ -70,6 +83,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block whose computed KV holds the tokens behind `block_hash`, if still cached."""
         return self._cached.get(block_hash)
+
+    def next_evicted(self, n: int) -> Iterator[KVCacheBlock]:
+        """The next `n` blocks `get_new_blocks` hands out (free ones, in eviction order)."""
+        return itertools.islice(self._free.values(), n)
 
     # ---------------------------------------------------------------- changes
 
@@ -115,6 +132,8 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            if self.listener is not None:
+                self.listener.block_cached(block.block_id, block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after a weight update: all cached KV is stale). Blocks in use
@@ -129,6 +148,8 @@ class BlockPool:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self.listener is not None:
+                self.listener.block_evicted(block.block_id, block.block_hash)
         block.block_hash = None
 
     # ---------------------------------------------------------------- testing
