@@ -10,9 +10,8 @@ Invariants (checked by `check_invariants`, which tests call):
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Protocol
 
 from skyline.cache.prefix import BlockHash
@@ -83,10 +82,6 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block whose computed KV holds the tokens behind `block_hash`, if still cached."""
         return self._cached.get(block_hash)
-
-    def next_evicted(self, n: int) -> Iterator[KVCacheBlock]:
-        """The next `n` blocks `get_new_blocks` hands out (free ones, in eviction order)."""
-        return itertools.islice(self._free.values(), n)
 
     # ---------------------------------------------------------------- changes
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from skyline.cache.block_pool import BlockPool
 from skyline.cache.prefix import BlockHash
 from skyline.types import KVTransfer, Request
 
@@ -44,9 +43,6 @@ class LoadEnded:
 
 class KVConnectorScheduler:
     """The interface; every method is called by the scheduler's thread, between steps."""
-
-    def attach(self, pool: BlockPool) -> None:
-        """The device's block pool, read only (which blocks it hands out next)."""
 
     def num_matched_blocks(self, request: Request, hashes: Sequence[BlockHash], start: int,
                            stop: int) -> int:

@@ -3,12 +3,13 @@
 Which tier holds each block hash is in cache/tiers.py; this module decides what moves:
 - a prefix the device misses is looked up block by block in RAM, then on disk, and the chain
   of hits (mixed tiers allowed) is loaded into fresh device blocks (`load`);
-- policy "eviction" (write-back): the `lookahead` blocks the pool hands out next are written
-  down to RAM before they are reallocated, so an eviction rarely finds a block without a copy
-  below (one that does is stored by the step that evicts it: the worker orders that copy
-  before the step's forward pass). RAM entries near RAM's eviction end are likewise spilled
-  to disk ahead. A block evicted from the last tier is gone;
-- policy "eager" (write-through): every block is written to RAM and disk once computed.
+- policy "eviction" (write-back): a device block is stored to RAM by the step that evicts it
+  (the worker gathers it before that step's forward pass can overwrite it, and copies it to
+  host memory asynchronously). RAM keeps `ram_headroom` slots free, or being freed, for those
+  stores: its least recently used entries are spilled to disk ahead of need and leave RAM once
+  written. A block evicted from the last tier is gone;
+- policy "eager" (write-through): every block is written to RAM and disk once computed, so an
+  eviction from RAM loses nothing.
 A tier's copy is entered in its index only when the worker reports the write ended, so a hit
 always reads a whole block; a disk write that failed (a full disk) lowers the disk's capacity
 to what it holds, and a load that failed drops the blocks it could not read from the index.
@@ -19,10 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from skyline.cache.block_pool import BlockPool
 from skyline.cache.connector import KVConnectorScheduler, LoadEnded
 from skyline.cache.prefix import BlockHash
-from skyline.cache.tiers import DiskTier, RamTier
+from skyline.cache.tiers import VICTIM_SCAN, DiskTier, RamTier
 from skyline.types import KV_DROP, KV_LOAD, KV_SPILL, KV_STORE, KVTransfer, Request
 
 
@@ -40,14 +40,13 @@ class TierLayout:
 
 class TierConnector(KVConnectorScheduler):
     def __init__(self, layout: TierLayout, block_size: int, eager: bool,
-                 lookahead: int) -> None:
+                 ram_headroom: int) -> None:
         self.block_size = block_size
         self.eager = eager
-        self.lookahead = lookahead
+        self.ram_headroom = ram_headroom
         self.ram = RamTier(layout.ram_slots)
         self.disk = (DiskTier(layout.disk_blocks, layout.disk_writable, layout.disk_found)
                      if layout.disk_blocks >= 0 else None)
-        self.pool: BlockPool | None = None  # set by `attach`: its eviction order
         self._ops: dict[int, KVTransfer] = {}
         self._next_op = 0
         self._loads: list[KVTransfer] = []  # planned this step
@@ -64,9 +63,6 @@ class TierConnector(KVConnectorScheduler):
             ("ram_hit_tokens", "disk_hit_tokens", "ram_stored_blocks", "disk_stored_blocks",
              "ram_evicted_blocks", "disk_evicted_blocks", "load_failed_blocks",
              "store_failed_blocks"), 0)
-
-    def attach(self, pool: BlockPool) -> None:
-        self.pool = pool
 
     # ---------------------------------------------------------------- what is below
 
@@ -115,11 +111,7 @@ class TierConnector(KVConnectorScheduler):
             self._to_store[block_hash] = block_id
 
     def build(self) -> list[KVTransfer]:
-        if not self.eager and self.pool is not None:
-            for b in self.pool.next_evicted(self.lookahead):
-                if b.block_hash is not None and not self._held(b.block_hash):
-                    self._to_store.setdefault(b.block_hash, b.block_id)
-        out = [op for op in (self._store(), self._spill()) if op is not None]
+        out = [op for op in (self._store(), self._clean()) if op is not None]
         if self.disk is not None:
             self._drop(self.disk.trim())
         if self._to_drop:
@@ -148,19 +140,29 @@ class TierConnector(KVConnectorScheduler):
         self._to_store.clear()
         return self._new(KV_STORE, keys, ids, slots, disk) if keys else None
 
-    def _spill(self) -> KVTransfer | None:
-        """RAM entries near RAM's eviction end to disk (write-back), ahead of their eviction."""
+    def _clean(self) -> KVTransfer | None:
+        """Keep up to `ram_headroom` RAM slots free or being freed (write-back): the least
+        recently used entries leave RAM, those without a disk copy once spilled to disk."""
         if self.disk is None or self.eager:
             return None
+        need = min(self.ram_headroom, self.ram.capacity // 4) - len(self.ram.free) \
+            - len(self._spilling)
         keys, slots = [], []
-        for h in self.ram.oldest(self.lookahead):
-            if h in self.disk or h in self._spilling or h in self._forget:
-                continue
-            if not self._reserve_disk(h):
+        for h in self.ram.oldest(max(0, need) + VICTIM_SCAN):
+            if need <= 0:
                 break
-            keys.append(h)
-            slots.append(self.ram.pin(h))
-            self._spilling.add(h)
+            if h in self.ram.pins:
+                continue
+            if h in self.disk:
+                self.ram.release(self.ram.remove(h))
+                self._evicted_from_ram(h)
+            elif h not in self._forget and self._reserve_disk(h):
+                keys.append(h)
+                slots.append(self.ram.pin(h))
+                self._spilling.add(h)
+            else:
+                continue
+            need -= 1
         return self._new(KV_SPILL, keys, [], slots, [True] * len(keys)) if keys else None
 
     def _reserve_disk(self, h: BlockHash) -> bool:

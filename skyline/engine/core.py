@@ -105,10 +105,10 @@ class EngineCore:
         layout = TierLayout(info["ram_slots"], info["disk_blocks"], info["disk_writable"],
                             tuple(info["disk_found"]))
         sc = config.scheduler
-        # Blocks the pool may hand out within about two steps: written down ahead of eviction.
-        lookahead = 2 * (sc.max_num_batched_tokens // config.cache.block_size + sc.max_num_seqs)
+        # RAM slots kept free for the stores of about two steps' evictions.
+        headroom = 2 * (sc.max_num_batched_tokens // config.cache.block_size + sc.max_num_seqs)
         return TierConnector(layout, config.cache.block_size,
-                             config.offload.policy == "eager", lookahead)
+                             config.offload.policy == "eager", headroom)
 
     @property
     def max_model_len(self) -> int:

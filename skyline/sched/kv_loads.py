@@ -25,8 +25,6 @@ class KVLoads:
                  ) -> None:
         self.connector = connector
         self.kv = kv_manager
-        if connector is not None:
-            connector.attach(kv_manager.block_pool)
         self.loading: dict[int, Request] = {}  # op id -> request waiting for it
         self._op_of: dict[str, int] = {}  # request id -> its load's op id
         self._held: dict[int, Request] = {}  # op id -> request whose blocks its end frees
@@ -37,6 +35,12 @@ class KVLoads:
         """Whether transfers are in flight (the engine steps until they are reported)."""
         return self.connector is not None and bool(
             self.loading or self._held or self.connector.num_in_flight)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether device blocks are held for transfers in flight (they come back when the
+        transfers end)."""
+        return bool(self.loading or self._held)
 
     def admit(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool | None:
         """Start loading what the connector holds of `req`'s prefix past the device's `hits`

@@ -225,6 +225,10 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self.running.pop()
+                if victim is req and not self.running and self.kv_loads.holds_blocks:
+                    self.running.append(req)  # the blocks it needs are being loaded into:
+                    preempted = True  # it waits for those loads (no admission meanwhile)
+                    break
                 assert victim is not req or self.running, (
                     f"request {req.request_id} alone cannot get blocks; the cache is too small"
                 )
