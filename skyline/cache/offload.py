@@ -176,12 +176,10 @@ class TierConnector(KVConnectorScheduler):
 
     def _evicted_from_ram(self, h: BlockHash) -> None:
         self.counts["ram_evicted_blocks"] += 1
-        self._forget.discard(h)
 
     def _drop(self, hashes: list[BlockHash]) -> None:
         self.counts["disk_evicted_blocks"] += len(hashes)
         self._to_drop += hashes
-        self._forget.difference_update(hashes)
 
     def _new(self, kind: str, keys: list[BlockHash], block_ids: list[int] | None = None,
              slots: list[int] | None = None, disk: list[bool] | None = None) -> KVTransfer:
