@@ -29,13 +29,15 @@ from skyline.types import KV_DROP, KV_LOAD, KV_SPILL, KV_STORE, KVTransfer, Requ
 @dataclass(frozen=True)
 class TierLayout:
     """What the workers hold (worker/connector/tiers.py, merged over ranks): RAM slots, disk
-    capacity in blocks (-1: no disk tier), whether the disk can be written, and the blocks
-    found on disk at start-up, oldest first."""
+    capacity in blocks (-1: no disk tier), whether the disk can be written, the blocks found
+    on disk at start-up (oldest first), and whether RAM is only the disk's write buffer (no
+    RAM tier was asked for): then every block stored to RAM goes on to disk at once."""
 
     ram_slots: int
     disk_blocks: int = -1
     disk_writable: bool = True
     disk_found: tuple[BlockHash, ...] = ()
+    ram_is_buffer: bool = False
 
 
 class TierConnector(KVConnectorScheduler):
@@ -45,6 +47,7 @@ class TierConnector(KVConnectorScheduler):
         self.eager = eager
         self.ram_headroom = ram_headroom
         self.ram = RamTier(layout.ram_slots)
+        self.ram_is_buffer = layout.ram_is_buffer
         self.disk = (DiskTier(layout.disk_blocks, layout.disk_writable, layout.disk_found)
                      if layout.disk_blocks >= 0 else None)
         self._ops: dict[int, KVTransfer] = {}
@@ -55,6 +58,7 @@ class TierConnector(KVConnectorScheduler):
         self._spilling: set[BlockHash] = set()  # RAM -> disk in flight
         self._dropping: set[BlockHash] = set()  # disk files being deleted
         self._to_drop: list[BlockHash] = []
+        self._to_spill: list[BlockHash] = []  # stored to a RAM write buffer: on to disk
         # Entries that must not be read (a reset, a failed load), removed once unpinned; and
         # writes in flight at a reset, whose blocks are not entered.
         self._forget: set[BlockHash] = set()
@@ -142,12 +146,28 @@ class TierConnector(KVConnectorScheduler):
 
     def _clean(self) -> KVTransfer | None:
         """Keep up to `ram_headroom` RAM slots free or being freed (write-back): the least
-        recently used entries leave RAM, those without a disk copy once spilled to disk."""
+        recently used entries leave RAM, those without a disk copy once spilled to disk. A
+        RAM write buffer spills everything stored to it."""
         if self.disk is None or self.eager:
             return None
+        keys: list[BlockHash] = []
+        slots: list[int] = []
+
+        def spill(h: BlockHash) -> bool:
+            if h in self.disk or h in self._spilling or h in self._forget \
+                    or not self._reserve_disk(h):
+                return False
+            keys.append(h)
+            slots.append(self.ram.pin(h))
+            self._spilling.add(h)
+            return True
+
+        for h in self._to_spill:
+            if h in self.ram:
+                spill(h)
+        self._to_spill = []
         need = min(self.ram_headroom, self.ram.capacity // 4) - len(self.ram.free) \
             - len(self._spilling)
-        keys, slots = [], []
         for h in self.ram.oldest(max(0, need) + VICTIM_SCAN):
             if need <= 0:
                 break
@@ -156,13 +176,9 @@ class TierConnector(KVConnectorScheduler):
             if h in self.disk:
                 self.ram.release(self.ram.remove(h))
                 self._evicted_from_ram(h)
-            elif h not in self._forget and self._reserve_disk(h):
-                keys.append(h)
-                slots.append(self.ram.pin(h))
-                self._spilling.add(h)
-            else:
-                continue
-            need -= 1
+                need -= 1
+            elif spill(h):
+                need -= 1
         return self._new(KV_SPILL, keys, [], slots, [True] * len(keys)) if keys else None
 
     def _reserve_disk(self, h: BlockHash) -> bool:
@@ -233,6 +249,8 @@ class TierConnector(KVConnectorScheduler):
             else:
                 self.ram.fill(h, slot)
                 self.counts["ram_stored_blocks"] += 1
+                if self.ram_is_buffer:
+                    self._to_spill.append(h)
             if to_disk:
                 self._disk_written(h, i not in bad)
             else:

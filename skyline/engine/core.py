@@ -103,7 +103,7 @@ class EngineCore:
         if info is None:
             return None
         layout = TierLayout(info["ram_slots"], info["disk_blocks"], info["disk_writable"],
-                            tuple(info["disk_found"]))
+                            tuple(info["disk_found"]), info["ram_is_buffer"])
         sc = config.scheduler
         # RAM slots kept free for the stores of about two steps' evictions.
         headroom = 2 * (sc.max_num_batched_tokens // config.cache.block_size + sc.max_num_seqs)

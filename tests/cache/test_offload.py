@@ -22,8 +22,9 @@ def req(rid: str = "r") -> Request:
 
 
 def connector(ram: int = 8, disk: int = -1, eager: bool = False, headroom: int = 0,
-              writable: bool = True, found: tuple[bytes, ...] = ()) -> TierConnector:
-    return TierConnector(TierLayout(ram, disk, writable, found), BS, eager, headroom)
+              writable: bool = True, found: tuple[bytes, ...] = (),
+              buffer: bool = False) -> TierConnector:
+    return TierConnector(TierLayout(ram, disk, writable, found, buffer), BS, eager, headroom)
 
 
 def finish(c: TierConnector, ops, failed=None):
@@ -117,6 +118,16 @@ def test_write_back_spills_old_ram_entries_then_frees_their_slots():
     (load,) = c.build()
     assert load.disk == [True, True, False]
     finish(c, [load])
+
+
+def test_a_ram_write_buffer_spills_everything_to_disk():
+    c = connector(ram=64, disk=8, buffer=True)
+    store(c, (0, h(0)), (1, h(1)))
+    (spill,) = c.build()
+    assert spill.kind == KV_SPILL and spill.keys == [h(0), h(1)]
+    finish(c, [spill])
+    assert c.disk is not None and list(c.disk.entries) == [h(0), h(1)]
+    assert len(c.ram) == 2  # and RAM keeps them while it has room
 
 
 def test_full_disk_lowers_the_capacity_and_evicts_for_room():

@@ -32,7 +32,7 @@ def scenario(seed: int, async_scheduling: bool = False, tiers: bool = False) -> 
     if tiers:
         disk = rng.choice([-1, 0, num_blocks, 4 * num_blocks])
         layout = TierLayout(rng.choice([1, 4, num_blocks, 3 * num_blocks]), disk,
-                            rng.random() < 0.9)
+                            rng.random() < 0.9, ram_is_buffer=rng.random() < 0.3)
         connector = TierConnector(layout, block_size, eager=rng.random() < 0.3,
                                   ram_headroom=rng.choice([1, 4, 4 * num_blocks]))
     sched = Scheduler(

@@ -254,10 +254,12 @@ def test_worker_store_spill_load_drop(worker):
 
 
 def test_merge_ranks():
-    a = {"ram_slots": 4, "disk_blocks": 9, "disk_writable": True, "disk_found": [b"a", b"b"]}
-    b = {"ram_slots": 3, "disk_blocks": 10, "disk_writable": False, "disk_found": [b"b"]}
+    a = {"ram_slots": 4, "disk_blocks": 9, "disk_writable": True, "disk_found": [b"a", b"b"],
+         "ram_is_buffer": False}
+    b = {"ram_slots": 3, "disk_blocks": 10, "disk_writable": False, "disk_found": [b"b"],
+         "ram_is_buffer": False}
     assert merge_info([a, b]) == {"ram_slots": 3, "disk_blocks": 9, "disk_writable": False,
-                                  "disk_found": [b"b"]}
+                                  "disk_found": [b"b"], "ram_is_buffer": False}
     m = ReportMerger(2)
     out = RunnerOutput()
     m.merge([RunnerOutput(kv_finished=[1, 2], kv_failed={1: [0]}), RunnerOutput()], out)

@@ -68,6 +68,7 @@ def merge_info(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "disk_blocks": min(i["disk_blocks"] for i in infos),
         "disk_writable": all(i["disk_writable"] for i in infos),
         "disk_found": [k for k in first["disk_found"] if k in common],
+        "ram_is_buffer": first["ram_is_buffer"],
     }
 
 

@@ -67,6 +67,7 @@ class TierWorker(KVConnector):
         self.codec = BlockCodec(kv_caches, off.dtype)
         p = self.codec.payload_bytes
         self.chunk = max(1, CHUNK_BYTES // p)
+        self.config_ram = off.ram_bytes > 0
         if off.ram_bytes:
             slots = off.ram_bytes // p
             if slots < 1:
@@ -113,7 +114,8 @@ class TierWorker(KVConnector):
     def info(self) -> dict[str, Any]:
         return {"ram_slots": self.ram.num_slots, "disk_blocks": self.disk_blocks,
                 "disk_writable": bool(self.disk and self.disk.writable),
-                "disk_found": list(self._found), "payload_bytes": self.codec.payload_bytes}
+                "disk_found": list(self._found), "payload_bytes": self.codec.payload_bytes,
+                "ram_is_buffer": not self.config_ram}
 
     @property
     def num_in_flight(self) -> int:
