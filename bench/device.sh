@@ -26,7 +26,10 @@
 #                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
 #   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
 #   long           one LONG_LEN-token prompt (200000) in chunks of 8,192 against the compute
-#                  floor (bench/long_prompt.py)
+#                  floor, then warm from host RAM (against KV bytes / host-to-device bandwidth)
+#                  and from disk (against KV bytes / disk read rate), for each KV dtype in
+#                  LONG_KVS (auto,fp8); the disk tier in KV_DISK (/var/tmp/skyline-kv, on a
+#                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
 #   fast-start     engine ready from a safetensors checkpoint (bench/fast_start.py), with
 #                  --speculative-method $SPEC_METHOD (none)
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
@@ -166,8 +169,11 @@ stage_prefill() {
 
 stage_long() {
   local n=${LONG_LEN:-200000}
+  mkdir -p "${KV_DISK:-/var/tmp/skyline-kv}"
   python3 bench/long_prompt.py --model "$M" --prompt-len "$n" --chunk 8192 \
+    --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
     --out "$OUT/long-prompt-h200-$M-$((n / 1000))k$TAG.json"
+  rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
 }
 
 stage_fast_start() {

@@ -30,6 +30,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) | fp8 (e4m3 with per-layer scales: twice the "
                         "tokens of a bf16 cache)")
+    g.add_argument("--kv-offload-ram", default="0", metavar="SIZE",
+                   help="pinned host RAM for KV blocks evicted from the device, e.g. 64GiB: a "
+                        "prefix found there is copied back instead of recomputed")
+    g.add_argument("--kv-offload-disk", default=None, metavar="DIR",
+                   help="a directory for KV blocks below RAM; it survives restarts and "
+                        "replicas on one host may share it")
+    g.add_argument("--kv-offload-disk-size", default=None, metavar="SIZE",
+                   help="the most the disk tier holds (default: 90%% of the free space)")
+    g.add_argument("--kv-offload-policy", default="eviction", choices=["eviction", "eager"],
+                   help="eviction: blocks are written down as they leave a tier; eager: every "
+                        "full block is written to every tier once computed")
+    g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="blocks in RAM and on disk quantized per token and head (half the "
+                        "bytes of a 16-bit cache; lossy); auto: as the device holds them")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)

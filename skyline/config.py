@@ -144,6 +144,38 @@ class CacheConfig:
     kv_events: bool = False
 
 
+KV_OFFLOAD_POLICIES = ("eviction", "eager")
+KV_OFFLOAD_DTYPES = ("auto", "fp8", "int8")  # auto: the device cache's own bytes
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """KV cache beyond the device (cache/tiers.py, worker/connector/): blocks written down to
+    pinned host RAM and a disk directory, keyed by their chained hashes, and restored instead
+    of recomputed. `policy` eviction: a device block is written down as it nears eviction, a
+    RAM block is spilled to disk the same way; eager: every full block is written to every
+    tier as soon as it is computed. `dtype` fp8 / int8: the lower tiers hold blocks quantized
+    per token and head with float32 scales (about half the bytes of a 16-bit cache; lossy)."""
+
+    ram_bytes: int = 0  # pinned host RAM; 0 with a disk: a small write buffer only
+    disk_dir: str | None = None
+    disk_bytes: int | None = None  # None: 90% of the free space at start-up
+    policy: str = "eviction"  # one of KV_OFFLOAD_POLICIES
+    dtype: str = "auto"  # one of KV_OFFLOAD_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.policy not in KV_OFFLOAD_POLICIES:
+            raise ConfigError(f"--kv-offload-policy must be eviction or eager, got {self.policy!r}")
+        if self.dtype not in KV_OFFLOAD_DTYPES:
+            raise ConfigError(f"--kv-offload-dtype must be auto, fp8 or int8, got {self.dtype!r}")
+        if self.ram_bytes < 0 or (self.disk_bytes is not None and self.disk_bytes < 0):
+            raise ConfigError("--kv-offload-ram and --kv-offload-disk-size must not be negative")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram_bytes > 0 or self.disk_dir is not None
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128  # running requests at most
@@ -289,6 +321,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     # Schedule step n+1 while the device runs step n (engine/core.py).
     async_scheduling: bool = False
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def __post_init__(self) -> None:
@@ -305,6 +338,12 @@ class EngineConfig:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
         if s.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        if self.offload.enabled and not c.enable_prefix_caching:
+            raise ConfigError("KV offload keeps blocks by their prefix hashes; drop "
+                              "--no-prefix-caching or the --kv-offload-* flags")
+        if self.offload.dtype != "auto" and c.kv_cache_dtype != "auto":
+            raise ConfigError("--kv-offload-dtype compresses a 16- or 32-bit KV cache; with "
+                              "--kv-cache-dtype fp8 the blocks are moved as they are: drop it")
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -89,6 +89,9 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Holds blocks that a KV connector is filling (from a lower tier or another replica); it
+    # joins the running batch when they are in (sched/kv_loads.py).
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -170,6 +173,36 @@ class CachedRequestData:
     num_freed_blocks: int = 0
 
 
+KV_LOAD, KV_STORE, KV_SPILL, KV_DROP = "load", "store", "spill", "drop"
+
+
+@dataclass
+class KVTransfer:
+    """Block copies between the device's KV cache and what lies beyond it (host RAM, disk, a
+    peer), decided by the scheduler's half of the KV connector (cache/connector.py) and run by
+    every rank's worker on its own shard of each block (worker/connector/). The worker reports
+    it by `op_id` once all its copies ended (`RunnerOutput.kv_finished` / `kv_failed`).
+
+    Per block i, with `keys[i]` its chained hash:
+    - load: fill device block `block_ids[i]` of request `request_id`, from host-RAM slot
+      `ram_slots[i]`, or from disk where `disk[i]`;
+    - store: copy device block `block_ids[i]` (full and computed: its KV is final) into RAM
+      slot `ram_slots[i]`, and where `disk[i]` on to disk. Ordered before any later step
+      writes into the block, so the pool may hand it out again at once;
+    - spill: write RAM slot `ram_slots[i]` to disk (`block_ids` empty);
+    - drop: delete the disk copy of each key (`block_ids`, `ram_slots` empty).
+    `params`: a transport's own parameters (a peer to pull from), None for the local tiers."""
+
+    op_id: int
+    kind: str  # KV_LOAD | KV_STORE | KV_SPILL | KV_DROP
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    ram_slots: list[int] = field(default_factory=list)
+    disk: list[bool] = field(default_factory=list)
+    request_id: str | None = None
+    params: dict[str, Any] | None = None
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -191,10 +224,17 @@ class SchedulerOutput:
     # the batch is past the static speculation bound (`SpecConfig.max_batch_tokens`), where no
     # step can verify drafts; it restarts its cache after such a stretch.
     feed_proposer: bool = True
+    # KV connector: the block copies this step starts (before its forward pass), and whether
+    # earlier ones are still in flight: then the runner reports them even in a step without
+    # tokens, and waits a little for one to end if it has nothing to compute.
+    kv_transfers: list[KVTransfer] = field(default_factory=list)
+    kv_in_flight: bool = False
 
     @property
     def empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing to compute and nothing to transfer."""
+        return (self.total_num_scheduled_tokens == 0 and not self.kv_transfers
+                and not self.kv_in_flight)
 
 
 # ----------------------------------------------------------------------------------------
@@ -219,6 +259,10 @@ class RunnerOutput:
     # Speculative decoding: per request in req_ids, drafts proposed to follow its new tokens.
     # With drafts verified this step, sampled_token_ids holds the accepted drafts then one more.
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # KV connector: transfers (KVTransfer.op_id) that ended since the last output, and for
+    # those where some blocks failed, their indexes into the transfer's keys.
+    kv_finished: list[int] = field(default_factory=list)
+    kv_failed: dict[int, list[int]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------

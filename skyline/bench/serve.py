@@ -26,6 +26,7 @@ import aiohttp
 from tqdm import tqdm
 
 from skyline.bench.metrics import RequestResult, format_table, summarize
+from skyline.bench.server_stats import cache_delta, format_cache, scrape
 from skyline.bench.workloads import Conversation, Turn, WorkloadSpec, iter_conversations
 
 # Workloads whose prompts are made token-exact on the completions endpoint.
@@ -365,8 +366,12 @@ def run_load(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult
 def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, float] | None = None,
                     output: str | None = None, print_table: bool = True) -> dict[str, Any]:
     """Run the load, print a table, optionally write JSON; returns the result dict."""
+    before = scrape(load.base_url, load.api_key)
     results, duration, exact, model = run_load(load, workload)
     summary = summarize(results, duration, slos)
+    cache = cache_delta(before, scrape(load.base_url, load.api_key))
+    if cache is not None:
+        summary["server_cache"] = cache
     out = {
         "benchmark": "serve",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -383,6 +388,8 @@ def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, floa
     }
     if print_table:
         print(format_table(summary))
+        if cache is not None:
+            print(format_cache(cache))
     if output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(output, "w") as f:

@@ -17,9 +17,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Protocol
 
 from skyline.cache.prefix import BlockHash
 from skyline.types import KVEventKind
+
+
+class BlockListener(Protocol):
+    """Told when a block's KV becomes findable by hash, and when it is about to be overwritten
+    (a KV connector writes such blocks down to a lower tier: cache/connector.py)."""
+
+    def block_cached(self, block_id: int, block_hash: BlockHash) -> None: ...
+
+    def block_evicted(self, block_id: int, block_hash: BlockHash) -> None: ...
 
 
 class KVCacheBlock:
@@ -46,11 +56,13 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 listener: BlockListener | None = None,
                  record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.listener = listener
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, head first. OrderedDict gives O(1) removal from the middle (`touch`).
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
@@ -144,6 +156,8 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached[block_hash] = block
             self._record(KVEventKind.STORED, block_hash)
+            if self.listener is not None:
+                self.listener.block_cached(block.block_id, block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after a weight update: all cached KV is stale). Blocks in use
@@ -161,6 +175,8 @@ class BlockPool:
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
             self._record(KVEventKind.REMOVED, block.block_hash)
+            if self.listener is not None:
+                self.listener.block_evicted(block.block_id, block.block_hash)
         block.block_hash = None
 
     # ---------------------------------------------------------------- testing

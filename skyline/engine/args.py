@@ -21,6 +21,11 @@ class EngineArgs:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (alias fp8_e4m3)
+    kv_offload_ram: str | int = 0  # pinned host RAM for KV blocks beyond the device
+    kv_offload_disk: str | None = None  # a directory for KV blocks (survives restarts)
+    kv_offload_disk_size: str | int | None = None  # None: 90% of the free space
+    kv_offload_policy: str = "eviction"  # eviction | eager
+    kv_offload_dtype: str = "auto"  # auto | fp8 | int8: blocks in the lower tiers
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_waiting: int = 0

@@ -15,6 +15,7 @@ from skyline.config import (
     FleetConfig,
     ModelArch,
     ModelConfig,
+    OffloadConfig,
     SchedulerConfig,
     SpecConfig,
     parse_size,
@@ -217,4 +218,18 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),
-                        fleet=fleet), auto_len
+                        offload=_resolve_offload(args), fleet=fleet), auto_len
+
+
+def _resolve_offload(args: EngineArgs) -> OffloadConfig:
+    disk = args.kv_offload_disk or None
+    if disk is not None:
+        disk = os.path.abspath(os.path.expanduser(disk))
+        if os.path.exists(disk) and not os.path.isdir(disk):
+            raise ConfigError(f"--kv-offload-disk {disk} is a file; give a directory")
+    size = args.kv_offload_disk_size
+    if size is not None and disk is None:
+        raise ConfigError("--kv-offload-disk-size needs --kv-offload-disk DIR")
+    return OffloadConfig(ram_bytes=parse_size(args.kv_offload_ram), disk_dir=disk,
+                         disk_bytes=None if size is None else parse_size(size),
+                         policy=args.kv_offload_policy, dtype=args.kv_offload_dtype)

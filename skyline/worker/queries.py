@@ -50,9 +50,16 @@ def model_cost(r: ModelRunner) -> ModelCost:
     return ModelCost.of(r.model, bytes_per_block(r.arch, 1, r.kv_dtype))
 
 
+def kv_connector_info(r: ModelRunner) -> dict[str, Any] | None:
+    """What the scheduler's half of the KV connector needs at start-up (worker/connector/),
+    or None without one. A multi-rank executor merges its ranks' answers (`merge_info`)."""
+    return r.connector.info() if r.connector is not None else None
+
+
 QUERIES: dict[str, Callable[..., Any]] = {
     "describe": describe,
     "score": score,
     "device_wait_seconds": device_wait_seconds,
     "model_cost": model_cost,
+    "kv_connector_info": kv_connector_info,
 }

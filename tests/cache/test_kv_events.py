@@ -67,4 +67,4 @@ def test_manager_publishes_prompt_blocks_in_chain_order():
     mgr.cache_blocks(req, 10)
     (kind, hashes), = mgr.block_pool.take_events()
     assert kind == KVEventKind.STORED
-    assert hashes == mgr._block_hashes(req)[:2]  # the two full blocks, parent first
+    assert hashes == mgr.block_hashes(req)[:2]  # the two full blocks, parent first
