@@ -312,7 +312,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
     if ns.kv_events_port == 0:
         ns.kv_events_host = "127.0.0.1" if ns.host in ("127.0.0.1", "localhost") else ns.host
         ns.kv_events_port = free_port_pair(ns.kv_events_host)
-    elif ns.kv_events_port is not None:
+    elif ns.kv_events_port is not None or ns.role != "both":
         ns.kv_events_host = ns.host
     chat_template = None
     if ns.chat_template is not None:
@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-port", type=int, default=None,
                    help="publish KV events for a router on this port (ZMQ PUB; snapshots on "
                         "the next port); 0: any free pair")
+    p.add_argument("--kv-transfer-port", type=int, default=None,
+                   help="--role prefill: the port decode replicas pull KV from (default: any "
+                        "free one, given in GET /fleet)")
     add_engine_args(p)
     g = p.add_argument_group("fleet (several engines behind a router on --port)")
     g.add_argument("--replicas", type=int, default=1,

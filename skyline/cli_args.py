@@ -190,6 +190,7 @@ def router_config(ns: argparse.Namespace, replicas: list[str], api_key: str | No
 # `skyline serve` flags a replica of `--replicas N` does not inherit: the launcher sets them
 # per replica, or they are the router's.
 FLEET_ONLY_FLAGS = ("--replicas", "--ray", "--port", "--host", "--role", "--kv-events-port",
+                    "--kv-transfer-port",
                     "--policy", "--balance-abs", "--balance-rel", "--health-interval",
                     "--max-attempts", "--pd-min-prompt-tokens", "--device", "--threads",
                     "--gpu-memory-utilization", "--ray-address", "--ray-num-gpus")

@@ -259,11 +259,14 @@ class FleetConfig:
     `role`: what the router sends it (prefill-only work, decodes, or both). `kv_events_port`:
     the engine publishes its KV events (types.KVEventBatch) on a ZMQ PUB socket bound at
     `kv_events_host:kv_events_port` and answers snapshot requests on the port after it;
-    None: no events."""
+    None: no events. A prefill or decode replica moves KV through the KV connector
+    (cache/pd.py, worker/connector/pd.py)."""
 
     role: str = "both"
     kv_events_host: str = "127.0.0.1"
     kv_events_port: int | None = None
+    # prefill: the port its KV transfer socket binds on kv_events_host (None: any free one)
+    kv_transfer_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -50,6 +50,8 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar
+    # Prefill/decode disaggregation (cache/pd.py): {"transfer_id", "do_remote_decode", "peer"}
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -206,6 +208,8 @@ class CachedRequestData:
 
 
 KV_LOAD, KV_STORE, KV_SPILL, KV_DROP = "load", "store", "spill", "drop"
+# Prefill/decode: a finished request's blocks, held for a peer to pull (cache/pd.py)
+KV_SEND = "send"
 
 
 @dataclass
@@ -223,6 +227,9 @@ class KVTransfer:
       writes into the block, so the pool may hand it out again at once;
     - spill: write RAM slot `ram_slots[i]` to disk (`block_ids` empty);
     - drop: delete the disk copy of each key (`block_ids`, `ram_slots` empty).
+    - send: hold the device blocks `block_ids` (of a finished request) for a peer that pulls
+      them by key (prefill/decode: `params` {"transfer_id", "ttl_s"}); it ends once pulled,
+      or after ttl_s.
     `params`: a transport's own parameters (a peer to pull from), None for the local tiers."""
 
     op_id: int

@@ -51,3 +51,4 @@ class EngineArgs:
     role: str = "both"  # both | prefill | decode (a replica behind `skyline router`)
     kv_events_host: str = "127.0.0.1"
     kv_events_port: int | None = None  # publish KV events here (ZMQ PUB; snapshots on +1)
+    kv_transfer_port: int | None = None  # prefill role: the KV transfer socket (None: any)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from skyline.cache.connector import KVConnectorScheduler
 from skyline.cache.offload import TierConnector, TierLayout
+from skyline.cache.pd import PDConnector
 from skyline.config import ConfigError, EngineConfig
 from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, RunnerOutput, SchedulerOutput, StepOutput
@@ -99,9 +100,11 @@ class EngineCore:
 
     def _connector(self, config: EngineConfig) -> KVConnectorScheduler | None:
         """The scheduler's half of the KV connector, sized by what the workers hold."""
-        info = self.executor.query("kv_connector_info")
+        info = self.kv_connector_info = self.executor.query("kv_connector_info")
         if info is None:
             return None
+        if config.fleet.role != "both":
+            return PDConnector(config.fleet.role, config.cache.block_size)
         layout = TierLayout(info["ram_slots"], info["disk_blocks"], info["disk_writable"],
                             tuple(info["disk_found"]), info["ram_is_buffer"])
         sc = config.scheduler

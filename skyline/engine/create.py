@@ -195,7 +195,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         kv_events=args.kv_events_port is not None,
     )
     fleet = FleetConfig(role=args.role, kv_events_host=args.kv_events_host,
-                        kv_events_port=args.kv_events_port)
+                        kv_events_port=args.kv_events_port,
+                        kv_transfer_port=args.kv_transfer_port)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(

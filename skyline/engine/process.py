@@ -276,6 +276,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         "block_size": cfg.cache.block_size, "max_waiting": cfg.scheduler.max_waiting,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
         "role": cfg.fleet.role, "kv_events_port": cfg.fleet.kv_events_port,
+        "kv_transfer_port": (core.kv_connector_info or {}).get("kv_transfer_port"),
         "pid": os.getpid(),
         **core.executor.describe(),
     }

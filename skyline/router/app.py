@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from skyline.router.fleet import Fleet
 from skyline.router.metrics import CONTENT_TYPE, render
+from skyline.router.pd import Disaggregated
 from skyline.router.proxy import Proxy, Routed, error_response, until_disconnect
 
 log = logging.getLogger("skyline.router")
@@ -34,9 +35,6 @@ _KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # What a plain request may go to: a prefill-only replica gets only the prefill halves of
 # disaggregated requests (router/pd.py).
 SERVING_ROLES = ("both", "decode")
-
-Handler = Callable[[Request, Routed], Awaitable[Response]]
-
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
     """The body, or None past `limit` bytes."""
@@ -60,11 +58,11 @@ def _parse(body: bytes) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
-def build_app(fleet: Fleet, disaggregated: Handler | None = None,
-              on_stop: Callable[[], None] | None = None) -> Starlette:
-    """The router's ASGI app. `disaggregated`, if given, serves chat and completions when the
-    fleet has prefill replicas (router/pd.py); `on_stop` runs (in a thread) when it stops."""
+def build_app(fleet: Fleet, on_stop: Callable[[], None] | None = None) -> Starlette:
+    """The router's ASGI app; `on_stop` runs (in a thread) when it stops. Chat and
+    completions are disaggregated (router/pd.py) while the fleet has a prefill replica."""
     proxy = Proxy(fleet)
+    disaggregated = Disaggregated(fleet, proxy)
     cfg = fleet.cfg
     key = cfg.api_key.encode() if cfg.api_key else None
 
@@ -102,10 +100,11 @@ def build_app(fleet: Fleet, disaggregated: Handler | None = None,
             parsed = (await asyncio.to_thread(_parse, body) if len(body) > OFF_LOOP_BYTES
                       else _parse(body))
         req = Routed(kind, body, parsed)
-        if kind is not None and fleet.policy.uses_cache:
+        pd = kind is not None and bool(fleet.healthy(("prefill",)))
+        if kind is not None and (fleet.policy.uses_cache or pd):
             n, hashes = await fleet.prompt_hashes(kind, parsed, fleet.block_size())
             req.num_prompt_tokens, req.hashes = n, tuple(hashes)
-        if kind is not None and disaggregated is not None and fleet.healthy(("prefill",)):
+        if pd:
             work = asyncio.ensure_future(disaggregated(request, req))
         else:
             work = asyncio.ensure_future(proxy.forward(request, path, req, SERVING_ROLES))
@@ -148,11 +147,11 @@ def build_app(fleet: Fleet, disaggregated: Handler | None = None,
 
 
 def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          disaggregated: Handler | None = None, on_stop: Callable[[], None] | None = None) -> None:
+          on_stop: Callable[[], None] | None = None) -> None:
     """Run the router until SIGTERM / Ctrl-C, then `on_stop`."""
     import uvicorn
 
-    app = build_app(fleet, disaggregated, on_stop)
+    app = build_app(fleet, on_stop)
     names = ", ".join(r.url for r in fleet.replicas)
     print(f"skyline: routing at http://{host}:{port}/v1 over {len(fleet.replicas)} "
           f"replica(s) ({names}), policy {fleet.cfg.policy}", flush=True)

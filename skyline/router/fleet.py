@@ -143,6 +143,7 @@ class Fleet:
         r.block_size = info.get("block_size")
         r.num_blocks = info.get("num_blocks")
         r.kv_events_port = info.get("kv_events_port")
+        r.kv_transfer_port = info.get("kv_transfer_port")
         await self._unfollow(r)
         if r.kv_events_port is not None:
             sub = EventSubscriber(self.zmq, r, self.index)
@@ -185,7 +186,7 @@ class Fleet:
     async def prompt_hashes(self, kind: str, body: dict[str, Any] | None,
                             block_size: int | None) -> tuple[int, list[bytes]]:
         """(prompt tokens, block hashes) of a request, off the event loop; (0, []) when the
-        policy needs none or the prompt cannot be read here."""
+        prompt cannot be read here (or not yet: the tokenizer is loading)."""
         if self.hasher is None or not self.hasher.ready or body is None or block_size is None:
             return 0, []
         fn = self.hasher.chat if kind == "chat" else self.hasher.completion

@@ -40,6 +40,10 @@ _PER_REPLICA: list[tuple[str, str, str, Callable[[Replica], float]]] = [
      lambda r: r.usage_prompt_tokens),
     ("usage_cached_tokens", "Cached prompt tokens in the replica's usage reports", "counter",
      lambda r: r.usage_cached_tokens),
+    ("pd_prefills", "Prefill halves of disaggregated requests sent to the replica", "counter",
+     lambda r: r.pd_prefills),
+    ("pd_fallbacks", "Prefill halves that failed (the decode replica prefilled)", "counter",
+     lambda r: r.pd_fallbacks),
 ]
 
 

@@ -58,7 +58,7 @@ def sse_error(status: int, message: str) -> bytes:
     return f"data: {json.dumps(error_body(status, message))}\n\n".encode() + SSE_DONE
 
 
-class _Retry(Exception):
+class NotStarted(Exception):
     """This attempt failed before anything reached the client."""
 
     def __init__(self, reason: str, answer: Response | None = None) -> None:
@@ -129,7 +129,7 @@ class Proxy:
             tried.add(r.index)
             try:
                 out = await self.attempt(r, request, path, routed, headers)
-            except _Retry as e:
+            except NotStarted as e:
                 r.retries += 1
                 answer = e.answer or answer
                 log.info("request to %s%s did not start (%s); trying another replica",
@@ -154,7 +154,7 @@ class Proxy:
 
     async def attempt(self, r: Replica, request: Request, path: str, routed: Routed,
                       headers: dict[str, str]) -> Response:
-        """One replica's answer as the client's response; raises _Retry if it failed before
+        """One replica's answer as the client's response; raises NotStarted if it failed before
         any of it could be sent."""
         session = self.fleet.session
         assert session is not None
@@ -167,7 +167,7 @@ class Proxy:
                                              data=routed.body or None, headers=headers)
             except (aiohttp.ClientError, TimeoutError, OSError) as e:
                 self.fleet.suspect(r, f"{type(e).__name__}: {e}")
-                raise _Retry(f"{type(e).__name__}") from None
+                raise NotStarted(f"{type(e).__name__}") from None
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
             out_headers[REPLICA_HEADER] = r.name
             is_stream = resp.content_type == "text/event-stream"
@@ -175,7 +175,7 @@ class Proxy:
                 data = await self._read_all(r, resp)
                 answer = Response(data, status_code=resp.status, headers=out_headers)
                 if resp.status in _RETRY_STATUS:
-                    raise _Retry(f"HTTP {resp.status}", answer)
+                    raise NotStarted(f"HTTP {resp.status}", answer)
                 if resp.status == 200 and resp.content_type == "application/json":
                     with contextlib.suppress(ValueError, AttributeError):
                         record_usage(r, json.loads(data).get("usage"))
@@ -195,7 +195,7 @@ class Proxy:
             return await resp.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             self.fleet.suspect(r, f"{type(e).__name__} while reading an answer")
-            raise _Retry(f"{type(e).__name__} while reading the answer") from None
+            raise NotStarted(f"{type(e).__name__} while reading the answer") from None
 
     async def _first_event(self, r: Replica, resp: aiohttp.ClientResponse) -> bytes:
         """The stream's first complete event (with any bytes after it): until it arrives the
@@ -209,10 +209,10 @@ class Proxy:
                 buf += chunk
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             self.fleet.suspect(r, f"{type(e).__name__} before the first event")
-            raise _Retry(f"{type(e).__name__} before the first event") from None
+            raise NotStarted(f"{type(e).__name__} before the first event") from None
         if end < 0:
             self.fleet.suspect(r, "the stream ended before its first event")
-            raise _Retry("the stream ended before its first event")
+            raise NotStarted("the stream ended before its first event")
         return buf
 
     async def relay(self, r: Replica, resp: aiohttp.ClientResponse,

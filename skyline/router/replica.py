@@ -18,6 +18,7 @@ class Replica:
     block_size: int | None = None
     num_blocks: int | None = None
     kv_events_port: int | None = None
+    kv_transfer_port: int | None = None  # a prefill replica's: decode replicas pull KV there
     # From its KV events: num_running, num_waiting, kv_usage
     load: dict[str, float] = field(default_factory=dict)
     in_flight: int = 0  # requests the router has open on it now
@@ -29,6 +30,8 @@ class Replica:
     predicted_hit_tokens: int = 0
     usage_prompt_tokens: int = 0  # from responses' usage
     usage_cached_tokens: int = 0
+    pd_prefills: int = 0  # prefill halves of disaggregated requests (a prefill replica)
+    pd_fallbacks: int = 0  # of which failed: the decode replica prefilled the prompt itself
 
     @property
     def host(self) -> str:

@@ -96,7 +96,8 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
         """What a router (skyline/router/) reads when this replica joins."""
         i = llm.info
         return {"pid": os.getpid(), **{k: i.get(k) for k in (
-            "model_name", "role", "block_size", "num_blocks", "kv_events_port")}}
+            "model_name", "role", "block_size", "num_blocks", "kv_events_port",
+            "kv_transfer_port")}}
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -47,13 +47,13 @@ def metrics(base: str) -> dict[str, float]:
 
 
 class Fleet:
-    def __init__(self, tmp: str) -> None:
+    def __init__(self, tmp: str, *flags: str) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(tmp, "fleet.log")
         cmd = [sys.executable, "-m", "skyline.cli", "serve", "--replicas", "2", "--port",
                str(self.port), "--kv-cache-memory", "64MiB", "--max-num-seqs", "8",
-               "--shutdown-timeout", "5"]
+               "--shutdown-timeout", "5", *flags]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
