@@ -59,6 +59,11 @@
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
 #                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
+#   fleet          two engines on the GPU behind `skyline router`: colocated (cache-aware)
+#                  against prefill + decode on long prompts among short chats (FLEET_ARGS, e.g.
+#                  "--gpu-concurrency 64 --gpu-requests 800"): goodput under TTFT and TPOT
+#                  objectives, KV transfer rate against the device copy rate (bench/fleet.py
+#                  --stages gpu) -> $OUT/gpu.json
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -174,6 +179,11 @@ stage_long() {
     --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
     --out "$OUT/long-prompt-h200-$M-$((n / 1000))k$TAG.json"
   rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
+}
+
+stage_fleet() {
+  python3 bench/fleet.py --stages gpu --gpu-model "$M" --out-dir "$OUT" \
+    --log-dir "$OUT/fleet-logs" ${FLEET_ARGS:-}
 }
 
 stage_fast_start() {

@@ -18,7 +18,8 @@ Stages, each writing DIR/<stage>.json (default DIR: bench/results/fleet):
   the first token.
 - gpu: one GPU, two engines: colocated (both do everything, cache-aware) against
   prefill + decode on a mixed workload (long prompts among short chats): goodput under TTFT and
-  TPOT objectives (bench/fleet_gpu.py).
+  TPOT objectives, and the KV transfer rate against the device's copy rate (bench/fleet_gpu.py;
+  with --smoke it runs on the CPU, as a check).
 """
 
 from __future__ import annotations
@@ -94,13 +95,13 @@ class Fleet:
 
 
 def run(url: str, workload: WorkloadSpec, concurrency: int, num_requests: int,
-        endpoint: str = "chat", duration: float | None = None, warmup: int = 0
-        ) -> dict[str, Any]:
+        endpoint: str = "chat", duration: float | None = None, warmup: int = 0,
+        slos: dict[str, float] | None = None) -> dict[str, Any]:
     load = LoadSpec(base_url=url, endpoint=endpoint, concurrency=concurrency,
                     num_requests=num_requests, duration=duration, warmup=warmup, progress=False,
                     grace=120.0, setup_timeout=300.0)
     results, seconds, _, _ = run_load(load, workload)
-    s = summarize(results, seconds, None)
+    s = summarize(results, seconds, slos)
     s["cut_requests"] = sum(r.error == CUT for r in results)
     return s
 
@@ -382,6 +383,10 @@ def main() -> None:
     ap.add_argument("--overhead-itl-ms", type=float, default=2.0,
                     help="the stub's time between tokens (each its own event on the wire)")
     ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
+    sys.path.insert(0, HERE)
+    from fleet_gpu import add_args, stage_gpu  # type: ignore[import-not-found]
+
+    add_args(ap)
     a = ap.parse_args()
     if a.serve_stub is not None:
         return serve_stub(a.serve_stub, a.overhead_itl_ms / 1000)
@@ -392,12 +397,8 @@ def main() -> None:
         a = argparse.Namespace(**{**vars(a), **SMOKE})
     os.makedirs(a.log_dir, exist_ok=True)
     names = a.stages.split(",")
-    stages = {"routing": stage_routing, "kill": stage_kill, "overhead": stage_overhead}
-    if "gpu" in names:
-        sys.path.insert(0, HERE)
-        from fleet_gpu import stage_gpu  # type: ignore[import-not-found]
-
-        stages["gpu"] = stage_gpu
+    stages = {"routing": stage_routing, "kill": stage_kill, "overhead": stage_overhead,
+              "gpu": stage_gpu}
     unknown = [n for n in names if n not in stages]
     if unknown:
         raise SystemExit(f"unknown stage {unknown[0]!r}; choose from routing, kill, overhead, "
@@ -416,7 +417,8 @@ def main() -> None:
                            "command": "python " + " ".join(sys.argv),
                            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                            "seconds": time.monotonic() - t0,
-                           "machine": machine_info("cuda" if name == "gpu" else "cpu")})
+                           "machine": machine_info(
+                               "cuda" if name == "gpu" and not a.smoke else "cpu")})
             save_json(result, os.path.join(a.out_dir,
                                            f"{name}{'-smoke' if a.smoke else ''}.json"))
     finally:

@@ -297,7 +297,7 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
     from skyline import envs
     from skyline.engine.process import EngineStartError
     from skyline.engine.supervisor import EngineDeadError, RestartPolicy
-    from skyline.router.launch import free_port_pair
+    from skyline.router.launch import free_port, free_port_pair
     from skyline.server.app import serve
     from skyline.server.limits import RequestLimits
 
@@ -314,6 +314,9 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         ns.kv_events_port = free_port_pair(ns.kv_events_host)
     elif ns.kv_events_port is not None or ns.role != "both":
         ns.kv_events_host = ns.host
+    if ns.role == "prefill" and ns.kv_transfer_port is None:
+        # chosen once here, so that a restarted engine keeps it (routers read it at join)
+        ns.kv_transfer_port = free_port(ns.kv_events_host)
     chat_template = None
     if ns.chat_template is not None:
         try:

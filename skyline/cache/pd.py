@@ -17,6 +17,7 @@ Only requests that carry the parameters move KV; every other request runs as on 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from skyline.cache.block_pool import BlockPool
@@ -28,16 +29,22 @@ SEND_TTL_S = 60.0  # a prefill replica holds a finished request's blocks this lo
 
 
 class PDConnector(KVConnectorScheduler):
-    def __init__(self, role: str, block_size: int, ttl_s: float = SEND_TTL_S) -> None:
+    """`payload_bytes`: one block's KV bytes (all layers), for the transfer-rate counters."""
+
+    def __init__(self, role: str, block_size: int, payload_bytes: int = 0,
+                 ttl_s: float = SEND_TTL_S) -> None:
         assert role in ("prefill", "decode")
         self.role = role
         self.block_size = block_size
+        self.payload_bytes = payload_bytes
         self.ttl_s = ttl_s
+        self._started: dict[int, float] = {}  # load op id -> when its step started it
         self._next_op = 0
         self._planned: list[KVTransfer] = []
         self._ops: dict[int, KVTransfer] = {}  # started, not reported ended
-        self.counts = dict.fromkeys(("pd_sent_blocks", "pd_send_expired", "pd_loaded_blocks",
-                                     "pd_load_failed_blocks"), 0)
+        self.counts: dict[str, float] = dict.fromkeys(
+            ("pd_sent_blocks", "pd_send_expired", "pd_loaded_blocks", "pd_load_failed_blocks",
+             "pd_loaded_bytes", "pd_load_seconds"), 0)
 
     def attach(self, pool: BlockPool) -> None:
         pass
@@ -92,6 +99,10 @@ class PDConnector(KVConnectorScheduler):
 
     def build(self) -> list[KVTransfer]:
         out, self._planned = self._planned, []
+        now = time.monotonic()
+        for op in out:
+            if op.kind == KV_LOAD:
+                self._started[op.op_id] = now
         return out
 
     def update(self, finished: Sequence[int], failed: dict[int, list[int]]) -> list[LoadEnded]:
@@ -107,6 +118,10 @@ class PDConnector(KVConnectorScheduler):
                 self.counts[key] += 1 if bad else len(op.keys)
                 continue
             good = min(bad) if bad else len(op.keys)
+            # from the step that started it to the step that saw it end: the rate a request
+            # sees (concurrent loads overlap)
+            self.counts["pd_load_seconds"] += time.monotonic() - self._started.pop(op_id)
+            self.counts["pd_loaded_bytes"] += (len(op.keys) - len(bad)) * self.payload_bytes
             self.counts["pd_loaded_blocks"] += good
             self.counts["pd_load_failed_blocks"] += len(op.keys) - good
             ended.append(LoadEnded(op_id, good))

@@ -104,7 +104,8 @@ class EngineCore:
         if info is None:
             return None
         if config.fleet.role != "both":
-            return PDConnector(config.fleet.role, config.cache.block_size)
+            return PDConnector(config.fleet.role, config.cache.block_size,
+                               info.get("payload_bytes", 0))
         layout = TierLayout(info["ram_slots"], info["disk_blocks"], info["disk_writable"],
                             tuple(info["disk_found"]), info["ram_is_buffer"])
         sc = config.scheduler

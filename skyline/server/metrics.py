@@ -91,6 +91,15 @@ class _EngineCollector(Collector):
                       s.get("num_preemptions", 0))
         if "kv_offload_ram_hit_tokens" in s:  # KV tiers beyond the device
             yield from self._tiers(s, counter, by_key)
+        if "pd_loaded_blocks" in s:  # a prefill or decode replica (cache/pd.py)
+            for key, doc in (("pd_sent_blocks", "Blocks a decode replica pulled from here."),
+                             ("pd_send_expired", "Sends no decode replica pulled in time."),
+                             ("pd_loaded_blocks", "Prompt blocks pulled from a prefill replica."),
+                             ("pd_load_failed_blocks", "Blocks that failed to arrive "
+                                                       "(recomputed here)."),
+                             ("pd_loaded_bytes", "KV bytes pulled from prefill replicas."),
+                             ("pd_load_seconds", "Seconds from each pull's start to its end.")):
+                yield counter(f"kv_transfer_{key[3:]}", doc, s.get(key, 0))
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
                       s.get("spec_num_draft_tokens", 0))
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",

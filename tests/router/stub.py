@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,12 +22,7 @@ from aiohttp import web
 from skyline.config import RouterConfig
 from skyline.router.app import build_app
 from skyline.router.fleet import Fleet
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from skyline.router.launch import free_port
 
 
 @dataclass
