@@ -104,13 +104,16 @@ class Stub:
 
 
 @asynccontextmanager
-async def router(stubs: list[Stub], hasher: Any = None, **cfg: Any) -> AsyncIterator[str]:
-    """A router over the stubs, served by uvicorn in this event loop; yields its base URL."""
+async def router(stubs: list[Stub], hasher: Any = None, discover: Any = None,
+                 **cfg: Any) -> AsyncIterator[str]:
+    """A router over the stubs (or those `discover` names), served by uvicorn in this event
+    loop; yields its base URL."""
     for s in stubs:
         if s.runner is None and s.port == 0:
             await s.start()
     cfg.setdefault("health_interval_s", 0.2)
-    fleet = Fleet(RouterConfig(replicas=tuple(s.url for s in stubs), **cfg), hasher)
+    urls = discover() if discover is not None else [s.url for s in stubs]
+    fleet = Fleet(RouterConfig(replicas=tuple(urls), **cfg), hasher, discover)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(fleet), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))

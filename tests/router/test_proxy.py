@@ -179,3 +179,28 @@ def test_cache_aware_keeps_a_prefix_on_one_replica():
             assert len(set().union(*where.values())) == 2  # new prefixes spread out
 
     run(main())
+
+
+def test_discovered_replicas_join_and_leave():
+    async def main() -> None:
+        a, b = Stub("a"), Stub("b")
+        await a.start()
+        await b.start()
+        urls = [a.url]
+        async with router([a, b], discover=lambda: list(urls)) as url:
+            async with aiohttp.ClientSession() as s:
+                async def replicas() -> set[str]:
+                    async with s.get(f"{url}/metrics") as r:
+                        text = await r.text()
+                    return {line.split('"')[1] for line in text.splitlines()
+                            if line.startswith("skyline_router:replica_healthy{")}
+
+                await asyncio.sleep(0.5)
+                assert await replicas() == {f"127.0.0.1:{a.port}"}  # b was not discovered
+                urls[:] = [b.url]
+                await asyncio.sleep(0.6)
+                assert await replicas() == {f"127.0.0.1:{b.port}"}
+                status, h, _ = await post(f"{url}/v1/completions", {"prompt": "x"})
+                assert status == 200 and h["x-skyline-replica"] == f"127.0.0.1:{b.port}"
+
+    run(main())
