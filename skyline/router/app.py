@@ -99,6 +99,10 @@ def build_app(fleet: Fleet, on_stop: Callable[[], None] | None = None) -> Starle
         if kind is not None:
             parsed = (await asyncio.to_thread(_parse, body) if len(body) > OFF_LOOP_BYTES
                       else _parse(body))
+        if parsed is not None and "kv_transfer_params" in parsed:
+            # the router's own field: a client's would make replicas move KV at its bidding
+            return error_response(400, "kv_transfer_params is set by the router, not by "
+                                       "clients; remove it")
         req = Routed(kind, body, parsed)
         pd = kind is not None and bool(fleet.healthy(("prefill",)))
         if kind is not None and (fleet.policy.uses_cache or pd):

@@ -45,7 +45,9 @@ class ResponseFormat(_Request):
 class KVTransferParams(_Request):
     """Prefill/decode disaggregation, set by `skyline router` (router/pd.py) on the two halves
     of a request: the prefill replica keeps the prompt's KV for `transfer_id` until a decode
-    replica pulls it; the decode replica pulls it from `peer` (tcp://host:port)."""
+    replica pulls it; the decode replica pulls it from `peer` (tcp://host:port). The router
+    refuses it from clients; replicas with --role prefill or decode trust whoever reaches them,
+    so only the router should."""
 
     transfer_id: str = Field(min_length=1, max_length=64)
     do_remote_decode: bool = False

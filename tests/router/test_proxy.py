@@ -132,6 +132,10 @@ def test_router_errors_are_openai_shaped():
             status, h, body = await post(f"{url}/v1/completions", {"prompt": "x"})
             assert status == 401 and h["www-authenticate"] == "Bearer"
             auth = {"Authorization": "Bearer k"}
+            status, _, body = await post(f"{url}/v1/completions", {
+                "prompt": "x", "kv_transfer_params": {"transfer_id": "t", "peer": "tcp://h:1"}},
+                auth)
+            assert status == 400 and "set by the router" in json.loads(body)["error"]["message"]
             status, _, body = await post(f"{url}/v1/completions", {"prompt": "x" * 2000}, auth)
             assert status == 413 and "larger than 1000 bytes" in json.loads(body)["error"][
                 "message"]
