@@ -207,18 +207,34 @@ def stage_kill(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
     victim = sorted(fleet.healthy())[0]
     pid = get_json(f"http://{victim}/fleet")["pid"]
     killed_at: list[float] = []
+    rejoined_at: list[float] = []
+    done = threading.Event()
 
-    def kill_later() -> None:
+    def kill_then_watch() -> None:
+        """Kill the victim, then note when the router has it back (its launcher restarts
+        it), until the load and the rejoin timeout are over."""
         time.sleep(a.kill_after)
         os.kill(pid, signal.SIGKILL)
         killed_at.append(time.monotonic())
+        seen_down = False
+        while not done.is_set() or time.monotonic() - killed_at[0] < a.rejoin_timeout:
+            time.sleep(0.5)
+            try:
+                up = fleet.healthy().get(victim)
+            except OSError:
+                continue
+            seen_down = seen_down or not up
+            if up and seen_down:
+                rejoined_at.append(time.monotonic())
+                return
 
     before = router_metrics(fleet.base)
-    killer = threading.Thread(target=kill_later)
-    killer.start()
+    watcher = threading.Thread(target=kill_then_watch)
+    watcher.start()
     t0 = time.monotonic()
     s = run(fleet.url, wl, a.concurrency, a.kill_requests, duration=a.kill_duration)
-    killer.join()
+    done.set()
+    watcher.join()
     m = router_metrics(fleet.base)
 
     def delta(name: str) -> float:
@@ -230,12 +246,10 @@ def stage_kill(a: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
            "router_retries": delta("retries_total"),
            "router_failed_streams": delta("failed_streams_total"),
            "routed": {k: v - per_replica(before, "requests_total").get(k, 0)
-                      for k, v in per_replica(m, "requests_total").items()}}
-    deadline = time.monotonic() + a.rejoin_timeout
-    while not fleet.healthy().get(victim) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    out["rejoined"] = bool(fleet.healthy().get(victim))
-    out["rejoin_s_after_kill"] = time.monotonic() - killed_at[0] if out["rejoined"] else None
+                      for k, v in per_replica(m, "requests_total").items()},
+           "load_s": time.monotonic() - t0,
+           "rejoined": bool(rejoined_at),
+           "rejoin_s_after_kill": rejoined_at[0] - killed_at[0] if rejoined_at else None}
     print("kill", out, flush=True)
     return out
 
