@@ -286,7 +286,8 @@ class TierConnector(KVConnectorScheduler):
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._ops)
+        """Transfers started, and blocks waiting for the next `build` to start theirs."""
+        return len(self._ops) + len(self._to_store) + len(self._to_spill) + len(self._to_drop)
 
     def reset(self) -> int:
         self._stale = self._storing | self._spilling
