@@ -249,7 +249,7 @@ class TierConnector(KVConnectorScheduler):
             else:
                 self.ram.fill(h, slot)
                 self.counts["ram_stored_blocks"] += 1
-                if self.ram_is_buffer:
+                if self.ram_is_buffer and self.disk is not None and not self.eager:
                     self._to_spill.append(h)
             if to_disk:
                 self._disk_written(h, i not in bad)
