@@ -168,7 +168,7 @@ class TierConnector(KVConnectorScheduler):
         self._to_spill = []
         need = min(self.ram_headroom, self.ram.capacity // 4) - len(self.ram.free) \
             - len(self._spilling)
-        for h in self.ram.oldest(max(0, need) + VICTIM_SCAN):
+        for h in self.ram.oldest(need + VICTIM_SCAN) if need > 0 else ():
             if need <= 0:
                 break
             if h in self.ram.pins:
