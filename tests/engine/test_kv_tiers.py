@@ -11,7 +11,6 @@ import random
 import threading
 
 import pytest
-import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
@@ -27,20 +26,8 @@ SMALL = dict(device="cpu", dtype="float32", num_blocks=48, block_size=4, max_mod
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=VOCAB - 1, bos_token_id=1, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp("llama")
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
+def model_path(tiny_llama):
+    return tiny_llama(0.15)
 
 
 @pytest.fixture(scope="module")
