@@ -60,7 +60,8 @@ def main() -> None:
     num_blocks = max(int(a.share * a.conversations * conv_tokens), max_len) // BLOCK
     running = max(1, num_blocks * BLOCK // conv_tokens)  # whole conversations that fit
     base = ["--device", "cpu", "--num-blocks", str(num_blocks), "--block-size", str(BLOCK),
-            "--max-model-len", str(max_len), "--max-num-seqs", str(running)]
+            "--max-model-len", str(max_len), "--max-num-seqs", str(running),
+            "--max-waiting", str(a.concurrency)]
     ram = f"{max(64, 2 * a.conversations * conv_tokens * 48_000 >> 20)}MiB"  # ~46 KB a token
     workload = WorkloadSpec("multi-turn", str(a.input_len), str(a.output_len), num_turns=a.turns,
                             seed=0)
