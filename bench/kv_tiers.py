@@ -40,8 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--input-len", type=int, default=96, help="new tokens a turn")
-    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--input-len", type=int, default=192, help="new tokens a turn")
+    ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--share", type=float, default=0.1,
                     help="conversations the device cache holds, as a share of all")

@@ -11,6 +11,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
@@ -236,3 +237,23 @@ def test_bad_flags(model_path, tmp_path):
     for kw, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             LLM(model_path, **SMALL, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_cuda_tiers_same_tokens(model_path, prompts, tmp_path, kv):
+    """On the GPU (copy streams, pinned RAM, CUDA graphs, async scheduling): the tokens of a
+    prefix restored from RAM, then from disk after a restart, are those of the cold run."""
+    gpu = SMALL | dict(device="cuda", num_blocks=64, kv_cache_dtype=kv)
+    disk = dict(kv_offload_disk=str(tmp_path), kv_offload_policy="eager")
+    llm = LLM(model_path, **gpu, **disk, kv_offload_ram="4MiB")
+    cold = run(llm, prompts)
+    assert run(llm, prompts) == cold
+    s = settled(llm)
+    assert s["kv_offload_ram_hit_tokens"] > 0 and s["kv_offload_disk_stored_blocks"] > 0
+    llm.engine.shutdown()
+    again = LLM(model_path, **gpu, **disk)
+    assert run(again, prompts) == cold
+    assert settled(again)["kv_offload_disk_hit_tokens"] > 0
+    again.engine.shutdown()
