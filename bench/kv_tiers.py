@@ -78,7 +78,8 @@ def main() -> None:
                 res = run_serve_bench(dataclasses.replace(load, base_url=url), workload)
             finally:
                 stop_server(proc)
-            runs[name] = {"flags": flags[name], "summary": res["summary"]}
+            runs[name] = {"flags": flags[name], "summary": res["summary"],
+                          "load_average_1min_after": os.getloadavg()[0]}
     result = {
         "benchmark": "kv_tiers",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -87,7 +88,8 @@ def main() -> None:
         "concurrency": a.concurrency, "max_num_seqs": running,
         "device_cache_tokens": num_blocks * BLOCK,
         "conversation_tokens_estimate": conv_tokens,
-        "machine": {"host": platform.node(), "cpu_count": os.cpu_count()},
+        "machine": {"host": platform.node(), "cpu_count": os.cpu_count(),
+                    "load_average_1min": os.getloadavg()[0]},
         "runs": runs, "table": table(runs),
     }
     print_table(result["table"])
