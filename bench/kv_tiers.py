@@ -3,8 +3,10 @@ against the device cache alone, in one run, with a device cache that holds about
 conversations.
 
 Each conversation resends its whole history every turn (`--workload multi-turn`); `concurrency`
-users talk at once, so between two turns of one conversation the others' turns evict its
-prefix from the device cache. One server per setting, the same workload and seed for each:
+users talk at once while the server runs as many requests as its cache holds whole
+conversations (--max-num-seqs), the others queue: between two turns of one conversation the
+others' turns evict its prefix from the device cache. One server per setting, the same
+workload and seed for each:
   device  the device cache alone
   ram     plus a host-RAM tier big enough for every conversation (--kv-offload-ram)
   disk    plus a disk tier instead (--kv-offload-disk, its RAM write buffer only)
@@ -38,8 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--input-len", type=int, default=96, help="new tokens a turn")
-    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--input-len", type=int, default=192, help="new tokens a turn")
+    ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--share", type=float, default=0.1,
                     help="conversations the device cache holds, as a share of all")
@@ -56,8 +58,10 @@ def main() -> None:
     max_len = -(-int(conv_tokens * 1.5) // BLOCK) * BLOCK
     # About `share` of the conversations fit; never less than one whole conversation.
     num_blocks = max(int(a.share * a.conversations * conv_tokens), max_len) // BLOCK
+    running = max(1, num_blocks * BLOCK // conv_tokens)  # whole conversations that fit
     base = ["--device", "cpu", "--num-blocks", str(num_blocks), "--block-size", str(BLOCK),
-            "--max-model-len", str(max_len), "--max-num-seqs", str(a.concurrency)]
+            "--max-model-len", str(max_len), "--max-num-seqs", str(running),
+            "--max-waiting", str(a.concurrency)]
     ram = f"{max(64, 2 * a.conversations * conv_tokens * 48_000 >> 20)}MiB"  # ~46 KB a token
     workload = WorkloadSpec("multi-turn", str(a.input_len), str(a.output_len), num_turns=a.turns,
                             seed=0)
@@ -74,15 +78,18 @@ def main() -> None:
                 res = run_serve_bench(dataclasses.replace(load, base_url=url), workload)
             finally:
                 stop_server(proc)
-            runs[name] = {"flags": flags[name], "summary": res["summary"]}
+            runs[name] = {"flags": flags[name], "summary": res["summary"],
+                          "load_average_1min_after": os.getloadavg()[0]}
     result = {
         "benchmark": "kv_tiers",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": "default (SmolLM2-135M-Instruct Q4_1 GGUF, fp32 on the CPU)",
         "workload": dataclasses.asdict(workload), "conversations": a.conversations,
-        "concurrency": a.concurrency, "device_cache_tokens": num_blocks * BLOCK,
+        "concurrency": a.concurrency, "max_num_seqs": running,
+        "device_cache_tokens": num_blocks * BLOCK,
         "conversation_tokens_estimate": conv_tokens,
-        "machine": {"host": platform.node(), "cpu_count": os.cpu_count()},
+        "machine": {"host": platform.node(), "cpu_count": os.cpu_count(),
+                    "load_average_1min": os.getloadavg()[0]},
         "runs": runs, "table": table(runs),
     }
     print_table(result["table"])

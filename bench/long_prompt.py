@@ -84,8 +84,10 @@ def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[
     disk = os.path.join(a.disk_dir, f"kv-{kv}")
     shutil.rmtree(disk, ignore_errors=True)
     kw = engine | {"kv_cache_dtype": kv}
+    # Half the GPU: the disk stage's engine, made in this process, then has room even if
+    # some of this one's memory is slow to go back.
     llm = LLM(a.model, **kw, kv_offload_ram=a.ram, kv_offload_disk=disk,
-              kv_offload_policy="eager")
+              kv_offload_policy="eager", gpu_memory_utilization=0.45)
     arch = llm.config.model.arch
     info = llm.engine.executor.describe()
     per_token = info["kv_cache_gib"] * 2**30 / info["kv_cache_tokens"]

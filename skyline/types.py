@@ -194,6 +194,11 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens in the KV cache before this step (prefix hits)
 
+    @classmethod
+    def of(cls, req: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                   req.sampling_params, block_ids, req.num_computed_tokens)
+
 
 @dataclass
 class CachedRequestData:

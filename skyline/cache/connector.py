@@ -77,7 +77,8 @@ class KVConnectorScheduler:
 
     @property
     def num_in_flight(self) -> int:
-        """Transfers started and not reported ended."""
+        """Transfers started and not reported ended, or decided and not started (the engine
+        steps until there are none)."""
         raise NotImplementedError
 
     def stats(self) -> dict[str, float]:

@@ -168,7 +168,7 @@ class TierConnector(KVConnectorScheduler):
         self._to_spill = []
         need = min(self.ram_headroom, self.ram.capacity // 4) - len(self.ram.free) \
             - len(self._spilling)
-        for h in self.ram.oldest(max(0, need) + VICTIM_SCAN):
+        for h in self.ram.oldest(need + VICTIM_SCAN) if need > 0 else ():
             if need <= 0:
                 break
             if h in self.ram.pins:
@@ -249,7 +249,7 @@ class TierConnector(KVConnectorScheduler):
             else:
                 self.ram.fill(h, slot)
                 self.counts["ram_stored_blocks"] += 1
-                if self.ram_is_buffer:
+                if self.ram_is_buffer and self.disk is not None and not self.eager:
                     self._to_spill.append(h)
             if to_disk:
                 self._disk_written(h, i not in bad)
@@ -286,7 +286,8 @@ class TierConnector(KVConnectorScheduler):
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._ops)
+        """Transfers started, and blocks waiting for the next `build` to start theirs."""
+        return len(self._ops) + len(self._to_store) + len(self._to_spill) + len(self._to_drop)
 
     def reset(self) -> int:
         self._stale = self._storing | self._spilling

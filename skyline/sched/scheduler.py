@@ -13,14 +13,10 @@ freed at once and the runner told to drop them (`CachedRequestData.num_freed_blo
 Whether the next step speculates is decided once, by `can_overlap` or `schedule`, by the
 policy's measured gate, fed each step's wall time through `record_step`.
 
-KV beyond the device (a KV connector, cache/connector.py): a waiting request whose prefix a
-lower tier holds is admitted to wait for its KV instead of computing it; sched/kv_loads.py
-keeps such requests and hands them back, ready to run, from `update`.
-
 Invariants between calls:
 - `running` is in admission order; every running request holds blocks for its computed tokens.
 - waiting (and preempted) requests hold no blocks and have `num_computed_tokens == 0`;
-  requests waiting for KV (`kv_loads.loading`) hold the blocks being filled.
+  requests waiting for KV from a connector (sched/kv_loads.py) hold the blocks being filled.
 - `_finished_ids` holds every id the runner must forget before the next step.
 
 Call order: `schedule`, run the step, `update`, and `add_request` / `abort_requests` only between
@@ -209,13 +205,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            rid = req.request_id
             pending = req.num_output_placeholders
             num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             if num_new <= 0 or (pending and self._ends_within(req, pending)):
                 i += 1  # nothing to compute until `update` gives it a token
                 continue
             speculate_req = speculate and num_new == 1 and not pending
-            drafts = (self.spec.drafts_for(req, self._drafts.get(req.request_id),
+            drafts = (self.spec.drafts_for(req, self._drafts.get(rid),
                                            min(budget, self.max_len(req) - req.num_tokens) - 1)
                       if speculate_req else [])
             while True:
@@ -231,7 +228,7 @@ class Scheduler:
                     preempted = True  # it waits for those loads (no admission meanwhile)
                     break
                 assert victim is not req or self.running, (
-                    f"request {req.request_id} alone cannot get blocks; the cache is too small"
+                    f"request {rid} alone cannot get blocks; the cache is too small"
                 )
                 self._preempt(victim, out)
                 preempted = True
@@ -240,13 +237,12 @@ class Scheduler:
             if new_ids is None:
                 break  # `req` was preempted; it was the last running request
             if self.kv_loads.take_unsent(req):  # its KV came through the connector
-                out.new_requests.append(self._new_request_data(req))
+                out.new_requests.append(NewRequestData.of(req, self.kv_manager.block_ids(rid)))
             else:
-                out.cached_requests.append(
-                    CachedRequestData(req.request_id, new_ids, req.num_computed_tokens,
-                                      self._num_freed_blocks.pop(req.request_id, 0)))
+                out.cached_requests.append(CachedRequestData(
+                    rid, new_ids, req.num_computed_tokens, self._num_freed_blocks.pop(rid, 0)))
             if drafts:
-                out.spec_token_ids[req.request_id] = drafts
+                out.spec_token_ids[rid] = drafts
                 num_new += len(drafts)
             self._commit(req, num_new, out)
             budget -= num_new
@@ -261,6 +257,7 @@ class Scheduler:
             and len(self.running) + num_loading < self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
+            rid = req.request_id
             assert not req.num_output_placeholders  # a preempted request is updated first
             hits, num_hit = self.kv_manager.get_computed_blocks(req)
             loading = self.kv_loads.admit(req, hits, num_hit)  # more prefix below the device?
@@ -279,7 +276,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            out.new_requests.append(self._new_request_data(req))
+            out.new_requests.append(NewRequestData.of(req, self.kv_manager.block_ids(rid)))
             self._commit(req, num_new, out)
             budget -= num_new
 
@@ -293,16 +290,6 @@ class Scheduler:
             out.propose_drafts = self._speculates_next()
             out.feed_proposer = self._next[0]
         return out
-
-    def _new_request_data(self, req: Request) -> NewRequestData:
-        return NewRequestData(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=list(req.output_token_ids),
-            sampling_params=req.sampling_params,
-            block_ids=self.kv_manager.block_ids(req.request_id),
-            num_computed_tokens=req.num_computed_tokens,
-        )
 
     def _commit(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
         out.num_scheduled_tokens[req.request_id] = num_new

@@ -27,20 +27,8 @@ SMALL = dict(device="cpu", dtype="float32", num_blocks=48, block_size=4, max_mod
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=VOCAB - 1, bos_token_id=1, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp("llama")
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
+def model_path(tiny_llama):
+    return tiny_llama(0.15)
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +237,23 @@ def test_bad_flags(model_path, tmp_path):
     for kw, msg in bad:
         with pytest.raises(ConfigError, match=msg):
             LLM(model_path, **SMALL, **kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_cuda_tiers_same_tokens(model_path, prompts, tmp_path, kv):
+    """On the GPU (copy streams, pinned RAM, CUDA graphs, async scheduling): the tokens of a
+    prefix restored from RAM, then from disk after a restart, are those of the cold run."""
+    gpu = SMALL | dict(device="cuda", num_blocks=64, kv_cache_dtype=kv)
+    disk = dict(kv_offload_disk=str(tmp_path), kv_offload_policy="eager")
+    llm = LLM(model_path, **gpu, **disk, kv_offload_ram="4MiB")
+    cold = run(llm, prompts)
+    assert run(llm, prompts) == cold
+    s = settled(llm)
+    assert s["kv_offload_ram_hit_tokens"] > 0 and s["kv_offload_disk_stored_blocks"] > 0
+    llm.engine.shutdown()
+    again = LLM(model_path, **gpu, **disk)
+    assert run(again, prompts) == cold
+    assert settled(again)["kv_offload_disk_hit_tokens"] > 0
+    again.engine.shutdown()

@@ -99,9 +99,9 @@ def scenario(seed: int, async_scheduling: bool = False, tiers: bool = False) -> 
             assert {r.request_id for r in so.new_requests} <= running, (
                 "no admission in a step short of memory")
         # Async: a step may be empty while every running request waits for its token; a step
-        # may only wait for KV transfers.
+        # may only wait for KV transfers, or only start them (or find none to start).
         assert (0 < so.total_num_scheduled_tokens or (async_scheduling and in_flight)
-                or so.kv_in_flight)
+                or so.kv_in_flight or not sched.requests)
         assert so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= cfg.max_num_seqs
         assert len(sched.running) + len(sched.kv_loads.loading) <= cfg.max_num_seqs

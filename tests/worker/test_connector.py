@@ -266,3 +266,44 @@ def test_merge_ranks():
     assert out.kv_finished == [] and out.kv_failed == {}
     m.merge([RunnerOutput(), RunnerOutput(kv_finished=[2, 1], kv_failed={1: [3]})], out)
     assert sorted(out.kv_finished) == [1, 2] and out.kv_failed == {1: [0, 3]}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_worker_transfers_on_cuda(tmp_path, dtype):
+    """Stores gathered on the compute stream and copied out on a side stream, a block
+    reallocated and overwritten by the next kernel at once, loads from pinned RAM and from
+    disk: the bytes come back exactly."""
+    from skyline.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelArch,
+        ModelConfig,
+        OffloadConfig,
+        SchedulerConfig,
+    )
+    from skyline.worker.connector.tiers import TierWorker
+
+    arch = ModelArch("LlamaForCausalLM", 32, 16, 32, 3, 2, 2, 16)
+    cfg = EngineConfig(ModelConfig(str(tmp_path), "dummy", arch, "bfloat16", 64),
+                       CacheConfig(block_size=4), SchedulerConfig(max_model_len=64),
+                       device="cuda",
+                       offload=OffloadConfig(ram_bytes=1 << 20, disk_dir=str(tmp_path / "d"),
+                                             policy="eager"))
+    kv = [c.cuda() for c in caches(dtype, num_blocks=64)]
+    before = [c.clone() for c in kv]
+    w = TierWorker(cfg, kv, [(1.0, 1.0)] * 3)
+    keys = [key(i) for i in range(32)]
+    w.start([KVTransfer(0, KV_STORE, keys, list(range(32)), list(range(32)), [True] * 32)])
+    for c in kv:  # the next "step" overwrites the stored blocks at once
+        c[:, :32].zero_()
+    drain(w, 1)
+    w.start([KVTransfer(1, KV_LOAD, keys[:16], list(range(32, 48)), list(range(16)),
+                        [False] * 16),
+             KVTransfer(2, KV_LOAD, keys[16:], list(range(48, 64)), [-1] * 16, [True] * 16)])
+    drain(w, 2)
+    torch.cuda.synchronize()
+    for b, c in zip(before, kv, strict=True):
+        assert torch.equal(c[:, 32:64].view(torch.uint8), b[:, :32].view(torch.uint8))
+    w.shutdown()

@@ -292,6 +292,8 @@ class TierWorker(KVConnector):
             return
         self.pool.shutdown(wait=True)  # writes in flight finish: the disk keeps them
         self.pool = None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy reads host memory any more
         self.ram.release()
         self.staging.release()
 
