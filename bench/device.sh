@@ -26,7 +26,10 @@
 #                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
 #   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
 #   long           one LONG_LEN-token prompt (200000) in chunks of 8,192 against the compute
-#                  floor (bench/long_prompt.py)
+#                  floor, then warm from host RAM (against KV bytes / host-to-device bandwidth)
+#                  and from disk (against KV bytes / disk read rate), for each KV dtype in
+#                  LONG_KVS (auto,fp8); the disk tier in KV_DISK (/var/tmp/skyline-kv, on a
+#                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
 #   fast-start     engine ready from a safetensors checkpoint (bench/fast_start.py), with
 #                  --speculative-method $SPEC_METHOD (none)
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
@@ -56,6 +59,11 @@
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
 #                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
+#   fleet          two engines on the GPU behind `skyline router`: colocated (cache-aware)
+#                  against prefill + decode on long prompts among short chats (FLEET_ARGS, e.g.
+#                  "--gpu-concurrency 64 --gpu-requests 800"): goodput under TTFT and TPOT
+#                  objectives, KV transfer rate against the device copy rate (bench/fleet.py
+#                  --stages gpu) -> $OUT/gpu.json
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -164,8 +172,16 @@ stage_prefill() {
 
 stage_long() {
   local n=${LONG_LEN:-200000}
+  mkdir -p "${KV_DISK:-/var/tmp/skyline-kv}"
   python3 bench/long_prompt.py --model "$M" --prompt-len "$n" --chunk 8192 \
+    --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
     --out "$OUT/long-prompt-h200-$M-$((n / 1000))k$TAG.json"
+  rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
+}
+
+stage_fleet() {
+  python3 bench/fleet.py --stages gpu --gpu-model "$M" --out-dir "$OUT" \
+    --log-dir "$OUT/fleet-logs" ${FLEET_ARGS:-}
 }
 
 stage_fast_start() {

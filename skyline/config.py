@@ -143,6 +143,41 @@ class CacheConfig:
     # one of KV_CACHE_DTYPES; fp8_e4m3: float8_e4m3fn with per-layer K/V scales, twice the
     # tokens of a bf16 cache in the same memory (ops/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # The block pool logs the hashes it stores and evicts (KV events, for a router's index);
+    # set where FleetConfig.kv_events_port is.
+    kv_events: bool = False
+
+
+KV_OFFLOAD_POLICIES = ("eviction", "eager")
+KV_OFFLOAD_DTYPES = ("auto", "fp8", "int8")  # auto: the device cache's own bytes
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """KV cache beyond the device (cache/tiers.py, worker/connector/): blocks written down to
+    pinned host RAM and a disk directory, keyed by their chained hashes, and restored instead
+    of recomputed. `policy` eviction: a device block is written down as it nears eviction, a
+    RAM block is spilled to disk the same way; eager: every full block is written to every
+    tier as soon as it is computed. `dtype` fp8 / int8: the lower tiers hold blocks quantized
+    per token and head with float32 scales (about half the bytes of a 16-bit cache; lossy)."""
+
+    ram_bytes: int = 0  # pinned host RAM; 0 with a disk: a small write buffer only
+    disk_dir: str | None = None
+    disk_bytes: int | None = None  # None: 90% of the free space at start-up
+    policy: str = "eviction"  # one of KV_OFFLOAD_POLICIES
+    dtype: str = "auto"  # one of KV_OFFLOAD_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.policy not in KV_OFFLOAD_POLICIES:
+            raise ConfigError(f"--kv-offload-policy must be eviction or eager, got {self.policy!r}")
+        if self.dtype not in KV_OFFLOAD_DTYPES:
+            raise ConfigError(f"--kv-offload-dtype must be auto, fp8 or int8, got {self.dtype!r}")
+        if self.ram_bytes < 0 or (self.disk_bytes is not None and self.disk_bytes < 0):
+            raise ConfigError("--kv-offload-ram and --kv-offload-disk-size must not be negative")
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram_bytes > 0 or self.disk_dir is not None
 
 
 @dataclass(frozen=True)
@@ -218,6 +253,71 @@ class SpecConfig:
         return self.method != "none"
 
 
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """This engine as one replica of a fleet behind `skyline router` (router/).
+
+    `role`: what the router sends it (prefill-only work, decodes, or both). `kv_events_port`:
+    the engine publishes its KV events (types.KVEventBatch) on a ZMQ PUB socket bound at
+    `kv_events_host:kv_events_port` and answers snapshot requests on the port after it;
+    None: no events. A prefill or decode replica moves KV through the KV connector
+    (cache/pd.py, worker/connector/pd.py)."""
+
+    role: str = "both"
+    kv_events_host: str = "127.0.0.1"
+    kv_events_port: int | None = None
+    # prefill: the port its KV transfer socket binds on kv_events_host (None: any free one)
+    kv_transfer_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_events_port is not None and not 1 <= self.kv_events_port < 65535:
+            raise ConfigError(f"--kv-events-port must be a TCP port below 65535 (it uses the "
+                              f"next one too), got {self.kv_events_port}")
+
+
+POLICIES = ("cache-aware", "round-robin", "least-load")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`skyline router`: replicas (URLs) and how requests are spread over them (router/)."""
+
+    replicas: tuple[str, ...]
+    policy: str = "cache-aware"  # cache-aware | round-robin | least-load
+    balance_abs: int = 4  # cache-aware: overloaded at this many more open requests ...
+    balance_rel: float = 1.5  # ... and this many times as many as the least-loaded replica
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    max_attempts: int = 3  # replicas a request may be tried on before it starts
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = 16 << 20
+    api_key: str | None = None  # required of clients, and sent to the replicas
+    # Prefill/decode: prompts shorter than this many tokens (after prefix hits on the decode
+    # replica) are prefilled where they decode; the KV of longer ones is prefilled on a
+    # prefill replica and moved.
+    pd_min_prompt_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ConfigError("give at least one replica (--replica http://HOST:PORT)")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, "
+                              f"got {self.policy!r}")
+        if self.balance_abs < 0 or self.balance_rel < 1:
+            raise ConfigError("--balance-abs must be >= 0 and --balance-rel >= 1")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ConfigError("--health-interval and --health-timeout must be positive")
+        if self.max_attempts < 1 or self.connect_timeout_s <= 0:
+            raise ConfigError("--max-attempts must be at least 1 and the timeouts positive")
+        if self.pd_min_prompt_tokens < 0:
+            raise ConfigError("--pd-min-prompt-tokens must be >= 0")
+
+
 @dataclass(frozen=True)
 class TrainArgs:
     """Training of an EAGLE head (`skyline train-speculator`, worker/spec/train.py)."""
@@ -245,6 +345,8 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     # Schedule step n+1 while the device runs step n (engine/core.py).
     async_scheduling: bool = False
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def __post_init__(self) -> None:
         c, s = self.cache, self.scheduler
@@ -260,6 +362,12 @@ class EngineConfig:
             raise ConfigError("--max-num-batched-tokens must be at least 1")
         if s.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        if self.offload.enabled and not c.enable_prefix_caching:
+            raise ConfigError("KV offload keeps blocks by their prefix hashes; drop "
+                              "--no-prefix-caching or the --kv-offload-* flags")
+        if self.offload.dtype != "auto" and c.kv_cache_dtype != "auto":
+            raise ConfigError("--kv-offload-dtype compresses a 16- or 32-bit KV cache; with "
+                              "--kv-cache-dtype fp8 the blocks are moved as they are: drop it")
 
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -50,6 +50,8 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar
+    # Prefill/decode disaggregation (cache/pd.py): {"transfer_id", "do_remote_decode", "peer"}
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -121,6 +123,9 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Holds blocks that a KV connector is filling (from a lower tier or another replica); it
+    # joins the running batch when they are in (sched/kv_loads.py).
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -189,6 +194,11 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens in the KV cache before this step (prefix hits)
 
+    @classmethod
+    def of(cls, req: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                   req.sampling_params, block_ids, req.num_computed_tokens)
+
 
 @dataclass
 class CachedRequestData:
@@ -200,6 +210,41 @@ class CachedRequestData:
     # Blocks dropped from the tail of its table since it last ran (slots of rejected draft
     # tokens); the runner drops them before appending `new_block_ids`.
     num_freed_blocks: int = 0
+
+
+KV_LOAD, KV_STORE, KV_SPILL, KV_DROP = "load", "store", "spill", "drop"
+# Prefill/decode: a finished request's blocks, held for a peer to pull (cache/pd.py)
+KV_SEND = "send"
+
+
+@dataclass
+class KVTransfer:
+    """Block copies between the device's KV cache and what lies beyond it (host RAM, disk, a
+    peer), decided by the scheduler's half of the KV connector (cache/connector.py) and run by
+    every rank's worker on its own shard of each block (worker/connector/). The worker reports
+    it by `op_id` once all its copies ended (`RunnerOutput.kv_finished` / `kv_failed`).
+
+    Per block i, with `keys[i]` its chained hash:
+    - load: fill device block `block_ids[i]` of request `request_id`, from host-RAM slot
+      `ram_slots[i]`, or from disk where `disk[i]`;
+    - store: copy device block `block_ids[i]` (full and computed: its KV is final) into RAM
+      slot `ram_slots[i]`, and where `disk[i]` on to disk. Ordered before any later step
+      writes into the block, so the pool may hand it out again at once;
+    - spill: write RAM slot `ram_slots[i]` to disk (`block_ids` empty);
+    - drop: delete the disk copy of each key (`block_ids`, `ram_slots` empty).
+    - send: hold the device blocks `block_ids` (of a finished request) for a peer that pulls
+      them by key (prefill/decode: `params` {"transfer_id", "ttl_s"}); it ends once pulled,
+      or after ttl_s.
+    `params`: a transport's own parameters (a peer to pull from), None for the local tiers."""
+
+    op_id: int
+    kind: str  # KV_LOAD | KV_STORE | KV_SPILL | KV_DROP
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    ram_slots: list[int] = field(default_factory=list)
+    disk: list[bool] = field(default_factory=list)
+    request_id: str | None = None
+    params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -223,10 +268,17 @@ class SchedulerOutput:
     # the batch is past the static speculation bound (`SpecConfig.max_batch_tokens`), where no
     # step can verify drafts; it restarts its cache after such a stretch.
     feed_proposer: bool = True
+    # KV connector: the block copies this step starts (before its forward pass), and whether
+    # earlier ones are still in flight: then the runner reports them even in a step without
+    # tokens, and waits a little for one to end if it has nothing to compute.
+    kv_transfers: list[KVTransfer] = field(default_factory=list)
+    kv_in_flight: bool = False
 
     @property
     def empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing to compute and nothing to transfer."""
+        return (self.total_num_scheduled_tokens == 0 and not self.kv_transfers
+                and not self.kv_in_flight)
 
 
 # ----------------------------------------------------------------------------------------
@@ -251,6 +303,10 @@ class RunnerOutput:
     # Speculative decoding: per request in req_ids, drafts proposed to follow its new tokens.
     # With drafts verified this step, sampled_token_ids holds the accepted drafts then one more.
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # KV connector: transfers (KVTransfer.op_id) that ended since the last output, and for
+    # those where some blocks failed, their indexes into the transfer's keys.
+    kv_finished: list[int] = field(default_factory=list)
+    kv_failed: dict[int, list[int]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------
@@ -297,3 +353,54 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------
+# engine core -> router (KV events, over ZMQ PUB; see engine/kv_events.py and router/events.py)
+
+
+class KVEventKind(enum.IntEnum):
+    STORED = 0  # block hashes now findable in the prefix cache, in chain order
+    REMOVED = 1  # block hashes evicted
+    CLEARED = 2  # every hash forgotten (no hashes)
+
+
+@dataclass
+class KVEventBatch:
+    """What changed in one engine's prefix cache since the last batch, and its load.
+
+    `epoch` names one engine process: a new one (a restart) starts again at seq 1, and a
+    subscriber that sees another epoch, or a seq that is not last + 1, resynchronizes from a
+    snapshot. A batch without events repeats the last seq (load only, or a heartbeat)."""
+
+    epoch: str
+    seq: int
+    events: list[tuple[int, list[bytes]]] = field(default_factory=list)  # (KVEventKind, hashes)
+    # num_running, num_waiting, kv_usage (fraction of blocks held by requests)
+    load: dict[str, float] = field(default_factory=dict)
+
+    def to_wire(self) -> list[Any]:
+        return [self.epoch, self.seq, [[k, hs] for k, hs in self.events], self.load]
+
+    @classmethod
+    def from_wire(cls, v: list[Any]) -> KVEventBatch:
+        epoch, seq, events, load = v
+        return cls(str(epoch), int(seq), [(int(k), list(hs)) for k, hs in events], dict(load))
+
+
+@dataclass
+class KVSnapshot:
+    """Every block hash an engine's prefix cache holds, as of its batch `seq`: the state a
+    subscriber starts from, or resynchronizes to after a gap."""
+
+    epoch: str
+    seq: int
+    hashes: list[bytes]
+
+    def to_wire(self) -> list[Any]:
+        return [self.epoch, self.seq, self.hashes]
+
+    @classmethod
+    def from_wire(cls, v: list[Any]) -> KVSnapshot:
+        epoch, seq, hashes = v
+        return cls(str(epoch), int(seq), list(hashes))

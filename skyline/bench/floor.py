@@ -109,3 +109,63 @@ def matmul_peak(device: torch.device, fp8: bool = False) -> float:
         fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,  # noqa: E731
                                       out_dtype=torch.bfloat16)
     return 2 * n**3 / _timed(fn, device, 10)
+
+
+def host_to_device_bandwidth(device: torch.device) -> float:
+    """Bytes per second copied from page-locked host memory to the device (1 GiB on a GPU; on
+    the CPU, a copy between two host buffers)."""
+    n = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    return n / _timed(lambda: dst.copy_(src, non_blocking=True), device, 10)
+
+
+def drop_page_cache(paths: list[str]) -> None:
+    """Write the files out and ask the kernel to forget their cached pages, so the next read
+    comes from the disk (advice, not a guarantee: the JSON says what was measured)."""
+    import os
+
+    os.sync()
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_read_rate(directory: str, size: int, threads: int = 8, chunk: int = 8 << 20) -> float:
+    """Bytes per second read from a file of `size` bytes written in `directory` and dropped
+    from the page cache, by `threads` readers of `chunk`-byte pieces (the KV disk tier's
+    reader count)."""
+    import concurrent.futures as cf
+    import os
+
+    path = os.path.join(directory, f".read-rate-{os.getpid()}")
+    block = os.urandom(min(chunk, size))
+    with open(path, "wb") as f:
+        for _ in range(0, size, len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        drop_page_cache([path])
+        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY)
+        bufs = [bytearray(chunk) for _ in range(threads)]
+
+        def read(i: int) -> None:
+            for off in range(i * chunk, size, threads * chunk):
+                os.preadv(fd, [bufs[i]], off)
+
+        t = time.perf_counter()
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
+        dt = time.perf_counter() - t
+        os.close(fd)
+        return size / dt
+    finally:
+        os.unlink(path)

@@ -91,6 +91,14 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
                                 headers={"Retry-After": "5"})
         return Response(status_code=200)
 
+    @app.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        """What a router (skyline/router/) reads when this replica joins."""
+        i = llm.info
+        return {"pid": os.getpid(), **{k: i.get(k) for k in (
+            "model_name", "role", "block_size", "num_blocks", "kv_events_port",
+            "kv_transfer_port")}}
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=state.model_name, root=llm.info["model_path"],

@@ -42,6 +42,18 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
+class KVTransferParams(_Request):
+    """Prefill/decode disaggregation, set by `skyline router` (router/pd.py) on the two halves
+    of a request: the prefill replica keeps the prompt's KV for `transfer_id` until a decode
+    replica pulls it; the decode replica pulls it from `peer` (tcp://host:port). The router
+    refuses it from clients; replicas with --role prefill or decode trust whoever reaches them,
+    so only the router should."""
+
+    transfer_id: str = Field(min_length=1, max_length=64)
+    do_remote_decode: bool = False
+    peer: str | None = Field(default=None, max_length=256, pattern=r"^tcp://")
+
+
 class SamplingRequest(_Request):
     """Fields shared by chat and text completions."""
 
@@ -66,6 +78,7 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class ContentPart(_Request):

@@ -144,6 +144,8 @@ def build_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | N
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, json_schema=schema,
+        kv_transfer_params=(req.kv_transfer_params.model_dump()
+                            if req.kv_transfer_params is not None else None),
     )
     try:
         params.validate(vocab_size)

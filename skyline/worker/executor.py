@@ -70,6 +70,9 @@ class UniProcExecutor(Executor):
 
         return QUERIES[name](self.runner, *args)
 
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
 
 def make_executor(config: EngineConfig) -> Executor:
     return UniProcExecutor(config)

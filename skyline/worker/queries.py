@@ -210,6 +210,12 @@ def host_seconds(r: ModelRunner) -> dict[str, float]:
     return dict(r.host_s)
 
 
+def kv_connector_info(r: ModelRunner) -> dict[str, Any] | None:
+    """What the scheduler's half of the KV connector needs at start-up (worker/connector/),
+    or None without one. A multi-rank executor merges its ranks' answers (`merge_info`)."""
+    return r.connector.info() if r.connector is not None else None
+
+
 QUERIES: dict[str, Callable[..., Any]] = {
     "describe": describe,
     "score": score,
@@ -228,4 +234,5 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "zero_forward": zero_forward,
     "repeat_drafts": repeat_drafts,
     "host_seconds": host_seconds,
+    "kv_connector_info": kv_connector_info,
 }

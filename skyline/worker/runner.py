@@ -22,6 +22,7 @@ from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from skyline.worker.connector import make_connector
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.kv_cache import (
@@ -43,6 +44,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
 # a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
 CPU_SERIAL_TOKENS = envs.ENV.cpu_serial_tokens
+# A step with nothing to compute (requests only wait for KV transfers) waits this long at most
+# for one to end: the loop neither spins nor keeps new requests waiting.
+KV_WAIT_S = 0.005
 
 
 @dataclass
@@ -100,6 +104,8 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.arch, self.block_size, self.kv_dtype
         )
+        # KV beyond the device (worker/connector/): started at launch, polled at each output.
+        self.connector = make_connector(config, self.kv_caches, scales)
         self._in_flight: _InFlight | None = None
         # Seconds the host has waited for sampled tokens: near zero when the host, not the
         # device, sets the pace of the steps.
@@ -160,10 +166,18 @@ class ModelRunner:
         step's forward pass is queued) and return its output."""
         t0 = time.perf_counter()
         self._update_states(out)
+        if out.kv_transfers:
+            assert self.connector is not None
+            self.connector.start(out.kv_transfers)  # before this step's forward pass
         t1 = time.perf_counter()
         self.host_s["states"] += t1 - t0
         prev, self._in_flight = self._in_flight, None
         if out.empty:  # nothing to run: nothing in flight afterwards
+            return self._finish(prev) if prev is not None else None
+        if not out.total_num_scheduled_tokens:  # only KV transfers: report them
+            if self.connector is not None and (prev is None or not prev.req_ids):
+                self.connector.wait(KV_WAIT_S)  # nothing on the device to overlap with
+            self._in_flight = _InFlight([], [], out.propose_drafts)
             return self._finish(prev) if prev is not None else None
         in_flight = None
         if prev is not None and prev.sample is not None:
@@ -226,9 +240,12 @@ class ModelRunner:
     def _finish(self, step: _InFlight) -> RunnerOutput:
         t0 = time.perf_counter()
         try:
-            return self._read_tokens(step)
+            res = self._read_tokens(step)
         finally:
             self.host_s["read_tokens"] += time.perf_counter() - t0
+        if self.connector is not None:
+            res.kv_finished, res.kv_failed = self.connector.poll()
+        return res
 
     def _read_tokens(self, step: _InFlight) -> RunnerOutput:
         if step.result is not None:
@@ -297,3 +314,7 @@ class ModelRunner:
         drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids], depth)
         by_id = dict(zip(rids, drafts, strict=True))
         return [by_id.get(r, []) for r in req_ids]
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -144,3 +144,34 @@ def test_metrics_export_speculation_by_position_and_the_gate():
     assert samples[("skyline:spec_decode_gate_tokens_per_second", key)] == 120.0
     key = (("batch", "8"), ("mode", "plain"), ("model_name", "m"))
     assert samples[("skyline:spec_decode_gate_tokens_per_second", key)] == 90.0
+
+
+def test_metrics_export_kv_tiers():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from skyline.cache.offload import TierConnector, TierLayout
+    from skyline.server.metrics import Metrics
+
+    stats = TierConnector(TierLayout(8, 16), 4, False, 2).stats()
+    stats |= {"prefix_cache_query_tokens": 100, "kv_offload_ram_hit_tokens": 12,
+              "kv_offload_disk_hit_tokens": 8, "kv_offload_load_failed_blocks": 1}
+    text = Metrics("m", lambda: stats).render().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    m = (("model_name", "m"),)
+    assert samples[("skyline:external_prefix_cache_hits_total", m)] == 20
+    assert samples[("skyline:external_prefix_cache_queries_total", m)] == 100
+    assert samples[("skyline:kv_offload_hit_tokens_total", (*m, ("tier", "disk")))] == 8
+    assert samples[("skyline:kv_offload_capacity_blocks", (*m, ("tier", "ram")))] == 8
+    assert samples[("skyline:kv_offload_failed_blocks_total", (("model_name", "m"),
+                                                                ("op", "load")))] == 1
+    assert not any("kv_offload" in k[0] for k in _samples_without_tiers())
+
+
+def _samples_without_tiers():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from skyline.server.metrics import Metrics
+
+    text = Metrics("m", lambda: {}).render().decode()
+    return [(s.name, s.labels) for f in text_string_to_metric_families(text) for s in f.samples]
