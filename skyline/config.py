@@ -142,6 +142,7 @@ def _dense_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
 
 
 QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
+EXPERT_FORMATS = ("none", "fp8", "mxfp4")  # the formats MoE experts run in (ops/moe.py)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,11 @@ class QuantConfig:
     prequantized: bool = False
     layers: tuple[tuple[str, str, int], ...] = ()
     lm_head: bool = False  # --quantize-lm-head: the LM head in fp8 (W8A8), whatever `method`
+    # MoE experts' own format where the checkpoint ships them in one (gpt-oss: "mxfp4",
+    # prequantized, the rest of the model unquantized); "": each expert layer's format in
+    # `method` / `layers`.
+    experts: str = ""
+    experts_prequantized: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -176,6 +182,9 @@ class QuantConfig:
             QuantConfig(method=method, group_size=group_size)  # raises the one-sentence error
             if not isinstance(pattern, str) or not pattern:
                 raise ConfigError(f"a per-layer format needs a layer name, got {pattern!r}")
+        if self.experts not in ("", *EXPERT_FORMATS):
+            raise ConfigError(f"MoE experts can be stored as {', '.join(EXPERT_FORMATS)}, not "
+                              f"{self.experts!r}")
 
     def for_layer(self, name: str) -> QuantConfig:
         """The single-format config of the Linear named `name`."""
@@ -183,6 +192,12 @@ class QuantConfig:
             if fnmatch.fnmatchcase(name, pattern):
                 return QuantConfig(method, group_size, self.prequantized)
         return QuantConfig(self.method, self.group_size, self.prequantized)
+
+    def expert_format(self, name: str) -> tuple[str, bool]:
+        """(format, prequantized) of the MoE expert layer named `name`."""
+        if self.experts:
+            return self.experts, self.experts_prequantized
+        return self.for_layer(name).method, self.prequantized
 
 
 @dataclass(frozen=True)
