@@ -142,7 +142,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     num_pairs = ids.numel()
     num_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
     key = torch.where(ids < 0, num_experts, ids)  # left-out pairs sort last
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: bincount sizes its output from the data (a host sync, which
+    # CUDA graph capture forbids)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(key, stable=True)
@@ -165,16 +168,12 @@ def default_config(num_pairs: int, w: ExpertWeights) -> dict[str, Any]:
     """Launch configuration without a tuned entry: 16-row blocks at decode sizes (most blocks
     hold a few rows; the weights dominate), 64 above."""
     small = num_pairs <= 64
-    block_k = 128 if small else 64
-    blk = w.block()
-    if blk is not None:  # a K tile stays within one scale block
-        block_k = min(block_k, blk[1] & -blk[1])
-    return {"BLOCK_M": 16 if small else 64, "BLOCK_N": 64, "BLOCK_K": max(32, block_k),
+    return {"BLOCK_M": 16 if small else 64, "BLOCK_N": 64, "BLOCK_K": 128 if small else 64,
             "num_warps": 4, "num_stages": 3}
 
 
 @functools.cache
-def _config(n: int, k: int, fmt: str, dtype: torch.dtype, bucket: int, block: Any,
+def _config(n: int, k: int, fmt: str, dtype: torch.dtype, bucket: int,
             default: tuple) -> dict[str, Any]:
     key = f"n{n}:k{k}:{fmt}:{dtype_name(dtype)}:t{bucket}"
     return get_config(KERNEL, key, dict(default))
@@ -184,7 +183,7 @@ def moe_config(num_pairs: int, w: ExpertWeights, dtype: torch.dtype) -> dict[str
     """The grouped GEMM's configuration for `num_pairs` rows: tuned (skyline/ops/configs/), else
     default_config."""
     default = tuple(default_config(num_pairs, w).items())
-    return _config(w.n, w.k, w.fmt, dtype, token_bucket(num_pairs), w.block(), default)
+    return _config(w.n, w.k, w.fmt, dtype, token_bucket(num_pairs), default)
 
 
 def grouped_matmul_triton(
@@ -203,10 +202,17 @@ def grouped_matmul_triton(
     from skyline.ops import moe_triton
 
     out = (torch.zeros if zero else torch.empty)(num_pairs, w.n, dtype=a.dtype, device=a.device)
-    block_m = config["BLOCK_M"]
+    block_m, block_k = config["BLOCK_M"], config["BLOCK_K"]
     grid = (block_experts.shape[0], triton.cdiv(w.n, config["BLOCK_N"]))
     fmt = {"dense": 0, "fp8": 1, "mxfp4": 2}[w.fmt]
     blk = w.block() or (1, 1)
+    if w.block() is not None:  # a K tile stays within one scale block
+        block_k = min(block_k, blk[1] & -blk[1])
+        if block_k < 16:
+            raise ValueError(f"fp8 scale blocks of {blk[1]} columns are too narrow for the "
+                             "MoE kernel; use blocks of 16 columns or more")
+    if w.fmt == "mxfp4":
+        block_k = max(block_k, 32)  # two dots of BLOCK_K / 2 >= 16
     weight = w.weight.view(torch.uint8) if w.fmt == "fp8" else w.weight
     scale = w.scale if w.scale is not None else weight
     scale_strides = (scale.stride(0), scale.stride(1), scale.stride(-1)) if w.scale is not None \
@@ -220,7 +226,7 @@ def grouped_matmul_triton(
         GATHER=gather, FMT=fmt, CHANNEL_SCALE=w.fmt == "fp8" and w.block() is None,
         SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=w.bias is not None,
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"], IEEE=a.dtype == torch.float32,
+        BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out
