@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from skyline.ops.activation import silu_and_mul
 from skyline.ops.fp4 import dequantize_mxfp4
-from skyline.ops.triton_utils import triton
+from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 KERNEL = "fused_moe"  # the grouped GEMM's name in the tuning tables
@@ -227,7 +227,9 @@ def grouped_matmul_triton(
         SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=w.bias is not None,
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        PIPELINE=not interpreted() and config["num_stages"] > 1,
+        NUM_STAGES=config["num_stages"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out
 

@@ -27,6 +27,55 @@ if triton is not None:
         return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk, s_base, n, n_ok,
+                stride_sn, stride_sk, K, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
+                SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_K: tl.constexpr,
+                IEEE: tl.constexpr):
+        # acc [BLOCK_M, BLOCK_N] += a[a_rows, k0:k0 + BLOCK_K] @ W_e[n, k0:k0 + BLOCK_K]^T
+        if FMT == 2:
+            # bytes j of the tile hold elements 2j (low nibble) and 2j + 1 (high): two dots,
+            # over a's even and odd columns
+            j = tl.arange(0, BLOCK_K // 2)
+            kj = k0 + 2 * j
+            w_mask = (kj < K)[:, None] & n_ok[None, :]
+            byte = tl.load(w_base + (k0 // 2 + j)[:, None] * stride_wk, mask=w_mask,
+                           other=0)  # [BLOCK_K / 2, BLOCK_N]
+            scale = _e8m0_to_f32(tl.load(s_base + n[None, :] * stride_sn
+                                         + (kj // 32)[:, None] * stride_sk, mask=w_mask,
+                                         other=0))
+            a_even = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :],
+                             mask=row_ok[:, None] & (kj < K)[None, :], other=0.0)
+            a_odd = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :] + 1,
+                            mask=row_ok[:, None] & (kj + 1 < K)[None, :], other=0.0)
+            w_lo = (_e2m1_to_f32(byte & 0x0F) * scale).to(a_even.dtype)
+            w_hi = (_e2m1_to_f32(byte >> 4) * scale).to(a_even.dtype)
+            if IEEE:
+                acc += tl.dot(a_even, w_lo, input_precision="ieee")
+                acc += tl.dot(a_odd, w_hi, input_precision="ieee")
+            else:
+                acc += tl.dot(a_even, w_lo)
+                acc += tl.dot(a_odd, w_hi)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(w_base + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
+                        other=0)  # [BK, BN]
+            if FMT == 1:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if not CHANNEL_SCALE:  # the tile's columns share one scale block
+                    w = w * tl.load(s_base + (n // SCALE_BN) * stride_sn
+                                    + (k0 // SCALE_BK) * stride_sk, mask=n_ok,
+                                    other=0.0)[None, :]
+                w = w.to(a.dtype)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        return acc
+
+    @triton.jit
     def grouped_matmul_kernel(
         a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr,
         N, K, num_pairs,
@@ -35,13 +84,15 @@ if triton is not None:
         GATHER: tl.constexpr, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
         ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         # Rows: the pairs sorted_ids[pid_m * BLOCK_M ...] (P = padding), all of expert e, whose
         # inputs are rows pair // GATHER of a. FMT 0: W [E, N, K] in a's dtype; 1: e4m3 bytes
         # with a scale per output channel [E, N] (CHANNEL_SCALE) or per SCALE_BN x SCALE_BK
         # block (BLOCK_K divides SCALE_BK); 2: MXFP4, bytes [E, N, K / 2] and E8M0 scales
         # [E, N, K / 32]. The bias and the routing weight (ROUTE) apply after the product.
+        # K tiles stream through a software-pipelined loop (PIPELINE), a while loop in
+        # Triton's interpreter, which cannot run range() to a runtime bound.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_experts_ptr + pid_m)
@@ -55,50 +106,18 @@ if triton is not None:
         w_base = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn
         s_base = s_ptr + e.to(tl.int64) * stride_se
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k0 = 0
-        while k0 < K:  # a while loop: Triton's interpreter cannot run range() to a runtime bound
-            if FMT == 2:
-                # bytes j of the tile hold elements 2j (low nibble) and 2j + 1 (high): two
-                # dots, over a's even and odd columns
-                j = tl.arange(0, BLOCK_K // 2)
-                kj = k0 + 2 * j
-                w_mask = (kj < K)[:, None] & n_ok[None, :]
-                byte = tl.load(w_base + (k0 // 2 + j)[:, None] * stride_wk, mask=w_mask,
-                               other=0)  # [BLOCK_K / 2, BLOCK_N]
-                scale = _e8m0_to_f32(tl.load(s_base + n[None, :] * stride_sn
-                                             + (kj // 32)[:, None] * stride_sk, mask=w_mask,
-                                             other=0))
-                a_even = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :],
-                                 mask=row_ok[:, None] & (kj < K)[None, :], other=0.0)
-                a_odd = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :] + 1,
-                                mask=row_ok[:, None] & (kj + 1 < K)[None, :], other=0.0)
-                w_lo = (_e2m1_to_f32(byte & 0x0F) * scale).to(a_even.dtype)
-                w_hi = (_e2m1_to_f32(byte >> 4) * scale).to(a_even.dtype)
-                if IEEE:
-                    acc += tl.dot(a_even, w_lo, input_precision="ieee")
-                    acc += tl.dot(a_odd, w_hi, input_precision="ieee")
-                else:
-                    acc += tl.dot(a_even, w_lo)
-                    acc += tl.dot(a_odd, w_hi)
-            else:
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < K
-                a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-                w = tl.load(w_base + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
-                            other=0)  # [BK, BN]
-                if FMT == 1:
-                    w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                    if not CHANNEL_SCALE:  # the tile's columns share one scale block
-                        w = w * tl.load(s_base + (n // SCALE_BN) * stride_sn
-                                        + (k0 // SCALE_BK) * stride_sk, mask=n_ok,
-                                        other=0.0)[None, :]
-                    w = w.to(a.dtype)
-                if IEEE:
-                    acc += tl.dot(a, w, input_precision="ieee")
-                else:
-                    acc += tl.dot(a, w)
-            k0 += BLOCK_K
+        if PIPELINE:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
+                              s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
+                              SCALE_BN, SCALE_BK, BLOCK_K, IEEE)
+        else:
+            k0 = 0
+            while k0 < K:
+                acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
+                              s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
+                              SCALE_BN, SCALE_BK, BLOCK_K, IEEE)
+                k0 += BLOCK_K
         if CHANNEL_SCALE:
             acc = acc * tl.load(s_base + n * stride_sn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
