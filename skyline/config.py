@@ -194,10 +194,12 @@ class QuantConfig:
         return QuantConfig(self.method, self.group_size, self.prequantized)
 
     def expert_format(self, name: str) -> tuple[str, bool]:
-        """(format, prequantized) of the MoE expert layer named `name`."""
+        """(format, prequantized) of the MoE expert layer named `name` (GGUF experts are
+        dequantized while loading: the MoE kernels take none of its block types)."""
         if self.experts:
             return self.experts, self.experts_prequantized
-        return self.for_layer(name).method, self.prequantized
+        method = self.for_layer(name).method
+        return ("none", False) if method == "gguf" else (method, self.prequantized)
 
 
 @dataclass(frozen=True)

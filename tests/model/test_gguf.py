@@ -292,8 +292,11 @@ def test_weight_names() -> None:
     assert hf_weight_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_weight_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
     assert hf_weight_name("rope_freqs.weight") is None
-    with pytest.raises(ConfigError, match="ffn_gate_exps"):
-        hf_weight_name("blk.0.ffn_gate_exps.weight")
+    # stacked experts: one name per expert (tests/model/test_gguf_moe.py)
+    assert hf_weight_name("blk.0.ffn_gate_exps.weight") == \
+        "model.layers.0.mlp.experts.{e}.gate_proj.weight"
+    with pytest.raises(ConfigError, match="ffn_frobnicate"):
+        hf_weight_name("blk.0.ffn_frobnicate.weight")
 
 
 @pytest.mark.cuda
