@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_invariance import GREEDY, VOCAB, _prompts, _run
-
-from skyline import LLM
+from test_engine_invariance import VOCAB, _prompts, _run, check_invariance
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,24 +47,4 @@ def test_greedy_matches_hf_generate(moe_model):
 
 
 def test_batch_chunk_prefix_preempt_invariance(moe_model):
-    path, _ = moe_model
-    prompts = _prompts(8, seed=2)
-    alone = [_run(path, [p])[0] for p in prompts[:2]]
-    batched = _run(path, prompts)
-    assert batched[:2] == alone
-    # chunks of 5 tokens mixed with decodes
-    assert _run(path, prompts, max_num_batched_tokens=5) == batched
-    # a tiny cache forces preemption by recompute
-    llm = LLM(path, device="cpu", dtype="float32", num_blocks=16, block_size=4,
-              max_model_len=64)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == batched
-    assert llm.engine.stats()["num_preemptions"] > 0
-    # prefix reuse: a shared 24-token prefix, run twice in one engine
-    shared = _prompts(1, seed=3, lo=24, hi=24)[0]
-    pref = [shared + p for p in prompts[:4]]
-    llm = LLM(path, device="cpu", dtype="float32", block_size=4)
-    first = [o.outputs[0].token_ids for o in llm.generate(pref, GREEDY)]
-    again = llm.generate(pref, GREEDY)
-    assert [o.outputs[0].token_ids for o in again] == first
-    assert all(o.num_cached_tokens >= 24 for o in again)
-    assert first == _run(path, pref, enable_prefix_caching=False)
+    check_invariance(moe_model[0], 8, 2, 24, 4)

@@ -76,11 +76,9 @@ def tiny_model(arch: str, tie: bool = False) -> torch.nn.Module:
     return model
 
 
-def write_gguf(path: str, model: torch.nn.Module, arch: str, quant: bool = False,
-               extra: dict | None = None) -> dict[str, np.ndarray]:
-    """Write `model` as llama.cpp would; returns the HF weights as the file holds them."""
-    c = model.config
-    w = GGUFWriter(path, arch)
+def write_header(w: GGUFWriter, c, head_dim: bool) -> None:
+    """The shape metadata and a stand-in vocabulary of HF config `c`, as llama.cpp's converter
+    writes them (`head_dim`: the key and value lengths too)."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -89,11 +87,19 @@ def write_gguf(path: str, model: torch.nn.Module, arch: str, quant: bool = False
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
-    if arch == "qwen3":
+    if head_dim:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+
+
+def write_gguf(path: str, model: torch.nn.Module, arch: str, quant: bool = False,
+               extra: dict | None = None) -> dict[str, np.ndarray]:
+    """Write `model` as llama.cpp would; returns the HF weights as the file holds them."""
+    c = model.config
+    w = GGUFWriter(path, arch)
+    write_header(w, c, head_dim=arch == "qwen3")
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for add in (extra or {}).values():

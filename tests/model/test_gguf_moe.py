@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
-from test_gguf import permute
+from test_gguf import permute, write_header
 
 from skyline.config import ConfigError, ModelArch, ModelConfig, QuantConfig
 from skyline.model.gguf import read_gguf_hf_config
@@ -44,22 +44,11 @@ def tiny(arch: str) -> torch.nn.Module:
 def write(path: str, model: torch.nn.Module, arch: str) -> None:
     c = model.config
     w = GGUFWriter(path, "llama" if arch == "mixtral" else arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    write_header(w, c, head_dim=True)
     w.add_expert_count(4)
     w.add_expert_used_count(2)
     if arch == "qwen3moe":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     glob = {"model.embed_tokens.weight": "token_embd.weight",
             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     for name, t in model.state_dict().items():  # transformers' own (stacked experts) names

@@ -238,24 +238,29 @@ def test_incremental_prefill_extend_decode(models):
         cache.unbind()
 
 
-def test_greedy_continuation_matches_hf(models):
-    hf, sky = models
-    prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(4)).tolist()
+def greedy_matches_hf(hf, sky, prompt: list[int], new_tokens: int, block_size: int) -> None:
+    """Greedy tokens step by step over a paged cache equal HF generate's."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                           pad_token_id=0, eos_token_id=None)
     want = out[0, len(prompt):].tolist()
-    cache = PagedCache(sky, block_size=2, num_blocks=16)
-    got, seq = [], list(prompt)
+    cache = PagedCache(sky, block_size=block_size, num_blocks=16)
+    got, n = [], len(prompt)
     try:
         logits, _ = run_step(sky, cache, [("s", prompt, 0)])
-        for _ in range(8):
+        for _ in range(new_tokens):
             got.append(int(logits[-1].argmax()))
-            logits, _ = run_step(sky, cache, [("s", got[-1:], len(seq))])
-            seq.append(got[-1])
+            logits, _ = run_step(sky, cache, [("s", got[-1:], n)])
+            n += 1
     finally:
         cache.unbind()
     assert got == want
+
+
+def test_greedy_continuation_matches_hf(models):
+    hf, sky = models
+    prompt = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(4)).tolist()
+    greedy_matches_hf(hf, sky, prompt, 8, block_size=2)
 
 
 def test_bfloat16_load_is_close(models, tmp_path):

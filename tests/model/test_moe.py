@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_hf_parity import PagedCache, hf_logits, rel_err, run_step
+from test_hf_parity import greedy_matches_hf, hf_logits, rel_err
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.configs import dummy_config_dir
@@ -90,21 +90,7 @@ def test_gpt_oss_mxfp4_checkpoint_matches_hf(gpt_oss_mxfp4):
     with torch.no_grad():
         logits = sky.compute_logits(sky(torch.tensor(ids), torch.arange(len(ids))))
     assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
-    # greedy over the paged cache, past the sliding window
-    prompt = ids[:9]
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                       pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
-    cache = PagedCache(sky, block_size=4, num_blocks=16)
-    got, n = [], len(prompt)
-    try:
-        logits, _ = run_step(sky, cache, [("s", prompt, 0)])
-        for _ in range(8):
-            got.append(int(logits[-1].argmax()))
-            logits, _ = run_step(sky, cache, [("s", got[-1:], n)])
-            n += 1
-    finally:
-        cache.unbind()
-    assert got == want
+    greedy_matches_hf(hf, sky, ids[:9], 8, block_size=4)  # past the sliding window
 
 
 @pytest.fixture(scope="module")

@@ -152,3 +152,19 @@ def test_bf16_kernels_gpt_oss_shape(window):
     ref = paged_attention_ref(q.double(), cache.double(), qsl, lens, table, 0.125,
                               num_decodes=2, window=window, sinks=s.bfloat16())
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_sinks_reference_in_query_chunks(monkeypatch):
+    """attend_ref's sinks path bounds its scores by running queries in chunks: same result."""
+    from skyline.ops import attention
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(4, 50, 16, generator=g), torch.randn(2, 50, 16, generator=g),
+               torch.randn(2, 50, 16, generator=g))
+    sinks = torch.randn(4, generator=g)
+    mask = attention.causal_mask(0, 50, 7, "cpu")
+    whole = [attention.attend_ref(q, k, v, m, 0.25, sinks, causal=True) for m in (None, mask)]
+    monkeypatch.setattr(attention, "ATTEND_CHUNK", 4 * 50 * 7)  # 7 queries a chunk
+    for m, want in zip((None, mask), whole, strict=True):
+        assert (attention.attend_ref(q, k, v, m, 0.25, sinks, causal=True) - want).abs().max() \
+            < 1e-6
