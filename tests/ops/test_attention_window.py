@@ -115,8 +115,12 @@ def test_decode_kernel(heads, kvh, d, page, window, sinks, fp8, num_splits):
 
 
 @pytest.mark.parametrize("heads,kvh,d,page", KERNEL_SHAPES)
-@pytest.mark.parametrize("window,sinks,fp8", KERNEL_CASES)
-def test_prefill_kernel(heads, kvh, d, page, window, sinks, fp8):
+@pytest.mark.parametrize("window,sinks,fp8,pack", [
+    (0, True, False, True), (3, False, True, False), (3, True, False, True),
+    (40, True, True, False), (40, False, False, True), (40, True, False, True)])
+def test_prefill_kernel(heads, kvh, d, page, window, sinks, fp8, pack):
+    """`pack`: the query heads of a kv head in one program, 16-token tiles (tiles wholly
+    inside every query's window run unmasked)."""
     if DEV == "cpu" and d > 32:
         pytest.skip("interpreter: small shapes only")
     # fresh prompts, extends over a cached prefix, a chunk past the window, a single token
@@ -127,7 +131,9 @@ def test_prefill_kernel(heads, kvh, d, page, window, sinks, fp8):
     out = paged_prefill_attention(
         q.to(DEV), cache.to(DEV), torch.tensor(qsl, dtype=torch.int32, device=DEV),
         torch.tensor(lens, dtype=torch.int32, device=DEV), table.to(DEV), d**-0.5,
-        max(a for a, _ in shapes), ks, vs, window=window, sinks=None if s is None else s.to(DEV))
+        max(a for a, _ in shapes), ks, vs, window=window, sinks=None if s is None else s.to(DEV),
+        config={"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PACK": 2}
+        if pack else None)
     ref = paged_attention_ref(q.double(), cache if fp8 else cache.double(), qsl, lens, table,
                               d**-0.5, k_scale=ks, v_scale=vs, window=window, sinks=s)
     assert torch.isfinite(out).all()
