@@ -45,8 +45,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     return cache[block_table[:nblk].long()].flatten(0, 1)[:n]
 
 
-# Score elements (float32) the sinks path of attend_ref materializes at once: longer query
-# runs go in chunks (a profiling forward of 8,192 tokens over 64 heads would take 17 GiB whole).
+# Score elements (float32) attend_ref materializes at once where torch's attention would not
+# serve it: longer query runs go in chunks (a profiling forward of 8,192 tokens over 64 heads
+# would take 17 GiB whole).
 ATTEND_CHUNK = 1 << 26
 
 
@@ -56,25 +57,31 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     """Softmax attention of q [..., H, Lq, D] over k/v [..., KVH, L, D] (GQA: query head h
     reads kv head h // (H / KVH)); `mask` [..., Lq, L] True where a query sees a key, or None
     (all, or causal with `causal`: query i of Lq sees keys up to L - Lq + i). `sinks` [H]
-    (gpt-oss): one more logit per head in every softmax's denominator, attending to nothing."""
-    gqa = q.shape[-3] != k.shape[-3]
-    if sinks is None:
+    (gpt-oss): one more logit per head in every softmax's denominator, attending to nothing.
+    Torch's attention serves it without sinks, where its masks stay small (a masked call may
+    fall back to a kernel that holds every score); the rest runs in chunks of queries."""
+    lq, n = q.shape[-2], k.shape[-2]
+    heads = q[..., 0, 0].numel()  # batch x heads
+    if sinks is None and (mask is None or heads * lq * n <= ATTEND_CHUNK):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              is_causal=causal and mask is None, enable_gqa=gqa)
-    if gqa:
+                                              is_causal=causal and mask is None,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.shape[-3] != k.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    lq, n = q.shape[-2], k.shape[-2]
     if mask is None and causal:
         mask = causal_mask(n - lq, n, 0, q.device)
-    rows = max(1, ATTEND_CHUNK // max(1, q[..., 0, 0].numel() * n))
+    rows = max(1, ATTEND_CHUNK // max(1, heads * n))
     out = []
     for i in range(0, lq, rows):
         s = torch.matmul(q[..., i:i + rows, :].float(), k.float().transpose(-1, -2)) * scale
         if mask is not None:
             s = s.masked_fill(~mask[..., i:i + rows, :], float("-inf"))
-        sink = sinks.float().reshape(-1, 1, 1).expand(*s.shape[:-1], 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        if sinks is not None:
+            sink = sinks.float().reshape(-1, 1, 1).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
         out.append(torch.matmul(p, v.float()).to(q.dtype))
     return torch.cat(out, dim=-2)
 
