@@ -104,7 +104,7 @@ LAYOUTS = [(case, layout) for case in CASES for layout in ("dense", "packed")
                                                      "gpt_oss"))]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{c}-{lay}" for c, lay in LAYOUTS])
 def models(request, tmp_path_factory):
     """(HF model, skyline model); "packed": Linears and LM head packed for oneDNN, as the
     engine serves on the CPU."""
