@@ -1,7 +1,7 @@
 """What a model costs per token, from its layers as they serve: the arithmetic and bytes the
-floors of bench/floor.py are made of. A mixture-of-experts layer costs a token its router and
-the experts it is routed to (its active parameters); the experts a decode step reads are those
-any of its tokens is routed to."""
+floors of skyline/bench/floor.py are made of. A mixture-of-experts layer costs a token its
+router and the experts it is routed to (its active parameters); the experts a decode step reads
+are those any of its tokens is routed to."""
 
 from __future__ import annotations
 
