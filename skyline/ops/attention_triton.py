@@ -348,42 +348,29 @@ if triton is not None:
         full_end = tl.where(active, full_end, mid)
         qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
         blk = _page_ids(block_tables_ptr, seq, lo + offs, end, stride_bt, PAGE)
-        if PIPELINE:
-            for start in tl.range(lo, mid, BLOCK_N, num_stages=NUM_STAGES):
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                    stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
-            for start in tl.range(mid, full_end, BLOCK_N, num_stages=NUM_STAGES):
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                    stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, False)
-            for start in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                    stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
-        else:
-            start = lo
-            while start < mid:
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                    stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
-                start += BLOCK_N
-            while start < full_end:
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                    stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, False)
-                start += BLOCK_N
-            while start < end:
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                    stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
-                start += BLOCK_N
+        for span in tl.static_range(3):  # masked, unmasked, masked
+            if span == 0:
+                span_lo, span_hi = lo, mid
+            elif span == 1:
+                span_lo, span_hi = mid, full_end
+            else:
+                span_lo, span_hi = full_end, end
+            if PIPELINE:
+                for start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
+                    m, l_sum, acc, blk = _prefill_tile(
+                        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start,
+                        end, offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt,
+                        stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS,
+                        HEAD_DIM, D_PAD, span != 1)
+            else:
+                start = span_lo
+                while start < span_hi:
+                    m, l_sum, acc, blk = _prefill_tile(
+                        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start,
+                        end, offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt,
+                        stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS,
+                        HEAD_DIM, D_PAD, span != 1)
+                    start += BLOCK_N
         if SINKS:  # m is in log2 units here
             acc, l_sum = _add_sinks(sinks_ptr, head, row_ok, m, l_sum, acc, True)
         out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
