@@ -56,6 +56,10 @@
 #                  spec-train, spec and spec-gate need the default model's GGUF, which the GPU
 #                  image does not ship: copy its parts to /root/parts/p*/ first; they are joined.
 #   spec-8b        Llama-3.1-8B dummy weights, 256 requests x 128 tokens, none/ngram/suffix
+#   moe            mixture-of-experts models (bench/moe.py): MOE_MODELS (qwen3-30b-a3b bf16,
+#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (decode offline): batch-1 decode against
+#                  the roofline of the bytes a token reads (its active experts), 1000 x (1000 in,
+#                  1000 out) against the floor; MOE_ARGS passes more (e.g. --enforce-eager)
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
 #                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
@@ -255,6 +259,11 @@ stage_spec_8b() {
     --dtype bfloat16 --num-blocks 10240 --methods none,ngram,suffix --skip-b1 \
     --random-prompt-len 512 --load-requests 256 --load-max-tokens 128 \
     --out "$OUT/spec-load-h200-llama-3.1-8b$TAG.json"
+}
+
+stage_moe() {
+  python3 bench/moe.py --models ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b} \
+    --stages ${MOE_STAGES:-decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
 }
 
 stage_frontier() {

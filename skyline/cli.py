@@ -147,6 +147,10 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
         raise ConfigError("pass --format FORMAT, or --search --budget B for a format per layer")
     cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
                                              quantization="none"))
+    if cfg.model.arch.num_experts:
+        raise ConfigError("skyline quantize does not write mixture-of-experts checkpoints; serve "
+                          "the model with --quantization fp8 or mxfp4 (its experts and Linears "
+                          "are quantized while loading)")
     if ns.search:
         from skyline.config import DEFAULT_SEARCH_FORMATS
         from skyline.tools.quantize.report import search_checkpoint, table

@@ -35,6 +35,24 @@ class ModelArch:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    # Sliding-window attention, per layer: a query sees the keys less than this many positions
+    # before it (itself included); 0 sees its whole context. Empty: every layer full.
+    sliding_windows: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense model): each token runs num_experts_per_tok of
+    # num_experts gated MLPs of moe_intermediate_size in every layer but `dense_layers`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of intermediate_size
+    swiglu_limit: float | None = None  # gpt-oss: the clamp of its gated activation
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: full attention)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
@@ -48,6 +66,12 @@ class ModelArch:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         qk_norm = arch.startswith("Qwen3")
         bias = cfg.get("attention_bias", arch.startswith("Qwen2"))
+        num_layers = cfg["num_hidden_layers"]
+        num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
+        if num_experts and not 0 < top_k <= num_experts:
+            raise ConfigError(f"config.json routes each token to {top_k} of {num_experts} "
+                              "experts; num_experts_per_tok must be between 1 and that")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -67,7 +91,54 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_windows=_sliding_windows(cfg, arch, num_layers),
+            num_experts=num_experts,
+            num_experts_per_tok=top_k if num_experts else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size")
+                                      or (cfg["intermediate_size"] if num_experts else 0)),
+            # Mixtral always renormalizes; gpt-oss's softmax over the chosen logits sums to 1
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            dense_layers=_dense_layers(cfg, num_layers) if num_experts else (),
+            swiglu_limit=cfg.get("swiglu_limit"),
         )
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """Per-layer windows as transformers applies them: `layer_types` where given (gpt-oss,
+    configs saved by transformers 5); else Qwen's `use_sliding_window` (the layers from
+    `max_window_layers` on; every layer of Qwen3-MoE); else `sliding_window` on every layer
+    (Mistral, Mixtral)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if not window:
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ConfigError(f"config.json has sliding_window {window!r}; it must be a positive "
+                          "number of tokens or null")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ConfigError("config.json's layer_types must list one type per layer")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"config.json has layer types {sorted(unknown)}, which skyline "
+                              "does not support (only sliding_attention and full_attention)")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif "use_sliding_window" in cfg:
+        if not cfg["use_sliding_window"]:
+            return ()
+        first = 0 if arch.startswith("Qwen3Moe") else int(cfg.get("max_window_layers", 0))
+        windows = tuple(window if i >= first else 0 for i in range(num_layers))
+    else:
+        windows = (window,) * num_layers
+    return windows if any(windows) else ()
+
+
+def _dense_layers(cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Layers of an MoE model with a dense MLP: Qwen3-MoE's `mlp_only_layers`, and those not on
+    its `decoder_sparse_step`."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
 
 
 QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
@@ -75,6 +146,7 @@ QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
 # candidates its format search (`--search`) chooses from by default (quant/assignment.py).
 SAVABLE_METHODS = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
 DEFAULT_SEARCH_FORMATS = "mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8"
+EXPERT_FORMATS = ("none", "fp8", "mxfp4")  # the formats MoE experts run in (ops/moe.py)
 
 
 @dataclass(frozen=True)
@@ -93,6 +165,11 @@ class QuantConfig:
     prequantized: bool = False
     layers: tuple[tuple[str, str, int], ...] = ()
     lm_head: bool = False  # --quantize-lm-head: the LM head in fp8 (W8A8), whatever `method`
+    # MoE experts' own format where the checkpoint ships them in one (gpt-oss: "mxfp4",
+    # prequantized, the rest of the model unquantized); "": each expert layer's format in
+    # `method` / `layers`.
+    experts: str = ""
+    experts_prequantized: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -109,6 +186,9 @@ class QuantConfig:
             QuantConfig(method=method, group_size=group_size)  # raises the one-sentence error
             if not isinstance(pattern, str) or not pattern:
                 raise ConfigError(f"a per-layer format needs a layer name, got {pattern!r}")
+        if self.experts not in ("", *EXPERT_FORMATS):
+            raise ConfigError(f"MoE experts can be stored as {', '.join(EXPERT_FORMATS)}, not "
+                              f"{self.experts!r}")
 
     def for_layer(self, name: str) -> QuantConfig:
         """The single-format config of the Linear named `name`."""
@@ -116,6 +196,14 @@ class QuantConfig:
             if fnmatch.fnmatchcase(name, pattern):
                 return QuantConfig(method, group_size, self.prequantized)
         return QuantConfig(self.method, self.group_size, self.prequantized)
+
+    def expert_format(self, name: str) -> tuple[str, bool]:
+        """(format, prequantized) of the MoE expert layer named `name` (GGUF experts are
+        dequantized while loading: the MoE kernels take none of its block types)."""
+        if self.experts:
+            return self.experts, self.experts_prequantized
+        method = self.for_layer(name).method
+        return ("none", False) if method == "gguf" else (method, self.prequantized)
 
 
 @dataclass(frozen=True)

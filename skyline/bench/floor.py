@@ -4,7 +4,9 @@ bytes, at the matmul peak and the copy bandwidth measured in the same run.
 Every token, prompt or output, goes through the Linear layers: 2 FLOPs per weight element (the
 LM head only for the tokens that sample). A prompt's attention is arithmetic (causal: one
 query-key pair per earlier token); an output token's attention reads the K/V of its whole
-context once. A decode step also reads every weight once, whatever its batch. Two floors:
+context once. A decode step also reads every weight once, whatever its batch (of a
+mixture-of-experts model, the dense weights and every expert any of its tokens is routed to;
+its arithmetic counts each token's experts only). Two floors:
 
 - sequential: a step runs its products and then its attention, one after the other: prefill
   arithmetic at the peak, each decode step's products at the larger of their FLOPs over the
@@ -45,10 +47,11 @@ def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len:
     keys = num_prompts * ((output_len - 1) * input_len + (output_len - 1) * output_len / 2)
     kv_bytes = keys * cost.kv_bytes_per_token
     prefill_s = prefill_flops / peak_flops
-    decode_linear_s = steps * max(cost.weight_bytes / bandwidth, per_token * rows / peak_flops)
+    step_bytes = cost.step_weight_bytes(rows)
+    decode_linear_s = steps * max(step_bytes / bandwidth, per_token * rows / peak_flops)
     decode_attention_s = kv_bytes / bandwidth
     total_flops = prefill_flops + per_token * n_decode + cost.attn_flops_per_pair * keys
-    total_bytes = steps * cost.weight_bytes + kv_bytes
+    total_bytes = steps * step_bytes + kv_bytes
     sequential_s = prefill_s + decode_linear_s + decode_attention_s
     overlapped_s = max(total_flops / peak_flops, total_bytes / bandwidth)
     out_tokens = num_prompts * output_len

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from skyline.config import ModelArch, QuantConfig
+from skyline.config import ModelArch
 from skyline.engine.create import resolve_model_path
 from skyline.model.cost import ModelCost, meta_model_cost
 from skyline.model.loader import read_model_arch
 from skyline.model.registry import get_model_class
 from skyline.quant.assignment import check_budget, parse_budget, parse_formats
 from skyline.quant.method import linears
+from skyline.quant.resolve import resolve_quant_config
 from skyline.worker.kv_cache import FP8_DTYPE, bytes_per_block
 
 __all__ = ["ModelCost", "format_budget", "model_cost"]
@@ -21,11 +22,12 @@ def model_cost(model: str, quantization: str | None = None,
                kv_cache_dtype: str = "auto") -> ModelCost:
     """The cost per token of `model` (a shipped config's name or a directory) with weights in
     `quantization` and a KV cache of `kv_cache_dtype` ("auto": bf16, or "fp8"), built on the
-    meta device."""
-    arch, _ = read_model_arch(resolve_model_path(model, "dummy"), "dummy")
+    meta device. A checkpoint's own expert format (gpt-oss's MXFP4) applies as when loading."""
+    path = resolve_model_path(model, "dummy")
+    arch, _ = read_model_arch(path, "dummy")
     kv_dtype = FP8_DTYPE if kv_cache_dtype in ("fp8", "fp8_e4m3") else torch.bfloat16
-    return meta_model_cost(arch, QuantConfig(method=quantization or "none"),
-                           bytes_per_block(arch, 1, kv_dtype))
+    quant = resolve_quant_config(quantization or "none", 128, path, "dummy")
+    return meta_model_cost(arch, quant, bytes_per_block(arch, 1, kv_dtype))
 
 
 def format_budget(arch: ModelArch, formats: str, budget: str, group_size: int = 128) -> int:

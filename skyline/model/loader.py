@@ -16,6 +16,7 @@ from tqdm import tqdm
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
+from skyline.model.layers.moe import FusedExperts
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
@@ -168,6 +169,9 @@ def prepack_for_cpu(model: nn.Module) -> int:
             packed += hook(module, dtype) if hook is not None else prepack(module)
         elif isinstance(module, LMHead):
             packed += module.prepack()
+        elif isinstance(module, FusedExperts):
+            hook = getattr(module.expert_method, "prepack_cpu", None)
+            packed += hook(module, dtype) if hook is not None else 0
     return packed
 
 
@@ -185,23 +189,29 @@ def plain_layout(model: nn.Module) -> None:
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1. Generated on
-    the parameters' device, so an 8B model fills in well under a second on a GPU."""
+    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1; quantized
+    tensors (MoE experts shipped in MXFP4) as their format's `fill_dummy` makes them. Generated
+    on the parameters' device, so an 8B model fills in well under a second on a GPU."""
     seen: set[int] = set()
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+        return generators[device]
+
     for module in model.modules():
+        fill = getattr(getattr(module, "expert_method", None), "fill_dummy", None)
+        if fill is not None:
+            fill(module, generator(next(module.parameters()).device))
         for param in module.parameters(recurse=False):
             if id(param) in seen:
                 continue  # tied weights
             seen.add(id(param))
             if isinstance(module, RMSNorm):
                 param.data.fill_(1.0)
-                continue
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(param.device)
-                gen.manual_seed(seed)
-            param.data.uniform_(-1e-3, 1e-3, generator=gen)
+            elif param.is_floating_point():  # integer tensors: filled by their format above
+                param.data.uniform_(-1e-3, 1e-3, generator=generator(param.device))
 
 
 def safetensors_files(path: str) -> list[Path]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from torch import nn
 
 from skyline.config import QuantConfig
-from skyline.quant.method import LinearMethod, iter_linears, linears
+from skyline.quant.experts import ExpertLayer, make_expert_method
+from skyline.quant.method import LinearMethod, linears
 
 
 def make_linear_method(cfg: QuantConfig) -> LinearMethod | None:
@@ -42,8 +43,13 @@ def make_linear_method(cfg: QuantConfig) -> LinearMethod | None:
 
 
 def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
-    """Give every Linear of `model` the method of its format in `cfg` (before loading
-    weights); Linears whose format is "none" keep the unquantized method."""
+    """Give every Linear and MoE expert layer of `model` the method of its format in `cfg`
+    (before loading weights); those whose format is "none" keep the unquantized method."""
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertLayer):
+            fmt, prequantized = cfg.expert_format(name)
+            if fmt != "none":
+                module.set_expert_method(make_expert_method(fmt, prequantized))
     if cfg.method == "none" and not cfg.layers:
         return
     for name, module in linears(model).items():
@@ -53,8 +59,10 @@ def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
 
 
 def finish_loading(model: nn.Module) -> None:
-    """Let every Linear's method convert what was loaded (online quantization, packing)."""
-    for module in iter_linears(model):
-        process = getattr(module.linear_method, "process_weights_after_loading", None)
+    """Let every Linear's and expert layer's method convert what was loaded (online
+    quantization, packing)."""
+    for module in model.modules():
+        method = getattr(module, "linear_method", None) or getattr(module, "expert_method", None)
+        process = getattr(method, "process_weights_after_loading", None)
         if process is not None:
             process(module)

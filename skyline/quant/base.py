@@ -17,9 +17,12 @@ from torch import nn
 
 from skyline.config import ConfigError, QuantConfig
 from skyline.ops import cpu_linear
+from skyline.ops.fp4 import pack_nibbles, unpack_nibbles
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import int_matmul_ref, int_matmul_triton
 from skyline.quant.method import LinearLayer, set_loader, shape_error
+
+__all__ = ["pack_nibbles", "unpack_nibbles"]  # the formats' shared packing (ops/fp4.py)
 
 
 def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -62,16 +65,6 @@ def dense_linear(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     if w.is_mkldnn:
         return cpu_linear.packed_linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
     return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[rows, 2n] uint8 codes < 16 -> [rows, n] bytes: element 2j in the low nibble."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, n] bytes -> [rows, 2n] uint8 codes (inverse of pack_nibbles)."""
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
 class QuantLinearMethod:

@@ -9,14 +9,16 @@ from typing import Any
 from skyline.config import QUANT_METHODS, ConfigError, QuantConfig
 
 QUANT_METHOD_TAG = "skyline"  # quantization_config.quant_method of `skyline quantize` output
+# quantization_config.quant_method of checkpoints that ship their MoE experts in MXFP4 and the
+# rest unquantized (gpt-oss)
+EXPERTS_MXFP4_TAG = "mxfp4"
 # Packed GGUF (dequantize per forward) is opt-in: on CPU its decode is slower than weights
 # dequantized at load by more than the 1.5x we accept
 # (bench/results/cpu/gguf-packed-int4-cpu-v2.json).
 GGUF_PACKED_BY_DEFAULT = False
 
 
-def saved_quant(path: str) -> dict[str, Any] | None:
-    """The quantization_config of a `skyline quantize` checkpoint directory, else None."""
+def _quantization_config(path: str) -> dict[str, Any] | None:
     config = Path(path) / "config.json"
     if not config.is_file():
         return None
@@ -24,7 +26,13 @@ def saved_quant(path: str) -> dict[str, Any] | None:
         cfg = json.loads(config.read_text(encoding="utf-8")).get("quantization_config")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None  # read_model_arch reports a bad config.json
-    if not isinstance(cfg, dict):
+    return cfg if isinstance(cfg, dict) else None
+
+
+def saved_quant(path: str) -> dict[str, Any] | None:
+    """The quantization_config of a `skyline quantize` checkpoint directory, else None."""
+    cfg = _quantization_config(path)
+    if cfg is None or cfg.get("quant_method") == EXPERTS_MXFP4_TAG:
         return None
     if cfg.get("quant_method") != QUANT_METHOD_TAG:
         raise ConfigError(
@@ -41,6 +49,14 @@ def resolve_quant_config(
         method = None
     elif method not in QUANT_METHODS:
         QuantConfig(method=method)  # raises the one-sentence error
+    ckpt = _quantization_config(path) if load_format in ("safetensors", "dummy") else None
+    if ckpt is not None and ckpt.get("quant_method") == EXPERTS_MXFP4_TAG:
+        # gpt-oss: experts as shipped; the other Linears in --quantization's format
+        if method == "gguf":
+            raise ConfigError("--quantization gguf keeps a GGUF file's blocks packed, so it "
+                              "needs a .gguf model")
+        return QuantConfig(method=method or "none", group_size=group_size, experts="mxfp4",
+                           experts_prequantized=True)
     saved = saved_quant(path) if load_format == "safetensors" else None
     if saved is not None:
         fmt = saved.get("format")

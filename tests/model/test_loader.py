@@ -112,7 +112,8 @@ def test_tied_checkpoint_with_lm_head_is_accepted(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel is not supported; "
-                                          "skyline supports: LlamaForCausalLM"):
+                                          "skyline supports: GptOssForCausalLM, "
+                                          "LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
     config = {**TINY, "num_hidden_layers": 1, "architectures": ["FalconForCausalLM"]}
     config["num_attention_heads"] = 4
@@ -165,7 +166,7 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
 
 
 def test_shipped_configs():
-    assert shipped_config_names() == ["llama-3.1-8b", "qwen3-8b"]
+    assert shipped_config_names() == ["gpt-oss-20b", "llama-3.1-8b", "qwen3-30b-a3b", "qwen3-8b"]
     assert dummy_config_dir("no-such-model") is None
     llama, fmt = read_model_arch(dummy_config_dir("llama-3.1-8b"), "dummy")
     assert fmt == "dummy"
