@@ -89,6 +89,8 @@ def full_precision_modules(path: str) -> frozenset[str]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if name.endswith(KV_SCALES):
+                        continue
                     prefix, _, kind = name.rpartition(".")
                     float_weight = kind == "weight" and f.get_slice(name).get_dtype() in \
                         FLOAT_DTYPES
