@@ -147,6 +147,25 @@ QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
 SAVABLE_METHODS = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
 DEFAULT_SEARCH_FORMATS = "mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8"
 EXPERT_FORMATS = ("none", "fp8", "mxfp4")  # the formats MoE experts run in (ops/moe.py)
+# Pre-quantized checkpoints of other tools that load onto skyline's formats (quant/external/).
+CHECKPOINT_LAYOUTS = ("gptq", "awq", "compressed-tensors", "modelopt", "mxfp4")
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How a pre-quantized checkpoint made by another tool stores its tensors; quant/external/
+    repacks them into skyline's layout of QuantConfig.method while they load."""
+
+    name: str  # one of CHECKPOINT_LAYOUTS
+    bits: int = 4  # int formats: bits a code
+    group_size: int = 0  # int formats: the checkpoint's group (0: one per output channel)
+    symmetric: bool = True  # int formats without stored zero points: zero 2^(bits - 1)
+    zero_offset: int = 0  # GPTQ's v1 format stores every zero point minus 1
+    act_order: bool = False  # int formats: g_idx tensors put input columns in their groups
+    weight_block: tuple[int, int] | None = None  # fp8: (rows, columns) of one weight scale
+    static_input: bool = False  # fp8: activations quantized with a stored per-tensor scale
+    # Checkpoint module names (e.g. "model.layers.0.mlp.down_proj") stored unquantized.
+    full_precision: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -170,6 +189,8 @@ class QuantConfig:
     # `method` / `layers`.
     experts: str = ""
     experts_prequantized: bool = False
+    # A checkpoint of another tool (prequantized): how its tensors map onto `method`'s.
+    layout: CheckpointLayout | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -194,8 +215,8 @@ class QuantConfig:
         """The single-format config of the Linear named `name`."""
         for pattern, method, group_size in self.layers:
             if fnmatch.fnmatchcase(name, pattern):
-                return QuantConfig(method, group_size, self.prequantized)
-        return QuantConfig(self.method, self.group_size, self.prequantized)
+                return QuantConfig(method, group_size, self.prequantized, layout=self.layout)
+        return QuantConfig(self.method, self.group_size, self.prequantized, layout=self.layout)
 
     def expert_format(self, name: str) -> tuple[str, bool]:
         """(format, prequantized) of the MoE expert layer named `name` (GGUF experts are

@@ -21,6 +21,7 @@ from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
 from skyline.quant import attach_quant_methods, finish_loading
+from skyline.quant.external import translate
 from skyline.quant.method import prepack, unpack
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -136,7 +137,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)
         elif cfg.load_format == "safetensors":
-            model.load_weights(iter_safetensors(cfg.path))
+            # another tool's quantized tensors repacked into skyline's layout as they stream
+            model.load_weights(translate(iter_safetensors(cfg.path), cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 

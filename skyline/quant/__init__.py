@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from skyline.config import QuantConfig
+from skyline.config import ConfigError, QuantConfig
 from skyline.quant.experts import ExpertLayer, make_expert_method
 from skyline.quant.method import LinearMethod, linears
 
@@ -44,7 +44,8 @@ def make_linear_method(cfg: QuantConfig) -> LinearMethod | None:
 
 def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
     """Give every Linear and MoE expert layer of `model` the method of its format in `cfg`
-    (before loading weights); those whose format is "none" keep the unquantized method."""
+    (before loading weights); those whose format is "none", and Linears that another tool's
+    checkpoint stores unquantized, keep the unquantized method."""
     for name, module in model.named_modules():
         if isinstance(module, ExpertLayer):
             fmt, prequantized = cfg.expert_format(name)
@@ -53,9 +54,24 @@ def attach_quant_methods(model: nn.Module, cfg: QuantConfig) -> None:
     if cfg.method == "none" and not cfg.layers:
         return
     for name, module in linears(model).items():
+        if cfg.layout is not None and _stored_unquantized(model, name, module, cfg):
+            continue
         method = make_linear_method(cfg.for_layer(name))
         if method is not None:
             module.set_linear_method(method)
+
+
+def _stored_unquantized(model: nn.Module, name: str, module: nn.Module, cfg: QuantConfig) -> bool:
+    """Whether the checkpoint stores Linear `name` unquantized: all of its projections, or
+    none (they run as one matmul)."""
+    assert cfg.layout is not None
+    hf_name = getattr(model, "_hf_name", lambda name, shard_id: name)
+    parts = {hf_name(f"{name}.weight", s).removesuffix(".weight"): s for s in module.shards}
+    full = [p in cfg.layout.full_precision for p in parts]
+    if any(full) and not all(full):
+        raise ConfigError(f"the checkpoint quantizes some of {', '.join(parts)} but not all; "
+                          "skyline runs them as one matmul, so they need one format")
+    return all(full)
 
 
 def finish_loading(model: nn.Module) -> None:
