@@ -41,7 +41,12 @@ from typing import Any
 from skyline.cache.kv_manager import KVCacheManager
 from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.spec import SpecPolicy
-from skyline.sched.stop import append_until_stop, step_output
+from skyline.sched.stop import (
+    append_until_stop,
+    receive_prompt_logprobs,
+    scores_prompt,
+    step_output,
+)
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -245,6 +250,8 @@ class Scheduler:
             req = self.waiting[0]
             assert not req.num_output_placeholders  # a preempted request is updated first
             hits, num_hit = self.kv_manager.get_computed_blocks(req)
+            if hits and scores_prompt(req):
+                hits, num_hit = [], 0  # every prompt token must be computed to be scored
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv_manager.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: no one overtakes the head of the queue
@@ -333,6 +340,10 @@ class Scheduler:
         index = {rid: i for i, rid in enumerate(runner_out.req_ids)}
         outputs: list[StepOutput] = []
         finished: set[str] = set()
+        for rid, (first, lps) in runner_out.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                receive_prompt_logprobs(req, first, lps)
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
@@ -399,3 +410,4 @@ class Scheduler:
             del self.requests[req.request_id]
             self._finished_ids.add(req.request_id)
         return [out]
+

@@ -1,4 +1,5 @@
-"""Sampling on the device: penalties, temperature, min-p, top-k, top-p, seeded draws, logprobs.
+"""Sampling on the device: logit biases, penalties, temperature, min-p, top-k, top-p, seeded
+draws, logprobs (of sampled tokens, and of prompt tokens from a prefill pass).
 
 Randomness is drawn as exponential noise: argmax(p / E) with E ~ Exp(1) is a draw from p
 (the "exponential race"). A seeded request draws its noise from a generator keyed by
@@ -12,6 +13,7 @@ scheduling the host can prepare the next step while this one runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +33,12 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]  # masked while fewer than min_tokens outputs exist
+
+    def __post_init__(self) -> None:
+        bias = self.params.logit_bias
+        # token ids and biases, read once per request rather than once per step
+        self.bias: tuple[list[int], list[float]] | None = (
+            (list(bias), [float(b) for b in bias.values()]) if bias else None)
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -82,6 +90,21 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
         if min_tokens:
             logits[i, to_device(list(r.stop_ids), torch.long, dev)] = _MASK
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    # logits [n, vocab], modified in place: one scatter-add for every biased token of the batch
+    row_idx: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i, r in enumerate(rows):
+        if r.bias is not None:
+            row_idx += [i] * len(r.bias[0])
+            cols += r.bias[0]
+            vals += r.bias[1]
+    dev = logits.device
+    logits.index_put_((to_device(row_idx, torch.long, dev), to_device(cols, torch.long, dev)),
+                      to_device(vals, logits.dtype, dev), accumulate=True)
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -192,13 +215,18 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     """logits [n, vocab] float32 (one row per request that samples now) -> tokens and
     logprobs on the device, without waiting for it.
 
-    Logprobs are those of the model's raw distribution (before penalties and temperature),
-    as vLLM reports them.
+    Logprobs are those of the model's raw distribution (before logit biases, penalties and
+    temperature), as vLLM reports them.
     """
     dev = logits.device
     raw = logits
-    if any(any(_penalties(r)) for r in rows):  # in place, on a copy: logprobs read raw ones
+    biased = any(r.bias is not None for r in rows)
+    penalized = any(any(_penalties(r)) for r in rows)
+    if biased or penalized:  # in place, on a copy: logprobs read raw ones
         logits = logits.clone()
+    if biased:
+        _apply_logit_bias(logits, rows)
+    if penalized:
         _apply_penalties(logits, rows)
     tokens = argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -228,3 +256,25 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """`sample_on_device`, then wait for the tokens: token ids and logprobs per row."""
     return sample_on_device(logits, rows).to_host()
+
+
+PROMPT_LOGPROB_ROWS = 512  # logits rows at a time: [rows, vocab] float32 each, not [chunk, vocab]
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Teacher-forced logprobs: row i of `hidden` [n, hidden] scores `targets[i]` (the token
+    that follows it in the prompt), with its rank and the top k there. `compute_logits` maps
+    hidden rows to [rows, vocab] logits. Waits for the device."""
+    out: list[TokenLogprobs] = []
+    for s in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        rows = hidden[s : s + PROMPT_LOGPROB_ROWS]
+        lp = compute_logits(rows).float().log_softmax(-1)  # [r, vocab]
+        tgt = to_device(targets[s : s + len(rows)], torch.long, lp.device)
+        chosen = lp.gather(1, tgt[:, None])  # [r, 1]
+        ranks = ((lp > chosen).sum(-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tgt[:, None][:, :0])
+        for t, c, rank, tl, ti in zip(targets[s : s + len(rows)], chosen[:, 0].tolist(), ranks,
+                                      top_lp.tolist(), top_ids.tolist(), strict=True):
+            out.append(TokenLogprobs([t, *ti], [c, *tl], rank))
+    return out

@@ -25,7 +25,7 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 def grammar_for(params: SamplingParams) -> str | None:
     """The llguidance grammar (JSON text) a request's output must match, or None."""
-    if not _constrained(params):
+    if not constrained(params):
         return None
     import llguidance
 
@@ -113,7 +113,7 @@ class StructuredOutputs:
             self.num_tokens.pop(rid, None)
         computed: dict[str, int] = {}
         for new in out.new_requests:
-            if _constrained(new.sampling_params):
+            if constrained(new.sampling_params):
                 self._add(new.request_id, new.sampling_params, len(new.prompt_token_ids),
                           new.output_token_ids)
             computed[new.request_id] = new.num_computed_tokens
@@ -153,7 +153,7 @@ class StructuredOutputs:
             self.num_tokens[rid] += len(tokens)
 
 
-def _constrained(params: SamplingParams) -> bool:
+def constrained(params: SamplingParams) -> bool:
     return params.json_schema is not None or params.regex is not None or params.grammar is not None
 
 
