@@ -14,8 +14,8 @@
 #                  e.g. TESTS=tests/ops TESTK="attention or paged or gemv_quant"
 #   decode         batch-1 decode against the bandwidth roofline (bench/decode_roofline.py), for
 #                  each QUANTS entry (default none) x KVS (auto) x CTXS (prompt tokens, 512). An
-#                  entry is a --quantization value, optionally :G (fp8: --fp8-gemv G, int4:
-#                  --int4-gemv G) and +head (--quantize-lm-head): "none fp8:a8 int4+head"
+#                  entry is a --quantization value, optionally +head (--quantize-lm-head):
+#                  "none fp8 int4+head"
 #   profile        one decode step under the torch profiler (bench/profile_step.py) for each
 #                  PROFILES entry BATCHxCONTEXT[/WEIGHTS/KV] (default "64x512 1x512"), over
 #                  PROFILE_STEPS steps (20); e.g. PROFILES="256x1000/fp8/fp8 1000x1500/fp8/fp8"
@@ -99,16 +99,14 @@ stage_tests() {
 }
 
 stage_decode() {
-  local q kv ctx base name qa g
+  local q kv ctx base name qa
   for q in ${QUANTS:-none}; do
     for kv in ${KVS:-auto}; do
       for ctx in ${CTXS:-512}; do
-        base=${q%%[:+]*}; qa=()
+        base=${q%%+*}; qa=()
         [ "$base" != none ] && qa=(--quantization "$base")
-        [[ $q == fp8:* ]] && { g=${q#*:}; qa+=(--fp8-gemv "${g%%+*}"); }
-        [[ $q == int4:* ]] && { g=${q#*:}; qa+=(--int4-gemv "${g%%+*}"); }
-        [[ $q == *+head* ]] && qa+=(--quantize-lm-head)
-        name=w${q//[:+]/-}
+        [[ $q == *+head ]] && qa+=(--quantize-lm-head)
+        name=w${q//+/-}
         [ "$kv" != auto ] && name+=-kv$kv
         [ "$ctx" != 512 ] && name+=-ctx$ctx
         echo "== decode $M, weights $q, kv $kv, context $ctx"
@@ -214,7 +212,7 @@ stage_configs() {
 stage_spec_train() {
   default_model
   local prompts=/tmp/prompts-x4.jsonl
-  for _ in 1 2 3 4; do cat "${PROMPTS:-skyline/spec/prompts.jsonl}"; done > "$prompts"
+  for _ in 1 2 3 4; do cat "${PROMPTS:-skyline/tools/prompts.jsonl}"; done > "$prompts"
   python3 -m skyline.cli train-speculator --device cuda --async-scheduling off \
     --prompts "$prompts" --synthesize "${SYNTH:-0}" --temperature "${TEMP:-0.6}" \
     --max-tokens "${MAXTOK:-384}" --epochs "${EPOCHS:-6}" --batch-tokens "${BATCH:-2048}" \

@@ -2,6 +2,7 @@
 the compute floor measured in the same run.
 
   python bench/long_prompt.py --model llama-3.1-8b --prompt-len 200000 --chunk 8192
+  python bench/long_prompt.py --smoke   # a tiny random model on the CPU: the code only
 
 Floor = (linear FLOPs + causal attention FLOPs) / the bf16 matmul peak measured here. Linear:
 2 * tokens * non-embedding weights. Attention: QK^T and PV over the causal triangle,
@@ -19,8 +20,17 @@ import torch
 
 from skyline.bench.floor import matmul_peak
 from skyline.bench.offline import machine_info, random_prompts, save_json
+from skyline.bench.smoke import bench_device, tiny_model
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+SMOKE_LEN = 256
 
 
 def main() -> None:
@@ -30,19 +40,24 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200_000)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, a short prompt, on the CPU without a GPU")
     a = ap.parse_args()
-    peak = matmul_peak(torch.device("cuda"))
+    device = bench_device("long_prompt", a.smoke)
+    if a.smoke:
+        a.model, a.prompt_len = tiny_model(), SMOKE_LEN
+    peak = matmul_peak(torch.device(device))
+    if a.smoke:
+        a.chunk = 64
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + 64,
-              max_num_batched_tokens=a.chunk, max_num_seqs=4)
+              max_num_batched_tokens=a.chunk, max_num_seqs=4, device=device)
     arch = llm.config.model.arch
-    model = llm.engine.executor.runner.model
-    params = sum(p.numel() for p in model.parameters())
-    if not arch.tie_word_embeddings:
-        params -= arch.vocab_size * arch.hidden_size  # the embedding is a lookup
+    cost = llm.query("model_cost")  # the embedding is a lookup: not counted
+    params = cost.linear_params + cost.head_params
     warm, prompt = random_prompts(2, a.prompt_len, arch.vocab_size)
     two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([warm[: 2 * a.chunk]], two)  # kernel compilation
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     ttft = None
     tokens: list[int] = []
@@ -61,8 +76,8 @@ def main() -> None:
         "matmul_peak_TFLOPs": peak / 1e12, "linear_PFLOP": linear / 1e15,
         "attention_PFLOP": attn / 1e15, "compute_floor_s": floor, "ttft_s": ttft,
         "ttft_over_floor": ttft / floor, "fraction_of_peak": floor / ttft,
-        "two_tokens_s": total, "kv_cache_tokens": llm.engine.executor.describe()["kv_cache_tokens"],
-        "output_tokens": tokens, "machine": machine_info("cuda"),
+        "two_tokens_s": total, "kv_cache_tokens": llm.query("describe")["kv_cache_tokens"],
+        "output_tokens": tokens, "machine": machine_info(device),
     }
     print(json.dumps(res, indent=1))
     save_json(res, a.out)

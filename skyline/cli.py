@@ -146,11 +146,11 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
     cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
                                              quantization="none"))
     if ns.search:
-        from skyline.quant.assignment import DEFAULT_CANDIDATES
+        from skyline.config import DEFAULT_SEARCH_FORMATS
         from skyline.tools.quantize.report import search_checkpoint, table
 
         report = search_checkpoint(
-            cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
+            cfg.model, ns.formats or DEFAULT_SEARCH_FORMATS, ns.budget, ns.out, ns.group_size,
             calib_text=text, calib_tokens=ns.calib_tokens or 1024, eval_tokens=ns.eval_tokens,
             search_tokens=ns.search_tokens, max_evals=ns.max_evals)
         print(table(report))
@@ -162,7 +162,8 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:
-    from skyline.tools.speculator.train import TrainArgs, train_speculator
+    from skyline.config import TrainArgs
+    from skyline.tools.speculator.train import train_speculator
 
     args = TrainArgs(epochs=ns.epochs, steps=ns.steps, lr=ns.lr, batch_tokens=ns.batch_tokens,
                      unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a serve flag and its values, e.g. max_num_seqs=8,32 (repeatable; "
                         "true/false for switches)")
     p.add_argument("--base-flags", default="", help="serve flags every setting shares")
-    p.add_argument("--output-dir", default="bench/results/frontier")
+    p.add_argument("--output-dir", default="bench/tmp/frontier")
     p.add_argument("--dry-run", action="store_true", help="list the points and a time estimate")
     p.add_argument("--no-quality", dest="quality", action="store_false",
                    help="skip KL / top-1 agreement against the reference")

@@ -71,6 +71,10 @@ class ModelArch:
 
 
 QUANT_METHODS = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4", "gguf")
+# The formats `skyline quantize` writes checkpoints of (quant/checkpoint.py), and the
+# candidates its format search (`--search`) chooses from by default (quant/assignment.py).
+SAVABLE_METHODS = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
+DEFAULT_SEARCH_FORMATS = "mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8"
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,23 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """Training of an EAGLE head (`skyline train-speculator`, worker/spec/train.py)."""
+
+    epochs: int = 4
+    steps: int | None = None  # stop after this many optimizer steps (None: the epochs)
+    lr: float = 2e-3
+    batch_tokens: int = 2048  # head positions per optimizer step
+    unroll: int = 3  # training-time test passes (1: plain teacher forcing)
+    unroll_decay: float = 0.8  # weight of pass s: decay ** s
+    noise: float = 0.1  # uniform input noise, relative to the features' RMS
+    reg_weight: float = 0.5  # weight of the feature regression term
+    draft_vocab: int = 8192  # tokens the head may propose: the most frequent in the data
+    val_fraction: float = 0.05  # sequences held out for the acceptance estimate
+    seed: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What a model costs per token, from its layers as they serve: the arithmetic and bytes the
-floors of bench/floor.py are made of."""
+floors of skyline/bench/floor.py are made of."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
 from skyline.quant import attach_quant_methods, finish_loading
-from skyline.quant.method import prepack
+from skyline.quant.method import prepack, unpack
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,6 +169,19 @@ def prepack_for_cpu(model: nn.Module) -> int:
         elif isinstance(module, LMHead):
             packed += module.prepack()
     return packed
+
+
+def plain_layout(model: nn.Module) -> None:
+    """Undo prepack_for_cpu for the unquantized Linears and the LM head: their dense weights
+    back as Parameters, as load_model left them (bit for bit: oneDNN's layout only reorders
+    the values), so the model computes exactly as a freshly loaded one. What tools that read
+    or change the weights need (calibration, quantization, the format search); serving goes
+    on through F.linear. Quantized Linears keep the layout they serve with."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            unpack(module)
+        elif isinstance(module, LMHead):
+            module.packed_weight = None
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:

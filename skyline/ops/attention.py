@@ -9,8 +9,8 @@ and dequantizes what it reads.
 
 The kernels stream K/V in BLOCK_N-token tiles through a software-pipelined loop (num_stages - 1
 tiles in flight); tile sizes, warps, pipeline depth and the decode split count are data
-(`skyline/ops/configs/`, written by `bench/tune_attention.py`) over heuristic defaults, chosen
-from shapes and the batch size only.
+(`skyline/ops/configs/`, written by `bench/kernels/tune_attention.py`) over heuristic defaults,
+chosen from shapes and the batch size only.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def paged_attention(
 
 
 # ----------------------------------------------------------------------------------------
-# Launch configurations: data from skyline/ops/configs/ (bench/tune_attention.py) over
+# Launch configurations: data from skyline/ops/configs/ (bench/kernels/tune_attention.py) over
 # heuristic defaults. Chosen from shapes and the batch size only, never from device data, so
 # a captured CUDA graph stays valid.
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from skyline.ops.fp8_quant import Fp8Rows, quantize_rows_fp8
-from skyline.ops.gemv_quant import fp8_gemv, fp8_gemv_a8, quant_gemv_ok
+from skyline.ops.gemv_quant import fp8_gemv_a8, quant_gemv_ok
 
 
 @functools.lru_cache(maxsize=16)
@@ -34,19 +34,16 @@ def fp8_gemv_takes_rows(x: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, gemv: str = "a8p") -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype. `gemv` picks the decode-sized GEMV (quant/fp8.py's
-    GEMV_ACTIVATIONS): "a8p" / "a8" fp8 x fp8 with x quantized in the kernel, "a8q" x
-    quantized per row first, "w8a16" unquantized x against the fp8 weights. x may come
-    quantized per row already (Fp8Rows [M, K], from a producer that fp8_gemv_takes_rows
-    allowed)."""
+               bias: torch.Tensor | None = None, rows_first: bool = False) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype. Decode-sized batches run the fp8 x fp8 GEMV, x
+    quantized in the kernel per row and K tile, or (`rows_first`) per row by a launch of its
+    own first. x may come quantized per row already (Fp8Rows [M, K], from a producer that
+    fp8_gemv_takes_rows allowed)."""
     if isinstance(x, Fp8Rows):
         return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype, x_scale_block=x.block)
     lead = x.shape[:-1]
     if quant_gemv_ok(x) and has_fp8_units(x.device):
-        if gemv == "w8a16":
-            return fp8_gemv(x, w, w_scale, bias)
-        if gemv == "a8q":
+        if rows_first:
             xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
             return fp8_gemv_a8(xq, x_scale, w, w_scale, bias, x.dtype).reshape(*lead, -1)
         return fp8_gemv_a8(x, None, w, w_scale, bias, x.dtype)

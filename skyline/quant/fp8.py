@@ -19,14 +19,10 @@ from skyline.quant.method import LinearLayer
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
-# Decode-sized batches (<= 8 rows) on the GPU run an fp8 x fp8 tensor-core GEMV. "a8p": x
-# comes quantized per row from the kernel that makes it (RMSNorm before qkv and gate/up,
-# SiLU-and-mul before down: Linear.input_quant), the GEMV quantizes the rest itself; "a8":
-# the GEMV quantizes x itself per row and K tile (finer-scaled than the per-token activations of
-# the _scaled_mm path for larger batches); "a8q": x quantized per row by a kernel of its own
-# first (one more launch per Linear); "w8a16" streams the fp8 weights against unquantized
-# activations, converting every weight. BENCHMARKS.md compares them.
-GEMV_ACTIVATIONS = "a8p"
+# Decode-sized batches (<= 8 rows) on the GPU run an fp8 x fp8 tensor-core GEMV: x comes
+# quantized per row from the kernel that makes it (RMSNorm before qkv and gate/up, SiLU-and-mul
+# before down: Linear.input_quant), and the GEMV quantizes any other x itself per row and K
+# tile (finer-scaled than the per-token activations of the _scaled_mm path for larger batches).
 
 
 class Fp8LinearMethod(QuantLinearMethod):
@@ -47,13 +43,12 @@ class Fp8LinearMethod(QuantLinearMethod):
     def apply(self, layer: LinearLayer, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if not hasattr(layer, "weight_scale"):  # prepacked for the CPU
             return dense_linear(layer, fake_quantize_rows_fp8(x)).to(x.dtype)
-        return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias, GEMV_ACTIVATIONS)
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
 
     def input_quant(self, layer: LinearLayer, x: torch.Tensor) -> str | None:
         """"fp8" where x, about to be made by a norm or activation kernel, should come quantized
         per row (Fp8Rows) for this layer's GEMV."""
-        wants = (GEMV_ACTIVATIONS == "a8p" and hasattr(layer, "weight_scale")
-                 and fp8_gemv_takes_rows(x))
+        wants = hasattr(layer, "weight_scale") and fp8_gemv_takes_rows(x)
         return "fp8" if wants else None
 
     def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:

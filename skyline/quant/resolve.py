@@ -10,7 +10,8 @@ from skyline.config import QUANT_METHODS, ConfigError, QuantConfig
 
 QUANT_METHOD_TAG = "skyline"  # quantization_config.quant_method of `skyline quantize` output
 # Packed GGUF (dequantize per forward) is opt-in: on CPU its decode is slower than weights
-# dequantized at load by more than the 1.5x we accept (bench/results/gguf-packed-cpu.json).
+# dequantized at load by more than the 1.5x we accept
+# (bench/results/cpu/gguf-packed-int4-cpu-v2.json).
 GGUF_PACKED_BY_DEFAULT = False
 
 

@@ -106,6 +106,9 @@ class ModelRunner:
         # Seconds the host has waited for sampled tokens: near zero when the host, not the
         # device, sets the pace of the steps.
         self.device_wait_s = 0.0
+        # Seconds of the runner's own host work by phase (the request states, the step's
+        # inputs, reading sampled tokens: bench/host_overhead.py); a few clock reads a step.
+        self.host_s = {"states": 0.0, "inputs": 0.0, "read_tokens": 0.0}
         self.cpu_threads = torch.get_num_threads()  # as configured (--threads)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -161,7 +164,10 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Queue a step on the device. If a step was in flight, wait for its tokens (after this
         step's forward pass is queued) and return its output."""
+        t0 = time.perf_counter()
         self._update_states(out)
+        t1 = time.perf_counter()
+        self.host_s["states"] += t1 - t0
         prev, self._in_flight = self._in_flight, None
         if out.empty:  # nothing to run: nothing in flight afterwards
             return self._finish(prev) if prev is not None else None
@@ -170,6 +176,7 @@ class ModelRunner:
             in_flight = ({r: i for i, r in enumerate(prev.sampling_req_ids)}, prev.sample.tokens)
         inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device,
                            out.spec_token_ids, in_flight)
+        self.host_s["inputs"] += time.perf_counter() - t1
         serial = (self.device.type == "cpu" and self.cpu_threads > 1
                   and inp.input_ids.shape[0] <= CPU_SERIAL_TOKENS)
         if serial:  # restored below: the process's other torch work keeps its threads
@@ -248,6 +255,13 @@ class ModelRunner:
         return self._finish(step)
 
     def _finish(self, step: _InFlight) -> RunnerOutput:
+        t0 = time.perf_counter()
+        try:
+            return self._read_tokens(step)
+        finally:
+            self.host_s["read_tokens"] += time.perf_counter() - t0
+
+    def _read_tokens(self, step: _InFlight) -> RunnerOutput:
         if step.result is not None:
             return step.result
         if step.sample is None:

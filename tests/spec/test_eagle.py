@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from skyline import LLM, SamplingParams
-from skyline.config import ConfigError, SpecConfig
-from skyline.tools.speculator.train import TrainArgs, train_head
+from skyline.config import ConfigError, SpecConfig, TrainArgs
 from skyline.worker.spec.eagle import (
     AttnPlan,
     build_head,
@@ -27,6 +26,7 @@ from skyline.worker.spec.eagle import (
 )
 from skyline.worker.spec.eagle_proposer import EagleProposer
 from skyline.worker.spec.head_cache import PAGE, HeadCache, HeadKVPool
+from skyline.worker.spec.train import train_head
 
 transformers = pytest.importorskip("transformers")
 
@@ -406,7 +406,7 @@ def test_config_needs_a_head():
 
 
 def test_recorder_keeps_features_by_position():
-    from skyline.tools.speculator.data import FeatureRecorder
+    from feature_recorder import FeatureRecorder
 
     rec = FeatureRecorder()
     rows = torch.arange(12.0).reshape(6, 2)
@@ -422,7 +422,7 @@ def test_recording_with_async_scheduling(tiny_model):
     a stop token is seen one step late, after the next step, which still samples it, was
     launched; that step's output must not ask the proposer about the finished request. The
     features are those of the synchronous loop."""
-    from skyline.tools.speculator.data import FeatureRecorder
+    from feature_recorder import FeatureRecorder
 
     prompts = _prompts(12, seed=7)
     ref = LLM(tiny_model, device="cpu", dtype="float32").generate(prompts, GREEDY)
