@@ -45,7 +45,7 @@ class ResponseFormat(RequestBody):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(RequestBody):
+class StructuredOutputsParams(RequestBody):
     """vLLM's `structured_outputs`: one constraint on the output."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -82,7 +82,7 @@ class SamplingRequest(RequestBody):
     logit_bias: dict[str, Bias] | None = None  # token id (as text) -> bias
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Constrained decoding, as vLLM takes it (and its older guided_* names)
-    structured_outputs: StructuredOutputs | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

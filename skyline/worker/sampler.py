@@ -35,10 +35,10 @@ class SamplingRow:
     stop_ids: tuple[int, ...]  # masked while fewer than min_tokens outputs exist
 
     def __post_init__(self) -> None:
-        bias = self.params.logit_bias
-        # token ids and biases, read once per request rather than once per step
-        self.bias: tuple[list[int], list[float]] | None = (
-            (list(bias), [float(b) for b in bias.values()]) if bias else None)
+        self.bias: dict[int, float] | None = self.params.logit_bias or None
+        # the biases' token ids and values on the device, made at the first step that needs
+        # them (a row lives as long as its request)
+        self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -93,18 +93,14 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    # logits [n, vocab], modified in place: one scatter-add for every biased token of the batch
-    row_idx: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
+    # logits [n, vocab], modified in place
     for i, r in enumerate(rows):
-        if r.bias is not None:
-            row_idx += [i] * len(r.bias[0])
-            cols += r.bias[0]
-            vals += r.bias[1]
-    dev = logits.device
-    logits.index_put_((to_device(row_idx, torch.long, dev), to_device(cols, torch.long, dev)),
-                      to_device(vals, logits.dtype, dev), accumulate=True)
+        if r.bias is None:
+            continue
+        if r.bias_tensors is None or r.bias_tensors[0].device != logits.device:
+            r.bias_tensors = (to_device(list(r.bias), torch.long, logits.device),
+                              to_device(list(r.bias.values()), logits.dtype, logits.device))
+        logits[i].index_add_(0, *r.bias_tensors)
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from tiny_llama import save_tiny_llama
 
 from skyline import LLM, SamplingParams
 
@@ -20,19 +21,9 @@ K = 3
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=512,
-                                   eos_token_id=VOCAB - 1, bos_token_id=1)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
     path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path), model
+    return str(path), save_tiny_llama(path, vocab_size=VOCAB, eos_token_id=VOCAB - 1,
+                                      bos_token_id=1)
 
 
 def _reference(hf, ids: list[int]) -> torch.Tensor:

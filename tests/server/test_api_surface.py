@@ -14,7 +14,6 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT = 120.0
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
         "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY,
@@ -26,17 +25,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(server_factory):
     return server_factory("--max-model-len", "512")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=TIMEOUT,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _chat(client, model, **kw):

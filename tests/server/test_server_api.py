@@ -25,17 +25,6 @@ def server(server_factory):
                           "--max-request-bytes", str(MAX_BODY))
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=TIMEOUT,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def _ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 

@@ -123,8 +123,8 @@ def test_text_without_calls_streams_through():
     assert s.feed("Hi {").content == "  Hi {"
 
 
-QWEN_LIKE = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}"
-             "{% endfor %}</tools>\n<tool_call>...</tool_call><|im_end|>{% endif %}"
+QWEN_LIKE = ("{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}"
+             "{{ t | tojson }}{% endfor %}</tools>\n<tool_call>...</tool_call><|im_end|>{% endif %}"
              "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
              "{% endfor %}")
 LLAMA_LIKE = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"

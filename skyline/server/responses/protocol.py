@@ -108,8 +108,10 @@ class ResponsesRequest(RequestBody):
             if fmt.type == "json_schema":
                 response_format["json_schema"] = {"name": fmt.name or "response",
                                                   "schema": fmt.schema_}
+        if not messages:
+            raise ValueError("input is empty; give text or at least one input item")
         return ChatCompletionRequest.model_validate({
-            "model": self.model, "messages": messages or [{"role": "user", "content": ""}],
+            "model": self.model, "messages": messages,
             "max_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "tools": tools, "tool_choice": choice,
             "parallel_tool_calls": self.parallel_tool_calls,
