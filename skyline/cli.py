@@ -21,6 +21,7 @@ from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench script
 )
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
+from skyline.server.tool_parsers import PARSERS
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
@@ -333,15 +334,15 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         max_body_bytes=ns.max_request_bytes, max_prompt_chars=ns.max_prompt_chars,
         max_n=ns.max_n, max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars,
         max_logprobs=ns.max_logprobs, max_tools=ns.max_tools,
-        max_schema_bytes=ns.max_schema_bytes, prepare_timeout_s=ns.prepare_timeout,
-        body_timeout_s=ns.body_timeout)
+        max_schema_bytes=ns.max_schema_bytes, max_logit_bias=ns.max_logit_bias,
+        prepare_timeout_s=ns.prepare_timeout, body_timeout_s=ns.body_timeout)
     args = engine_args(ns, served_model_name=ns.served_model_name)
     try:
         serve(args, host=ns.host, port=ns.port, api_key=api_key, limits=limits,
               shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
               restart=RestartPolicy(max_restarts=ns.max_engine_restarts),
               max_waiting=ns.max_waiting, chat_template=chat_template,
-              parse_workers=ns.parse_workers)
+              parse_workers=ns.parse_workers, tool_call_parser=ns.tool_call_parser)
     except (EngineStartError, EngineDeadError, OSError) as e:
         sys.exit(f"skyline: error: {e}")
 
@@ -396,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template to use instead of the model's (requests cannot "
                         "bring their own)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="the format the model writes tool calls in (auto: the chat template's, "
+                        "where it is unambiguous; ChatML templates: hermes)")
     p.add_argument("--max-waiting", type=int, default=-1,
                    help="waiting requests beyond which new ones get 429 (-1: 4 x "
                         "--max-num-seqs; 0: no limit)")
@@ -412,9 +416,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-stop-chars", type=int, default=1000,
                    help="characters per stop string")
     g.add_argument("--max-logprobs", type=int, default=20, help="top logprobs per token")
-    g.add_argument("--max-tools", type=int, default=128, help="tools per request")
+    g.add_argument("--max-tools", type=int, default=128,
+                   help="tools per request, and calls in one past assistant message")
     g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
-                   help="a response_format JSON schema, or one tool, as JSON")
+                   help="a response_format JSON schema, a structured-output constraint, or one "
+                        "tool, as JSON")
+    g.add_argument("--max-logit-bias", type=int, default=300,
+                   help="tokens one logit_bias may name")
     g.add_argument("--prepare-timeout", type=float, default=10.0,
                    help="seconds to parse a request, render its chat template and tokenize it")
     g.add_argument("--body-timeout", type=float, default=30.0,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 INT64_LIMIT = 2**63  # integers the engine holds live in int64 (seeds: any 64-bit pattern)
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
+MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit bias
 
 
 def is_valid_unicode(text: str) -> bool:
@@ -44,6 +46,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k
+    # None: none; k >= 0: each prompt token's logprob (given the tokens before it) and the top
+    # k there, from the prefill pass (such a request reuses no cached prefix: it is scored)
+    prompt_logprobs: int | None = None
+    # token id -> added to its logit before sampling (OpenAI: -100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained decoding (llguidance, engine/frontend/structured.py); at most one of the three.
@@ -63,7 +70,7 @@ class SamplingParams:
         """Raise ValueError with one sentence naming the bad field. Every value that passes fits
         the types the engine holds it in (int64 tensors, 64-bit seeds, msgpack, UTF-8), so a
         request that passes cannot fail in the engine for its parameters."""
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and -INT64_LIMIT <= v < INT64_LIMIT):
                 raise ValueError(f"{name} must be an integer below 2**63, got {v}")
@@ -89,8 +96,10 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
-             f"logprobs must be between 0 and 20, got {self.logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a list of non-empty strings"),
             (self.seed is None or (isinstance(self.seed, int)
@@ -109,12 +118,30 @@ class SamplingParams:
             if text is not None and not is_valid_unicode(text):
                 raise ValueError(f"{name} is not valid Unicode (it holds a lone surrogate such "
                                  "as \\ud800); send UTF-8 text")
+        self._validate_logit_bias()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
                     f"stop_token_ids {bad[:8]} are outside the vocabulary (0..{vocab_size - 1})"
                 )
+            bad = [t for t in self.logit_bias or () if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias has token ids {bad[:8]} outside the vocabulary "
+                                 f"(0..{vocab_size - 1})")
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or not 0 <= t < INT64_LIMIT:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if (not isinstance(b, int | float) or not math.isfinite(b)
+                    or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS} and "
+                                 f"{MAX_LOGIT_BIAS}, got {b!r} for token {t}")
 
     @property
     def greedy(self) -> bool:
@@ -158,6 +185,10 @@ class Request:
     max_model_len: int | None = None  # cap on prompt + output tokens
     # Tokens sampled by a step still in flight (async scheduling): scheduled, not yet known.
     num_output_placeholders: int = 0
+    # Prompt logprobs (SamplingParams.prompt_logprobs): those received from the runner for
+    # prompt tokens 1, 2, ... and not yet handed out (a recomputed prefill repeats some)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # prompt tokens whose logprobs were received
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -307,6 +338,9 @@ class RunnerOutput:
     # those where some blocks failed, their indexes into the transfer's keys.
     kv_finished: list[int] = field(default_factory=list)
     kv_failed: dict[int, list[int]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: req id -> (index in the prompt of the first token scored,
+    # one entry per prompt token scored this step: its logprob given the tokens before it)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------
@@ -324,6 +358,9 @@ class StepOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Logprobs of prompt tokens 1, 2, ... (SamplingParams.prompt_logprobs): all of them, in the
+    # request's first output with tokens
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -353,6 +390,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing comes
+    # before it); a delta output carries them once, in the first output that has them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 # ----------------------------------------------------------------------------------------

@@ -91,6 +91,7 @@ class EngineCore:
             model = dataclasses.replace(config.model, max_model_len=capacity)
             config = dataclasses.replace(config, scheduler=sched, model=model)
         self.config = config
+        self.structured = structured
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
                                    config.spec, structured, self._connector(config))
         self.observers = tuple(observers)
@@ -130,6 +131,8 @@ class EngineCore:
         vocab = self.config.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if self.structured is not None:
+            self.structured.admit(req.sampling_params)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:

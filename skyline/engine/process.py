@@ -62,18 +62,24 @@ def request_from_dict(d: dict[str, Any]) -> Request:
                    eos_token_ids=tuple(d["eos"]))
 
 
+def _logprobs_to_list(lps: list[TokenLogprobs] | None) -> list[Any] | None:
+    return None if lps is None else [[t.token_ids, t.logprobs, t.sampled_rank] for t in lps]
+
+
+def _logprobs_from_list(v: list[Any] | None) -> list[TokenLogprobs] | None:
+    return None if v is None else [TokenLogprobs(a, b, c) for a, b, c in v]
+
+
 def step_output_to_list(o: StepOutput) -> list[Any]:
-    lps = None
-    if o.new_logprobs is not None:
-        lps = [[t.token_ids, t.logprobs, t.sampled_rank] for t in o.new_logprobs]
-    return [o.request_id, o.new_token_ids, lps, o.finish_reason, o.stop_reason,
-            o.num_prompt_tokens, o.num_cached_tokens]
+    return [o.request_id, o.new_token_ids, _logprobs_to_list(o.new_logprobs), o.finish_reason,
+            o.stop_reason, o.num_prompt_tokens, o.num_cached_tokens,
+            _logprobs_to_list(o.prompt_logprobs)]
 
 
 def step_output_from_list(v: list[Any]) -> StepOutput:
-    rid, ids, lps, finish, stop, num_prompt, num_cached = v
-    logprobs = None if lps is None else [TokenLogprobs(a, b, c) for a, b, c in lps]
-    return StepOutput(rid, ids, logprobs, finish, stop, num_prompt, num_cached)
+    rid, ids, lps, finish, stop, num_prompt, num_cached, prompt_lps = v
+    return StepOutput(rid, ids, _logprobs_from_list(lps), finish, stop, num_prompt, num_cached,
+                      _logprobs_from_list(prompt_lps))
 
 
 # ---------------------------------------------------------------------------------- child

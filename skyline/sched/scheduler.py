@@ -44,7 +44,12 @@ from skyline.cache.kv_manager import KVCacheManager
 from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
 from skyline.sched.kv_loads import KVLoads
 from skyline.sched.spec import SpecPolicy
-from skyline.sched.stop import append_until_stop, step_output
+from skyline.sched.stop import (
+    append_until_stop,
+    receive_prompt_logprobs,
+    scores_prompt,
+    step_output,
+)
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -260,13 +265,16 @@ class Scheduler:
             rid = req.request_id
             assert not req.num_output_placeholders  # a preempted request is updated first
             hits, num_hit = self.kv_manager.get_computed_blocks(req)
-            loading = self.kv_loads.admit(req, hits, num_hit)  # more prefix below the device?
-            if loading is None:
-                break
-            if loading:
-                self.waiting.popleft()
-                num_loading += 1
-                continue
+            if scores_prompt(req):
+                hits, num_hit = [], 0  # every prompt token must be computed to be scored
+            else:
+                loading = self.kv_loads.admit(req, hits, num_hit)  # more prefix below the device?
+                if loading is None:
+                    break
+                if loading:
+                    self.waiting.popleft()
+                    num_loading += 1
+                    continue
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv_manager.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: no one overtakes the head of the queue
@@ -348,6 +356,10 @@ class Scheduler:
         index = {rid: i for i, rid in enumerate(runner_out.req_ids)}
         outputs: list[StepOutput] = []
         finished: set[str] = set()
+        for rid, (first, lps) in runner_out.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                receive_prompt_logprobs(req, first, lps)
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
@@ -414,3 +426,4 @@ class Scheduler:
             del self.requests[req.request_id]
             self._finished_ids.add(req.request_id)
         return [out]
+

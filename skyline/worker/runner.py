@@ -32,7 +32,7 @@ from skyline.worker.kv_cache import (
     kv_cache_dtype,
     num_blocks_for,
 )
-from skyline.worker.sampler import DeviceSample, SamplingRow, sample_on_device
+from skyline.worker.sampler import DeviceSample, SamplingRow, prompt_logprobs, sample_on_device
 from skyline.worker.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.worker.spec.verify import sample_and_verify, verify_rows
 
@@ -58,6 +58,7 @@ class _InFlight:
     propose: bool = True  # draft for the next step (SchedulerOutput.propose_drafts)
     sample: DeviceSample | None = None  # None: nothing sampled, or `result` already known
     result: RunnerOutput | None = None
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class ModelRunner:
@@ -74,6 +75,7 @@ class ModelRunner:
             prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
+        self._scoring: set[str] = set()  # requests whose prompt logprobs are still to compute
         # None without speculative decoding
         self.proposer = make_proposer(config.spec, self.model)
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
@@ -149,10 +151,14 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_request_ids:
             state = self.states.pop(rid, None)
+            self._scoring.discard(rid)
             if state is not None and self.proposer is not None:
                 self.proposer.finish(rid, state.token_ids)
         for new in out.new_requests:
             self.states[new.request_id] = RequestState.from_new(new)
+            # A request resumed with output tokens had its whole prompt scored before.
+            if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
+                self._scoring.add(new.request_id)
         for c in out.cached_requests:
             s = self.states[c.request_id]
             if c.num_freed_blocks:
@@ -211,17 +217,42 @@ class ModelRunner:
         if inp.sampling_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_logits, vocab]
         prev_out = self._finish(prev) if prev is not None else None
-        step = _InFlight(inp.req_ids, inp.sampling_req_ids, out.propose_drafts)
+        step = _InFlight(inp.req_ids, inp.sampling_req_ids, out.propose_drafts,
+                         prompt_logprobs=self._prompt_logprobs(inp, hidden))
         if logits is not None:
             if out.spec_token_ids or out.token_masks:
                 sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
-                step.result = self._output(inp.req_ids, sampled, logprobs, step.propose)
+                step.result = self._output(inp.req_ids, sampled, logprobs, step.propose,
+                                           step.prompt_logprobs)
             else:
                 rows = [self._sampling_row(self.states[r]) for r in inp.sampling_req_ids]
                 step.sample = sample_on_device(logits, rows)
                 step.sample.copy_to_host()
         self._in_flight = step
         return prev_out
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]] | None:
+        """Logprobs of the prompt tokens this step's prefill rows predict, for the requests
+        that ask for them (called after `num_computed_tokens` counted the step's tokens)."""
+        if not self._scoring:
+            return None
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        loc = inp.attn.query_start_loc
+        for i, rid in enumerate(inp.req_ids):
+            if rid not in self._scoring:
+                continue
+            s = self.states[rid]
+            n = loc[i + 1] - loc[i]
+            start = s.num_computed_tokens - n  # the row at position p predicts token p + 1
+            end = min(start + n, len(s.prompt_token_ids) - 1)
+            if end > start:
+                out[rid] = (start + 1, prompt_logprobs(
+                    self.model.compute_logits, hidden[loc[i] : loc[i] + end - start],
+                    s.prompt_token_ids[start + 1 : end + 1], s.params.prompt_logprobs or 0))
+            if end >= len(s.prompt_token_ids) - 1:
+                self._scoring.discard(rid)
+        return out or None
 
     def _sampling_row(self, s: RequestState) -> SamplingRow:
         """The request's row for the sampler, made once: it holds the state's own token lists,
@@ -251,7 +282,7 @@ class ModelRunner:
         if step.result is not None:
             return step.result
         if step.sample is None:
-            return self._output(step.req_ids, {}, {}, step.propose)
+            return self._output(step.req_ids, {}, {}, step.propose, step.prompt_logprobs)
         t = time.perf_counter()
         tokens, lps = step.sample.to_host()
         self.device_wait_s += time.perf_counter() - t
@@ -264,15 +295,18 @@ class ModelRunner:
         logprobs = ({r: [lp] if lp is not None else None
                      for r, lp in zip(step.sampling_req_ids, lps, strict=True)}
                     if any(lp is not None for lp in lps) else {})
-        return self._output(step.req_ids, sampled, logprobs, step.propose)
+        return self._output(step.req_ids, sampled, logprobs, step.propose, step.prompt_logprobs)
 
     def _output(self, req_ids: list[str], sampled: dict[str, list[int]],
-                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool) -> RunnerOutput:
+                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool,
+                prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+                ) -> RunnerOutput:
         return RunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=[logprobs.get(r) for r in req_ids],
             draft_token_ids=self._propose(req_ids, sampled, propose),
+            prompt_logprobs=prompt_lps or {},
         )
 
     def _sample(

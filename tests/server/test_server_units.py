@@ -88,7 +88,7 @@ def tokenizer():
 def test_structured_outputs_masks(tokenizer):
     vocab = tokenizer.vocab_size
     eos = tuple(tokenizer.eos_token_ids)
-    so = StructuredOutputs(lambda: make_ll_tokenizer(tokenizer, vocab, eos), eos)
+    so = StructuredOutputs(lambda: make_ll_tokenizer(tokenizer, vocab, eos), eos, vocab)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
     params = SamplingParams(json_schema=schema)
@@ -119,6 +119,21 @@ def test_structured_outputs_masks(tokenizer):
     assert set(allowed(out.token_masks["r"])) <= set(eos)  # the object is complete
     so.before_step(SchedulerOutput(finished_request_ids={"r"}))
     assert not so.matchers
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests():
+    calls = []
+
+    def unreadable():
+        calls.append(1)
+        raise ValueError("can't determine decoder type")
+
+    so = StructuredOutputs(unreadable, (2,), 64)
+    so.admit(SamplingParams())  # unconstrained: no tokenizer needed
+    for _ in range(2):
+        with pytest.raises(ValueError, match="tokenizer cannot be used for constrained"):
+            so.admit(SamplingParams(regex="a+"))
+    assert len(calls) == 1  # tried once
 
 
 def test_json_schema_text_round_trip():
