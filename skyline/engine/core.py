@@ -14,11 +14,10 @@ for a synchronous step; with async scheduling it is, as it overlaps the device's
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from skyline.cache.connector import KVConnectorScheduler

@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from skyline.engine.frontend.async_llm import AsyncLLM
-from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.engine.gc_tuning import tune_gc
+from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.chat import create_chat_completion
 from skyline.server.completions import create_completion
 from skyline.server.errors import error_body, install_error_handlers
