@@ -95,14 +95,22 @@ def children_cpu_seconds(server_pid: int) -> float:
 def _client(args: tuple[str, int, float, int, int, int]) -> dict[str, Any]:
     url, concurrency, duration, input_len, output_len, seed = args
     load = LoadSpec(base_url=url + "/v1", concurrency=concurrency, num_requests=None,
-                    duration=duration, progress=False, seed=seed, grace=30.0,
+                    duration=duration, progress=False, seed=seed, grace=5.0,
                     setup_timeout=120.0)
     work = WorkloadSpec(name="random", input_len=str(input_len), output_len=str(output_len),
                         seed=seed)
-    results, seconds, _, _ = run_load(load, work)
+    results, _, _, _ = run_load(load, work)
     ok = [r for r in results if r.success]
-    return {"tokens": sum(r.output_len for r in ok), "seconds": seconds,
-            "ttft": [r.ttft for r in ok], "failed": len(results) - len(ok)}
+    return {"ttft": [r.ttft for r in ok if r.output_len]}
+
+
+def generated_tokens(url: str) -> float:
+    """The server's count of tokens it generated and streamed (its Prometheus counter)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("skyline:generation_tokens_total{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def measure(url: str, server_pid: int, concurrency: int, processes: int, duration: float,
@@ -114,21 +122,22 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
         pending = pool.map_async(_client, jobs)
         # The clients warm up first (one round of 4-token requests); the window starts after.
         time.sleep(min(3.0, duration / 4))
+        tok0 = generated_tokens(url)
         api0, eng0 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t0 = time.perf_counter()
-        outs = pending.get()
+        # The window ends before the clients' duration does: no request is cut inside it.
+        time.sleep(max(duration - 2 * min(3.0, duration / 4), 1.0))
         api1, eng1 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t1 = time.perf_counter()
-    tokens = sum(o["tokens"] for o in outs)
-    seconds = max(o["seconds"] for o in outs)
+        tok1 = generated_tokens(url)
+        outs = pending.get()
     ttft = [t for o in outs for t in o["ttft"]]
-    api_cpu = api1 - api0
-    # The CPU window is a little shorter than the clients' (their warm-up): scale the tokens.
-    window_tokens = tokens * min(1.0, (t1 - t0) / seconds)
+    api_cpu, window_tokens = api1 - api0, tok1 - tok0
     return {
-        "concurrency": concurrency, "client_processes": len(jobs), "seconds": round(seconds, 2),
-        "tokens": tokens, "failed": sum(o["failed"] for o in outs),
-        "delivered_tok_s": round(tokens / seconds, 1),
+        "concurrency": concurrency, "client_processes": len(jobs),
+        "window_s": round(t1 - t0, 2), "window_tokens": int(window_tokens),
+        "requests_done": sum(len(o["ttft"]) for o in outs),
+        "delivered_tok_s": round(window_tokens / (t1 - t0), 1),
         "api_cpu_s": round(api_cpu, 2),
         "engine_cpu_s": round(eng1 - eng0, 2),
         "api_us_per_token": round(1e6 * api_cpu / max(window_tokens, 1), 1),
@@ -144,7 +153,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=4, help="load-generator processes")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per level")
     ap.add_argument("--input-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--tag", default="", help="ends the result file's name")
     ap.add_argument("--out-dir", default="bench/results/serve")
     ap.add_argument("--smoke", action="store_true", help="8 streams, 2 processes, 4 s")
