@@ -59,6 +59,10 @@ class EngineCore:
             sched = dataclasses.replace(config.scheduler, max_model_len=capacity)
             model = dataclasses.replace(config.model, max_model_len=capacity)
             config = dataclasses.replace(config, scheduler=sched, model=model)
+        if config.scheduler.max_num_seqs_auto:  # the runner chose it from the cache's size
+            sched = dataclasses.replace(config.scheduler,
+                                        max_num_seqs=self.executor.max_num_seqs)
+            config = dataclasses.replace(config, scheduler=sched)
         self.config = config
         self.structured = structured
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
