@@ -22,37 +22,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing
 import os
 import platform
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from typing import Any
 
-from skyline.bench.dummy_model import write_model_dir
+from skyline.bench.dummy_model import tiny_model_dir
+from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import percentile
-from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.serve import LoadProcesses, LoadSpec, http_stack
 from skyline.bench.workloads import WorkloadSpec
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "torch_dtype": "float32", "vocab_size": 4096, "bos_token_id": 4094, "eos_token_id": 4095,
-}
-
-
-def tiny_model_dir(root: str) -> str:
-    src = os.path.join(root, "config")
-    os.makedirs(src, exist_ok=True)
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
-    return write_model_dir(src, os.path.join(root, "model"))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -60,26 +42,6 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"serve_ceiling: the server exited (code {proc.returncode})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    sys.exit("serve_ceiling: the server did not start in time")
 
 
 def children_cpu_seconds(server_pid: int) -> float:
@@ -90,18 +52,6 @@ def children_cpu_seconds(server_pid: int) -> float:
     except OSError:
         return 0.0
     return sum(cpu_seconds(k) for k in kids)
-
-
-def _client(args: tuple[str, int, float, int, int, int]) -> dict[str, Any]:
-    url, concurrency, duration, input_len, output_len, seed = args
-    load = LoadSpec(base_url=url + "/v1", concurrency=concurrency, num_requests=None,
-                    duration=duration, progress=False, seed=seed, grace=5.0,
-                    setup_timeout=120.0)
-    work = WorkloadSpec(name="random", input_len=str(input_len), output_len=str(output_len),
-                        seed=seed)
-    results, _, _, _ = run_load(load, work)
-    ok = [r for r in results if r.success]
-    return {"ttft": [r.ttft for r in ok if r.output_len]}
 
 
 def generated_tokens(url: str) -> float:
@@ -115,11 +65,11 @@ def generated_tokens(url: str) -> float:
 
 def measure(url: str, server_pid: int, concurrency: int, processes: int, duration: float,
             input_len: int, output_len: int) -> dict[str, Any]:
-    per = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
-    jobs = [(url, c, duration, input_len, output_len, i) for i, c in enumerate(per) if c]
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(len(jobs)) as pool:
-        pending = pool.map_async(_client, jobs)
+    load = LoadSpec(base_url=url + "/v1", concurrency=concurrency, num_requests=None,
+                    duration=duration, grace=5.0, setup_timeout=120.0)
+    work = WorkloadSpec(name="random", input_len=str(input_len), output_len=str(output_len))
+    clients = LoadProcesses(load, work, processes)
+    try:
         # The clients warm up first (one round of 4-token requests); the window starts after.
         time.sleep(min(3.0, duration / 4))
         tok0 = generated_tokens(url)
@@ -130,13 +80,14 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
         api1, eng1 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t1 = time.perf_counter()
         tok1 = generated_tokens(url)
-        outs = pending.get()
-    ttft = [t for o in outs for t in o["ttft"]]
+    finally:
+        results, _ = clients.wait()
+    ttft = [r.ttft for r in results if r.success and r.output_len]
     api_cpu, window_tokens = api1 - api0, tok1 - tok0
     return {
-        "concurrency": concurrency, "client_processes": len(jobs),
+        "concurrency": concurrency, "client_processes": min(processes, concurrency),
         "window_s": round(t1 - t0, 2), "window_tokens": int(window_tokens),
-        "requests_done": sum(len(o["ttft"]) for o in outs),
+        "requests_done": sum(r.success for r in results),
         "delivered_tok_s": round(window_tokens / (t1 - t0), 1),
         "api_cpu_s": round(api_cpu, 2),
         "engine_cpu_s": round(eng1 - eng0, 2),
@@ -162,17 +113,12 @@ def main() -> None:
         ns.levels, ns.processes, ns.duration, ns.output_len = "8", 2, 4.0, 32
     levels = [int(x) for x in ns.levels.split(",")]
     work = tempfile.mkdtemp(prefix="skyline-ceiling-")
-    model = tiny_model_dir(work)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "skyline.cli", "serve", "--model", model, "--load-format",
-           "dummy", "--device", "cpu", "--threads", "1", "--max-num-seqs", str(max(levels)),
-           "--max-model-len", "1024", "--kv-cache-memory", "512MiB",
-           "--port", str(port), "--uvicorn-log-level", "warning"]
-    log = open(os.path.join(work, "server.log"), "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    flags = ["--model", tiny_model_dir(work), "--load-format", "dummy", "--device", "cpu",
+             "--threads", "1", "--max-num-seqs", str(max(levels)), "--max-model-len", "1024",
+             "--kv-cache-memory", "512MiB"]
+    proc, base = start_server(flags, os.path.join(work, "server.log"), 300.0)
+    url = base.removesuffix("/v1")
     try:
-        wait_ready(url, proc, 300.0)
         rows = []
         for c in levels:
             row = measure(url, proc.pid, c, min(ns.processes, c), ns.duration, ns.input_len,
@@ -180,19 +126,15 @@ def main() -> None:
             print(json.dumps(row))
             rows.append(row)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc)
     out = {
         "benchmark": "serve_ceiling",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/serve_ceiling.py", *sys.argv[1:]]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "model": "tiny dummy Llama (1 layer, hidden 64, 4,096 words)",
-        "input_len": ns.input_len, "output_len": ns.output_len, "levels": rows,
+        "http_stack": http_stack(), "input_len": ns.input_len, "output_len": ns.output_len,
+        "levels": rows,
     }
     name = "smoke" if ns.smoke else "ceiling" + (f"-{ns.tag}" if ns.tag else "")
     path = os.path.join(tempfile.gettempdir() if ns.smoke else ns.out_dir, f"{name}.json")

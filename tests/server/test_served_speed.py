@@ -106,3 +106,13 @@ def test_serve_ceiling_smoke(tmp_path: str) -> None:
                         "--smoke"], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert '"api_ceiling_tok_s"' in r.stdout
+
+
+def test_served_vs_offline_smoke(tmp_path: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "served_vs_offline.py"),
+                        "--smoke"], capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "of offline" in r.stdout and "0 failed" in r.stdout
