@@ -26,6 +26,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -63,6 +64,30 @@ def generated_tokens(url: str) -> float:
     return 0.0
 
 
+class HealthProbe:
+    """GET /health every 50 ms from a thread: its answer times show event-loop stalls (a
+    callback that holds the API process's loop delays every answer behind it)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.seconds, self.stop = url + "/health", [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            t0 = time.perf_counter()
+            try:
+                urllib.request.urlopen(self.url, timeout=10).close()
+            except OSError:
+                continue
+            self.seconds.append(time.perf_counter() - t0)
+
+    def finish(self) -> list[float]:
+        self.stop.set()
+        self.thread.join()
+        return self.seconds
+
+
 def measure(url: str, server_pid: int, concurrency: int, processes: int, duration: float,
             input_len: int, output_len: int) -> dict[str, Any]:
     load = LoadSpec(base_url=url + "/v1", concurrency=concurrency, num_requests=None,
@@ -73,6 +98,7 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
         # The clients warm up first (one round of 4-token requests); the window starts after.
         time.sleep(min(3.0, duration / 4))
         tok0 = generated_tokens(url)
+        probe = HealthProbe(url)
         api0, eng0 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t0 = time.perf_counter()
         # The window ends before the clients' duration does: no request is cut inside it.
@@ -80,6 +106,7 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
         api1, eng1 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t1 = time.perf_counter()
         tok1 = generated_tokens(url)
+        health = probe.finish()
     finally:
         results, _ = clients.wait()
     ttft = [r.ttft for r in results if r.success and r.output_len]
@@ -95,6 +122,9 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
         "api_ceiling_tok_s": round(window_tokens / max(api_cpu, 1e-9), 1),
         "ttft_p50_ms": round(1e3 * percentile(ttft, 50), 1),
         "ttft_p99_ms": round(1e3 * percentile(ttft, 99), 1),
+        # /health answer times during the window: event-loop stalls show here
+        "health_p50_ms": round(1e3 * percentile(health, 50), 1),
+        "health_max_ms": round(1e3 * max(health, default=0.0), 1),
     }
 
 
