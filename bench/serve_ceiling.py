@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import threading
@@ -128,6 +129,28 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
     }
 
 
+def merge(paths: list[str], out: str) -> None:
+    """Runs of one variant (taken in turns with the others: this machine's load drifts) as one
+    result: per level, the median of each figure, and every run."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    levels = []
+    for i, row in enumerate(runs[0]["levels"]):
+        rows = [r["levels"][i] for r in runs]
+        med = {k: statistics.median(r[k] for r in rows) for k in row
+               if isinstance(row[k], (int, float))}
+        levels.append({**med, "runs": rows})
+    result = {**runs[0], "levels": levels, "num_runs": len(runs),
+              "dates": [r["date"] for r in runs]}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    for row in levels:
+        print({k: v for k, v in row.items() if k != "runs"})
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--levels", default="64,256", help="streams in flight, e.g. 64,256")
@@ -138,7 +161,13 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="ends the result file's name")
     ap.add_argument("--out-dir", default="bench/results/serve")
     ap.add_argument("--smoke", action="store_true", help="8 streams, 2 processes, 4 s")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge runs of one variant into their medians (in --out-dir/ceiling-"
+                         "TAG.json) and exit")
     ns = ap.parse_args()
+    if ns.merge:
+        merge(ns.merge, os.path.join(ns.out_dir, f"ceiling-{ns.tag or 'merged'}.json"))
+        return
     if ns.smoke:
         ns.levels, ns.processes, ns.duration, ns.output_len = "8", 2, 4.0, 32
     levels = [int(x) for x in ns.levels.split(",")]

@@ -99,24 +99,25 @@ def test_a_stream_that_fell_behind_reads_its_waiting_deltas_as_one() -> None:
     asyncio.run(go())
 
 
-def test_serve_ceiling_smoke(tmp_path: str) -> None:
+def _smoke(script: str, tmp_path: str) -> str:
+    """Run bench/`script` --smoke; its stdout."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "serve_ceiling.py"),
-                        "--smoke"], capture_output=True, text=True, timeout=240, env=env)
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", script), "--smoke"],
+                       capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    row = json.loads(next(line for line in r.stdout.splitlines() if "api_ceiling" in line))
+    return r.stdout
+
+
+def test_serve_ceiling_smoke(tmp_path: str) -> None:
+    out = _smoke("serve_ceiling.py", tmp_path)
+    row = json.loads(next(line for line in out.splitlines() if "api_ceiling" in line))
     assert row["window_tokens"] > 0 and row["requests_done"] > 0
     # no event-loop stall: /health answered throughout (a generous bound for a loaded CI)
     assert 0 < row["health_max_ms"] < 2000, row
 
 
 def test_served_vs_offline_smoke(tmp_path: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "served_vs_offline.py"),
-                        "--smoke"], capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "of offline" in r.stdout and "0 failed" in r.stdout
+    out = _smoke("served_vs_offline.py", tmp_path)
+    assert "of offline" in out and "0 failed" in out
