@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import start_server
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPT = " ".join(f"Line {i}: the river runs north past the old mill and the station."
@@ -30,10 +29,10 @@ def disk_counter(server, name: str) -> float:
     raise AssertionError(f"no {name} for the disk tier")
 
 
-def test_restarted_server_reads_the_prompt_from_disk(tmp_path):
+def test_restarted_server_reads_the_prompt_from_disk(tmp_path, server_factory):
     flags = ("--kv-offload-disk", str(tmp_path / "kv"), "--kv-offload-policy", "eager",
              "--served-model-name", "m")
-    first = start_server(str(tmp_path), *flags)
+    first = server_factory(*flags)
     try:
         a = complete(first)
         n = a["usage"]["prompt_tokens"]
@@ -44,7 +43,7 @@ def test_restarted_server_reads_the_prompt_from_disk(tmp_path):
             time.sleep(0.2)
     finally:
         first.stop()  # SIGTERM: the engine ends its writes, then exits
-    second = start_server(str(tmp_path), *flags)
+    second = server_factory(*flags)
     try:
         b = complete(second)
         hits = disk_counter(second, "kv_offload_hit_tokens")
