@@ -96,14 +96,19 @@ def measure(url: str, server_pid: int, concurrency: int, processes: int, duratio
     work = WorkloadSpec(name="random", input_len=str(input_len), output_len=str(output_len))
     clients = LoadProcesses(load, work, processes)
     try:
-        # The clients warm up first (one round of 4-token requests); the window starts after.
-        time.sleep(min(3.0, duration / 4))
+        # The clients start (process spawn, model id, one round of 4-token warm-up requests)
+        # before their run's clock: the window opens once the run's own tokens flow, and
+        # closes before the run's duration ends, so that no request is cut inside it.
+        start = generated_tokens(url)
+        ready_by = time.monotonic() + 120.0
+        while (generated_tokens(url) < start + 5 * concurrency
+               and time.monotonic() < ready_by):
+            time.sleep(0.2)
         tok0 = generated_tokens(url)
         probe = HealthProbe(url)
         api0, eng0 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t0 = time.perf_counter()
-        # The window ends before the clients' duration does: no request is cut inside it.
-        time.sleep(max(duration - 2 * min(3.0, duration / 4), 1.0))
+        time.sleep(max(0.6 * duration, 1.0))
         api1, eng1 = cpu_seconds(server_pid), children_cpu_seconds(server_pid)
         t1 = time.perf_counter()
         tok1 = generated_tokens(url)
