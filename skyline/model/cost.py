@@ -11,6 +11,7 @@ from torch import nn
 from skyline.config import ModelArch, QuantConfig
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
+from skyline.model.partition import attention_layers
 from skyline.model.registry import get_model_class
 from skyline.model.weights import held_bytes
 from skyline.quant import attach_quant_methods, finish_loading
@@ -30,7 +31,6 @@ class ModelCost:
     def of(cls, model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         heads = [m for m in model.modules() if isinstance(m, LMHead)]
-        arch = model.arch
         head_bytes = sum(  # an fp8 head is read instead of the dense one
             sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
             if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
@@ -40,7 +40,9 @@ class ModelCost:
             head_params=sum(m.weight.numel() for m in heads),
             weight_bytes=held_bytes(linears) + head_bytes,
             kv_bytes_per_token=kv_bytes_per_token,
-            attn_flops_per_pair=4 * arch.num_layers * arch.num_heads * arch.head_dim,
+            # the heads of the layers this model (this rank's part) runs
+            attn_flops_per_pair=4 * sum(a.num_heads * a.head_dim
+                                        for a in attention_layers(model)),
         )
 
 

@@ -80,6 +80,8 @@ class QuantLinearMethod:
     name = ""
     # Parameters holding one value per checkpoint tensor (stored per row in a merged layer).
     per_tensor: tuple[str, ...] = ()
+    # Input columns that share a scale: a row-parallel split must cut between such groups.
+    column_block = 1
 
     def __init__(self, cfg: QuantConfig) -> None:
         self.group_size = cfg.group_size

@@ -2,11 +2,14 @@
 
 Each query is a function of the rank's `ModelRunner` and plain arguments, returning plain data
 or CPU tensors, so that any executor can run it: in its own process, or on every rank's
-worker (`Executor.query(name, *args)`). One dict names them all.
+worker (`Executor.query(name, *args)`). One dict names them all. With several ranks the
+answer is the driver's (the rank that samples), or that of the query's entry in `COMBINE`
+over every rank's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +33,14 @@ def describe(r: ModelRunner) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def score(r: ModelRunner, token_ids: list[int]) -> torch.Tensor:
+def score(r: ModelRunner, token_ids: list[int]) -> torch.Tensor | None:
     """Log-probs of the next token at every position of `token_ids` (teacher forcing): one
     causal forward pass outside the KV cache. Returns [len(token_ids), vocab] float32 on the
-    CPU."""
+    CPU (None on ranks other than the driver)."""
     ids = torch.tensor(token_ids, device=r.device)
-    hidden = r.model(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
-    return r.model.compute_logits(hidden).float().log_softmax(-1).cpu()
+    hidden = r.forward_stages(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
+    logits = r.model.compute_logits(hidden) if hidden is not None else None
+    return logits.float().log_softmax(-1).cpu() if logits is not None else None
 
 
 def device_wait_seconds(r: ModelRunner) -> float:
@@ -47,7 +51,23 @@ def device_wait_seconds(r: ModelRunner) -> float:
 
 def model_cost(r: ModelRunner) -> ModelCost:
     """The loaded model's cost per token as it serves (bench/floor.py)."""
-    return ModelCost.of(r.model, bytes_per_block(r.arch, 1, r.kv_dtype))
+    return ModelCost.of(r.model, bytes_per_block(r.kv_arch, 1, r.kv_dtype))
+
+
+def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
+    """Every rank's memory added up; the slowest load."""
+    out = dict(values[driver])
+    for key in ("kv_cache_gib", "weights_gib"):
+        out[key] = sum(v[key] for v in values)
+    out["load_seconds"] = max(v["load_seconds"] for v in values)
+    out["ranks"] = len(values)
+    return out
+
+
+def _cost_all(values: list[ModelCost], driver: int) -> ModelCost:
+    """The whole model's cost: the sum of its parts."""
+    return ModelCost(**{f.name: sum(getattr(v, f.name) for v in values)
+                        for f in dataclasses.fields(ModelCost)})
 
 
 QUERIES: dict[str, Callable[..., Any]] = {
@@ -55,4 +75,9 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "score": score,
     "device_wait_seconds": device_wait_seconds,
     "model_cost": model_cost,
+}
+# query -> (every rank's answer, the driver's index) -> the answer
+COMBINE: dict[str, Callable[[list[Any], int], Any]] = {
+    "describe": _describe_all,
+    "model_cost": _cost_all,
 }

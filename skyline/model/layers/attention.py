@@ -19,6 +19,8 @@ from skyline.ops.attention import paged_attention
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from skyline.ops.kv_write import KVWrite, write_kv
+from skyline.parallel.groups import ParallelLayout
+from skyline.parallel.shard import head_shard
 
 
 class Attention(nn.Module):
@@ -55,6 +57,12 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         # The consumer's question, not the consumer (a module attribute would register it twice)
         self._input_quant = feeds.input_quant if feeds is not None else None
+
+    def shard(self, layout: ParallelLayout) -> None:
+        """Attend with this rank's heads (those its QKVLinear projects)."""
+        if layout.tp.size > 1:
+            h = head_shard(self.num_heads, self.num_kv_heads, layout.tp.size, layout.tp.index)
+            self.num_heads, self.num_kv_heads = h.num_q, h.num_kv
 
     def kv_write(self, v: torch.Tensor) -> KVWrite | None:
         """Where this forward's k and v go in the cache, for a rope kernel to store them on the
