@@ -201,6 +201,12 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         sys.exit(f"skyline: error: {e}")
 
 
+def _cmd_worker(ns: argparse.Namespace) -> None:
+    from skyline.worker.executor.multiproc import run_node
+
+    sys.exit(run_node(ns.distributed_init, ns.node_rank, ns.nnodes))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skyline", description="LLM inference engine")
     parser.add_argument("--log-level", default="WARNING")
@@ -235,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", default="info")
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("worker", help="run this host's ranks of an engine started on another "
+                                      "host with --nnodes")
+    p.add_argument("--distributed-init", required=True, metavar="tcp://HOST:PORT",
+                   help="the engine's --distributed-init")
+    p.add_argument("--node-rank", type=int, required=True, help="this host's index, from 1")
+    p.add_argument("--nnodes", type=int, default=None, help="checked against the engine's")
+    p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)

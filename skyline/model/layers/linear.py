@@ -11,7 +11,9 @@ column-parallel layer holds some output rows of each part (q/k/v by head, gate/u
 row-parallel one some input columns, its partial products summed over its tensor-parallel
 group; each loads only its slice of a checkpoint tensor. Quantized weights are quantized row
 by row, so a column slice of a layer is a row slice of every tensor of its format; a row slice
-must cut whole groups of a group-quantized format (`column_block`).
+must cut whole groups of a group-quantized format (`column_block`). Quantized at load (not
+from a quantized checkpoint), a row slice takes its own fp8 row scales or nvfp4 tensor scale:
+as fine as one process's, not equal to them.
 """
 
 from __future__ import annotations

@@ -64,6 +64,33 @@ def node_ranks(config: EngineConfig, node_rank: int) -> list[int]:
     return list(range(node_rank * per, (node_rank + 1) * per))
 
 
+def run_node(init: str, node_rank: int, nnodes: int | None = None) -> int:
+    """`skyline worker`: start this host's ranks of the engine whose store is at `init`; return
+    when they end (or stop them when the engine is gone). Returns an exit code."""
+    from skyline.worker.executor.rank import open_store
+
+    host, port = parse_init(init)
+    store = open_store(host, port, 600)  # waits for the engine to start
+    config = pickle.loads(store.get(STORE_PREFIX + "config"))
+    pc = config.parallel
+    if nnodes is not None and nnodes != pc.nnodes:
+        raise ConfigError(f"the engine at {init} expects --nnodes {pc.nnodes}, not {nnodes}")
+    if not 0 < node_rank < pc.nnodes:
+        raise ConfigError(f"--node-rank must be in 1..{pc.nnodes - 1} (node 0 is the engine's)")
+    procs = spawn_ranks(config, node_ranks(config, node_rank), host, port)
+    log.info("ranks %s started", sorted(procs))
+    while any(p.is_alive() for p in procs.values()):
+        try:
+            store.check([STORE_PREFIX + "config"])
+        except Exception:  # the engine (and its store) is gone: so are its ranks
+            log.error("the engine at %s is gone; stopping ranks %s", init, sorted(procs))
+            for p in procs.values():
+                p.terminate()
+            return 1
+        time.sleep(1.0)
+    return max(p.exitcode or 0 for p in procs.values())
+
+
 def process_context() -> Any:
     """Rank processes start fresh, never forked from the engine. Where it can, a fork server
     that has imported torch once starts them (in a tenth of a second, where each would take
@@ -119,7 +146,8 @@ class MultiProcExecutor(Executor):
         self.driver = driver_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         self.timeout_s = pc.timeout_s
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
-        self._error: RankError | None = None
+        self._error: Exception | None = None
+        self._starting = True  # until every rank is ready
         self._closed = False
         self._in_flight = False
         self._encoder = StepEncoder()
@@ -154,7 +182,8 @@ class MultiProcExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks = ready[self.driver][0]["num_blocks"]
+        self.num_blocks = int(ready[self.driver][0]["num_blocks"])
+        self._starting = False
         log.info("%d ranks ready (tensor parallel %d, %d pipeline stages)", self.world,
                  pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
@@ -255,7 +284,7 @@ class MultiProcExecutor(Executor):
                 msg = unpack(self.pull.recv(zmq.NOBLOCK))
                 self._heard[msg[1]] = time.monotonic()
                 if msg[0] == "error":
-                    raise self._fail(self._cause(f"rank {msg[1]} failed: {msg[2]}", msg[1]))
+                    self._raise(msg)
                 if msg[0] != "beat":
                     return msg
             now = time.monotonic()
@@ -268,10 +297,29 @@ class MultiProcExecutor(Executor):
     def _check(self, now: float) -> None:
         for r, p in self.procs.items():
             if p.exitcode is not None:
+                if p.exitcode > 0:  # a rank that raised said why before it exited
+                    self._drain_errors(wait_s=1.0)
                 raise self._fail(f"rank {r} (pid {p.pid}) {exit_reason(p.exitcode)}")
         for r in range(self.world):
             if r not in self.procs and now - self._heard.get(r, now) > self.timeout_s:
                 raise self._fail(f"rank {r} has not been heard from for {self.timeout_s:.0f} s")
+
+    def _raise(self, msg: list[Any]) -> None:
+        """Stop on a rank's ("error", rank, sentence, is a ConfigError)."""
+        _, rank, text, user = msg
+        if user and self._starting:
+            raise self._fail(text, ConfigError)  # at start-up: a setting to fix
+        raise self._fail(self._cause(f"rank {rank} failed: {text}", rank))
+
+    def _drain_errors(self, wait_s: float) -> None:
+        """Raise the first error a rank sent (reading for up to `wait_s`), if any."""
+        import zmq
+
+        deadline = time.monotonic() + wait_s
+        while self.pull.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+            msg = unpack(self.pull.recv(zmq.NOBLOCK))
+            if msg[0] == "error":
+                self._raise(msg)
 
     def _cause(self, message: str, rank: int) -> str:
         """A rank that fails may only be the first to see a peer die (its collective broke):
@@ -284,10 +332,11 @@ class MultiProcExecutor(Executor):
             time.sleep(0.05)
         return message
 
-    def _fail(self, message: str) -> RankError:
+    def _fail(self, message: str, kind: type[Exception] = RankError) -> Exception:
         """Stop every rank; the error to raise now and at every later call."""
         if self._error is None:
-            self._error = RankError(f"{message}; the engine stopped")
+            self._error = kind(message) if kind is ConfigError else \
+                kind(f"{message}; the engine stopped")
             log.error("%s", self._error)
             self._kill()
         return self._error

@@ -6,7 +6,8 @@ Channels (multiproc.py binds them): the engine publishes (PUB) frames
   | [b"shutdown"]
 and every rank pushes (PUSH) msgpack tuples back:
   ("hello", rank) | ("ready", rank, info) | ("out", rank, RunnerOutput) (the driver only)
-  | ("result", rank, id, pickled value) | ("error", rank, one sentence) | ("beat", rank)
+  | ("result", rank, id, pickled value) | ("error", rank, one sentence, is a ConfigError)
+  | ("beat", rank)
 A thread of the rank's beats every second on a socket of its own, so that the engine can tell
 a rank that is busy (loading, a long step) from one that is gone; the rank exits when the
 process that started it does.
@@ -137,10 +138,11 @@ def run_rank(where: RankAddress, log_level: int) -> None:
     except Exception as e:
         from skyline.config import ConfigError
 
-        if not isinstance(e, (ConfigError, MemoryError)):
+        user = isinstance(e, ConfigError)  # a setting to fix: the sentence says what to do
+        if not user:
             traceback.print_exc()
-        message = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
-        push.send(pack(("error", rank, message)))
+        message = str(e) if user else f"{type(e).__name__}: {e}"
+        push.send(pack(("error", rank, message, user)))
         push.close(linger=5000)
         os._exit(1)
     _shutdown_group()
