@@ -38,9 +38,9 @@ def layout(num_layers: int, tp: int, index: int, stage: tuple[int, int] | None =
                           Group((rank,), rank), Group((rank,), rank), Group((rank,), rank))
 
 
-def model_cfg(path: str, quant: QuantConfig = QuantConfig()) -> ModelConfig:
+def model_cfg(path: str, quant: QuantConfig | None = None) -> ModelConfig:
     arch, fmt = read_model_arch(path)
-    return ModelConfig(path, fmt, arch, "float32", 64, quant=quant)
+    return ModelConfig(path, fmt, arch, "float32", 64, quant=quant or QuantConfig())
 
 
 def weights(model) -> dict[str, torch.Tensor]:
