@@ -101,7 +101,7 @@ def check_layout(path: str, **parallel) -> LLM:
     try:
         assert run_cases(llm) == reference(path)
     except BaseException:
-        llm.engine.shutdown()
+        llm.shutdown()
         raise
     return llm
 
@@ -116,15 +116,15 @@ def test_tensor_parallel(llama):
         info = llm.engine.executor.describe()
         assert info["ranks"] == 2 and info["num_blocks"] == SMALL["num_blocks"]
     finally:
-        llm.engine.shutdown()
+        llm.shutdown()
 
 
 def test_tensor_and_pipeline_parallel(qwen3):
-    check_layout(qwen3, tensor_parallel_size=2, pipeline_parallel_size=2).engine.shutdown()
+    check_layout(qwen3, tensor_parallel_size=2, pipeline_parallel_size=2).shutdown()
 
 
 def test_uneven_placement(llama):
-    check_layout(llama, placement="cpu=2,cpu=1").engine.shutdown()
+    check_layout(llama, placement="cpu=2,cpu=1").shutdown()
 
 
 def test_default_model_tensor_parallel():
@@ -137,7 +137,7 @@ def test_default_model_tensor_parallel():
     try:
         assert _tokens(llm.generate(prompts, params)) == want
     finally:
-        llm.engine.shutdown()
+        llm.shutdown()
 
 
 def test_a_dying_rank_stops_the_engine_with_one_error(llama):
@@ -162,7 +162,7 @@ def test_a_dying_rank_stops_the_engine_with_one_error(llama):
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(RankError):  # the same error at every later call
         llm.generate(_prompts(1, seed=7), GREEDY)
-    llm.engine.shutdown()
+    llm.shutdown()
 
 
 def test_a_rank_that_raises_or_cannot_start(llama):
@@ -178,7 +178,7 @@ def test_a_rank_that_raises_or_cannot_start(llama):
         with pytest.raises(RankError, match="rank 0 failed: KeyError: 'no such query'"):
             llm.engine.executor.query("no such query")
     finally:
-        llm.engine.shutdown()
+        llm.shutdown()
 
 
 def test_ranks_of_another_host_join_through_the_store(llama):
@@ -194,7 +194,7 @@ def test_ranks_of_another_host_join_through_the_store(llama):
             assert _tokens(llm.generate(_prompts(10, seed=1), GREEDY)) == \
                 reference(llama)["greedy"]
         finally:
-            llm.engine.shutdown()
+            llm.shutdown()
         assert worker.wait(timeout=60) == 0
     finally:
         worker.kill()

@@ -121,3 +121,46 @@ def test_step_messages_round_trip_and_leave_out_what_ranks_know():
     assert decode_output(encode_output(out)) == out
     plain = RunnerOutput(["a"], [[5]], [None], [])
     assert decode_output(encode_output(plain)) == plain
+
+
+def test_parallel_settings_are_checked_before_any_process_starts(tmp_path):
+    import json
+
+    from skyline.engine.args import EngineArgs
+    from skyline.engine.create import create_engine_config
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+           "vocab_size": 128, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def config(**kw):
+        return create_engine_config(EngineArgs(model=str(tmp_path), load_format="dummy",
+                                               device="cpu", **kw))[0]
+
+    pc = config(tensor_parallel_size=2, pipeline_parallel_size=3).parallel
+    assert pc.world_size == 6 and pc.executor == "mp"
+    assert pc.stages == (("cpu", 0, 1), ("cpu", 1, 2), ("cpu", 2, 3))
+    assert config(placement="cpu=1,cpu=2").parallel.stages == (("cpu", 0, 1), ("cpu", 1, 3))
+    auto = config(placement="auto").parallel  # one CPU: one stage, in this process
+    assert auto.stages == (("cpu", 0, 3),) and auto.executor == "uni"
+    for kw, match in [
+        (dict(tensor_parallel_size=4), "6 attention heads with 2 KV heads cannot be split"),
+        (dict(tensor_parallel_size=3, pipeline_parallel_size=1), "KV heads cannot be split"),
+        (dict(pipeline_parallel_size=4), "fewer than the 4 pipeline stages"),
+        (dict(placement="cpu=2,cpu=2"), "add up to 3"),
+        (dict(placement="cpu=1,cpu=2", tensor_parallel_size=2), "drop --tensor-parallel"),
+        (dict(tensor_parallel_size=2, speculative_method="ngram"), "speculative decoding"),
+        (dict(tensor_parallel_size=2, distributed_executor="uni"), "need a process each"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            config(**kw)
+    cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"] = 4, 4, 90
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"intermediate size \(90\) is not divisible"):
+        config(tensor_parallel_size=4)
+    from skyline.worker.executor.multiproc import parse_init
+
+    assert parse_init("tcp://10.0.0.1:29500") == ("10.0.0.1", 29500)
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT"):
+        parse_init("http://x:1")

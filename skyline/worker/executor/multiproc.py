@@ -30,6 +30,7 @@ import shutil
 import signal
 import tempfile
 import time
+import weakref
 from typing import Any
 
 from skyline.config import ConfigError, EngineConfig
@@ -84,8 +85,7 @@ def run_node(init: str, node_rank: int, nnodes: int | None = None) -> int:
             store.check([STORE_PREFIX + "config"])
         except Exception:  # the engine (and its store) is gone: so are its ranks
             log.error("the engine at %s is gone; stopping ranks %s", init, sorted(procs))
-            for p in procs.values():
-                p.terminate()
+            stop_processes(list(procs.values()))
             return 1
         time.sleep(1.0)
     return max(p.exitcode or 0 for p in procs.values())
@@ -177,6 +177,8 @@ class MultiProcExecutor(Executor):
         self.store.set(STORE_PREFIX + "results", results)
         try:
             self.procs = spawn_ranks(config, node_ranks(config, 0), host, self.store.port)
+            # An executor dropped without shutdown still stops its ranks.
+            weakref.finalize(self, stop_processes, list(self.procs.values()))
             self._handshake()
             ready = self._gather("ready")
         except BaseException:
@@ -342,11 +344,16 @@ class MultiProcExecutor(Executor):
         return self._error
 
     def _kill(self) -> None:
-        for p in self.procs.values():
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs.values():
+        stop_processes(list(self.procs.values()))
+
+
+def stop_processes(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    """Terminate, then kill what is left."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
             p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)

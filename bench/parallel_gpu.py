@@ -1,0 +1,131 @@
+"""Tensor and pipeline parallelism on N GPUs of one host (H200s), as stages:
+
+  decode   batch-1 decode at TP=N against the roofline of N GPUs' bandwidth: the bytes a token
+           reads (every rank's weights and KV, summed: the "model_cost" query) over N times
+           one GPU's copy bandwidth, measured in this run
+  offline  N prompts x (IN in, OUT out) at TP=N against TP=1 (default 1000 x (1000, 1000))
+  pp       the same workload at PP=N against TP=N (the same N GPUs)
+
+    python bench/parallel_gpu.py --gpus 2 --stages decode offline pp
+    python bench/parallel_gpu.py --gpus 1 --stages decode offline pp --num-prompts 64  # 1 GPU
+
+With --gpus 1 every stage runs (TP=1, PP=1), as a check of the script on one GPU. Each stage
+writes bench/results/parallel/<stage>-h200-<model>-gpus<N>.json (--out-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from skyline.bench.floor import copy_bandwidth
+from skyline.bench.offline import machine_info, random_prompts, run_offline, save_json
+from skyline.engine.args import EngineArgs
+from skyline.engine.frontend.llm import LLM
+from skyline.types import SamplingParams
+
+
+def stamp(args: argparse.Namespace) -> dict[str, Any]:
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "model": args.model, "gpus": args.gpus, "machine": machine_info("cuda"),
+            "command": "python bench/parallel_gpu.py " + " ".join(sys.argv[1:])}
+
+
+def stage_decode(args: argparse.Namespace) -> dict[str, Any]:
+    bw = copy_bandwidth(torch.device("cuda:0"))  # before any engine takes memory
+    torch.cuda.empty_cache()
+    llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.gpus, max_num_seqs=8,
+              max_model_len=args.prompt_len + args.new_tokens + 16)
+    try:
+        cost = llm.query("model_cost")
+        prompt = random_prompts(1, args.prompt_len, llm.config.model.arch.vocab_size)[0]
+
+        def run(n: int) -> float:
+            t = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n,
+                                                  ignore_eos=True))
+            return time.perf_counter() - t
+
+        run(8)  # warm-up
+        first = min(run(1) for _ in range(3))  # the prefill and one token
+        total = min(run(1 + args.new_tokens) for _ in range(3))
+    finally:
+        llm.shutdown()
+    rate = args.new_tokens / (total - first)
+    mean_ctx = args.prompt_len + args.new_tokens / 2
+    bytes_per_token = cost.weight_bytes + cost.kv_bytes_per_token * mean_ctx
+    roofline = args.gpus * bw / bytes_per_token
+    print(f"decode TP={args.gpus}: {rate:.1f} tok/s, roofline of {args.gpus} GPU(s) "
+          f"{roofline:.1f} tok/s ({rate / roofline:.2f}); one GPU copies at {bw / 1e12:.2f} TB/s, "
+          f"a token reads {bytes_per_token / 2**30:.2f} GiB")
+    return {"benchmark": "parallel_decode", **stamp(args), "tensor_parallel_size": args.gpus,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "tokens_per_s": rate, "roofline_tokens_per_s": roofline,
+            "fraction_of_roofline": rate / roofline, "copy_bandwidth_Bps_per_gpu": bw,
+            "bytes_per_token": bytes_per_token, "weight_bytes": cost.weight_bytes}
+
+
+def _offline(args: argparse.Namespace, **parallel: int) -> dict[str, Any]:
+    engine = EngineArgs(model=args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.input_len + args.output_len + 16, **parallel)
+    return run_offline(engine, args.num_prompts, args.input_len, args.output_len, None)
+
+
+def _compare(args: argparse.Namespace, name: str, runs: dict[str, dict[str, int]]
+             ) -> dict[str, Any]:
+    rows = {}
+    for label, parallel in runs.items():
+        res = _offline(args, **parallel)
+        rows[label] = {**parallel, **res["skyline"], "steps": res["steps"],
+                       "engine": res["engine"]}
+    (a, ra), (b, rb) = rows.items()
+    ratio = ra["output_tokens_per_s"] / rb["output_tokens_per_s"]
+    print(f"{name}: {a} {ra['output_tokens_per_s']:.0f} output tok/s, {b} "
+          f"{rb['output_tokens_per_s']:.0f} ({ratio:.2f}x)")
+    return {"benchmark": f"parallel_{name}", **stamp(args), "num_prompts": args.num_prompts,
+            "input_len": args.input_len, "output_len": args.output_len,
+            "runs": rows, "ratio": ratio}
+
+
+def stage_offline(args: argparse.Namespace) -> dict[str, Any]:
+    return _compare(args, "offline", {f"tp{args.gpus}": {"tensor_parallel_size": args.gpus},
+                                      "tp1": {"tensor_parallel_size": 1}})
+
+
+def stage_pp(args: argparse.Namespace) -> dict[str, Any]:
+    return _compare(args, "pp", {f"pp{args.gpus}": {"pipeline_parallel_size": args.gpus},
+                                 f"tp{args.gpus}": {"tensor_parallel_size": args.gpus}})
+
+
+STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=256, help="decode: tokens timed")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=1000)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--out-dir", default="bench/results/parallel")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or args.gpus < 1:
+        sys.exit("parallel_gpu.py needs CUDA GPUs")
+    for name in args.stages:
+        result = STAGES[name](args)
+        model = os.path.basename(args.model.rstrip("/"))
+        save_json(result, os.path.join(args.out_dir, f"{name}-h200-{model}-gpus{args.gpus}.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""What a step costs the multi-process executor, on the CPU: the same decode steps run by the
+one-process executor, by one rank in a process of its own, and by two tensor-parallel ranks.
+
+Each engine decodes BATCH running requests for STEPS timed steps of a model small enough that
+the step is mostly the engine's own work (a one-layer model of width 16, random weights; or,
+with --model default, the embedded SmolLM2-135M); a row gives its time per step, synchronous
+(each step's tokens read before the next is scheduled) and with async scheduling (the engine
+schedules step n + 1 while the ranks run step n: another process, so here it overlaps).
+Separately it times the step message alone: the SchedulerOutputs of the one-process run
+encoded (engine side) and decoded (rank side) by worker/executor/codec.py.
+
+    python bench/parallel_overhead.py --out bench/results/parallel/overhead-cpu.json
+    python bench/parallel_overhead.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from skyline.bench.offline import machine_info, save_json
+from skyline.engine.frontend.llm import LLM
+from skyline.types import SamplingParams, SchedulerOutput
+from skyline.worker.executor.codec import StepEncoder, decode_step
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 2048,
+        "max_position_embeddings": 1 << 16, "torch_dtype": "float32", "eos_token_id": 2}
+LAYOUTS = [("uni", 1), ("mp", 1), ("mp", 2)]  # (executor, tensor-parallel size)
+
+
+def engine(model: str | None, batch: int, context: int, steps: int, executor: str, tp: int,
+           async_on: bool) -> LLM:
+    kw: dict[str, Any] = dict(device="cpu", dtype="float32", max_num_seqs=batch,
+                              max_num_batched_tokens=max(2048, context),
+                              max_model_len=context + steps + 64, block_size=16,
+                              async_scheduling="on" if async_on else "off",
+                              distributed_executor=executor, tensor_parallel_size=tp)
+    if model is None:
+        d = tempfile.mkdtemp()
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(TINY, f)
+        return LLM(d, load_format="dummy", kv_cache_memory=256 << 20, **kw)
+    return LLM(None if model == "default" else model, kv_cache_memory=1 << 30, **kw)
+
+
+def measure(llm: LLM, batch: int, context: int, steps: int,
+            record: list[SchedulerOutput] | None = None) -> float:
+    """Seconds per decode step of `batch` running requests: the median step (this machine is
+    shared; a mean counts other processes' bursts)."""
+    vocab = llm.config.model.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    for i in range(batch):
+        llm.add_request([100 + (i * 7 + j) % (vocab - 200) for j in range(context)], params)
+    sched = llm.engine.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        llm.step()  # everyone prefilled
+    for _ in range(3):
+        llm.step()
+    if record is not None:
+        schedule = sched.schedule
+
+        def recorded() -> SchedulerOutput:
+            out = schedule()
+            record.append(out)
+            return out
+
+        sched.schedule = recorded
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        llm.step(final_only=True)
+        times.append(time.perf_counter() - t0)
+    assert len(sched.running) == batch, "every request decodes through the timed steps"
+    return sorted(times)[len(times) // 2]
+
+
+def message_us(outs: list[SchedulerOutput]) -> tuple[float, float, int]:
+    """Microseconds to encode, and to decode, one step's message; its mean bytes."""
+    enc = StepEncoder()
+    t = time.perf_counter()
+    data = [enc.encode(o) for o in outs]
+    t_enc = time.perf_counter() - t
+    t = time.perf_counter()
+    for d in data:
+        decode_step(d)
+    t_dec = time.perf_counter() - t
+    n = len(outs)
+    return 1e6 * t_enc / n, 1e6 * t_dec / n, sum(len(d) for d in data) // n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: a one-layer model of width 16; "
+                    "'default' for the embedded SmolLM2-135M")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 1000])
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--smoke", action="store_true", help="tiny run (CI): batch 1 and 8, 4 steps")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.smoke:
+        a.batch, a.context, a.steps = [1, 8], 8, 4
+    rows = []
+    for batch in a.batch:
+        for async_on in (False, True):
+            row: dict[str, Any] = {"batch": batch, "async_scheduling": async_on}
+            for executor, tp in LAYOUTS:
+                llm = engine(a.model, batch, a.context, a.steps, executor, tp, async_on)
+                outs: list[SchedulerOutput] | None = [] if executor == "uni" else None
+                try:
+                    row[f"{executor}_tp{tp}_ms"] = 1e3 * measure(llm, batch, a.context,
+                                                                 a.steps, outs)
+                finally:
+                    llm.shutdown()
+                if outs:
+                    enc, dec, size = message_us(outs)
+                    row |= {"encode_us": enc, "decode_us": dec, "message_bytes": size}
+            row["mp_overhead_ms"] = row["mp_tp1_ms"] - row["uni_tp1_ms"]
+            rows.append(row)
+            print(f"batch {batch:5d} async {'on ' if async_on else 'off'}: one process "
+                  f"{row['uni_tp1_ms']:7.2f} ms/step, one rank in its process "
+                  f"{row['mp_tp1_ms']:7.2f}, two ranks (TP=2) {row['mp_tp2_ms']:7.2f}; message "
+                  f"{row['message_bytes']} B, encode {row['encode_us']:.0f} us, decode "
+                  f"{row['decode_us']:.0f} us", flush=True)
+    save_json({"benchmark": "parallel_overhead",
+               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+               "model": a.model or "tiny (1 layer, width 16)", "context": a.context,
+               "steps": a.steps, "machine": machine_info("cpu"),
+               "command": "python bench/parallel_overhead.py " + " ".join(sys.argv[1:]),
+               "rows": rows}, a.out)
+
+
+if __name__ == "__main__":
+    main()
