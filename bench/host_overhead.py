@@ -29,8 +29,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 from skyline.bench.offline import machine_info, save_json
 
 try:
@@ -54,14 +52,6 @@ def _timed(phases: dict[str, float], name: str, fn: Any) -> Any:
         finally:
             phases[name] += time.perf_counter() - t
     return wrapper
-
-
-def _null_model(llm: LLM) -> None:
-    """The forward pass returns zeros: what remains of a step is the host's work."""
-    model = llm.engine.executor.runner.model
-    hidden, vocab = TINY["hidden_size"], TINY["vocab_size"]
-    model.forward = lambda ids, pos: torch.zeros(ids.shape[0], hidden)
-    model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)
 
 
 class GcPauses:
@@ -93,7 +83,7 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
                   max_num_seqs=batch, max_model_len=max_len, async_scheduling="on",
                   max_num_batched_tokens=budget,
                   kv_cache_memory=batch * (-(-max_len // 16) + 1) * block_bytes)
-    _null_model(llm)
+    llm.query("null_forward")  # what remains of a step is the host's work
     engine, runner = llm.engine, llm.engine.executor.runner
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to max_len
     for i in range(batch):

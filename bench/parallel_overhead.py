@@ -1,9 +1,10 @@
 """What a step costs the multi-process executor, on the CPU: the same decode steps run by the
 one-process executor, by one rank in a process of its own, and by two tensor-parallel ranks.
 
-Each engine decodes BATCH running requests for STEPS timed steps of a model small enough that
-the step is mostly the engine's own work (a one-layer model of width 16, random weights; or,
-with --model default, the embedded SmolLM2-135M); a row gives its time per step, synchronous
+Each engine decodes BATCH running requests for STEPS timed steps of a model that computes
+zeros at no cost (the "null_forward" query on every rank: what remains is the engine's and the
+executor's own work), or with --model default of the embedded SmolLM2-135M as it computes; a
+row gives its median time per step, synchronous
 (each step's tokens read before the next is scheduled) and with async scheduling (the engine
 schedules step n + 1 while the ranks run step n: another process, so here it overlaps).
 Separately it times the step message alone: the SchedulerOutputs of the one-process run
@@ -51,11 +52,13 @@ def engine(model: str | None, batch: int, context: int, steps: int, executor: st
     return LLM(None if model == "default" else model, kv_cache_memory=1 << 30, **kw)
 
 
-def measure(llm: LLM, batch: int, context: int, steps: int,
+def measure(llm: LLM, batch: int, context: int, steps: int, null: bool,
             record: list[SchedulerOutput] | None = None) -> float:
     """Seconds per decode step of `batch` running requests: the median step (this machine is
     shared; a mean counts other processes' bursts)."""
     vocab = llm.config.model.arch.vocab_size
+    if null:
+        llm.query("null_forward")
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for i in range(batch):
         llm.add_request([100 + (i * 7 + j) % (vocab - 200) for j in range(context)], params)
@@ -116,8 +119,8 @@ def main() -> None:
                 llm = engine(a.model, batch, a.context, a.steps, executor, tp, async_on)
                 outs: list[SchedulerOutput] | None = [] if executor == "uni" else None
                 try:
-                    row[f"{executor}_tp{tp}_ms"] = 1e3 * measure(llm, batch, a.context,
-                                                                 a.steps, outs)
+                    row[f"{executor}_tp{tp}_ms"] = 1e3 * measure(
+                        llm, batch, a.context, a.steps, a.model is None, outs)
                 finally:
                     llm.shutdown()
                 if outs:
@@ -132,7 +135,7 @@ def main() -> None:
                   f"{row['decode_us']:.0f} us", flush=True)
     save_json({"benchmark": "parallel_overhead",
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "model": a.model or "tiny (1 layer, width 16)", "context": a.context,
+               "model": a.model or "zeros (null_forward)", "context": a.context,
                "steps": a.steps, "machine": machine_info("cpu"),
                "command": "python bench/parallel_overhead.py " + " ".join(sys.argv[1:]),
                "rows": rows}, a.out)

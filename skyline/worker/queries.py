@@ -54,6 +54,16 @@ def model_cost(r: ModelRunner) -> ModelCost:
     return ModelCost.of(r.model, bytes_per_block(r.kv_arch, 1, r.kv_dtype))
 
 
+def null_forward(r: ModelRunner) -> None:
+    """From now on the model computes zeros at no cost (bench/): what remains of a step is the
+    engine's and the executor's own work."""
+    hidden, vocab = r.arch.hidden_size, r.arch.vocab_size
+    r.model.forward = lambda ids, positions: torch.zeros(
+        positions.shape[0], hidden, dtype=r.dtype, device=r.device)
+    r.model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab, device=r.device)
+    r.graphs = None
+
+
 def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
     """Every rank's memory added up; the slowest load."""
     out = dict(values[driver])
@@ -75,6 +85,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "score": score,
     "device_wait_seconds": device_wait_seconds,
     "model_cost": model_cost,
+    "null_forward": null_forward,
 }
 # query -> (every rank's answer, the driver's index) -> the answer
 COMBINE: dict[str, Callable[[list[Any], int], Any]] = {

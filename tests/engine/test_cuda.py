@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from tiny_hf import save_scaled
 
 from skyline import LLM, SamplingParams
 
@@ -23,14 +24,7 @@ def tiny_dir(tmp_path_factory):
     cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_scaled(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny"))
 
 
 def test_cuda_matches_cpu_fp32(tiny_dir):

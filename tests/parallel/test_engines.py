@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from tiny_hf import save_scaled
 
 from skyline import LLM, SamplingParams
 
@@ -42,13 +43,7 @@ def _tiny(tmp_path_factory, kind: str) -> str:
         cfg = transformers.Qwen3Config(**common, num_hidden_layers=4, num_key_value_heads=2,
                                        head_dim=16, tie_word_embeddings=True)
         model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp(kind)
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_scaled(model, tmp_path_factory.mktemp(kind))
 
 
 @pytest.fixture(scope="module")

@@ -145,10 +145,11 @@ def run_rank(where: RankAddress, log_level: int) -> None:
         push.send(pack(("error", rank, message, user)))
         push.close(linger=5000)
         os._exit(1)
-    _shutdown_group()
     push.close(linger=5000)
     sub.close(linger=0)
-    os._exit(0)  # no teardown of a half-used process group
+    # No teardown of the process group: NCCL's can hang in it after CUDA graphs captured its
+    # collectives, and every peer exits alike.
+    os._exit(0)
 
 
 def _start(config: Any, where: RankAddress, store: Any) -> Any:
@@ -176,13 +177,3 @@ def _start(config: Any, where: RankAddress, store: Any) -> Any:
                          dist.PrefixStore(STORE_PREFIX + "pg", store), pc.timeout_s)
     log.info("joined the process group in %.1f s", time.perf_counter() - t0)
     return ModelRunner(config, layout)
-
-
-def _shutdown_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # a peer may be gone already; the process exits anyway
-            pass
