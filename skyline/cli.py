@@ -182,22 +182,38 @@ def _cmd_train_speculator(ns: argparse.Namespace) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> None:
-    import os
-
+    from skyline import envs
     from skyline.engine.process import EngineStartError
+    from skyline.engine.supervisor import EngineDeadError, RestartPolicy
     from skyline.server.app import serve
+    from skyline.server.limits import RequestLimits
 
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("skyline.server").setLevel(logging.INFO)  # request ids in the log
     if ns.model_tag is not None and ns.model is None:
         ns.model = ns.model_tag
-    args = engine_args(ns, max_waiting=ns.max_waiting, served_model_name=ns.served_model_name)
+    api_key = _serve_api_key(ns.api_key, ns.api_key_file, envs.ENV.api_key)
+    chat_template = None
+    if ns.chat_template is not None:
+        try:
+            with open(ns.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --chat-template {ns.chat_template} ({e})") from None
+    limits = RequestLimits(
+        max_body_bytes=ns.max_request_bytes, max_prompt_chars=ns.max_prompt_chars,
+        max_n=ns.max_n, max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars,
+        max_logprobs=ns.max_logprobs, max_tools=ns.max_tools,
+        max_schema_bytes=ns.max_schema_bytes, prepare_timeout_s=ns.prepare_timeout,
+        body_timeout_s=ns.body_timeout)
+    args = engine_args(ns, served_model_name=ns.served_model_name)
     try:
-        serve(args, host=ns.host, port=ns.port,
-              api_key=ns.api_key or os.environ.get("SKYLINE_API_KEY"),
-              max_body_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,
-              log_level=ns.uvicorn_log_level)
-    except (EngineStartError, OSError) as e:
+        serve(args, host=ns.host, port=ns.port, api_key=api_key, limits=limits,
+              shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
+              restart=RestartPolicy(max_restarts=ns.max_engine_restarts),
+              max_waiting=ns.max_waiting, chat_template=chat_template,
+              parse_workers=ns.parse_workers)
+    except (EngineStartError, EngineDeadError, OSError) as e:
         sys.exit(f"skyline: error: {e}")
 
 
@@ -205,6 +221,25 @@ def _cmd_worker(ns: argparse.Namespace) -> None:
     from skyline.worker.executor.multiproc import run_node
 
     sys.exit(run_node(ns.distributed_init, ns.node_rank, ns.nnodes))
+
+
+def _serve_api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
+    """The API key: --api-key-file, else --api-key (with a warning: any user can read a
+    command line, e.g. in `ps`), else $SKYLINE_API_KEY."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --api-key-file {path} ({e})") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {path} is empty; put the key in it")
+        return key
+    if flag is not None:
+        print("skyline: warning: --api-key is visible to every user of this machine (e.g. in "
+              "ps); prefer --api-key-file or $SKYLINE_API_KEY", file=sys.stderr)
+        return flag
+    return env or None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,14 +265,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $SKYLINE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(visible in ps: prefer --api-key-file or $SKYLINE_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE")
     p.add_argument("--served-model-name", default=None, help="model id clients ask for")
-    p.add_argument("--max-waiting", type=int, default=0,
-                   help="waiting requests beyond which new ones get 429 (0: no limit)")
-    p.add_argument("--max-request-bytes", type=int, default=16 << 20,
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template to use instead of the model's (requests cannot "
+                        "bring their own)")
+    p.add_argument("--max-waiting", type=int, default=-1,
+                   help="waiting requests beyond which new ones get 429 (-1: 4 x "
+                        "--max-num-seqs; 0: no limit)")
+    g = p.add_argument_group("request limits (a request over one gets a 400)")
+    g.add_argument("--max-request-bytes", type=int, default=16 << 20,
                    help="larger request bodies get 413")
+    g.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="characters in a prompt or a conversation (0: 32 per token of context, "
+                        "at least 1Mi)")
+    g.add_argument("--max-n", type=int, default=128,
+                   help="choices per request (n, times the prompts of a batched completion)")
+    g.add_argument("--max-stop", type=int, default=32,
+                   help="stop strings, and stop token ids, per request")
+    g.add_argument("--max-stop-chars", type=int, default=1000,
+                   help="characters per stop string")
+    g.add_argument("--max-logprobs", type=int, default=20, help="top logprobs per token")
+    g.add_argument("--max-tools", type=int, default=128, help="tools per request")
+    g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
+                   help="a response_format JSON schema, or one tool, as JSON")
+    g.add_argument("--prepare-timeout", type=float, default=10.0,
+                   help="seconds to parse a request, render its chat template and tokenize it")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds for a request body to arrive (then 408)")
+    p.add_argument("--parse-workers", type=int, default=2,
+                   help="processes that parse large request bodies off the event loop")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="restarts of a failed engine core allowed within ten minutes (with "
+                        "backoff); one more failure stops the server, exit code 1 (0: none)")
     p.add_argument("--uvicorn-log-level", default="info")
     add_engine_args(p)
     p.set_defaults(func=_cmd_serve)

@@ -7,9 +7,22 @@ contract between bookkeeping and compute. New requests are sent whole, known one
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+INT64_LIMIT = 2**63  # integers the engine holds live in int64 (seeds: any 64-bit pattern)
+
+
+def is_valid_unicode(text: str) -> bool:
+    """Whether `text` encodes to UTF-8: JSON can spell lone UTF-16 surrogates ("\\ud800") that
+    no tokenizer, msgpack or UTF-8 writer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -45,7 +58,18 @@ class SamplingParams:
             self.top_k = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with one sentence naming the bad field."""
+        """Raise ValueError with one sentence naming the bad field. Every value that passes fits
+        the types the engine holds it in (int64 tensors, 64-bit seeds, msgpack, UTF-8), so a
+        request that passes cannot fail in the engine for its parameters."""
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and -INT64_LIMIT <= v < INT64_LIMIT):
+                raise ValueError(f"{name} must be an integer below 2**63, got {v}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v}")
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -67,19 +91,27 @@ class SamplingParams:
              f"logprobs must be between 0 and 20, got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a list of non-empty strings"),
-            (self.seed is None or -(2**63) <= self.seed < 2**64,
+            (self.seed is None or (isinstance(self.seed, int)
+                                   and -INT64_LIMIT <= self.seed < 2 * INT64_LIMIT),
              f"seed must fit in 64 bits, got {self.seed}"),
+            (all(isinstance(t, int) and 0 <= t < INT64_LIMIT for t in self.stop_token_ids),
+             "stop_token_ids must be token ids (integers >= 0)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
         if sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) > 1:
             raise ValueError("give at most one of json_schema, regex and grammar")
+        for name, text in [*(("stop", s) for s in self.stop), ("regex", self.regex),
+                           ("grammar", self.grammar)]:
+            if text is not None and not is_valid_unicode(text):
+                raise ValueError(f"{name} is not valid Unicode (it holds a lone surrogate such "
+                                 "as \\ud800); send UTF-8 text")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
-                    f"stop_token_ids {bad} are outside the vocabulary (0..{vocab_size - 1})"
+                    f"stop_token_ids {bad[:8]} are outside the vocabulary (0..{vocab_size - 1})"
                 )
 
     @property

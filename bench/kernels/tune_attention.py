@@ -60,11 +60,17 @@ DECODE_TILES = [BASELINE] + [
                     (128, 4, 3), (128, 8, 3), (16, 1, 3), (16, 1, 4), (32, 1, 2), (32, 1, 3),
                     (32, 1, 4), (64, 1, 2), (32, 2, 3), (64, 2, 2)]]
 PREFILL_BASELINE = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
+# PACK > 1: the query heads of one kv head share a program (BLOCK_M then counts tokens)
 PREFILL_TILES = [PREFILL_BASELINE] + [
-    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
-    for m, n, w, s in [(64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
-                       (128, 64, 8, 3), (128, 32, 8, 4), (128, 128, 8, 2)]]
-PREFILL_CASES = [(8, 1000), (1, 8192)]  # (prompts, tokens each), fresh prompts
+    {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s, "PACK": p}
+    for m, n, w, s, p in [(64, 64, 4, 3, 1), (64, 64, 4, 4, 1), (64, 32, 4, 3, 1),
+                          (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 4, 1),
+                          (128, 128, 8, 2, 1), (128, 128, 8, 3, 1), (16, 64, 4, 3, 4),
+                          (32, 64, 4, 3, 4), (32, 64, 8, 3, 4), (32, 128, 8, 2, 4),
+                          (32, 32, 8, 4, 4), (64, 64, 8, 2, 4)]]
+# (prompts, new tokens each, context each): fresh prompts, and a chunk of a long prompt over
+# its cached prefix (what a 200K-token prompt's chunks run)
+PREFILL_CASES = [(8, 1000, 1000), (1, 8192, 32768)]
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 DEVICE = "cuda"
 DTYPE = torch.bfloat16  # the model dtype: queries and outputs
@@ -242,8 +248,8 @@ def rank(cases: list[dict]) -> list[tuple[str, float]]:
 def tune_prefill(shape, kv_dtype, page) -> tuple[list[dict], dict[str, dict]]:
     """Prefill rows for PREFILL_CASES and the chosen config per token bucket."""
     results, chosen = [], {}
-    for num_seqs, n in PREFILL_CASES:
-        row = prefill_case(shape, kv_dtype, page, num_seqs, n)
+    for num_seqs, n, ctx in PREFILL_CASES:
+        row = prefill_case(shape, kv_dtype, page, num_seqs, n, ctx)
         torch.cuda.empty_cache()
         if row is not None:
             results.append(row)
@@ -251,18 +257,18 @@ def tune_prefill(shape, kv_dtype, page) -> tuple[list[dict], dict[str, dict]]:
     return results, chosen
 
 
-def prefill_case(shape, kv_dtype, page, num_seqs, n) -> dict | None:
+def prefill_case(shape, kv_dtype, page, num_seqs, n, ctx) -> dict | None:
     heads, kvh, d = shape
     dtype = DTYPE
     key = attn.shape_key(heads, kvh, d, page, dtype, kv_dtype) + f":q{token_bucket(n)}"
     scale = d**-0.5
-    nblk = -(-n // page)
+    nblk = -(-ctx // page)
     cache = random_cache(num_seqs * nblk + 1, page, kvh, d, kv_dtype)
     table = page_tables(num_seqs * nblk + 1, 1, num_seqs, nblk)[0]
     q = torch.randn(num_seqs * n, heads, d, device=DEVICE, dtype=dtype)
     qsl = list(range(0, num_seqs * n + 1, n))
     qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
-    lens = [n] * num_seqs
+    lens = [ctx] * num_seqs
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
     def ref_fn():
@@ -273,7 +279,8 @@ def prefill_case(shape, kv_dtype, page, num_seqs, n) -> dict | None:
                                             config=cfg)
 
     ref = ref_fn().float()
-    flops = 4 * heads * d * num_seqs * n * (n + 1) / 2  # causal QK^T and PV
+    # causal QK^T and PV: each new token sees the cached prefix and the new ones before it
+    flops = 4 * heads * d * num_seqs * (n * (ctx - n) + n * (n + 1) / 2)
     calls = max(2, min(64, round(REPLAY_S * 300e12 / flops)))
     try:
         t_ref = gpu_time([ref_fn], calls)
@@ -296,7 +303,8 @@ def prefill_case(shape, kv_dtype, page, num_seqs, n) -> dict | None:
         return None if t is None else flops / t / 1e12
 
     row = {"kv_dtype": kv_name(kv_dtype), "prompts": num_seqs,
-           "tokens": n, "key": key, "TFLOP": flops / 1e12, "config": json.loads(ok[0][1])}
+           "tokens": n, "context": ctx, "key": key, "TFLOP": flops / 1e12,
+           "config": json.loads(ok[0][1])}
     for label, t in [("reference", t_ref), ("chosen", ok[0][0]),
                      ("baseline", times.get(json.dumps(PREFILL_BASELINE, sort_keys=True))),
                      ("default", times.get(json.dumps(default, sort_keys=True)))]:
@@ -304,7 +312,7 @@ def prefill_case(shape, kv_dtype, page, num_seqs, n) -> dict | None:
     row["fastest"] = [{"us": t * 1e6, "TFLOPs": tflops(t), "config": json.loads(c)}
                       for t, c in ok[:5]]
     row["failed"] = failed
-    print(f"prefill {row['kv_dtype']} {num_seqs}x{n}  reference (gather + SDPA) "
+    print(f"prefill {row['kv_dtype']} {num_seqs}x{n}/{ctx}  reference (gather + SDPA) "
           f"{_fmt(row['reference_us'], row['reference_TFLOPs'], 'TFLOP/s')}  while-loop "
           f"{_fmt(row['baseline_us'], row['baseline_TFLOPs'], 'TFLOP/s')}  default "
           f"{_fmt(row['default_us'], row['default_TFLOPs'], 'TFLOP/s')}  tuned "
@@ -338,6 +346,7 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16, help="KV block size (the engine's default)")
     ap.add_argument("--kv-dtypes", nargs="+", choices=sorted(KV_DTYPES), default=["bf16"])
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--budget-s", type=float, default=180,
                     help="after this many seconds, skip the split sweeps of later batch sizes")
     ap.add_argument("--configs-out", default=None, help="tuning table to merge into "
@@ -363,8 +372,10 @@ def main() -> None:
         print(f"heads {shape[0]}/{shape[1]}, head_dim {shape[2]}: {', '.join(layers)}",
               flush=True)
         for kv in a.kv_dtypes:
-            rows, chosen = tune_decode(shape, KV_DTYPES[kv], sorted(a.batches), a.contexts,
-                                       a.page, copy_bw, num_sms, t0 + a.budget_s)
+            rows, chosen = [], {}
+            if not a.no_decode:
+                rows, chosen = tune_decode(shape, KV_DTYPES[kv], sorted(a.batches), a.contexts,
+                                           a.page, copy_bw, num_sms, t0 + a.budget_s)
             for r in rows:
                 r["layers_ms"] = {m: n * r["chosen_us"] / 1e3 for m, n in layers.items()}
                 r["layers_ms_baseline"] = {m: None if r["baseline_us"] is None

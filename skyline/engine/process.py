@@ -121,20 +121,26 @@ class _EngineLoop:
         s = dict(self.core.stats())
         s["max_model_len"] = self.core.max_model_len
         s["num_adds"] = self.num_adds
+        pool = self.core.scheduler.kv_manager.block_pool
+        s["num_used_blocks"] = pool.num_blocks - pool.num_free_blocks  # 0 when idle
         return s
 
     def handle(self, msg: list[Any]) -> None:
         kind = msg[0]
         self.stats_dirty = True
         if kind == "add":
-            req = request_from_dict(msg[1])
             self.num_adds += 1
+            rid = str(msg[1].get("id")) if isinstance(msg[1], dict) else "?"
             try:
+                req = request_from_dict(msg[1])
+                # The front end validated it; validate again here, where a value the sampler
+                # cannot hold would otherwise fail a whole step, not just this request.
+                req.sampling_params.validate(self.core.config.model.arch.vocab_size)
                 self.core.add_request(req)
             except Exception as e:  # a bad request must not take the engine down
                 if not isinstance(e, ValueError):
-                    log.exception("request %s could not be added", req.request_id)
-                self.send(("add_error", req.request_id, str(e)))
+                    log.exception("request %s could not be added", rid)
+                self.send(("add_error", rid, str(e)))
                 return
             self.queue_times.arrivals[req.request_id] = req.arrival_time
         elif kind == "abort":

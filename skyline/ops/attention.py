@@ -332,7 +332,11 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     k, v = kv_cache[0], kv_cache[1]
     block_m = config["BLOCK_M"]
-    grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
+    # PACK query heads of one kv head per program (1, or the whole group): BLOCK_M is then
+    # in tokens, and the program's tile has BLOCK_M * PACK_PAD rows.
+    group = num_heads // kvh
+    pack = group if config.get("PACK", 1) > 1 else 1
+    grid = (seq_lens.shape[0], num_heads // pack, triton.cdiv(max_query_len, block_m))
     pdl = use_pdl(q.device)
     kernels.paged_prefill_kernel[grid](
         q, k, v, out, block_tables, seq_lens, query_start_loc, scale * k_scale, v_scale,
@@ -341,7 +345,8 @@ def paged_prefill_attention(
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
-        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), num_warps=config["num_warps"],
+        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), PACK=pack,
+        PACK_PAD=triton.next_power_of_2(pack), num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=pdl,
     )
     return out

@@ -217,10 +217,38 @@ if triton is not None:
                                head * (HEAD_DIM // 32), HEAD_DIM // 32, INT8_MAX)
 
     @triton.jit
+    def _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE: tl.constexpr,
+                          MASKED: tl.constexpr):
+        # _attend_tile in base 2 (`qk_scale` includes log2(e); m is in log2 units) for the
+        # prefill loop. Unmasked tiles (MASKED False: every query sees every key of the tile)
+        # skip the mask and the guard for rows that have seen nothing.
+        if IEEE:  # fp32: exact, not the tensor cores' tf32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if MASKED:
+            # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            shift = m_new
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m - shift)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                      offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
+                      offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
                       stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                      FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                      MASKED: tl.constexpr):
         # The prefill loop body: context positions [start, start + BLOCK_N) on pages `blk`.
         # Returns the new (m, l_sum, acc) and the next tile's page ids.
         pos = start + offs
@@ -229,7 +257,7 @@ if triton is not None:
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
                              stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
         see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
-        m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
+        m, l_sum, acc = _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE, MASKED)
         return m, l_sum, acc, blk_next
 
     @triton.jit
@@ -239,51 +267,73 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
-        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
+        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0, PACK: tl.constexpr = 1,
+        PACK_PAD: tl.constexpr = 1,
     ):
-        # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
-        # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
+        # One program per (sequence, PACK query heads of one kv head, tile of BLOCK_M query
+        # tokens): the PACK heads' queries are the rows of one [BLOCK_M * PACK_PAD, D] tile
+        # (token-major), so each K/V tile is read once for all of them. Query j of a sequence
+        # sits at absolute position seq_len - q_len + j and sees keys up to it.
         # Tiles run last first: the last tiles of a causal prefill see the most keys, so the
         # long programs start first and the short ones fill the tail.
         # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
         pdl_wait(PDL)
         seq = tl.program_id(0)
-        head = tl.program_id(1)
+        head0 = tl.program_id(1) * PACK
         tile = tl.num_programs(2) - 1 - tl.program_id(2)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + seq)
-        kvh = head // GROUP
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
-        q_pos = seq_len - q_len + rows  # [M]
+        kvh = head0 // GROUP
+        r = tl.arange(0, BLOCK_M * PACK_PAD)
+        tok = tile * BLOCK_M + r // PACK_PAD  # [R] query token within the sequence's new ones
+        head = head0 + r % PACK_PAD
+        row_ok = (tok < q_len) & (r % PACK_PAD < PACK)
+        q_pos = seq_len - q_len + tok  # [R]
         d = tl.arange(0, D_PAD)
         dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [R, D]
         q = _query_dtype(q, F16)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        m = tl.full([BLOCK_M * PACK_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M * PACK_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * PACK_PAD, D_PAD], tl.float32)
         offs = tl.arange(0, BLOCK_N)
         # keys this tile can see: up to its last query's position (tiles past q_len see none)
         end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
         end = tl.where(tile * BLOCK_M < q_len, end, 0)
+        # Keys before the tile's first query are seen by every query of the tile: those tiles
+        # run without the causal mask; the rest (the diagonal) with it.
+        full_end = tl.where(tile * BLOCK_M < q_len,
+                            (seq_len - q_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
+        qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
         blk = _page_ids(block_tables_ptr, seq, offs, end, stride_bt, PAGE)
         if PIPELINE:
-            for start in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES):
+            for start in tl.range(0, full_end, BLOCK_N, num_stages=NUM_STAGES):
                 m, l_sum, acc, blk = _prefill_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, False)
+            for start in tl.range(full_end, end, BLOCK_N, num_stages=NUM_STAGES):
+                m, l_sum, acc, blk = _prefill_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
         else:
             start = 0
+            while start < full_end:
+                m, l_sum, acc, blk = _prefill_tile(
+                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, False)
+                start += BLOCK_N
             while start < end:
                 m, l_sum, acc, blk = _prefill_tile(
                     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
+                    offs, d, dmask, m, l_sum, acc, qk_scale, stride_bt, stride_kb, stride_ks,
+                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD, True)
                 start += BLOCK_N
         out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dmask[None, :])

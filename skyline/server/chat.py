@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from skyline.engine.frontend.chat_template import RenderLimits, render_chat_template
 from skyline.server.errors import APIError
 from skyline.server.metrics import RequestTracker
 from skyline.server.protocol import (
@@ -19,7 +20,6 @@ from skyline.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     DeltaMessage,
     PromptTokensDetails,
     Usage,
@@ -31,6 +31,7 @@ from skyline.server.serving import (
     ServerState,
     build_params,
     chat_logprobs,
+    encode_text,
     http_error,
     merged,
     sse,
@@ -42,43 +43,26 @@ from skyline.server.serving import (
 log = logging.getLogger("skyline.server")
 
 
-def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if p.type != "text" or p.text is None:
-                    raise APIError(400, f"messages[{i}] has a '{p.type}' content part; this "
-                                        "model reads text parts only", param="messages")
-                parts.append(p.text)
-            content = "".join(parts)
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
-
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
-    """The conversation as prompt text and token ids, through the model's chat template."""
+def render_chat(state: ServerState, messages: list[dict[str, Any]],
+                add_generation_prompt: bool, kwargs: dict[str, Any] | None,
+                deadline: float) -> tuple[str, list[int]]:
+    """The conversation as prompt text and token ids, through the model's (or the operator's)
+    chat template, within the request's limits. Blocking: run it on a preparation thread."""
     tok = state.llm.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
                             "with prompt token ids")
-    msgs = to_template_messages(messages)
-    try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                       **(kwargs or {}))
-    except ValueError as e:  # the template rejected the conversation, or there is none
-        raise APIError(400, str(e), param="messages") from None
-    except TypeError as e:  # e.g. chat_template_kwargs that clash with the template's own
-        raise APIError(400, f"the chat template cannot be rendered with these arguments ({e})",
-                       param="chat_template_kwargs") from None
-    return text, tok.encode(text, add_special_tokens=False)
+    if not tok.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions, or start the "
+                            "server with --chat-template FILE")
+    special = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token),
+                                 ("unk_token", tok.unk_token), ("pad_token", tok.pad_token))
+               if v is not None}
+    limits = RenderLimits(max_chars=state.limits.max_prompt_chars, deadline=deadline)
+    text = render_chat_template(tok.chat_template, messages,
+                                add_generation_prompt=add_generation_prompt,
+                                special_tokens=special, limits=limits, **(kwargs or {}))
+    return text, encode_text(tok, text, add_special_tokens=False)
 
 
 def _usage(num_prompt: int, num_generated: int, num_cached: int) -> Usage:
@@ -87,16 +71,19 @@ def _usage(num_prompt: int, num_generated: int, num_cached: int) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 raw: Request) -> Response:
+async def create_chat_completion(state: ServerState, raw: Request) -> Response:
+    parsed, deadline = await state.parse("chat", raw)
+    req: ChatCompletionRequest = parsed.request
+    assert parsed.messages is not None
     state.check_model(req.model)
     if req.tools and req.tool_choice != "none":
         raise APIError(400, "tool calling is not supported by this server", param="tools")
     max_tokens = req.max_completion_tokens or req.max_tokens
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_params(req, max_tokens, num_logprobs)
-    text, ids = render_chat(state, req.messages, req.add_generation_prompt,
-                            req.chat_template_kwargs)
+    params = build_params(req, max_tokens, num_logprobs, state.llm.vocab_size)
+    messages = parsed.messages
+    text, ids = await state.in_thread(deadline, lambda: render_chat(
+        state, messages, req.add_generation_prompt, req.chat_template_kwargs, deadline))
     rid = random_id("chatcmpl")
     stream = start_request(state, ids, params, rid, prompt_text=text)
     log.info("%s: chat, %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s", rid, len(ids),

@@ -25,6 +25,7 @@ from skyline.server.serving import (
     ServerState,
     build_params,
     completion_logprobs,
+    encode_text,
     http_error,
     merged,
     sse,
@@ -47,21 +48,37 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _encode_all(state: ServerState, prompts: list[str | list[int]]
+                ) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's text (None for token ids) and token ids. Blocking: a preparation thread."""
+    tok = state.llm.tokenizer
+    out: list[tuple[str | None, list[int]]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer; send prompt token ids instead",
+                               param="prompt")
+            out.append((p, encode_text(tok, p)))
+        else:
+            out.append((None, p))
+    return out
+
+
 class _Batch:
     """The requests of one completion call, with their accumulated choices."""
 
-    def __init__(self, state: ServerState, req: CompletionRequest, rid: str) -> None:
+    def __init__(self, state: ServerState, req: CompletionRequest, rid: str,
+                 prompts: list[tuple[str | None, list[int]]]) -> None:
         self.state, self.req, self.rid = state, req, rid
-        prompts = _prompts(req.prompt)
-        params = build_params(req, req.max_tokens, req.logprobs)
+        params = build_params(req, req.max_tokens, req.logprobs, state.llm.vocab_size)
         self.streams = []
         self.echo: list[str] = []
         try:
-            for i, p in enumerate(prompts):
+            for i, (text, ids) in enumerate(prompts):
                 sub = rid if len(prompts) == 1 else f"{rid}-{i}"
-                s = start_request(state, p, params, sub)
+                s = start_request(state, ids, params, sub, prompt_text=text)
                 self.streams.append(s)
-                self.echo.append(self._prompt_text(p) if req.echo else "")
+                self.echo.append(self._prompt_text(text, ids) if req.echo else "")
         except BaseException:
             for s in self.streams:
                 s.close()
@@ -71,11 +88,11 @@ class _Batch:
         self.choices = [Choice() for _ in range(len(prompts) * req.n)]
         self.num_cached = [0] * len(prompts)
 
-    def _prompt_text(self, p: str | list[int]) -> str:
-        if isinstance(p, str):
-            return p
-        tok = self.state.llm.tokenizer
-        return tok.decode(p, skip_special_tokens=False) if tok else ""
+    def _prompt_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        tok = self.state.llm.tokenizer  # ids passed check_prompt: at most a context's worth
+        return tok.decode(ids, skip_special_tokens=False) if tok else ""
 
     def usage(self) -> Usage:
         gen = sum(c.num_tokens for c in self.choices)
@@ -98,14 +115,23 @@ class _Batch:
         return len(self.echo[index // self.req.n]) + len(choice.text)
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+async def create_completion(state: ServerState, raw: Request) -> Response:
+    parsed, deadline = await state.parse("completion", raw)
+    req: CompletionRequest = parsed.request
     state.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported by this server; use n", param="best_of")
+    build_params(req, req.max_tokens, req.logprobs, state.llm.vocab_size)
+    prompts = _prompts(req.prompt)
+    try:
+        state.llm.check_fits(len(prompts) * req.n)
+    except ValueError as e:
+        raise APIError(400, str(e), param="n") from None
+    encoded = await state.in_thread(deadline, lambda: _encode_all(state, prompts))
     rid = random_id("cmpl")
-    batch = _Batch(state, req, rid)
+    batch = _Batch(state, req, rid, encoded)
     log.info("%s: completion, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s",
              rid, len(batch.streams), batch.num_prompt, req.n, req.max_tokens, req.stream,
              f", user={req.user}" if req.user else "")

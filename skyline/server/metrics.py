@@ -40,9 +40,11 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 class _EngineCollector(Collector):
     """Engine-side gauges and counters, from the stats the engine core last reported."""
 
-    def __init__(self, model: str, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model: str, stats: Callable[[], dict[str, Any]],
+                 restarts: Callable[[], int]) -> None:
         self.model = model
         self.stats = stats
+        self.restarts = restarts
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -72,6 +74,10 @@ class _EngineCollector(Collector):
                     s.get("num_waiting", 0))
         yield gauge("kv_cache_usage_perc", "KV-cache usage (1 means 100 percent).",
                     s.get("kv_usage", 0.0))
+        yield gauge("kv_cache_used_blocks", "KV-cache blocks held by requests (0 when idle: "
+                    "more is a leak).", s.get("num_used_blocks", 0))
+        yield counter("engine_restarts", "Times the engine core died and was restarted.",
+                      self.restarts())
         yield gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all queried tokens.",
                     s.get("prefix_cache_hit_rate", 0.0))
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -101,7 +107,8 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, model: str, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model: str, engine_stats: Callable[[], dict[str, Any]],
+                 engine_restarts: Callable[[], int] = lambda: 0) -> None:
         disable_created_metrics()  # no *_created series, as vLLM
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
@@ -127,7 +134,7 @@ class Metrics:
                                   registry=r)
         self.success = Counter("skyline:request_success", "Requests finished, by reason.",
                                ["model_name", "finished_reason"], registry=r)
-        r.register(_EngineCollector(model, engine_stats))
+        r.register(_EngineCollector(model, engine_stats, engine_restarts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Every integer is bounded to what the engine holds (int64; seeds: any 64-bit value), so that a
+# value out of range is a 400 here, named by its field, and the OpenAPI schema says so.
+I64_MAX = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=I64_MAX)]
 
 
 def random_id(prefix: str) -> str:
@@ -16,7 +21,8 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     # Unknown fields are ignored, as vLLM does: clients send many optional OpenAI extras.
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities are refused: no sampling parameter means anything with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -43,19 +49,19 @@ class SamplingRequest(_Request):
     n: int = Field(default=1, ge=1, le=128)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=I64_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=1e6)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=I64_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -75,8 +81,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=I64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -86,11 +92,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=1, le=I64_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=I64_MAX)
     suffix: str | None = None
 
 
@@ -104,7 +110,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---------------------------------------------------------------------------------- responses

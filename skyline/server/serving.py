@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,8 +21,11 @@ from skyline.engine.frontend.async_llm import (
     EngineOverloadedError,
     RequestStream,
 )
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.server.errors import APIError, error_body
+from skyline.server.limits import RequestLimits
 from skyline.server.metrics import Metrics
+from skyline.server.parse import UNICODE_ERROR, Parsed, ParsePool, PrepareTimeout, Rejected
 from skyline.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -28,11 +33,12 @@ from skyline.server.protocol import (
     SamplingRequest,
     TopLogprob,
 )
-from skyline.types import RequestOutput, SamplingParams, TokenLogprobs
+from skyline.types import RequestOutput, SamplingParams, TokenLogprobs, is_valid_unicode
 
 log = logging.getLogger("skyline.server")
 
 T = TypeVar("T")
+PREPARE_THREADS = 4
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; masked tokens report this (as vLLM does)
 
 
@@ -41,8 +47,48 @@ class ServerState:
     llm: AsyncLLM
     model_name: str
     metrics: Metrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    parse_pool: ParsePool | None = None  # set when the app starts
     shutting_down: bool = False
     token_text_cache: dict[int, str] = field(default_factory=dict)
+    # Chat templates and tokenization run here, never on the event loop; a few threads, as
+    # tokenizers encodes without the GIL and templates yield it every few milliseconds.
+    threads: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        PREPARE_THREADS, thread_name_prefix="skyline-prepare"))
+
+    async def parse(self, kind: str, raw: Request) -> tuple[Parsed, float]:
+        """The request body validated and within the limits, and the deadline (monotonic) by
+        which the request must be ready to queue."""
+        deadline = time.monotonic() + self.limits.prepare_timeout_s
+        body = await raw.body()
+        assert self.parse_pool is not None, "the app has not started"
+        try:
+            result = await self.parse_pool.parse(kind, body, self.limits.prepare_timeout_s)
+        except PrepareTimeout as e:
+            if e.busy:
+                raise APIError(503, "the server is busy parsing other large requests; retry "
+                                    "shortly", headers={"Retry-After": "1"}) from None
+            raise self._timeout(str(e)) from None
+        if isinstance(result, Rejected):
+            raise APIError(result.status, result.message, param=result.param)
+        return result, deadline
+
+    async def in_thread(self, deadline: float, fn: Callable[[], T]) -> T:
+        """`fn()` on a preparation thread, by `deadline`. A thread cannot be stopped: what
+        runs there bounds itself (the template's RenderLimits, the prompt's length)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self.threads, fn),
+                                          max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            raise self._timeout("its chat template and tokenization took that long") from None
+        except ValueError as e:  # the template or the tokenizer refused the input
+            raise APIError(400, str(e)) from None
+
+    def _timeout(self, why: str) -> APIError:
+        return APIError(400, f"the request was not ready to run within "
+                             f"{self.limits.prepare_timeout_s:g} s ({why}); send a smaller one",
+                        code="request_too_expensive")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -58,8 +104,20 @@ class ServerState:
         return text
 
 
-def build_params(req: SamplingRequest, max_tokens: int | None,
-                 logprobs: int | None) -> SamplingParams:
+def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, as Tokenizer.encode gives them, for a preparation thread: the batch
+    entry point holds the GIL only to hand over the text and the ids, not while it encodes."""
+    if not is_valid_unicode(text):
+        raise ValueError(UNICODE_ERROR)
+    backend = tok.backend
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return encode([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def build_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                 vocab_size: int) -> SamplingParams:
+    """The request's SamplingParams, validated (a 400 names the bad field) before the prompt
+    costs anything."""
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -76,7 +134,7 @@ def build_params(req: SamplingRequest, max_tokens: int | None,
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
-    return SamplingParams(
+    params = SamplingParams(
         n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
         top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
         repetition_penalty=pick(req.repetition_penalty, 1.0),
@@ -87,6 +145,11 @@ def build_params(req: SamplingRequest, max_tokens: int | None,
         logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, json_schema=schema,
     )
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return params
 
 
 def start_request(state: ServerState, prompt: str | list[int], params: SamplingParams,

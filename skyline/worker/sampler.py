@@ -95,7 +95,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = to_device([k if k > 0 else vocab for k in top_k], torch.long, dev)
+        # top_k beyond the vocabulary keeps every token (and must not overflow int64)
+        k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(drop, _MASK).softmax(-1)

@@ -30,6 +30,7 @@ class Server:
     proc: subprocess.Popen
     port: int
     log_path: str
+    api_key: str | None = None  # sent with every request made through `request`
 
     @property
     def base_url(self) -> str:
@@ -44,7 +45,8 @@ class Server:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
-            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            hdrs = {"Content-Type": "application/json", **auth, **(headers or {})}
             conn.request(method, path, body=data, headers=hdrs)
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
@@ -92,7 +94,8 @@ def start_server(tmp_dir: str, *args: str) -> Server:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, port, log_path)
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    server = Server(proc, port, log_path, key)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:

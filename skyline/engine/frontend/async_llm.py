@@ -13,35 +13,24 @@ import contextlib
 import itertools
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from skyline.engine.frontend.output import OutputProcessor, child_params
 from skyline.engine.frontend.structured import check_structured, grammar_for
 from skyline.engine.frontend.tokenizer import Tokenizer
-from skyline.engine.process import (
-    EngineProcess,
-    pack,
-    request_to_dict,
-    step_output_from_list,
-    unpack,
-)
-from skyline.types import Request, RequestOutput, SamplingParams
+from skyline.engine.process import request_to_dict, step_output_from_list
+from skyline.engine.supervisor import EngineDeadError, EngineSupervisor, RestartPolicy
+from skyline.types import Request, RequestOutput, SamplingParams, is_valid_unicode
 
 log = logging.getLogger(__name__)
 
 
+WAITING_PER_SEQ = 4  # default waiting-queue bound, per place in the running batch
+
+
 class EngineOverloadedError(Exception):
     """The waiting queue is full: the caller should retry later."""
-
-
-class EngineDeadError(Exception):
-    """The engine core is gone (crashed or shutting down): no request can be served."""
 
 
 class RequestStream:
@@ -76,57 +65,75 @@ class RequestStream:
             self.llm._release(self.request_id, self.finished)
 
 
-def load_tokenizer(path: str, load_format: str) -> Tokenizer | None:
-    """The model's tokenizer; None for dummy weights from a bare config.json."""
+def load_tokenizer(path: str, load_format: str,
+                   chat_template: str | None = None) -> Tokenizer | None:
+    """The model's tokenizer; None for dummy weights from a bare config.json. A given
+    `chat_template` replaces the model's (its end-of-turn tokens become stop tokens too)."""
     if load_format == "dummy" and not os.path.exists(os.path.join(path, "tokenizer.json")):
         return None
-    return Tokenizer.load(path)
+    tok = Tokenizer.load(path)
+    if chat_template is None:
+        return tok
+    return Tokenizer(tok.backend, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                     unk_token=tok.unk_token, pad_token=tok.pad_token,
+                     chat_template=chat_template, extra_eos_ids=tok.eos_token_ids, name=tok.name)
 
 
 class AsyncLLM:
     """Serve one model from an engine-core process. Construct outside or inside an event loop;
     use from one event loop."""
 
-    def __init__(self, args: Any, startup_timeout: float | None = None) -> None:
-        self._dir = tempfile.mkdtemp(prefix="skyline-")
-        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._ctx = zmq.Context()
-        self._in = self._ctx.socket(zmq.PUSH)  # sync: sends never wait (unbounded queue)
-        self._in.setsockopt(zmq.SNDHWM, 0)
-        self._in.bind(in_addr)
-        self._actx = zmq.asyncio.Context()
-        self._out = self._actx.socket(zmq.PULL)
-        self._out.bind(out_addr)
+    def __init__(self, args: Any, startup_timeout: float | None = None,
+                 restart: RestartPolicy | None = None,
+                 on_fatal: Callable[[str], None] = lambda reason: None,
+                 max_waiting: int | None = None, chat_template: str | None = None) -> None:
+        """`max_waiting`: requests that may wait for a place in the running batch before new
+        ones get EngineOverloadedError (None or negative: the engine args' value if positive,
+        else WAITING_PER_SEQ x max_num_seqs; 0: no limit). `chat_template`: the operator's
+        template, instead of the model's."""
+        self.engine = EngineSupervisor(args, startup_timeout, restart or RestartPolicy(),
+                                       on_message=self._handle, on_death=self._on_death,
+                                       on_restart=self._on_restart, on_fatal=on_fatal)
+        info = self.engine.info
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        if max_waiting is None or max_waiting < 0:
+            configured = info.get("max_waiting") or 0
+            max_waiting = configured if configured > 0 else WAITING_PER_SEQ * info["max_num_seqs"]
+        self.max_waiting: int = max_waiting
         try:
-            self.engine = EngineProcess(args, in_addr, out_addr, startup_timeout)
+            self.tokenizer = load_tokenizer(info["model_path"], info["load_format"],
+                                            chat_template)
         except BaseException:
-            self._close_sockets()
+            self.engine.shutdown(0)
             raise
-        self.info: dict[str, Any] = self.engine.info
-        self.model_name: str = self.info["model_name"]
-        self.max_model_len: int = self.info["max_model_len"]
-        self.vocab_size: int = self.info["vocab_size"]
-        self.max_waiting: int = self.info.get("max_waiting") or 0
-        try:
-            self.tokenizer = load_tokenizer(self.info["model_path"], self.info["load_format"])
-        except BaseException:
-            self.engine.kill()
-            self._close_sockets()
-            raise
-        eos = self.info["eos_token_ids"]
+        eos = info["eos_token_ids"]
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             eos = self.tokenizer.eos_token_ids
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.outputs = OutputProcessor(self.tokenizer)
         self.stats: dict[str, Any] = {}  # the core's latest counters (pushed every step)
-        self.dead: str | None = None  # why the engine cannot serve, once it cannot
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._queue_times: dict[str, float] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._num_adds = 0
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the engine serves (model, device, KV cache, the engine core's pid)."""
+        return self.engine.info
+
+    @property
+    def dead(self) -> str | None:
+        """Why no request can be served now (the engine is restarting, gone or shutting down);
+        None while it serves."""
+        return self.engine.dead
+
+    @property
+    def num_restarts(self) -> int:
+        return self.engine.num_restarts
 
     # ------------------------------------------------------------------ public API
 
@@ -138,6 +145,9 @@ class AsyncLLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; send prompt token ids instead")
+            if not is_valid_unicode(prompt):
+                raise ValueError("the prompt is not valid Unicode (it holds a lone surrogate "
+                                 "such as \\ud800); send UTF-8 text")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
@@ -160,6 +170,14 @@ class AsyncLLM:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in 0..{self.vocab_size - 1}")
 
+    def check_fits(self, num_seqs: int) -> None:
+        """Raise ValueError if `num_seqs` sequences asked at once could never be queued (an
+        overloaded server would make the caller retry in vain)."""
+        if self.max_waiting and num_seqs > self.max_waiting:
+            raise ValueError(f"the request asks for {num_seqs} sequences at once, but this "
+                             f"server queues at most {self.max_waiting}; lower n (or send "
+                             "fewer prompts per request)")
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                     prompt_text: str | None = None) -> RequestStream:
         """Validate and queue a request; iterate the stream for its output deltas, and `close`
@@ -167,8 +185,7 @@ class AsyncLLM:
 
         Raises ValueError for a request that can never run, EngineOverloadedError when the
         waiting queue is full and EngineDeadError when the engine is gone."""
-        self._start()
-        self._check_alive()
+        self.engine.start()
         if self.dead:
             raise EngineDeadError(self.dead)
         text, ids = self.encode(prompt)
@@ -181,20 +198,24 @@ class AsyncLLM:
         self.check_prompt(ids, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_fits(params.n)
         if self.max_waiting and self.num_waiting + params.n > self.max_waiting:
             raise EngineOverloadedError(
                 f"the server has {self.num_waiting} requests waiting (limit {self.max_waiting}); "
                 "retry later"
             )
+        # Everything above only checks: nothing is registered until here, and whatever fails
+        # below (a dead engine, a value msgpack cannot carry) unregisters what was, so a
+        # refused request leaves nothing behind in this process or in the engine.
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         children = self.outputs.add_request(request_id, text, ids, params)
         try:
             for i, cid in enumerate(children):
                 req = Request(cid, ids, child_params(params, i), eos_token_ids=self.eos_token_ids)
-                self._send(("add", request_to_dict(req)))
+                self.engine.send(("add", request_to_dict(req)))
                 self._num_adds += 1
-        except EngineDeadError:
-            self.outputs.abort(request_id)
+        except BaseException:
+            self.abort(request_id)
             raise
         self._queues[request_id] = queue
         return RequestStream(self, request_id, queue, len(ids))
@@ -221,7 +242,7 @@ class AsyncLLM:
         ids = self.outputs.abort(request_id)
         if ids and not self.dead:
             with contextlib.suppress(EngineDeadError):
-                self._send(("abort", ids))
+                self.engine.send(("abort", ids))
 
     @property
     def num_waiting(self) -> int:
@@ -231,14 +252,14 @@ class AsyncLLM:
 
     async def call(self, method: str, *args: Any, timeout: float = 5.0) -> Any:
         """Run a utility method in the core between steps ("stats", "reset_prefix_cache")."""
-        self._start()
+        self.engine.start()
         if self.dead:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(("call", call_id, method, list(args)))
+            self.engine.send(("call", call_id, method, list(args)))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
@@ -253,46 +274,17 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine process (in-flight requests end with EngineDeadError). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.dead is None:
-            self.dead = "the server is shutting down"
-        with contextlib.suppress(EngineDeadError, zmq.ZMQError):
-            self._send(("shutdown",))
-        self.engine.join(timeout)
-        self._fail_all(EngineDeadError(self.dead))
-        if self._task is not None:
-            self._task.cancel()
-        self._close_sockets()
+        self.engine.shutdown(timeout)
+        self._fail_all(EngineDeadError(self.dead or "the server is shutting down"))
+
+    def cut_all(self, reason: str) -> None:
+        """End every request in flight now with EngineDeadError(reason) (their streams say
+        so), and abort them in the engine."""
+        self._fail_all(EngineDeadError(reason))
+        for rid in list(self.outputs.parents):
+            self.abort(rid)
 
     # ------------------------------------------------------------------ internals
-
-    def _send(self, msg: Any) -> None:
-        """Send to the core without ever blocking the event loop. A PUSH socket with no peer
-        would block, so a core that is gone raises EngineDeadError here instead."""
-        try:
-            self._in.send(pack(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            self._check_alive()
-            raise EngineDeadError(self.dead or "the engine core is not connected") from None
-
-    def _check_alive(self) -> None:
-        if self.dead is None and not self.engine.alive:
-            self.dead = "the engine process exited unexpectedly"
-            log.error(self.dead)
-            self._fail_all(EngineDeadError(self.dead))
-
-    def _close_sockets(self) -> None:
-        self._in.close(linger=0)
-        self._out.close(linger=0)
-        self._ctx.term()
-        self._actx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def _start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._output_loop())
 
     def _fail_all(self, err: Exception) -> None:
         for q in self._queues.values():
@@ -301,19 +293,18 @@ class AsyncLLM:
             if not fut.done():
                 fut.set_exception(err)
 
-    async def _output_loop(self) -> None:
-        try:
-            while True:
-                if not await self._out.poll(1000):
-                    self._check_alive()
-                    continue
-                self._handle(unpack(await self._out.recv()))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # a bug in the front end: fail loudly, not silently
-            log.exception("the output loop failed")
-            self.dead = f"the server's output loop failed: {e}"
-            self._fail_all(EngineDeadError(self.dead))
+    def _on_death(self, reason: str) -> None:
+        """The engine died: every request in flight fails now (their streams report it), and
+        nothing of them is kept for the engine that replaces it."""
+        self._fail_all(EngineDeadError(reason))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._queue_times.clear()
+        self.stats = {}
+        self._num_adds = 0
+
+    def _on_restart(self) -> None:
+        self.stats = {}
+        self._num_adds = 0
 
     def _handle(self, msg: list[Any]) -> None:
         kind = msg[0]
@@ -337,16 +328,12 @@ class AsyncLLM:
             fut = self._calls.get(msg[1])
             if fut is not None and not fut.done():
                 fut.set_result(msg[2])
-        elif kind == "dead":
-            self.dead = msg[1]
-            log.error("engine core died: %s", msg[1])
-            self._fail_all(EngineDeadError(msg[1]))
 
     def _dispatch(self, outputs: list[Any]) -> None:
         results, to_abort = self.outputs.process(outputs, delta=True)
         if to_abort:
             with contextlib.suppress(EngineDeadError):
-                self._send(("abort", to_abort))
+                self.engine.send(("abort", to_abort))
         for r in results:
             q = self._queues.get(r.request_id)
             if q is None:

@@ -19,8 +19,10 @@ from skyline.types import (
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    # Children of an n > 1 request are independent draws; with a seed, seed + index each.
-    seed = None if params.seed is None else params.seed + index
+    # Children of an n > 1 request are independent draws; with a seed, seed + index each,
+    # modulo 2**64: the sampler mixes seeds modulo 2**64, so the wrap changes no draw, and
+    # every child seed stays a 64-bit value the engine can carry.
+    seed = None if params.seed is None else (params.seed + index) % 2**64
     return dataclasses.replace(params, n=1, seed=seed)
 
 
