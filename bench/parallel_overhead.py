@@ -37,29 +37,29 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 LAYOUTS = [("uni", 1), ("mp", 1), ("mp", 2)]  # (executor, tensor-parallel size)
 
 
-def engine(model: str | None, batch: int, context: int, steps: int, executor: str, tp: int,
-           async_on: bool) -> LLM:
-    kw: dict[str, Any] = dict(device="cpu", dtype="float32", max_num_seqs=batch,
+def engine(model: str | None, max_batch: int, context: int, steps: int, executor: str,
+           tp: int) -> LLM:
+    kw: dict[str, Any] = dict(device="cpu", dtype="float32", max_num_seqs=max_batch,
                               max_num_batched_tokens=max(2048, context),
                               max_model_len=context + steps + 64, block_size=16,
-                              async_scheduling="on" if async_on else "off",
                               distributed_executor=executor, tensor_parallel_size=tp)
     if model is None:
         d = tempfile.mkdtemp()
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(TINY, f)
-        return LLM(d, load_format="dummy", kv_cache_memory=256 << 20, **kw)
+        llm = LLM(d, load_format="dummy", kv_cache_memory=256 << 20, **kw)
+        llm.query("null_forward")
+        return llm
     return LLM(None if model == "default" else model, kv_cache_memory=1 << 30, **kw)
 
 
-def measure(llm: LLM, batch: int, context: int, steps: int, null: bool,
+def measure(llm: LLM, batch: int, context: int, steps: int, async_on: bool,
             record: list[SchedulerOutput] | None = None) -> float:
     """Seconds per decode step of `batch` running requests: the median step (this machine is
     shared; a mean counts other processes' bursts)."""
+    llm.engine.async_scheduling = async_on  # the engine's switch, between runs
     vocab = llm.config.model.arch.vocab_size
-    if null:
-        llm.query("null_forward")
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         llm.add_request([100 + (i * 7 + j) % (vocab - 200) for j in range(context)], params)
     sched = llm.engine.scheduler
@@ -67,9 +67,8 @@ def measure(llm: LLM, batch: int, context: int, steps: int, null: bool,
         llm.step()  # everyone prefilled
     for _ in range(3):
         llm.step()
+    schedule = sched.schedule
     if record is not None:
-        schedule = sched.schedule
-
         def recorded() -> SchedulerOutput:
             out = schedule()
             record.append(out)
@@ -82,6 +81,9 @@ def measure(llm: LLM, batch: int, context: int, steps: int, null: bool,
         llm.step(final_only=True)
         times.append(time.perf_counter() - t0)
     assert len(sched.running) == batch, "every request decodes through the timed steps"
+    sched.schedule = schedule
+    while llm.engine.has_unfinished():
+        llm.step()
     return sorted(times)[len(times) // 2]
 
 
@@ -101,8 +103,8 @@ def message_us(outs: list[SchedulerOutput]) -> tuple[float, float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="default: a one-layer model of width 16; "
-                    "'default' for the embedded SmolLM2-135M")
+    ap.add_argument("--model", default=None, help="default: zeros; 'default' for the "
+                    "embedded SmolLM2-135M")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 1000])
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
@@ -111,34 +113,35 @@ def main() -> None:
     a = ap.parse_args()
     if a.smoke:
         a.batch, a.context, a.steps = [1, 8], 8, 4
-    rows = []
-    for batch in a.batch:
-        for async_on in (False, True):
-            row: dict[str, Any] = {"batch": batch, "async_scheduling": async_on}
-            for executor, tp in LAYOUTS:
-                llm = engine(a.model, batch, a.context, a.steps, executor, tp, async_on)
+    cases = [(b, async_on) for b in a.batch for async_on in (False, True)]
+    rows: dict[tuple[int, bool], dict[str, Any]] = {
+        c: {"batch": c[0], "async_scheduling": c[1]} for c in cases}
+    for executor, tp in LAYOUTS:  # one engine serves every case of its layout
+        llm = engine(a.model, max(a.batch), a.context, a.steps, executor, tp)
+        try:
+            for batch, async_on in cases:
                 outs: list[SchedulerOutput] | None = [] if executor == "uni" else None
-                try:
-                    row[f"{executor}_tp{tp}_ms"] = 1e3 * measure(
-                        llm, batch, a.context, a.steps, a.model is None, outs)
-                finally:
-                    llm.shutdown()
+                row = rows[batch, async_on]
+                row[f"{executor}_tp{tp}_ms"] = 1e3 * measure(llm, batch, a.context, a.steps,
+                                                             async_on, outs)
                 if outs:
                     enc, dec, size = message_us(outs)
                     row |= {"encode_us": enc, "decode_us": dec, "message_bytes": size}
-            row["mp_overhead_ms"] = row["mp_tp1_ms"] - row["uni_tp1_ms"]
-            rows.append(row)
-            print(f"batch {batch:5d} async {'on ' if async_on else 'off'}: one process "
-                  f"{row['uni_tp1_ms']:7.2f} ms/step, one rank in its process "
-                  f"{row['mp_tp1_ms']:7.2f}, two ranks (TP=2) {row['mp_tp2_ms']:7.2f}; message "
-                  f"{row['message_bytes']} B, encode {row['encode_us']:.0f} us, decode "
-                  f"{row['decode_us']:.0f} us", flush=True)
+        finally:
+            llm.shutdown()
+    for row in rows.values():
+        row["mp_overhead_ms"] = row["mp_tp1_ms"] - row["uni_tp1_ms"]
+        print(f"batch {row['batch']:5d} async {'on ' if row['async_scheduling'] else 'off'}: "
+              f"one process {row['uni_tp1_ms']:7.2f} ms/step, one rank in its process "
+              f"{row['mp_tp1_ms']:7.2f}, two ranks (TP=2) {row['mp_tp2_ms']:7.2f}; message "
+              f"{row['message_bytes']} B, encode {row['encode_us']:.0f} us, decode "
+              f"{row['decode_us']:.0f} us")
     save_json({"benchmark": "parallel_overhead",
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                "model": a.model or "zeros (null_forward)", "context": a.context,
                "steps": a.steps, "machine": machine_info("cpu"),
                "command": "python bench/parallel_overhead.py " + " ".join(sys.argv[1:]),
-               "rows": rows}, a.out)
+               "rows": list(rows.values())}, a.out)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,8 @@ class ModelRunner:
             if isinstance(self.proposer, HiddenStateProposer) and out.feed_proposer:
                 self._observe(inp.req_ids, inp.attn.query_start_loc, hidden)
             if not layout.last:
+                if self.graphs is not None:  # a graph's output: its next replay writes it
+                    hidden = hidden.clone()
                 part.transfers.append(layout.pipe.send(hidden, layout.pipe.index + 1))
             elif inp.sampling_req_ids:
                 # [num_logits, vocab] on the driver; None on its tensor-parallel peers
