@@ -77,30 +77,34 @@ def _offline(args: argparse.Namespace, **parallel: int) -> dict[str, Any]:
     return run_offline(engine, args.num_prompts, args.input_len, args.output_len, None)
 
 
-def _compare(args: argparse.Namespace, name: str, runs: dict[str, dict[str, int]]
+def _compare(args: argparse.Namespace, name: str, runs: list[tuple[str, dict[str, int]]]
              ) -> dict[str, Any]:
-    rows = {}
-    for label, parallel in runs.items():
+    """The workload under two layouts: the first's output tokens per second over the
+    second's."""
+    rows = []
+    for label, parallel in runs:
         res = _offline(args, **parallel)
-        rows[label] = {**parallel, **res["skyline"], "steps": res["steps"],
-                       "engine": res["engine"]}
-    (a, ra), (b, rb) = rows.items()
-    ratio = ra["output_tokens_per_s"] / rb["output_tokens_per_s"]
-    print(f"{name}: {a} {ra['output_tokens_per_s']:.0f} output tok/s, {b} "
-          f"{rb['output_tokens_per_s']:.0f} ({ratio:.2f}x)")
+        rows.append({"layout": label, **parallel, **res["skyline"], "steps": res["steps"],
+                     "engine": res["engine"]})
+    a, b = rows
+    ratio = a["output_tokens_per_s"] / b["output_tokens_per_s"]
+    print(f"{name}: {a['layout']} {a['output_tokens_per_s']:.0f} output tok/s, {b['layout']} "
+          f"{b['output_tokens_per_s']:.0f} ({ratio:.2f}x)")
     return {"benchmark": f"parallel_{name}", **stamp(args), "num_prompts": args.num_prompts,
             "input_len": args.input_len, "output_len": args.output_len,
             "runs": rows, "ratio": ratio}
 
 
 def stage_offline(args: argparse.Namespace) -> dict[str, Any]:
-    return _compare(args, "offline", {f"tp{args.gpus}": {"tensor_parallel_size": args.gpus},
-                                      "tp1": {"tensor_parallel_size": 1}})
+    n = args.gpus
+    return _compare(args, "offline", [(f"TP={n}", {"tensor_parallel_size": n}),
+                                      ("TP=1", {"tensor_parallel_size": 1})])
 
 
 def stage_pp(args: argparse.Namespace) -> dict[str, Any]:
-    return _compare(args, "pp", {f"pp{args.gpus}": {"pipeline_parallel_size": args.gpus},
-                                 f"tp{args.gpus}": {"tensor_parallel_size": args.gpus}})
+    n = args.gpus
+    return _compare(args, "pp", [(f"PP={n}", {"pipeline_parallel_size": n}),
+                                 (f"TP={n}", {"tensor_parallel_size": n})])
 
 
 STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp}

@@ -82,27 +82,29 @@ def run_cases(llm: LLM) -> dict:
     return {"greedy": greedy, "prefix": first, "again": _tokens(again), "seeded": seeded}
 
 
-_REFERENCE: dict[str, dict] = {}
+@pytest.fixture(scope="module")
+def llama_ref(llama):
+    """What one process gives (the reference of every layout)."""
+    return run_cases(LLM(llama, **SMALL))
 
 
-def reference(path: str) -> dict:
-    if path not in _REFERENCE:
-        _REFERENCE[path] = run_cases(LLM(path, **SMALL))
-    return _REFERENCE[path]
+@pytest.fixture(scope="module")
+def qwen3_ref(qwen3):
+    return run_cases(LLM(qwen3, **SMALL))
 
 
-def check_layout(path: str, **parallel) -> LLM:
+def check_layout(path: str, want: dict, **parallel) -> LLM:
     llm = LLM(path, **SMALL, **parallel)
     try:
-        assert run_cases(llm) == reference(path)
+        assert run_cases(llm) == want
     except BaseException:
         llm.shutdown()
         raise
     return llm
 
 
-def test_tensor_parallel(llama):
-    llm = check_layout(llama, tensor_parallel_size=2)
+def test_tensor_parallel(llama, llama_ref):
+    llm = check_layout(llama, llama_ref, tensor_parallel_size=2)
     try:
         ids = _prompts(1, seed=5)[0]
         got = llm.engine.executor.query("score", ids)
@@ -114,12 +116,12 @@ def test_tensor_parallel(llama):
         llm.shutdown()
 
 
-def test_tensor_and_pipeline_parallel(qwen3):
-    check_layout(qwen3, tensor_parallel_size=2, pipeline_parallel_size=2).shutdown()
+def test_tensor_and_pipeline_parallel(qwen3, qwen3_ref):
+    check_layout(qwen3, qwen3_ref, tensor_parallel_size=2, pipeline_parallel_size=2).shutdown()
 
 
-def test_uneven_placement(llama):
-    check_layout(llama, placement="cpu=2,cpu=1").shutdown()
+def test_uneven_placement(llama, llama_ref):
+    check_layout(llama, llama_ref, placement="cpu=2,cpu=1").shutdown()
 
 
 def test_default_model_tensor_parallel():
@@ -160,7 +162,7 @@ def test_a_dying_rank_stops_the_engine_with_one_error(llama):
     llm.shutdown()
 
 
-def test_a_rank_that_raises_or_cannot_start(llama):
+def test_a_rank_that_raises_or_cannot_start(llama, llama_ref):
     from skyline.config import ConfigError
     from skyline.worker.executor.multiproc import RankError
 
@@ -169,14 +171,14 @@ def test_a_rank_that_raises_or_cannot_start(llama):
         LLM(llama, **SMALL, tensor_parallel_size=2, quantization="int4", quant_group_size=64)
     llm = LLM(llama, **SMALL, distributed_executor="mp")  # one rank, in a process of its own
     try:
-        assert _tokens(llm.generate(_prompts(10, seed=1), GREEDY)) == reference(llama)["greedy"]
+        assert _tokens(llm.generate(_prompts(10, seed=1), GREEDY)) == llama_ref["greedy"]
         with pytest.raises(RankError, match="rank 0 failed: KeyError: 'no such query'"):
             llm.engine.executor.query("no such query")
     finally:
         llm.shutdown()
 
 
-def test_ranks_of_another_host_join_through_the_store(llama):
+def test_ranks_of_another_host_join_through_the_store(llama, llama_ref):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -186,8 +188,7 @@ def test_ranks_of_another_host_join_through_the_store(llama):
     try:
         llm = LLM(llama, **SMALL, tensor_parallel_size=2, nnodes=2, distributed_init=init)
         try:
-            assert _tokens(llm.generate(_prompts(10, seed=1), GREEDY)) == \
-                reference(llama)["greedy"]
+            assert _tokens(llm.generate(_prompts(10, seed=1), GREEDY)) == llama_ref["greedy"]
         finally:
             llm.shutdown()
         assert worker.wait(timeout=60) == 0
