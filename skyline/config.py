@@ -235,6 +235,8 @@ class ParallelConfig:
     # Seconds a rank may go unheard before the engine stops (heartbeats; a collective waits
     # as long before it fails).
     timeout_s: float = 600.0
+    # CPU threads of each rank on a CPU (--threads); None: the host's cores shared by them
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

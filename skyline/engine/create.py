@@ -235,7 +235,7 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
         tensor_parallel_size=tp,
         stages=tuple((s.device, s.start, s.end) for s in stages),
         executor=executor, distributed_init=args.distributed_init, nnodes=args.nnodes,
-        node_rank=args.node_rank, timeout_s=args.distributed_timeout)
+        node_rank=args.node_rank, timeout_s=args.distributed_timeout, threads=args.threads)
 
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:

@@ -116,6 +116,9 @@ def run_rank(where: RankAddress, log_level: int) -> None:
 
         log.info("ready in %.1f s (model loaded in %.1f s)", time.perf_counter() - t0,
                  runner.load_seconds)
+        from skyline.worker.gc_tuning import tune_gc
+
+        tune_gc()  # a rank's step loop allocates as the engine's does
         push.send(pack(("ready", rank, {"num_blocks": runner.num_blocks})))
         driver = runner.layout.driver
         while True:
@@ -171,7 +174,7 @@ def _start(config: Any, where: RankAddress, store: Any) -> Any:
     if stage.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(stage.device))
     else:  # the host's cores shared by its CPU ranks
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // where.local_ranks))
+        torch.set_num_threads(pc.threads or max(1, (os.cpu_count() or 1) // where.local_ranks))
     t0 = time.perf_counter()
     layout = init_layout(where.rank, stages, pc.tensor_parallel_size,
                          dist.PrefixStore(STORE_PREFIX + "pg", store), pc.timeout_s)
