@@ -14,8 +14,8 @@
 #                  e.g. TESTS=tests/ops TESTK="attention or paged or gemv_quant"
 #   decode         batch-1 decode against the bandwidth roofline (bench/decode_roofline.py), for
 #                  each QUANTS entry (default none) x KVS (auto) x CTXS (prompt tokens, 512). An
-#                  entry is a --quantization value, optionally :G (fp8: --fp8-gemv G, int4:
-#                  --int4-gemv G) and +head (--quantize-lm-head): "none fp8:a8 int4+head"
+#                  entry is a --quantization value, optionally +head (--quantize-lm-head):
+#                  "none fp8 int4+head"
 #   profile        one decode step under the torch profiler (bench/profile_step.py) for each
 #                  PROFILES entry BATCHxCONTEXT[/WEIGHTS/KV] (default "64x512 1x512"), over
 #                  PROFILE_STEPS steps (20); e.g. PROFILES="256x1000/fp8/fp8 1000x1500/fp8/fp8"
@@ -26,7 +26,10 @@
 #                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
 #   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
 #   long           one LONG_LEN-token prompt (200000) in chunks of 8,192 against the compute
-#                  floor (bench/long_prompt.py)
+#                  floor, then warm from host RAM (against KV bytes / host-to-device bandwidth)
+#                  and from disk (against KV bytes / disk read rate), for each KV dtype in
+#                  LONG_KVS (auto,fp8); the disk tier in KV_DISK (/var/tmp/skyline-kv, on a
+#                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
 #   fast-start     engine ready from a safetensors checkpoint (bench/fast_start.py), with
 #                  --speculative-method $SPEC_METHOD (none)
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
@@ -57,9 +60,18 @@
 #                  spec-train, spec and spec-gate need the default model's GGUF, which the GPU
 #                  image does not ship: copy its parts to /root/parts/p*/ first; they are joined.
 #   spec-8b        Llama-3.1-8B dummy weights, 256 requests x 128 tokens, none/ngram/suffix
+#   moe            mixture-of-experts models (bench/moe.py): MOE_MODELS (qwen3-30b-a3b bf16,
+#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (decode offline): batch-1 decode against
+#                  the roofline of the bytes a token reads (its active experts), 1000 x (1000 in,
+#                  1000 out) against the floor; MOE_ARGS passes more (e.g. --enforce-eager)
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
 #                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
+#   fleet          two engines on the GPU behind `skyline router`: colocated (cache-aware)
+#                  against prefill + decode on long prompts among short chats (FLEET_ARGS, e.g.
+#                  "--gpu-concurrency 64 --gpu-requests 800"): goodput under TTFT and TPOT
+#                  objectives, KV transfer rate against the device copy rate (bench/fleet.py
+#                  --stages gpu) -> $OUT/gpu.json
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -103,16 +115,14 @@ stage_tests() {
 }
 
 stage_decode() {
-  local q kv ctx base name qa g
+  local q kv ctx base name qa
   for q in ${QUANTS:-none}; do
     for kv in ${KVS:-auto}; do
       for ctx in ${CTXS:-512}; do
-        base=${q%%[:+]*}; qa=()
+        base=${q%%+*}; qa=()
         [ "$base" != none ] && qa=(--quantization "$base")
-        [[ $q == fp8:* ]] && { g=${q#*:}; qa+=(--fp8-gemv "${g%%+*}"); }
-        [[ $q == int4:* ]] && { g=${q#*:}; qa+=(--int4-gemv "${g%%+*}"); }
-        [[ $q == *+head* ]] && qa+=(--quantize-lm-head)
-        name=w${q//[:+]/-}
+        [[ $q == *+head ]] && qa+=(--quantize-lm-head)
+        name=w${q//+/-}
         [ "$kv" != auto ] && name+=-kv$kv
         [ "$ctx" != 512 ] && name+=-ctx$ctx
         echo "== decode $M, weights $q, kv $kv, context $ctx"
@@ -170,8 +180,16 @@ stage_prefill() {
 
 stage_long() {
   local n=${LONG_LEN:-200000}
+  mkdir -p "${KV_DISK:-/var/tmp/skyline-kv}"
   python3 bench/long_prompt.py --model "$M" --prompt-len "$n" --chunk 8192 \
+    --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
     --out "$OUT/long-prompt-h200-$M-$((n / 1000))k$TAG.json"
+  rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
+}
+
+stage_fleet() {
+  python3 bench/fleet.py --stages gpu --gpu-model "$M" --out-dir "$OUT" \
+    --log-dir "$OUT/fleet-logs" ${FLEET_ARGS:-}
 }
 
 stage_fast_start() {
@@ -223,7 +241,7 @@ stage_configs() {
 stage_spec_train() {
   default_model
   local prompts=/tmp/prompts-x4.jsonl
-  for _ in 1 2 3 4; do cat "${PROMPTS:-skyline/spec/prompts.jsonl}"; done > "$prompts"
+  for _ in 1 2 3 4; do cat "${PROMPTS:-skyline/tools/prompts.jsonl}"; done > "$prompts"
   python3 -m skyline.cli train-speculator --device cuda --async-scheduling off \
     --prompts "$prompts" --synthesize "${SYNTH:-0}" --temperature "${TEMP:-0.6}" \
     --max-tokens "${MAXTOK:-384}" --epochs "${EPOCHS:-6}" --batch-tokens "${BATCH:-2048}" \
@@ -250,6 +268,11 @@ stage_spec_8b() {
     --dtype bfloat16 --num-blocks 10240 --methods none,ngram,suffix --skip-b1 \
     --random-prompt-len 512 --load-requests 256 --load-max-tokens 128 \
     --out "$OUT/spec-load-h200-llama-3.1-8b$TAG.json"
+}
+
+stage_moe() {
+  python3 bench/moe.py --models ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b} \
+    --stages ${MOE_STAGES:-decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
 }
 
 stage_frontier() {

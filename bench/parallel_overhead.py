@@ -2,7 +2,7 @@
 one-process executor, by one rank in a process of its own, and by two tensor-parallel ranks.
 
 Each engine decodes BATCH running requests for STEPS timed steps of a model that computes
-zeros at no cost (the "null_forward" query on every rank: what remains is the engine's and the
+zeros at no cost (the "zero_forward" query on every rank: what remains is the engine's and the
 executor's own work), or with --model default of the embedded SmolLM2-135M as it computes; a
 row gives its median time per step, synchronous
 (each step's tokens read before the next is scheduled) and with async scheduling (the engine
@@ -53,7 +53,7 @@ def engine(model: str | None, max_batch: int, context: int, steps: int, executor
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(TINY, f)
         llm = LLM(d, load_format="dummy", kv_cache_memory=256 << 20, **kw)
-        llm.query("null_forward")
+        llm.query("zero_forward")
         return llm
     return LLM(None if model == "default" else model, kv_cache_memory=1 << 30, **kw)
 
@@ -156,7 +156,7 @@ def main() -> None:
               f"{row['decode_us']:.0f} us")
     save_json({"benchmark": "parallel_overhead",
                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-               "model": a.model or "zeros (null_forward)", "context": a.context,
+               "model": a.model or "zeros (zero_forward)", "context": a.context,
                "steps": a.steps, "rounds": a.rounds, "machine": machine_info("cpu"),
                "load_average": os.getloadavg(),
                "command": "python bench/parallel_overhead.py " + " ".join(sys.argv[1:]),

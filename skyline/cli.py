@@ -11,13 +11,17 @@ import sys
 from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench scripts and tests)
     add_engine_args,
     add_load_args,
+    add_router_args,
     add_sampling_args,
     engine_args,
     load_specs,
+    router_config,
     sampling_params,
+    strip_flags,
 )
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
+from skyline.server.tool_parsers import PARSERS
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
@@ -144,12 +148,16 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
         raise ConfigError("pass --format FORMAT, or --search --budget B for a format per layer")
     cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
                                              quantization="none"))
+    if cfg.model.arch.num_experts:
+        raise ConfigError("skyline quantize does not write mixture-of-experts checkpoints; serve "
+                          "the model with --quantization fp8 or mxfp4 (its experts and Linears "
+                          "are quantized while loading)")
     if ns.search:
-        from skyline.quant.assignment import DEFAULT_CANDIDATES
+        from skyline.config import DEFAULT_SEARCH_FORMATS
         from skyline.tools.quantize.report import search_checkpoint, table
 
         report = search_checkpoint(
-            cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
+            cfg.model, ns.formats or DEFAULT_SEARCH_FORMATS, ns.budget, ns.out, ns.group_size,
             calib_text=text, calib_tokens=ns.calib_tokens or 1024, eval_tokens=ns.eval_tokens,
             search_tokens=ns.search_tokens, max_evals=ns.max_evals)
         print(table(report))
@@ -161,7 +169,8 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:
-    from skyline.tools.speculator.train import TrainArgs, train_speculator
+    from skyline.config import TrainArgs
+    from skyline.tools.speculator.train import train_speculator
 
     args = TrainArgs(epochs=ns.epochs, steps=ns.steps, lr=ns.lr, batch_tokens=ns.batch_tokens,
                      unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)
@@ -181,18 +190,139 @@ def _cmd_train_speculator(ns: argparse.Namespace) -> None:
           f"target (first draft) {v0['top1_step1']:.2f} -> {v1['top1_step1']:.2f}")
 
 
+def _replica_flags(ns: argparse.Namespace) -> tuple[list[list[str]], bool]:
+    """Per replica of `serve --replicas N`: its device, CPU threads, GPU memory share and
+    role flags; and whether they must start one after the other (several on one GPU)."""
+    from skyline.engine.create import resolve_device
+
+    n = ns.replicas
+    roles = ns.role.split(",")
+    if len(roles) not in (1, n):
+        raise ConfigError(f"--role takes one role or one per replica ({n}), got {ns.role!r}")
+    roles = roles * n if len(roles) == 1 else roles
+    device = resolve_device(ns.device)
+    flags: list[list[str]] = [["--role", role] for role in roles]
+    if device == "cpu":
+        threads = ns.threads or max(1, (os.cpu_count() or 1) // n)
+        for f in flags:
+            f += ["--device", "cpu", "--threads", str(threads)]
+        return flags, False
+    import torch
+
+    gpus = [int(device.split(":")[1])] if ":" in device else list(range(torch.cuda.device_count()))
+    per_gpu: dict[int, int] = {}
+    for i in range(n):
+        g = gpus[i % len(gpus)]
+        per_gpu[g] = per_gpu.get(g, 0) + 1
+    seen: dict[int, int] = {}
+    for i, f in enumerate(flags):
+        g = gpus[i % len(gpus)]
+        seen[g] = seen.get(g, 0) + 1
+        # The j-th of k replicas on a GPU may use j/k of --gpu-memory-utilization: each sizes
+        # its cache from what is free, so they start in turn and share it evenly.
+        share = ns.gpu_memory_utilization * seen[g] / per_gpu[g]
+        f += ["--device", f"cuda:{g}", "--gpu-memory-utilization", f"{share:.4f}"]
+    return flags, max(per_gpu.values()) > 1
+
+
+def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
+    """`skyline serve --replicas N` (or --ray): N engines and a router in front."""
+    from skyline.engine.frontend.prompt_hash import PromptHasher
+    from skyline.router.app import serve as serve_router
+    from skyline.router.fleet import Fleet
+    from skyline.router.launch import LocalReplicas
+
+    if ns.replicas < 1:
+        raise ConfigError("--replicas must be at least 1")
+    argv = ns.argv[ns.argv.index("serve") + 1:]
+    base = strip_flags(argv)
+    if ns.ray:
+        return _serve_ray(ns, base, api_key)
+    flags, sequential = _replica_flags(ns)
+    local = LocalReplicas([base + f for f in flags], sequential=sequential)
+    print(f"skyline: starting {ns.replicas} replicas ...", flush=True)
+    try:
+        local.start()
+        fleet = Fleet(router_config(ns, local.urls, api_key), PromptHasher(ns.model))
+        serve_router(fleet, ns.host, ns.port, ns.uvicorn_log_level,
+                     on_stop=lambda: local.stop(ns.shutdown_timeout))
+    except RuntimeError as e:
+        sys.exit(f"skyline: error: {e}")
+    finally:
+        local.stop(ns.shutdown_timeout)  # done already unless the router failed to start
+
+
+def _serve_ray(ns: argparse.Namespace, base: list[str], api_key: str | None) -> None:
+    """`skyline serve --ray`: the replicas (a Serve deployment per role) and the router on
+    Ray Serve; Ray gives each replica its GPUs (--ray-num-gpus) and CPUs (--threads)."""
+    import signal
+    import threading
+
+    from skyline.deploy.ray import deploy_from_cli
+    from skyline.engine.create import resolve_device
+
+    roles = ns.role.split(",")
+    if len(roles) not in (1, ns.replicas):
+        raise ConfigError(f"--role takes one role or one per replica ({ns.replicas}), got "
+                          f"{ns.role!r}")
+    counts: dict[str, int] = {}
+    for role in roles * ns.replicas if len(roles) == 1 else roles:
+        counts[role] = counts.get(role, 0) + 1
+    on_gpu = ns.device.startswith("cuda") or (ns.device == "auto" and ns.ray_num_gpus)
+    device = "cuda" if on_gpu else resolve_device(ns.device).split(":")[0]
+    num_gpus = ns.ray_num_gpus if ns.ray_num_gpus is not None else float(device == "cuda")
+    threads = ns.threads or 1
+    argv = [*base, "--device", device, "--threads", str(threads)]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def wait() -> None:
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+    deploy_from_cli(argv, counts, router_config(ns, ["ray"], api_key), ns.model, ns.host,
+                    ns.port, num_gpus, float(threads), ns.ray_address, wait)
+
+
+def _cmd_router(ns: argparse.Namespace) -> None:
+    from skyline.engine.frontend.prompt_hash import PromptHasher
+    from skyline.router.app import serve as serve_router
+    from skyline.router.fleet import Fleet
+
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("skyline.router").setLevel(logging.INFO)
+    from skyline import envs
+
+    cfg = router_config(ns, ns.replica, ns.api_key or envs.ENV.api_key)
+    serve_router(Fleet(cfg, PromptHasher(ns.model)), ns.host, ns.port, ns.uvicorn_log_level)
+
+
 def _cmd_serve(ns: argparse.Namespace) -> None:
     from skyline import envs
     from skyline.engine.process import EngineStartError
     from skyline.engine.supervisor import EngineDeadError, RestartPolicy
+    from skyline.router.launch import free_port, free_port_pair
     from skyline.server.app import serve
     from skyline.server.limits import RequestLimits
 
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("skyline.server").setLevel(logging.INFO)  # request ids in the log
+        logging.getLogger("skyline.router").setLevel(logging.INFO)
     if ns.model_tag is not None and ns.model is None:
         ns.model = ns.model_tag
     api_key = _serve_api_key(ns.api_key, ns.api_key_file, envs.ENV.api_key)
+    if ns.replicas != 1 or ns.ray:
+        return _serve_fleet(ns, api_key)
+    if ns.kv_events_port == 0:
+        ns.kv_events_host = "127.0.0.1" if ns.host in ("127.0.0.1", "localhost") else ns.host
+        ns.kv_events_port = free_port_pair(ns.kv_events_host)
+    elif ns.kv_events_port is not None or ns.role != "both":
+        ns.kv_events_host = ns.host
+    if ns.role == "prefill" and ns.kv_transfer_port is None:
+        # chosen once here, so that a restarted engine keeps it (routers read it at join)
+        ns.kv_transfer_port = free_port(ns.kv_events_host)
     chat_template = None
     if ns.chat_template is not None:
         try:
@@ -204,15 +334,15 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         max_body_bytes=ns.max_request_bytes, max_prompt_chars=ns.max_prompt_chars,
         max_n=ns.max_n, max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars,
         max_logprobs=ns.max_logprobs, max_tools=ns.max_tools,
-        max_schema_bytes=ns.max_schema_bytes, prepare_timeout_s=ns.prepare_timeout,
-        body_timeout_s=ns.body_timeout)
+        max_schema_bytes=ns.max_schema_bytes, max_logit_bias=ns.max_logit_bias,
+        prepare_timeout_s=ns.prepare_timeout, body_timeout_s=ns.body_timeout)
     args = engine_args(ns, served_model_name=ns.served_model_name)
     try:
         serve(args, host=ns.host, port=ns.port, api_key=api_key, limits=limits,
               shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
               restart=RestartPolicy(max_restarts=ns.max_engine_restarts),
               max_waiting=ns.max_waiting, chat_template=chat_template,
-              parse_workers=ns.parse_workers)
+              parse_workers=ns.parse_workers, tool_call_parser=ns.tool_call_parser)
     except (EngineStartError, EngineDeadError, OSError) as e:
         sys.exit(f"skyline: error: {e}")
 
@@ -273,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template to use instead of the model's (requests cannot "
                         "bring their own)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="the format the model writes tool calls in (auto: the chat template's, "
+                        "where it is unambiguous; ChatML templates: hermes)")
     p.add_argument("--max-waiting", type=int, default=-1,
                    help="waiting requests beyond which new ones get 429 (-1: 4 x "
                         "--max-num-seqs; 0: no limit)")
@@ -289,9 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-stop-chars", type=int, default=1000,
                    help="characters per stop string")
     g.add_argument("--max-logprobs", type=int, default=20, help="top logprobs per token")
-    g.add_argument("--max-tools", type=int, default=128, help="tools per request")
+    g.add_argument("--max-tools", type=int, default=128,
+                   help="tools per request, and calls in one past assistant message")
     g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
-                   help="a response_format JSON schema, or one tool, as JSON")
+                   help="a response_format JSON schema, a structured-output constraint, or one "
+                        "tool, as JSON")
+    g.add_argument("--max-logit-bias", type=int, default=300,
+                   help="tokens one logit_bias may name")
     g.add_argument("--prepare-timeout", type=float, default=10.0,
                    help="seconds to parse a request, render its chat template and tokenize it")
     g.add_argument("--body-timeout", type=float, default=30.0,
@@ -304,7 +441,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="restarts of a failed engine core allowed within ten minutes (with "
                         "backoff); one more failure stops the server, exit code 1 (0: none)")
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--role", default="both",
+                   help="both | prefill | decode: the work a router sends this replica (with "
+                        "--replicas: one role for all, or one per replica, comma-separated)")
+    p.add_argument("--kv-events-port", type=int, default=None,
+                   help="publish KV events for a router on this port (ZMQ PUB; snapshots on "
+                        "the next port); 0: any free pair")
+    p.add_argument("--kv-transfer-port", type=int, default=None,
+                   help="--role prefill: the port decode replicas pull KV from (default: any "
+                        "free one, given in GET /fleet)")
     add_engine_args(p)
+    g = p.add_argument_group("fleet (several engines behind a router on --port)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="engines to start on this host (devices split among them; on the CPU "
+                        "the cores)")
+    g.add_argument("--ray", action="store_true",
+                   help="run the replicas and the router as Ray Serve deployments")
+    g.add_argument("--ray-address", default=None,
+                   help="--ray: the cluster to join (default: start a local one)")
+    g.add_argument("--ray-num-gpus", type=float, default=None,
+                   help="--ray: GPUs per replica (default: 1 on CUDA, 0 on the CPU)")
+    add_router_args(g)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("worker", help="run this host's ranks of an engine started on another "
@@ -314,6 +471,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, required=True, help="this host's index, from 1")
     p.add_argument("--nnodes", type=int, default=None, help="checked against the engine's")
     p.set_defaults(func=_cmd_worker)
+
+    p = sub.add_parser("router", help="one OpenAI-compatible endpoint over several replicas")
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat per replica)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", "-m", default=None,
+                   help="the replicas' model (its tokenizer and chat template hash prompts "
+                        "for cache-aware routing); default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' of clients and send it to the "
+                        "replicas (default: $SKYLINE_API_KEY)")
+    p.add_argument("--uvicorn-log-level", default="info")
+    add_router_args(p)
+    p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -342,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a serve flag and its values, e.g. max_num_seqs=8,32 (repeatable; "
                         "true/false for switches)")
     p.add_argument("--base-flags", default="", help="serve flags every setting shares")
-    p.add_argument("--output-dir", default="bench/results/frontier")
+    p.add_argument("--output-dir", default="bench/tmp/frontier")
     p.add_argument("--dry-run", action="store_true", help="list the points and a time estimate")
     p.add_argument("--no-quality", dest="quality", action="store_false",
                    help="skip KL / top-1 agreement against the reference")
@@ -424,7 +596,9 @@ def _omp_wait_passive() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     _omp_wait_passive()
+    argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
+    ns.argv = argv
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         ns.func(ns)

@@ -2,6 +2,7 @@
 for sm_90, without a GPU (Triton compiles for a target it is told).
 
   python bench/kernels/attention_ptx_count.py --out bench/results/kernels/attention-ptx-count.json
+  python bench/kernels/attention_ptx_count.py --smoke   # one cache and tile
 
 The kernel of skyline/ops/attention_triton.py is compiled as the launcher would for the
 Llama-3.1-8B shape (32 / 8 heads, head_dim 128, 16-token pages, bf16 queries, KV splits) with a
@@ -14,13 +15,9 @@ shared memory the kernel asks for (bounds how many programs an SM holds).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from skyline.bench.offline import save_json
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemv_ptx_count import inner_loop, opcode  # noqa: E402
+from skyline.bench.ptx import compile_for_sm90, inner_loop, opcode
 
 SIGNATURE = {"q_ptr": "*bf16", "k_ptr": None, "v_ptr": None, "out_ptr": "*bf16",
              "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32", "block_tables_ptr": "*i32",
@@ -34,33 +31,24 @@ CACHES = {"bf16": ("bf16", 0), "fp8": ("fp8e4nv", 0), "fp8 words": ("fp8e4nv", 2
 
 
 def compile_decode(cache: str, block_n: int, warps: int, stages: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from skyline.ops import attention_triton as kernels
 
     kv, words = CACHES[cache]
     const = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=block_n,
                  IEEE=False, SPLIT=True, PIPELINE=True, NUM_STAGES=stages, F16=kv != "bf16",
                  PDL=False, FP8_WORDS=words)
-    sig = {**SIGNATURE, "k_ptr": f"*{kv}", "v_ptr": f"*{kv}",
-           **{k: "constexpr" for k in const}}
-    names = list(sig)
-    src = ASTSource(fn=kernels.paged_decode_kernel, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+    sig = {**SIGNATURE, "k_ptr": f"*{kv}", "v_ptr": f"*{kv}"}
+    return compile_for_sm90(kernels.paged_decode_kernel, sig, const, DIVISIBLE, warps, stages)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="one cache and tile")
     a = ap.parse_args()
     rows = []
-    for block_n, warps, stages in ((64, 4, 3), (32, 1, 3)):
-        for cache in CACHES:
+    for block_n, warps, stages in ((64, 4, 3),) if a.smoke else ((64, 4, 3), (32, 1, 3)):
+        for cache in list(CACHES)[:1] if a.smoke else CACHES:
             compiled = compile_decode(cache, block_n, warps, stages)
             ops = [opcode(i) for i in inner_loop(compiled.asm["ptx"])]
             row = {"cache": cache, "BLOCK_N": block_n, "num_warps": warps,

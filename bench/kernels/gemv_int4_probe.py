@@ -4,6 +4,7 @@ bandwidth measured in the same run: where the INT4 GEMV loses its bytes' worth o
   python bench/kernels/gemv_int4_probe.py --out $OUT/gemv-int4-probe-h200.json
   ncu --clock-control none --kernel-name regex:gemv --section SpeedOfLight ... \
       python bench/kernels/gemv_int4_probe.py --ncu   # a few plain launches per kernel, no graphs
+  python bench/kernels/gemv_int4_probe.py --smoke   # seconds, on the CPU (skyline/bench/tuners.py)
 
 For each shape (the Llama-3.1-8B projections by default): bf16 (`gemv`), fp8 W8A8 with x
 quantized beforehand (`fp8_gemv_a8`, what the norm / SiLU kernels hand it at decode), INT8 and
@@ -18,44 +19,52 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import torch
+from skyline.bench.tuners import interpret_for_smoke
 
-from skyline.bench.offline import machine_info, save_json
-from skyline.ops.fp8_quant import quantize_rows_fp8
-from skyline.ops.gemv import gemv
-from skyline.ops.gemv_int_a8 import int4_gemv_a8, round_to_int8_chunks
-from skyline.ops.gemv_quant import FP8, INT4, INT8, fp8_gemv_a8, int_gemv
+interpret_for_smoke(sys.argv)  # before Triton loads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_gemv import ROTATE_BYTES, copy_bandwidth, time_calls  # noqa: E402
-from tune_gemv_quant import make_weights  # noqa: E402
+import torch  # noqa: E402
+
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.bench.tuners import (  # noqa: E402
+    ROTATE_BYTES,
+    device_bandwidth,
+    random_quant_weights,
+    time_calls,
+    tune_device,
+)
+from skyline.ops.fp8_quant import quantize_rows_fp8  # noqa: E402
+from skyline.ops.gemv import gemv  # noqa: E402
+from skyline.ops.gemv_int_a8 import int4_gemv_a8, round_to_int8_chunks  # noqa: E402
+from skyline.ops.gemv_quant import fp8_gemv_a8, int_gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 GROUP = 128
 
 
-def formats(n: int, k: int, x: torch.Tensor) -> dict:
-    """{name: (bytes a call, [fn over one weight copy each])} with enough copies for L2."""
+def formats(n: int, k: int, x: torch.Tensor, rotate: int) -> dict:
+    """{name: (bytes a call, [fn over one weight copy each])}, with copies of the weights
+    adding up to `rotate` bytes (so that L2 cannot serve them)."""
     xq, xs = quantize_rows_fp8(x)
     out = {}
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    copies = max(1, -(-ROTATE_BYTES // (w.numel() * 2)))
+    w = torch.randn(n, k, device=x.device, dtype=x.dtype) * 0.02
+    copies = max(1, -(-rotate // (w.numel() * 2)))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
     out["bf16"] = (w.numel() * 2, [lambda w=w: gemv(x, w) for w in ws])
-    for name, kind in (("fp8a8q", FP8), ("int8", INT8), ("int4", INT4), ("int4a8", INT4)):
-        args, nbytes = make_weights(kind, n, k, GROUP)
-        copies = max(1, -(-ROTATE_BYTES // nbytes))
+    for name, fmt in (("fp8a8q", "fp8"), ("int8", "int8"), ("int4", "int4"),
+                      ("int4a8", "int4")):
+        args, nbytes = random_quant_weights(fmt, n, k, GROUP, x.device)
+        copies = max(1, -(-rotate // nbytes))
         sets = [args] + [tuple(t.clone() for t in args) for _ in range(copies - 1)]
-        if kind == FP8:
+        if fmt == "fp8":
             fns = [lambda a=a: fp8_gemv_a8(xq, xs, *a) for a in sets]
         elif name == "int4a8":  # x rounded beforehand, as the norm / SiLU kernels hand it
             xr = round_to_int8_chunks(x)
             fns = [lambda a=a, xr=xr: int4_gemv_a8(xr, *a, GROUP) for a in sets]
         else:
-            bits = 4 if kind == INT4 else 8
+            bits = 4 if fmt == "int4" else 8
             fns = [lambda a=a, b=bits: int_gemv(x, *a, b, GROUP) for a in sets]
         out[name] = (nbytes, fns)
     return out
@@ -67,26 +76,31 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true",
                     help="launch each kernel a few times without graphs (for ncu) and exit")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one tiny shape, on the CPU without a GPU")
     args = ap.parse_args()
+    dev = tune_device("gemv_int4_probe", args.smoke)
     torch.manual_seed(0)
+    # the interpreter takes fp16 where the GPU runs bf16
+    dtype = torch.bfloat16 if dev.device.type == "cuda" else torch.float16
+    shapes = {"smoke": (32, 128)} if dev.out_dir else {s: SHAPES[s] for s in args.shapes}
+    rotate = 0 if dev.out_dir else ROTATE_BYTES
     if args.ncu:
-        for shape in args.shapes:
-            n, k = SHAPES[shape]
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            for name, (_, fns) in formats(n, k, x).items():
+        for shape, (n, k) in shapes.items():
+            x = torch.randn(1, k, device=dev.device, dtype=dtype)
+            for name, (_, fns) in formats(n, k, x, rotate).items():
                 fns[0]()
                 torch.cuda.synchronize()
                 print(f"ncu launches: {shape} {name}", flush=True)
         return
-    bw = copy_bandwidth()
+    bw = device_bandwidth(dev)
     rows = []
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"{'shape':8} {'format':7} {'us':>8} {'MB':>7} {'frac':>6}")
-    for shape in args.shapes:
-        n, k = SHAPES[shape]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for name, (nbytes, fns) in formats(n, k, x).items():
-            calls = max(len(fns), 200)
+    for shape, (n, k) in shapes.items():
+        x = torch.randn(1, k, device=dev.device, dtype=dtype)
+        for name, (nbytes, fns) in formats(n, k, x, rotate).items():
+            calls = 1 if dev.out_dir else max(len(fns), 200)
             t = time_calls(fns, calls)
             frac = nbytes / t / bw
             rows.append({"shape": shape, "n": n, "k": k, "format": name, "us": t * 1e6,
@@ -94,10 +108,12 @@ def main() -> None:
             print(f"{shape:8} {name:7} {t * 1e6:8.2f} {nbytes / 1e6:7.2f} {frac:6.3f}",
                   flush=True)
             del fns
-        torch.cuda.empty_cache()
-    if args.out:
-        save_json({"machine": machine_info("cuda"), "copy_bandwidth_Bps": bw,
-                   "group": GROUP, "rows": rows}, args.out)
+        if dev.device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = dev.path("gemv-int4-probe-smoke.json") if dev.out_dir else args.out
+    if out:
+        save_json({"machine": machine_info(dev.device.type), "copy_bandwidth_Bps": bw,
+                   "group": GROUP, "rows": rows}, out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 that Triton generates for sm_90, without a GPU (Triton compiles for a target it is told).
 
   python bench/kernels/gemv_ptx_count.py --out bench/results/kernels/gemv-int4-ptx-count.json
+  python bench/kernels/gemv_ptx_count.py --smoke   # one tile
 
 For each tile (BLOCK_N, warps, stages) and operand order (weights left, or X_LEFT), the kernel
 of skyline/ops/gemv_quant_triton.py is compiled as the launcher would on an H200 (bf16 x, INT4
@@ -13,68 +14,40 @@ Per weight = count / (BLOCK_N * BLOCK_K / threads), the weights one thread handl
 from __future__ import annotations
 
 import argparse
-import re
 
 from skyline.bench.offline import save_json
+from skyline.bench.ptx import compile_for_sm90, inner_loop, opcode
 
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8",
              "b_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32",
              "xs_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_iters": "i32",
              "num_splits": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32"}
 # what the JIT assumes of real launches: pointers and the sizes / strides divisible by 16
-DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "part_ptr", "count_ptr",
-             "xs_ptr", "N", "K", "stride_xm", "stride_wn", "stride_sn")
+DIVISIBLE = ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "part_ptr", "count_ptr",
+             "xs_ptr", "N", "K", "stride_xm", "stride_wn", "stride_sn"]
 
 
 def loop_ptx(block_n: int, warps: int, stages: int, x_left: bool) -> list[str]:
     """The instructions of the compiled kernel's first (main) loop."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from skyline.ops import gemv_quant_triton as kernels
 
     const = dict(WEIGHT_KIND=2, GROUP=128, HAS_BIAS=False, EVEN_K=True, SPLIT=True,
                  USE_DOT=True, IEEE=False, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128,
                  NUM_STAGES=stages, STATIC_ITERS=0, X_QUANT=0, XS_BLOCK=0, XS_STRIDE=1,
                  ROUND_E4M3=False, INT4_ASM=1, INT4_OFFSET=128.0, X_LEFT=x_left, PDL=False)
-    fn = kernels.gemv_quant_kernel
-    names = list(fn.arg_names)  # in the kernel's order: constexprs are addressed by index
-    missing = set(names) - set(SIGNATURE) - set(const)
-    assert not missing, f"the kernel has arguments this script does not set: {missing}"
-    sig = {n: SIGNATURE.get(n, "constexpr") for n in names}
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(names.index(k),): v for k, v in const.items()},
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in DIVISIBLE})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
-    return inner_loop(ptx)
-
-
-def inner_loop(ptx: str) -> list[str]:
-    """The instructions of a kernel's first loop (a single-block loop, as Triton's pipelined
-    K loops are), from its header to the branch back to it."""
-    lines = ptx.splitlines()
-    start = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
-    label = lines[start].split(":")[0]
-    back = re.compile(rf"bra\S*\s+{re.escape(label)};")
-    end = next(i for i in range(start + 1, len(lines)) if back.search(lines[i]))
-    body = (line.strip() for line in lines[start + 1 : end + 1])
-    return [line for line in body if line and not line.startswith((".", "//", "{", "}", "$"))]
-
-
-def opcode(instruction: str) -> str:
-    parts = instruction.split()
-    return parts[1] if parts[0].startswith("@") else parts[0]
+    compiled = compile_for_sm90(kernels.gemv_quant_kernel, SIGNATURE, const, DIVISIBLE, warps,
+                                stages)
+    return inner_loop(compiled.asm["ptx"])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="one tile and operand order")
     a = ap.parse_args()
     rows = []
-    for block_n, warps, stages in ((128, 4, 3), (256, 4, 3)):
-        for x_left in (False, True):
+    for block_n, warps, stages in ((128, 4, 3),) if a.smoke else ((128, 4, 3), (256, 4, 3)):
+        for x_left in (False,) if a.smoke else (False, True):
             ins = loop_ptx(block_n, warps, stages, x_left)
             per_thread = block_n * 128 // (32 * warps)  # weights a thread handles per tile
             ops = [opcode(i) for i in ins]

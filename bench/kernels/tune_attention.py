@@ -5,6 +5,7 @@ same run.
   python bench/kernels/tune_attention.py   # llama-3.1-8b / qwen3-8b (32 q heads, 8 kv, d128)
   python bench/kernels/tune_attention.py --batches 1 256 --contexts 1000 --no-prefill \
       --kv-dtypes fp8
+  python bench/kernels/tune_attention.py --smoke   # seconds, on the CPU (skyline/bench/tuners.py)
 
 Decode: for each (batch, context) a paged cache of the model's shape (pages of --page tokens,
 shuffled, as the engine's block pool hands them out), every candidate launch configuration
@@ -33,18 +34,24 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
+from skyline.bench.tuners import interpret_for_smoke
 
-from skyline.bench.offline import machine_info, save_json
-from skyline.configs import dummy_config_dir
-from skyline.ops import attention as attn
-from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs
+interpret_for_smoke(sys.argv)  # before Triton loads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_gemv import _triton_version, copy_bandwidth, copy_to_out, device_slug  # noqa: E402
-from tune_gemv import time_calls as gpu_time  # noqa: E402
+import torch  # noqa: E402
+
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.bench.tuners import (  # noqa: E402
+    copy_to_out,
+    device_bandwidth,
+    shipped_config,
+    triton_version,
+    tune_device,
+)
+from skyline.bench.tuners import time_calls as gpu_time  # noqa: E402
+from skyline.ops import attention as attn  # noqa: E402
+from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
 ROTATE_BYTES = 256 << 20  # K/V touched per graph replay at least (5x an H200's L2)
 REPLAY_S = 4e-3  # target GPU time of one graph replay
@@ -72,18 +79,15 @@ PREFILL_TILES = [PREFILL_BASELINE] + [
 # its cached prefix (what a 200K-token prompt's chunks run)
 PREFILL_CASES = [(8, 1000, 1000), (1, 8192, 32768)]
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-DEVICE = "cuda"
 DTYPE = torch.bfloat16  # the model dtype: queries and outputs
+SMOKE_SHAPES = {(4, 2, 16): {"llama-3.1-8b": 32}}  # (heads, kv heads, head_dim): layers
 
 
 def attention_shapes(models: list[str]) -> dict[tuple[int, int, int], dict[str, int]]:
     """{(num_heads, num_kv_heads, head_dim): {model: num_layers}} of the shipped configs."""
     shapes: dict[tuple[int, int, int], dict[str, int]] = {}
     for model in models:
-        folder = dummy_config_dir(model)
-        if folder is None:
-            raise SystemExit(f"no shipped config called {model!r}; see skyline/configs/")
-        c = json.loads((Path(folder) / "config.json").read_text())
+        c = shipped_config(model)
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         shape = (heads, c.get("num_key_value_heads", heads), head_dim)
@@ -91,19 +95,31 @@ def attention_shapes(models: list[str]) -> dict[tuple[int, int, int], dict[str, 
     return shapes
 
 
-def random_cache(num_pages: int, page: int, kvh: int, d: int, dtype: torch.dtype
-                 ) -> torch.Tensor:  # [2, num_pages, page, kvh, d]
-    cache = torch.empty(2, num_pages, page, kvh, d, device=DEVICE, dtype=dtype)
+def random_cache(num_pages: int, page: int, kvh: int, d: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:  # [2, num_pages, page, kvh, d]
+    cache = torch.empty(2, num_pages, page, kvh, d, device=device, dtype=dtype)
     for i in range(2):  # in slices: an fp32 randn of the whole cache may not fit beside it
         for p in range(0, num_pages, 8192):
-            cache[i, p:p + 8192] = torch.randn(cache[i, p:p + 8192].shape, device=DEVICE)
+            cache[i, p:p + 8192] = torch.randn(cache[i, p:p + 8192].shape, device=device)
     return cache
 
 
-def page_tables(num_pages: int, copies: int, batch: int, nblk: int) -> list[torch.Tensor]:
+def page_tables(num_pages: int, copies: int, batch: int, nblk: int, device: torch.device
+                ) -> list[torch.Tensor]:
     """`copies` block tables [batch, nblk] int32 over disjoint, shuffled pages."""
-    perm = torch.randperm(num_pages, device=DEVICE)[:copies * batch * nblk].to(torch.int32)
+    perm = torch.randperm(num_pages, device=device)[:copies * batch * nblk].to(torch.int32)
     return list(perm.view(copies, batch, nblk))
+
+
+def query_dtype(device: torch.device) -> torch.dtype:
+    """The model dtype on a GPU; float32 in Triton's interpreter (smoke runs), which runs the
+    attention kernels in float32 only."""
+    return DTYPE if device.type == "cuda" else torch.float32
+
+
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -138,32 +154,33 @@ def split_candidates(batch: int, kvh: int, max_ctx: int, block_n: int, num_sms: 
     return out
 
 
-def tune_decode(shape, kv_dtype, batches, contexts, page, copy_bw, num_sms, deadline
-                ) -> tuple[list[dict], dict[str, dict]]:
+def tune_decode(shape, kv_dtype, batches, contexts, page, copy_bw, num_sms, deadline, smoke,
+                device) -> tuple[list[dict], dict[str, dict]]:
     """Decode rows for every (batch, context) and the chosen config per batch size."""
     heads, kvh, d = shape
     bytes_per_token = 2 * kvh * d * kv_dtype.itemsize
     max_blk = -(-max(contexts) // page)
-    rotate_pages = -(-ROTATE_BYTES // (bytes_per_token * page))
+    rotate_pages = 0 if smoke else -(-ROTATE_BYTES // (bytes_per_token * page))
     num_pages = max(max(batches) * max_blk, rotate_pages + max_blk) + 1
-    cache = random_cache(num_pages, page, kvh, d, kv_dtype)
+    cache = random_cache(num_pages, page, kvh, d, kv_dtype, device)
     results, chosen = [], {}
     for b in batches:
         rows, key, best = decode_batch(cache, shape, b, contexts, copy_bw, num_sms,
-                                       time.time() < deadline)
+                                       time.time() < deadline and not smoke, smoke)
         results += rows
         if best is not None:
             chosen[key] = best
     del cache
-    torch.cuda.empty_cache()
+    empty_cache(device)
     return results, chosen
 
 
-def decode_batch(cache, shape, b, contexts, copy_bw, num_sms, sweep_splits
+def decode_batch(cache, shape, b, contexts, copy_bw, num_sms, sweep_splits, smoke
                  ) -> tuple[list[dict], str, dict | None]:
     heads, kvh, d = shape
     _, num_pages, page, _, _ = cache.shape
-    dtype, item = DTYPE, cache.dtype.itemsize
+    device = cache.device
+    dtype, item = query_dtype(device), cache.dtype.itemsize
     key = attn.shape_key(heads, kvh, d, page, dtype, cache.dtype) + f":b{b}"
     scale = d**-0.5
     cases = []
@@ -171,13 +188,13 @@ def decode_batch(cache, shape, b, contexts, copy_bw, num_sms, sweep_splits
         nblk = -(-ctx // page)
         kv_bytes = b * ctx * 2 * kvh * d * item
         copies = max(1, min(-(-ROTATE_BYTES // kv_bytes), (num_pages - 1) // (b * nblk)))
-        tables = page_tables(num_pages, copies, b, nblk)
-        q = torch.randn(b, heads, d, device=DEVICE, dtype=dtype)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
+        tables = page_tables(num_pages, copies, b, nblk, device)
+        q = torch.randn(b, heads, d, device=device, dtype=dtype)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
         ref = torch.cat([attn.paged_attention_ref(  # fp32, 32 sequences at a time
             q[s:s + 32].float(), cache, list(range(min(32, b - s) + 1)), [ctx] * min(32, b - s),
             tables[0][s:s + 32], scale, min(32, b - s), lens[s:s + 32]) for s in range(0, b, 32)])
-        calls = max(copies, min(MAX_CALLS, round(REPLAY_S * 3e12 / kv_bytes)))
+        calls = 1 if smoke else max(copies, min(MAX_CALLS, round(REPLAY_S * 3e12 / kv_bytes)))
         cases.append({"ctx": ctx, "q": q, "lens": lens, "tables": tables, "ref": ref,
                       "kv_bytes": kv_bytes, "calls": calls, "times": {}, "failed": []})
 
@@ -195,8 +212,8 @@ def decode_batch(cache, shape, b, contexts, copy_bw, num_sms, sweep_splits
 
     default = attn.default_decode_config(b, kvh, d, item, num_sms)
     heuristic = attn.decode_splits(b, kvh, num_sms)
-    for tile in DECODE_TILES:  # phase 1: tiles and pipeline depths at the heuristic splits
-        measure({**tile, "NUM_SPLITS": heuristic})
+    for tile in DECODE_TILES[:2] if smoke else DECODE_TILES:
+        measure({**tile, "NUM_SPLITS": heuristic})  # phase 1: tiles and pipeline depths
     measure(default)
     ranked = rank(cases)
     if sweep_splits:  # phase 2: split counts for the two best tiles
@@ -245,31 +262,31 @@ def rank(cases: list[dict]) -> list[tuple[str, float]]:
     return sorted(scored, key=lambda x: x[1])
 
 
-def tune_prefill(shape, kv_dtype, page) -> tuple[list[dict], dict[str, dict]]:
+def tune_prefill(shape, kv_dtype, page, smoke, device) -> tuple[list[dict], dict[str, dict]]:
     """Prefill rows for PREFILL_CASES and the chosen config per token bucket."""
     results, chosen = [], {}
-    for num_seqs, n, ctx in PREFILL_CASES:
-        row = prefill_case(shape, kv_dtype, page, num_seqs, n, ctx)
-        torch.cuda.empty_cache()
+    for num_seqs, n, ctx in [(1, 32, 48)] if smoke else PREFILL_CASES:
+        row = prefill_case(shape, kv_dtype, page, num_seqs, n, ctx, smoke, device)
+        empty_cache(device)
         if row is not None:
             results.append(row)
             chosen[row["key"]] = row["config"]
     return results, chosen
 
 
-def prefill_case(shape, kv_dtype, page, num_seqs, n, ctx) -> dict | None:
+def prefill_case(shape, kv_dtype, page, num_seqs, n, ctx, smoke, device) -> dict | None:
     heads, kvh, d = shape
-    dtype = DTYPE
+    dtype = query_dtype(device)
     key = attn.shape_key(heads, kvh, d, page, dtype, kv_dtype) + f":q{token_bucket(n)}"
     scale = d**-0.5
     nblk = -(-ctx // page)
-    cache = random_cache(num_seqs * nblk + 1, page, kvh, d, kv_dtype)
-    table = page_tables(num_seqs * nblk + 1, 1, num_seqs, nblk)[0]
-    q = torch.randn(num_seqs * n, heads, d, device=DEVICE, dtype=dtype)
+    cache = random_cache(num_seqs * nblk + 1, page, kvh, d, kv_dtype, device)
+    table = page_tables(num_seqs * nblk + 1, 1, num_seqs, nblk, device)[0]
+    q = torch.randn(num_seqs * n, heads, d, device=device, dtype=dtype)
     qsl = list(range(0, num_seqs * n + 1, n))
-    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
     lens = [ctx] * num_seqs
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
 
     def ref_fn():
         return attn.paged_attention_ref(q, cache, qsl, lens, table, scale)
@@ -281,16 +298,18 @@ def prefill_case(shape, kv_dtype, page, num_seqs, n, ctx) -> dict | None:
     ref = ref_fn().float()
     # causal QK^T and PV: each new token sees the cached prefix and the new ones before it
     flops = 4 * heads * d * num_seqs * (n * (ctx - n) + n * (n + 1) / 2)
-    calls = max(2, min(64, round(REPLAY_S * 300e12 / flops)))
+    calls = 1 if smoke else max(2, min(64, round(REPLAY_S * 300e12 / flops)))
     try:
         t_ref = gpu_time([ref_fn], calls)
     except Exception as e:  # the reference is only a yardstick here
         print(f"reference not timed: {type(e).__name__}: {e}"[:200], flush=True)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t_ref = None
     times, failed = {}, []
     default = attn.default_prefill_config(n, d, kv_dtype.itemsize)
-    for cfg in PREFILL_TILES + ([default] if default not in PREFILL_TILES else []):
+    tiles = PREFILL_TILES[:2] if smoke else PREFILL_TILES
+    for cfg in tiles + ([default] if default not in tiles else []):
         times[json.dumps(cfg, sort_keys=True)] = try_config(
             cfg, lambda f: relative_error(run(f), ref),
             lambda f: gpu_time([lambda: run(f)], calls), failed)
@@ -353,29 +372,34 @@ def main() -> None:
                     "(default skyline/ops/configs/attention-<gpu>.json)")
     ap.add_argument("--out", default=None, help="results JSON "
                     "(default bench/results/kernels/attention-tune-<gpu>.json, or under $OUT)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny shape, two batches, a few configurations, on the CPU without "
+                         "a GPU")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune_attention needs a CUDA GPU; run it on the GPU machine.")
+    dev = tune_device("tune_attention", a.smoke)
     if any(b < 1 or b & (b - 1) for b in a.batches):
         sys.exit(f"--batches must be powers of two (the tuned buckets), got {a.batches}")
+    smoke = dev.out_dir is not None
+    if smoke:
+        a.batches, a.contexts, a.kv_dtypes = [1, 2], [40], ["bf16"]
     t0 = time.time()
-    name = torch.cuda.get_device_name(0)
-    slug = device_slug(name)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth(2**29)  # 1 GiB
+    name, slug, num_sms = dev.name, dev.slug, dev.num_sms
+    copy_bw = device_bandwidth(dev, 2**29)  # 1 GiB
     print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, {num_sms} SMs",
           flush=True)
-    shapes = attention_shapes(a.models)
+    shapes = SMOKE_SHAPES if smoke else attention_shapes(a.models)
     decode, prefill = [], []
     configs: dict[str, dict[str, dict]] = {attn.DECODE_KERNEL: {}, attn.PREFILL_KERNEL: {}}
     for shape, layers in shapes.items():
         print(f"heads {shape[0]}/{shape[1]}, head_dim {shape[2]}: {', '.join(layers)}",
               flush=True)
         for kv in a.kv_dtypes:
+            kv_dtype = KV_DTYPES[kv] if dev.device.type == "cuda" else query_dtype(dev.device)
             rows, chosen = [], {}
             if not a.no_decode:
-                rows, chosen = tune_decode(shape, KV_DTYPES[kv], sorted(a.batches), a.contexts,
-                                           a.page, copy_bw, num_sms, t0 + a.budget_s)
+                rows, chosen = tune_decode(shape, kv_dtype, sorted(a.batches), a.contexts,
+                                           a.page, copy_bw, num_sms, t0 + a.budget_s, smoke,
+                                           dev.device)
             for r in rows:
                 r["layers_ms"] = {m: n * r["chosen_us"] / 1e3 for m, n in layers.items()}
                 r["layers_ms_baseline"] = {m: None if r["baseline_us"] is None
@@ -384,15 +408,15 @@ def main() -> None:
             decode += rows
             configs[attn.DECODE_KERNEL].update(chosen)
             if not a.no_prefill:
-                rows, chosen = tune_prefill(shape, KV_DTYPES[kv], a.page)
+                rows, chosen = tune_prefill(shape, kv_dtype, a.page, smoke, dev.device)
                 prefill += rows
                 configs[attn.PREFILL_KERNEL].update(chosen)
     command = "python " + " ".join(sys.argv)
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    configs_out = a.configs_out or str(CONFIG_DIR / f"attention-{slug}.json")
+    configs_out = dev.path(str(CONFIG_DIR / f"attention-{slug}.json"), a.configs_out)
     write_configs(configs_out, name, {k: v for k, v in configs.items() if v},
                   meta={"date": date, "command": command, "torch": torch.__version__,
-                        "triton": _triton_version(), "models": ",".join(a.models),
+                        "triton": triton_version(), "models": ",".join(a.models),
                         "page": a.page})
     print(f"wrote {configs_out}")
     copy_to_out(configs_out)
@@ -401,8 +425,8 @@ def main() -> None:
                "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms, "page": a.page,
                "rotate_bytes": ROTATE_BYTES, "tolerance": TOL, "wall_s": time.time() - t0,
                "decode": decode, "prefill": prefill, "configs": configs,
-               "machine": machine_info("cuda")},
-              a.out or os.path.join(out_dir, f"attention-tune-{slug}.json"))
+               "machine": machine_info(dev.device.type)},
+              dev.path(os.path.join(out_dir, f"attention-tune-{slug}.json"), a.out))
     print(f"done in {time.time() - t0:.0f} s")
 
 

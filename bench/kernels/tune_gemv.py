@@ -3,6 +3,7 @@ bandwidth measured in the same run.
 
   python bench/kernels/tune_gemv.py      # llama-3.1-8b and qwen3-8b shapes, rows 1,2,4,8
   python bench/kernels/tune_gemv.py --models llama-3.1-8b --rows 1 --report /tmp/gemv.json
+  python bench/kernels/tune_gemv.py --smoke   # seconds, on the CPU (skyline/bench/tuners.py)
 
 For each Linear shape of the shipped configs (qkv, o, gate_up, down, lm_head) and each row count,
 every candidate launch configuration is checked against gemv_ref and timed; the fastest goes
@@ -19,60 +20,23 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+from skyline.bench.tuners import interpret_for_smoke
 
-from skyline.bench.offline import machine_info, save_json
-from skyline.configs import dummy_config_dir
-from skyline.ops.gemv import KERNEL, config_key, default_config, gemv, gemv_ref
-from skyline.ops.tuning import CONFIG_DIR, write_configs
+interpret_for_smoke(sys.argv)  # before Triton loads
 
-ROTATE_BYTES = 256 << 20  # weight copies per shape add up to at least this (5x an H200's L2)
-REPLAY_S = 2e-3  # target length of one timed graph replay
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
+from skyline.bench import tuners  # noqa: E402
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.ops.gemv import KERNEL, config_key, default_config, gemv, gemv_ref  # noqa: E402
+from skyline.ops.tuning import CONFIG_DIR, write_configs  # noqa: E402
 
-def copy_bandwidth(elements: int = 2**30) -> float:
-    """Bytes read + written per second by a device-to-device copy of `elements` bf16 values
-    (2 GiB by default), median of 20 after 3 warm-ups."""
-    x = torch.randn(elements, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    times = []
-    for i in range(23):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(s.elapsed_time(e) / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * elements * 2 / sorted(times)[len(times) // 2]
-
-
-def linear_shapes(models: list[str]) -> dict[tuple[int, int], list[str]]:
-    """{(N, K): ["llama-3.1-8b.qkv", ...]} over the models' Linear layers and LM head."""
-    shapes: dict[tuple[int, int], list[str]] = {}
-    for model in models:
-        folder = dummy_config_dir(model)
-        if folder is None:
-            raise SystemExit(f"no shipped config called {model!r}; see skyline/configs/")
-        c = json.loads((Path(folder) / "config.json").read_text())
-        hidden, heads = c["hidden_size"], c["num_attention_heads"]
-        kv_heads, inter = c["num_key_value_heads"], c["intermediate_size"]
-        head_dim = c.get("head_dim") or hidden // heads
-        layers = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
-                  "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
-                  "down": (hidden, inter), "lm_head": (c["vocab_size"], hidden)}
-        for name, nk in layers.items():
-            shapes.setdefault(nk, []).append(f"{model}.{name}")
-    return shapes
+SMOKE_SHAPES = {(64, 512): ["llama-3.1-8b.qkv"], (32, 256): ["llama-3.1-8b.down"]}
 
 
 def candidates(m: int, n: int, k: int, num_sms: int) -> list[dict[str, Any]]:
@@ -112,53 +76,30 @@ def candidates(m: int, n: int, k: int, num_sms: int) -> list[dict[str, Any]]:
     return out
 
 
-def time_calls(fns: list, calls: int) -> float:
-    """Seconds per call: `calls` calls cycling over `fns`, captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del graph
-    return sorted(times)[len(times) // 2] / calls
-
-
-def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, num_sms: int,
+def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, dev: tuners.TuneDevice,
                dtype: torch.dtype) -> list[dict[str, Any]]:
     nbytes = n * k * dtype.itemsize
-    num_copies = max(1, math.ceil(ROTATE_BYTES / nbytes))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(num_copies)]
-    calls = num_copies * max(1, round(REPLAY_S * 4e12 / nbytes / num_copies))
-    calls = min(calls, 512)
+    num_copies = 1 if dev.out_dir else max(1, math.ceil(tuners.ROTATE_BYTES / nbytes))
+    weights = [torch.randn(n, k, device=dev.device, dtype=dtype) * 0.02
+               for _ in range(num_copies)]
+    calls = num_copies * max(1, round(tuners.REPLAY_S * 4e12 / nbytes / num_copies))
+    calls = 1 if dev.out_dir else min(calls, 512)
     frac = lambda t: nbytes / t / copy_bw  # noqa: E731
     results = []
     for m in rows:
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        x = torch.randn(m, k, device=dev.device, dtype=dtype)
         ref = gemv_ref(x, weights[0]).float()
         tol = 1e-2 * ref.abs().max().item() + 1e-3
-        t_cublas = time_calls([lambda w=w, x=x: F.linear(x, w) for w in weights], calls)
+        t_cublas = tuners.time_calls([lambda w=w, x=x: F.linear(x, w) for w in weights], calls)
         timed, failed = [], []
-        for cfg in candidates(m, n, k, num_sms):
+        cands = candidates(m, n, k, dev.num_sms)
+        for cfg in cands[:2] + cands[-1:] if dev.out_dir else cands:
             try:
                 err = (gemv(x, weights[0], config=cfg).float() - ref).abs().max().item()
                 if not err <= tol:
                     raise AssertionError(f"max error {err:.3g} > {tol:.3g}")
-                t = time_calls([lambda w=w, x=x, c=cfg: gemv(x, w, config=c) for w in weights],
-                               calls)
+                fns = [lambda w=w, x=x, c=cfg: gemv(x, w, config=c) for w in weights]
+                t = tuners.time_calls(fns, calls)
             except Exception as e:  # a config the GPU cannot run (e.g. too much shared memory)
                 failed.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
                 continue
@@ -167,7 +108,7 @@ def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, num_sms: int,
             raise SystemExit(f"no GEMV config ran for {n}x{k}, m={m}: {failed[:2]}")
         timed.sort(key=lambda tc: tc[0])
         t_best, best = timed[0]
-        base = default_config(m, n, k, num_sms)
+        base = default_config(m, n, k, dev.num_sms)
         t_default = next((t for t, c in timed if c == base), None)
         res = {
             "N": n, "K": k, "rows": m, "key": config_key(m, n, k), "weight_MB": nbytes / 1e6,
@@ -184,7 +125,8 @@ def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, num_sms: int,
               f"  gemv {res['gemv_us']:7.1f} us ({res['gemv_frac']:.2f})  "
               f"{res['speedup_vs_cublas']:.2f}x  {best}", flush=True)
     del weights
-    torch.cuda.empty_cache()
+    if dev.device.type == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
@@ -195,8 +137,7 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
     by = {(r["N"], r["K"], r["rows"]): r for r in results}
     out: dict[str, Any] = {}
     for model in models:
-        num_layers = json.loads(
-            (Path(dummy_config_dir(model)) / "config.json").read_text())["num_hidden_layers"]
+        num_layers = tuners.shipped_config(model)["num_hidden_layers"]
         mine = [nk for nk, names in shapes.items()
                 for name in names if name.startswith(model + ".") and not name.endswith("lm_head")]
         for m in sorted({r["rows"] for r in results}):
@@ -211,20 +152,6 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
     return out
 
 
-def copy_to_out(path: str) -> None:
-    """A copy of `path` under $OUT (the GPU machine hands back only what is there), unless it
-    is already there."""
-    if os.environ.get("OUT"):
-        copy = Path(os.environ["OUT"]) / Path(path).name
-        if copy.resolve() != Path(path).resolve():
-            shutil.copy(path, copy)
-
-
-def device_slug(name: str) -> str:
-    """"NVIDIA H200" -> "h200"."""
-    return name.lower().removeprefix("nvidia").strip().replace(" ", "-")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-8b"])
@@ -236,53 +163,47 @@ def main() -> None:
     ap.add_argument("--report", default=None,
                     help="JSON report (default $OUT/gemv-tune-<gpu>.json, else "
                          "bench/results/kernels/)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, a few configurations, on the CPU without a GPU")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune_gemv needs a CUDA GPU; run it on the GPU machine.")
+    dev = tuners.tune_device("tune_gemv", a.smoke)
     t0 = time.time()
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
-    name = torch.cuda.get_device_name(0)
-    slug = device_slug(name)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
-    print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, {num_sms} SMs")
-    shapes = linear_shapes(a.models)
+    name, slug = dev.name, dev.slug
+    copy_bw = tuners.device_bandwidth(dev)
+    print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, "
+          f"{dev.num_sms} SMs")
+    shapes = SMOKE_SHAPES if dev.out_dir else tuners.linear_shapes(a.models)
+    models = ["llama-3.1-8b"] if dev.out_dir else a.models
+    rows = a.rows[:2] if dev.out_dir else a.rows
     results = []
     for (n, k), names in shapes.items():
         print(f"{n}x{k}: {', '.join(names)}", flush=True)
-        for r in tune_shape(n, k, a.rows, copy_bw, num_sms, dtype):
+        for r in tune_shape(n, k, rows, copy_bw, dev, dtype):
             r["layers"] = names
             results.append(r)
     command = "python " + " ".join(sys.argv)
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    configs_out = a.configs_out or str(CONFIG_DIR / f"gemv-{slug}.json")
+    configs_out = dev.path(str(CONFIG_DIR / f"gemv-{slug}.json"), a.configs_out)
     write_configs(configs_out, name, {KERNEL: {r["key"]: r["config"] for r in results}},
                   meta={"date": date, "command": command, "torch": torch.__version__,
-                        "triton": _triton_version(), "dtype": a.dtype})
+                        "triton": tuners.triton_version(), "dtype": a.dtype})
     print(f"wrote {configs_out}")
-    copy_to_out(configs_out)
+    tuners.copy_to_out(configs_out)
     report = {
         "benchmark": "tune_gemv", "date": date, "command": command, "device": name,
-        "dtype": a.dtype, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms,
-        "rotate_bytes": ROTATE_BYTES, "wall_s": time.time() - t0,
-        "decode_step_linears": step_summary(shapes, results, a.models, copy_bw),
-        "shapes": results, "machine": machine_info("cuda"),
+        "dtype": a.dtype, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": dev.num_sms,
+        "rotate_bytes": tuners.ROTATE_BYTES, "wall_s": time.time() - t0,
+        "decode_step_linears": step_summary(shapes, results, models, copy_bw),
+        "shapes": results, "machine": machine_info(dev.device.type),
     }
     out_dir = os.environ.get("OUT") or "bench/results/kernels"
-    save_json(report, a.report or os.path.join(out_dir, f"gemv-tune-{slug}.json"))
+    save_json(report, dev.path(os.path.join(out_dir, f"gemv-tune-{slug}.json"), a.report))
     for key, s in report["decode_step_linears"].items():
         print(f"{key}: decode-step linears {s['layers_weight_GB']:.2f} GB  cuBLAS "
               f"{s['cublas_ms']:.2f} ms ({s['cublas_frac']:.2f})  gemv {s['gemv_ms']:.2f} ms "
               f"({s['gemv_frac']:.2f})")
     print(f"done in {time.time() - t0:.0f} s")
-
-
-def _triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 if __name__ == "__main__":

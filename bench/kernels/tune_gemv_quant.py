@@ -1,17 +1,18 @@
 """Tune the quantized small-batch GEMV (skyline/ops/gemv_quant.py: FP8, INT8, INT4 weights) on
 this GPU against the copy bandwidth measured in the same run.
 
-  python bench/kernels/tune_gemv_quant.py      # llama-3.1-8b shapes, rows 1 2 4 8, all kinds
+  python bench/kernels/tune_gemv_quant.py      # llama-3.1-8b shapes, rows 1 2 4 8
   python bench/kernels/tune_gemv_quant.py --kinds int4 --rows 1 --budget-s 60
+  python bench/kernels/tune_gemv_quant.py --smoke   # seconds, on the CPU (skyline/bench/tuners.py)
 
 For each Linear shape of the model (qkv, o, gate_up, down, lm_head), weight kind, group size
 (integer kinds) and row count, a small grid of launch configurations (BLOCK_N, BLOCK_K, SPLIT_K,
 FMA or DOT mode, num_warps, num_stages, X_BCAST for integer FMA tiles, X_LEFT for INT4 DOT
 tiles) is checked against the PyTorch reference and timed; the fastest goes into the tuning
-tables "gemv_fp8" / "gemv_int8" / "gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the
-kernel) / "gemv_fp8a8q" (x quantized per row before the call, outside the timing) /
-"gemv_int4a8" (INT4 against int8 x, ops/gemv_int_a8.py, x rounded before the call as the norm
-and SiLU kernels hand it over, outside the timing;
+tables "gemv_int8" / "gemv_int4" / "gemv_fp8a8" (fp8 x fp8, x quantized in the kernel) /
+"gemv_fp8a8q" (x quantized per row before the call, outside the timing) / "gemv_int4a8" (INT4
+against int8 x, ops/gemv_int_a8.py, x rounded before the call as the norm and SiLU kernels hand
+it over, outside the timing;
 `--configs-out`, default skyline/ops/configs/gemv-quant-<gpu>.json, also copied to $OUT when set).
 Timing as in bench/kernels/tune_gemv.py: one CUDA graph of back-to-back calls cycling over enough
 weight copies that L2 cannot serve them. Bandwidth fraction = weight + scale bytes / time / copy
@@ -29,16 +30,24 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
+from skyline.bench.tuners import interpret_for_smoke
 
-from skyline.bench.offline import machine_info, save_json
-from skyline.ops.fp8_quant import quantize_rows_fp8
-from skyline.ops.gemv_int_a8 import default_config as int4a8_default
-from skyline.ops.gemv_int_a8 import int4_gemv_a8, int4_gemv_a8_ref, round_to_int8_chunks
-from skyline.ops.gemv_quant import (
+interpret_for_smoke(sys.argv)  # before Triton loads
+
+import torch  # noqa: E402
+
+from skyline.bench import tuners  # noqa: E402
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.ops.fp8_quant import quantize_rows_fp8  # noqa: E402
+from skyline.ops.gemv_int_a8 import default_config as int4a8_default  # noqa: E402
+from skyline.ops.gemv_int_a8 import (  # noqa: E402
+    int4_gemv_a8,
+    int4_gemv_a8_ref,
+    round_to_int8_chunks,
+)
+from skyline.ops.gemv_quant import (  # noqa: E402
     FP8,
     INT4,
     INT8,
@@ -46,36 +55,22 @@ from skyline.ops.gemv_quant import (
     _pow2_divisor,
     config_key,
     default_config,
-    fp8_gemv,
     fp8_gemv_a8,
     fp8_gemv_a8_ref,
-    fp8_gemv_ref,
     int_gemv,
     int_gemv_ref,
 )
-from skyline.ops.tuning import CONFIG_DIR, write_configs
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_gemv import (  # noqa: E402
-    REPLAY_S,
-    ROTATE_BYTES,
-    _triton_version,
-    copy_bandwidth,
-    copy_to_out,
-    device_slug,
-    linear_shapes,
-    time_calls,
-)
+from skyline.ops.tuning import CONFIG_DIR, write_configs  # noqa: E402
 
 FP8A8 = 3  # fp8 x fp8 (fp8_gemv_a8, x quantized in the kernel), tuned as kernel "gemv_fp8a8"
 FP8A8Q = 4  # the same with x quantized per row beforehand: "gemv_fp8a8q"
 INT4A8 = 5  # INT4 weights against int8 x by dp4a (ops/gemv_int_a8.py): "gemv_int4a8"
-KINDS = {"fp8": FP8, "int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q,
-         "int4a8": INT4A8}
+KINDS = {"int8": INT8, "int4": INT4, "fp8a8": FP8A8, "fp8a8q": FP8A8Q, "int4a8": INT4A8}
 NAMES = {**KIND_NAMES, FP8A8: "fp8a8", FP8A8Q: "fp8a8q", INT4A8: "int4a8"}
 # INT4A8 tiles (BLOCK_N, BLOCK_K, num_warps): registers only, no tensor cores, no pipelining,
 # at least one 32-column chunk per thread (BLOCK_K >= 1,024 num_warps: below that the layout
 # changes inside the K loop); each with and without the next tile's words loaded ahead
+SMOKE_SHAPES = {(32, 128): ["llama-3.1-8b.qkv"]}
 INT4A8_TILES = [(1, 4096, 4), (2, 4096, 4), (4, 4096, 4), (8, 4096, 4), (16, 4096, 4),
                 (2, 2048, 2), (4, 2048, 2), (8, 2048, 2), (4, 8192, 8), (8, 8192, 8)]
 
@@ -109,9 +104,6 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
         fma = []
         dot = [(64, 256, 4, 3), (128, 128, 4, 3), (32, 512, 4, 3), (64, 512, 4, 4),
                (128, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4)]
-    elif kind == FP8:
-        fma = [(16, 512, 4, 1), (8, 1024, 4, 1), (16, 512, 4, 3)]
-        dot = [(64, 256, 4, 3), (128, 128, 4, 3)]
     else:
         bk = _pow2_divisor(group, 128)
         fma = [(32, bk, 4, 1), (16, bk, 4, 1), (32, bk, 4, 3)]
@@ -122,7 +114,7 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     if kind == INT4:  # INT4 tiles reach the tensor cores unpacked by bit operations alone
         dot += [(128, bk, 8, 3), (256, bk, 8, 3), (128, bk, 4, 4), (64, bk, 8, 3),
                 (128, bk, 4, 1), (128, bk, 8, 1)]
-    elif m <= 2 and kind in (FP8, INT8):
+    elif m <= 2 and kind == INT8:
         dot = dot[:1]  # FMA usually wins here; one tensor-core tile for comparison
     tiles += [(True, bn, bk, w, s) for bn, bk, w, s in dot if bk >= (32 if kind == INT4 else 16)]
     out, seen = [], set()
@@ -132,10 +124,10 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
             if split > 1 and (k // (split * bk) < max(2, stages)
                               or programs * split > 16 * num_sms):
                 break
-            for bcast in ([False, True] if kind != FP8 and not use_dot and m >= 2 else [False]):
+            for bcast in [False, True] if not use_dot and m >= 2 else [False]:
                 cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split, "USE_DOT": use_dot,
                        "num_warps": warps, "num_stages": stages,
-                       "X_BCAST": kind != FP8 and not use_dot and bcast}
+                       "X_BCAST": not use_dot and bcast}
                 out.append(cfg)
                 seen.add(json.dumps(cfg, sort_keys=True))
                 if kind == INT4 and use_dot:  # x as the left operand
@@ -146,20 +138,12 @@ def candidates(kind: int, m: int, n: int, k: int, group: int, num_sms: int
     return out
 
 
-def make_weights(kind: int, n: int, k: int, group: int) -> tuple[tuple, int]:
+def make_weights(kind: int, n: int, k: int, group: int, device: torch.device
+                 ) -> tuple[tuple, int]:
     """Random quantized weights of one [n, k] Linear as the call's arguments after x, and their
     bytes (weights + scales + zeros)."""
-    if kind in (FP8, FP8A8, FP8A8Q):
-        w = (torch.randn(n, k, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        s = torch.rand(n, device="cuda") * 1e-3 + 1e-4
-        return (w, s), w.numel() + s.numel() * 4
-    bits = 8 if kind == INT8 else 4
-    groups = -(-k // group)
-    codes = torch.randint(0, 256, (n, groups * group * bits // 8), dtype=torch.uint8,
-                          device="cuda")
-    scales = torch.rand(n, groups, device="cuda") * 2e-3 + 1e-4
-    zeros = torch.randint(0, 2**bits, (n, groups), dtype=torch.uint8, device="cuda")
-    return (codes, scales, zeros), codes.numel() + scales.numel() * 5
+    fmt = "fp8" if kind in (FP8A8, FP8A8Q) else "int8" if kind == INT8 else "int4"
+    return tuners.random_quant_weights(fmt, n, k, group, device)
 
 
 def call(kind: int, group: int, x: Any, args: tuple, cfg: dict | None) -> torch.Tensor:
@@ -169,8 +153,6 @@ def call(kind: int, group: int, x: Any, args: tuple, cfg: dict | None) -> torch.
         return fp8_gemv_a8(x, None, *args, config=cfg)
     if kind == FP8A8Q:  # x: (e4m3 rows, their scales)
         return fp8_gemv_a8(*x, *args, config=cfg)
-    if kind == FP8:
-        return fp8_gemv(x, *args, config=cfg)
     return int_gemv(x, *args, 4 if kind == INT4 else 8, group, config=cfg)
 
 
@@ -181,22 +163,22 @@ def reference(kind: int, group: int, x: Any, args: tuple, block_k: int = 0) -> t
         return fp8_gemv_a8_ref(x, None, *args, block_k=block_k)
     if kind == FP8A8Q:
         return fp8_gemv_a8_ref(*x, *args)
-    if kind == FP8:
-        return fp8_gemv_ref(x, *args)
     return int_gemv_ref(x, *args, 4 if kind == INT4 else 8, group)
 
 
 def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: float,
-              num_sms: int, deadline: float) -> list[dict[str, Any]]:
+              dev: tuners.TuneDevice, deadline: float) -> list[dict[str, Any]]:
     """The given row counts of one (kind, shape, group), on one set of weights."""
-    args, nbytes = make_weights(kind, n, k, group)
-    copies = [args] + [tuple(a.clone() for a in args)
-                       for _ in range(max(1, math.ceil(ROTATE_BYTES / nbytes)) - 1)]
-    calls = min(512, len(copies) * max(1, round(REPLAY_S * 4e12 / nbytes / len(copies))))
+    num_sms = dev.num_sms
+    args, nbytes = make_weights(kind, n, k, group, dev.device)
+    num_copies = 1 if dev.out_dir else max(1, math.ceil(tuners.ROTATE_BYTES / nbytes))
+    copies = [args] + [tuple(a.clone() for a in args) for _ in range(num_copies - 1)]
+    calls = min(512, len(copies) * max(1, round(tuners.REPLAY_S * 4e12 / nbytes / len(copies))))
+    calls = 1 if dev.out_dir else calls
     frac = lambda t: nbytes / t / copy_bw  # noqa: E731
     results = []
     for m in rows:
-        x: Any = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x: Any = torch.randn(m, k, device=dev.device, dtype=torch.bfloat16)
         if kind == FP8A8Q:
             x = quantize_rows_fp8(x)
         ref = reference(kind, group, x, args, 128).float()
@@ -206,6 +188,8 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
         base = default(kind, m, n, k, group, num_sms)
         over = time.time() > deadline
         cands = [base] if over else candidates(kind, m, n, k, group, num_sms)
+        if dev.out_dir:
+            cands = cands[:1] + [base]
         timed, failed = [], []
         for cfg in cands:
             try:
@@ -215,7 +199,7 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
                 err = (call(kind, group, x, args, cfg).float() - want).abs().max().item()
                 if not err <= tol:
                     raise AssertionError(f"max error {err:.3g} > {tol:.3g}")
-                t = time_calls([lambda a=a, c=cfg, x=x: call(kind, group, x, a, c)
+                t = tuners.time_calls([lambda a=a, c=cfg, x=x: call(kind, group, x, a, c)
                                 for a in copies], calls)
             except Exception as e:  # noqa: BLE001 - e.g. too much shared memory: skip, record
                 failed.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
@@ -242,7 +226,8 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
                   f"{failed[:1]}", flush=True)
         results.append(res)
     del copies, args
-    torch.cuda.empty_cache()
+    if dev.device.type == "cuda":
+        torch.cuda.empty_cache()
     return results
 
 
@@ -250,10 +235,7 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
                  model: str, copy_bw: float) -> dict[str, Any]:
     """Per kind, group and row count: the decode step's Linear layers (LM head apart) at the
     tuned configurations, as time and bandwidth fraction."""
-    from skyline.configs import dummy_config_dir
-
-    layers = json.loads((Path(dummy_config_dir(model)) / "config.json").read_text())[
-        "num_hidden_layers"]
+    layers = tuners.shipped_config(model)["num_hidden_layers"]
     mine = [nk for nk, names in shapes.items() if not all(s.endswith("lm_head") for s in names)]
     by = {(r["kind"], r["group"], r["N"], r["K"], r["rows"]): r for r in results if "us" in r}
     out = {}
@@ -271,7 +253,8 @@ def step_summary(shapes: dict[tuple[int, int], list[str]], results: list[dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--kinds", nargs="+", choices=list(KINDS), default=["int4", "fp8", "int8"])
+    ap.add_argument("--kinds", nargs="+", choices=list(KINDS),
+                    default=["int4", "int8"])
     ap.add_argument("--groups", nargs="+", type=int, default=[128],
                     help="group sizes of the integer kinds (128 is the default group)")
     ap.add_argument("--rows", nargs="+", type=int, choices=[1, 2, 4, 8], default=[1, 2, 4, 8])
@@ -282,17 +265,18 @@ def main() -> None:
                          "skyline/ops/configs/gemv-quant-<gpu>.json)")
     ap.add_argument("--report", default=None,
                     help="JSON report (default bench/results/kernels/gemv-quant-tune-<gpu>.json)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, a few configurations, on the CPU without a GPU")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("tune_gemv_quant needs a CUDA GPU; run it on the GPU machine.")
+    dev = tuners.tune_device("tune_gemv_quant", a.smoke)
     t0 = time.time()
     deadline = t0 + a.budget_s
-    name = torch.cuda.get_device_name(0)
-    slug = device_slug(name)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
+    name, slug, num_sms = dev.name, dev.slug, dev.num_sms
+    copy_bw = tuners.device_bandwidth(dev)
     print(f"{name}: copy bandwidth (read + write) {copy_bw / 1e12:.2f} TB/s, {num_sms} SMs")
-    shapes = linear_shapes([a.model])
+    shapes = SMOKE_SHAPES if dev.out_dir else tuners.linear_shapes([a.model])
+    if dev.out_dir:
+        a.rows, a.groups, a.kinds = [1], [128], ["int4a8", "fp8a8", "fp8a8q", "int8", "int4"]
     # Row counts outermost (batch-1 decode first), so a short budget still tunes what matters.
     cells = [(m, KINDS[kd], n, k, 0 if kd.startswith("fp8") else g) for m in sorted(a.rows)
              for kd in a.kinds for g in ([0] if kd.startswith("fp8") else a.groups)
@@ -300,36 +284,38 @@ def main() -> None:
     results = []
     for m, kind, n, k, group in cells:
         try:
-            results += tune_cell(kind, n, k, group, [m], copy_bw, num_sms, deadline)
+            results += tune_cell(kind, n, k, group, [m], copy_bw, dev, deadline)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
             print(f"{NAMES[kind]} {n}x{k} g{group} m={m}: {type(e).__name__}: {e}",
                   flush=True)
             results.append({"kind": NAMES[kind], "N": n, "K": k, "group": group, "rows": m,
                             "error": f"{type(e).__name__}: {e}"[:300]})
-            torch.cuda.empty_cache()
+            if dev.device.type == "cuda":
+                torch.cuda.empty_cache()
     command = "python " + " ".join(sys.argv)
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     tables: dict[str, dict[str, Any]] = {}
     for r in results:
         if "config" in r and not r["budget"]:
             tables.setdefault(f"gemv_{r['kind']}", {})[r["key"]] = r["config"]
-    configs_out = a.configs_out or str(CONFIG_DIR / f"gemv-quant-{slug}.json")
+    configs_out = dev.path(str(CONFIG_DIR / f"gemv-quant-{slug}.json"), a.configs_out)
     if tables:
         write_configs(configs_out, name, tables,
                       meta={"date": date, "command": command, "torch": torch.__version__,
-                            "triton": _triton_version()})
+                            "triton": tuners.triton_version()})
         print(f"wrote {configs_out}")
-        copy_to_out(configs_out)
+        tuners.copy_to_out(configs_out)
     report = {
         "benchmark": "tune_gemv_quant", "date": date, "command": command, "device": name,
         "model": a.model, "copy_bandwidth_TBps": copy_bw / 1e12, "num_sms": num_sms,
-        "rotate_bytes": ROTATE_BYTES, "budget_s": a.budget_s, "wall_s": time.time() - t0,
+        "rotate_bytes": tuners.ROTATE_BYTES, "budget_s": a.budget_s, "wall_s": time.time() - t0,
         "decode_step_linears": step_summary(shapes, results, a.model, copy_bw),
-        "shapes": results, "machine": machine_info("cuda"),
+        "shapes": results, "machine": machine_info(dev.device.type),
     }
-    path = a.report or os.path.join("bench/results/kernels", f"gemv-quant-tune-{slug}.json")
+    path = dev.path(os.path.join("bench/results/kernels", f"gemv-quant-tune-{slug}.json"),
+                    a.report)
     save_json(report, path)
-    copy_to_out(path)
+    tuners.copy_to_out(path)
     for key, s in report["decode_step_linears"].items():
         print(f"{key}: decode-step linears {s['layers_weight_GB']:.2f} GB  {s['ms']:.2f} ms "
               f"({s['frac']:.2f} of copy bw)")

@@ -4,6 +4,7 @@ data for skyline/ops/tuning.py; also time each against its PyTorch reference.
 
   python bench/kernels/tune_kernels.py --out skyline/ops/configs/h200.json \
       --results bench/results/kernels/kernels-h200.json
+  python bench/kernels/tune_kernels.py --smoke   # seconds, on the CPU (skyline/bench/tuners.py)
 
 Every candidate launch configuration is checked against the reference, then timed as GPU time
 per call: a CUDA graph of --calls back-to-back calls, replayed (the way decode steps run), so
@@ -19,44 +20,42 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from skyline.bench.tuners import interpret_for_smoke
 
-from skyline.bench.offline import machine_info, save_json
-from skyline.model.layers.rotary import RotaryEmbedding
-from skyline.model.loader import read_model_arch
-from skyline.ops import activation, norm, rotary, tuning
+interpret_for_smoke(sys.argv)  # before Triton loads
+
+import torch  # noqa: E402
+
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.bench.tuners import (  # noqa: E402
+    device_bandwidth,
+    model_arch,
+    time_calls,
+    triton_version,
+    tune_device,
+)
+from skyline.config import ModelArch  # noqa: E402
+from skyline.ops import activation, norm, rotary, tuning  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SMOKE_ARCH = ModelArch("LlamaForCausalLM", vocab_size=256, hidden_size=64,
+                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, max_position_embeddings=64)
 
 
-def gpu_time(fn: Callable[[], Any], calls: int, replays: int = 5) -> float:
-    """Seconds of GPU time per fn() call: median over replays of a graph of `calls` calls."""
-    fn()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+def gpu_time(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds of GPU time per fn() call (a graph of `calls` calls, replayed)."""
+    return time_calls([fn], calls)
 
 
-def copy_bandwidth() -> float:
-    x = torch.empty(2**29, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / gpu_time(lambda: y.copy_(x), calls=5)
+def cos_sin_table(arch: ModelArch, device: torch.device) -> torch.Tensor:
+    """[max_position_embeddings, head_dim] cos | sin of the plain rotary frequencies: values
+    of the table the kernels read (the tuned speed does not depend on a scaling's exact
+    frequencies)."""
+    half = torch.arange(0, arch.head_dim, 2, dtype=torch.float32) / arch.head_dim
+    inv_freq = 1.0 / arch.rope_theta**half
+    angles = torch.arange(arch.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
 
 
 def per_thread_ok(elements: int, num_warps: int) -> bool:
@@ -80,17 +79,18 @@ class Case:
     nbytes: int
 
 
-def norm_cases(d: int, dtype: torch.dtype, num_tokens: int) -> list[Case]:
+def norm_cases(d: int, dtype: torch.dtype, num_tokens: int, device: torch.device
+               ) -> list[Case]:
     block_n = 1 << (d - 1).bit_length()
     cands = [{"BLOCK_M": m, "num_warps": w} for m in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8, 16)
              if m <= num_tokens and per_thread_ok(m * block_n, w)]
-    weight = torch.rand(d, device="cuda", dtype=dtype) + 0.5
+    weight = torch.rand(d, device=device, dtype=dtype) + 0.5
     key, default = norm.config_key(d, dtype, num_tokens), norm.default_config(d, num_tokens)
     nbytes = num_tokens * d * dtype.itemsize  # one [T, d] tensor
 
     def make():
-        return (torch.randn(num_tokens, d, device="cuda", dtype=dtype),
-                torch.randn(num_tokens, d, device="cuda", dtype=dtype))
+        return (torch.randn(num_tokens, d, device=device, dtype=dtype),
+                torch.randn(num_tokens, d, device=device, dtype=dtype))
 
     return [
         Case("rms_norm", key, num_tokens, make,
@@ -110,16 +110,17 @@ def rotary_cases(num_heads: int, num_kv_heads: int, head_dim: int, cache: torch.
     max_heads = 1 << (max(num_heads, num_kv_heads) - 1).bit_length()
     cands = [{"BLOCK_H": h, "num_warps": w} for h in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)
              if h <= max_heads and per_thread_ok(2 * h * half_pad, w)]
-    w = torch.rand(2, head_dim, device="cuda", dtype=dtype) + 0.5
+    device = cache.device
+    w = torch.rand(2, head_dim, device=device, dtype=dtype) + 0.5
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     key = rotary.config_key(num_heads, num_kv_heads, head_dim, dtype, num_tokens)
     default = rotary.default_config(head_dim, max(num_heads, num_kv_heads))
     nbytes = 2 * num_tokens * (num_heads + num_kv_heads) * head_dim * dtype.itemsize
 
     def make():
-        qkv = torch.randn(num_tokens, sum(sizes), device="cuda", dtype=dtype)
+        qkv = torch.randn(num_tokens, sum(sizes), device=device, dtype=dtype)
         q, k, _ = qkv.split(sizes, dim=-1)
-        pos = torch.randint(0, cache.shape[0], (num_tokens,), device="cuda")
+        pos = torch.randint(0, cache.shape[0], (num_tokens,), device=device)
         return (pos, q.unflatten(-1, (num_heads, head_dim)),
                 k.unflatten(-1, (num_kv_heads, head_dim)))
 
@@ -134,11 +135,12 @@ def rotary_cases(num_heads: int, num_kv_heads: int, head_dim: int, cache: torch.
                  default, nbytes)]
 
 
-def silu_cases(d: int, dtype: torch.dtype, num_tokens: int) -> list[Case]:
+def silu_cases(d: int, dtype: torch.dtype, num_tokens: int, device: torch.device
+               ) -> list[Case]:
     cands = [{"BLOCK": b, "num_warps": w} for b in (256, 512, 1024, 2048, 4096, 8192)
              for w in (1, 2, 4, 8) if b <= max(256, 2 * d) and per_thread_ok(b, w)]
     return [Case("silu_and_mul", activation.config_key(d, dtype, num_tokens), num_tokens,
-                 lambda: (torch.randn(num_tokens, 2 * d, device="cuda", dtype=dtype),),
+                 lambda: (torch.randn(num_tokens, 2 * d, device=device, dtype=dtype),),
                  activation.silu_and_mul_ref, activation.silu_and_mul_triton, cands,
                  activation.DEFAULT_CONFIG, 3 * num_tokens * d * dtype.itemsize)]
 
@@ -155,10 +157,11 @@ def check(case: Case, config: dict[str, Any]) -> None:
                      "reference; the kernel is wrong on this GPU")
 
 
-def tune(case: Case, calls: int) -> dict[str, Any]:
+def tune(case: Case, calls: int, smoke: bool) -> dict[str, Any]:
     args = case.make()
     times = []
-    candidates = case.candidates + [case.default] * (case.default not in case.candidates)
+    candidates = case.candidates[:1] if smoke else case.candidates
+    candidates = candidates + [case.default] * (case.default not in candidates)
     for config in candidates:
         check(case, config)
         times.append((gpu_time(lambda c=config: case.run(*args, c), calls), config))
@@ -173,7 +176,8 @@ def tune(case: Case, calls: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="configs JSON to write (merged if it exists)")
+    ap.add_argument("--out", default=None,
+                    help="configs JSON to write (merged if it exists); required")
     ap.add_argument("--results", default=None, help="timings JSON for bench/results/kernels/")
     ap.add_argument("--models", default="llama-3.1-8b,qwen3-8b",
                     help="shipped config names or HF directories")
@@ -181,10 +185,17 @@ def main() -> None:
     ap.add_argument("--tokens", default=",".join(map(str, tuning.TOKEN_BUCKETS)),
                     help="token counts to tune (the lookup rounds up to these)")
     ap.add_argument("--calls", type=int, default=50, help="calls per timed CUDA graph")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model, one token count, float32, on the CPU without a GPU")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/kernels/tune_kernels.py needs a CUDA GPU; run it on the machine to tune "
-                 "for")
+    if a.out is None and not a.smoke:
+        ap.error("--out is required")
+    dev = tune_device("tune_kernels", a.smoke)
+    if dev.out_dir:
+        a.tokens, a.calls, a.models = "1", 1, "smoke"
+        a.dtypes = "float32" if dev.device.type == "cpu" else a.dtypes
+        a.out = dev.path("configs-smoke.json")
+        a.results = dev.path("kernels-smoke.json")
     unknown = [d for d in a.dtypes.split(",") if d not in DTYPES]
     if unknown:
         sys.exit(f"unknown dtype(s) {unknown}; use some of {list(DTYPES)}")
@@ -196,26 +207,25 @@ def main() -> None:
     cases: dict[tuple[str, str], Case] = {}  # shapes shared by several models are tuned once
     layers = []  # (model, dtype, tokens, the (kernel, key) calls of one decoder layer)
     for name in a.models.split(","):
-        arch, _ = read_model_arch(name, "dummy")
-        cache = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                arch.rope_scaling).to("cuda").cos_sin_cache
+        arch = SMOKE_ARCH if dev.out_dir else model_arch(name)
+        cache = cos_sin_table(arch, dev.device)
         for dtype_name in a.dtypes.split(","):
             dtype = DTYPES[dtype_name]
             for t in tokens:
-                norms = norm_cases(arch.hidden_size, dtype, t)
+                norms = norm_cases(arch.hidden_size, dtype, t, dev.device)
                 rope = rotary_cases(arch.num_heads, arch.num_kv_heads, arch.head_dim, cache,
                                     arch.qk_norm, dtype, t)
-                silu = silu_cases(arch.intermediate_size, dtype, t)
+                silu = silu_cases(arch.intermediate_size, dtype, t, dev.device)
                 for case in norms + rope + silu:
                     cases.setdefault((case.kernel, case.key), case)
                 # a decoder layer: two residual-add + norms, rope (with q/k norm), the MLP gate
                 calls = [(c.kernel, c.key) for c in (norms[1], norms[1], rope[0], silu[0])]
                 layers.append((name, dtype_name, t, calls))
 
-    bandwidth = copy_bandwidth()
+    bandwidth = device_bandwidth(dev, 2**29)
     rows, configs = {}, {}
     for (kernel, key), case in sorted(cases.items()):
-        row = tune(case, a.calls)
+        row = tune(case, a.calls, dev.out_dir is not None)
         row["fraction_of_copy_bw"] = row["gb_per_s"] * 1e9 / bandwidth
         rows[kernel, key] = row
         configs.setdefault(kernel, {})[key] = row["config"]
@@ -231,16 +241,15 @@ def main() -> None:
                           "speedup": torch_us / fused_us})
         print(f"per layer {name} {dtype_name} {t:6d} tokens: torch {torch_us:8.2f} us, "
               f"fused {fused_us:8.2f} us ({torch_us / fused_us:.2f}x)")
-    import triton
-
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     command = "python " + " ".join(sys.argv)
     meta = {"date": date, "command": command, "torch": torch.__version__,
-            "triton": triton.__version__, "models": a.models}
-    tuning.write_configs(a.out, torch.cuda.get_device_name(), configs, meta)
+            "triton": triton_version(), "models": a.models}
+    tuning.write_configs(a.out, dev.name, configs, meta)
     print(f"wrote {a.out}")
     save_json({"benchmark": "kernel_tuning", "date": date, "command": command,
-               "machine": machine_info("cuda"), "copy_bandwidth_gb_per_s": bandwidth / 1e9,
+               "machine": machine_info(dev.device.type),
+               "copy_bandwidth_gb_per_s": bandwidth / 1e9,
                "models": a.models, "per_layer": per_layer, "results": list(rows.values())},
               a.results)
 

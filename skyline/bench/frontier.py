@@ -52,7 +52,7 @@ class FrontierSpec:
     grid: list[str]
     base_flags: str = ""
     concurrency: str = "1,4"
-    output_dir: str = "bench/results/frontier"
+    output_dir: str = "bench/tmp/frontier"
     quality: bool = True
     reference_flags: str = "--quantization none"
     calib_tokens: int = 512
@@ -115,9 +115,8 @@ def quality_status(spec: FrontierSpec, ref_args: EngineArgs) -> str:
 
 
 def calibration_text() -> str:
-    import skyline
-
-    path = os.path.join(os.path.dirname(skyline.__file__), "tools", "calibration.txt")
+    """The text `skyline quantize` calibrates on by default (skyline/tools/calibration.txt)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "calibration.txt")
     with open(path, encoding="utf-8") as f:
         return f.read()
 

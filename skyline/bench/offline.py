@@ -118,6 +118,13 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
           f"{res['total_tokens_per_s']:.1f} total tok/s")
     if peaks is not None:
         result["floor"] = _floor(llm, peaks, num_prompts, input_len, output_len, res)
+    eng = result["engine"]
+    if "kv_offload_ram_hit_tokens" in eng:
+        q = max(eng["prefix_cache_query_tokens"], 1)
+        print(f"prefix hits: device {eng['prefix_cache_hit_tokens'] / q:.3f}, RAM "
+              f"{eng['kv_offload_ram_hit_tokens'] / q:.3f}, disk "
+              f"{eng.get('kv_offload_disk_hit_tokens', 0) / q:.3f} of "
+              f"{eng['prefix_cache_query_tokens']} prompt tokens")
     st = result["steps"]
     print(f"steps: {st['mixed_steps']} with prefill {st['mixed_seconds']:.1f} s, "
           f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s")

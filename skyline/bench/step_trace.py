@@ -10,10 +10,24 @@ the host's own work (scheduling, input building, an eager forward) sets the pace
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from skyline.types import SchedulerOutput
+
+
+def timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, adding the seconds of each call to phases[name] (a phase of the engine's host
+    work, when it stands in for an engine method: bench/host_overhead.py)."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - t
+    return wrapper
+
 
 # Decode steps are grouped by batch size into these buckets (upper bounds, inclusive).
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 768, 1024, 1 << 30)

@@ -21,6 +21,11 @@ class EngineArgs:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (alias fp8_e4m3)
+    kv_offload_ram: str | int = 0  # pinned host RAM for KV blocks beyond the device
+    kv_offload_disk: str | None = None  # a directory for KV blocks (survives restarts)
+    kv_offload_disk_size: str | int | None = None  # None: 90% of the free space
+    kv_offload_policy: str = "eviction"  # eviction | eager
+    kv_offload_dtype: str = "auto"  # auto | fp8 | int8: blocks in the lower tiers
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_waiting: int = 0
@@ -51,3 +56,7 @@ class EngineArgs:
     nnodes: int = 1
     node_rank: int = 0
     distributed_timeout: float = 600.0  # seconds a rank may go unheard
+    role: str = "both"  # both | prefill | decode (a replica behind `skyline router`)
+    kv_events_host: str = "127.0.0.1"
+    kv_events_port: int | None = None  # publish KV events here (ZMQ PUB; snapshots on +1)
+    kv_transfer_port: int | None = None  # prefill role: the KV transfer socket (None: any)

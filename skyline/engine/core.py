@@ -20,6 +20,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from skyline.cache.connector import KVConnectorScheduler
+from skyline.cache.offload import TierConnector, TierLayout
+from skyline.cache.pd import PDConnector
 from skyline.config import ConfigError, EngineConfig
 from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, RunnerOutput, SchedulerOutput, StepOutput
@@ -59,12 +62,29 @@ class EngineCore:
             model = dataclasses.replace(config.model, max_model_len=capacity)
             config = dataclasses.replace(config, scheduler=sched, model=model)
         self.config = config
+        self.structured = structured
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
-                                   config.spec, structured)
+                                   config.spec, structured, self._connector(config))
         self.observers = tuple(observers)
         self.async_scheduling = config.async_scheduling
         self._in_flight: tuple[SchedulerOutput, float] | None = None  # launched, not updated
         self._last_output_t = 0.0  # when the last step's outputs were ready
+
+    def _connector(self, config: EngineConfig) -> KVConnectorScheduler | None:
+        """The scheduler's half of the KV connector, sized by what the workers hold."""
+        info = self.kv_connector_info = self.executor.query("kv_connector_info")
+        if info is None:
+            return None
+        if config.fleet.role != "both":
+            return PDConnector(config.fleet.role, config.cache.block_size,
+                               info.get("payload_bytes", 0))
+        layout = TierLayout(info["ram_slots"], info["disk_blocks"], info["disk_writable"],
+                            tuple(info["disk_found"]), info["ram_is_buffer"])
+        sc = config.scheduler
+        # RAM slots kept free for the stores of about two steps' evictions.
+        headroom = 2 * (sc.max_num_batched_tokens // config.cache.block_size + sc.max_num_seqs)
+        return TierConnector(layout, config.cache.block_size,
+                             config.offload.policy == "eager", headroom)
 
     @property
     def max_model_len(self) -> int:
@@ -82,6 +102,8 @@ class EngineCore:
         vocab = self.config.model.arch.vocab_size
         if any(not 0 <= t < vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        if self.structured is not None:
+            self.structured.admit(req.sampling_params)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -130,6 +152,8 @@ class EngineCore:
         if out.empty:
             return []  # nothing ran (the runner only dropped finished requests)
         outputs = self.scheduler.update(out, res)
+        if not out.total_num_scheduled_tokens:
+            return outputs  # only KV transfers: no step to time
         now = time.monotonic()
         seconds = now - max(scheduled_at, self._last_output_t)
         self._last_output_t = now

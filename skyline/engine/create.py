@@ -13,8 +13,10 @@ from skyline.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    FleetConfig,
     ModelArch,
     ModelConfig,
+    OffloadConfig,
     ParallelConfig,
     SchedulerConfig,
     SpecConfig,
@@ -273,7 +275,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         num_blocks=args.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, device),
+        kv_events=args.kv_events_port is not None,
     )
+    fleet = FleetConfig(role=args.role, kv_events_host=args.kv_events_host,
+                        kv_events_port=args.kv_events_port,
+                        kv_transfer_port=args.kv_transfer_port)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(
@@ -297,4 +303,19 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),
-                        parallel=parallel), auto_len
+                        parallel=parallel, offload=_resolve_offload(args),
+                        fleet=fleet), auto_len
+
+
+def _resolve_offload(args: EngineArgs) -> OffloadConfig:
+    disk = args.kv_offload_disk or None
+    if disk is not None:
+        disk = os.path.abspath(os.path.expanduser(disk))
+        if os.path.exists(disk) and not os.path.isdir(disk):
+            raise ConfigError(f"--kv-offload-disk {disk} is a file; give a directory")
+    size = args.kv_offload_disk_size
+    if size is not None and disk is None:
+        raise ConfigError("--kv-offload-disk-size needs --kv-offload-disk DIR")
+    return OffloadConfig(ram_bytes=parse_size(args.kv_offload_ram), disk_dir=disk,
+                         disk_bytes=None if size is None else parse_size(size),
+                         policy=args.kv_offload_policy, dtype=args.kv_offload_dtype)

@@ -9,7 +9,9 @@ Every message is msgpack; the dataclasses travel through the explicit helpers be
 Startup goes over a multiprocessing pipe: ("ready", info) or ("error", one sentence).
 
 The loop blocks on the input socket while idle; with work it drains the input without waiting,
-runs one step and pushes the outputs. The process exits when its parent dies.
+runs one step and pushes the outputs. The process exits when its parent dies. With
+FleetConfig.kv_events_port set, it also publishes its KV events (engine/kv_events.py) after
+each step and answers snapshot requests between steps.
 """
 
 from __future__ import annotations
@@ -60,18 +62,24 @@ def request_from_dict(d: dict[str, Any]) -> Request:
                    eos_token_ids=tuple(d["eos"]))
 
 
+def _logprobs_to_list(lps: list[TokenLogprobs] | None) -> list[Any] | None:
+    return None if lps is None else [[t.token_ids, t.logprobs, t.sampled_rank] for t in lps]
+
+
+def _logprobs_from_list(v: list[Any] | None) -> list[TokenLogprobs] | None:
+    return None if v is None else [TokenLogprobs(a, b, c) for a, b, c in v]
+
+
 def step_output_to_list(o: StepOutput) -> list[Any]:
-    lps = None
-    if o.new_logprobs is not None:
-        lps = [[t.token_ids, t.logprobs, t.sampled_rank] for t in o.new_logprobs]
-    return [o.request_id, o.new_token_ids, lps, o.finish_reason, o.stop_reason,
-            o.num_prompt_tokens, o.num_cached_tokens]
+    return [o.request_id, o.new_token_ids, _logprobs_to_list(o.new_logprobs), o.finish_reason,
+            o.stop_reason, o.num_prompt_tokens, o.num_cached_tokens,
+            _logprobs_to_list(o.prompt_logprobs)]
 
 
 def step_output_from_list(v: list[Any]) -> StepOutput:
-    rid, ids, lps, finish, stop, num_prompt, num_cached = v
-    logprobs = None if lps is None else [TokenLogprobs(a, b, c) for a, b, c in lps]
-    return StepOutput(rid, ids, logprobs, finish, stop, num_prompt, num_cached)
+    rid, ids, lps, finish, stop, num_prompt, num_cached, prompt_lps = v
+    return StepOutput(rid, ids, _logprobs_from_list(lps), finish, stop, num_prompt, num_cached,
+                      _logprobs_from_list(prompt_lps))
 
 
 # ---------------------------------------------------------------------------------- child
@@ -98,14 +106,19 @@ class _QueueTimes:
 
 class _EngineLoop:
     def __init__(self, core: Any, queue_times: _QueueTimes, in_addr: str,
-                 out_addr: str) -> None:
+                 out_addr: str, events: Any = None) -> None:
         import zmq
 
         self.core = core
         self.queue_times = queue_times
+        self.events = events  # a KVEventPublisher, or None
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.connect(in_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inp, zmq.POLLIN)
+        if events is not None:
+            self.poller.register(events.snapshots, zmq.POLLIN)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
         self.out.setsockopt(zmq.LINGER, 5000)
@@ -162,15 +175,26 @@ class _EngineLoop:
     def drain(self, block: bool) -> None:
         import zmq
 
-        if block:
-            while self.running and not self.inp.poll(1000):
-                pass
+        while block and self.running:
+            ready = dict(self.poller.poll(1000))
+            self.publish_events(None)  # snapshot requests, heartbeats
+            if self.inp in ready:
+                break
         while self.running:
             try:
                 data = self.inp.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.handle(unpack(data))
+
+    def publish_events(self, stats: dict[str, Any] | None) -> None:
+        """Publish the cache's events since the last call, then answer snapshot requests
+        (in this order, so that a snapshot includes every event published)."""
+        if self.events is None:
+            return
+        pool = self.core.scheduler.kv_manager.block_pool
+        self.events.publish(pool.take_events(), stats if stats is not None else self.stats())
+        self.events.answer_snapshots(pool.cached_hashes)
 
     def run(self) -> None:
         while self.running:
@@ -179,18 +203,24 @@ class _EngineLoop:
                 break
             if not self.core.has_unfinished():
                 if self.stats_dirty:  # e.g. everything was aborted: report the freed cache
-                    self.send(("out", [], self.stats(), {}))
+                    stats = self.stats()
+                    self.send(("out", [], stats, {}))
+                    self.publish_events(stats)
                     self.stats_dirty = False
                 continue
             outputs = self.core.step()
-            self.send(("out", [step_output_to_list(o) for o in outputs], self.stats(),
+            stats = self.stats()
+            self.send(("out", [step_output_to_list(o) for o in outputs], stats,
                        self.queue_times.take()))
+            self.publish_events(stats)
             self.stats_dirty = False
 
     def close(self) -> None:
         self.inp.close(linger=0)
         self.out.close()
         self.ctx.term()
+        if self.events is not None:
+            self.events.close()
 
 
 def run_engine_core(args: Any, in_addr: str, out_addr: str,
@@ -222,6 +252,16 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         conn.send(("error", f"the engine failed to start ({type(e).__name__}: {e})"))
         return
     cfg = core.config
+    events = None
+    if cfg.fleet.kv_events_port is not None:
+        from skyline.engine.kv_events import KVEventPublisher
+
+        try:
+            events = KVEventPublisher(cfg.fleet.kv_events_host, cfg.fleet.kv_events_port)
+        except OSError as e:
+            core.shutdown()
+            conn.send(("error", str(e)))
+            return
     info = {
         "model_name": cfg.model.name, "model_path": cfg.model.path,
         "load_format": cfg.model.load_format, "dtype": cfg.model.dtype, "device": cfg.device,
@@ -229,10 +269,12 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         "eos_token_ids": list(cfg.model.arch.eos_token_ids),
         "block_size": cfg.cache.block_size, "max_waiting": cfg.scheduler.max_waiting,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "role": cfg.fleet.role, "kv_events_port": cfg.fleet.kv_events_port,
+        "kv_transfer_port": (core.kv_connector_info or {}).get("kv_transfer_port"),
         "pid": os.getpid(),
         **core.executor.describe(),
     }
-    loop = _EngineLoop(core, queue_times, in_addr, out_addr)
+    loop = _EngineLoop(core, queue_times, in_addr, out_addr, events)
     tune_gc()
     conn.send(("ready", info))
     conn.close()

@@ -1,5 +1,7 @@
 """What a model costs per token, from its layers as they serve: the arithmetic and bytes the
-floors of bench/floor.py are made of."""
+floors of skyline/bench/floor.py are made of. A mixture-of-experts layer costs a token its
+router and the experts it is routed to (its active parameters); the experts a decode step reads
+are those any of its tokens is routed to."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import nn
 from skyline.config import ModelArch, QuantConfig
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
+from skyline.model.layers.moe import FusedExperts, Router
 from skyline.model.partition import attention_layers
 from skyline.model.registry import get_model_class
 from skyline.model.weights import held_bytes
@@ -21,28 +24,48 @@ from skyline.quant import attach_quant_methods, finish_loading
 class ModelCost:
     """What a model costs per token, from its layers."""
 
-    linear_params: int  # weight elements of the Linear layers every token runs through
+    linear_params: int  # weight elements of the Linears, routers and experts a token runs
     head_params: int  # of the LM head, run by sampling tokens only
-    weight_bytes: int  # every weight a decode step reads (as the layers store them)
+    weight_bytes: int  # every weight a batch-1 decode step reads (as the layers store them)
     kv_bytes_per_token: int  # K and V of one token, every layer, as the cache stores them
     attn_flops_per_pair: int  # one query against one key, every layer: QK^T and PV
+    # MoE: the bytes of every expert of every layer, and the share of them one token runs
+    # (top-k / experts); weight_bytes counts that share of expert_bytes
+    expert_bytes: int = 0
+    expert_fraction: float = 0.0
+
+    def step_weight_bytes(self, rows: float) -> float:
+        """Weight bytes a decode step of `rows` tokens reads: every dense weight, and each
+        expert that at least one token is routed to, expected over uniform routing."""
+        touched = 1 - (1 - self.expert_fraction) ** rows if self.expert_bytes else 0.0
+        return self.weight_bytes + self.expert_bytes * (touched - self.expert_fraction)
 
     @classmethod
     def of(cls, model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        linears = [m for m in model.modules() if isinstance(m, (Linear, Router))]
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
         heads = [m for m in model.modules() if isinstance(m, LMHead)]
         head_bytes = sum(  # an fp8 head is read instead of the dense one
             sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
             if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
             for m in heads)
+        arch = model.arch
+        fraction = arch.num_experts_per_tok / arch.num_experts if experts else 0.0
+        expert_bytes = held_bytes(experts)
+        expert_params = sum(3 * m.num_experts * m.hidden_size * m.intermediate_size
+                            for m in experts)
         return cls(
-            linear_params=sum(m.in_features * m.out_features for m in linears),
+            linear_params=sum(m.weight.numel() if isinstance(m, Router)
+                              else m.in_features * m.out_features for m in linears)
+            + round(expert_params * fraction),
             head_params=sum(m.weight.numel() for m in heads),
-            weight_bytes=held_bytes(linears) + head_bytes,
+            weight_bytes=held_bytes(linears) + head_bytes + round(expert_bytes * fraction),
             kv_bytes_per_token=kv_bytes_per_token,
             # the heads of the layers this model (this rank's part) runs
             attn_flops_per_pair=4 * sum(a.num_heads * a.head_dim
                                         for a in attention_layers(model)),
+            expert_bytes=expert_bytes,
+            expert_fraction=fraction,
         )
 
 

@@ -22,13 +22,15 @@ from tqdm import tqdm
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
 from skyline.model.layers.linear import Linear, default_weight_loader
+from skyline.model.layers.moe import FusedExperts
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.partition import partition, weight_names
 from skyline.model.registry import get_model_class
 from skyline.parallel.groups import ParallelLayout
 from skyline.quant import attach_quant_methods, finish_loading
-from skyline.quant.method import prepack
+from skyline.quant.external import translate
+from skyline.quant.method import prepack, unpack
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -150,7 +152,9 @@ def load_model(cfg: ModelConfig, device: torch.device | str,
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)
         elif cfg.load_format == "safetensors":
-            model.load_weights(_renamed(iter_safetensors(cfg.path, rename), rename))
+            # another tool's quantized tensors repacked into skyline's layout as they stream
+            model.load_weights(translate(_renamed(iter_safetensors(cfg.path, rename), rename),
+                                         cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
@@ -215,19 +219,41 @@ def prepack_for_cpu(model: nn.Module) -> int:
             packed += hook(module, dtype) if hook is not None else prepack(module)
         elif isinstance(module, LMHead):
             packed += module.prepack()
+        elif isinstance(module, FusedExperts):
+            hook = getattr(module.expert_method, "prepack_cpu", None)
+            packed += hook(module, dtype) if hook is not None else 0
     return packed
 
 
+def plain_layout(model: nn.Module) -> None:
+    """Undo prepack_for_cpu for the unquantized Linears and the LM head: their dense weights
+    back as Parameters, as load_model left them (bit for bit: oneDNN's layout only reorders
+    the values), so the model computes exactly as a freshly loaded one. What tools that read
+    or change the weights need (calibration, quantization, the format search); serving goes
+    on through F.linear. Quantized Linears keep the layout they serve with."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            unpack(module)
+        elif isinstance(module, LMHead):
+            module.packed_weight = None
+
+
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1. Each
+    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1; quantized
+    tensors (MoE experts shipped in MXFP4) as their format's `fill_dummy` makes them. Each
     checkpoint tensor is drawn from a generator of its own name, at its full size, and loaded
     as a checkpoint's would be: every rank of a parallel layout holds the values one process
     would (on the same kind of device). Generated on the parameters' device."""
     seen: set[int] = set()
     for prefix, module in model.named_modules():
+        fill = getattr(getattr(module, "expert_method", None), "fill_dummy", None)
+        if fill is not None:
+            device = next(module.parameters()).device
+            fill(module, torch.Generator(device).manual_seed(
+                seed ^ zlib.crc32(prefix.encode())))
         for pname, param in module.named_parameters(prefix, recurse=False):
-            if id(param) in seen or param.numel() == 0:
-                continue  # tied weights; placeholders of a format loaded otherwise
+            if id(param) in seen or param.numel() == 0 or not param.is_floating_point():
+                continue  # tied weights; placeholders; integer tensors, filled by their format
             seen.add(id(param))
             if isinstance(module, RMSNorm):
                 param.data.fill_(1.0)
@@ -245,7 +271,7 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def _checkpoint_shape(module: nn.Module, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
     """The shape of the checkpoint tensor that fills (shard `shard_id` of) `param`."""
-    if isinstance(module, Linear):
+    if isinstance(module, (Linear, FusedExperts)):
         return module.checkpoint_shape(param, shard_id)
     if isinstance(module, (VocabEmbedding, LMHead)) and module.vocab_shard is not None:
         return (module.vocab_size, param.shape[1])

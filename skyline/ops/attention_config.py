@@ -1,6 +1,6 @@
 """Launch configurations of the paged attention kernels (ops/attention.py): heuristic
 defaults, and the tuned tables (`skyline/ops/configs/attention-*.json`, written by
-`bench/tune_attention.py`) looked up by shape and batch size only, so a captured CUDA graph
+`bench/kernels/tune_attention.py`) looked up by shape and batch size only, so a captured CUDA graph
 stays valid."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ itself in on a per-tile counter; the last split of a tile to arrive adds all par
 order (deterministic, unlike float atomics), adds the bias, casts, stores y and resets the
 counter. No second kernel: in a CUDA graph each extra launch costs about a microsecond, a
 large share of a 4k x 4k projection's ~8 us. Launch configurations are data
-(`skyline/ops/configs/`, written by `bench/tune_gemv.py`), with a heuristic default for shapes
-that were not tuned.
+(`skyline/ops/configs/`, written by `bench/kernels/tune_gemv.py`), with a heuristic default for
+shapes that were not tuned.
 
 CUDA-graph safe: the partials are a plain `torch.empty` per call, the counters one zeroed
 buffer per device, allocated on first use outside capture (the runner warms the model up before

@@ -4,15 +4,12 @@ layout). The same streaming scheme as `skyline/ops/gemv.py` (FMA or tensor-core 
 split-K with the last-arriver reduction and its per-device counters), with the weight tile
 loaded in its stored width and converted in registers, so each weight byte is read once:
 
-- FP8 (WEIGHT_KIND 0): y = (x @ float(W_fp8)^T) * w_scale. Weight-only: activations stay in
-  bf16/fp16 and are not quantized, so the result is at least as accurate as the W8A8
-  `_scaled_mm` path (same weights, exact activations). The per-row scale is applied once, at
-  the end. `fp8_gemv_a8` is the W8A8 form, with the tensor cores multiplying fp8 tiles as
-  loaded (nothing converted per weight): either x in bf16/fp16 quantized inside the kernel,
-  one e4m3 scale per row and BLOCK_K-column tile (finer than per row; no separate kernel, no
-  extra launch; kernel name "gemv_fp8a8" in the tuning tables), or x quantized per row
-  beforehand (y = (x_q @ W_q^T) * x_scale * w_scale, the values `_scaled_mm` computes;
-  "gemv_fp8a8q").
+- FP8 (WEIGHT_KIND 0), W8A8 (`fp8_gemv_a8`): the tensor cores multiply fp8 tiles as loaded
+  (nothing converted per weight), x either in bf16/fp16 quantized inside the kernel, one e4m3
+  scale per row and BLOCK_K-column tile (finer than per row; no separate kernel, no extra
+  launch; kernel name "gemv_fp8a8" in the tuning tables), or quantized per row beforehand
+  (y = (x_q @ W_q^T) * x_scale * w_scale, the values `_scaled_mm` computes; "gemv_fp8a8q").
+  The weights' per-row scale is applied once, at the end.
 - INT8 / INT4 (WEIGHT_KIND 1 / 2): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with
   g = k // GROUP. BLOCK_K divides GROUP, so every K tile of a row lies in one group: its scale
   and zero are two [BLOCK_N] loads per tile. INT4 bytes hold element 2j in the low nibble and
@@ -68,15 +65,6 @@ def quant_gemv_ok(x: torch.Tensor) -> bool:
     m = x.numel() // k if k else 0
     return (triton is not None and x.is_cuda and x.dtype in _ACT_DTYPES
             and 1 <= m <= MAX_ROWS)
-
-
-def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], fp8 weight [N, K], float32 w_scale [N] -> [..., N] in x's dtype."""
-    y = (x.float() @ weight.float().t()) * w_scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 def quantize_tiles_fp8_ref(x: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -183,22 +171,6 @@ def quant_gemv_config(kind: int, m: int, n: int, k: int, group: int,
     m = row_bucket(m)
     return get_config(kernel_name(kind, a8, prequant), config_key(m, n, k, group),
                       default_config(kind, m, n, k, group, num_sms, a8))
-
-
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (1..MAX_ROWS rows), e4m3 weight [N, K], float32 w_scale [N] (per output row),
-    bias [N] -> [..., N] in x's dtype; weight-only (x is not quantized)."""
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn [N, K], got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    n, k = weight.shape
-    if w_scale.numel() != n:
-        raise ValueError(f"fp8_gemv: w_scale has {w_scale.numel()} values for {n} rows")
-    if x.shape[-1] != k:
-        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} does not match weight {(n, k)}")
-    return _launch(FP8, x, weight.contiguous(), w_scale.reshape(-1).contiguous(), None, n, k, 0,
-                   bias, config)
 
 
 def fp8_gemv_a8(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,

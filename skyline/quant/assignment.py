@@ -22,7 +22,6 @@ from skyline.config import ConfigError, QuantConfig, parse_size
 from skyline.quant.method import LinearLayer
 
 SEARCHABLE = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4")
-DEFAULT_CANDIDATES = "mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8"
 _FORMAT = re.compile(r"^([a-z0-9]+?)(?:-g(\d+))?$")
 
 

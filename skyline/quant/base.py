@@ -17,9 +17,12 @@ from torch import nn
 
 from skyline.config import ConfigError, QuantConfig
 from skyline.ops import cpu_linear
+from skyline.ops.fp4 import pack_nibbles, unpack_nibbles
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import int_matmul_ref, int_matmul_triton
 from skyline.quant.method import LinearLayer, set_loader, shape_error
+
+__all__ = ["pack_nibbles", "unpack_nibbles"]  # the formats' shared packing (ops/fp4.py)
 
 
 def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -64,16 +67,6 @@ def dense_linear(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[rows, 2n] uint8 codes < 16 -> [rows, n] bytes: element 2j in the low nibble."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, n] bytes -> [rows, 2n] uint8 codes (inverse of pack_nibbles)."""
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-
-
 class QuantLinearMethod:
     """Base of the weight formats; subclasses define `param_specs`, `quantize`, `dequantize`."""
 
@@ -82,10 +75,14 @@ class QuantLinearMethod:
     per_tensor: tuple[str, ...] = ()
     # Input columns that share a scale: a row-parallel split must cut between such groups.
     column_block = 1
+    # Parameters a checkpoint of another tool may store coarser than per row
+    # (shard_rows_loader): per tensor, per channel of a group-wise layout, per block of rows.
+    coarse: tuple[str, ...] = ()
 
     def __init__(self, cfg: QuantConfig) -> None:
         self.group_size = cfg.group_size
         self.prequantized = cfg.prequantized
+        self.layout = cfg.layout  # a checkpoint of another tool (quant/external/)
 
     # -- format: subclasses -------------------------------------------------------------------
 
@@ -112,15 +109,36 @@ class QuantLinearMethod:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             set_loader(layer.weight, layer, layer.weight_loader)
             return
-        for name, (shape, dtype) in self.param_specs(layer.out_features, layer.in_features).items():
+        specs = {**self.param_specs(layer.out_features, layer.in_features),
+                 **self.load_specs(layer)}
+        for name, (shape, dtype) in specs.items():
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             setattr(layer, name, param)
-            loader = _per_tensor_loader(layer) if name in self.per_tensor else layer.weight_loader
-            set_loader(param, layer, loader)
+            set_loader(param, layer, self.loader(layer, name))
+
+    def load_specs(self, layer: LinearLayer) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Tensors a checkpoint of another tool carries beside param_specs' (g_idx, static
+        input scales), consumed by finish_prequantized."""
+        return {}
+
+    def loader(self, layer: LinearLayer, name: str) -> Any:
+        """The weight loader of parameter `name`."""
+        if self.layout is not None and name in self.coarse + self.per_tensor:
+            return shard_rows_loader(layer, self.block_rows())
+        return _per_tensor_loader(layer) if name in self.per_tensor else layer.weight_loader
+
+    def block_rows(self) -> int:
+        """Rows of one of the layout's scale blocks (1: scales per row)."""
+        return 1
+
+    def finish_prequantized(self, layer: LinearLayer) -> None:
+        """Once a prequantized layer is loaded: bring what load_specs loaded into the serving
+        layout."""
 
     def process_weights_after_loading(self, layer: LinearLayer) -> None:
         """Online: quantize each checkpoint tensor (shard) of the loaded weight, then drop it."""
         if self.prequantized:
+            self.finish_prequantized(layer)
             return
         w = layer.weight.data
         tensors = self.quantize_shards(w, layer.shards, getattr(layer, "act_sq", None))
@@ -159,6 +177,33 @@ class QuantLinearMethod:
         # Reference path: dequantize the whole weight, then one matmul in x's dtype.
         w = self.dequantized_weight(layer).to(x.dtype)
         return F.linear(x, w, layer.bias)
+
+
+def shard_rows_loader(layer: LinearLayer, block_rows: int = 1) -> Any:
+    """A loader for a parameter of one value per row ([rows]) or per row and column group
+    ([rows, groups]) that also takes what other tools store for one shard of `size` rows: one
+    value ([] or [1]), one per row ([size] or [size, 1], repeated along the groups: per-channel
+    scales in a group-wise layout), or one per `block_rows` rows ([cdiv(size, block_rows),
+    groups]: fp8 block scales)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in layer.shards:
+            raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(layer.shards)}")
+        offset, size = layer.shards[shard_id]
+        dst = param.data.narrow(0, offset, size)
+        src = loaded.reshape(1) if loaded.numel() == 1 else loaded
+        if src.dim() == 1 and src.numel() > 1:
+            src = src.reshape(-1, 1)
+        if block_rows > 1 and src.shape[0] == -(-size // block_rows) and src.numel() > 1:
+            src = src.repeat_interleave(block_rows, dim=0)[:size]
+        if dst.dim() == 1 and src.dim() == 2 and src.shape[1] == 1:
+            src = src[:, 0]
+        try:
+            dst.copy_(src.expand_as(dst))
+        except RuntimeError:
+            raise ConfigError(shape_error(loaded.shape, dst.shape)) from None
+
+    return load
 
 
 def _per_tensor_loader(layer: LinearLayer) -> Any:

@@ -3,19 +3,10 @@ mean squared input activation per input channel (what the int4 clip search weigh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from skyline.quant.method import LinearLayer
-
-# public domain, see its header
-BUILTIN_TEXT = Path(__file__).parent.parent / "tools" / "calibration.txt"
-
-
-def builtin_text() -> str:
-    return BUILTIN_TEXT.read_text(encoding="utf-8")
 
 
 @torch.no_grad()

@@ -1,8 +1,9 @@
 """MXFP4 and NVFP4 weight-only formats: 4-bit E2M1 elements in small blocks with a shared scale.
 
-E2M1 codes: bit 3 is the sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-Encoding rounds to nearest, ties to the even code (round-half-even on the E2M1 grid), and
-saturates at 6. Two codes per byte, element 2j in the low nibble.
+E2M1 codes (ops/fp4.py, which reads them back): bit 3 is the sign, bits 0-2 index the
+magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. Encoding rounds to nearest, ties to the even code
+(round-half-even on the E2M1 grid), and saturates at 6. Two codes per byte, element 2j in the
+low nibble.
 
 - MXFP4 (OCP Microscaling v1.0): blocks of 32, one E8M0 scale per block (a power of two,
   2^(e - 127), e = 255 is NaN) chosen as 2^(floor(log2(amax)) - 2), 2 being E2M1's largest
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from skyline.ops import cpu_int4
+from skyline.ops.fp4 import decode_e2m1, dequantize_mxfp4, e8m0_to_float
 from skyline.ops.int_matmul import dequantize_int_ref
 from skyline.quant.base import (
     QuantLinearMethod,
@@ -29,6 +31,8 @@ from skyline.quant.base import (
     unpack_nibbles,
 )
 from skyline.quant.method import LinearLayer
+
+__all__ = ["decode_e2m1", "dequantize_mxfp4", "e8m0_to_float", "quantize_mxfp4", "quantize_nvfp4"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes; a tie rounds to the even code, i.e. up when the
@@ -47,21 +51,6 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | ((x < 0).to(torch.uint8) << 3)
 
 
-def decode_e2m1(code: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes -> float32 values. Arithmetic, not a table lookup, so it creates no
-    tensor from Python values (CUDA-graph capturable)."""
-    c = code.to(torch.int32)
-    e, m = (c >> 1) & 3, (c & 1).float()
-    mag = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).float()) * (1.0 + m * 0.5))
-    return torch.where((c & 8) != 0, -mag, mag)
-
-
-def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 exponents -> float32 2^(e - 127) (255 -> NaN)."""
-    v = torch.exp2(e.float() - 127.0)
-    return torch.where(e == 255, torch.full_like(v, float("nan")), v)
-
-
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, K] -> (packed codes uint8 [R, Kp / 2], E8M0 scales uint8 [R, Kp / 32])."""
     rows = w.shape[0]
@@ -73,13 +62,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.exp2(exp.float()).unsqueeze(-1)
     codes = encode_e2m1(wb / scale).reshape(rows, -1)
     return pack_nibbles(codes), (exp + 127).to(torch.uint8)
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of quantize_mxfp4: float32 [R, Kp]."""
-    rows = packed.shape[0]
-    vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 32)
-    return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(rows, -1)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -101,6 +101,19 @@ def prepack(layer: Any) -> bool:
     return True
 
 
+def unpack(layer: Any) -> bool:
+    """prepack's inverse: the dense weight back as the layer's `weight` Parameter (bit for
+    bit), served by F.linear again. Returns whether the layer was packed."""
+    if type(layer.linear_method) is not PackedLinearMethod:
+        return False
+    weight = cpu_linear.unpack(layer.packed_weight)
+    del layer.packed_weight
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    set_loader(layer.weight, layer, layer.weight_loader)
+    layer.linear_method = UnquantizedLinearMethod()
+    return True
+
+
 def shape_error(got: torch.Size, want: torch.Size) -> str:
     return (
         f"shape {tuple(got)} does not match the model's {tuple(want)}; "

@@ -40,8 +40,11 @@ from skyline.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from skyline.server.responses.protocol import ResponsesRequest
+from skyline.server.responses.route import create_response
 from skyline.server.serving import ServerState
 from skyline.server.tokenize import detokenize, tokenize
+from skyline.server.tools import resolve_tool_format
 
 log = logging.getLogger("skyline.server")
 
@@ -50,6 +53,7 @@ log = logging.getLogger("skyline.server")
 _BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/v1/responses": ResponsesRequest,
 }
 DEFAULT_PARSE_WORKERS = 2
 CUT_GRACE_S = 5.0  # after cutting requests at the drain timeout, for their errors to be sent
@@ -57,10 +61,15 @@ CUT_GRACE_S = 5.0  # after cutting requests at the drain timeout, for their erro
 
 def build_app(llm: AsyncLLM, *, api_key: str | None = None,
               limits: RequestLimits | None = None,
-              parse_workers: int = DEFAULT_PARSE_WORKERS) -> FastAPI:
+              parse_workers: int = DEFAULT_PARSE_WORKERS,
+              tool_call_parser: str = "auto") -> FastAPI:
+    """`tool_call_parser`: a format of tool_parsers.PARSERS, "none", or "auto" (guessed from
+    the chat template)."""
     limits = (limits or RequestLimits()).resolved(llm.max_model_len)
     metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts)
-    state = ServerState(llm, llm.model_name, metrics, limits)
+    template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
+    state = ServerState(llm, llm.model_name, metrics, limits,
+                        tool_format=resolve_tool_format(tool_call_parser, template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +100,14 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
                                 headers={"Retry-After": "5"})
         return Response(status_code=200)
 
+    @app.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        """What a router (skyline/router/) reads when this replica joins."""
+        i = llm.info
+        return {"pid": os.getpid(), **{k: i.get(k) for k in (
+            "model_name", "role", "block_size", "num_blocks", "kv_events_port",
+            "kv_transfer_port")}}
+
     @app.get("/v1/models")
     async def models() -> ModelList:
         card = ModelCard(id=state.model_name, root=llm.info["model_path"],
@@ -117,6 +134,10 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         return await create_completion(state, raw)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, raw)
 
     app.openapi = _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
@@ -157,7 +178,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def banner(llm: AsyncLLM, host: str, port: int) -> str:
+def banner(llm: AsyncLLM, host: str, port: int, tool_format: str | None = None) -> str:
     i = llm.info
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     weights = i.get("weights_gib")
@@ -171,6 +192,8 @@ def banner(llm: AsyncLLM, host: str, port: int) -> str:
         f"up to {i['max_num_seqs']} running requests",
         f"  engine core: pid {i['pid']}; API process: pid {os.getpid()}",
     ]
+    if tool_format is not None:
+        lines.append(f"  tool calls: the {tool_format} format")
     return "\n".join(lines)
 
 
@@ -179,7 +202,7 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout: float = 30.0, log_level: str = "info",
           restart: RestartPolicy | None = None, max_waiting: int | None = None,
           chat_template: str | None = None,
-          parse_workers: int = DEFAULT_PARSE_WORKERS) -> None:
+          parse_workers: int = DEFAULT_PARSE_WORKERS, tool_call_parser: str = "auto") -> None:
     """Run the server until SIGTERM / Ctrl-C. Raises OSError / EngineStartError with one
     sentence when it cannot start, EngineDeadError when the engine failed more often than
     `restart` allows."""
@@ -205,7 +228,8 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
         sock.close()
         raise
     try:
-        app = build_app(llm, api_key=api_key, limits=limits, parse_workers=parse_workers)
+        app = build_app(llm, api_key=api_key, limits=limits, parse_workers=parse_workers,
+                        tool_call_parser=tool_call_parser)
         state: ServerState = app.state.skyline
 
         def drain() -> None:
@@ -216,7 +240,8 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
                                                   "the server shut down before this request "
                                                   "finished; retry it on another replica")
 
-        print(banner(llm, host, sock.getsockname()[1]), flush=True)
+        fmt = state.tool_format.name if state.tool_format is not None else None
+        print(banner(llm, host, sock.getsockname()[1], fmt), flush=True)
         config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,
                                 http=JSONErrorProtocol)

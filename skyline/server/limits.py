@@ -12,10 +12,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic
+
 from skyline.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    FunctionTool,
     SamplingRequest,
 )
 
@@ -42,8 +45,10 @@ class RequestLimits:
     max_stop: int = 32  # stop strings, and stop token ids
     max_stop_chars: int = 1000  # characters per stop string
     max_logprobs: int = 20
-    max_tools: int = 128
-    max_schema_bytes: int = 64 << 10  # a response_format schema, or one tool, as JSON
+    max_tools: int = 128  # tools offered, and calls in one past assistant message
+    # a response_format schema, a structured-output constraint, or one tool, as JSON
+    max_schema_bytes: int = 64 << 10
+    max_logit_bias: int = 300  # tokens a logit_bias names
     prepare_timeout_s: float = 10.0  # parse + chat template + tokenize
     body_timeout_s: float = 30.0  # for the whole body to arrive
     max_token_ids: int = 0  # in a prompt or a /detokenize call; 0: the context length
@@ -83,12 +88,25 @@ def check_sampling(req: SamplingRequest, limits: RequestLimits, num_prompts: int
     if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop:
         raise LimitError(f"stop_token_ids has {len(req.stop_token_ids)} ids; this server allows "
                          f"at most {limits.max_stop}", "stop_token_ids")
+    if (req.prompt_logprobs or 0) > limits.max_logprobs:
+        raise LimitError(f"prompt_logprobs is {req.prompt_logprobs}; this server allows at most "
+                         f"{limits.max_logprobs}", "prompt_logprobs")
+    bias = req.logit_bias or {}
+    if len(bias) > limits.max_logit_bias:
+        raise LimitError(f"logit_bias names {len(bias)} tokens; this server allows at most "
+                         f"{limits.max_logit_bias}", "logit_bias")
+    if any(not (k.isascii() and k.isdigit() and len(k) <= 19) for k in bias):
+        raise LimitError("logit_bias keys must be token ids (e.g. \"1234\")", "logit_bias")
     rf = req.response_format
-    if rf is not None and rf.json_schema is not None and rf.json_schema.schema_ is not None:
-        if _json_bytes(rf.json_schema.schema_) > limits.max_schema_bytes:
-            raise LimitError(f"the response_format schema is larger than "
-                             f"{limits.max_schema_bytes} bytes as JSON; send a smaller one",
-                             "response_format")
+    for param, value in (
+            ("response_format", rf.json_schema.schema_ if rf and rf.json_schema else None),
+            ("structured_outputs", req.structured_outputs.model_dump(exclude_none=True)
+             if req.structured_outputs else None),
+            ("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+            ("guided_choice", req.guided_choice), ("guided_grammar", req.guided_grammar)):
+        if value is not None and _json_bytes(value) > limits.max_schema_bytes:
+            raise LimitError(f"{param} is larger than {limits.max_schema_bytes} bytes as JSON; "
+                             "send a smaller one", param)
 
 
 def check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
@@ -103,6 +121,20 @@ def check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
     if any(_json_bytes(t) > limits.max_schema_bytes for t in tools):
         raise LimitError(f"a tool is larger than {limits.max_schema_bytes} bytes as JSON; send "
                          "smaller ones", "tools")
+    for i, t in enumerate(tools):
+        try:
+            FunctionTool.model_validate(t)
+        except pydantic.ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise LimitError(f"tools[{i}] is not a function tool ({where}: {err['msg']}); send "
+                             '{"type": "function", "function": {"name": ..., "parameters": '
+                             "{...}}}", "tools") from None
+    check_tool_choice(req.tool_choice, {t["function"]["name"] for t in tools})
+    for m in req.messages:
+        if m.tool_calls and len(m.tool_calls) > limits.max_tools:
+            raise LimitError(f"a message holds {len(m.tool_calls)} tool calls; this server "
+                             f"allows at most {limits.max_tools}", "messages")
     kwargs = req.chat_template_kwargs or {}
     if "chat_template" in kwargs:
         raise LimitError("chat_template_kwargs.chat_template is not accepted: the chat template "
@@ -117,6 +149,27 @@ def check_chat(req: ChatCompletionRequest, limits: RequestLimits) -> None:
         raise LimitError(f"the messages hold about {chars} characters; this server allows "
                          f"{limits.max_prompt_chars} per prompt (shorten the conversation)",
                          "messages")
+
+
+def check_tool_choice(choice: Any, names: set[str]) -> None:
+    """tool_choice is "none", "auto", "required" or {"type": "function", "function": {"name":
+    one of the tools}}; the last two need tools."""
+    if choice is None or choice in ("none", "auto"):
+        return
+    if choice == "required":
+        if not names:
+            raise LimitError("tool_choice 'required' needs tools", "tool_choice")
+        return
+    name = None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise LimitError('tool_choice must be "none", "auto", "required" or {"type": '
+                         '"function", "function": {"name": ...}}', "tool_choice")
+    if name not in names:
+        raise LimitError(f"tool_choice names the function {name[:64]!r}, which is not among "
+                         "the tools", "tool_choice")
 
 
 def check_completion(req: CompletionRequest, limits: RequestLimits) -> None:
@@ -155,4 +208,6 @@ def _message_chars(m: ChatMessage) -> int:
         n = sum(len(p.text or "") for p in content)
     else:
         n = len(content or "")
-    return n + len(m.name or "") + MESSAGE_OVERHEAD_CHARS
+    calls = sum(len(c.function.name) + len(c.function.arguments) + MESSAGE_OVERHEAD_CHARS
+                for c in m.tool_calls or ())
+    return n + len(m.name or "") + len(m.tool_call_id or "") + calls + MESSAGE_OVERHEAD_CHARS

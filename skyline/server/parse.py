@@ -39,6 +39,8 @@ from skyline.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from skyline.server.responses.protocol import ResponsesRequest
+from skyline.server.tool_parsers.base import arguments_object
 
 log = logging.getLogger("skyline.server")
 
@@ -48,6 +50,7 @@ UNICODE_ERROR = ("the request holds a string that is not valid Unicode (a lone s
 _MODELS: dict[str, type[pydantic.BaseModel]] = {
     "chat": ChatCompletionRequest, "completion": CompletionRequest,
     "tokenize": TokenizeRequest, "detokenize": DetokenizeRequest,
+    "responses": ResponsesRequest,
 }
 _HEADER = struct.Struct(">Q")
 
@@ -59,6 +62,7 @@ class Parsed:
 
     request: Any
     messages: list[dict[str, Any]] | None = None
+    source: Any = None  # a Responses request, whose `request` is its chat request
 
 
 @dataclass
@@ -119,17 +123,46 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                "content": content or ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            # arguments as objects: chat templates write them with `tojson`
+            msg["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": arguments_object(c.function.arguments)}}
+                                 for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
+def _responses_chat(req: ResponsesRequest) -> ChatCompletionRequest:
+    """A Responses request as its chat request (pydantic.ValidationError, LimitError)."""
+    if req.previous_response_id is not None:
+        raise LimitError("previous_response_id is not supported: this server stores no "
+                         "responses; send the whole conversation as input",
+                         "previous_response_id")
+    try:
+        return req.to_chat()
+    except ValueError as e:
+        if isinstance(e, pydantic.ValidationError):
+            raise
+        raise LimitError(str(e), "input") from None
+
+
 def parse(kind: str, body: bytes, limits: RequestLimits) -> Parsed | Rejected:
-    """Parse and validate one body of `kind` (chat, completion, tokenize, detokenize)."""
+    """Parse and validate one body of `kind` (chat, completion, tokenize, detokenize,
+    responses: read as its chat request, the original in `Parsed.source`)."""
+    source = None
     try:
         req = _MODELS[kind].model_validate_json(body)
+        if isinstance(req, ResponsesRequest):
+            source, req = req, _responses_chat(req)
+            source.input = ""  # the conversation travels as `messages`
     except pydantic.ValidationError as e:
         message, param = validation_message(e.errors(include_url=False))
         return Rejected(400, message, param)
+    except LimitError as e:
+        return Rejected(400, str(e), e.param)
     try:
         if isinstance(req, ChatCompletionRequest):
             check_chat(req, limits)
@@ -147,7 +180,7 @@ def parse(kind: str, body: bytes, limits: RequestLimits) -> Parsed | Rejected:
             req.messages = []
     except LimitError as e:
         return Rejected(400, str(e), e.param)
-    return Parsed(req, messages)
+    return Parsed(req, messages, source)
 
 
 # ---------------------------------------------------------------------------------- workers

@@ -29,6 +29,7 @@ from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.model.partition import attention_layers
 from skyline.parallel.groups import ParallelLayout
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from skyline.worker.connector import make_connector
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.kv_cache import (
@@ -38,7 +39,12 @@ from skyline.worker.kv_cache import (
     kv_cache_dtype,
     num_blocks_for,
 )
-from skyline.worker.sampler import SamplingRow, sample_on_device
+from skyline.worker.sampler import (
+    PROMPT_LOGPROB_ROWS,
+    SamplingRow,
+    prompt_logprobs,
+    sample_on_device,
+)
 from skyline.worker.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.worker.spec.verify import sample_and_verify, verify_rows
 from skyline.worker.step import InFlight, Part, split_parts
@@ -51,6 +57,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
 # a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
 CPU_SERIAL_TOKENS = envs.ENV.cpu_serial_tokens
+# A step with nothing to compute (requests only wait for KV transfers) waits this long at most
+# for one to end: the loop neither spins nor keeps new requests waiting.
+KV_WAIT_S = 0.005
 
 
 class ModelRunner:
@@ -69,6 +78,7 @@ class ModelRunner:
             prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
+        self._scoring: set[str] = set()  # requests whose prompt logprobs are still to compute
         # None without speculative decoding
         self.proposer = make_proposer(config.spec, self.model)
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
@@ -105,10 +115,19 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.kv_arch, self.block_size, self.kv_dtype
         )
+        # KV beyond the device (worker/connector/): started at launch, polled at each output;
+        # each rank's over its own shard of the cache.
+        lay = self.layout
+        self.connector = make_connector(config, self.kv_caches, scales, {
+            "tp_rank": lay.tp.index, "tp_size": lay.tp.size, "pp_rank": lay.stage_index,
+            "pp_size": lay.num_stages})
         self._in_flight: InFlight | None = None
         # Seconds the host has waited for sampled tokens: near zero when the host, not the
         # device, sets the pace of the steps.
         self.device_wait_s = 0.0
+        # Seconds of the runner's own host work by phase (the request states, the step's
+        # inputs, reading sampled tokens: bench/host_overhead.py); a few clock reads a step.
+        self.host_s = {"states": 0.0, "inputs": 0.0, "read_tokens": 0.0}
         self.cpu_threads = torch.get_num_threads()  # as configured (--threads)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -175,10 +194,14 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_request_ids:
             state = self.states.pop(rid, None)
+            self._scoring.discard(rid)
             if state is not None and self.proposer is not None:
                 self.proposer.finish(rid, state.token_ids)
         for new in out.new_requests:
             self.states[new.request_id] = RequestState.from_new(new)
+            # A request resumed with output tokens had its whole prompt scored before.
+            if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
+                self._scoring.add(new.request_id)
         for c in out.cached_requests:
             s = self.states[c.request_id]
             if c.num_freed_blocks:
@@ -190,9 +213,20 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Queue a step on the device. If a step was in flight, wait for its tokens (after this
         step's forward pass is queued) and return its output."""
+        t0 = time.perf_counter()
         self._update_states(out)
+        if out.kv_transfers:
+            assert self.connector is not None
+            self.connector.start(out.kv_transfers)  # before this step's forward pass
+        t1 = time.perf_counter()
+        self.host_s["states"] += t1 - t0
         prev, self._in_flight = self._in_flight, None
         if out.empty:  # nothing to run: nothing in flight afterwards
+            return self._finish(prev) if prev is not None else None
+        if not out.total_num_scheduled_tokens:  # only KV transfers: report them
+            if self.connector is not None and (prev is None or not prev.req_ids):
+                self.connector.wait(KV_WAIT_S)  # nothing on the device to overlap with
+            self._in_flight = InFlight(propose=out.propose_drafts)
             return self._finish(prev) if prev is not None else None
         serial = (self.device.type == "cpu" and self.cpu_threads > 1
                   and out.total_num_scheduled_tokens <= CPU_SERIAL_TOKENS)
@@ -211,8 +245,10 @@ class ModelRunner:
         for scheduled in split_parts(out.num_scheduled_tokens, layout.num_stages):
             in_flight = prev.tokens_for(self.states, scheduled) \
                 if prev is not None and layout.first else None
+            t1 = time.perf_counter()
             inp = build_inputs(self.states, scheduled, self.block_size, self.device,
                                out.spec_token_ids, in_flight, with_ids=layout.first)
+            self.host_s["inputs"] += time.perf_counter() - t1
             part = Part(inp.req_ids, inp.sampling_req_ids)
             step.parts.append(part)
             hidden = self._forward(inp)  # [num_tokens, hidden]
@@ -224,13 +260,16 @@ class ModelRunner:
                 if self.graphs is not None:  # a graph's output: its next replay writes it
                     hidden = hidden.clone()
                 part.transfers.append(layout.pipe.send(hidden, layout.pipe.index + 1))
-            elif inp.sampling_req_ids:
-                # [num_logits, vocab] on the driver; None on its tensor-parallel peers
-                logits = self.model.compute_logits(hidden[inp.logits_indices])
-                if layout.driver:
-                    if prev is not None:  # sampling sees every earlier token
-                        prev_out, prev = self._finish(prev), None
-                    self._sample_part(out, part, logits)
+            else:
+                if self._scoring:
+                    step.add_prompt_logprobs(self._prompt_logprobs(inp, hidden))
+                if inp.sampling_req_ids:
+                    # [num_logits, vocab] on the driver; None on its tensor-parallel peers
+                    logits = self.model.compute_logits(hidden[inp.logits_indices])
+                    if layout.driver:
+                        if prev is not None:  # sampling sees every earlier token
+                            prev_out, prev = self._finish(prev), None
+                        self._sample_part(out, part, logits)
             if layout.needs_tokens and inp.sampling_req_ids:
                 buf = torch.empty(len(inp.sampling_req_ids), dtype=torch.int64,
                                   device=self.device)
@@ -269,6 +308,34 @@ class ModelRunner:
         if tokens is not None and self.layout.tokens.size > 1:
             part.transfers.append(self.layout.tokens.broadcast(tokens, src=0))
 
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]] | None:
+        """Logprobs of the prompt tokens this part's prefill rows predict, for the requests
+        that ask for them (called on the last stage after `num_computed_tokens` counted the
+        part's tokens; the driver's tensor-parallel peers take part in the logits, then drop
+        what they computed)."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        loc = inp.attn.query_start_loc
+        for i, rid in enumerate(inp.req_ids):
+            if rid not in self._scoring:
+                continue
+            s = self.states[rid]
+            n = loc[i + 1] - loc[i]
+            start = s.num_computed_tokens - n  # the row at position p predicts token p + 1
+            end = min(start + n, len(s.prompt_token_ids) - 1)
+            if end > start:
+                rows = hidden[loc[i] : loc[i] + end - start]
+                if self.layout.driver:
+                    out[rid] = (start + 1, prompt_logprobs(
+                        self.model.compute_logits, rows,
+                        s.prompt_token_ids[start + 1 : end + 1], s.params.prompt_logprobs or 0))
+                else:  # the same chunks as the driver's: its gathers need every peer
+                    for c in range(0, end - start, PROMPT_LOGPROB_ROWS):
+                        self.model.compute_logits(rows[c : c + PROMPT_LOGPROB_ROWS])
+            if end >= len(s.prompt_token_ids) - 1:
+                self._scoring.discard(rid)
+        return out or None
+
     def _sampling_row(self, s: RequestState) -> SamplingRow:
         """The request's row for the sampler, made once: it holds the state's own token lists,
         which grow in place."""
@@ -284,6 +351,16 @@ class ModelRunner:
         return self._finish(step)
 
     def _finish(self, step: InFlight) -> RunnerOutput:
+        t0 = time.perf_counter()
+        try:
+            res = self._read_tokens(step)
+        finally:
+            self.host_s["read_tokens"] += time.perf_counter() - t0
+        if self.connector is not None:
+            res.kv_finished, res.kv_failed = self.connector.poll()
+        return res
+
+    def _read_tokens(self, step: InFlight) -> RunnerOutput:
         """Read a step's tokens and record them. Ranks that hold no tokens (a later stage's,
         the driver's tensor-parallel peers) record a placeholder for each: a request's token
         count is what decides whether it samples."""
@@ -315,15 +392,18 @@ class ModelRunner:
             if any(lp is not None for lp in lps):
                 logprobs.update((r, [lp] if lp is not None else None)
                                 for r, lp in zip(part.sampling_req_ids, lps, strict=True))
-        return self._output(step.req_ids, sampled, logprobs, step.propose)
+        return self._output(step.req_ids, sampled, logprobs, step.propose, step.prompt_logprobs)
 
     def _output(self, req_ids: list[str], sampled: dict[str, list[int]],
-                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool) -> RunnerOutput:
+                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool,
+                prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+                ) -> RunnerOutput:
         return RunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=[logprobs.get(r) for r in req_ids],
             draft_token_ids=self._propose(req_ids, sampled, propose),
+            prompt_logprobs=prompt_lps or {},
         )
 
     def _sample(
@@ -365,3 +445,7 @@ class ModelRunner:
         drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids], depth)
         by_id = dict(zip(rids, drafts, strict=True))
         return [by_id.get(r, []) for r in req_ids]
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

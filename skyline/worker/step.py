@@ -49,7 +49,14 @@ class InFlight:
 
     parts: list[Part] = field(default_factory=list)
     propose: bool = True  # draft for the next step (SchedulerOutput.propose_drafts)
+    # SamplingParams.prompt_logprobs: the driver's, of every part (RunnerOutput.prompt_logprobs)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
     _rows: dict[str, tuple[int, int]] | None = None  # request -> (part, row), made on demand
+
+    def add_prompt_logprobs(self, lps: dict[str, tuple[int, list[TokenLogprobs]]] | None
+                            ) -> None:
+        if lps:
+            self.prompt_logprobs = {**(self.prompt_logprobs or {}), **lps}
 
     @property
     def req_ids(self) -> list[str]:

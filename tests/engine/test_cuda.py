@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from tiny_hf import save_scaled
 
 from skyline import LLM, SamplingParams
 
@@ -19,12 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=1024)
-    return save_scaled(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp("tiny"))
+def tiny_dir(tiny_llama):
+    return tiny_llama(0.15, "tiny", hidden_size=128, intermediate_size=256,
+                      max_position_embeddings=1024, eos_token_id=2)
 
 
 def test_cuda_matches_cpu_fp32(tiny_dir):

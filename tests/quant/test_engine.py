@@ -14,7 +14,8 @@ from skyline.engine.args import EngineArgs
 from skyline.engine.create import create_engine_config
 from skyline.model.loader import load_model
 from skyline.quant.calibrate import collect_act_sq
-from skyline.tools.quantize.checkpoint import quantize_checkpoint, quantize_loaded
+from skyline.quant.checkpoint import quantize_loaded
+from skyline.tools.quantize.checkpoint import quantize_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,6 +15,7 @@ import torch
 from skyline.config import ConfigError, QuantConfig
 from skyline.engine.args import EngineArgs
 from skyline.engine.create import create_engine_config
+from skyline.model.checkpoint import write_checkpoint
 from skyline.model.loader import load_model
 from skyline.quant.assignment import (
     Format,
@@ -27,10 +28,10 @@ from skyline.quant.assignment import (
 )
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.calibrate import collect_act_sq
+from skyline.quant.checkpoint import quantize_loaded
 from skyline.quant.joint import JointKL, linears, quantize_choices, spread_windows, swap_in
+from skyline.quant.report import install, search_report
 from skyline.quant.search import search, solve_knapsack
-from skyline.tools.quantize.checkpoint import quantize_loaded, write_checkpoint
-from skyline.tools.quantize.report import install, search_report
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import openai
 import pytest
 
 STARTUP_TIMEOUT = 180.0
+CLIENT_TIMEOUT = 120.0
 
 
 def free_port() -> int:
@@ -123,3 +125,16 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield factory
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's `server` fixture."""
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=CLIENT_TIMEOUT,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The id of the model the module's server serves."""
+    return client.models.list().data[0].id

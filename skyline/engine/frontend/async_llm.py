@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from skyline.engine.frontend.output import OutputProcessor, child_params
-from skyline.engine.frontend.structured import check_structured, grammar_for
+from skyline.engine.frontend.structured import check_structured, constrained
 from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.engine.process import request_to_dict, step_output_from_list
 from skyline.engine.supervisor import EngineDeadError, EngineSupervisor, RestartPolicy
@@ -179,9 +179,12 @@ class AsyncLLM:
                              "fewer prompts per request)")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                    prompt_text: str | None = None) -> RequestStream:
+                    prompt_text: str | None = None,
+                    structured_checked: bool = False) -> RequestStream:
         """Validate and queue a request; iterate the stream for its output deltas, and `close`
-        it when done (closing an unfinished stream aborts the request).
+        it when done (closing an unfinished stream aborts the request). `structured_checked`:
+        the caller ran `check_structured` on `params` (off the event loop: a large schema
+        takes milliseconds to compile).
 
         Raises ValueError for a request that can never run, EngineOverloadedError when the
         waiting queue is full and EngineDeadError when the engine is gone."""
@@ -191,8 +194,9 @@ class AsyncLLM:
         text, ids = self.encode(prompt)
         text = text if text is not None else prompt_text
         params.validate(self.vocab_size)
-        check_structured(params)
-        if self.tokenizer is None and grammar_for(params) is not None:
+        if not structured_checked:
+            check_structured(params)
+        if self.tokenizer is None and constrained(params):
             raise ValueError("structured output needs the model's tokenizer, and this model has "
                              "none")
         self.check_prompt(ids, params)

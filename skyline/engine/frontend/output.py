@@ -41,6 +41,7 @@ class _Child:
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    ends_on_token: bool = True  # the token that stops it is left out of its text
 
     @property
     def text(self) -> str:
@@ -59,6 +60,10 @@ class _Parent:
     last_token: float | None = None
     itl: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: from the first child that reports them; `prompt_sent`:
+    # whether a delta output carried them already
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -83,7 +88,8 @@ class OutputProcessor:
                     self.tokenizer, params.skip_special_tokens, params.stop,
                     params.include_stop_str_in_output,
                 )
-            children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None)
+            children[cid] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
+                                   ends_on_token=not params.include_stop_str_in_output)
             self.child_to_parent[cid] = request_id
         self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), params,
                                            children)
@@ -113,6 +119,8 @@ class OutputProcessor:
             p = self.parents[pid]
             c = p.children[o.request_id]
             p.num_cached_tokens = max(p.num_cached_tokens, o.num_cached_tokens)
+            if o.prompt_logprobs is not None and p.prompt_logprobs is None:
+                p.prompt_logprobs = [None, *o.prompt_logprobs]
             if o.new_token_ids:
                 if p.first_token is None:
                     p.first_token = now
@@ -142,7 +150,11 @@ class OutputProcessor:
             c.logprobs.extend(o.new_logprobs)
             c.delta_logprobs.extend(o.new_logprobs)
         if c.detok is not None:
-            c.delta_text += c.detok.step(o.new_token_ids)
+            ids = o.new_token_ids
+            if c.ends_on_token and o.finish_reason == "stop" and not isinstance(
+                    o.stop_reason, str):
+                ids = ids[:-1]  # the end-of-sequence or stop token is not text (as vLLM)
+            c.delta_text += c.detok.step(ids)
             if c.detok.stop_matched is not None:
                 c.finish_reason, c.stop_reason = "stop", c.detok.stop_matched
                 return
@@ -168,5 +180,9 @@ class OutputProcessor:
         if p.finished and p.last_token is not None:
             metrics["e2e"] = p.last_token - p.arrival
             metrics["mean_itl"] = sum(p.itl) / len(p.itl) if p.itl else 0.0
+        prompt_lps = p.prompt_logprobs
+        if delta:  # carried once
+            prompt_lps = None if p.prompt_sent else prompt_lps
+            p.prompt_sent = p.prompt_sent or prompt_lps is not None
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outs, p.finished,
-                             p.num_cached_tokens, metrics)
+                             p.num_cached_tokens, metrics, prompt_lps)

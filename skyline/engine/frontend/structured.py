@@ -25,7 +25,7 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 def grammar_for(params: SamplingParams) -> str | None:
     """The llguidance grammar (JSON text) a request's output must match, or None."""
-    if not _constrained(params):
+    if not constrained(params):
         return None
     import llguidance
 
@@ -79,19 +79,36 @@ def make_ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int,
 class StructuredOutputs:
     """Per-request grammar matchers in the engine core: masks before a step, advance after."""
 
-    def __init__(self, ll_tokenizer: Callable[[], Any], eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, ll_tokenizer: Callable[[], Any], eos_token_ids: tuple[int, ...],
+                 vocab_size: int) -> None:
         self._make_tokenizer = ll_tokenizer
         self._tokenizer: Any = None
+        self._tokenizer_error: str | None = None
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.matchers: dict[str, Any] = {}
         self.num_tokens: dict[str, int] = {}  # prompt + tokens consumed by the matcher
 
     @property
     def tokenizer(self) -> Any:
+        """llguidance's view of the model's tokenizer (ValueError, with one sentence, when it
+        cannot read it: every constrained request is then refused)."""
         if self._tokenizer is None:
-            self._tokenizer = self._make_tokenizer()  # ~1 s once: built on first use
+            if self._tokenizer_error is None:
+                try:
+                    self._tokenizer = self._make_tokenizer()  # ~1 s once: built on first use
+                except Exception as e:  # llguidance raises on tokenizers it cannot read
+                    self._tokenizer_error = (f"this model's tokenizer cannot be used for "
+                                             f"constrained decoding ({' '.join(str(e).split())})")
+            if self._tokenizer_error is not None:
+                raise ValueError(self._tokenizer_error)
             self.eos_token_ids = tuple(self._tokenizer.eos_tokens) or self.eos_token_ids
         return self._tokenizer
+
+    def admit(self, params: SamplingParams) -> None:
+        """Raise ValueError if a constrained request cannot be served (the tokenizer)."""
+        if constrained(params):
+            _ = self.tokenizer
 
     def _add(self, rid: str, params: SamplingParams, num_prompt: int, outputs: list[int]) -> None:
         import llguidance
@@ -113,7 +130,7 @@ class StructuredOutputs:
             self.num_tokens.pop(rid, None)
         computed: dict[str, int] = {}
         for new in out.new_requests:
-            if _constrained(new.sampling_params):
+            if constrained(new.sampling_params):
                 self._add(new.request_id, new.sampling_params, len(new.prompt_token_ids),
                           new.output_token_ids)
             computed[new.request_id] = new.num_computed_tokens
@@ -134,7 +151,7 @@ class StructuredOutputs:
         # allows only end-of-sequence, so that the request ends instead of running unconstrained.
         if m is not None:
             log.warning("request %s: structured output failed: %s", rid, m.get_error())
-        words = bytearray((self.tokenizer.vocab_size + 31) // 32 * 4)
+        words = bytearray((self.vocab_size + 31) // 32 * 4)
         for t in self.eos_token_ids:
             if t // 8 < len(words):
                 words[t // 8] |= 1 << (t % 8)
@@ -153,7 +170,7 @@ class StructuredOutputs:
             self.num_tokens[rid] += len(tokens)
 
 
-def _constrained(params: SamplingParams) -> bool:
+def constrained(params: SamplingParams) -> bool:
     return params.json_schema is not None or params.regex is not None or params.grammar is not None
 
 
@@ -168,4 +185,4 @@ def structured_outputs(model: ModelConfig, load_tokenizer: Callable[[], Any]
         ids = tuple(tok.eos_token_ids) if tok is not None and tok.eos_token_ids else eos
         return make_ll_tokenizer(tok, model.arch.vocab_size, ids)
 
-    return StructuredOutputs(ll_tokenizer, eos)
+    return StructuredOutputs(ll_tokenizer, eos, model.arch.vocab_size)

@@ -15,7 +15,7 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
-from skyline.ops.attention import paged_attention
+from skyline.ops.attention import attend_ref, causal_mask, paged_attention
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from skyline.ops.kv_write import KVWrite, write_kv
@@ -35,10 +35,12 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 feeds: Any = None) -> None:
+                 feeds: Any = None, sliding_window: int = 0, sinks: bool = False) -> None:
         """`feeds`: the Linear that takes the output (o_proj): where it takes its input rounded
         to int8 (Linear.input_quant), a decode batch whose KV splits a kernel combines comes out
-        rounded already."""
+        rounded already. `sliding_window` > 0: a query sees only the keys less than that many
+        positions before it. `sinks` (gpt-oss): a learned logit per head (the parameter
+        `sinks`, [num_heads]) joins every softmax's denominator."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ConfigError(
@@ -49,6 +51,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner
         self.kv_cache: torch.Tensor | None = None
         # The cache holds k / k_scale and v / v_scale: float32 values, 1.0 unless it is fp8.
@@ -108,6 +114,8 @@ class Attention(nn.Module):
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
                 int8_out=self._wants_int8(q),
+                window=self.sliding_window,
+                sinks=self.sinks,
             )
             if isinstance(out, Int8Chunks):
                 return out
@@ -118,15 +126,21 @@ class Attention(nn.Module):
                 and self._input_quant(q.flatten(1)) == "int8")  # asks with o_proj's input shape
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, T, D]
-            k.transpose(0, 1),  # [KVH, T, D]
-            v.transpose(0, 1),
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.transpose(0, 1)  # [T, H, D]
+        if self.sliding_window == 0 and self.sinks is None:
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1),  # [H, T, D]
+                k.transpose(0, 1),  # [KVH, T, D]
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return o.transpose(0, 1)  # [T, H, D]
+        n = q.shape[0]
+        mask = causal_mask(0, n, self.sliding_window, q.device) if self.sliding_window else None
+        o = attend_ref(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask,
+                       self.scale, self.sinks, causal=True)
+        return o.transpose(0, 1)
 
     def _varlen_no_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -142,6 +156,8 @@ class Attention(nn.Module):
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+            + (f", window={self.sliding_window}" if self.sliding_window else "")
+            + (", sinks" if self.sinks is not None else "")
             + (f", k_scale={self.k_scale:.4g}, v_scale={self.v_scale:.4g}"
                if self.k_scale != 1.0 or self.v_scale != 1.0 else "")
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from skyline.tools.speculator.data import BUILTIN_PROMPTS
+from skyline.tools import BUILTIN_PROMPTS
 from skyline.types import SamplingParams
 
 if TYPE_CHECKING:

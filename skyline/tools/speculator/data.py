@@ -16,9 +16,9 @@ More prompts than any file holds: `synthesize` has the target write user message
 instruction-tuned model samples a plausible request, as varied as the conversations it was
 tuned on. No dataset is needed, and the requests are in the target's own distribution.
 
-The features are recorded from the engine's own forward passes: a FeatureRecorder takes the
-runner's proposer seat (the hook the EAGLE proposer reads hidden states through) and keeps
-every computed position's hidden state, so generating the continuations also yields them.
+The features are the target's hidden states at every position of each finished sequence,
+from a causal forward pass over it (the `hidden_states` query), once the engine has written
+the continuations.
 """
 
 from __future__ import annotations
@@ -26,18 +26,20 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from skyline.config import ConfigError
+from skyline.tools import BUILTIN_PROMPTS
+from skyline.types import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from skyline.engine.frontend.llm import LLM
 
-BUILTIN_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "prompts.jsonl")
+# Sequences per `hidden_states` query: few enough that one answer stays small.
+FEATURE_BATCH = 16
 
 
 @dataclass
@@ -135,79 +137,35 @@ def read_examples(llm: LLM, path: str | None = None) -> list[Example]:
     return out
 
 
-class FeatureRecorder:
-    """A HiddenStateProposer that drafts nothing and keeps the hidden state of every position
-    the target computes (on the CPU, in the model dtype), by request and position."""
-
-    def __init__(self) -> None:
-        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {}
-
-    def observe(self, req_ids: Sequence[str], starts: Sequence[int],
-                hidden: Sequence[torch.Tensor], token_ids: Sequence[Sequence[int]]) -> None:
-        for rid, start, rows in zip(req_ids, starts, hidden, strict=True):
-            self.chunks.setdefault(rid, []).append((start, rows.to("cpu", copy=True)))
-
-    def propose(self, req_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
-                max_depth: int) -> list[list[int]]:
-        return [[] for _ in req_ids]
-
-    def finish(self, req_id: str, token_ids: Sequence[int]) -> None:
-        pass  # a preempted request is computed again: later chunks overwrite its positions
-
-    def features(self, req_id: str, num_tokens: int) -> torch.Tensor:
-        """[m, hidden]: positions 0..m-1, m the first position never computed (<= num_tokens)."""
-        chunks = self.chunks.pop(req_id, [])
-        if not chunks:
-            return torch.empty(0, 0)
-        feats = chunks[0][1].new_empty(num_tokens, chunks[0][1].shape[1])
-        done = torch.zeros(num_tokens, dtype=torch.bool)
-        for start, rows in chunks:  # in step order: a recompute overwrites
-            n = min(rows.shape[0], num_tokens - start)
-            feats[start : start + n] = rows[:n]
-            done[start : start + n] = True
-        m = int(done.long().cumprod(0).sum())
-        return feats[:m]
-
-
 def record(llm: LLM, examples: list[Example], max_tokens: int, temperature: float = 0.0,
            seed: int = 0) -> list[Sample]:
     """Run the target over the examples (writing the missing completions, up to `max_tokens`
-    tokens, greedy or sampled at `temperature`) and return them with the target's features.
-    `llm` should not reuse prefixes (enable_prefix_caching=False): a cached prefix is never
-    computed, so it would have no features."""
-    from skyline.types import SamplingParams
-
-    max_len = llm.engine.max_model_len
+    tokens, greedy or sampled at `temperature`) and return them with the target's features
+    (of every token it would compute: all but a written continuation's last)."""
+    max_len = llm.config.scheduler.max_model_len
     examples = [ex for ex in examples if 2 <= len(ex.prompt) < max_len - 1]
     for ex in examples:
         if ex.completion is not None:
             ex.completion = ex.completion[: max_len - 1 - len(ex.prompt)]
-    runner = llm.engine.executor.runner
-    recorder = FeatureRecorder()
-    saved, runner.proposer = runner.proposer, recorder
-    try:
-        prompts, params = [], []
-        for i, ex in enumerate(examples):
-            if ex.completion is None:
-                prompts.append(ex.prompt)
-                params.append(SamplingParams(temperature=temperature,
-                                             max_tokens=ex.max_tokens or max_tokens,
-                                             seed=seed + i))
-            else:  # one forward over the whole recorded exchange
-                prompts.append(ex.prompt + ex.completion)
-                params.append(SamplingParams(temperature=0.0, max_tokens=1))
-        outs = llm.generate(prompts, params, use_tqdm=True)
-    finally:
-        runner.proposer = saved
-    samples = []
-    for ex, out in zip(examples, outs, strict=True):
+    todo = [i for i, ex in enumerate(examples) if ex.completion is None]
+    params = [SamplingParams(temperature=temperature, max_tokens=examples[i].max_tokens
+                             or max_tokens, seed=seed + i) for i in todo]
+    outs = llm.generate([examples[i].prompt for i in todo], params, use_tqdm=bool(todo))
+    written = {i: list(out.outputs[0].token_ids) for i, out in zip(todo, outs, strict=True)}
+    seqs = []  # (tokens, how many of them have a feature, prompt length)
+    for i, ex in enumerate(examples):
         if ex.completion is None:
-            tokens = ex.prompt + list(out.outputs[0].token_ids)
+            tokens = ex.prompt + written[i]
+            seqs.append((tokens, len(tokens) - 1, len(ex.prompt)))  # the last was never fed
         else:
             tokens = ex.prompt + ex.completion
-        feats = recorder.features(out.request_id, len(tokens))
-        if feats.shape[0] >= 2:
-            samples.append(Sample(tokens, len(ex.prompt), feats))
+            seqs.append((tokens, len(tokens), len(ex.prompt)))
+    samples = []
+    for s in range(0, len(seqs), FEATURE_BATCH):
+        batch = seqs[s : s + FEATURE_BATCH]
+        feats = llm.query("hidden_states", [tokens[:n] for tokens, n, _ in batch])
+        samples += [Sample(tokens, num_prompt, f) for (tokens, _, num_prompt), f
+                    in zip(batch, feats, strict=True) if f.shape[0] >= 2]
     return samples
 
 
@@ -239,8 +197,6 @@ def synthesize(llm: LLM, num: int, max_tokens: int = 128, seed: int = 0) -> list
     """Up to `num` chat examples whose user message the target wrote (see the module
     docstring): sampled after `user_prefix`, kept if they ended with an end-of-turn token
     within `max_tokens` and are new and long enough, then rendered as user messages."""
-    from skyline.types import SamplingParams
-
     prefix = user_prefix(llm)
     params = [SamplingParams(temperature=SYNTH_TEMPERATURE, top_p=SYNTH_TOP_P,
                              max_tokens=max_tokens, seed=seed + i) for i in range(num)]

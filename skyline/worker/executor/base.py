@@ -69,3 +69,6 @@ class UniProcExecutor(Executor):
         from skyline.worker.queries import QUERIES
 
         return QUERIES[name](self.runner, *args)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -34,6 +34,7 @@ from torch import nn
 
 from skyline.config import ConfigError, ModelArch
 from skyline.model.layers.linear import Linear
+from skyline.model.layers.mlp import MLP
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.llama import LlamaAttention, LlamaDecoderLayer
 from skyline.ops import cpu_linear
@@ -141,7 +142,8 @@ class EagleHead(nn.Module):
         self.arch = arch
         h = arch.hidden_size
         self.fc = Linear(2 * h, h, bias=True)
-        self.layer = LlamaDecoderLayer(arch, rotary, attention_cls)
+        self.layer = LlamaDecoderLayer(arch, rotary, attention_cls, 0,
+                                       MLP(arch.hidden_size, arch.intermediate_size))
         a = self.layer.self_attn
         self.attn = HeadAttention(a.attn.num_heads, a.head_dim, a.head_dim**-0.5,
                                   a.attn.num_kv_heads)
