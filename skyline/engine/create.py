@@ -213,7 +213,7 @@ def _resolve_stages(args: EngineArgs, model: ModelConfig, cache: CacheConfig,
 
 
 def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, device: str,
-                      spec: bool) -> ParallelConfig:
+                      spec: bool, role: str) -> ParallelConfig:
     """The stages, checked against the model: every split the layers will make, made once
     here so that a bad size fails before any process starts."""
     stages = _resolve_stages(args, model, cache, device)
@@ -222,7 +222,17 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
     arch = model.arch
     for r in range(tp if tp > 1 else 0):
         head_shard(arch.num_heads, arch.num_kv_heads, tp, r)
-        even_shard(arch.intermediate_size, tp, r, "intermediate size")
+        if not arch.num_experts:
+            even_shard(arch.intermediate_size, tp, r, "intermediate size")
+    if tp > 1 and arch.num_experts and arch.num_experts < tp:
+        raise ConfigError(f"{arch.num_experts} experts cannot be shared by "
+                          f"--tensor-parallel-size {tp} (each rank holds whole experts)")
+    if tp > 1 and arch.architecture == "GptOssForCausalLM":
+        raise ConfigError("gpt-oss does not run with tensor parallelism yet (its attention "
+                          "sinks are not sharded); use --pipeline-parallel-size instead")
+    if world > 1 and role != "both":
+        raise ConfigError(f"a {role} replica runs on one rank; drop --role or the parallel "
+                          "sizes")
     if world > 1 and spec:
         raise ConfigError("speculative decoding does not run with tensor or pipeline "
                           "parallelism yet; drop --speculative-method or the parallel sizes")
@@ -299,7 +309,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         draft_cost=0.1 if on_gpu else 0.02,
         gate=args.speculative_gate,
     )
-    parallel = _resolve_parallel(args, model_cfg, cache, device, spec.enabled)
+    parallel = _resolve_parallel(args, model_cfg, cache, device, spec.enabled, fleet.role)
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),

@@ -202,6 +202,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             if b is not None and b.is_meta:
                 raise RuntimeError(f"buffer {name} of {type(module).__name__} was computed on the "
                                    "meta device; rebuild it on the device in load_model")
+            if b is not None and b.device != device:  # built on the host at construction
+                module._buffers[name] = b.to(device)
 
 
 def prepack_for_cpu(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ import msgpack
 
 from skyline.types import (
     CachedRequestData,
+    KVTransfer,
     NewRequestData,
     RunnerOutput,
     SamplingParams,
@@ -59,13 +60,14 @@ class StepEncoder:
         return pack((new, changed, list(scheduled), list(scheduled.values()),
                      out.total_num_scheduled_tokens, list(out.finished_request_ids),
                      out.token_masks, out.spec_token_ids, out.propose_drafts,
-                     out.feed_proposer))
+                     out.feed_proposer, [list(vars(t).values()) for t in out.kv_transfers],
+                     out.kv_in_flight))
 
 
 def decode_step(data: bytes) -> SchedulerOutput:
     """A rank's side: the SchedulerOutput its runner takes (with only the changed diffs)."""
     (new, changed, rids, counts, total, finished, masks, spec, propose,
-     feed) = unpack(data)
+     feed, transfers, kv_in_flight) = unpack(data)
     return SchedulerOutput(
         new_requests=[NewRequestData(rid, prompt, output, SamplingParams(*params), blocks,
                                      computed)
@@ -78,19 +80,30 @@ def decode_step(data: bytes) -> SchedulerOutput:
         spec_token_ids=spec,
         propose_drafts=propose,
         feed_proposer=feed,
+        kv_transfers=[KVTransfer(*t) for t in transfers],
+        kv_in_flight=kv_in_flight,
     )
 
 
 def encode_output(o: RunnerOutput) -> bytes:
     lps = None
     if any(lp is not None for lp in o.logprobs):
-        lps = [None if lp is None else [(t.token_ids, t.logprobs, t.sampled_rank) for t in lp]
+        lps = [None if lp is None else [_lp_wire(t) for t in lp]
                for lp in o.logprobs]
-    return pack((o.req_ids, o.sampled_token_ids, lps, o.draft_token_ids))
+    prompt = {r: (start, [_lp_wire(t) for t in lp])
+              for r, (start, lp) in o.prompt_logprobs.items()}
+    return pack((o.req_ids, o.sampled_token_ids, lps, o.draft_token_ids, o.kv_finished,
+                 o.kv_failed, prompt))
+
+
+def _lp_wire(t: TokenLogprobs) -> tuple[list[int], list[float], int]:
+    return t.token_ids, t.logprobs, t.sampled_rank
 
 
 def decode_output(data: bytes) -> RunnerOutput:
-    req_ids, sampled, lps, drafts = unpack(data)
+    req_ids, sampled, lps, drafts, kv_finished, kv_failed, prompt = unpack(data)
     logprobs = [None] * len(req_ids) if lps is None else [
         None if lp is None else [TokenLogprobs(*t) for t in lp] for lp in lps]
-    return RunnerOutput(req_ids, sampled, logprobs, drafts)
+    return RunnerOutput(req_ids, sampled, logprobs, drafts, kv_finished, kv_failed,
+                        {r: (start, [TokenLogprobs(*t) for t in lp])
+                         for r, (start, lp) in prompt.items()})

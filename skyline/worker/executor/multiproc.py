@@ -36,6 +36,7 @@ from typing import Any
 from skyline.config import ConfigError, EngineConfig
 from skyline.parallel.groups import NCCL_ENV, driver_rank
 from skyline.types import RunnerOutput, SchedulerOutput
+from skyline.worker.connector.base import ReportMerger
 from skyline.worker.executor.base import Executor
 from skyline.worker.executor.codec import StepEncoder, decode_output, pack, unpack
 from skyline.worker.executor.rank import STORE_PREFIX, RankAddress, run_rank
@@ -155,6 +156,11 @@ class MultiProcExecutor(Executor):
         self._heard: dict[int, float] = {}
         self._checked = 0.0
         self._early: list[Any] = []  # messages that came during the handshake
+        # With a KV connector every rank reports its own transfers (a "kv" message beside the
+        # driver's output); a rank's report of the next step may come before a slower rank's
+        # of this one.
+        self._merger = ReportMerger(self.world) if config.offload.enabled else None
+        self._ahead: dict[int, list[Any]] = {}
         host, port = parse_init(pc.distributed_init)
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=pc.timeout_s))
@@ -205,8 +211,11 @@ class MultiProcExecutor(Executor):
     def query(self, name: str, *args: Any) -> Any:
         """Run the query on every rank (a model's forward needs them all); the driver's answer,
         or queries.COMBINE's of all of them."""
-        from skyline.worker.queries import COMBINE
+        from skyline.worker.queries import COMBINE, ONE_RANK
 
+        if name in ONE_RANK and self.world > 1:
+            raise ConfigError(f"the {name} query needs the whole model in one process; run "
+                              "it without --tensor-parallel-size or --pipeline-parallel-size")
         call_id = next(self._calls)
         self._send(b"query", pack((call_id, name, args)))
         results = self._gather("result", call_id)
@@ -239,10 +248,26 @@ class MultiProcExecutor(Executor):
         self.pub.send_multipart([kind] if payload is None else [kind, payload])
 
     def _output(self) -> RunnerOutput:
-        msg = self._next()
-        if msg[0] != "out":
+        if self._merger is None:
+            return decode_output(self._step_message(self._next(), self.driver)[2])
+        got = {r: q.pop(0) for r, q in self._ahead.items() if q}
+        while len(got) < self.world:
+            msg = self._next()
+            if msg[1] in got:
+                self._ahead.setdefault(msg[1], []).append(msg)
+            else:
+                got[msg[1]] = msg
+        out = decode_output(self._step_message(got.pop(self.driver), self.driver)[2])
+        reports = [out] + [RunnerOutput(kv_finished=m[2], kv_failed=m[3])
+                           for m in (self._step_message(m, -1) for m in got.values())]
+        self._merger.merge(reports, out)
+        return out
+
+    def _step_message(self, msg: list[Any], driver: int) -> list[Any]:
+        """`msg`, checked to be the driver's output (or another rank's KV report)."""
+        if msg[0] != ("out" if msg[1] == driver else "kv"):
             raise self._fail(f"rank {msg[1]} sent {msg[0]!r} where the step's output was due")
-        return decode_output(msg[2])
+        return msg
 
     def _gather(self, kind: str, call_id: int | None = None) -> dict[int, list[Any]]:
         """One `kind` message from every rank: rank -> its fields after the rank."""

@@ -6,6 +6,7 @@ Channels (multiproc.py binds them): the engine publishes (PUB) frames
   | [b"shutdown"]
 and every rank pushes (PUSH) msgpack tuples back:
   ("hello", rank) | ("ready", rank, info) | ("out", rank, RunnerOutput) (the driver only)
+  | ("kv", rank, kv_finished, kv_failed) (the other ranks, with a KV connector)
   | ("result", rank, id, pickled value) | ("error", rank, one sentence, is a ConfigError)
   | ("beat", rank)
 A thread of the rank's beats every second on a socket of its own, so that the engine can tell
@@ -124,14 +125,15 @@ def run_rank(where: RankAddress, log_level: int) -> None:
         while True:
             frames = sub.recv_multipart()
             kind = frames[0]
-            if kind == b"step":
-                prev = runner.launch(decode_step(frames[1]))
-                if driver and prev is not None:
+            if kind in (b"step", b"collect"):
+                prev = runner.launch(decode_step(frames[1])) if kind == b"step" \
+                    else runner.collect()
+                if prev is None:
+                    pass
+                elif driver:
                     push.send(pack(("out", rank, encode_output(prev))))
-            elif kind == b"collect":
-                prev = runner.collect()
-                if driver:
-                    push.send(pack(("out", rank, encode_output(prev))))
+                elif runner.connector is not None:  # each rank's transfers end on their own
+                    push.send(pack(("kv", rank, prev.kv_finished, prev.kv_failed)))
             elif kind == b"query":
                 call_id, name, args = unpack(frames[1])
                 value = QUERIES[name](runner, *args)
