@@ -5,9 +5,15 @@
            one GPU's copy bandwidth, measured in this run
   offline  N prompts x (IN in, OUT out) at TP=N against TP=1 (default 1000 x (1000, 1000))
   pp       the same workload at PP=N against TP=N (the same N GPUs)
+  mp1      one GPU: the same workload through the multi-process executor at world size 1
+           against the engine's own process (the executor's cost), and their greedy tokens
+  placement  one GPU and the host: PP=2 over --placement cuda=L-C,cpu=C (the last --cpu-layers
+           layers on the CPU) against the whole model on the GPU: batch-1 decode and greedy
+           tokens (a CPU stage runs the CPU kernels, so tokens may part after a while in bf16)
 
     python bench/parallel_gpu.py --gpus 2 --stages decode offline pp
     python bench/parallel_gpu.py --gpus 1 --stages decode offline pp --num-prompts 64  # 1 GPU
+    python bench/parallel_gpu.py --gpus 1 --stages mp1 placement --num-prompts 256
 
 With --gpus 1 every stage runs (TP=1, PP=1), as a check of the script on one GPU. Each stage
 writes bench/results/parallel/<stage>-h200-<model>-gpus<N>.json (--out-dir).
@@ -107,12 +113,67 @@ def stage_pp(args: argparse.Namespace) -> dict[str, Any]:
                                  (f"TP={n}", {"tensor_parallel_size": n})])
 
 
-STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp}
+def _greedy(llm: LLM, n: int, new_tokens: int) -> list[list[int]]:
+    prompts = random_prompts(n, 64, llm.config.model.arch.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _same_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """The fraction of tokens before the first difference, over all sequences."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(s, t, strict=True)) if x != y), len(s))
+               for s, t in zip(a, b, strict=True))
+    return same / max(1, sum(len(s) for s in a))
+
+
+def stage_mp1(args: argparse.Namespace) -> dict[str, Any]:
+    res = _compare(args, "mp1", [("mp", {"distributed_executor": "mp"}),
+                                 ("uni", {"distributed_executor": "uni"})])
+    tokens = []
+    for executor in ("mp", "uni"):
+        llm = LLM(args.model, load_format="dummy", distributed_executor=executor,
+                  max_model_len=256, max_num_seqs=16)
+        try:
+            tokens.append(_greedy(llm, 16, 64))
+        finally:
+            llm.shutdown()
+    res["greedy_identical"] = tokens[0] == tokens[1]
+    print(f"mp1: greedy tokens identical: {res['greedy_identical']}")
+    return res
+
+
+def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
+    rows, tokens, kw = [], [], {}
+    for label in ("gpu", "gpu+cpu"):
+        llm = LLM(args.model, load_format="dummy", max_model_len=256, max_num_seqs=4, **kw)
+        try:
+            tokens.append(_greedy(llm, 4, 32))
+            arch = llm.config.model.arch
+            prompt = random_prompts(1, 64, arch.vocab_size)[0]
+            params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            llm.generate([prompt], params)  # warm-up
+            t = time.perf_counter()
+            llm.generate([prompt], params)
+            rate = params.max_tokens / (time.perf_counter() - t)
+        finally:
+            llm.shutdown()
+        rows.append({"layout": label, **kw, "decode_tokens_per_s": rate})
+        print(f"placement {label} {kw}: batch-1 decode {rate:.1f} tok/s")
+        kw = {"placement": f"cuda={arch.num_layers - args.cpu_layers},cpu={args.cpu_layers}"}
+    same = _same_prefix(tokens[0], tokens[1])
+    print(f"placement: greedy tokens equal before the first difference: {same:.2f}")
+    return {"benchmark": "parallel_placement", **stamp(args), "cpu_layers": args.cpu_layers,
+            "runs": rows, "greedy_same_prefix_fraction": same}
+
+
+STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp, "mp1": stage_mp1,
+          "placement": stage_placement}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
+    ap.add_argument("--stages", nargs="+", choices=list(STAGES),
+                    default=["decode", "offline", "pp"])
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens")
@@ -121,6 +182,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--cpu-layers", type=int, default=2,
+                    help="placement: the layers of the model's CPU stage")
     ap.add_argument("--out-dir", default="bench/results/parallel")
     args = ap.parse_args()
     if not torch.cuda.is_available() or args.gpus < 1:
