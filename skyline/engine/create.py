@@ -227,9 +227,6 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
     if tp > 1 and arch.num_experts and arch.num_experts < tp:
         raise ConfigError(f"{arch.num_experts} experts cannot be shared by "
                           f"--tensor-parallel-size {tp} (each rank holds whole experts)")
-    if tp > 1 and arch.architecture == "GptOssForCausalLM":
-        raise ConfigError("gpt-oss does not run with tensor parallelism yet (its attention "
-                          "sinks are not sharded); use --pipeline-parallel-size instead")
     if world > 1 and role != "both":
         raise ConfigError(f"a {role} replica runs on one rank; drop --role or the parallel "
                           "sizes")

@@ -273,8 +273,9 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def _checkpoint_shape(module: nn.Module, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
     """The shape of the checkpoint tensor that fills (shard `shard_id` of) `param`."""
-    if isinstance(module, (Linear, FusedExperts)):
-        return module.checkpoint_shape(param, shard_id)
+    shape = getattr(module, "checkpoint_shape", None)  # a layer that holds a shard
+    if shape is not None:
+        return shape(param, shard_id)
     if isinstance(module, (VocabEmbedding, LMHead)) and module.vocab_shard is not None:
         return (module.vocab_size, param.shape[1])
     return tuple(param.shape)

@@ -1,8 +1,9 @@
 """The multi-process executor with the other features (gloo on the CPU, fp32): a MoE model's
 experts split over tensor-parallel ranks and cut into pipeline stages gives one process's
-greedy tokens; the KV tiers run on every rank (each over its own shard of a block) and a
-prefix restored from host RAM gives the same tokens; the queries answer through the ranks;
-what does not combine is refused with one sentence."""
+greedy tokens and prompt logprobs, and so does gpt-oss (sinks, windows) at TP=2; the KV tiers
+run on every rank (each over its own shard of a block) and a prefix restored from host RAM
+gives the same tokens; the queries answer through the ranks; what does not combine is refused
+with one sentence."""
 
 from __future__ import annotations
 
@@ -37,6 +38,25 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """Attention sinks (one per head: split over the ranks with the heads), sliding windows,
+    4 experts."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, eos_token_id=VOCAB - 1,
+        bos_token_id=1, tie_word_embeddings=False)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # sinks large enough to change the tokens
+        for name, p in model.named_parameters():
+            p.normal_(0, 3.0 if name.endswith("sinks") else 0.15)
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(0)
     shared = [rng.randrange(2, VOCAB - 1) for _ in range(32)]
@@ -49,10 +69,19 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
+def _prompt_logprobs(llm: LLM, prompts) -> list:
+    """Each prompt token's logprob and top 2 (SamplingParams.prompt_logprobs), over a
+    prefill in chunks (and micro-batches across stages)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    return [[(lp.token_ids, lp.logprobs) for lp in o.prompt_logprobs[1:]]
+            for o in llm.generate(prompts[:3], params)]
+
+
 @pytest.fixture(scope="module")
 def moe_ref(moe, prompts):
     llm = LLM(moe, **SMALL)
-    return _tokens(llm, prompts), llm.engine.executor.query("model_cost").expert_bytes
+    return (_tokens(llm, prompts), llm.engine.executor.query("model_cost").expert_bytes,
+            _prompt_logprobs(llm, prompts))
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
@@ -64,6 +93,21 @@ def test_moe_across_ranks(moe, prompts, moe_ref, layout):
         # each rank holds its own experts only: together, the model's (and the expert maps)
         got = llm.engine.executor.query("model_cost").expert_bytes
         assert moe_ref[1] <= got < moe_ref[1] * 1.01
+        got_lps = _prompt_logprobs(llm, prompts)
+        assert [[ids for ids, _ in p] for p in got_lps] == [[ids for ids, _ in p]
+                                                            for p in moe_ref[2]]
+        torch.testing.assert_close([[lps for _, lps in p] for p in got_lps],
+                                   [[lps for _, lps in p] for p in moe_ref[2]],
+                                   rtol=1e-4, atol=1e-4)
+    finally:
+        llm.shutdown()
+
+
+def test_gpt_oss_tensor_parallel(gpt_oss, prompts):
+    want = _tokens(LLM(gpt_oss, **SMALL), prompts)
+    llm = LLM(gpt_oss, **SMALL, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm, prompts) == want
     finally:
         llm.shutdown()
 
