@@ -68,6 +68,8 @@ class InFlight:
                    ) -> tuple[dict[str, int], torch.Tensor] | None:
         """For `build_inputs`: each request's row in the tokens (on the device) it needs from
         this step, and those tokens; None where there are none."""
+        if not self.parts:  # a step of KV transfers only
+            return None
         if len(self.parts) == 1:
             part = self.parts[0]
             tokens = part.device_tokens() if part.result is None else None

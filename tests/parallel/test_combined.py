@@ -7,11 +7,9 @@ with one sentence."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from tiny_hf import save_scaled
+from tiny_hf import prefix_prompts, save_scaled
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
@@ -58,11 +56,7 @@ def gpt_oss(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    shared = [rng.randrange(2, VOCAB - 1) for _ in range(32)]
-    return [shared[: rng.randint(16, 32)] + [rng.randrange(2, VOCAB - 1)
-                                              for _ in range(rng.randint(4, 24))]
-            for _ in range(8)]
+    return prefix_prompts(VOCAB, 8, 32, (4, 24))
 
 
 def _tokens(llm: LLM, prompts) -> list[list[int]]:
@@ -112,21 +106,18 @@ def test_gpt_oss_tensor_parallel(gpt_oss, prompts):
         llm.shutdown()
 
 
-def test_kv_tiers_and_queries_across_ranks(tiny_llama):
+def test_kv_tiers_and_queries_across_ranks(tiny_llama, tmp_path):
     path = tiny_llama(0.15)
-    rng = random.Random(1)
-    shared = [rng.randrange(2, VOCAB - 1) for _ in range(40)]
     # more than the device's 48 blocks: the second round finds their prefixes in host RAM
-    prompts = [shared[: rng.randint(20, 40)] + [rng.randrange(2, VOCAB - 1)
-                                                 for _ in range(rng.randint(10, 40))]
-               for _ in range(10)]
+    prompts = prefix_prompts(VOCAB, 10, 40, (10, 40), seed=1)
     one = LLM(path, **SMALL, kv_offload_ram="1MiB")
     want = [_tokens(one, prompts), _tokens(one, prompts)]
     assert one.engine.stats()["kv_offload_ram_hit_tokens"] > 0
     ids = prompts[0]
     want_score = one.engine.executor.query("score", ids)
     want_scales = one.engine.executor.query("kv_scales")
-    llm = LLM(path, **SMALL, kv_offload_ram="1MiB", tensor_parallel_size=2)
+    llm = LLM(path, **SMALL, kv_offload_ram="1MiB", kv_offload_disk=str(tmp_path),
+              tensor_parallel_size=2)
     try:
         assert [_tokens(llm, prompts), _tokens(llm, prompts)] == want
         stats = llm.engine.stats()
