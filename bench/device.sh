@@ -39,7 +39,7 @@
 #                  1000 x (1000, 1000) at TP=GPUS against TP=1, and PP=GPUS against TP=GPUS;
 #                  PAR_ARGS adds flags (e.g. "--num-prompts 256"); on one GPU: TP=1 and PP=1;
 #                  PAR_STAGES="mp1 placement" on one GPU: the multi-process executor at world
-#                  size 1 against one process, and PP over cuda + cpu (--cpu-layers, 2)
+#                  size 1 against one process, and PP over cuda + cpu (--cpu-layers, 1)
 #   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
 #                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
 #                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)

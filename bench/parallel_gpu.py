@@ -8,15 +8,17 @@
   mp1      one GPU: the same workload through the multi-process executor at world size 1
            against the engine's own process (the executor's cost), and their greedy tokens
   placement  one GPU and the host: PP=2 over --placement cuda=L-C,cpu=C (the last --cpu-layers
-           layers on the CPU) against the whole model on the GPU: batch-1 decode and greedy
-           tokens (a CPU stage runs the CPU kernels, so tokens may part after a while in bf16)
+           layers, 1 by default, on the CPU) against the whole model on the GPU: batch-1 decode
+           and greedy tokens (a CPU stage runs the CPU kernels: in bf16 tokens may part)
 
     python bench/parallel_gpu.py --gpus 2 --stages decode offline pp
     python bench/parallel_gpu.py --gpus 1 --stages decode offline pp --num-prompts 64  # 1 GPU
     python bench/parallel_gpu.py --gpus 1 --stages mp1 placement --num-prompts 256
 
 With --gpus 1 every stage runs (TP=1, PP=1), as a check of the script on one GPU. Each stage
-writes bench/results/parallel/<stage>-h200-<model>-gpus<N>.json (--out-dir).
+writes bench/results/parallel/<stage>-h200-<model>-gpus<N>.json (--out-dir). --smoke runs the
+one-GPU stages (mp1, placement) on the CPU with a tiny random model and a few requests, seconds
+(a check that the script works, in CI).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 
 from skyline.bench.floor import copy_bandwidth
 from skyline.bench.offline import machine_info, random_prompts, run_offline, save_json
+from skyline.bench.smoke import tiny_model
 from skyline.engine.args import EngineArgs
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
@@ -39,14 +42,15 @@ from skyline.types import SamplingParams
 
 def stamp(args: argparse.Namespace) -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "model": args.model, "gpus": args.gpus, "machine": machine_info("cuda"),
+            "model": args.model, "gpus": args.gpus,
+            "machine": machine_info("cpu" if args.smoke else "cuda"),
             "command": "python bench/parallel_gpu.py " + " ".join(sys.argv[1:])}
 
 
 def stage_decode(args: argparse.Namespace) -> dict[str, Any]:
     bw = copy_bandwidth(torch.device("cuda:0"))  # before any engine takes memory
     torch.cuda.empty_cache()
-    llm = LLM(args.model, load_format="dummy", tensor_parallel_size=args.gpus, max_num_seqs=8,
+    llm = LLM(args.model, **args.engine, tensor_parallel_size=args.gpus, max_num_seqs=8,
               max_model_len=args.prompt_len + args.new_tokens + 16)
     try:
         cost = llm.query("model_cost")
@@ -78,7 +82,7 @@ def stage_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _offline(args: argparse.Namespace, **parallel: int) -> dict[str, Any]:
-    engine = EngineArgs(model=args.model, load_format="dummy", max_num_seqs=args.max_num_seqs,
+    engine = EngineArgs(model=args.model, **args.engine, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.input_len + args.output_len + 16, **parallel)
     return run_offline(engine, args.num_prompts, args.input_len, args.output_len, None)
 
@@ -131,7 +135,7 @@ def stage_mp1(args: argparse.Namespace) -> dict[str, Any]:
                                  ("uni", {"distributed_executor": "uni"})])
     tokens = []
     for executor in ("mp", "uni"):
-        llm = LLM(args.model, load_format="dummy", distributed_executor=executor,
+        llm = LLM(args.model, **args.engine, distributed_executor=executor,
                   max_model_len=256, max_num_seqs=16)
         try:
             tokens.append(_greedy(llm, 16, 64))
@@ -145,7 +149,7 @@ def stage_mp1(args: argparse.Namespace) -> dict[str, Any]:
 def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
     rows, tokens, kw = [], [], {}
     for label in ("gpu", "gpu+cpu"):
-        llm = LLM(args.model, load_format="dummy", max_model_len=256, max_num_seqs=4, **kw)
+        llm = LLM(args.model, **args.engine, max_model_len=256, max_num_seqs=4, **kw)
         try:
             tokens.append(_greedy(llm, 4, 32))
             arch = llm.config.model.arch
@@ -159,7 +163,8 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
             llm.shutdown()
         rows.append({"layout": label, **kw, "decode_tokens_per_s": rate})
         print(f"placement {label} {kw}: batch-1 decode {rate:.1f} tok/s")
-        kw = {"placement": f"cuda={arch.num_layers - args.cpu_layers},cpu={args.cpu_layers}"}
+        first = "cpu" if args.smoke else "cuda"  # --smoke: two CPU stages
+        kw = {"placement": f"{first}={arch.num_layers - args.cpu_layers},cpu={args.cpu_layers}"}
     same = _same_prefix(tokens[0], tokens[1])
     print(f"placement: greedy tokens equal before the first difference: {same:.2f}")
     return {"benchmark": "parallel_placement", **stamp(args), "cpu_layers": args.cpu_layers,
@@ -182,16 +187,26 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, default=1024)
-    ap.add_argument("--cpu-layers", type=int, default=2,
+    ap.add_argument("--cpu-layers", type=int, default=1,
                     help="placement: the layers of the model's CPU stage")
     ap.add_argument("--out-dir", default="bench/results/parallel")
+    ap.add_argument("--smoke", action="store_true",
+                    help="mp1 and placement on the CPU, a tiny model, a few requests")
     args = ap.parse_args()
-    if not torch.cuda.is_available() or args.gpus < 1:
+    args.engine = {"load_format": "dummy"}
+    where = "h200"
+    if args.smoke:
+        args.engine = {"device": "cpu", "load_format": "dummy"}
+        args.model, args.gpus, where = tiny_model(), 1, "smoke"
+        args.stages = ["mp1", "placement"]
+        args.num_prompts, args.input_len, args.output_len, args.max_num_seqs = 4, 16, 4, 4
+    elif not torch.cuda.is_available() or args.gpus < 1:
         sys.exit("parallel_gpu.py needs CUDA GPUs")
     for name in args.stages:
         result = STAGES[name](args)
-        model = os.path.basename(args.model.rstrip("/"))
-        save_json(result, os.path.join(args.out_dir, f"{name}-h200-{model}-gpus{args.gpus}.json"))
+        model = "tiny" if args.smoke else os.path.basename(args.model.rstrip("/"))
+        save_json(result, os.path.join(args.out_dir,
+                                       f"{name}-{where}-{model}-gpus{args.gpus}.json"))
 
 
 if __name__ == "__main__":
