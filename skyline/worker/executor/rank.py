@@ -139,6 +139,7 @@ def run_rank(where: RankAddress, log_level: int) -> None:
                 value = QUERIES[name](runner, *args)
                 push.send(pack(("result", rank, call_id, pickle.dumps(value))))
             elif kind == b"shutdown":
+                runner.shutdown()  # the KV tiers finish their writes
                 break
     except Exception as e:
         from skyline.config import ConfigError
