@@ -44,7 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="blocks in RAM and on disk quantized per token and head (half the "
                         "bytes of a 16-bit cache; lossy); auto: as the device holds them")
-    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-seqs", default="auto",
+                   help="running requests at most: N, or auto (GPU: from the KV cache's "
+                        "capacity and the CUDA-graph batch sizes; CPU: 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="CPU threads")

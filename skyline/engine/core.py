@@ -24,14 +24,13 @@ from skyline.cache.connector import KVConnectorScheduler
 from skyline.cache.offload import TierConnector, TierLayout
 from skyline.cache.pd import PDConnector
 from skyline.config import ConfigError, EngineConfig
+from skyline.engine.gc_tuning import GC_THRESHOLD0, fewer_collections, tune_gc  # noqa: F401
 from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, RunnerOutput, SchedulerOutput, StepOutput
 from skyline.worker.executor import make_executor
-from skyline.worker.gc_tuning import GC_THRESHOLD0, fewer_collections, tune_gc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GC_THRESHOLD0", "EngineCore", "StepObserver", "fewer_collections", "tune_gc"]
 
 class StepObserver(Protocol):
     """Told of every updated step: its scheduler output, when it was scheduled (monotonic
@@ -61,6 +60,10 @@ class EngineCore:
             sched = dataclasses.replace(config.scheduler, max_model_len=capacity)
             model = dataclasses.replace(config.model, max_model_len=capacity)
             config = dataclasses.replace(config, scheduler=sched, model=model)
+        if config.scheduler.max_num_seqs_auto:  # the runner chose it from the cache's size
+            sched = dataclasses.replace(config.scheduler,
+                                        max_num_seqs=self.executor.max_num_seqs)
+            config = dataclasses.replace(config, scheduler=sched)
         self.config = config
         self.structured = structured
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,

@@ -191,6 +191,7 @@ class MultiProcExecutor(Executor):
             self.shutdown()
             raise
         self.num_blocks = int(ready[self.driver][0]["num_blocks"])
+        self.max_num_seqs = int(ready[self.driver][0]["max_num_seqs"])
         self._starting = False
         log.info("%d ranks ready (tensor parallel %d, %d pipeline stages)", self.world,
                  pc.tensor_parallel_size, pc.pipeline_parallel_size)

@@ -120,7 +120,8 @@ def run_rank(where: RankAddress, log_level: int) -> None:
         from skyline.worker.gc_tuning import tune_gc
 
         tune_gc()  # a rank's step loop allocates as the engine's does
-        push.send(pack(("ready", rank, {"num_blocks": runner.num_blocks})))
+        push.send(pack(("ready", rank, {"num_blocks": runner.num_blocks,
+                                               "max_num_seqs": runner.max_num_seqs})))
         driver = runner.layout.driver
         while True:
             frames = sub.recv_multipart()
