@@ -37,6 +37,12 @@
 #                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py)
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
 #                  machine's CPU (bench/host_overhead.py)
+#   parallel       bench/parallel_gpu.py on GPUS GPUs (default: all visible) for PAR_STAGES
+#                  (decode offline pp): batch-1 decode at TP=GPUS against GPUS GPUs' roofline,
+#                  1000 x (1000, 1000) at TP=GPUS against TP=1, and PP=GPUS against TP=GPUS;
+#                  PAR_ARGS adds flags (e.g. "--num-prompts 256"); on one GPU: TP=1 and PP=1;
+#                  PAR_STAGES="mp1 placement" on one GPU: the multi-process executor at world
+#                  size 1 against one process, and PP over cuda + cpu (--cpu-layers, 1)
 #   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
 #                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
 #                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)
@@ -215,6 +221,11 @@ stage_served() {
 stage_host() {
   CUDA_VISIBLE_DEVICES='' python3 bench/host_overhead.py --batch 256 1024 --context 1500 \
     --steps 60 --out "$OUT/host-overhead-h200-ctx1500$TAG.json"
+}
+
+stage_parallel() {
+  python3 bench/parallel_gpu.py --gpus "${GPUS:-$(nvidia-smi -L | wc -l)}" --model "$M" \
+    --stages ${PAR_STAGES:-decode offline pp} ${PAR_ARGS:-} --out-dir "$OUT"
 }
 
 stage_tune_attention() {

@@ -347,6 +347,12 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         sys.exit(f"skyline: error: {e}")
 
 
+def _cmd_worker(ns: argparse.Namespace) -> None:
+    from skyline.worker.executor.multiproc import run_node
+
+    sys.exit(run_node(ns.distributed_init, ns.node_rank, ns.nnodes))
+
+
 def _serve_api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
     """The API key: --api-key-file, else --api-key (with a warning: any user can read a
     command line, e.g. in `ps`), else $SKYLINE_API_KEY."""
@@ -457,6 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--ray: GPUs per replica (default: 1 on CUDA, 0 on the CPU)")
     add_router_args(g)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("worker", help="run this host's ranks of an engine started on another "
+                                      "host with --nnodes")
+    p.add_argument("--distributed-init", required=True, metavar="tcp://HOST:PORT",
+                   help="the engine's --distributed-init")
+    p.add_argument("--node-rank", type=int, required=True, help="this host's index, from 1")
+    p.add_argument("--nnodes", type=int, default=None, help="checked against the engine's")
+    p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint over several replicas")
     p.add_argument("--replica", action="append", default=[], metavar="URL",

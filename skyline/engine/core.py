@@ -31,6 +31,7 @@ from skyline.worker.executor import make_executor
 
 log = logging.getLogger(__name__)
 
+
 class StepObserver(Protocol):
     """Told of every updated step: its scheduler output, when it was scheduled (monotonic
     seconds) and how long it took (see the module docstring)."""

@@ -9,6 +9,7 @@ import os
 import torch
 
 from skyline.config import (
+    EXECUTORS,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -16,6 +17,7 @@ from skyline.config import (
     ModelArch,
     ModelConfig,
     OffloadConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpecConfig,
     parse_size,
@@ -24,6 +26,14 @@ from skyline.configs import dummy_config_dir
 from skyline.engine.args import EngineArgs
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
+from skyline.parallel.placement import (
+    Stage,
+    even_stages,
+    format_stages,
+    parse_placement,
+    plan_stages,
+)
+from skyline.parallel.shard import even_shard, head_shard
 from skyline.quant.resolve import resolve_quant_config
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH
 
@@ -160,6 +170,86 @@ def resolve_model_path(model: str | None, load_format: str) -> str:
     return model
 
 
+def _placement_device(args: EngineArgs, arch: ModelArch) -> str | None:
+    """The device an explicit --placement implies for the engine's defaults: cuda if a stage
+    is on a GPU (which must be visible), else cpu; None without one."""
+    if not args.placement or args.placement == "auto":
+        return None
+    stages = parse_placement(args.placement, arch.num_layers)
+    gpus = [int(s.device[5:]) for s in stages if s.device != "cpu"]
+    if gpus and max(gpus) >= torch.cuda.device_count():
+        raise ConfigError(f"--placement uses cuda:{max(gpus)} but "
+                          f"{torch.cuda.device_count()} GPU(s) are visible")
+    return "cuda" if gpus else "cpu"
+
+
+def _resolve_stages(args: EngineArgs, model: ModelConfig, cache: CacheConfig,
+                    device: str) -> list[Stage]:
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be at "
+                          "least 1")
+    num_layers = model.arch.num_layers
+    if not args.placement:
+        # A stage's ranks on a GPU take the GPU of their local rank.
+        kind = "cpu" if device == "cpu" else "cuda"
+        per_node = tp * pp // max(args.nnodes, 1)
+        if kind == "cuda" and per_node > 1 and per_node > torch.cuda.device_count():
+            raise ConfigError(f"{per_node} ranks a host need as many GPUs; "
+                              f"{torch.cuda.device_count()} are visible")
+        return even_stages(num_layers, [device if tp * pp == 1 else kind] * pp)
+    if tp > 1 or pp > 1:
+        raise ConfigError("--placement gives the pipeline stages and their devices itself; "
+                          "drop --tensor-parallel-size and --pipeline-parallel-size")
+    if args.placement != "auto":
+        return parse_placement(args.placement, num_layers)
+    from skyline.worker.probe import device_budgets
+
+    devices = ["cpu"] if device == "cpu" else \
+        [f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"]
+    budgets, layer_bytes, first, last = device_budgets(model, cache, devices,
+                                                       model.max_model_len)
+    stages = plan_stages(num_layers, budgets, layer_bytes, first, last)
+    log.info("--placement auto: %s (per layer: %s)", format_stages(stages),
+             ", ".join(f"{b.device} {b.seconds_per_layer * 1e3:.2f} ms" for b in budgets))
+    return stages
+
+
+def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, device: str,
+                      spec: bool, role: str) -> ParallelConfig:
+    """The stages, checked against the model: every split the layers will make, made once
+    here so that a bad size fails before any process starts."""
+    stages = _resolve_stages(args, model, cache, device)
+    tp = args.tensor_parallel_size
+    world = tp * len(stages)
+    arch = model.arch
+    for r in range(tp if tp > 1 else 0):
+        head_shard(arch.num_heads, arch.num_kv_heads, tp, r)
+        if not arch.num_experts:
+            even_shard(arch.intermediate_size, tp, r, "intermediate size")
+    if tp > 1 and arch.num_experts and arch.num_experts < tp:
+        raise ConfigError(f"{arch.num_experts} experts cannot be shared by "
+                          f"--tensor-parallel-size {tp} (each rank holds whole experts)")
+    if world > 1 and role != "both":
+        raise ConfigError(f"a {role} replica runs on one rank; drop --role or the parallel "
+                          "sizes")
+    if world > 1 and spec:
+        raise ConfigError("speculative decoding does not run with tensor or pipeline "
+                          "parallelism yet; drop --speculative-method or the parallel sizes")
+    executor = args.distributed_executor
+    if executor == "auto":
+        executor = "mp" if world > 1 else "uni"
+    if executor not in EXECUTORS:
+        raise ConfigError(f"--distributed-executor must be auto, uni or mp, got {executor!r}")
+    if world > 1 and executor == "uni":
+        raise ConfigError(f"{world} ranks need a process each; drop --distributed-executor uni")
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        stages=tuple((s.device, s.start, s.end) for s in stages),
+        executor=executor, distributed_init=args.distributed_init, nnodes=args.nnodes,
+        node_rank=args.node_rank, timeout_s=args.distributed_timeout, threads=args.threads)
+
+
 def _resolve_max_num_seqs(value: int | str | None, on_gpu: bool) -> tuple[int, bool]:
     """(max_num_seqs, chosen by the runner): "auto" on a GPU lets the runner choose up to the
     largest CUDA-graph batch once the KV cache is sized; on the CPU it is 64."""
@@ -180,7 +270,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     if args.model is not None and dummy_config_dir(args.model) == path:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
-    device = resolve_device(args.device)
+    device = _placement_device(args, arch) or resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -234,10 +324,12 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         draft_cost=0.1 if on_gpu else 0.02,
         gate=args.speculative_gate,
     )
+    parallel = _resolve_parallel(args, model_cfg, cache, device, spec.enabled, fleet.role)
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),
-                        offload=_resolve_offload(args), fleet=fleet), auto_len
+                        parallel=parallel, offload=_resolve_offload(args),
+                        fleet=fleet), auto_len
 
 
 def _resolve_offload(args: EngineArgs) -> OffloadConfig:

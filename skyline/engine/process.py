@@ -22,7 +22,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import threading
 import time
 import traceback
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import msgpack
 
 from skyline.types import Request, SamplingParams, StepOutput, TokenLogprobs
+from skyline.worker.executor.rank import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -223,18 +223,6 @@ class _EngineLoop:
             self.events.close()
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def run_engine_core(args: Any, in_addr: str, out_addr: str,
                     conn: multiprocessing.connection.Connection, log_level: int) -> None:
     """Entry point of the engine-core process (spawned)."""
@@ -242,7 +230,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
     # which a terminal or supervisor may send to the whole process group).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
     from skyline.config import ConfigError
     from skyline.engine.core import EngineCore, tune_gc

@@ -14,6 +14,7 @@ from skyline.config import ModelArch, QuantConfig
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
 from skyline.model.layers.moe import FusedExperts, Router
+from skyline.model.partition import attention_layers
 from skyline.model.registry import get_model_class
 from skyline.model.weights import held_bytes
 from skyline.quant import attach_quant_methods, finish_loading
@@ -44,11 +45,11 @@ class ModelCost:
         linears = [m for m in model.modules() if isinstance(m, (Linear, Router))]
         experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
         heads = [m for m in model.modules() if isinstance(m, LMHead)]
-        arch = model.arch
         head_bytes = sum(  # an fp8 head is read instead of the dense one
             sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
             if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
             for m in heads)
+        arch = model.arch
         fraction = arch.num_experts_per_tok / arch.num_experts if experts else 0.0
         expert_bytes = held_bytes(experts)
         expert_params = sum(3 * m.num_experts * m.hidden_size * m.intermediate_size
@@ -60,7 +61,9 @@ class ModelCost:
             head_params=sum(m.weight.numel() for m in heads),
             weight_bytes=held_bytes(linears) + head_bytes + round(expert_bytes * fraction),
             kv_bytes_per_token=kv_bytes_per_token,
-            attn_flops_per_pair=4 * arch.num_layers * arch.num_heads * arch.head_dim,
+            # the heads of the layers this model (this rank's part) runs
+            attn_flops_per_pair=4 * sum(a.num_heads * a.head_dim
+                                        for a in attention_layers(model)),
             expert_bytes=expert_bytes,
             expert_fraction=fraction,
         )

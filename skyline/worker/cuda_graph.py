@@ -77,7 +77,10 @@ def graph_shapes(max_batch: int, max_query_len: int = 1) -> list[tuple[int, int]
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int,
                  block_size: int, scratch_block: int, device: torch.device,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1,
+                 hidden_input: tuple[int, torch.dtype] | None = None) -> None:
+        """`hidden_input` (hidden size, dtype): the forward takes hidden states, not token ids
+        (a pipeline stage after the first)."""
         self.model = model
         self.shapes = graph_shapes(max_batch, max_query_len)
         self.block_size = block_size
@@ -85,7 +88,11 @@ class CudaGraphRunner:
         self.scratch_block = scratch_block
         n = max(bs * q for bs, q in self.shapes)
         seqs = max(bs for bs, _ in self.shapes)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        if hidden_input is None:
+            self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        else:  # [n, hidden]
+            self.input_ids = torch.zeros(n, hidden_input[0], dtype=hidden_input[1],
+                                         device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
         self.block_tables = torch.full((seqs, max_blocks_per_seq), scratch_block,
