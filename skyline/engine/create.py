@@ -159,6 +159,7 @@ def resolve_model_path(model: str | None, load_format: str) -> str:
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     """Returns the config and whether max_model_len was left to "auto"."""
+    _check_counts(args)
     path = resolve_model_path(args.model, args.load_format)
     if args.model is not None and dummy_config_dir(args.model) == path:
         args.load_format = "dummy"
@@ -220,6 +221,16 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
                         enforce_eager=args.enforce_eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),
                         offload=_resolve_offload(args), fleet=fleet), auto_len
+
+
+def _check_counts(args: EngineArgs) -> None:
+    """Counts a caller of the Python API may set to 0 or less (the CLI's flags refuse them)."""
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_blocks",
+                 "threads", "block_size", "num_speculative_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
 
 
 def _resolve_offload(args: EngineArgs) -> OffloadConfig:
