@@ -32,6 +32,7 @@ from skyline.worker.kv_cache import (
     kv_cache_dtype,
     num_blocks_for,
 )
+from skyline.worker.memory import check_memory
 from skyline.worker.sampler import DeviceSample, SamplingRow, prompt_logprobs, sample_on_device
 from skyline.worker.spec.proposer import HiddenStateProposer, make_proposer
 from skyline.worker.spec.verify import sample_and_verify, verify_rows
@@ -70,6 +71,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         t0 = time.perf_counter()
         torch.manual_seed(config.model.seed)
+        check_memory(config, self.device)  # one sentence, not the out-of-memory killer
         self.model = load_model(config.model, self.device)
         if self.device.type == "cpu":
             prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
