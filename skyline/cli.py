@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from skyline import progress
 from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench scripts and tests)
     NON_NEGATIVE,
     PORT,
@@ -15,6 +16,7 @@ from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench script
     Parser,
     add_engine_args,
     add_load_args,
+    add_quiet,
     add_router_args,
     add_sampling_args,
     engine_args,
@@ -94,7 +96,7 @@ def _cmd_bench_serve(ns: argparse.Namespace) -> None:
     load = dc.replace(load, base_url=ns.base_url, model=ns.model, concurrency=ns.concurrency,
                       request_rate=ns.request_rate, temperature=ns.temperature,
                       api_key=ns.api_key or os.environ.get("OPENAI_API_KEY"),
-                      progress=not ns.no_progress)
+                      progress=not (ns.no_progress or ns.quiet))
     run_serve_bench(load, workload, slos, ns.output)
 
 
@@ -388,12 +390,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="no chat template: plain completion")
     add_engine_args(p)
     add_sampling_args(p)
+    add_quiet(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     p.add_argument("--system", default=None, help="system prompt (default: none)")
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
+    add_quiet(p)
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -474,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ray-num-gpus", type=float_in(0), default=None,
                    help="--ray: GPUs per replica (default: 1 on CUDA, 0 on the CPU)")
     add_router_args(g)
+    add_quiet(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint over several replicas")
@@ -491,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", default="info", choices=_UVICORN_LEVELS,
                    help="how much the HTTP server logs")
     add_router_args(p)
+    add_quiet(p)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("bench", help="benchmarks")
@@ -504,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the device's matmul peak and copy bandwidth first and report "
                         "the run against the floor they set")
     add_engine_args(b)
+    add_quiet(b)
     b.set_defaults(func=_cmd_bench_offline)
     b = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
     b.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's API")
@@ -513,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", default=None, help="JSON file for the results (default: none)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_load_args(b)
+    add_quiet(b)
     b.set_defaults(func=_cmd_bench_serve)
 
     p = sub.add_parser("frontier", help="sweep engine settings x load levels; Pareto report")
@@ -535,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout", type=float_in(0, lo_open=True), default=600.0,
                    help="seconds a setting's server may take to start")
     add_load_args(p, sweep=True)
+    add_quiet(p)
     p.set_defaults(func=_cmd_frontier)
 
     p = sub.add_parser("quantize", help="write a quantized safetensors checkpoint")
@@ -566,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--search: calibration tokens each assignment is scored on")
     p.add_argument("--max-evals", type=POSITIVE, default=64,
                    help="--search: joint evaluations of the local search")
+    add_quiet(p)
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("train-speculator",
@@ -594,6 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft steps simulated in training (training-time test)")
     t.add_argument("--draft-vocab", type=POSITIVE, default=8192,
                    help="tokens the head may propose (the most frequent in the data)")
+    add_quiet(p)
     p.set_defaults(func=_cmd_train_speculator)
     return parser
 
@@ -612,6 +623,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     ns.argv = argv
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    progress.set_enabled(not ns.quiet)
     try:
         ns.func(ns)
     except (ConfigError, ValueError) as e:

@@ -108,6 +108,11 @@ def size(text: str) -> str:
     return text
 
 
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars (they show only when stderr is a terminal)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", "-m", default=None,

@@ -37,6 +37,7 @@ from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec, parse_len
 from skyline.configs import dummy_config_dir
 from skyline.engine.args import EngineArgs
+from skyline.progress import bar
 
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
 _NO_QUALITY = {"max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
@@ -299,6 +300,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
     # A killed sweep (SIGTERM) still stops its server: `finally` below runs on SystemExit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ref = ids = None
+    points = bar(total=len(todo), desc="frontier", unit=" points")
     for flags in settings:
         key = shlex.join(flags)
         pending = [c for c in levels if (key, c) not in done]
@@ -328,6 +330,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                                      spec.startup_timeout)
         except RuntimeError as e:
             print(f"skipped: {e}")
+            points.update(len(pending))
             for c in pending:
                 state["points"].append({"setting": key, "concurrency": c, "command": command,
                                         "quality_key": qkey, "error": str(e)[:600]})
@@ -352,6 +355,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                                             "error": str(e)[:600]})
                     _save(path, state)
                     break
+                points.update()
                 s = res["summary"]
                 bad = f", {s['failed']} failed ({res['cut_requests']} cut)" if s["failed"] else ""
                 print(f"  concurrency {c}: {s['output_throughput']:.1f} output tok/s, "
@@ -364,6 +368,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                 _save(path, state)
         finally:
             stop_server(proc)
+    points.close()
     paths = write_report(state, spec.output_dir)
     print("wrote " + ", ".join(paths))
     return state

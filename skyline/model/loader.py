@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.embedding import LMHead
@@ -20,6 +19,7 @@ from skyline.model.layers.moe import FusedExperts
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
+from skyline.progress import bar
 from skyline.quant import attach_quant_methods, finish_loading
 from skyline.quant.external import translate
 from skyline.quant.method import prepack, unpack
@@ -133,17 +133,20 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.extend(cfg.max_model_len)
+    desc = f"loading {cfg.name}"
     with torch.no_grad():
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)
         elif cfg.load_format == "safetensors":
             # another tool's quantized tensors repacked into skyline's layout as they stream
-            model.load_weights(translate(iter_safetensors(cfg.path), cfg.quant))
+            tensors = bar(iter_safetensors(cfg.path), desc=desc, unit=" tensors")
+            model.load_weights(translate(tensors, cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
             packed = cfg.quant.method == "gguf"
-            model.load_weights(iter_gguf_weights(cfg.path, cfg.arch, packed=packed))
+            tensors = iter_gguf_weights(cfg.path, cfg.arch, packed=packed)
+            model.load_weights(bar(tensors, desc=desc, unit=" tensors"))
         else:
             raise ConfigError(
                 f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"
@@ -243,8 +246,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) for every tensor of the checkpoint, one tensor in memory at a time;
     the caller copies each into its parameter."""
     files = safetensors_files(path)
-    for file in tqdm(files, desc="Loading safetensors shards", unit="shard",
-                     disable=len(files) < 2):
+    for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
             names = list(handle.keys())
