@@ -49,34 +49,9 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
 
 def _cmd_chat(ns: argparse.Namespace) -> None:
     from skyline.engine.frontend.llm import LLM
+    from skyline.tools.chat import run_chat
 
-    llm = LLM(**dataclasses.asdict(engine_args(ns)))
-    params = sampling_params(ns)
-    history: list[dict[str, str]] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print(f"skyline chat: {llm.config.model.name} (Ctrl-D or /exit to quit, /reset to clear)")
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            history = history[:1] if ns.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = []
-        for out in llm.stream(llm.render_chat(history), params):
-            reply.append(out.outputs[0].text)
-            sys.stdout.write(out.outputs[0].text)
-            sys.stdout.flush()
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    run_chat(LLM(**dataclasses.asdict(engine_args(ns))), sampling_params(ns), ns.system)
 
 
 def _cmd_bench_offline(ns: argparse.Namespace) -> None:
