@@ -103,6 +103,7 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
 def _cmd_quantize(ns: argparse.Namespace) -> None:
     from skyline.engine.create import create_engine_config
     from skyline.tools.quantize.checkpoint import quantize_checkpoint
+    from skyline.tools.quantize.sizes import size_report
 
     text = None
     if ns.calib_file is not None and ns.calib_self:
@@ -146,10 +147,12 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
             search_tokens=ns.search_tokens, max_evals=ns.max_evals)
         print(table(report))
         print(f"wrote {ns.out} (checkpoint, assignment.json, report.json)")
+        print(size_report(ns.out, ns.model_path, "mixed formats"))
         return
     meta = quantize_checkpoint(cfg.model, ns.format, ns.out, ns.group_size, calib_text=text,
                                calib_tokens=ns.calib_tokens or 4096)
     print(f"wrote {ns.out} ({meta['format']}, calibration: {meta['calibration']['source']})")
+    print(size_report(ns.out, ns.model_path, ns.format))
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:

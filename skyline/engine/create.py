@@ -61,9 +61,11 @@ def resolve_device(device: str) -> str:
 CPU_BF16_KERNEL_FORMATS = ("int4", "int8", "mxfp4")
 
 
-def _resolve_dtype(dtype: str, device: str, model_dtype: str | None) -> str:
+def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, quant_method: str) -> str:
     if dtype == "auto":
         if device == "cpu":
+            if quant_method in CPU_BF16_KERNEL_FORMATS:
+                return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
             return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
     if dtype not in _DTYPE_ALIASES:
@@ -165,7 +167,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
     device = resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype)
+    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
+    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, quant.method)
     if args.threads:
         torch.set_num_threads(args.threads)
     auto_len = args.max_model_len is None
@@ -177,11 +180,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
-    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
     if device == "cpu" and dtype == "float32" and quant.method in CPU_BF16_KERNEL_FORMATS:
-        log.warning("--quantization %s on the CPU in float32 dequantizes every layer at every "
-                    "call; --dtype bfloat16 runs it on torch's int4 kernel, several times "
-                    "faster (BENCHMARKS.md)", quant.method)
+        log.warning("%s weights on the CPU in float32 (--dtype float32) dequantize every layer "
+                    "at every call; --dtype auto or bfloat16 runs them on torch's int4 kernel, "
+                    "several times faster (BENCHMARKS.md)", quant.method)
     if args.quantize_lm_head:
         quant = dataclasses.replace(quant, lm_head=True)
     model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,
