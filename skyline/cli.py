@@ -24,6 +24,7 @@ from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench script
     host,
     int_in,
     load_specs,
+    port_range,
     router_config,
     sampling_params,
     strip_flags,
@@ -96,7 +97,7 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
                         output_dir=ns.output_dir, quality=ns.quality,
                         reference_flags=ns.reference_flags, calib_tokens=ns.calib_tokens,
                         num_gpus=ns.num_gpus, percentile=ns.percentile,
-                        startup_timeout=ns.startup_timeout)
+                        startup_timeout=ns.startup_timeout, ports=ns.port)
     run_frontier(spec, load, workload, slos, parse_flags, dry_run=ns.dry_run)
 
 
@@ -520,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency percentile of the per-user axes")
     p.add_argument("--startup-timeout", type=float_in(0, lo_open=True), default=600.0,
                    help="seconds a setting's server may take to start")
+    p.add_argument("--port", type=port_range, default=None, metavar="PORT|LO-HI",
+                   help="the port of each setting's server (one runs at a time): this one, or "
+                        "the first free one in LO-HI (default: any free port)")
     add_load_args(p, sweep=True)
     add_quiet(p)
     p.set_defaults(func=_cmd_frontier)

@@ -85,6 +85,15 @@ _HOST_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9
                         r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
 
 
+def port_range(text: str) -> tuple[int, int]:
+    """An argparse type: a port N, or a range LO-HI, as (LO, HI)."""
+    lo, sep, hi = text.partition("-")
+    first, last = PORT(lo), PORT(hi) if sep else PORT(lo)
+    if last < first:
+        raise argparse.ArgumentTypeError(f"must be a port or a range LO-HI, got {text!r}")
+    return first, last
+
+
 def host(text: str) -> str:
     """An argparse type: an IP address or a well-formed host name (resolved at bind time)."""
     try:
