@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import ipaddress
 import re
 from collections.abc import Callable
@@ -34,6 +35,19 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kw: Any) -> None:
         kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kw)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        # Unknown flags are reported by the command that got them (`skyline serve: error:
+        # unrecognized arguments: --prot 80; did you mean --port?`), not by `skyline`.
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            leaf: argparse.ArgumentParser = getattr(ns, "leaf_parser", self)
+            known = [o for a in leaf._actions for o in a.option_strings]
+            close = [m for e in extra if e.startswith("--")
+                     for m in difflib.get_close_matches(e.split("=")[0], known, 1, 0.75)]
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            leaf.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return ns
 
     def error(self, message: str) -> NoReturn:
         m = re.match(r"argument ([^:/]+)(?:/[^:]*)?: (.*)", message, re.S)
@@ -118,8 +132,10 @@ def size(text: str) -> str:
 
 
 def add_quiet(p: argparse.ArgumentParser) -> None:
+    """`--quiet`, on every command (each of which calls this last)."""
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars (they show only when stderr is a terminal)")
+    p.set_defaults(leaf_parser=p)  # the command that reports an unknown flag
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -85,3 +85,15 @@ def test_host_not_of_this_machine_says_so_not_pick_a_port():
         bind_socket("203.0.113.7", 8123)  # TEST-NET-3: never a local address
     assert "--host must be an address of this machine" in str(e.value)
     assert "--port" not in str(e.value)
+
+
+def test_unknown_flag_is_reported_by_its_command_with_the_closest_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--max-model-length", "5"])
+    assert capsys.readouterr().err == (
+        "skyline generate: error: unrecognized arguments: --max-model-length 5; did you mean "
+        "--max-model-len? (see 'skyline generate --help')\n")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "offline", "--zzz"])
+    assert capsys.readouterr().err.startswith(
+        "skyline bench offline: error: unrecognized arguments: --zzz (see")
