@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, help="same as --model")
     p.add_argument("--host", type=host, default="127.0.0.1",
                    help="the address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=PORT, default=8000, help="the port to listen on")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="the port to listen on (0: any free one, printed at start)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(visible in ps: prefer --api-key-file or $SKYLINE_API_KEY; default: "

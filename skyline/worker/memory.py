@@ -7,16 +7,19 @@ out-of-memory killer half-way through loading."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
 
 from skyline.config import ConfigError, EngineConfig, ModelConfig
 from skyline.model.cost import meta_model
-from skyline.model.loader import DTYPES
+from skyline.model.loader import DTYPES, prepack_for_cpu
 from skyline.model.weights import held_bytes
 from skyline.quant.resolve import resolve_quant_config
 from skyline.worker.kv_cache import bytes_per_block, kv_cache_dtype, num_blocks_for
+
+log = logging.getLogger(__name__)
 
 # Memory the process needs beyond weights and KV cache (the runtime, activations, buffers):
 # the margin a check leaves so that a model that "just fits" is not killed while it runs.
@@ -47,9 +50,21 @@ def free_memory(device: torch.device) -> int:
     return free
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the weights of `cfg` as the engine holds them (built on the meta device)."""
-    return held_bytes(meta_model(cfg.arch, cfg.quant, DTYPES[cfg.dtype]).modules())
+def weight_bytes(cfg: ModelConfig, device: torch.device) -> int | None:
+    """Bytes of the weights of `cfg` as the engine holds them on `device` (built on the meta
+    device, in the CPU's serving layouts there); None where a format cannot be built on meta."""
+    try:
+        model = meta_model(cfg.arch, cfg.quant, DTYPES[cfg.dtype])
+        if device.type == "cpu":
+            prepack_for_cpu(model)  # e.g. fp8 is dequantized once, to the compute dtype
+    except (RuntimeError, NotImplementedError) as e:  # a format whose setup reads values
+        log.info("the weights' size of %s is not known before loading (%s); not checking "
+                 "free memory", cfg.quant.method, e)
+        return None
+    held = held_bytes(model.modules())
+    if cfg.quant.method == "gguf":  # blocks kept packed: they arrive with the file
+        held = max(held, os.path.getsize(cfg.path))
+    return held
 
 
 def _gb(n: int) -> str:
@@ -60,7 +75,9 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
     """Raise ConfigError, naming what fits, when the weights (and on a CPU the KV cache) will
     not fit in `device`'s free memory. On a GPU the KV cache takes what the weights leave."""
     m = config.model
-    weights = weight_bytes(m)
+    weights = weight_bytes(m, device)
+    if weights is None:
+        return
     kv = 0
     if device.type == "cpu":
         sc = config.scheduler
@@ -88,8 +105,8 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
             resolve_quant_config(method, m.quant.group_size, m.path, m.load_format)
         alt = dataclasses.replace(m, dtype=dtype or ("bfloat16" if device.type == "cpu"
                                                      else m.dtype), quant=quant_cfg)
-        size = weight_bytes(alt)
-        if size + kv <= free:
+        size = weight_bytes(alt, device)
+        if size is not None and size + kv <= free:
             options.append(f"{flags} ({_gb(size)})")
     hint = f"use {' or '.join(options)}" if options else "use a smaller model or a larger machine"
     raise ConfigError(f"{need} but {_gb(free)} is free on {where} (keeping "

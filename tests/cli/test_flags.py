@@ -38,7 +38,8 @@ def test_every_flag_has_help_that_gives_its_default():
 
 
 @pytest.mark.parametrize("argv, line", [
-    ("serve --port 99999", "skyline serve: error: --port must be in 1..65535, got 99999"),
+    ("serve --port 99999", "skyline serve: error: --port must be in 0..65535, got 99999"),
+    ("router --port 0", "skyline router: error: --port must be in 1..65535, got 0"),
     ("serve --port http", "skyline serve: error: --port must be a whole number, got 'http'"),
     ("serve --host 256.1.1.1", "skyline serve: error: --host must be an IP address"),
     ("serve --host bad_name!", "skyline serve: error: --host must be an IP address"),
@@ -71,7 +72,7 @@ def test_the_command_prints_one_line_and_no_usage():
     r = subprocess.run([sys.executable, "-m", "skyline.cli", "serve", "--port", "99999"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == ("skyline serve: error: --port must be in 1..65535, got 99999 "
+    assert r.stderr == ("skyline serve: error: --port must be in 0..65535, got 99999 "
                         "(see 'skyline serve --help')\n")
 
 

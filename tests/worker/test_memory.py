@@ -43,7 +43,7 @@ def test_8b_in_float32_on_a_24gb_machine_names_what_fits(monkeypatch):
 def test_weights_fit_but_the_kv_cache_asked_for_does_not(monkeypatch):
     cfg, _ = create_engine_config(EngineArgs(device="cpu", kv_cache_memory="8GiB",
                                              max_model_len=8192))
-    weights = memory.weight_bytes(cfg.model)
+    weights = memory.weight_bytes(cfg.model, CPU)
     assert 0.3e9 < weights < 0.8e9  # the default model's 135M parameters in float32
     _free(monkeypatch, 2)
     with pytest.raises(ConfigError, match=r"and the KV cache 8\.6 GB \(--kv-cache-memory\) but "
@@ -53,3 +53,21 @@ def test_weights_fit_but_the_kv_cache_asked_for_does_not(monkeypatch):
 
 def test_free_memory_reads_this_machine():
     assert 0 < memory.free_memory(CPU) < 1 << 50
+
+
+def test_cpu_serving_layouts_and_packed_gguf_count():
+    # fp8 on a CPU is dequantized once at load, to the compute dtype: as large as float32
+    cfg, _ = create_engine_config(EngineArgs(model="qwen3-8b", load_format="dummy",
+                                             device="cpu", quantization="fp8"))
+    assert memory.weight_bytes(cfg.model, CPU) > 30e9
+    # GGUF blocks kept packed: at least the file
+    cfg, _ = create_engine_config(EngineArgs(device="cpu", dtype="bfloat16",
+                                             quantization="gguf"))
+    assert memory.weight_bytes(cfg.model, CPU) >= 98e6
+
+
+def test_a_format_not_built_on_meta_is_not_checked(monkeypatch):
+    cfg, _ = create_engine_config(EngineArgs(model="llama-3.1-8b", load_format="dummy",
+                                             device="cpu", quantization="nvfp4"))
+    _free(monkeypatch, 1)
+    memory.check_memory(cfg, CPU)  # its size is unknown before loading: no refusal
