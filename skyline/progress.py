@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 from tqdm import tqdm
@@ -27,8 +27,30 @@ def set_enabled(on: bool) -> None:
     LOGGER.setLevel(logging.INFO if on else logging.WARNING)
 
 
+class _Silent:
+    """A disabled bar. Not a disabled tqdm: every tqdm, disabled or not, takes a
+    multiprocessing lock (a semaphore) that a killed process leaves behind."""
+
+    def __init__(self, iterable: Iterable[Any] | None) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.iterable if self.iterable is not None else ())
+
+    def update(self, n: float = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "") -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def bar(iterable: Iterable[T] | None = None, total: float | None = None, desc: str = "",
-        unit: str = "it", **kw: Any) -> tqdm:
+        unit: str = "it", **kw: Any) -> tqdm | _Silent:
     """A tqdm bar on stderr that goes away when done; a silent pass-through when disabled."""
-    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False,
-                disable=not enabled(), dynamic_ncols=True, **kw)
+    if not enabled():
+        return _Silent(iterable)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
+                **kw)
