@@ -108,6 +108,11 @@ def port_range(text: str) -> tuple[int, int]:
     return first, last
 
 
+def count_or_auto(text: str) -> int | str:
+    """An argparse type: "auto", or a whole number of at least 1."""
+    return "auto" if text == "auto" else POSITIVE(text)
+
+
 def host(text: str) -> str:
     """An argparse type: an IP address or a well-formed host name (resolved at bind time)."""
     try:
@@ -182,8 +187,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="blocks in RAM and on disk quantized per token and head (half the "
                         "bytes of a 16-bit cache; lossy); auto: as the device holds them")
-    g.add_argument("--max-num-seqs", type=POSITIVE, default=None,
-                   help="sequences in one step (default: 64 on a CPU, 256 on a GPU)")
+    g.add_argument("--max-num-seqs", type=count_or_auto, default="auto",
+                   help="running requests at most: N, or auto (GPU: from the KV cache's "
+                        "capacity and the CUDA-graph batch sizes; CPU: 64)")
     g.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None,
                    help="tokens in one step (default: 1024 on a CPU, 8192 on a GPU)")
     g.add_argument("--seed", type=NON_NEGATIVE, default=0,

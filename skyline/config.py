@@ -292,6 +292,9 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128  # running requests at most
+    # max_num_seqs "auto": the runner chooses it once the KV cache is sized (max_num_seqs is
+    # then the bound it sized for); the engine core takes the runner's choice
+    max_num_seqs_auto: bool = False
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunk + decodes)
     max_model_len: int = 8192
     max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)

@@ -26,7 +26,7 @@ class EngineArgs:
     kv_offload_disk_size: str | int | None = None  # None: 90% of the free space
     kv_offload_policy: str = "eviction"  # eviction | eager
     kv_offload_dtype: str = "auto"  # auto | fp8 | int8: blocks in the lower tiers
-    max_num_seqs: int | None = None
+    max_num_seqs: int | str | None = "auto"  # "auto" (or None): from the KV cache on GPUs
     max_num_batched_tokens: int | None = None
     max_waiting: int = 0
     seed: int = 0

@@ -25,9 +25,12 @@ from skyline.engine.args import EngineArgs
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
 from skyline.quant.resolve import resolve_quant_config
+from skyline.worker.cuda_graph import MAX_GRAPH_BATCH
 
 log = logging.getLogger(__name__)
 
+
+CPU_MAX_NUM_SEQS = 64  # max_num_seqs "auto" on the CPU
 
 _DTYPE_ALIASES = {
     "float": "float32", "fp32": "float32", "float32": "float32",
@@ -159,6 +162,20 @@ def resolve_model_path(model: str | None, load_format: str) -> str:
     return model
 
 
+def _resolve_max_num_seqs(value: int | str | None, on_gpu: bool) -> tuple[int, bool]:
+    """(max_num_seqs, chosen by the runner): "auto" on a GPU lets the runner choose up to the
+    largest CUDA-graph batch once the KV cache is sized; on the CPU it is 64."""
+    if value is None or value == "auto":
+        return (MAX_GRAPH_BATCH, True) if on_gpu else (CPU_MAX_NUM_SEQS, False)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--max-num-seqs takes a number or auto, got {value!r}") from None
+    if n < 1:
+        raise ConfigError("--max-num-seqs must be at least 1")
+    return n, False
+
+
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     """Returns the config and whether max_model_len was left to "auto"."""
     _check_counts(args)
@@ -177,7 +194,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         log.warning("--max-model-len %d is beyond the model's trained context of %d tokens; "
                     "quality past it is not guaranteed", max_len, arch.max_position_embeddings)
     on_gpu = device.startswith("cuda")
-    max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
+    max_seqs, seqs_auto = _resolve_max_num_seqs(args.max_num_seqs, on_gpu)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
     if device == "cpu" and dtype == "float32" and quant.method in CPU_BF16_KERNEL_FORMATS:
@@ -200,7 +217,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     fleet = FleetConfig(role=args.role, kv_events_host=args.kv_events_host,
                         kv_events_port=args.kv_events_port,
                         kv_transfer_port=args.kv_transfer_port)
-    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_seqs_auto=seqs_auto,
+                            max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(
         method=args.speculative_method,
@@ -227,8 +245,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
 
 def _check_counts(args: EngineArgs) -> None:
     """Counts a caller of the Python API may set to 0 or less (the CLI's flags refuse them)."""
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_blocks",
-                 "threads", "block_size", "num_speculative_tokens"):
+    for name in ("max_model_len", "max_num_batched_tokens", "num_blocks", "threads",
+                 "block_size", "num_speculative_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")

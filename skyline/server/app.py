@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from skyline.engine.frontend.async_llm import AsyncLLM
+from skyline.engine.gc_tuning import tune_gc
 from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.chat import create_chat_completion
 from skyline.server.completions import create_completion
@@ -252,6 +253,9 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
                                 timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,
                                 http=JSONErrorProtocol)
         escape_log_controls()
+        # This process streams every request's outputs: the engine's garbage-collector
+        # settings keep full collections (a pause of every stream) rare here too.
+        tune_gc()
         servers.append(DrainingServer(config, drain))
         servers[0].run(sockets=[sock])
     finally:

@@ -23,6 +23,7 @@ class Executor:
     `execute` does both."""
 
     num_blocks: int
+    max_num_seqs: int  # the runner's (chosen by it under max_num_seqs "auto")
 
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Queue a step; returns the output of the step that was in flight, if any."""
@@ -58,6 +59,7 @@ class UniProcExecutor(Executor):
 
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
+        self.max_num_seqs = self.runner.max_num_seqs
 
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         return self.runner.launch(out)

@@ -23,7 +23,7 @@ from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
 from skyline.worker.connector import make_connector
-from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
+from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner, auto_max_num_seqs
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.kv_cache import (
     allocate_kv_cache,
@@ -98,6 +98,14 @@ class ModelRunner:
                                          sc.max_model_len, sc.max_num_seqs, peak, extra)
         if extra and self.proposer.num_blocks is None:
             self.proposer.num_blocks = self.num_blocks
+        # Running requests at most: given, or (max_num_seqs "auto") chosen now that the cache
+        # is sized; the engine core's scheduler takes this value.
+        self.max_num_seqs = sc.max_num_seqs
+        if sc.max_num_seqs_auto:
+            self.max_num_seqs, why = auto_max_num_seqs(self.num_blocks * self.block_size,
+                                                       sc.max_model_len, sc.max_num_seqs)
+            log.info("max_num_seqs %d (auto: %s; --max-num-seqs N sets it)", self.max_num_seqs,
+                     why)
         # One block past the pool's: scratch space for CUDA-graph padding rows.
         self.kv_caches = allocate_kv_cache(
             self.arch, self.num_blocks + 1, self.block_size, self.kv_dtype, self.device
@@ -124,7 +132,7 @@ class ModelRunner:
             # verification steps: each request's last token and up to k drafts
             max_q = 1 + config.spec.num_speculative_tokens if self.proposer is not None else 1
             self.graphs = CudaGraphRunner(
-                self.model, min(sc.max_num_seqs, MAX_GRAPH_BATCH),
+                self.model, min(self.max_num_seqs, MAX_GRAPH_BATCH),
                 -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device, max_q)
             self.graphs.capture()

@@ -45,6 +45,7 @@ def test_every_flag_has_help_that_gives_its_default():
     ("serve --host bad_name!", "skyline serve: error: --host must be an IP address"),
     ("generate hi --max-model-len 0", "--max-model-len must be at least 1, got 0"),
     ("chat --max-num-seqs 0", "--max-num-seqs must be at least 1, got 0"),
+    ("chat --max-num-seqs many", "--max-num-seqs must be a whole number, got 'many'"),
     ("serve --max-num-batched-tokens -5", "--max-num-batched-tokens must be at least 1, got -5"),
     ("serve --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1]"),
     ("serve --kv-cache-memory lots", "--kv-cache-memory: cannot read 'lots' as a size"),
@@ -77,7 +78,9 @@ def test_the_command_prints_one_line_and_no_usage():
 
 
 def test_api_counts_below_one_are_refused():
-    with pytest.raises(ConfigError, match="--max-num-seqs must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match="--max-model-len must be at least 1, got 0"):
+        create_engine_config(EngineArgs(max_model_len=0, device="cpu"))
+    with pytest.raises(ConfigError, match="--max-num-seqs must be at least 1"):
         create_engine_config(EngineArgs(max_num_seqs=0, device="cpu"))
 
 
