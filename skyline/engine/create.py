@@ -74,9 +74,11 @@ def resolve_device(device: str) -> str:
 CPU_BF16_KERNEL_FORMATS = ("int4", "int8", "mxfp4")
 
 
-def _resolve_dtype(dtype: str, device: str, model_dtype: str | None) -> str:
+def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, quant_method: str) -> str:
     if dtype == "auto":
         if device == "cpu":
+            if quant_method in CPU_BF16_KERNEL_FORMATS:
+                return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
             return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
     if dtype not in _DTYPE_ALIASES:
@@ -266,12 +268,14 @@ def _resolve_max_num_seqs(value: int | str | None, on_gpu: bool) -> tuple[int, b
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     """Returns the config and whether max_model_len was left to "auto"."""
+    _check_counts(args)
     path = resolve_model_path(args.model, args.load_format)
     if args.model is not None and dummy_config_dir(args.model) == path:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
     device = _placement_device(args, arch) or resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype)
+    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
+    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, quant.method)
     if args.threads:
         torch.set_num_threads(args.threads)
     auto_len = args.max_model_len is None
@@ -283,11 +287,10 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     max_seqs, seqs_auto = _resolve_max_num_seqs(args.max_num_seqs, on_gpu)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
-    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
     if device == "cpu" and dtype == "float32" and quant.method in CPU_BF16_KERNEL_FORMATS:
-        log.warning("--quantization %s on the CPU in float32 dequantizes every layer at every "
-                    "call; --dtype bfloat16 runs it on torch's int4 kernel, several times "
-                    "faster (BENCHMARKS.md)", quant.method)
+        log.warning("%s weights on the CPU in float32 (--dtype float32) dequantize every layer "
+                    "at every call; --dtype auto or bfloat16 runs them on torch's int4 kernel, "
+                    "several times faster (BENCHMARKS.md)", quant.method)
     if args.quantize_lm_head:
         quant = dataclasses.replace(quant, lm_head=True)
     model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,
@@ -330,6 +333,16 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
                         async_scheduling=_resolve_async(args.async_scheduling, device),
                         parallel=parallel, offload=_resolve_offload(args),
                         fleet=fleet), auto_len
+
+
+def _check_counts(args: EngineArgs) -> None:
+    """Counts a caller of the Python API may set to 0 or less (the CLI's flags refuse them)."""
+    for name in ("max_model_len", "max_num_batched_tokens", "num_blocks", "threads",
+                 "block_size", "num_speculative_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
 
 
 def _resolve_offload(args: EngineArgs) -> OffloadConfig:

@@ -224,14 +224,17 @@ class _EngineLoop:
 
 
 def run_engine_core(args: Any, in_addr: str, out_addr: str,
-                    conn: multiprocessing.connection.Connection, log_level: int) -> None:
-    """Entry point of the engine-core process (spawned)."""
+                    conn: multiprocessing.connection.Connection, log_level: int,
+                    progress_level: int = logging.WARNING) -> None:
+    """Entry point of the engine-core process (spawned); `progress_level`: the parent's
+    `skyline.progress` logger's (skyline/progress.py)."""
     # The parent decides when the engine stops (after draining requests on SIGTERM / Ctrl-C,
     # which a terminal or supervisor may send to the whole process group).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     exit_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
+    logging.getLogger("skyline.progress").setLevel(progress_level)
     from skyline.config import ConfigError
     from skyline.engine.core import EngineCore, tune_gc
     from skyline.engine.create import create_engine_config
@@ -306,7 +309,8 @@ class EngineProcess:
         recv, send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=run_engine_core, name="skyline-engine",
-            args=(args, in_addr, out_addr, send, logging.getLogger("skyline").getEffectiveLevel()),
+            args=(args, in_addr, out_addr, send, logging.getLogger("skyline").getEffectiveLevel(),
+                  logging.getLogger("skyline.progress").getEffectiveLevel()),
         )
         self.proc.start()
         send.close()

@@ -69,11 +69,12 @@ class ModelCost:
         )
 
 
-def meta_model_cost(arch: ModelArch, quant: QuantConfig, kv_bytes_per_token: int) -> ModelCost:
-    """The cost of a model of `arch` with weights in `quant`, built on the meta device: no
+def meta_model(arch: ModelArch, quant: QuantConfig, dtype: torch.dtype = torch.bfloat16
+               ) -> nn.Module:
+    """A model of `arch` with weights in `quant` and `dtype`, built on the meta device: no
     memory, no weights, the layouts the engine serves with (online quantization included)."""
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             m = get_model_class(arch.architecture)(arch)
@@ -82,4 +83,9 @@ def meta_model_cost(arch: ModelArch, quant: QuantConfig, kv_bytes_per_token: int
             finish_loading(m)
     finally:
         torch.set_default_dtype(prev)
-    return ModelCost.of(m, kv_bytes_per_token)
+    return m
+
+
+def meta_model_cost(arch: ModelArch, quant: QuantConfig, kv_bytes_per_token: int) -> ModelCost:
+    """The cost of a model of `arch` with weights in `quant` (see `meta_model`)."""
+    return ModelCost.of(meta_model(arch, quant), kv_bytes_per_token)

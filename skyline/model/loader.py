@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
@@ -28,6 +27,7 @@ from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.partition import partition, weight_names
 from skyline.model.registry import get_model_class
 from skyline.parallel.groups import ParallelLayout
+from skyline.progress import bar
 from skyline.quant import attach_quant_methods, finish_loading
 from skyline.quant.external import translate
 from skyline.quant.method import prepack, unpack
@@ -148,19 +148,20 @@ def load_model(cfg: ModelConfig, device: torch.device | str,
     model.requires_grad_(False)
     model.eval()
     rename = weight_names(model, layout)
+    desc = f"loading {cfg.name}"
     with torch.no_grad():
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)
         elif cfg.load_format == "safetensors":
             # another tool's quantized tensors repacked into skyline's layout as they stream
-            model.load_weights(translate(_renamed(iter_safetensors(cfg.path, rename), rename),
-                                         cfg.quant))
+            tensors = bar(iter_safetensors(cfg.path, rename), desc=desc, unit=" tensors")
+            model.load_weights(translate(_renamed(tensors, rename), cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
             packed = cfg.quant.method == "gguf"
             weights = iter_gguf_weights(cfg.path, cfg.arch, packed=packed, want=rename)
-            model.load_weights(_renamed(weights, rename))
+            model.load_weights(_renamed(bar(weights, desc=desc, unit=" tensors"), rename))
         else:
             raise ConfigError(
                 f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"
@@ -309,8 +310,7 @@ def iter_safetensors(path: str, want: Callable[[str], Any] | None = None
     """(HF name, CPU tensor) for every tensor of the checkpoint (that `want` is true of), one
     tensor in memory at a time; the caller copies each into its parameter."""
     files = safetensors_files(path)
-    for file in tqdm(files, desc="Loading safetensors shards", unit="shard",
-                     disable=len(files) < 2):
+    for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
             names = list(handle.keys())

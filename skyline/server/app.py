@@ -9,6 +9,7 @@ for streams), then stops the engine.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -172,8 +173,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
-                      "or stop the process using it") from None
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
+                          "or stop the process using it") from None
+        # Not the port: the host is no address of this machine, or its name does not resolve.
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); --host must be an address "
+                      "of this machine: 127.0.0.1 (this machine only) or 0.0.0.0 (every "
+                      "interface)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

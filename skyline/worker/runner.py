@@ -39,6 +39,7 @@ from skyline.worker.kv_cache import (
     kv_cache_dtype,
     num_blocks_for,
 )
+from skyline.worker.memory import check_memory
 from skyline.worker.sampler import (
     PROMPT_LOGPROB_ROWS,
     SamplingRow,
@@ -73,6 +74,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         t0 = time.perf_counter()
         torch.manual_seed(config.model.seed)
+        if layout is None or layout.world_size == 1:  # a rank holds its own part only
+            check_memory(config, self.device)  # one sentence, not the out-of-memory killer
         self.model = load_model(config.model, self.device, layout)
         if self.device.type == "cpu":
             prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
