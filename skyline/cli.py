@@ -471,8 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "host with --nnodes")
     p.add_argument("--distributed-init", required=True, metavar="tcp://HOST:PORT",
                    help="the engine's --distributed-init")
-    p.add_argument("--node-rank", type=int, required=True, help="this host's index, from 1")
-    p.add_argument("--nnodes", type=int, default=None, help="checked against the engine's")
+    p.add_argument("--node-rank", type=int_in(1), required=True,
+                   help="this host's index, from 1")
+    p.add_argument("--nnodes", type=int_in(2), default=None,
+                   help="checked against the engine's (default: none, not checked)")
+    add_quiet(p)
     p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint over several replicas")

@@ -237,22 +237,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallel")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                    help="ranks that split every layer (heads, MLP, vocabulary)")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int_in(1), default=1,
                    help="pipeline stages, each a share of the layers")
     g.add_argument("--placement", default=None, metavar="auto|DEVICE=LAYERS,...",
                    help="one pipeline stage per device with its layer count, e.g. "
                         "cuda:0=28,cuda:1=20,cpu=8; auto: from each device's free memory and "
-                        "measured speed, the CPU only for what the GPUs cannot hold")
+                        "measured speed, the CPU only for what the GPUs cannot hold (default: "
+                        "none: the stages split the layers evenly)")
     g.add_argument("--distributed-executor", default="auto", choices=["auto", "uni", "mp"],
                    help="mp: one process per rank (auto: beyond one rank); uni: in the "
                         "engine's process")
     g.add_argument("--distributed-init", default=None, metavar="tcp://HOST:PORT",
-                   help="where ranks of several hosts meet (the engine's host and a free port)")
-    g.add_argument("--nnodes", type=int, default=1, help="hosts sharing the ranks")
-    g.add_argument("--node-rank", type=int, default=0, help="this host's index (engine: 0)")
-    g.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="where ranks of several hosts meet (the engine's host and a free port; "
+                        "default: none, one host)")
+    g.add_argument("--nnodes", type=int_in(1), default=1, help="hosts sharing the ranks")
+    g.add_argument("--node-rank", type=int_in(0), default=0,
+                   help="this host's index (engine: 0)")
+    g.add_argument("--distributed-timeout", type=float_in(0, lo_open=True), default=600.0,
+                   metavar="SECONDS",
                    help="a rank unheard from this long stops the engine")
 
 

@@ -37,6 +37,21 @@ def test_every_flag_has_help_that_gives_its_default():
     assert "--port PORT" in text and "(default: 8000)" in text
 
 
+def _commands(parser: argparse.ArgumentParser, name: str = "skyline"):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield name, parser
+    for action in subs:
+        for sub, p in action.choices.items():
+            yield from _commands(p, f"{name} {sub}")
+
+
+def test_every_command_takes_quiet():
+    """main() reads --quiet of whatever command ran: one without it crashed before starting."""
+    assert [n for n, p in _commands(build_parser())
+            if "quiet" not in {a.dest for a in p._actions}] == []
+
+
 @pytest.mark.parametrize("argv, line", [
     ("serve --port 99999", "skyline serve: error: --port must be in 0..65535, got 99999"),
     ("router --port 0", "skyline router: error: --port must be in 1..65535, got 0"),
@@ -52,6 +67,9 @@ def test_every_flag_has_help_that_gives_its_default():
     ("generate hi --load-format foo", "--load-format: invalid choice: 'foo'"),
     ("generate hi --top-p 0", "--top-p must be in (0, 1], got 0"),
     ("bench offline --num-prompts 0", "--num-prompts must be at least 1, got 0"),
+    ("serve -tp 0", "--tensor-parallel-size must be at least 1, got 0"),
+    ("serve --distributed-timeout 0", "--distributed-timeout must be"),
+    ("worker --distributed-init tcp://h:1 --node-rank 0", "--node-rank must be at least 1"),
 ])
 def test_bad_value_is_one_line(argv, line, capsys):
     with pytest.raises(SystemExit) as e:

@@ -186,7 +186,8 @@ def test_ranks_of_another_host_join_through_the_store(llama, llama_ref):
     worker = subprocess.Popen([sys.executable, "-m", "skyline.cli", "worker", "--distributed-init",
                                init, "--node-rank", "1", "--nnodes", "2"])
     try:
-        llm = LLM(llama, **SMALL, tensor_parallel_size=2, nnodes=2, distributed_init=init)
+        llm = LLM(llama, **SMALL, tensor_parallel_size=2, nnodes=2, distributed_init=init,
+                  distributed_timeout=120)  # a worker that never joins fails the test
         try:
             assert _tokens(llm.generate(_prompts(10, seed=1), GREEDY)) == llama_ref["greedy"]
         finally:
