@@ -15,6 +15,7 @@ from skyline.config import (
     EngineConfig,
     ModelArch,
     ModelConfig,
+    QuantConfig,
     SchedulerConfig,
     SpecConfig,
     parse_size,
@@ -22,6 +23,7 @@ from skyline.config import (
 from skyline.configs import dummy_config_dir
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
+from skyline.ops import cpu_plan
 from skyline.quant.resolve import resolve_quant_config
 
 log = logging.getLogger(__name__)
@@ -98,14 +100,31 @@ def resolve_device(device: str) -> str:
 CPU_BF16_KERNEL_FORMATS = ("int4", "int8", "mxfp4")
 
 
-def _resolve_dtype(dtype: str, device: str, model_dtype: str | None) -> str:
+def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format: str) -> str:
     if dtype == "auto":
         if device == "cpu":
-            return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
+            # A GGUF file is served as this CPU runs it fastest (ops/cpu_plan.py: bfloat16
+            # where its products are native); other checkpoints in float32, exactly.
+            return _DTYPE_NAMES[cpu_plan.plan().dtype] if load_format == "gguf" else "float32"
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
     if dtype not in _DTYPE_ALIASES:
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPE_ALIASES[dtype]
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _resolve_quant(args: EngineArgs, path: str, fmt: str, device: str) -> QuantConfig:
+    """The checkpoint's own format unless --quantization says otherwise; on a CPU with no
+    --dtype either, a GGUF file keeps its blocks packed where this CPU's plan runs them on
+    the int4 kernel (quant/gguf.py). An explicit --dtype float32 is the exact path: blocks
+    dequantized to float32 at load."""
+    method = args.quantization
+    if (method in (None, "auto") and device == "cpu" and fmt == "gguf"
+            and args.dtype == "auto" and cpu_plan.plan().gguf_packed):
+        method = "gguf"
+    return resolve_quant_config(method, args.quant_group_size, path, fmt)
 
 
 def _resolve_kv_cache_dtype(kv_dtype: str, device: str) -> str:
@@ -201,7 +220,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
     device = resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype)
+    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, fmt)
     if args.threads:
         torch.set_num_threads(args.threads)
     auto_len = args.max_model_len is None
@@ -213,7 +232,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
-    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
+    quant = _resolve_quant(args, path, fmt, device)
     if device == "cpu" and dtype == "float32" and quant.method in CPU_BF16_KERNEL_FORMATS:
         log.warning("--quantization %s on the CPU in float32 dequantizes every layer at every "
                     "call; --dtype bfloat16 runs it on torch's int4 kernel, several times "

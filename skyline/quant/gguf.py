@@ -35,7 +35,7 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.layers.linear import Linear
-from skyline.ops import cpu_int4
+from skyline.ops import cpu_int4, cpu_linear, cpu_plan
 from skyline.ops.dequant import (
     AFFINE_GROUP,
     INT4_GROUP_TYPES,
@@ -94,6 +94,9 @@ class GGUFLinearMethod:
         del layer.gguf_parts
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if hasattr(layer, "cpu_dense"):
+            dense = layer.cpu_dense
+            return (cpu_linear.unpack(dense) if dense.is_mkldnn else dense).float()
         if hasattr(layer, "gguf_qweight"):
             w = dequantize_int_ref(layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
                                    *layer.gguf_bits_group)
@@ -104,7 +107,26 @@ class GGUFLinearMethod:
             return layer.gguf_dense.float()
         return _dequantize_blocks(layer)
 
+    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+        """The layout a CPU engine serves with (loader.prepack_for_cpu; tools that read or save
+        weights never call it), by this machine's plan (ops/cpu_plan.py): the int4 kernel's
+        planes for decode-sized batches where the plan runs this layer's codes on it, and the
+        weights dequantized once to `dtype` (oneDNN-packed) for larger batches; the raw blocks
+        are dropped. From then on every input takes one of the two."""
+        cpu = cpu_plan.plan()
+        types = [int(t) for t in layer.gguf_types]
+        rows = cpu.int4_rows if all(t in INT4_GROUP_TYPES for t in types) else cpu.int4_wide_rows
+        layer.cpu_planes = _pack_int4(layer) if rows else None
+        layer.cpu_plane_rows = rows if layer.cpu_planes is not None else 0
+        dense = _dequantize_blocks(layer).to(dtype)
+        layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
+        for i in range(len(layer.gguf_types)):
+            delattr(layer, f"gguf_w{i}")
+        return True
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(layer, "cpu_dense"):
+            return _serve_cpu(layer, x)
         if x.is_cuda and _cuda_ready(layer, x.dtype):
             if not hasattr(layer, "gguf_qweight"):
                 return F.linear(x, layer.gguf_dense, layer.bias)
@@ -114,6 +136,17 @@ class GGUFLinearMethod:
                 return F.linear(x, layer.gguf_dense.to(x.dtype), layer.bias)
             return cpu_int4.planes_linear(x, layer.gguf_int4, layer.bias)
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
+
+
+def _serve_cpu(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
+    dense weights."""
+    if x.numel() <= layer.cpu_plane_rows * layer.in_features:
+        return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
+    dense = layer.cpu_dense
+    if dense.is_mkldnn:
+        return cpu_linear.packed_linear(x, dense, layer.bias)
+    return F.linear(x, dense, layer.bias)
 
 
 def _dequantize_blocks(layer: Linear) -> torch.Tensor:
