@@ -35,6 +35,7 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     shape_key,
 )
 from skyline.ops.attention_triton import triton
+from skyline.ops.cpu_attention import decode_attention_cpu
 from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
@@ -178,6 +179,21 @@ def _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, f
                                k_scale, v_scale)
 
 
+def _paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                         num_decodes, seq_lens_tensor, k_scale, v_scale) -> torch.Tensor:
+    # paged_attention_ref's contract, its decodes in a few operations (ops/cpu_attention.py)
+    lens_t = None if seq_lens_tensor is None else seq_lens_tensor[:num_decodes]
+    dec = decode_attention_cpu(q[:num_decodes], kv_cache, seq_lens[:num_decodes],
+                               block_tables[:num_decodes], scale, lens_t, k_scale, v_scale)
+    if num_decodes == len(seq_lens):
+        return dec
+    out = torch.empty_like(q)
+    out[:num_decodes] = dec
+    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
+             k_scale, v_scale)
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -197,6 +213,9 @@ def paged_attention(
     size that is a power of two and a multiple of 32) returns [T, H * D] rounded for the W4A8
     GEMV, as Int8Chunks, from that kernel; otherwise the plain output."""
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
+        if q.device.type == "cpu" and num_decodes:
+            return _paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables,
+                                        scale, num_decodes, seq_lens_tensor, k_scale, v_scale)
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                    num_decodes, seq_lens_tensor, k_scale, v_scale)
     if len(seq_lens) == num_decodes:  # a pure decode batch
