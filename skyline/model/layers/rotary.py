@@ -15,11 +15,7 @@ from torch import nn
 
 from skyline.config import ConfigError
 from skyline.ops.kv_write import KVWrite, write_kv
-from skyline.ops.rotary import rotary_cpu, rotary_embedding, rotation_matrices
-
-# A CPU forward of at most this many tokens rotates q and k with one batched matmul a layer
-# (ops/rotary.py rotary_cpu); larger ones take the elementwise reference.
-CPU_ROTATION_TOKENS = 64
+from skyline.ops.rotary import rotary_cpu, rotary_embedding, rotation_operands
 
 
 def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -134,7 +130,7 @@ class RotaryEmbedding(nn.Module):
         # Built on the default device (the loader's `with torch.device(...)`), in float32.
         self.register_buffer("cos_sin_cache", self._table(max_position, None), persistent=False)
         self._rot_key: tuple[torch.Tensor | None, torch.dtype | None] = (None, None)
-        self._rot = torch.empty(0)
+        self._rot = (torch.empty(0), torch.empty(0))
 
     def _table(self, n: int, device: torch.device | None) -> torch.Tensor:  # [n, head_dim]
         t = torch.arange(n, dtype=torch.float32, device=device)
@@ -158,18 +154,19 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by their positions; on CUDA in place (one kernel, which also writes
         the cache when given `kv`), and returned."""
-        if q.device.type == "cpu" and q.shape[0] <= CPU_ROTATION_TOKENS:
-            q, k = rotary_cpu(self._rotation(positions, q.dtype), q, k)
+        if q.device.type == "cpu":
+            q, k = rotary_cpu(*self._operands(positions, q.dtype), q, k)
             if kv is not None:
                 write_kv(k, kv.v, kv.kv_cache, kv.slot_mapping, kv.k_scale, kv.v_scale)
             return q, k
         return rotary_embedding(positions, q, k, self.cos_sin_cache, kv=kv)
 
-    def _rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # Every layer of a forward pass rotates by the same positions tensor: its matrices are
+    def _operands(self, positions: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a forward pass rotates by the same positions tensor: its operands are
         # made once (the tensor is held, so a later one cannot reuse its id).
         if self._rot_key[0] is not positions or self._rot_key[1] != dtype:
-            self._rot = rotation_matrices(positions, self.cos_sin_cache, dtype)
+            self._rot = rotation_operands(positions, self.cos_sin_cache, dtype)
             self._rot_key = (positions, dtype)
         return self._rot
 
