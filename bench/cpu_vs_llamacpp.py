@@ -130,6 +130,41 @@ def skyline_decode_prefill(llm: LLM, prompt_len: int, gen_len: int) -> tuple[flo
     return decode, prompt_len / (time.perf_counter() - t)
 
 
+def decode_breakdown(llm: LLM, gen_len: int) -> dict[str, float]:
+    """Where a batch-1 decode step's time goes: the Linear and LM-head products (the int4
+    kernel's and oneDNN's calls, timed by wrapping them) against everything else, the host
+    work of the step (the other operations, their Python dispatch, scheduling, sampling)."""
+    from skyline.ops import cpu_int4, cpu_linear
+
+    spent = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return call
+
+    saved = cpu_int4.planes_mm, cpu_linear.packed_linear
+    cpu_int4.planes_mm, cpu_linear.packed_linear = timed(saved[0]), timed(saved[1])
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([[100]], params)
+        first, first_mm = time.perf_counter() - t, spent[0]
+        t = time.perf_counter()
+        llm.generate([[100]], SamplingParams(temperature=0.0, max_tokens=gen_len + 1,
+                                             ignore_eos=True))
+        wall = time.perf_counter() - t - first
+        mm = spent[0] - 2 * first_mm
+    finally:
+        cpu_int4.planes_mm, cpu_linear.packed_linear = saved
+    return {"step_ms": 1e3 * wall / gen_len, "products_ms": 1e3 * mm / gen_len,
+            "other_ms": 1e3 * (wall - mm) / gen_len, "products_share": mm / wall}
+
+
 def llama_bench(llama_bin: str, model: str, threads: int, prompt_len: int, gen_len: int
                 ) -> tuple[float, float]:
     """(tg tok/s, pp tok/s) of one llama-bench repetition (after its own warm-up run)."""
@@ -169,9 +204,13 @@ def bench_offline(model: str, ns: argparse.Namespace, bandwidth: float) -> dict[
                   flush=True)
     cfg = llm.engine.config.model
     sky_bytes = step_bytes(llm, ns.gen_len // 2)
+    breakdown = decode_breakdown(llm, ns.gen_len)
+    print(f"  skyline batch-1 step {breakdown['step_ms']:.2f} ms: products "
+          f"{breakdown['products_ms']:.2f} ms, the rest {breakdown['other_ms']:.2f} ms", flush=True)
     out: dict[str, Any] = {
         "skyline_defaults": {"dtype": cfg.dtype, "quantization": cfg.quant.method},
         "decode_b1_tok_s": dec, "prefill_tok_s": pre,
+        "decode_step_breakdown": breakdown,
         "decode_step_bytes": {"skyline": sky_bytes, "llama.cpp": os.path.getsize(model)},
         "decode_floor_tok_s": {"skyline": bandwidth / sky_bytes,
                                "llama.cpp": bandwidth / os.path.getsize(model)},
