@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from skyline.ops.attention import _decode_ref, paged_attention, paged_attention_ref
-from skyline.ops.cpu_attention import decode_attention_cpu
+from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
 from skyline.ops.kv_quant import FP8_DTYPE
+from skyline.ops.kv_write import write_kv, write_kv_ref
 from skyline.ops.norm import rms_norm_cpu, rms_norm_ref
 from skyline.ops.rotary import rotary_cpu, rotary_embedding_ref, rotation_operands
 
@@ -82,10 +83,11 @@ def test_decode_attention_cpu(dtype, lens, heads, kv_heads, d, bs):
     q = torch.randn(len(lens), heads, d).to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     want = _decode_ref(q, cache, lens, tables, d**-0.5, lens_t, 1.0, 1.0)
-    got = decode_attention_cpu(q, cache, lens, tables, d**-0.5, lens_t)
+    got = decode_attention_cpu(q, cache, decode_gather(lens, tables, bs, lens_t), d**-0.5)
     assert not got.isnan().any()
     close(got, want)
-    close(decode_attention_cpu(q, cache, lens, tables, d**-0.5), want)  # lengths from the list
+    gather = decode_gather(lens, tables, bs)  # lengths from the list
+    close(decode_attention_cpu(q, cache, gather, d**-0.5), want)
 
 
 def test_decode_attention_cpu_fp8_cache_scales():
@@ -94,7 +96,20 @@ def test_decode_attention_cpu_fp8_cache_scales():
     cache = cache.clamp(-4, 4).to(FP8_DTYPE)
     q = torch.randn(2, 4, 32)
     want = _decode_ref(q, cache, lens, tables, 0.2, None, 0.5, 2.0)
-    close(decode_attention_cpu(q, cache, lens, tables, 0.2, None, 0.5, 2.0), want)
+    gather = decode_gather(lens, tables, 8)
+    close(decode_attention_cpu(q, cache, gather, 0.2, 0.5, 2.0), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_write_kv_on_cpu_is_the_reference(dtype, tokens):
+    cache = torch.randn(2, 6, 4, 2, 8).to(dtype)
+    want = cache.clone()
+    k, v = torch.randn(tokens, 2, 8).to(dtype), torch.randn(tokens, 2, 8).to(dtype)
+    slots = torch.randperm(24)[:tokens]
+    write_kv(k, v, cache, slots)
+    write_kv_ref(k, v, want, slots)
+    assert torch.equal(cache, want)
 
 
 def test_paged_attention_on_cpu_mixes_decodes_and_extends():
