@@ -12,8 +12,17 @@ from then on the layer runs every input on that kernel (other dtypes through bfl
 `dequantized_weight` reads the weights back from it. A layer with types of 16-element groups
 (Q6_K, Q2_K, Q3_K: the kernel takes groups of 32 or more) is dequantized once to bfloat16 at its
 first bfloat16 call instead, its raw blocks dropped: 16 bits a weight rather than the file's
-2.6-6.6, because dequantizing whole blocks at every call makes decode 4-5x slower. Float32 (the
-default) keeps the raw blocks and dequantizes them with ops/dequant.py at each call, exact.
+2.6-6.6, because dequantizing whole blocks at every call makes decode 4-5x slower. Float32
+keeps the raw blocks and dequantizes them with ops/dequant.py at each call, exact.
+
+A CPU engine (the default for a GGUF file on a CPU whose plan runs the int4 kernel,
+ops/cpu_plan.py) does not take those lazy paths: `prepack_cpu` builds its serving layout at
+load, by the plan: the int4 kernel's planes where the plan runs this layer's codes on it
+(decode-sized batches: up to `int4_rows` rows, 4-bit codes; `int4_wide_rows` for 5- to 8-bit
+codes), and the weights dequantized once to the model dtype and packed for oneDNN (prefill and
+many streams, where the int4 kernel's time grows with the rows and a dense product's barely
+does). The raw blocks are dropped; memory is the planes plus the dense copy (the default
+model's Linears in bfloat16: 63 + 203 MiB, against 405 MiB dequantized to float32).
 
 On CUDA, a layer's first call turns its blocks into the group-wise integer layout of
 ops/int_matmul.py (every block type with integer codes: W = (q - zero) * scale per group, the
