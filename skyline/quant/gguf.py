@@ -103,9 +103,11 @@ class GGUFLinearMethod:
         del layer.gguf_parts
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
-        if hasattr(layer, "cpu_dense"):
+        if getattr(layer, "cpu_dense", None) is not None:
             dense = layer.cpu_dense
             return (cpu_linear.unpack(dense) if dense.is_mkldnn else dense).float()
+        if getattr(layer, "cpu_planes", None) is not None:
+            return cpu_int4.planes_weight(layer.cpu_planes)
         if hasattr(layer, "gguf_qweight"):
             w = dequantize_int_ref(layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
                                    *layer.gguf_bits_group)
@@ -127,14 +129,19 @@ class GGUFLinearMethod:
         rows = cpu.int4_rows if all(t in INT4_GROUP_TYPES for t in types) else cpu.int4_wide_rows
         layer.cpu_planes = _pack_int4(layer) if rows else None
         layer.cpu_plane_rows = rows if layer.cpu_planes is not None else 0
-        dense = _dequantize_blocks(layer).to(dtype)
-        layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
+        layer.cpu_dense = None
+        dense_bytes = layer.out_features * layer.in_features * dtype.itemsize
+        if layer.cpu_planes is None or _room_for(dense_bytes):
+            dense = _dequantize_blocks(layer).to(dtype)
+            layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
+        else:  # every batch on the planes: slower prefill, but it fits
+            layer.cpu_plane_rows = 2**62
         for i in range(len(layer.gguf_types)):
             delattr(layer, f"gguf_w{i}")
         return True
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(layer, "cpu_dense"):
+        if hasattr(layer, "cpu_plane_rows"):
             return _serve_cpu(layer, x)
         if x.is_cuda and _cuda_ready(layer, x.dtype):
             if not hasattr(layer, "gguf_qweight"):
@@ -156,6 +163,23 @@ def _serve_cpu(layer: Linear, x: torch.Tensor) -> torch.Tensor:
     if dense.is_mkldnn:
         return cpu_linear.packed_linear(x, dense, layer.bias)
     return F.linear(x, dense, layer.bias)
+
+
+# The dense copies of a CPU engine's layers (prepack_cpu) are made while this share of the
+# machine's memory stays available after them (the KV cache and the rest of the process come
+# later); past it, layers that have planes serve every batch on them.
+MEMORY_RESERVE = 0.25
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more leaves MEMORY_RESERVE of the memory available (Linux's
+    /proc/meminfo; elsewhere, always)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] - nbytes >= MEMORY_RESERVE * info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
 
 
 def _dequantize_blocks(layer: Linear) -> torch.Tensor:

@@ -90,6 +90,7 @@ class _Layer(torch.nn.Module):
             self.register_buffer(f"gguf_w{i}", data)
         self.bias = None
         self.in_features = cols
+        self.out_features = sum(data.shape[0] for _, data in runs)
 
 
 @pytest.mark.parametrize("runs", [[Q.Q4_1], [Q.Q4_0, Q.Q4_K], [Q.Q8_0], [Q.Q5_0, Q.Q4_1],
@@ -120,3 +121,21 @@ def test_served_layout_follows_the_plan_and_matches_the_blocks(family, runs):
         assert (y.float() - ref).abs().max() / ref.abs().max() < tol, rows
     back = method.dequantized_weight(layer)
     assert (back - w).abs().max() / w.abs().max() < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_without_room_for_dense_copies_every_batch_takes_the_planes(monkeypatch):
+    import skyline.quant.gguf as gguf_method
+
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512"])
+    monkeypatch.setattr(gguf_method, "_room_for", lambda nbytes: False)
+    if not cpu_int4.has_kernel():
+        pytest.skip("torch lacks the CPU int4 kernel")
+    layer = _Layer([(Q.Q4_1, random_blocks(Q.Q4_1, 32, 256, 3))], 256)
+    method = GGUFLinearMethod()
+    w = method.dequantized_weight(layer)
+    method.prepack_cpu(layer, torch.float32)
+    assert layer.cpu_dense is None and layer.cpu_planes is not None
+    x = torch.randn(40, 256)  # a prefill-sized batch
+    ref = x @ w.T
+    assert (method.apply(layer, x) - ref).abs().max() / ref.abs().max() < 2e-2
+    assert (method.dequantized_weight(layer) - w).abs().max() / w.abs().max() < 1e-2
