@@ -4,7 +4,8 @@ dequantized at every call), and the weight dequantized once into bf16 and packed
 with the activations still quantized per row (what a CPU engine serves since quant/fp8.py's
 prepack_cpu). Median milliseconds per product.
 
-  python bench/cpu_fp8_matmul.py --threads 2 --out bench/results/cpu-fp8-matmul.json
+  python bench/cpu_fp8_matmul.py --threads 2 --out bench/results/cpu/cpu-fp8-matmul.json
+  python bench/cpu_fp8_matmul.py --smoke   # one shape and row count, a few calls
 """
 
 from __future__ import annotations
@@ -42,21 +43,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="one shape and row count")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows = []
-    for name, (n, k) in SHAPES.items():
+    min_s = 0.01 if a.smoke else 0.3
+    for name, (n, k) in list(SHAPES.items())[:1] if a.smoke else SHAPES.items():
         g = torch.Generator().manual_seed(n + k)
         wq, w_scale = quantize_rows_fp8(torch.randn(n, k, generator=g) * 0.05)
         w_scale = w_scale.reshape(-1)
         packed = cpu_linear.pack((wq.float() * w_scale[:, None]).to(torch.bfloat16))
-        for m in ROWS:
+        for m in ROWS[:1] if a.smoke else ROWS:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             fns = products(wq, w_scale, packed, x)
             row = {"shape": name, "n": n, "k": k, "rows": m}
             for label, fn in fns.items():
                 try:
-                    row[f"{label}_ms"] = median_call_s(fn) * 1e3
+                    row[f"{label}_ms"] = median_call_s(fn, min_s) * 1e3
                 except RuntimeError as e:  # a torch without the CPU fp8 matmul
                     row[f"{label}_ms"] = None
                     row[f"{label}_error"] = str(e).splitlines()[0]

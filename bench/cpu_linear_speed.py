@@ -5,7 +5,8 @@ counts of decode steps, verification steps and prefill chunks; float32 and bfloa
 weight read rate of the packed product (bytes / time) and whether row results depend on the
 batch (batch invariance).
 
-  python bench/cpu_linear_speed.py --threads 2 --out bench/results/cpu-linear-onednn.json
+  python bench/cpu_linear_speed.py --threads 2 --out bench/results/cpu/cpu-linear-onednn.json
+  python bench/cpu_linear_speed.py --smoke   # one dtype and projection, two row counts
 """
 
 from __future__ import annotations
@@ -30,21 +31,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one dtype and projection, two row counts")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for name, (n, k) in SHAPES.items():
+    min_s = 0.01 if a.smoke else 0.3
+    row_counts = ROWS[:1] + ROWS[3:4] if a.smoke else ROWS
+    for dtype in (torch.float32,) if a.smoke else (torch.float32, torch.bfloat16):
+        for name, (n, k) in list(SHAPES.items())[:1] if a.smoke else SHAPES.items():
             g = torch.Generator().manual_seed(n + k)
             w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
             packed = cpu_linear.pack(w)
-            x_all = torch.randn(max(ROWS), k, generator=g).to(dtype)
+            x_all = torch.randn(max(row_counts), k, generator=g).to(dtype)
             full = cpu_linear.packed_linear(x_all, packed)
             full_ref = F.linear(x_all, w)
-            for m in ROWS:
+            for m in row_counts:
                 x = x_all[:m]
-                t_ref = median_call_s(lambda x=x, w=w: F.linear(x, w))
-                t_dnn = median_call_s(lambda x=x, p=packed: cpu_linear.packed_linear(x, p))
+                t_ref = median_call_s(lambda x=x, w=w: F.linear(x, w), min_s)
+                t_dnn = median_call_s(lambda x=x, p=packed: cpu_linear.packed_linear(x, p), min_s)
                 row = {"dtype": str(dtype).removeprefix("torch."), "proj": name, "n": n, "k": k,
                        "rows": m, "f_linear_us": t_ref * 1e6, "onednn_packed_us": t_dnn * 1e6,
                        "speedup": t_ref / t_dnn,

@@ -3,7 +3,8 @@ with one engine thread, with all of them, and with all of them but small steps o
 (the engine's default, `CPU_SERIAL_TOKENS` in skyline/worker/runner.py).
 
     python bench/cpu_serve_threads.py [--threads 2] [--concurrency 1,2,4,8,16]
-        [--flags "--dtype bfloat16 --quantization gguf"] [--out bench/results/F.json]
+        [--flags "--dtype bfloat16 --quantization gguf"] [--out bench/results/cpu/F.json]
+    python bench/cpu_serve_threads.py --smoke   # one server of a tiny random model
 
 Random 128-token prompts, 128 output tokens (EOS ignored), `skyline bench serve`'s load
 generator; each variant is a fresh server. The engine and the API server are two processes:
@@ -24,6 +25,7 @@ from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.smoke import tiny_model
 from skyline.bench.workloads import WorkloadSpec
 
 
@@ -41,10 +43,20 @@ def main() -> None:
                     help="extra `skyline serve` flags")
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="one variant, one stream, a tiny random model: 4 requests of 16 + 8")
     a = ap.parse_args()
+    workload = WorkloadSpec("random", "128", "128")
+    chosen = variants(a.threads)
+    if a.smoke:
+        a.flags = (f"--model {tiny_model()} --load-format dummy --kv-cache-memory 64MiB "
+                   "--max-model-len 256")
+        a.concurrency, a.requests_per_stream, a.out = "1", 1, None
+        workload = WorkloadSpec("random", "16", "8")
+        chosen = dict(list(chosen.items())[-1:])
     levels = [int(c) for c in a.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
-    for name, (threads, serial) in variants(a.threads).items():
+    for name, (threads, serial) in chosen.items():
         os.environ["SKYLINE_CPU_SERIAL_TOKENS"] = serial
         flags = [*shlex.split(a.flags), "--threads", str(threads)]
         proc, url = start_server(flags, "/tmp/cpu-serve-threads.log", timeout=300)
@@ -53,7 +65,7 @@ def main() -> None:
                 load = LoadSpec(base_url=url, concurrency=c,
                                 num_requests=max(4, c * a.requests_per_stream), warmup=1,
                                 progress=False)
-                results, duration, _, _ = run_load(load, WorkloadSpec("random", "128", "128"))
+                results, duration, _, _ = run_load(load, workload)
                 s = summarize(results, duration, None)
                 rows.append({"variant": name, "threads": threads, "serial_tokens": int(serial),
                              "concurrency": c, "output_tok_s": s["output_throughput"],

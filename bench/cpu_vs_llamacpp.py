@@ -44,8 +44,8 @@ from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
 from skyline.bench.workloads import WorkloadSpec
+from skyline.engine.create import resolve_model_path
 from skyline.engine.frontend import LLM
-from skyline.model.default import default_model_path
 from skyline.ops import cpu_plan
 from skyline.types import SamplingParams
 
@@ -76,7 +76,7 @@ def read_bandwidth(threads: int) -> float:
 
 
 def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
-    default = default_model_path()
+    default = resolve_model_path(None, "auto")
     if name == "q4_1":
         return default
     path = os.path.join(work_dir, f"smollm2-135m-{QUANT_TYPES[name]}.gguf")
@@ -89,29 +89,12 @@ def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
     return path
 
 
-def step_bytes(llm: LLM, context: int) -> int:
-    """Bytes a batch-1 decode step reads: each Linear's layout for one row (the int4 kernel's
-    planes where it has them), the LM head, and the K/V of `context` tokens."""
-    from skyline.bench.weights import held_bytes
-    from skyline.model.layers.embedding import LMHead
-    from skyline.model.layers.linear import Linear
-
-    model = llm.engine.executor.runner.model
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            planes = getattr(m, "cpu_planes", None)
-            if planes is not None:
-                total += sum(t.numel() * t.element_size() for p in planes for t in p)
-            else:
-                total += held_bytes([m])
-        elif isinstance(m, LMHead):
-            w = m.packed_weight if m.packed_weight is not None else m.weight
-            total += w.numel() * w.element_size()
-    arch = llm.engine.config.model.arch
-    kv_elem = 2 if llm.engine.config.model.dtype == "bfloat16" else 4
-    total += context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * kv_elem
-    return total
+def step_bytes(llm: LLM, context: int) -> float:
+    """Bytes a batch-1 decode step reads (skyline/model/cost.py, as the layers serve: the int4
+    kernel's planes where a Linear has them, the LM head as it computes) and the K/V of
+    `context` tokens."""
+    cost = llm.query("model_cost")
+    return cost.step_weight_bytes(1) + context * cost.kv_bytes_per_token
 
 
 def skyline_decode_prefill(llm: LLM, prompt_len: int, gen_len: int) -> tuple[float, float]:
@@ -132,35 +115,20 @@ def skyline_decode_prefill(llm: LLM, prompt_len: int, gen_len: int) -> tuple[flo
 
 def decode_breakdown(llm: LLM, gen_len: int) -> dict[str, float]:
     """Where a batch-1 decode step's time goes: the Linear and LM-head products (the int4
-    kernel's and oneDNN's calls, timed by wrapping them) against everything else, the host
-    work of the step (the other operations, their Python dispatch, scheduling, sampling)."""
-    from skyline.ops import cpu_int4, cpu_linear
-
-    spent = [0.0]
-
-    def timed(fn: Any) -> Any:
-        def call(*args: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                spent[0] += time.perf_counter() - t
-        return call
-
-    saved = cpu_int4.planes_mm, cpu_linear.packed_linear
-    cpu_int4.planes_mm, cpu_linear.packed_linear = timed(saved[0]), timed(saved[1])
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        t = time.perf_counter()
-        llm.generate([[100]], params)
-        first, first_mm = time.perf_counter() - t, spent[0]
-        t = time.perf_counter()
-        llm.generate([[100]], SamplingParams(temperature=0.0, max_tokens=gen_len + 1,
-                                             ignore_eos=True))
-        wall = time.perf_counter() - t - first
-        mm = spent[0] - 2 * first_mm
-    finally:
-        cpu_int4.planes_mm, cpu_linear.packed_linear = saved
+    kernel's and oneDNN's calls, timed by the engine's cpu_product_seconds probe) against
+    everything else, the host work of the step (the other operations, their Python dispatch,
+    scheduling, sampling)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    spent0 = llm.query("cpu_product_seconds")
+    t = time.perf_counter()
+    llm.generate([[100]], params)
+    first = time.perf_counter() - t
+    spent1 = llm.query("cpu_product_seconds")
+    t = time.perf_counter()
+    llm.generate([[100]], SamplingParams(temperature=0.0, max_tokens=gen_len + 1,
+                                         ignore_eos=True))
+    wall = time.perf_counter() - t - first
+    mm = llm.query("cpu_product_seconds") - spent1 - (spent1 - spent0)
     return {"step_ms": 1e3 * wall / gen_len, "products_ms": 1e3 * mm / gen_len,
             "other_ms": 1e3 * (wall - mm) / gen_len, "products_share": mm / wall}
 
@@ -312,11 +280,24 @@ def main() -> None:
         entry["serve"] = bench_serve(model, ns)
         report["models"][name] = entry
         _print_model(name, entry)
+        if ns.smoke:
+            _check_smoke(entry)
     report["machine"]["load_avg_at_end"] = os.getloadavg()
     report["total_seconds"] = round(time.time() - t_start, 1)
     save_json(report, out_path)
     if out_path:
         print(f"-> {out_path}")
+
+
+def _check_smoke(entry: dict[str, Any]) -> None:
+    """A smoke run fails unless every part measured something and every request completed
+    (tests/bench/test_scripts_smoke.py runs it)."""
+    serve = entry["serve"]["engines"]["skyline"]
+    figures = (entry["decode_b1_tok_s"]["skyline"][0], entry["prefill_tok_s"]["skyline"][0],
+               entry["decode_floor_tok_s"]["skyline"], serve["output_throughput"],
+               serve["ttft_ms"]["median"])
+    if serve["failed"] or serve["completed"] != 2 or min(figures) <= 0:
+        raise SystemExit(f"smoke run measured nothing: {figures}, serve {serve}")
 
 
 def _print_model(name: str, entry: dict[str, Any]) -> None:

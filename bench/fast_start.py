@@ -1,6 +1,7 @@
 """Time from nothing to an engine ready to serve an 8B model on one GPU, by phase.
 
   python bench/fast_start.py --model llama-3.1-8b --dir /tmp/llama-8b-ckpt
+  python bench/fast_start.py --smoke   # a tiny random model on the CPU: the code only
 
 First writes a bf16 safetensors checkpoint of the model's shape (random weights, Hugging Face
 tensor names, 5 GB shards) unless `--dir` already holds one, then builds the engine from it the
@@ -15,15 +16,17 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 import time
 
 import torch
 from safetensors.torch import save_file
 
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import bench_device, tiny_model
 from skyline.config import ModelArch
 from skyline.configs import dummy_config_dir
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 
 
 def hf_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
@@ -48,8 +51,8 @@ def hf_shapes(a: ModelArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_checkpoint(model: str, out: str, shard_bytes: int = 5 << 30) -> float:
-    src = dummy_config_dir(model)
+def write_checkpoint(model: str, out: str, device: str, shard_bytes: int = 5 << 30) -> float:
+    src = dummy_config_dir(model) or model
     os.makedirs(out, exist_ok=True)
     shutil.copy(os.path.join(src, "config.json"), out)
     with open(os.path.join(out, "config.json")) as f:
@@ -57,9 +60,9 @@ def write_checkpoint(model: str, out: str, shard_bytes: int = 5 << 30) -> float:
     t0 = time.perf_counter()
     shard: dict[str, torch.Tensor] = {}
     size, n = 0, 0
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for name, shape in hf_shapes(arch).items():
-        t = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+        t = torch.empty(shape, device=device, dtype=torch.bfloat16)
         t.normal_(0, 0.02, generator=gen) if len(shape) == 2 else t.fill_(1.0)
         shard[name] = t.cpu()
         size += t.numel() * 2
@@ -78,24 +81,30 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--speculative-method", default="none",
                     help="ngram/suffix/...: also captures the verification-step graphs")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model's checkpoint, on the CPU without a GPU")
     a = ap.parse_args()
+    device = bench_device("fast_start", a.smoke)
+    if a.smoke:
+        a.model, a.dir = tiny_model(), tempfile.mkdtemp(prefix="skyline-smoke-")
     write_s = None
     if not os.path.isdir(a.dir) or not any(f.endswith(".safetensors") for f in os.listdir(a.dir)):
-        write_s = write_checkpoint(a.model, a.dir)
+        write_s = write_checkpoint(a.model, a.dir, device)
     ckpt_gb = sum(os.path.getsize(os.path.join(a.dir, f)) for f in os.listdir(a.dir)) / 1e9
     t0 = time.perf_counter()
-    llm = LLM(a.dir, max_model_len=8192, speculative_method=a.speculative_method)
+    llm = LLM(a.dir, max_model_len=8192, speculative_method=a.speculative_method,
+              device=device, **({"kv_cache_memory": "64MiB"} if a.smoke else {}))
     total = time.perf_counter() - t0
-    runner = llm.engine.executor.runner
-    graphs_s = getattr(runner, "graph_capture_seconds", None)
+    info = llm.query("describe")
     res = {
         "benchmark": "fast_start", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "model": a.model, "speculative_method": a.speculative_method, "checkpoint_GB": ckpt_gb,
         "checkpoint_write_s": write_s,
-        "load_weights_s": runner.load_seconds, "cuda_graph_capture_s": graphs_s,
-        "num_cuda_graphs": len(runner.graphs.graphs) if runner.graphs else 0,
-        "engine_ready_s": total, "load_GBps": ckpt_gb / runner.load_seconds,
-        "machine": machine_info("cuda"),
+        "load_weights_s": info["load_seconds"],
+        "cuda_graph_capture_s": info["cuda_graph_capture_seconds"],
+        "num_cuda_graphs": info["num_cuda_graphs"],
+        "engine_ready_s": total, "load_GBps": ckpt_gb / info["load_seconds"],
+        "machine": machine_info(device),
     }
     print(json.dumps(res, indent=1))
     save_json(res, a.out)

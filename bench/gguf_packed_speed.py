@@ -4,7 +4,8 @@ float32 dequantizes the blocks at every forward; packed bfloat16 runs the Q4 lay
 CPU int4 kernel (quant/gguf.py).
 
     python bench/gguf_packed_speed.py [--threads N] [--model FILE.gguf]
-                                      [--out bench/results/gguf-packed-cpu.json]
+                                      [--out bench/results/cpu/gguf-packed-cpu.json]
+    python bench/gguf_packed_speed.py --smoke   # a tiny random model, none vs int4: the code
 
 `--methods none,int4,int8` compares other --quantization values the same way (skyline's own
 INT4 / INT8 run the same CPU int4 kernel in bfloat16).
@@ -23,8 +24,8 @@ import time
 
 import torch
 
-from skyline.bench.weights import held_bytes
-from skyline.engine.frontend import LLM
+from skyline.bench.smoke import tiny_model
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 
@@ -43,7 +44,7 @@ def decode_tok_s(llm: LLM, batch: int, prompt_len: int, out_len: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/gguf-packed-cpu.json")
+    ap.add_argument("--out", default="bench/results/cpu/gguf-packed-cpu.json")
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded model)")
@@ -51,23 +52,29 @@ def main() -> None:
                     help="comma-separated --quantization values; none first (the baseline)")
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma-separated, float32 first (the packed-by-default decision)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model (no GGUF blocks): none against int4, 2 tokens")
     ns = ap.parse_args()
+    load_format, prompt_len = "auto", 64
+    if ns.smoke:
+        ns.model, load_format, ns.methods, ns.dtypes = tiny_model(), "dummy", "none,int4", \
+            "float32"
+        ns.out, ns.out_len, prompt_len = None, 2, 8
     results: dict[str, dict[str, float]] = {}
     variants = [(m, d) for d in ns.dtypes.split(",") for m in ns.methods.split(",")]
     for method, dtype in variants:
         key = method if dtype == "float32" else f"{method}-{dtype}"
-        llm = LLM(model=ns.model, quantization=method, dtype=dtype, threads=ns.threads,
-                  enable_prefix_caching=False)
+        smoke = {"device": "cpu", "max_model_len": 256} if ns.smoke else {}
+        llm = LLM(model=ns.model, load_format=load_format, quantization=method, dtype=dtype,
+                  threads=ns.threads, enable_prefix_caching=False, **smoke)
         decode_tok_s(llm, 1, 16, 4)  # warm-up (builds the int4 kernel's packed weights)
-        decode_tok_s(llm, 8, 16, 4)
-        model = llm.engine.executor.runner.model if hasattr(llm.engine, "executor") else None
-        mem = None
-        if model is not None:  # weights held after the warm-up, the int4 kernel's included
-            mem = held_bytes(model.modules()) / 2**20
+        if not ns.smoke:
+            decode_tok_s(llm, 8, 16, 4)
         results[key] = {
-            "weights_mib": mem,
-            "decode_tok_s_b1": decode_tok_s(llm, 1, 64, ns.out_len),
-            "decode_tok_s_b8": decode_tok_s(llm, 8, 64, ns.out_len),
+            # weights held after the warm-up, the int4 kernel's included
+            "weights_mib": llm.query("describe")["weights_gib"] * 1024,
+            "decode_tok_s_b1": decode_tok_s(llm, 1, prompt_len, ns.out_len),
+            "decode_tok_s_b8": decode_tok_s(llm, 8, prompt_len, ns.out_len),
         }
         print(key, results[key], flush=True)
         del llm
@@ -85,8 +92,9 @@ def main() -> None:
             v for k, v in slow.items() if not k.endswith("-bfloat16")) <= 1.5),
         "date": time.strftime("%Y-%m-%d"),
     }
-    with open(ns.out, "w") as f:
-        json.dump(report, f, indent=2)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(report, f, indent=2)
     print(json.dumps(report["packed_slowdown"]), "->", ns.out)
 
 

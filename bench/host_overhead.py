@@ -9,7 +9,8 @@ and so are the garbage collector's pauses, with CPython's default collection thr
 with the engine's (`fewer_collections`, as `LLM.generate` and the engine process run);
 `--profile` adds a cProfile of the timed steps.
 
-    python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/X.json
+    python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/host/X.json
+    python bench/host_overhead.py --smoke   # 16 requests, a few steps
 """
 
 from __future__ import annotations
@@ -29,15 +30,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 from skyline.bench.offline import machine_info, save_json
-
-try:
-    from skyline.engine.core import fewer_collections
-except ImportError:  # an engine from before the collection thresholds: default rows only
-    fewer_collections = None
-from skyline.engine.frontend import LLM
+from skyline.bench.step_trace import timed
+from skyline.engine.core import fewer_collections
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,
@@ -46,22 +42,9 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "max_position_embeddings": 1 << 20, "torch_dtype": "float32", "eos_token_id": 2}
 
 
-def _timed(phases: dict[str, float], name: str, fn: Any) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            phases[name] += time.perf_counter() - t
-    return wrapper
-
-
-def _null_model(llm: LLM) -> None:
-    """The forward pass returns zeros: what remains of a step is the host's work."""
-    model = llm.engine.executor.runner.model
-    hidden, vocab = TINY["hidden_size"], TINY["vocab_size"]
-    model.forward = lambda ids, pos: torch.zeros(ids.shape[0], hidden)
-    model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)
+# The runner's phases (the host_seconds query) by the names of this script's JSON.
+RUNNER_PHASES = {"runner_states": "states", "build_inputs": "inputs",
+                 "runner_read_tokens": "read_tokens"}
 
 
 class GcPauses:
@@ -93,8 +76,8 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
                   max_num_seqs=batch, max_model_len=max_len, async_scheduling="on",
                   max_num_batched_tokens=budget,
                   kv_cache_memory=batch * (-(-max_len // 16) + 1) * block_bytes)
-    _null_model(llm)
-    engine, runner = llm.engine, llm.engine.executor.runner
+    llm.query("zero_forward")  # what remains of a step is the host's work
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to max_len
     for i in range(batch):
         llm.add_request([1000 + (i * 7 + j) % 1000 for j in range(context)], params)
@@ -104,14 +87,10 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
     for _ in range(4):
         llm.step()
     phases: dict[str, float] = defaultdict(float)
-    sched.schedule = _timed(phases, "schedule", sched.schedule)
-    sched.update = _timed(phases, "update", sched.update)
-    runner._update_states = _timed(phases, "runner_states", runner._update_states)
-    runner._finish = _timed(phases, "runner_read_tokens", runner._finish)
-    import skyline.worker.runner as runner_mod
-    build = runner_mod.build_inputs
-    runner_mod.build_inputs = _timed(phases, "build_inputs", build)
-    llm.outputs.process = _timed(phases, "outputs", llm.outputs.process)
+    sched.schedule = timed(phases, "schedule", sched.schedule)
+    sched.update = timed(phases, "update", sched.update)
+    llm.outputs.process = timed(phases, "outputs", llm.outputs.process)
+    host_before = llm.query("host_seconds")  # the runner's own phases
     prof = cProfile.Profile() if profile else None
     pauses = GcPauses()
     gc.callbacks.append(pauses)
@@ -127,7 +106,9 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     wall = time.perf_counter() - t0
     gc.callbacks.remove(pauses)
-    runner_mod.build_inputs = build
+    host = llm.query("host_seconds")
+    for name, runner_phase in RUNNER_PHASES.items():
+        phases[name] = host[runner_phase] - host_before[runner_phase]
     assert len(sched.running) == batch, "every request must decode through the timed steps"
     ms = {k: 1e3 * v / steps for k, v in sorted(phases.items())}
     return {"batch": batch, "context": context, "steps": steps,
@@ -155,10 +136,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", help="write a cProfile of the largest batch's steps here")
     ap.add_argument("--out")
+    ap.add_argument("--smoke", action="store_true", help="16 requests of 64 tokens, 4 steps")
     args = ap.parse_args()
+    if args.smoke:
+        args.batch, args.context, args.steps, args.out = [16], 64, 4, None
     rows = []
     for b in args.batch:
-        for engine_gc in (False, True) if fewer_collections is not None else (False,):
+        for engine_gc in (False, True):
             prof = args.profile if b == max(args.batch) and engine_gc else None
             row = measure(b, args.context, args.steps, engine_gc, prof)
             rows.append(row)

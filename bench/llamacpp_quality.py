@@ -2,7 +2,9 @@
 on the same files, the same tokens and the same protocol.
 
     python bench/llamacpp_quality.py --llama-bin /path/to/llama.cpp/build/bin \
-        [--work-dir /work/gguf-variants] [--out bench/results/llamacpp-quality-cpu-smollm2.json]
+        [--work-dir /work/gguf-variants]
+        [--out bench/results/llamacpp/llamacpp-quality-cpu-smollm2.json]
+    python bench/llamacpp_quality.py --smoke   # skyline's side only, a tiny random model
 
 Reference: the embedded model (SmolLM2-135M-Instruct Q4_1 GGUF) dequantized to an F32 GGUF
 (`llama-quantize --allow-requantize model.gguf ref-f32.gguf F32`); each type (Q8_0, Q6_K, ...)
@@ -23,7 +25,7 @@ F32 reference; llama.cpp stores its reference log-probs as 16-bit codes and skip
 entries below e^-16, which changes KL by well under 1e-4 here. A cross-check row compares the
 two engines' references directly (llama.cpp's stored log-probs against skyline's).
 
-Text: skyline/quant/calibration.txt (public domain), all of it by default (5 chunks of 512, 1,275
+Text: skyline/tools/calibration.txt (public domain), all of it by default (5 chunks of 512, 1,275
 scored tokens). About 5 minutes with `--threads 1` on the shared 2-core machine, the GGUF files
 already made (making them adds about a minute).
 """
@@ -45,16 +47,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGUFReader
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.frontend import LLM
-from skyline.engine.tokenizer import Tokenizer
-from skyline.model.default import default_model_path
-from skyline.model.gguf import gguf_value, open_gguf, type_name
+from skyline.bench.smoke import tiny_model
+from skyline.engine.create import resolve_model_path
+from skyline.engine.frontend.llm import LLM
+from skyline.engine.frontend.tokenizer import Tokenizer
 
 TYPES = ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_1", "Q4_0")
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                    "skyline", "quant", "calibration.txt")
+                    "skyline", "tools", "calibration.txt")
 
 
 def sh(cmd: list[str], log: str) -> str:
@@ -70,7 +73,7 @@ def sh(cmd: list[str], log: str) -> str:
 
 
 def tensor_types(path: str) -> dict[str, int]:
-    return dict(Counter(type_name(t.tensor_type) for t in open_gguf(path).tensors))
+    return dict(Counter(t.tensor_type.name for t in GGUFReader(path).tensors))
 
 
 def read_kld_base(path: str) -> tuple[int, list[int], np.ndarray]:
@@ -112,13 +115,13 @@ def parse_kld(out: str) -> dict[str, float]:
 
 @torch.no_grad()
 def skyline_logprobs(path: str, chunks: list[list[int]], first: int, threads: int,
-                     quantization: str | None) -> torch.Tensor:
+                     quantization: str | None, load_format: str = "auto") -> torch.Tensor:
     """skyline's log-probs at the scored positions of every chunk: [n_scored, vocab]."""
     n_ctx = len(chunks[0])
-    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=n_ctx,
-              num_blocks=n_ctx // 16 + 2, max_num_seqs=1, threads=threads,
+    llm = LLM(model=path, load_format=load_format, dtype="float32", device="cpu",
+              max_model_len=n_ctx, num_blocks=n_ctx // 16 + 2, max_num_seqs=1, threads=threads,
               quantization=quantization)
-    out = [llm.engine.executor.score(c)[first : n_ctx - 1] for c in chunks]
+    out = [llm.query("score", c)[first : n_ctx - 1] for c in chunks]
     del llm
     gc.collect()
     return torch.cat(out)
@@ -139,10 +142,28 @@ def compare(logq: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor,
             "top1_agreement": float((logq.argmax(-1) == ref.argmax(-1)).float().mean())}
 
 
+def smoke(threads: int) -> None:
+    """skyline's side of the protocol on a tiny random model (no llama.cpp): its reference and
+    INT8 weights scored on its own tokens of the text, in chunks of 32, the second half of
+    each scored."""
+    print("llamacpp_quality --smoke: no llama.cpp; its side is skipped, skyline's runs on a "
+          "tiny random model", flush=True)
+    path, n_ctx = tiny_model(), 32
+    with open(TEXT, encoding="utf-8") as f:
+        ids = Tokenizer.load(path).encode(f.read())
+    chunks = [ids[s : s + n_ctx] for s in range(0, 2 * n_ctx, n_ctx)]
+    first = n_ctx // 2
+    targets = torch.tensor([t for c in chunks for t in c[first + 1 : n_ctx]])
+    ref = skyline_logprobs(path, chunks, first, threads, None, "dummy")
+    for quantization in (None, "int8"):
+        logq = skyline_logprobs(path, chunks, first, threads, quantization, "dummy")
+        print(quantization or "reference", "skyline", compare(logq, ref, targets), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-bin", required=True,
-                    help="folder holding llama-quantize and llama-perplexity")
+    ap.add_argument("--llama-bin", default=None,
+                    help="folder holding llama-quantize and llama-perplexity (required)")
     ap.add_argument("--work-dir", default="/work/gguf-variants")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--packed", default="Q4_K_M,Q5_0",
@@ -152,8 +173,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--rebuild", action="store_true", help="requantize even if files exist")
-    ap.add_argument("--out", default="bench/results/llamacpp-quality-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/llamacpp/llamacpp-quality-cpu-smollm2.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="skyline's side only, on a tiny random model, no JSON")
     ns = ap.parse_args()
+    if ns.smoke:
+        smoke(ns.threads)
+        return
+    if ns.llama_bin is None:
+        ap.error("--llama-bin is required")
     types = [t for t in ns.types.split(",") if t]
     packed = [t for t in ns.packed.split(",") if t]
     if bad := [t for t in packed if t not in types]:
@@ -174,7 +202,7 @@ def main() -> None:
         return sh(cmd, os.path.join(logs, name + ".log"))
 
     # 1. The F32 reference and one file per type, all made by llama-quantize.
-    src = default_model_path()
+    src = resolve_model_path(None, "auto")  # the embedded default model
     files = {"F32": os.path.join(ns.work_dir, "ref-f32.gguf")}
     files |= {t: os.path.join(ns.work_dir, f"smollm2-135m-{t}.gguf") for t in types}
     if ns.rebuild or not os.path.exists(files["F32"]):
@@ -202,10 +230,11 @@ def main() -> None:
     # 3. skyline on llama.cpp's tokens and windows.
     n_ctx, tokens, base_logp = read_kld_base(base)
     first = n_ctx // 2
-    reader = open_gguf(files["F32"])
+    fields = GGUFReader(files["F32"]).fields
     chunks = [tokens[s : s + n_ctx] for s in range(0, len(tokens), n_ctx)]
-    if gguf_value(reader, "tokenizer.ggml.add_bos_token", False):
-        bos = int(gguf_value(reader, "tokenizer.ggml.bos_token_id"))
+    if "tokenizer.ggml.add_bos_token" in fields and \
+            fields["tokenizer.ggml.add_bos_token"].contents():
+        bos = int(fields["tokenizer.ggml.bos_token_id"].contents())
         chunks = [[bos, *c[1:]] for c in chunks]
     targets = torch.tensor([t for c in chunks for t in c[first + 1 : n_ctx]])
     with open(ns.text, encoding="utf-8") as f:

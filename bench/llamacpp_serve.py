@@ -1,7 +1,9 @@
 """skyline against llama.cpp's `llama-server` on the same GGUF file, on the CPU, in one run.
 
     python bench/llamacpp_serve.py --llama-server /path/to/llama-server \
-        [--threads 2] [--rounds 2] [--out bench/results/llamacpp-vs-skyline-cpu-smollm2.json]
+        [--threads 2] [--rounds 2]
+        [--out bench/results/llamacpp/llamacpp-vs-skyline-cpu-smollm2.json]
+    python bench/llamacpp_serve.py --smoke   # skyline's server only, a tiny random model
 
 Both servers load the embedded default model (SmolLM2-135M-Instruct Q4_1 GGUF), listen on
 127.0.0.1, use the same number of CPU threads and have 16 sequence slots with continuous
@@ -41,14 +43,13 @@ import time
 import urllib.request
 from typing import Any
 
-import psutil
-
 from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import RequestResult, summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.smoke import tiny_model
 from skyline.bench.workloads import WorkloadSpec
-from skyline.model.default import default_model_path
+from skyline.engine.create import resolve_model_path
 
 ENGINES = ("skyline", "llama.cpp")
 # name -> (endpoint, workload); request counts per concurrency level come from the flags.
@@ -96,6 +97,12 @@ def llama_version(binary: str) -> str:
 
 def idle_cpu(procs: dict[str, subprocess.Popen], seconds: float = 3.0) -> dict[str, float]:
     """CPU seconds per second each server (with its child processes) uses while idle."""
+    try:
+        import psutil  # not a dependency of skyline: only this measurement needs it
+    except ImportError:
+        raise SystemExit("llamacpp_serve needs psutil to measure the servers' idle CPU; "
+                         "pip install psutil") from None
+
     def cpu(pid: int) -> float:
         p = psutil.Process(pid)
         total = 0.0
@@ -124,11 +131,12 @@ def run_cell(urls: dict[str, str], endpoint: str, workload: WorkloadSpec, concur
              per_round: int, rounds: int, seed: int) -> dict[str, Any]:
     """One (workload, concurrency) cell: `rounds` rounds of `per_round` requests (turns) per
     engine, engines alternating."""
-    acc: dict[str, tuple[list[RequestResult], list[float]]] = {e: ([], []) for e in ENGINES}
+    engines = [e for e in ENGINES if e in urls]
+    acc: dict[str, tuple[list[RequestResult], list[float]]] = {e: ([], []) for e in engines}
     exact: dict[str, bool] = {}
-    load_avg: dict[str, list[float]] = {e: [] for e in ENGINES}
+    load_avg: dict[str, list[float]] = {e: [] for e in engines}
     for r in range(rounds):
-        order = ENGINES if r % 2 == 0 else ENGINES[::-1]
+        order = engines if r % 2 == 0 else engines[::-1]
         wl = dataclasses.replace(workload, seed=seed + 1000 * r)
         for engine in order:
             load = LoadSpec(base_url=urls[engine], endpoint=endpoint, concurrency=concurrency,
@@ -152,6 +160,8 @@ def run_cell(urls: dict[str, str], endpoint: str, workload: WorkloadSpec, concur
         s["round_durations_s"] = durations
         s["load_avg_1min_after_rounds"] = load_avg[engine]
         out["engines"][engine] = s
+    if len(engines) < 2:
+        return out
     sky, ref = out["engines"]["skyline"], out["engines"]["llama.cpp"]
     out["skyline_over_llamacpp"] = {
         "output_throughput": sky["output_throughput"] / ref["output_throughput"],
@@ -161,9 +171,27 @@ def run_cell(urls: dict[str, str], endpoint: str, workload: WorkloadSpec, concur
     return out
 
 
+def smoke(ns: argparse.Namespace) -> None:
+    """The skyline side of every workload cell, on a tiny random model (no llama.cpp)."""
+    print("llamacpp_serve --smoke: no llama-server; its side is skipped, skyline serves a tiny "
+          "random model", flush=True)
+    os.makedirs(ns.log_dir, exist_ok=True)
+    flags = ["--model", tiny_model(), "--load-format", "dummy", "--threads", str(ns.threads),
+             "--max-num-seqs", "2", "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
+    proc, url = start_server(flags, os.path.join(ns.log_dir, "skyline-smoke.log"), 120.0)
+    try:
+        for name, (endpoint, workload) in WORKLOADS.items():
+            small = dataclasses.replace(workload, input_len="16", output_len="4")
+            cell = run_cell({"skyline": url}, endpoint, small, 1, 2, 1, seed=1)
+            print(name, cell["engines"]["skyline"]["completed"], "completed", flush=True)
+    finally:
+        stop_server(proc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-server", required=True, help="path of llama.cpp's llama-server")
+    ap.add_argument("--llama-server", default=None,
+                    help="path of llama.cpp's llama-server (required)")
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=16, help="parallel sequences of each server")
@@ -177,15 +205,23 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--skyline-flags", default="", help="extra `skyline serve` flags")
     ap.add_argument("--log-dir", default="/tmp/llamacpp-serve-logs")
-    ap.add_argument("--out", default="bench/results/llamacpp-vs-skyline-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/llamacpp/llamacpp-vs-skyline-cpu-smollm2.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="skyline's server of a tiny random model alone, one round of 2 "
+                         "requests per workload, no JSON")
     ns = ap.parse_args()
+    if ns.smoke:
+        smoke(ns)
+        return
+    if ns.llama_server is None:
+        ap.error("--llama-server is required")
     levels = [int(c) for c in ns.concurrency.split(",")]
     names = ns.workloads.split(",")
     if unknown := [n for n in names if n not in WORKLOADS]:
         raise SystemExit(f"unknown workload {unknown[0]!r}; choose from {', '.join(WORKLOADS)}")
     if max(levels) > ns.slots:
         raise SystemExit(f"--concurrency {max(levels)} exceeds --slots {ns.slots}")
-    model = ns.model or default_model_path()
+    model = ns.model or resolve_model_path(None, "auto")  # the embedded default model
     os.makedirs(ns.log_dir, exist_ok=True)
     t_start = time.time()
 

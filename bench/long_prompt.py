@@ -1,26 +1,132 @@
-"""One very long prompt (default 200,000 tokens) through chunked prefill on one GPU: TTFT against
-the compute floor measured in the same run.
+"""One very long prompt (default 200,000 tokens) through chunked prefill, then again from the KV
+tiers: each TTFT against its floor measured in the same run, for each KV cache dtype.
 
-  python bench/long_prompt.py --model llama-3.1-8b --prompt-len 200000 --chunk 8192
+  python bench/long_prompt.py --model llama-3.1-8b --prompt-len 200000 --chunk 8192 \
+      --disk-dir /var/tmp/skyline-kv          # the H200 (bench/device.sh, stage long)
+  python bench/long_prompt.py --smoke        # CPU, a tiny random model, 256 tokens
 
-Floor = (linear FLOPs + causal attention FLOPs) / the bf16 matmul peak measured here. Linear:
-2 * tokens * non-embedding weights. Attention: QK^T and PV over the causal triangle,
-2 * 2 * layers * heads * head_dim * tokens^2 / 2. Beyond the trained context (Llama-3.1: 131,072)
-the rotary table is extended; with dummy weights only the speed is meaningful.
+Per KV dtype (--kv-cache-dtypes, default auto and fp8):
+- cold: the prompt computed. Floor = (linear FLOPs + causal attention FLOPs) / the bf16 matmul
+  peak measured here. Linear: 2 * tokens * non-embedding weights. Attention: QK^T and PV over
+  the causal triangle, 2 * 2 * layers * heads * head_dim * tokens^2 / 2. The engine writes
+  every block to host RAM and disk as it goes (--kv-offload-policy eager).
+- ram: the device's prefix cache emptied, the prompt again: its KV comes from pinned host RAM.
+  Floor = the prompt's KV bytes / the host-to-device bandwidth measured here.
+- disk: a new engine with the disk tier only, the files dropped from the page cache first:
+  the KV comes from disk. Floor = the KV bytes / the disk read rate measured here (8 readers
+  of 8 MiB pieces of one file, written and dropped from the page cache the same way).
+Beyond the trained context (Llama-3.1: 131,072) the rotary table is extended; with dummy
+weights only the speed is meaningful.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import gc
+import glob
+import os
+import shutil
+import tempfile
 import time
+from typing import Any
 
 import torch
-from prefill_mfu import matmul_peak
 
+from skyline.bench.floor import (
+    disk_read_rate,
+    drop_page_cache,
+    host_to_device_bandwidth,
+    matmul_peak,
+)
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.bench.smoke import bench_device, tiny_model
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
+
+TWO = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+def ttft(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:
+    """Seconds to the first token of `prompt` (and the tokens), the engine idle before."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    for delta in llm.stream(prompt, TWO):
+        if first is None:
+            first = time.perf_counter() - t0
+        tokens += delta.outputs[0].token_ids
+    assert first is not None
+    while llm.engine.has_unfinished():  # the tiers' writes in flight end
+        llm.step()
+    return first, tokens
+
+
+def filesystem(path: str) -> str:
+    """The file system type holding `path` (tmpfs would make "disk" reads RAM reads)."""
+    best, kind = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fs = line.split()[:3]
+            if os.path.abspath(path).startswith(mount) and len(mount) > len(best):
+                best, kind = mount, fs
+    return kind
+
+
+def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[int],
+           warm: list[int], peak: float, h2d: float, disk_rate: float) -> dict[str, Any]:
+    disk = os.path.join(a.disk_dir, f"kv-{kv}")
+    shutil.rmtree(disk, ignore_errors=True)
+    kw = engine | {"kv_cache_dtype": kv}
+    # Half the GPU: the disk stage's engine, made in this process, then has room even if
+    # some of this one's memory is slow to go back.
+    llm = LLM(a.model, **kw, kv_offload_ram=a.ram, kv_offload_disk=disk,
+              kv_offload_policy="eager", gpu_memory_utilization=0.45)
+    arch = llm.config.model.arch
+    info = llm.query("describe")
+    per_token = info["kv_cache_gib"] * 2**30 / info["kv_cache_tokens"]
+    cost = llm.query("model_cost")  # the embedding is a lookup: not counted
+    params = cost.linear_params + cost.head_params
+    llm.generate([warm], TWO)  # kernel compilation
+    n = len(prompt)
+    cold, cold_tokens = ttft(llm, prompt)
+    floor = (2 * n * params + 2 * arch.num_layers * arch.num_heads * arch.head_dim * n * n) / peak
+    stats = llm.engine.stats()
+    stored = stats["kv_offload_disk_stored_blocks"]
+    llm.engine.scheduler.kv_manager.reset_prefix_cache()  # the device forgets; RAM keeps it
+    ram, ram_tokens = ttft(llm, prompt)
+    ram_tokens_loaded = llm.engine.stats()["kv_offload_ram_hit_tokens"] \
+        - stats["kv_offload_ram_hit_tokens"]
+    llm.engine.shutdown()  # writes in flight end
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    drop_page_cache(glob.glob(os.path.join(disk, "*", "*", "*.kv")))
+    llm = LLM(a.model, **kw, kv_offload_disk=disk)
+    llm.generate([warm[: len(warm) // 2]], TWO)
+    before = llm.engine.stats()["kv_offload_disk_hit_tokens"]
+    from_disk, disk_tokens = ttft(llm, prompt)
+    disk_tokens_loaded = llm.engine.stats()["kv_offload_disk_hit_tokens"] - before
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    shutil.rmtree(disk, ignore_errors=True)
+    kv_bytes = ram_tokens_loaded * per_token
+    return {
+        "kv_cache_dtype": kv, "prompt_len": n, "kv_bytes_per_token": per_token,
+        "cold_ttft_s": cold, "compute_floor_s": floor, "cold_over_floor": cold / floor,
+        "disk_blocks_written": stored,
+        "ram_tokens_loaded": ram_tokens_loaded, "kv_bytes": kv_bytes,
+        "ram_ttft_s": ram, "ram_floor_s": kv_bytes / h2d, "ram_over_floor": ram * h2d / kv_bytes,
+        "disk_tokens_loaded": disk_tokens_loaded,
+        "disk_ttft_s": from_disk, "disk_floor_s": disk_tokens_loaded * per_token / disk_rate,
+        "disk_over_floor": from_disk * disk_rate / max(disk_tokens_loaded * per_token, 1),
+        "tokens": {"cold": cold_tokens, "ram": ram_tokens, "disk": disk_tokens},
+    }
 
 
 def main() -> None:
@@ -29,43 +135,69 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--prompt-len", type=int, default=200_000)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget)")
+    ap.add_argument("--kv-cache-dtypes", default="auto,fp8")
+    ap.add_argument("--ram", default="auto", help="--kv-offload-ram (auto: the prompt's KV "
+                    "in the model dtype, plus a tenth)")
+    ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a "
+                    "temporary one; put it on the disk to measure, not on tmpfs)")
+    ap.add_argument("--disk-rate-bytes", default=4 << 30, type=int,
+                    help="size of the file the disk read rate is measured on")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, 256 tokens")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    peak = matmul_peak()
-    llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + 64,
-              max_num_batched_tokens=a.chunk, max_num_seqs=4)
-    arch = llm.config.model.arch
-    model = llm.engine.executor.runner.model
-    params = sum(p.numel() for p in model.parameters())
-    if not arch.tie_word_embeddings:
-        params -= arch.vocab_size * arch.hidden_size  # the embedding is a lookup
-    warm, prompt = random_prompts(2, a.prompt_len, arch.vocab_size)
-    two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    llm.generate([warm[: 2 * a.chunk]], two)  # kernel compilation
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    ttft = None
-    tokens: list[int] = []
-    for delta in llm.stream(prompt, two):
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        tokens += delta.outputs[0].token_ids
-    total = time.perf_counter() - t0
-    n = a.prompt_len
-    linear = 2 * n * params
-    attn = 2 * arch.num_layers * arch.num_heads * arch.head_dim * n * n
-    floor = (linear + attn) / peak
+    tmp = tempfile.mkdtemp(prefix="skyline-long-")
+    device = bench_device("long_prompt", a.smoke)
+    if a.smoke:
+        a.model = tiny_model(tmp)
+        a.prompt_len, a.chunk, a.disk_rate_bytes, a.load_format = 256, 64, 32 << 20, "dummy"
+    a.disk_dir = a.disk_dir or os.path.join(tmp, "disk")
+    os.makedirs(a.disk_dir, exist_ok=True)
+    try:
+        dev = torch.device(device)
+        peak = matmul_peak(dev)
+        h2d = host_to_device_bandwidth(dev)
+        disk_rate = disk_read_rate(a.disk_dir, a.disk_rate_bytes)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        engine = dict(load_format=a.load_format, max_model_len=a.prompt_len + 64,
+                      max_num_batched_tokens=a.chunk, max_num_seqs=4, device=device)
+        cfg, _ = create_engine_config(EngineArgs(a.model, load_format=a.load_format,
+                                                 device=device))
+        arch = cfg.model.arch
+        if a.ram == "auto":  # the prompt's KV in the model dtype, and a tenth more
+            elem = 4 if cfg.model.dtype == "float32" else 2
+            a.ram = int(1.1 * a.prompt_len * 2 * arch.num_layers * arch.num_kv_heads
+                        * arch.head_dim * elem)
+        vocab = arch.vocab_size
+        warm, prompt = random_prompts(2, a.prompt_len, vocab)
+        warm = warm[: 2 * a.chunk]
+        runs = [run_kv(a, kv, engine, prompt, warm, peak, h2d, disk_rate)
+                for kv in a.kv_cache_dtypes.split(",")]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     res = {
         "benchmark": "long_prompt", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "model": a.model, "dtype": llm.config.model.dtype, "prompt_len": n, "chunk": a.chunk,
-        "matmul_peak_TFLOPs": peak / 1e12, "linear_PFLOP": linear / 1e15,
-        "attention_PFLOP": attn / 1e15, "compute_floor_s": floor, "ttft_s": ttft,
-        "ttft_over_floor": ttft / floor, "fraction_of_peak": floor / ttft,
-        "two_tokens_s": total, "kv_cache_tokens": llm.engine.executor.describe()["kv_cache_tokens"],
-        "output_tokens": tokens, "machine": machine_info("cuda"),
+        "model": "tiny (smoke)" if a.smoke else a.model, "prompt_len": a.prompt_len,
+        "chunk": a.chunk, "device": device, "matmul_peak_TFLOPs": peak / 1e12,
+        "h2d_GBps": h2d / 1e9, "disk_read_GBps": disk_rate / 1e9,
+        "disk_filesystem": filesystem(a.disk_dir), "runs": runs, "machine": machine_info(device),
     }
-    print(json.dumps(res, indent=1))
+    print_table(res)
     save_json(res, a.out)
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"{res['prompt_len']} tokens, matmul peak {res['matmul_peak_TFLOPs']:.1f} TFLOP/s, "
+          f"host-to-device {res['h2d_GBps']:.1f} GB/s, disk {res['disk_read_GBps']:.2f} GB/s "
+          f"({res['disk_filesystem']})")
+    cols = ("KV", "cold s", "floor s", "x", "KV GB", "RAM s", "floor s", "x", "disk s",
+            "floor s", "x")
+    print("".join(f"{c:>10}" for c in cols))
+    for r in res["runs"]:
+        vals = (r["cold_ttft_s"], r["compute_floor_s"], r["cold_over_floor"],
+                r["kv_bytes"] / 1e9, r["ram_ttft_s"], r["ram_floor_s"], r["ram_over_floor"],
+                r["disk_ttft_s"], r["disk_floor_s"], r["disk_over_floor"])
+        print(f"{r['kv_cache_dtype']:>10}" + "".join(f"{v:>10.4g}" for v in vals))
 
 
 if __name__ == "__main__":

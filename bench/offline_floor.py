@@ -6,7 +6,9 @@ stored measurements of the same machine (cite their JSON). A run whose products 
 given (fp8 weights without --fp8-peak-tflops) gets its bandwidth-bound parts only.
 
     python bench/offline_floor.py --peak-tflops 802.2 --bandwidth-tbps 4.155 \\
-        --runs bench/results/offline-h200-*.json --out bench/results/offline-floor-h200.json
+        --runs bench/results/offline/offline-h200-*1000x1000*.json \\
+        --out bench/results/offline/offline-floor-h200.json
+    python bench/offline_floor.py --smoke   # one stored run, no JSON
 """
 
 from __future__ import annotations
@@ -14,18 +16,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 from typing import Any
 
-import torch
-
-from skyline.bench.floor import model_cost, offline_floor
+from skyline.bench.floor import offline_floor
 from skyline.bench.offline import save_json
+from skyline.engine.cost import model_cost
 
 
 def run_floor(run: dict[str, Any], peak: float | None, bandwidth: float) -> dict[str, Any]:
     quant = run.get("quantization") or "none"
     fp8_kv = run.get("kv_cache_dtype") == "fp8_e4m3"
-    cost = model_cost(run["model"], quant, torch.float8_e4m3fn if fp8_kv else torch.bfloat16)
+    cost = model_cost(run["model"], quant, "fp8" if fp8_kv else "auto")
     tokens = run["engine"].get("kv_cache_tokens")
     length = run["input_len"] + run["output_len"]
     concurrency = min(run["max_num_seqs"], tokens // length if tokens else run["max_num_seqs"])
@@ -43,14 +45,24 @@ def run_floor(run: dict[str, Any], peak: float | None, bandwidth: float) -> dict
                           "fraction_of_overlapped": floor["overlapped_s"] / elapsed}
 
 
+SMOKE_RUN = os.path.join(os.path.dirname(__file__), "results", "offline",
+                         "offline-h200-llama-3.1-8b-1000x1000-wnone-kvbf16-1warp.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", nargs="+", required=True, help="offline result JSON files")
-    ap.add_argument("--peak-tflops", type=float, required=True, help="bf16 matmul peak")
+    ap.add_argument("--runs", nargs="+", help="offline result JSON files (required)")
+    ap.add_argument("--peak-tflops", type=float, help="bf16 matmul peak (required)")
     ap.add_argument("--fp8-peak-tflops", type=float, default=None)
-    ap.add_argument("--bandwidth-tbps", type=float, required=True, help="copy bandwidth")
+    ap.add_argument("--bandwidth-tbps", type=float, help="copy bandwidth (required)")
     ap.add_argument("--out")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one stored H200 run against the H200's stored peaks, no JSON")
     a = ap.parse_args()
+    if a.smoke:
+        a.runs, a.peak_tflops, a.bandwidth_tbps, a.out = [SMOKE_RUN], 802.2, 4.155, None
+    if not (a.runs and a.peak_tflops and a.bandwidth_tbps):
+        ap.error("--runs, --peak-tflops and --bandwidth-tbps are required")
     rows = []
     for path in a.runs:
         with open(path) as f:

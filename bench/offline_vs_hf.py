@@ -3,9 +3,10 @@
 Same model, same random prompts, same output length (EOS ignored), same device and dtype.
 
   CPU, default model:  python bench/offline_vs_hf.py --num-prompts 32 --input-len 128 \
-                           --output-len 64 --out bench/results/offline-cpu-smollm2.json
+                           --output-len 64 --out bench/results/offline/offline-cpu-smollm2.json
   H200, 8B dummy:      python bench/offline_vs_hf.py --model llama-3.1-8b --load-format dummy \
                            --num-prompts 256 --input-len 512 --output-len 256 --out ...
+  smoke:               python bench/offline_vs_hf.py --smoke   # a tiny random model: the code
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, measure, random_prompts, save_json
-from skyline.engine.create import EngineArgs
-from skyline.engine.frontend import LLM
+from skyline.bench.smoke import tiny_model
+from skyline.engine.args import EngineArgs
+from skyline.engine.frontend.llm import LLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,7 +91,12 @@ def main() -> None:
                     help="HF generate batch size (default: all prompts at once)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model on the CPU, 2 prompts of 16 + 4 tokens")
     a = ap.parse_args()
+    if a.smoke:
+        a.model, a.load_format, a.device = tiny_model(), "dummy", "cpu"
+        a.num_prompts, a.input_len, a.output_len, a.out = 2, 16, 4, None
 
     args = EngineArgs(model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
                       max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,

@@ -4,10 +4,13 @@ on an idle machine and on one where a busy process competes for a core.
 OpenMP worker threads spin after each parallel region by default; when another process needs a
 core, the spinning threads and the thread doing the work take turns on it, and a decode step of
 hundreds of small parallel regions slows many times over. PASSIVE makes idle workers sleep.
-skyline sets PASSIVE unless the environment says otherwise (skyline/__init__.py); this script
-measures both. Each measurement is a fresh process (the policy is read when OpenMP loads).
+The skyline command sets PASSIVE unless the environment says otherwise (skyline/cli.py); this
+script measures both. Each measurement is a fresh process (the policy is read when OpenMP
+loads).
 
-    python bench/omp_wait_policy.py --threads 2 --out bench/results/omp-wait-policy-cpu-smollm2.json
+    python bench/omp_wait_policy.py --threads 2 \
+        --out bench/results/cpu/omp-wait-policy-cpu-smollm2.json
+    python bench/omp_wait_policy.py --smoke   # one measurement of a tiny random model
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import sys
 _CHILD = r"""
 import os, sys, time
 policy, threads, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = sys.argv[4] or None  # None: the default model
+load_format = "dummy" if model else "auto"
 os.environ.pop("OMP_WAIT_POLICY", None)
 os.environ.pop("GOMP_SPINCOUNT", None)
 if policy.startswith("spin="):  # GNU OpenMP: spin this many iterations, then sleep
@@ -30,10 +35,11 @@ elif policy != "default":
     os.environ["OMP_WAIT_POLICY"] = policy
 import torch  # OpenMP reads the policy now, before skyline could set its default
 
-from skyline.engine.frontend import LLM
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
-llm = LLM(threads=threads, kv_cache_memory="64MiB", max_model_len=512)
+llm = LLM(model, load_format=load_format, threads=threads, kv_cache_memory="64MiB",
+          max_model_len=512)
 prompt = "Write a short story about a lighthouse keeper."
 llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
 times = []
@@ -45,9 +51,9 @@ print(f"RESULT {decode:.3f}")
 """
 
 
-def measure(policy: str, threads: int, tokens: int) -> float:
-    out = subprocess.run([sys.executable, "-c", _CHILD, policy, str(threads), str(tokens)],
-                         capture_output=True, text=True, timeout=600)
+def measure(policy: str, threads: int, tokens: int, model: str = "") -> float:
+    out = subprocess.run([sys.executable, "-c", _CHILD, policy, str(threads), str(tokens),
+                          model], capture_output=True, text=True, timeout=600)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return float(line.split()[1])
@@ -62,18 +68,26 @@ def main() -> None:
     ap.add_argument("--policies", default="default,PASSIVE",
                     help="comma-separated: default | PASSIVE | ACTIVE | spin=N (GOMP_SPINCOUNT)")
     ap.add_argument("--out", default=None, help="JSON file for the results")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one measurement (default policy, idle) of a tiny random model")
     ns = ap.parse_args()
     from skyline.bench.offline import machine_info, save_json
+    from skyline.bench.smoke import tiny_model
+
+    model, loads = "", ("idle", "loaded")
+    if ns.smoke:
+        model, loads = tiny_model(), ("idle",)
+        ns.policies, ns.repeats, ns.tokens, ns.out = "default", 1, 4, None
 
     cells: dict[str, dict[str, list[float]]] = {}
     loadavg: dict[str, list[float]] = {}
-    for load in ("idle", "loaded"):
+    for load in loads:
         busy = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) if load == "loaded" else None
         try:
             for _ in range(ns.repeats):  # alternate the policies: drift hits both alike
                 for policy in ns.policies.split(","):
                     load_avg = os.getloadavg()[0]  # other users of the machine show here
-                    tps = measure(policy, ns.threads, ns.tokens)
+                    tps = measure(policy, ns.threads, ns.tokens, model)
                     cells.setdefault(load, {}).setdefault(policy, []).append(tps)
                     loadavg.setdefault(load, []).append(load_avg)
                     print(f"{load:>6} {policy:>8}: {tps:7.2f} tok/s (load average before: "

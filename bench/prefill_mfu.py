@@ -1,6 +1,7 @@
 """Prefill of one long prompt against the bf16 matmul peak measured in the same run (H200).
 
   python bench/prefill_mfu.py --model llama-3.1-8b --prompt-len 8192
+  python bench/prefill_mfu.py --smoke   # a tiny random model on the CPU: the code only
 
 Linear-layer FLOPs = 2 * tokens * (non-embedding weight parameters); attention FLOPs are
 reported separately (causal: 2 * 2 * layers * heads * head_dim * tokens^2 / 2).
@@ -16,8 +17,17 @@ import torch
 
 from skyline.bench.floor import matmul_peak
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.bench.smoke import bench_device, tiny_model
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+SMOKE_LEN = 128
 
 
 def main() -> None:
@@ -26,22 +36,25 @@ def main() -> None:
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, a short prompt, on the CPU without a GPU")
     a = ap.parse_args()
-    peak = matmul_peak(torch.device("cuda"))
+    device = bench_device("prefill_mfu", a.smoke)
+    if a.smoke:
+        a.model, a.prompt_len = tiny_model(), SMOKE_LEN
+    peak = matmul_peak(torch.device(device))
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.prompt_len + 64,
-              max_num_batched_tokens=a.prompt_len, max_num_seqs=4)
+              max_num_batched_tokens=a.prompt_len, max_num_seqs=4, device=device)
     arch = llm.config.model.arch
-    model = llm.engine.executor.runner.model
-    params = sum(p.numel() for p in model.parameters())
-    if not arch.tie_word_embeddings:
-        params -= arch.vocab_size * arch.hidden_size  # the embedding is a lookup
+    cost = llm.query("model_cost")  # the embedding is a lookup: not counted
+    params = cost.linear_params + cost.head_params
     prompt = random_prompts(2, a.prompt_len, arch.vocab_size)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate([prompt[0]], one)  # warm-up (kernel compilation)
-    torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     llm.generate([prompt[1]], one)
-    torch.cuda.synchronize()
+    sync(device)
     dt = time.perf_counter() - t0
     n = a.prompt_len
     linear_flops = 2 * n * params
@@ -53,7 +66,7 @@ def main() -> None:
         "linear_TFLOPs_achieved": linear_flops / dt / 1e12,
         "linear_fraction_of_peak": linear_flops / dt / peak,
         "total_fraction_of_peak": (linear_flops + attn_flops) / dt / peak,
-        "machine": machine_info("cuda"),
+        "machine": machine_info(device),
     }
     print(json.dumps(res, indent=1))
     save_json(res, a.out)

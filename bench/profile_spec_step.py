@@ -2,6 +2,7 @@
 every step, with the Python profiler over the speculative run.
 
     python bench/profile_spec_step.py --device cuda [--requests 64] [--depth 5]
+    python bench/profile_spec_step.py --smoke   # a tiny random model on the CPU: the code
 
 The model has the default model's shape (SmolLM2-135M: 30 layers, hidden 576, vocab 49,152)
 with random weights, written to a temporary directory, unless `--model` names one. Drafts are
@@ -25,7 +26,8 @@ import time
 import torch
 
 from skyline.bench.offline import machine_info, random_prompts, save_json
-from skyline.engine.frontend import LLM
+from skyline.bench.smoke import tiny_model
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 
@@ -58,12 +60,18 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=8192)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, 4 requests of 8 tokens, on the CPU")
     a = ap.parse_args()
-    path = a.model
-    if path is None:
+    path, load_format = a.model, "auto"
+    if a.smoke:
+        path, load_format, a.device, a.dtype = tiny_model(), "dummy", "cpu", "float32"
+        a.requests, a.prompt_len, a.max_tokens, a.num_blocks, a.top = 4, 16, 8, 64, 5
+    elif path is None:
         path = tempfile.mkdtemp(prefix="smollm2-shape-")
         smollm2_shape(path)
-    kw = dict(device=a.device, dtype=a.dtype, num_blocks=a.num_blocks, max_num_seqs=a.requests)
+    kw = dict(device=a.device, dtype=a.dtype, num_blocks=a.num_blocks, max_num_seqs=a.requests,
+              load_format=load_format)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     plain = LLM(path, **kw)
     prompts = random_prompts(a.requests, a.prompt_len, plain.config.model.arch.vocab_size)
@@ -73,12 +81,7 @@ def main() -> None:
     del plain
     spec = LLM(path, speculative_method="ngram", speculative_gate=False,
                num_speculative_tokens=a.depth, speculative_max_batch_tokens=1 << 20, **kw)
-    runner = spec.engine.executor.runner
-
-    def propose(rids, token_ids, depth):  # synthetic drafts: the last token, depth times
-        return [[t[-1]] * depth for t in token_ids]
-
-    runner.proposer.propose = propose
+    spec.query("repeat_drafts")  # synthetic drafts: the last token, depth times
     spec.engine.scheduler.spec.depth = lambda req_id: a.depth  # whatever the acceptance
     run(spec, prompts, params)  # warm-up
     prof = cProfile.Profile()

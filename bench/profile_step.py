@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler over steady-state decode steps.
 
   python bench/profile_step.py --model llama-3.1-8b --load-format dummy --batch 64 --input-len 512
+  python bench/profile_step.py --smoke   # a tiny random model on the CPU: the code only
 Prints (and saves) the top kernels by GPU time, wall time per step (with and without async
 scheduling) and the fraction of it the GPU was busy (with async scheduling, as the engine runs
 by default).
@@ -11,14 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from skyline.bench.offline import random_prompts, save_json
-from skyline.engine.frontend import LLM
-from skyline.ops.pdl import use_pdl
-from skyline.quant import fp8, intq
+from skyline.bench.smoke import tiny_model
+from skyline.bench.step_trace import timed
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 
@@ -31,14 +33,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--fp8-gemv", default=None, choices=["a8p", "a8", "a8q", "w8a16"],
-                    help="fp8 weights at <= 8 rows: quant/fp8.py's GEMV_ACTIVATIONS")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, 4 requests, on the CPU (no kernel table)")
     a = ap.parse_args()
-    if a.fp8_gemv is not None:
-        fp8.GEMV_ACTIVATIONS = a.fp8_gemv
-    extra = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
+    extra: dict[str, Any] = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
+    if a.smoke:
+        a.model, a.batch, a.input_len, a.steps = tiny_model(), 4, 16, 3
+        extra |= {"device": "cpu", "kv_cache_memory": "64MiB"}
+    gpu = torch.cuda.is_available() and not a.smoke
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     llm = LLM(a.model, load_format=a.load_format, max_model_len=a.input_len + 256,
               quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, **extra)
     prompts = random_prompts(a.batch, a.input_len, llm.config.model.arch.vocab_size)
@@ -51,38 +56,38 @@ def main() -> None:
         llm.step()
     for _ in range(3):
         llm.step()
-    torch.cuda.synchronize()
+    sync()
     e = llm.engine
 
     def wall_per_step() -> float:
         t0 = time.perf_counter()
         for _ in range(a.steps):
             llm.step(final_only=True)
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - t0) / a.steps
 
-    # Host phases of a synchronous step (schedule, launch + wait, update), then the wall time
-    # per step with and without async scheduling (host work hidden behind the device's).
+    # Host phases of a synchronous step (schedule, launch + wait, update: the rest of the
+    # step), then the wall time per step with and without async scheduling (host work hidden
+    # behind the device's).
     e.async_scheduling = False
     llm.step()  # collects the step in flight
     phases = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+    schedule, update = e.scheduler.schedule, e.scheduler.update
+    e.scheduler.schedule = timed(phases, "schedule", schedule)
+    e.scheduler.update = timed(phases, "update", update)
+    t1 = time.perf_counter()
     for _ in range(a.steps):
-        t1 = time.perf_counter()
-        out = e.scheduler.schedule()
-        t2 = time.perf_counter()
-        res = e.executor.execute(out)
-        t3 = time.perf_counter()
-        e.scheduler.update(out, res)
-        phases["schedule"] += t2 - t1
-        phases["execute"] += t3 - t2
-        phases["update"] += time.perf_counter() - t3
+        e.step()
+    phases["execute"] = time.perf_counter() - t1 - phases["schedule"] - phases["update"]
+    e.scheduler.schedule, e.scheduler.update = schedule, update
     wall_sync = wall_per_step()
     e.async_scheduling = True
     wall = wall_per_step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
         for _ in range(a.steps):
             llm.step(final_only=True)
-        torch.cuda.synchronize()
+        sync()
     # Device-side events only (kernels, copies, memsets): an aten op's own "device time" is
     # that of the kernels it launched, which the kernel rows already count.
     events = [ev for ev in prof.key_averages()
@@ -93,8 +98,7 @@ def main() -> None:
            "kv_cache_dtype": a.kv_cache_dtype,
            # With programmatic dependent launch a kernel's time includes its wait for the
            # previous one: the kernel table then overlaps and does not add up to the step.
-           "pdl": use_pdl(torch.device("cuda")), "fp8_gemv": fp8.GEMV_ACTIVATIONS,
-           "int4_gemv": intq.INT4_GEMV,
+           "pdl": llm.query("describe")["pdl"],
            "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
            "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),

@@ -4,7 +4,8 @@ answer mostly repeats the prompt) and a chat workload, and throughput at high lo
 
     python bench/spec_decode.py [--methods none,ngram,suffix,eagle,eagle-head]
                                 [--eagle-head DIR]
-                                [--out bench/results/spec-cpu-smollm2.json]
+                                [--out bench/results/spec/spec-cpu-smollm2.json]
+    python bench/spec_decode.py --smoke   # a tiny random model, a few tokens: the code
 
 Each method gets its own engine, all alive at once. Batch-1 workloads interleave the methods
 prompt by prompt (and `--rounds` times over, rotating the order), so that the load of a shared
@@ -12,9 +13,8 @@ machine drifts as little as possible between the runs a ratio compares; the high
 runs once per method, in turn. `eagle` is the engine's EAGLE method (the head, with prompt
 lookup for the spans a request repeats), `eagle-head` the head alone; both need a head
 (`skyline train-speculator`; default: the head shipped for the default model,
-skyline/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
-speculation; the script checks it. The CHAT prompts are not in the head's training set
-(skyline/spec/prompts.jsonl).
+skyline/worker/spec/heads/smollm2-135m). Greedy outputs must be the same with and without
+speculation; the script checks it. The prompts are skyline/bench/spec_prompts.py's.
 """
 
 from __future__ import annotations
@@ -30,132 +30,10 @@ from typing import Any
 
 from skyline import LLM, SamplingParams
 from skyline.bench.offline import machine_info, save_json
+from skyline.bench.smoke import tiny_model
+from skyline.bench.spec_prompts import CHAT, chat_prompts, code_prompts, warm_up
 
 SPEC_COUNTERS = ("spec_num_verifications", "spec_num_draft_tokens", "spec_num_accepted_tokens")
-
-SNIPPETS = [
-    '''def summarize_orders(orders, tax_rate, currency="EUR"):
-    """Group orders by customer and compute totals with tax."""
-    totals = {}
-    counts = {}
-    for order in orders:
-        customer = order["customer"]
-        amount = order["amount"]
-        if amount <= 0:
-            continue
-        if customer not in totals:
-            totals[customer] = 0.0
-            counts[customer] = 0
-        totals[customer] += amount
-        counts[customer] += 1
-    report = []
-    for customer, total in sorted(totals.items()):
-        taxed = total * (1 + tax_rate)
-        average = total / counts[customer]
-        line = {
-            "customer": customer,
-            "orders": counts[customer],
-            "total": round(total, 2),
-            "taxed": round(taxed, 2),
-            "average": round(average, 2),
-            "currency": currency,
-        }
-        report.append(line)
-    grand_total = sum(item["taxed"] for item in report)
-    largest = max(report, key=lambda item: item["taxed"]) if report else None
-    summary = {
-        "customers": len(report),
-        "grand_total": round(grand_total, 2),
-        "largest": largest["customer"] if largest else None,
-        "currency": currency,
-    }
-    return report, summary
-''',
-    '''def parse_log_lines(lines, min_level="INFO"):
-    """Parse log lines into records and count them by level."""
-    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
-    threshold = levels.index(min_level)
-    records = []
-    counts = {level: 0 for level in levels}
-    for raw in lines:
-        raw = raw.strip()
-        if not raw or raw.startswith("#"):
-            continue
-        parts = raw.split(" ", 3)
-        if len(parts) < 4:
-            continue
-        date, clock, level, message = parts
-        if level not in levels:
-            continue
-        if levels.index(level) < threshold:
-            continue
-        counts[level] += 1
-        record = {
-            "date": date,
-            "time": clock,
-            "level": level,
-            "message": message,
-        }
-        records.append(record)
-    errors = [r for r in records if r["level"] == "ERROR"]
-    first_error = errors[0]["message"] if errors else None
-    result = {
-        "records": records,
-        "counts": counts,
-        "first_error": first_error,
-        "total": len(records),
-    }
-    return result
-''',
-]
-RENAMES = [("customer", "client"), ("record", "entry")]
-
-CHAT = [
-    "What are three good habits for staying healthy? Answer in a short paragraph.",
-    "Explain what a binary search is to a beginner.",
-    "Write a short poem about the sea.",
-    "Give me a few tips for learning a new language.",
-]
-
-
-def code_prompts(llm: LLM) -> list[list[int]]:
-    return [
-        llm.render_chat([{"role": "user", "content":
-                          f"Rewrite this function with `{a}` renamed to `{b}`. Output only the "
-                          f"code.\n\n```python\n{code}```"}])
-        for code, (a, b) in zip(SNIPPETS, RENAMES, strict=True)
-    ]
-
-
-def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
-    return [llm.render_chat([{"role": "user", "content": CHAT[i % len(CHAT)] + f" ({i})"}])
-            for i in range(n)]
-
-
-def warm_up(llm: LLM, device: str, alone: list[list[int]], together: list[list[int]]) -> None:
-    """Before timing. On CUDA, Triton compiles a kernel variant the first time its shape class
-    appears (a long prompt's prefill, a verification step of a new batch size), which costs
-    far more than the steps of a short run: the workload's prompts run once, speculating in
-    every step (the gate set aside, then restored untouched): `alone` one by one, `together`
-    as one batch, twice: the second time over cached prefixes, as the timed runs will be (a
-    prefill over a cached prefix is a shape class of its own). Every engine then holds the
-    same cached prefixes."""
-    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=8))
-    if device == "cpu":
-        return
-    policy = llm.engine.scheduler.spec
-    gate = policy.gate if policy is not None else None
-    if gate is not None:
-        policy.gate = None
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=32)
-        for _ in range(2):
-            for batch in [[p] for p in alone] + ([together] if together else []):
-                llm.generate(batch, params)
-    finally:
-        if gate is not None:
-            policy.gate = gate
-
 
 def _counters(llm: LLM) -> dict[str, float]:
     stats = llm.engine.stats()
@@ -211,7 +89,7 @@ def run_batch(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/spec-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/spec/spec-cpu-smollm2.json")
     ap.add_argument("--methods", default="none,ngram,suffix,eagle,eagle-head",
                     help="comma-separated; none (the baseline) is always run; eagle is the "
                          "head with prompt lookup for repeated spans (the engine's default), "
@@ -242,7 +120,15 @@ def main() -> None:
     ap.add_argument("--random-prompt-len", type=int, default=0,
                     help="high load: random prompts of this many tokens (models without a "
                          "tokenizer, e.g. dummy weights) instead of chat and code prompts")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model (no EAGLE head: none, ngram, suffix and draft "
+                         "from its first layer), a few tokens of each workload, no JSON")
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.load_format, args.out = tiny_model(), "dummy", None
+        args.methods, args.draft_layers, args.num_blocks = "none,ngram,suffix,draft", 1, 256
+        args.code_max_tokens, args.chat_max_tokens, args.chat_prompts = 16, 8, 2
+        args.load_requests, args.load_max_tokens = 4, 8
     methods = ["none"] + [m for m in args.methods.split(",") if m and m != "none"]
     llms = {m: LLM(model=args.model, load_format=args.load_format, device=args.device,
                    dtype=args.dtype, num_blocks=args.num_blocks,
@@ -313,7 +199,6 @@ def main() -> None:
         "results": results,
     }
     save_json(doc, args.out)
-    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

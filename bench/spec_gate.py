@@ -3,7 +3,8 @@ chat and code prompts of bench/spec_decode.py) with no speculation, with specula
 every step, and with the gate, the static batch-size bound lifted so that only the gate decides.
 
     python bench/spec_gate.py [--methods ngram,suffix] [--rounds 2]
-                              [--out bench/results/spec-gate-load-cpu-smollm2.json]
+                              [--out bench/results/spec/spec-gate-load-cpu-smollm2.json]
+    python bench/spec_gate.py --smoke   # a tiny random model, a few tokens: the code
 
 Every configuration gets its own engine, all alive at once; the configurations run in turn,
 `--rounds` times over with the order reversed each round, so that the drift of a shared machine
@@ -18,14 +19,12 @@ import argparse
 import datetime
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from skyline import LLM, SamplingParams
 from skyline.bench.offline import machine_info, save_json
-
-sys.path.insert(0, str(Path(__file__).parent))
-from spec_decode import chat_prompts, code_prompts, warm_up  # noqa: E402
+from skyline.bench.smoke import tiny_model
+from skyline.bench.spec_prompts import chat_prompts, code_prompts, warm_up
 
 
 def _gate_stats(llm: LLM) -> dict[str, float]:
@@ -40,7 +39,7 @@ def _spec_steps(s: dict[str, float]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/spec-gate-load-cpu-smollm2.json")
+    ap.add_argument("--out", default="bench/results/spec/spec-gate-load-cpu-smollm2.json")
     ap.add_argument("--methods", default="ngram,suffix")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -49,10 +48,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny random model, 4 requests of 8 tokens, one round, no JSON")
     args = ap.parse_args()
+    model: dict[str, Any] = {}
+    if args.smoke:
+        model = {"model": tiny_model(), "load_format": "dummy"}
+        args.methods, args.requests, args.max_tokens, args.rounds = "ngram", 4, 8, 1
+        args.num_blocks, args.out = 256, None
     kw = dict(device=args.device, threads=args.threads, num_blocks=args.num_blocks,
               num_speculative_tokens=args.num_speculative_tokens,
-              speculative_max_batch_tokens=1 << 16)
+              speculative_max_batch_tokens=1 << 16, **model)
     configs: dict[str, dict[str, Any]] = {"none": {}}
     for m in args.methods.split(","):
         configs[f"{m}-forced"] = dict(speculative_method=m, speculative_gate=False)
@@ -100,7 +106,6 @@ def main() -> None:
         "params": vars(args),
         "results": results,
     }, args.out)
-    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -5,22 +5,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench scripts and tests)
     add_engine_args,
     add_load_args,
+    add_router_args,
     add_sampling_args,
     engine_args,
     load_specs,
+    router_config,
     sampling_params,
+    strip_flags,
 )
 from skyline.config import ConfigError
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
+from skyline.server.tool_parsers import PARSERS
 
 
 def _cmd_generate(ns: argparse.Namespace) -> None:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args(ns)))
     params = sampling_params(ns)
@@ -34,7 +39,7 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
 
 
 def _cmd_chat(ns: argparse.Namespace) -> None:
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     llm = LLM(**dataclasses.asdict(engine_args(ns)))
     params = sampling_params(ns)
@@ -113,14 +118,14 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
 
 def _cmd_quantize(ns: argparse.Namespace) -> None:
     from skyline.engine.create import create_engine_config
-    from skyline.quant.checkpoint import quantize_checkpoint
+    from skyline.tools.quantize.checkpoint import quantize_checkpoint
 
     text = None
     if ns.calib_file is not None and ns.calib_self:
         raise ConfigError("pass --calib-file or --calib-self, not both")
     if ns.calib_self:
-        from skyline.engine.frontend import LLM
-        from skyline.quant.self_text import self_text
+        from skyline.engine.frontend.llm import LLM
+        from skyline.tools.quantize.self_text import self_text
 
         calib = ns.calib_tokens or (1024 if ns.search else 4096)
         need = calib + (ns.eval_tokens if ns.search else 0)
@@ -143,12 +148,16 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
         raise ConfigError("pass --format FORMAT, or --search --budget B for a format per layer")
     cfg, _ = create_engine_config(EngineArgs(model=ns.model_path, dtype="float32", device="cpu",
                                              quantization="none"))
+    if cfg.model.arch.num_experts:
+        raise ConfigError("skyline quantize does not write mixture-of-experts checkpoints; serve "
+                          "the model with --quantization fp8 or mxfp4 (its experts and Linears "
+                          "are quantized while loading)")
     if ns.search:
-        from skyline.quant.assignment import DEFAULT_CANDIDATES
-        from skyline.quant.report import search_checkpoint, table
+        from skyline.config import DEFAULT_SEARCH_FORMATS
+        from skyline.tools.quantize.report import search_checkpoint, table
 
         report = search_checkpoint(
-            cfg.model, ns.formats or DEFAULT_CANDIDATES, ns.budget, ns.out, ns.group_size,
+            cfg.model, ns.formats or DEFAULT_SEARCH_FORMATS, ns.budget, ns.out, ns.group_size,
             calib_text=text, calib_tokens=ns.calib_tokens or 1024, eval_tokens=ns.eval_tokens,
             search_tokens=ns.search_tokens, max_evals=ns.max_evals)
         print(table(report))
@@ -160,7 +169,8 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:
-    from skyline.spec.train import TrainArgs, train_speculator
+    from skyline.config import TrainArgs
+    from skyline.tools.speculator.train import train_speculator
 
     args = TrainArgs(epochs=ns.epochs, steps=ns.steps, lr=ns.lr, batch_tokens=ns.batch_tokens,
                      unroll=ns.unroll, draft_vocab=ns.draft_vocab, seed=ns.seed)
@@ -180,24 +190,180 @@ def _cmd_train_speculator(ns: argparse.Namespace) -> None:
           f"target (first draft) {v0['top1_step1']:.2f} -> {v1['top1_step1']:.2f}")
 
 
-def _cmd_serve(ns: argparse.Namespace) -> None:
-    import os
+def _replica_flags(ns: argparse.Namespace) -> tuple[list[list[str]], bool]:
+    """Per replica of `serve --replicas N`: its device, CPU threads, GPU memory share and
+    role flags; and whether they must start one after the other (several on one GPU)."""
+    from skyline.engine.create import resolve_device
 
+    n = ns.replicas
+    roles = ns.role.split(",")
+    if len(roles) not in (1, n):
+        raise ConfigError(f"--role takes one role or one per replica ({n}), got {ns.role!r}")
+    roles = roles * n if len(roles) == 1 else roles
+    device = resolve_device(ns.device)
+    flags: list[list[str]] = [["--role", role] for role in roles]
+    if device == "cpu":
+        threads = ns.threads or max(1, (os.cpu_count() or 1) // n)
+        for f in flags:
+            f += ["--device", "cpu", "--threads", str(threads)]
+        return flags, False
+    import torch
+
+    gpus = [int(device.split(":")[1])] if ":" in device else list(range(torch.cuda.device_count()))
+    per_gpu: dict[int, int] = {}
+    for i in range(n):
+        g = gpus[i % len(gpus)]
+        per_gpu[g] = per_gpu.get(g, 0) + 1
+    seen: dict[int, int] = {}
+    for i, f in enumerate(flags):
+        g = gpus[i % len(gpus)]
+        seen[g] = seen.get(g, 0) + 1
+        # The j-th of k replicas on a GPU may use j/k of --gpu-memory-utilization: each sizes
+        # its cache from what is free, so they start in turn and share it evenly.
+        share = ns.gpu_memory_utilization * seen[g] / per_gpu[g]
+        f += ["--device", f"cuda:{g}", "--gpu-memory-utilization", f"{share:.4f}"]
+    return flags, max(per_gpu.values()) > 1
+
+
+def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
+    """`skyline serve --replicas N` (or --ray): N engines and a router in front."""
+    from skyline.engine.frontend.prompt_hash import PromptHasher
+    from skyline.router.app import serve as serve_router
+    from skyline.router.fleet import Fleet
+    from skyline.router.launch import LocalReplicas
+
+    if ns.replicas < 1:
+        raise ConfigError("--replicas must be at least 1")
+    argv = ns.argv[ns.argv.index("serve") + 1:]
+    base = strip_flags(argv)
+    if ns.ray:
+        return _serve_ray(ns, base, api_key)
+    flags, sequential = _replica_flags(ns)
+    local = LocalReplicas([base + f for f in flags], sequential=sequential)
+    print(f"skyline: starting {ns.replicas} replicas ...", flush=True)
+    try:
+        local.start()
+        fleet = Fleet(router_config(ns, local.urls, api_key), PromptHasher(ns.model))
+        serve_router(fleet, ns.host, ns.port, ns.uvicorn_log_level,
+                     on_stop=lambda: local.stop(ns.shutdown_timeout))
+    except RuntimeError as e:
+        sys.exit(f"skyline: error: {e}")
+    finally:
+        local.stop(ns.shutdown_timeout)  # done already unless the router failed to start
+
+
+def _serve_ray(ns: argparse.Namespace, base: list[str], api_key: str | None) -> None:
+    """`skyline serve --ray`: the replicas (a Serve deployment per role) and the router on
+    Ray Serve; Ray gives each replica its GPUs (--ray-num-gpus) and CPUs (--threads)."""
+    import signal
+    import threading
+
+    from skyline.deploy.ray import deploy_from_cli
+    from skyline.engine.create import resolve_device
+
+    roles = ns.role.split(",")
+    if len(roles) not in (1, ns.replicas):
+        raise ConfigError(f"--role takes one role or one per replica ({ns.replicas}), got "
+                          f"{ns.role!r}")
+    counts: dict[str, int] = {}
+    for role in roles * ns.replicas if len(roles) == 1 else roles:
+        counts[role] = counts.get(role, 0) + 1
+    on_gpu = ns.device.startswith("cuda") or (ns.device == "auto" and ns.ray_num_gpus)
+    device = "cuda" if on_gpu else resolve_device(ns.device).split(":")[0]
+    num_gpus = ns.ray_num_gpus if ns.ray_num_gpus is not None else float(device == "cuda")
+    threads = ns.threads or 1
+    argv = [*base, "--device", device, "--threads", str(threads)]
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def wait() -> None:
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+    deploy_from_cli(argv, counts, router_config(ns, ["ray"], api_key), ns.model, ns.host,
+                    ns.port, num_gpus, float(threads), ns.ray_address, wait)
+
+
+def _cmd_router(ns: argparse.Namespace) -> None:
+    from skyline.engine.frontend.prompt_hash import PromptHasher
+    from skyline.router.app import serve as serve_router
+    from skyline.router.fleet import Fleet
+
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("skyline.router").setLevel(logging.INFO)
+    from skyline import envs
+
+    cfg = router_config(ns, ns.replica, ns.api_key or envs.ENV.api_key)
+    serve_router(Fleet(cfg, PromptHasher(ns.model)), ns.host, ns.port, ns.uvicorn_log_level)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> None:
+    from skyline import envs
     from skyline.engine.process import EngineStartError
+    from skyline.engine.supervisor import EngineDeadError, RestartPolicy
+    from skyline.router.launch import free_port, free_port_pair
     from skyline.server.app import serve
+    from skyline.server.limits import RequestLimits
 
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("skyline.server").setLevel(logging.INFO)  # request ids in the log
+        logging.getLogger("skyline.router").setLevel(logging.INFO)
     if ns.model_tag is not None and ns.model is None:
         ns.model = ns.model_tag
-    args = engine_args(ns, max_waiting=ns.max_waiting, served_model_name=ns.served_model_name)
+    api_key = _serve_api_key(ns.api_key, ns.api_key_file, envs.ENV.api_key)
+    if ns.replicas != 1 or ns.ray:
+        return _serve_fleet(ns, api_key)
+    if ns.kv_events_port == 0:
+        ns.kv_events_host = "127.0.0.1" if ns.host in ("127.0.0.1", "localhost") else ns.host
+        ns.kv_events_port = free_port_pair(ns.kv_events_host)
+    elif ns.kv_events_port is not None or ns.role != "both":
+        ns.kv_events_host = ns.host
+    if ns.role == "prefill" and ns.kv_transfer_port is None:
+        # chosen once here, so that a restarted engine keeps it (routers read it at join)
+        ns.kv_transfer_port = free_port(ns.kv_events_host)
+    chat_template = None
+    if ns.chat_template is not None:
+        try:
+            with open(ns.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --chat-template {ns.chat_template} ({e})") from None
+    limits = RequestLimits(
+        max_body_bytes=ns.max_request_bytes, max_prompt_chars=ns.max_prompt_chars,
+        max_n=ns.max_n, max_stop=ns.max_stop, max_stop_chars=ns.max_stop_chars,
+        max_logprobs=ns.max_logprobs, max_tools=ns.max_tools,
+        max_schema_bytes=ns.max_schema_bytes, max_logit_bias=ns.max_logit_bias,
+        prepare_timeout_s=ns.prepare_timeout, body_timeout_s=ns.body_timeout)
+    args = engine_args(ns, served_model_name=ns.served_model_name)
     try:
-        serve(args, host=ns.host, port=ns.port,
-              api_key=ns.api_key or os.environ.get("SKYLINE_API_KEY"),
-              max_body_bytes=ns.max_request_bytes, shutdown_timeout=ns.shutdown_timeout,
-              log_level=ns.uvicorn_log_level)
-    except (EngineStartError, OSError) as e:
+        serve(args, host=ns.host, port=ns.port, api_key=api_key, limits=limits,
+              shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
+              restart=RestartPolicy(max_restarts=ns.max_engine_restarts),
+              max_waiting=ns.max_waiting, chat_template=chat_template,
+              parse_workers=ns.parse_workers, tool_call_parser=ns.tool_call_parser)
+    except (EngineStartError, EngineDeadError, OSError) as e:
         sys.exit(f"skyline: error: {e}")
+
+
+def _serve_api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
+    """The API key: --api-key-file, else --api-key (with a warning: any user can read a
+    command line, e.g. in `ps`), else $SKYLINE_API_KEY."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read --api-key-file {path} ({e})") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {path} is empty; put the key in it")
+        return key
+    if flag is not None:
+        print("skyline: warning: --api-key is visible to every user of this machine (e.g. in "
+              "ps); prefer --api-key-file or $SKYLINE_API_KEY", file=sys.stderr)
+        return flag
+    return env or None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,17 +389,89 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $SKYLINE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(visible in ps: prefer --api-key-file or $SKYLINE_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE")
     p.add_argument("--served-model-name", default=None, help="model id clients ask for")
-    p.add_argument("--max-waiting", type=int, default=0,
-                   help="waiting requests beyond which new ones get 429 (0: no limit)")
-    p.add_argument("--max-request-bytes", type=int, default=16 << 20,
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template to use instead of the model's (requests cannot "
+                        "bring their own)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
+                   help="the format the model writes tool calls in (auto: the chat template's, "
+                        "where it is unambiguous; ChatML templates: hermes)")
+    p.add_argument("--max-waiting", type=int, default=-1,
+                   help="waiting requests beyond which new ones get 429 (-1: 4 x "
+                        "--max-num-seqs; 0: no limit)")
+    g = p.add_argument_group("request limits (a request over one gets a 400)")
+    g.add_argument("--max-request-bytes", type=int, default=16 << 20,
                    help="larger request bodies get 413")
+    g.add_argument("--max-prompt-chars", type=int, default=0,
+                   help="characters in a prompt or a conversation (0: 32 per token of context, "
+                        "at least 1Mi)")
+    g.add_argument("--max-n", type=int, default=128,
+                   help="choices per request (n, times the prompts of a batched completion)")
+    g.add_argument("--max-stop", type=int, default=32,
+                   help="stop strings, and stop token ids, per request")
+    g.add_argument("--max-stop-chars", type=int, default=1000,
+                   help="characters per stop string")
+    g.add_argument("--max-logprobs", type=int, default=20, help="top logprobs per token")
+    g.add_argument("--max-tools", type=int, default=128,
+                   help="tools per request, and calls in one past assistant message")
+    g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
+                   help="a response_format JSON schema, a structured-output constraint, or one "
+                        "tool, as JSON")
+    g.add_argument("--max-logit-bias", type=int, default=300,
+                   help="tokens one logit_bias may name")
+    g.add_argument("--prepare-timeout", type=float, default=10.0,
+                   help="seconds to parse a request, render its chat template and tokenize it")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds for a request body to arrive (then 408)")
+    p.add_argument("--parse-workers", type=int, default=2,
+                   help="processes that parse large request bodies off the event loop")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="restarts of a failed engine core allowed within ten minutes (with "
+                        "backoff); one more failure stops the server, exit code 1 (0: none)")
     p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--role", default="both",
+                   help="both | prefill | decode: the work a router sends this replica (with "
+                        "--replicas: one role for all, or one per replica, comma-separated)")
+    p.add_argument("--kv-events-port", type=int, default=None,
+                   help="publish KV events for a router on this port (ZMQ PUB; snapshots on "
+                        "the next port); 0: any free pair")
+    p.add_argument("--kv-transfer-port", type=int, default=None,
+                   help="--role prefill: the port decode replicas pull KV from (default: any "
+                        "free one, given in GET /fleet)")
     add_engine_args(p)
+    g = p.add_argument_group("fleet (several engines behind a router on --port)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="engines to start on this host (devices split among them; on the CPU "
+                        "the cores)")
+    g.add_argument("--ray", action="store_true",
+                   help="run the replicas and the router as Ray Serve deployments")
+    g.add_argument("--ray-address", default=None,
+                   help="--ray: the cluster to join (default: start a local one)")
+    g.add_argument("--ray-num-gpus", type=float, default=None,
+                   help="--ray: GPUs per replica (default: 1 on CUDA, 0 on the CPU)")
+    add_router_args(g)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("router", help="one OpenAI-compatible endpoint over several replicas")
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat per replica)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", "-m", default=None,
+                   help="the replicas' model (its tokenizer and chat template hash prompts "
+                        "for cache-aware routing); default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' of clients and send it to the "
+                        "replicas (default: $SKYLINE_API_KEY)")
+    p.add_argument("--uvicorn-log-level", default="info")
+    add_router_args(p)
+    p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -262,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a serve flag and its values, e.g. max_num_seqs=8,32 (repeatable; "
                         "true/false for switches)")
     p.add_argument("--base-flags", default="", help="serve flags every setting shares")
-    p.add_argument("--output-dir", default="bench/results/frontier")
+    p.add_argument("--output-dir", default="bench/tmp/frontier")
     p.add_argument("--dry-run", action="store_true", help="list the points and a time estimate")
     p.add_argument("--no-quality", dest="quality", action="store_false",
                    help="skip KL / top-1 agreement against the reference")
@@ -334,8 +572,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _omp_wait_passive() -> None:
+    """Idle OpenMP workers sleep instead of spinning: spinning workers make CPU decode several
+    times slower whenever another process wants a core, at a cost of ~15% on a quiet machine
+    (bench/omp_wait_policy.py). OpenMP reads this once, when torch loads it, so the CLI sets it
+    before anything imports torch; spawned engine processes inherit it. A user's value wins."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> None:
+    _omp_wait_passive()
+    argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
+    ns.argv = argv
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         ns.func(ns)

@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from skyline.engine.create import EngineArgs
+from skyline.config import POLICIES, RouterConfig
+from skyline.engine.args import EngineArgs
 from skyline.types import SamplingParams
 
 
@@ -29,6 +30,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) | fp8 (e4m3 with per-layer scales: twice the "
                         "tokens of a bf16 cache)")
+    g.add_argument("--kv-offload-ram", default="0", metavar="SIZE",
+                   help="pinned host RAM for KV blocks evicted from the device, e.g. 64GiB: a "
+                        "prefix found there is copied back instead of recomputed")
+    g.add_argument("--kv-offload-disk", default=None, metavar="DIR",
+                   help="a directory for KV blocks below RAM; it survives restarts and "
+                        "replicas on one host may share it")
+    g.add_argument("--kv-offload-disk-size", default=None, metavar="SIZE",
+                   help="the most the disk tier holds (default: 90%% of the free space)")
+    g.add_argument("--kv-offload-policy", default="eviction", choices=["eviction", "eager"],
+                   help="eviction: blocks are written down as they leave a tier; eager: every "
+                        "full block is written to every tier once computed")
+    g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="blocks in RAM and on disk quantized per token and head (half the "
+                        "bytes of a 16-bit cache; lossy); auto: as the device holds them")
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
@@ -102,10 +117,15 @@ def add_load_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="random",
                    choices=["random", "shared-prefix", "multi-turn", "code-edit",
-                            "long-context", "file"])
+                            "long-context", "mixed", "file"])
     g.add_argument("--input-len", default="128", help="prompt tokens: N or LO:HI")
     g.add_argument("--output-len", default="64", help="generated tokens: N or LO:HI")
     g.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix workload")
+    g.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix workload: distinct system prompts")
+    g.add_argument("--long-fraction", type=float, default=0.1,
+                   help="mixed workload: the fraction of long prompts among short ones")
+    g.add_argument("--long-len", default="4096", help="mixed workload: long prompts' tokens")
     g.add_argument("--num-turns", type=int, default=3, help="multi-turn workload")
     g.add_argument("--dataset", default=None, help="file workload: JSONL of {prompt|messages}")
     g = p.add_argument_group("load")
@@ -132,8 +152,61 @@ def load_specs(ns: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
     from skyline.bench.workloads import WorkloadSpec
 
     workload = WorkloadSpec(ns.workload, ns.input_len, ns.output_len, ns.system_prompt_len,
-                            ns.num_turns, ns.dataset, ns.bench_seed)
+                            ns.num_turns, ns.dataset, ns.bench_seed,
+                            num_prefixes=ns.num_prefixes, long_fraction=ns.long_fraction,
+                            long_len=ns.long_len)
     num = ns.num_requests if ns.num_requests is not None or ns.duration else 100
     load = LoadSpec(endpoint=ns.endpoint, num_requests=num, duration=ns.duration,
                     ignore_eos=ns.ignore_eos, seed=ns.bench_seed)
     return load, workload, parse_goodput(ns.goodput)
+
+
+def add_router_args(p: argparse.ArgumentParser | Any) -> None:
+    """How `skyline router` (and `skyline serve --replicas N`) spreads requests."""
+    p.add_argument("--policy", default="cache-aware", choices=list(POLICIES),
+                   help="cache-aware: where the prompt's prefix is cached, unless that replica "
+                        "is overloaded; round-robin; least-load: fewest requests open")
+    p.add_argument("--balance-abs", type=int, default=4,
+                   help="cache-aware: a replica with this many more open requests than the "
+                        "least-loaded one ...")
+    p.add_argument("--balance-rel", type=float, default=1.5,
+                   help="... and more than this many times as many is overloaded")
+    p.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between health checks of each replica")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="replicas a request is tried on before it starts")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
+                   help="prefill/decode: prompts with fewer uncached tokens are prefilled on "
+                        "the decode replica")
+
+
+def router_config(ns: argparse.Namespace, replicas: list[str], api_key: str | None) -> RouterConfig:
+    return RouterConfig(replicas=tuple(replicas), policy=ns.policy, balance_abs=ns.balance_abs,
+                        balance_rel=ns.balance_rel, health_interval_s=ns.health_interval,
+                        max_attempts=ns.max_attempts, api_key=api_key,
+                        pd_min_prompt_tokens=ns.pd_min_prompt_tokens)
+
+
+# `skyline serve` flags a replica of `--replicas N` does not inherit: the launcher sets them
+# per replica, or they are the router's.
+FLEET_ONLY_FLAGS = ("--replicas", "--ray", "--port", "--host", "--role", "--kv-events-port",
+                    "--kv-transfer-port",
+                    "--policy", "--balance-abs", "--balance-rel", "--health-interval",
+                    "--max-attempts", "--pd-min-prompt-tokens", "--device", "--threads",
+                    "--gpu-memory-utilization", "--ray-address", "--ray-num-gpus")
+_SWITCHES = ("--ray",)
+
+
+def strip_flags(argv: list[str], flags: tuple[str, ...] = FLEET_ONLY_FLAGS,
+                switches: tuple[str, ...] = _SWITCHES) -> list[str]:
+    """`argv` without `flags` (as `--flag value` or `--flag=value`; `switches` take none)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name in flags:
+            i += 1 if (name in switches or "=" in a) else 2
+            continue
+        out.append(a)
+        i += 1
+    return out

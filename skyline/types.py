@@ -7,9 +7,24 @@ contract between bookkeeping and compute. New requests are sent whole, known one
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+INT64_LIMIT = 2**63  # integers the engine holds live in int64 (seeds: any 64-bit pattern)
+MAX_LOGPROBS = 20  # top logprobs per position, as OpenAI allows
+MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit bias
+
+
+def is_valid_unicode(text: str) -> bool:
+    """Whether `text` encodes to UTF-8: JSON can spell lone UTF-16 surrogates ("\\ud800") that
+    no tokenizer, msgpack or UTF-8 writer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -31,12 +46,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k
+    # None: none; k >= 0: each prompt token's logprob (given the tokens before it) and the top
+    # k there, from the prefill pass (such a request reuses no cached prefix: it is scored)
+    prompt_logprobs: int | None = None
+    # token id -> added to its logit before sampling (OpenAI: -100 bans, +100 forces)
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Constrained decoding (llguidance, engine/structured.py); at most one of the three.
+    # Constrained decoding (llguidance, engine/frontend/structured.py); at most one of the three.
     json_schema: str | dict[str, Any] | None = None  # a JSON schema (dict or JSON text)
     regex: str | None = None
     grammar: str | None = None  # a Lark grammar
+    # Prefill/decode disaggregation (cache/pd.py): {"transfer_id", "do_remote_decode", "peer"}
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,7 +67,18 @@ class SamplingParams:
             self.top_k = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with one sentence naming the bad field."""
+        """Raise ValueError with one sentence naming the bad field. Every value that passes fits
+        the types the engine holds it in (int64 tensors, 64-bit seeds, msgpack, UTF-8), so a
+        request that passes cannot fail in the engine for its parameters."""
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int) and -INT64_LIMIT <= v < INT64_LIMIT):
+                raise ValueError(f"{name} must be an integer below 2**63, got {v}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v}")
         checks = [
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -63,24 +96,52 @@ class SamplingParams:
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
-             f"logprobs must be between 0 and 20, got {self.logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop),
              "stop must be a list of non-empty strings"),
-            (self.seed is None or -(2**63) <= self.seed < 2**64,
+            (self.seed is None or (isinstance(self.seed, int)
+                                   and -INT64_LIMIT <= self.seed < 2 * INT64_LIMIT),
              f"seed must fit in 64 bits, got {self.seed}"),
+            (all(isinstance(t, int) and 0 <= t < INT64_LIMIT for t in self.stop_token_ids),
+             "stop_token_ids must be token ids (integers >= 0)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
         if sum(x is not None for x in (self.json_schema, self.regex, self.grammar)) > 1:
             raise ValueError("give at most one of json_schema, regex and grammar")
+        for name, text in [*(("stop", s) for s in self.stop), ("regex", self.regex),
+                           ("grammar", self.grammar)]:
+            if text is not None and not is_valid_unicode(text):
+                raise ValueError(f"{name} is not valid Unicode (it holds a lone surrogate such "
+                                 "as \\ud800); send UTF-8 text")
+        self._validate_logit_bias()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
-                    f"stop_token_ids {bad} are outside the vocabulary (0..{vocab_size - 1})"
+                    f"stop_token_ids {bad[:8]} are outside the vocabulary (0..{vocab_size - 1})"
                 )
+            bad = [t for t in self.logit_bias or () if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias has token ids {bad[:8]} outside the vocabulary "
+                                 f"(0..{vocab_size - 1})")
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or not 0 <= t < INT64_LIMIT:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if (not isinstance(b, int | float) or not math.isfinite(b)
+                    or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS} and "
+                                 f"{MAX_LOGIT_BIAS}, got {b!r} for token {t}")
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +150,9 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Holds blocks that a KV connector is filling (from a lower tier or another replica); it
+    # joins the running batch when they are in (sched/kv_loads.py).
+    WAITING_FOR_KV = "waiting_for_kv"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -121,6 +185,10 @@ class Request:
     max_model_len: int | None = None  # cap on prompt + output tokens
     # Tokens sampled by a step still in flight (async scheduling): scheduled, not yet known.
     num_output_placeholders: int = 0
+    # Prompt logprobs (SamplingParams.prompt_logprobs): those received from the runner for
+    # prompt tokens 1, 2, ... and not yet handed out (a recomputed prefill repeats some)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # prompt tokens whose logprobs were received
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -157,6 +225,11 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # tokens in the KV cache before this step (prefix hits)
 
+    @classmethod
+    def of(cls, req: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                   req.sampling_params, block_ids, req.num_computed_tokens)
+
 
 @dataclass
 class CachedRequestData:
@@ -168,6 +241,41 @@ class CachedRequestData:
     # Blocks dropped from the tail of its table since it last ran (slots of rejected draft
     # tokens); the runner drops them before appending `new_block_ids`.
     num_freed_blocks: int = 0
+
+
+KV_LOAD, KV_STORE, KV_SPILL, KV_DROP = "load", "store", "spill", "drop"
+# Prefill/decode: a finished request's blocks, held for a peer to pull (cache/pd.py)
+KV_SEND = "send"
+
+
+@dataclass
+class KVTransfer:
+    """Block copies between the device's KV cache and what lies beyond it (host RAM, disk, a
+    peer), decided by the scheduler's half of the KV connector (cache/connector.py) and run by
+    every rank's worker on its own shard of each block (worker/connector/). The worker reports
+    it by `op_id` once all its copies ended (`RunnerOutput.kv_finished` / `kv_failed`).
+
+    Per block i, with `keys[i]` its chained hash:
+    - load: fill device block `block_ids[i]` of request `request_id`, from host-RAM slot
+      `ram_slots[i]`, or from disk where `disk[i]`;
+    - store: copy device block `block_ids[i]` (full and computed: its KV is final) into RAM
+      slot `ram_slots[i]`, and where `disk[i]` on to disk. Ordered before any later step
+      writes into the block, so the pool may hand it out again at once;
+    - spill: write RAM slot `ram_slots[i]` to disk (`block_ids` empty);
+    - drop: delete the disk copy of each key (`block_ids`, `ram_slots` empty).
+    - send: hold the device blocks `block_ids` (of a finished request) for a peer that pulls
+      them by key (prefill/decode: `params` {"transfer_id", "ttl_s"}); it ends once pulled,
+      or after ttl_s.
+    `params`: a transport's own parameters (a peer to pull from), None for the local tiers."""
+
+    op_id: int
+    kind: str  # KV_LOAD | KV_STORE | KV_SPILL | KV_DROP
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    ram_slots: list[int] = field(default_factory=list)
+    disk: list[bool] = field(default_factory=list)
+    request_id: str | None = None
+    params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -191,10 +299,17 @@ class SchedulerOutput:
     # the batch is past the static speculation bound (`SpecConfig.max_batch_tokens`), where no
     # step can verify drafts; it restarts its cache after such a stretch.
     feed_proposer: bool = True
+    # KV connector: the block copies this step starts (before its forward pass), and whether
+    # earlier ones are still in flight: then the runner reports them even in a step without
+    # tokens, and waits a little for one to end if it has nothing to compute.
+    kv_transfers: list[KVTransfer] = field(default_factory=list)
+    kv_in_flight: bool = False
 
     @property
     def empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing to compute and nothing to transfer."""
+        return (self.total_num_scheduled_tokens == 0 and not self.kv_transfers
+                and not self.kv_in_flight)
 
 
 # ----------------------------------------------------------------------------------------
@@ -219,6 +334,13 @@ class RunnerOutput:
     # Speculative decoding: per request in req_ids, drafts proposed to follow its new tokens.
     # With drafts verified this step, sampled_token_ids holds the accepted drafts then one more.
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # KV connector: transfers (KVTransfer.op_id) that ended since the last output, and for
+    # those where some blocks failed, their indexes into the transfer's keys.
+    kv_finished: list[int] = field(default_factory=list)
+    kv_failed: dict[int, list[int]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: req id -> (index in the prompt of the first token scored,
+    # one entry per prompt token scored this step: its logprob given the tokens before it)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------
@@ -236,6 +358,9 @@ class StepOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Logprobs of prompt tokens 1, 2, ... (SamplingParams.prompt_logprobs): all of them, in the
+    # request's first output with tokens
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -265,3 +390,57 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing comes
+    # before it); a delta output carries them once, in the first output that has them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+# ----------------------------------------------------------------------------------------
+# engine core -> router (KV events, over ZMQ PUB; see engine/kv_events.py and router/events.py)
+
+
+class KVEventKind(enum.IntEnum):
+    STORED = 0  # block hashes now findable in the prefix cache, in chain order
+    REMOVED = 1  # block hashes evicted
+    CLEARED = 2  # every hash forgotten (no hashes)
+
+
+@dataclass
+class KVEventBatch:
+    """What changed in one engine's prefix cache since the last batch, and its load.
+
+    `epoch` names one engine process: a new one (a restart) starts again at seq 1, and a
+    subscriber that sees another epoch, or a seq that is not last + 1, resynchronizes from a
+    snapshot. A batch without events repeats the last seq (load only, or a heartbeat)."""
+
+    epoch: str
+    seq: int
+    events: list[tuple[int, list[bytes]]] = field(default_factory=list)  # (KVEventKind, hashes)
+    # num_running, num_waiting, kv_usage (fraction of blocks held by requests)
+    load: dict[str, float] = field(default_factory=dict)
+
+    def to_wire(self) -> list[Any]:
+        return [self.epoch, self.seq, [[k, hs] for k, hs in self.events], self.load]
+
+    @classmethod
+    def from_wire(cls, v: list[Any]) -> KVEventBatch:
+        epoch, seq, events, load = v
+        return cls(str(epoch), int(seq), [(int(k), list(hs)) for k, hs in events], dict(load))
+
+
+@dataclass
+class KVSnapshot:
+    """Every block hash an engine's prefix cache holds, as of its batch `seq`: the state a
+    subscriber starts from, or resynchronizes to after a gap."""
+
+    epoch: str
+    seq: int
+    hashes: list[bytes]
+
+    def to_wire(self) -> list[Any]:
+        return [self.epoch, self.seq, self.hashes]
+
+    @classmethod
+    def from_wire(cls, v: list[Any]) -> KVSnapshot:
+        epoch, seq, hashes = v
+        return cls(str(epoch), int(seq), list(hashes))

@@ -4,7 +4,9 @@ bytes, at the matmul peak and the copy bandwidth measured in the same run.
 Every token, prompt or output, goes through the Linear layers: 2 FLOPs per weight element (the
 LM head only for the tokens that sample). A prompt's attention is arithmetic (causal: one
 query-key pair per earlier token); an output token's attention reads the K/V of its whole
-context once. A decode step also reads every weight once, whatever its batch. Two floors:
+context once. A decode step also reads every weight once, whatever its batch (of a
+mixture-of-experts model, the dense weights and every expert any of its tokens is routed to;
+its arithmetic counts each token's experts only). Two floors:
 
 - sequential: a step runs its products and then its attention, one after the other: prefill
   arithmetic at the peak, each decode step's products at the larger of their FLOPs over the
@@ -21,67 +23,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelCost:
-    """What a model costs per token, from its layers."""
-
-    linear_params: int  # weight elements of the Linear layers every token runs through
-    head_params: int  # of the LM head, run by sampling tokens only
-    weight_bytes: int  # every weight a decode step reads (as the layers store them)
-    kv_bytes_per_token: int  # K and V of one token, every layer, as the cache stores them
-    attn_flops_per_pair: int  # one query against one key, every layer: QK^T and PV
-
-    @classmethod
-    def of(cls, model: nn.Module, kv_bytes_per_token: int) -> ModelCost:
-        from skyline.bench.weights import held_bytes
-        from skyline.model.layers.embedding import LMHead
-        from skyline.model.layers.linear import Linear
-
-        linears = [m for m in model.modules() if isinstance(m, Linear)]
-        heads = [m for m in model.modules() if isinstance(m, LMHead)]
-        arch = model.arch
-        head_bytes = sum(  # an fp8 head is read instead of the dense one
-            sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
-            if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
-            for m in heads)
-        return cls(
-            linear_params=sum(m.in_features * m.out_features for m in linears),
-            head_params=sum(m.weight.numel() for m in heads),
-            weight_bytes=held_bytes(linears) + head_bytes,
-            kv_bytes_per_token=kv_bytes_per_token,
-            attn_flops_per_pair=4 * arch.num_layers * arch.num_heads * arch.head_dim,
-        )
-
-
-def model_cost(model: str, quantization: str | None, kv_dtype: torch.dtype) -> ModelCost:
-    """The cost per token of `model` (a shipped config's name or a directory) with weights in
-    `quantization` and a KV cache of `kv_dtype`, built on the meta device: no memory, no
-    weights, the layouts the engine serves with (online quantization included)."""
-    from skyline.config import QuantConfig
-    from skyline.model.loader import read_model_arch
-    from skyline.model.registry import get_model_class
-    from skyline.quant import attach_quant_methods, finish_loading
-    from skyline.worker.kv_cache import bytes_per_block
-
-    arch, _ = read_model_arch(model, "dummy")
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            m = get_model_class(arch.architecture)(arch)
-            attach_quant_methods(m, QuantConfig(method=quantization or "none"))
-        with torch.no_grad():
-            finish_loading(m)
-    finally:
-        torch.set_default_dtype(prev)
-    return ModelCost.of(m, bytes_per_block(arch, 1, kv_dtype))
+from skyline.engine.cost import ModelCost
 
 
 def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len: int,
@@ -100,10 +47,11 @@ def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len:
     keys = num_prompts * ((output_len - 1) * input_len + (output_len - 1) * output_len / 2)
     kv_bytes = keys * cost.kv_bytes_per_token
     prefill_s = prefill_flops / peak_flops
-    decode_linear_s = steps * max(cost.weight_bytes / bandwidth, per_token * rows / peak_flops)
+    step_bytes = cost.step_weight_bytes(rows)
+    decode_linear_s = steps * max(step_bytes / bandwidth, per_token * rows / peak_flops)
     decode_attention_s = kv_bytes / bandwidth
     total_flops = prefill_flops + per_token * n_decode + cost.attn_flops_per_pair * keys
-    total_bytes = steps * cost.weight_bytes + kv_bytes
+    total_bytes = steps * step_bytes + kv_bytes
     sequential_s = prefill_s + decode_linear_s + decode_attention_s
     overlapped_s = max(total_flops / peak_flops, total_bytes / bandwidth)
     out_tokens = num_prompts * output_len
@@ -137,9 +85,10 @@ def _timed(fn: Any, device: torch.device, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes read plus written per second by a device-to-device copy (2 GiB on a GPU)."""
-    n = 2**30 if device.type == "cuda" else 2**25
+def copy_bandwidth(device: torch.device, elements: int | None = None) -> float:
+    """Bytes read plus written per second by a device-to-device copy of `elements` bf16 values
+    (default 2 GiB on a GPU, 64 MiB on the CPU), median of 20 after 3 warm-ups."""
+    n = elements or (2**30 if device.type == "cuda" else 2**25)
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     return 2 * n * 2 / _timed(lambda: y.copy_(x), device, 20)
@@ -156,12 +105,70 @@ def matmul_peak(device: torch.device, fp8: bool = False) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     fn = lambda: a @ b  # noqa: E731
-    from skyline.ops.fp8_linear import has_fp8_units
-
-    if fp8 and has_fp8_units(device):
+    if fp8 and torch.cuda.get_device_capability(device) >= (8, 9):  # fp8 tensor cores
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         sa = torch.ones(n, 1, device=device)
         sb = torch.ones(1, n, device=device)
         fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,  # noqa: E731
                                       out_dtype=torch.bfloat16)
     return 2 * n**3 / _timed(fn, device, 10)
+
+
+def host_to_device_bandwidth(device: torch.device) -> float:
+    """Bytes per second copied from page-locked host memory to the device (1 GiB on a GPU; on
+    the CPU, a copy between two host buffers)."""
+    n = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    return n / _timed(lambda: dst.copy_(src, non_blocking=True), device, 10)
+
+
+def drop_page_cache(paths: list[str]) -> None:
+    """Write the files out and ask the kernel to forget their cached pages, so the next read
+    comes from the disk (advice, not a guarantee: the JSON says what was measured)."""
+    import os
+
+    os.sync()
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_read_rate(directory: str, size: int, threads: int = 8, chunk: int = 8 << 20) -> float:
+    """Bytes per second read from a file of `size` bytes written in `directory` and dropped
+    from the page cache, by `threads` readers of `chunk`-byte pieces (the KV disk tier's
+    reader count)."""
+    import concurrent.futures as cf
+    import os
+
+    path = os.path.join(directory, f".read-rate-{os.getpid()}")
+    block = os.urandom(min(chunk, size))
+    with open(path, "wb") as f:
+        for _ in range(0, size, len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        drop_page_cache([path])
+        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY)
+        bufs = [bytearray(chunk) for _ in range(threads)]
+
+        def read(i: int) -> None:
+            for off in range(i * chunk, size, threads * chunk):
+                os.preadv(fd, [bufs[i]], off)
+
+        t = time.perf_counter()
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
+        dt = time.perf_counter() - t
+        os.close(fd)
+        return size / dt
+    finally:
+        os.unlink(path)

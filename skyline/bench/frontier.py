@@ -36,7 +36,7 @@ from typing import Any
 from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec, parse_len
 from skyline.configs import dummy_config_dir
-from skyline.engine.create import EngineArgs
+from skyline.engine.args import EngineArgs
 
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
 _NO_QUALITY = {"max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
@@ -52,7 +52,7 @@ class FrontierSpec:
     grid: list[str]
     base_flags: str = ""
     concurrency: str = "1,4"
-    output_dir: str = "bench/results/frontier"
+    output_dir: str = "bench/tmp/frontier"
     quality: bool = True
     reference_flags: str = "--quantization none"
     calib_tokens: int = 512
@@ -115,9 +115,8 @@ def quality_status(spec: FrontierSpec, ref_args: EngineArgs) -> str:
 
 
 def calibration_text() -> str:
-    import skyline
-
-    path = os.path.join(os.path.dirname(skyline.__file__), "quant", "calibration.txt")
+    """The text `skyline quantize` calibrates on by default (skyline/tools/calibration.txt)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "calibration.txt")
     with open(path, encoding="utf-8") as f:
         return f.read()
 
@@ -126,7 +125,7 @@ def _score(args: EngineArgs, calib_tokens: int) -> tuple[Any, list[int]]:
     """Reference-free scoring run: [n, vocab] log-probs and the text's token ids."""
     import gc
 
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
 
     n = calib_tokens + 16
     kw = dataclasses.asdict(args) | {

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from skyline.ops.dequant import GGML_TYPES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # byte offsets of the fp16 scales in each block type (ggml type id)
 FP16_AT: dict[int, list[int]] = {
@@ -20,7 +19,7 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0,
     """[rows, bytes_per_row] uint8 of `qtype` blocks with fp16 scales uniform in
     [-scale, scale]; cols a multiple of the type's block size."""
     qtype = int(qtype)
-    _, block_size, type_size = GGML_TYPES[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
     rng = np.random.default_rng(seed)
     n = rows * cols // block_size
     b = rng.integers(0, 256, size=(n, type_size), dtype=np.uint8)

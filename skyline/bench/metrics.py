@@ -16,6 +16,7 @@ class RequestResult:
 
     input_len: int
     output_len: int = 0  # tokens generated (server usage when reported, else chunks)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (server usage)
     ttft: float = 0.0  # time to the first generated token
     e2e: float = 0.0  # time to the last byte
     itl: list[float] = field(default_factory=list)  # gaps between successive token chunks
@@ -92,6 +93,8 @@ def summarize(results: list[RequestResult], duration_s: float,
         "failed": len(results) - len(ok),
         "total_input_tokens": num_in,
         "total_output_tokens": num_out,
+        # usage.prompt_tokens_details.cached_tokens over prompt tokens (0 if not reported)
+        "prefix_hit_rate": sum(r.cached_tokens for r in ok) / num_in if num_in else 0.0,
         "request_throughput": len(ok) / dur,
         "output_throughput": num_out / dur,
         "total_token_throughput": (num_in + num_out) / dur,
@@ -119,6 +122,7 @@ def format_table(summary: dict[str, Any], title: str = "serving benchmark") -> s
     row("Failed requests:", summary["failed"])
     row("Benchmark duration (s):", f"{summary['duration_s']:.2f}")
     row("Total input tokens:", summary["total_input_tokens"])
+    row("Prefix cache hit rate:", f"{summary.get('prefix_hit_rate', 0.0):.3f}")
     row("Total generated tokens:", summary["total_output_tokens"])
     row("Request throughput (req/s):", f"{summary['request_throughput']:.2f}")
     row("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}")

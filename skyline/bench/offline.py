@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 from skyline.bench.step_trace import StepTrace
-from skyline.engine.create import EngineArgs
-from skyline.engine.frontend import LLM
+from skyline.engine.args import EngineArgs
+from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 
 
@@ -32,12 +32,11 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int,
     llm.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm-up
     if trace is not None:
         trace.reset()
-        llm.engine.step_observers.append(trace)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     dt = time.perf_counter() - t0
     if trace is not None:
-        llm.engine.step_observers.remove(trace)
+        trace.stop()
     n_in = sum(len(p) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
@@ -89,10 +88,11 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     """`floor`: measure the device's matmul peak and copy bandwidth first (before the engine
     takes its memory) and report the run against the floor they set (bench/floor.py)."""
     peaks = _measure_peaks(args) if floor else None
-    llm = LLM(**dataclasses.asdict(args))
+    trace = StepTrace()
+    llm = LLM(**dataclasses.asdict(args), observers=[trace])
+    trace.wait_clock = lambda: llm.query("device_wait_seconds")
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
-    trace = StepTrace(lambda: llm.engine.executor.runner.device_wait_s)
     res = measure(llm, prompts, output_len, trace)
     result = {
         "benchmark": "offline",
@@ -110,7 +110,7 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
         "kv_cache_dtype": cfg.cache.kv_cache_dtype,
         "machine": machine_info(cfg.device),
         "skyline": res,
-        "engine": llm.engine.stats() | llm.engine.executor.describe(),
+        "engine": llm.engine.stats() | llm.query("describe"),
         "steps": trace.summary(),
     }
     print(f"{num_prompts} prompts x ({input_len} in, {output_len} out) on {cfg.device}: "
@@ -118,6 +118,13 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
           f"{res['total_tokens_per_s']:.1f} total tok/s")
     if peaks is not None:
         result["floor"] = _floor(llm, peaks, num_prompts, input_len, output_len, res)
+    eng = result["engine"]
+    if "kv_offload_ram_hit_tokens" in eng:
+        q = max(eng["prefix_cache_query_tokens"], 1)
+        print(f"prefix hits: device {eng['prefix_cache_hit_tokens'] / q:.3f}, RAM "
+              f"{eng['kv_offload_ram_hit_tokens'] / q:.3f}, disk "
+              f"{eng.get('kv_offload_disk_hit_tokens', 0) / q:.3f} of "
+              f"{eng['prefix_cache_query_tokens']} prompt tokens")
     st = result["steps"]
     print(f"steps: {st['mixed_steps']} with prefill {st['mixed_seconds']:.1f} s, "
           f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s")
@@ -146,17 +153,13 @@ def _measure_peaks(args: EngineArgs) -> tuple[float, float]:
 
 def _floor(llm: LLM, peaks: tuple[float, float], num_prompts: int, input_len: int,
            output_len: int, res: dict[str, Any]) -> dict[str, Any]:
-    from skyline.bench.floor import ModelCost, offline_floor
-    from skyline.worker.kv_cache import bytes_per_block
+    from skyline.bench.floor import offline_floor
 
     cfg = llm.config
-    runner = llm.engine.executor.runner
-    block = cfg.cache.block_size
-    kv_per_token = bytes_per_block(cfg.model.arch, 1, runner.kv_dtype)
-    capacity = llm.engine.executor.num_blocks * block // (input_len + output_len)
+    capacity = llm.num_blocks * cfg.cache.block_size // (input_len + output_len)
     concurrency = min(cfg.scheduler.max_num_seqs, capacity)
-    floor = offline_floor(ModelCost.of(runner.model, kv_per_token), num_prompts, input_len,
-                          output_len, concurrency, *peaks)
+    floor = offline_floor(llm.query("model_cost"), num_prompts, input_len, output_len,
+                          concurrency, *peaks)
     floor["fraction_of_sequential"] = floor["sequential_s"] / res["elapsed_s"]
     floor["fraction_of_overlapped"] = floor["overlapped_s"] / res["elapsed_s"]
     print(f"floor at {floor['peak_TFLOPs']:.3g} TFLOP/s and {floor['bandwidth_TBps']:.3g} TB/s "

@@ -26,10 +26,11 @@ import aiohttp
 from tqdm import tqdm
 
 from skyline.bench.metrics import RequestResult, format_table, summarize
+from skyline.bench.server_stats import cache_delta, format_cache, scrape
 from skyline.bench.workloads import Conversation, Turn, WorkloadSpec, iter_conversations
 
 # Workloads whose prompts are made token-exact on the completions endpoint.
-_EXACT = ("random", "long-context")
+_EXACT = ("random", "long-context", "mixed")
 CUT = "cut: still running at the hard deadline (duration + grace)"
 MAX_WARMUP_WIDTH = 256  # warm-up requests sent at once, at most
 
@@ -186,6 +187,8 @@ class _Client:
             res.output_len = usage["completion_tokens"] if usage else len(chunks)
             if usage and usage.get("prompt_tokens"):
                 res.input_len = usage["prompt_tokens"]
+                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens") or 0
         except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
             res.success, res.error = False, f"{type(e).__name__}: {e}"[:300]
             res.e2e = time.perf_counter() - t0
@@ -363,8 +366,12 @@ def run_load(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult
 def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, float] | None = None,
                     output: str | None = None, print_table: bool = True) -> dict[str, Any]:
     """Run the load, print a table, optionally write JSON; returns the result dict."""
+    before = scrape(load.base_url, load.api_key)
     results, duration, exact, model = run_load(load, workload)
     summary = summarize(results, duration, slos)
+    cache = cache_delta(before, scrape(load.base_url, load.api_key))
+    if cache is not None:
+        summary["server_cache"] = cache
     out = {
         "benchmark": "serve",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -375,11 +382,14 @@ def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, floa
         "cut_requests": sum(r.error == CUT for r in results),
         "summary": summary,
         "requests": [{"start": r.start, "input_len": r.input_len, "output_len": r.output_len,
-                      "ttft": r.ttft, "e2e": r.e2e, "success": r.success, "error": r.error}
+                      "cached_tokens": r.cached_tokens, "ttft": r.ttft, "e2e": r.e2e,
+                      "success": r.success, "error": r.error}
                      for r in results],
     }
     if print_table:
         print(format_table(summary))
+        if cache is not None:
+            print(format_cache(cache))
     if output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         with open(output, "w") as f:

@@ -10,10 +10,24 @@ the host's own work (scheduling, input building, an eager forward) sets the pace
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 from skyline.types import SchedulerOutput
+
+
+def timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, adding the seconds of each call to phases[name] (a phase of the engine's host
+    work, when it stands in for an engine method: bench/host_overhead.py)."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - t
+    return wrapper
+
 
 # Decode steps are grouped by batch size into these buckets (upper bounds, inclusive).
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 768, 1024, 1 << 30)
@@ -21,19 +35,27 @@ BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 768, 1024, 1 << 30)
 
 class StepTrace:
     """Collects (decode rows, prefill tokens, context tokens, seconds, wait seconds) per step
-    of an engine (`EngineCore.step_observers`); `wait_clock` returns the host's total seconds
-    of waiting for the device so far."""
+    of an engine it observes (engine/core.py, `StepObserver`) between `reset` and `stop`;
+    `wait_clock` returns the host's total seconds of waiting for the device so far."""
 
     def __init__(self, wait_clock: Callable[[], float] = lambda: 0.0) -> None:
         self.wait_clock = wait_clock
-        self.reset()
+        self.rows: list[tuple[int, int, int, float, float]] = []
+        self.recording = False
+        self._waited = 0.0
 
     def reset(self) -> None:
-        """Forget the steps seen so far (a warm-up's)."""
-        self.rows: list[tuple[int, int, int, float, float]] = []
+        """Forget the steps seen so far (a warm-up's) and record from now on."""
+        self.rows = []
         self._waited = self.wait_clock()
+        self.recording = True
 
-    def __call__(self, out: SchedulerOutput, seconds: float) -> None:
+    def stop(self) -> None:
+        self.recording = False
+
+    def __call__(self, out: SchedulerOutput, scheduled_at: float, seconds: float) -> None:
+        if not self.recording:
+            return
         computed = {r.request_id: r.num_computed_tokens for r in out.new_requests}
         computed.update((r.request_id, r.num_computed_tokens) for r in out.cached_requests)
         decode = prefill = context = 0

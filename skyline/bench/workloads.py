@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "code-edit", "long-context", "file")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "code-edit", "long-context", "mixed",
+             "file")
 MAX_LONG_CONTEXT = 200_000
 
 _WORDS = (
@@ -53,6 +54,11 @@ class WorkloadSpec:
     path: str | None = None  # file: JSONL of {"prompt"} or {"messages"}, optional "max_tokens"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    num_prefixes: int = 1  # shared-prefix: distinct system prompts, each conversation one of them
+    # mixed: this fraction of the requests are long prompts of `long_len` tokens ("N" or
+    # "LO:HI"), the others short chats of `input_len`
+    long_fraction: float = 0.1
+    long_len: str = "4096"
 
 
 def parse_len(spec: str | int, what: str) -> tuple[int, int]:
@@ -98,6 +104,11 @@ def iter_conversations(spec: WorkloadSpec) -> Iterator[Conversation]:
         return itertools.cycle(_from_file(spec))
     in_lo, in_hi = parse_len(spec.input_len, "--input-len")
     out_lo, out_hi = parse_len(spec.output_len, "--output-len")
+    if spec.num_prefixes < 1:
+        raise ValueError(f"--num-prefixes must be at least 1, got {spec.num_prefixes}")
+    if not 0 <= spec.long_fraction <= 1:
+        raise ValueError(f"--long-fraction must be in [0, 1], got {spec.long_fraction}")
+    parse_len(spec.long_len, "--long-len")
     if spec.name == "long-context" and in_hi > MAX_LONG_CONTEXT:
         raise ValueError(f"--input-len is at most {MAX_LONG_CONTEXT} for long-context")
     return _generate(spec, in_lo, in_hi, out_lo, out_hi)
@@ -106,13 +117,16 @@ def iter_conversations(spec: WorkloadSpec) -> Iterator[Conversation]:
 def _generate(spec: WorkloadSpec, in_lo: int, in_hi: int, out_lo: int,
               out_hi: int) -> Iterator[Conversation]:
     rng = random.Random(spec.seed)
-    system = words(random.Random(spec.seed + 1), spec.system_prompt_len)
+    systems = [words(random.Random(spec.seed + 1 + 1000 * g), spec.system_prompt_len)
+               for g in range(spec.num_prefixes)]
     for i in itertools.count():
         n_in, n_out = rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)
         if spec.name == "random":
             yield Conversation([Turn(words(rng, n_in), n_out, n_in)])
         elif spec.name == "shared-prefix":
             q = f"Question {i}: tell me about {rng.choice(_TOPICS)}. {words(rng, n_in)}"
+            system = systems[rng.randrange(spec.num_prefixes)] if spec.num_prefixes > 1 \
+                else systems[0]
             yield Conversation([Turn(q, n_out, n_in)], system=system)
         elif spec.name == "multi-turn":
             turns = []
@@ -125,6 +139,11 @@ def _generate(spec: WorkloadSpec, in_lo: int, in_hi: int, out_lo: int,
             q = (f"Rename every '{old}' to '{new}' in this file and output the whole file "
                  f"unchanged otherwise.\n\n{_code(rng, n_in)}")
             yield Conversation([Turn(q, n_out, n_in)])
+        elif spec.name == "mixed":
+            if rng.random() < spec.long_fraction:
+                lo, hi = parse_len(spec.long_len, "--long-len")
+                n_in = rng.randint(lo, hi)
+            yield Conversation([Turn(words(rng, n_in), n_out, n_in)])
         else:  # long-context: a long document, then a short question about it
             q = f"{words(rng, n_in)}\n\nWhich {rng.choice(_TOPICS)} does the text mention?"
             yield Conversation([Turn(q, n_out, n_in)])

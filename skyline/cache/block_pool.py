@@ -6,14 +6,30 @@ Invariants (checked by `check_invariants`, which tests call):
   carrying the same hash keeps no hash at all (see `cache_full_block`);
 - a free block that still carries a hash is an *evictable* cached block: `touch` can revive it
   until `get_new_blocks` reallocates it, which drops its hash.
+
+With `record_events`, the pool logs every hash that becomes findable (STORED), stops being
+findable (REMOVED) and the forgetting of all of them (CLEARED), in order, for a router that
+keeps an index of which replica holds which prefix (engine/kv_events.py publishes them).
+Replaying the log over the hashes findable before it gives exactly `_cached`'s keys.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Protocol
 
 from skyline.cache.prefix import BlockHash
+from skyline.types import KVEventKind
+
+
+class BlockListener(Protocol):
+    """Told when a block's KV becomes findable by hash, and when it is about to be overwritten
+    (a KV connector writes such blocks down to a lower tier: cache/connector.py)."""
+
+    def block_cached(self, block_id: int, block_hash: BlockHash) -> None: ...
+
+    def block_evicted(self, block_id: int, block_hash: BlockHash) -> None: ...
 
 
 class KVCacheBlock:
@@ -39,17 +55,22 @@ class BlockPool:
     hold nothing anyone can reuse, so they go to the head and are handed out first.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 listener: BlockListener | None = None,
+                 record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.listener = listener
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # block_id -> block, head first. OrderedDict gives O(1) removal from the middle (`touch`).
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # (KVEventKind, hashes) in order, consecutive events of a kind merged; None: not kept
+        self._events: list[tuple[int, list[BlockHash]]] | None = [] if record_events else None
 
     # ---------------------------------------------------------------- queries
 
@@ -70,6 +91,25 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block whose computed KV holds the tokens behind `block_hash`, if still cached."""
         return self._cached.get(block_hash)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every findable hash (a KV-event snapshot)."""
+        return list(self._cached)
+
+    def take_events(self) -> list[tuple[int, list[BlockHash]]]:
+        """The events recorded since the last call (none unless `record_events`)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _record(self, kind: KVEventKind, block_hash: BlockHash) -> None:
+        if self._events is None:
+            return
+        if self._events and self._events[-1][0] == kind:
+            self._events[-1][1].append(block_hash)
+        else:
+            self._events.append((kind, [block_hash]))
 
     # ---------------------------------------------------------------- changes
 
@@ -115,6 +155,9 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            self._record(KVEventKind.STORED, block_hash)
+            if self.listener is not None:
+                self.listener.block_cached(block.block_id, block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash (e.g. after a weight update: all cached KV is stale). Blocks in use
@@ -123,12 +166,17 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self._events is not None:
+            self._events[:] = [(KVEventKind.CLEARED, [])]  # what came before no longer matters
         return n
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            self._record(KVEventKind.REMOVED, block.block_hash)
+            if self.listener is not None:
+                self.listener.block_evicted(block.block_id, block.block_hash)
         block.block_hash = None
 
     # ---------------------------------------------------------------- testing

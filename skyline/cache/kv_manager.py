@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from skyline.cache.block_pool import BlockPool, KVCacheBlock
+from skyline.cache.block_pool import BlockListener, BlockPool, KVCacheBlock
 from skyline.cache.prefix import BlockHash, extend_block_hashes
 from skyline.types import Request
 
@@ -18,12 +18,14 @@ from skyline.types import Request
 class KVCacheManager:
     """Allocates, shares and frees the KV-cache blocks of requests."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 listener: BlockListener | None = None,
+                 record_events: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, listener, record_events)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
         # Hashes of the request's full blocks of *tokens* (computed or not), extended as tokens
         # arrive; dropped by `free` (a preempted request re-hashes once when it resumes).
@@ -62,7 +64,8 @@ class KVCacheManager:
         """Block references held by all requests (a shared block counts once per holder)."""
         return sum(len(b) for b in self._blocks.values())
 
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks of tokens, computed or not."""
         hashes = self._hashes.setdefault(request.request_id, [])
         extend_block_hashes(hashes, request.all_token_ids, self.block_size)
         return hashes
@@ -78,7 +81,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        for block_hash in self._block_hashes(request)[:max_blocks]:
+        for block_hash in self.block_hashes(request)[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -147,7 +150,7 @@ class KVCacheManager:
         num_full = min(num_computed_tokens // self.block_size, len(held))
         if num_full <= start:
             return
-        hashes = self._block_hashes(request)
+        hashes = self.block_hashes(request)
         for i in range(start, num_full):
             self.block_pool.cache_full_block(held[i], hashes[i])
         self._num_cached[rid] = num_full

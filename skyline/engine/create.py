@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -13,59 +12,23 @@ from skyline.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    FleetConfig,
     ModelArch,
     ModelConfig,
+    OffloadConfig,
     QuantConfig,
     SchedulerConfig,
     SpecConfig,
     parse_size,
 )
 from skyline.configs import dummy_config_dir
+from skyline.engine.args import EngineArgs
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
 from skyline.ops import cpu_plan
 from skyline.quant.resolve import resolve_quant_config
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineArgs:
-    """Every engine knob a user can set, with "auto" defaults (one source for CLI and API)."""
-
-    model: str | None = None
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: str | int = "2GiB"
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (alias fp8_e4m3)
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_waiting: int = 0
-    seed: int = 0
-    served_model_name: str | None = None
-    threads: int | None = None  # CPU threads for torch
-    quantization: str | None = None  # None: the checkpoint's own format (see quant/resolve.py)
-    quant_group_size: int = 128
-    quantize_lm_head: bool = False  # the LM head in fp8 (W8A8), with any --quantization
-    enforce_eager: bool = False  # CUDA: run every step eagerly, no CUDA graphs
-    async_scheduling: str = "auto"  # auto (on for CUDA) | on | off
-    speculative_method: str = "none"  # none | ngram | suffix | eagle | draft
-    # eagle: the head's directory; None with the default model: the head shipped for it.
-    # draft: the draft model (HF directory, .gguf file or shipped config name)
-    speculative_model: str | None = None
-    speculative_draft_layers: int = 0  # draft without a model: the target's first N layers
-    eagle_lookup: bool = True  # eagle: prompt lookup for spans the request repeats
-    num_speculative_tokens: int = 5
-    ngram_min: int = 2
-    ngram_max: int = 5
-    speculative_max_batch_tokens: int | None = None  # None: auto (by device)
-    speculative_gate: bool = True  # speculate only where it was measured faster
 
 
 _DTYPE_ALIASES = {
@@ -144,7 +107,7 @@ def _resolve_spec_model(args: EngineArgs, arch: ModelArch) -> str | None:
     """The EAGLE head's directory, checked against the target's shape."""
     if args.speculative_method != "eagle":
         return args.speculative_model
-    from skyline.spec.eagle import check_head, default_head_dir
+    from skyline.worker.spec.eagle import check_head, default_head_dir
 
     path = args.speculative_model
     if path is None and args.model is None:
@@ -248,7 +211,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         num_blocks=args.num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, device),
+        kv_events=args.kv_events_port is not None,
     )
+    fleet = FleetConfig(role=args.role, kv_events_host=args.kv_events_host,
+                        kv_events_port=args.kv_events_port,
+                        kv_transfer_port=args.kv_transfer_port)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(
@@ -270,4 +237,19 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     )
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
-                         async_scheduling=_resolve_async(args.async_scheduling, device)), auto_len
+                        async_scheduling=_resolve_async(args.async_scheduling, device),
+                        offload=_resolve_offload(args), fleet=fleet), auto_len
+
+
+def _resolve_offload(args: EngineArgs) -> OffloadConfig:
+    disk = args.kv_offload_disk or None
+    if disk is not None:
+        disk = os.path.abspath(os.path.expanduser(disk))
+        if os.path.exists(disk) and not os.path.isdir(disk):
+            raise ConfigError(f"--kv-offload-disk {disk} is a file; give a directory")
+    size = args.kv_offload_disk_size
+    if size is not None and disk is None:
+        raise ConfigError("--kv-offload-disk-size needs --kv-offload-disk DIR")
+    return OffloadConfig(ram_bytes=parse_size(args.kv_offload_ram), disk_dir=disk,
+                         disk_bytes=None if size is None else parse_size(size),
+                         policy=args.kv_offload_policy, dtype=args.kv_offload_dtype)

@@ -9,7 +9,9 @@ Every message is msgpack; the dataclasses travel through the explicit helpers be
 Startup goes over a multiprocessing pipe: ("ready", info) or ("error", one sentence).
 
 The loop blocks on the input socket while idle; with work it drains the input without waiting,
-runs one step and pushes the outputs. The process exits when its parent dies.
+runs one step and pushes the outputs. The process exits when its parent dies. With
+FleetConfig.kv_events_port set, it also publishes its KV events (engine/kv_events.py) after
+each step and answers snapshot requests between steps.
 """
 
 from __future__ import annotations
@@ -60,58 +62,63 @@ def request_from_dict(d: dict[str, Any]) -> Request:
                    eos_token_ids=tuple(d["eos"]))
 
 
+def _logprobs_to_list(lps: list[TokenLogprobs] | None) -> list[Any] | None:
+    return None if lps is None else [[t.token_ids, t.logprobs, t.sampled_rank] for t in lps]
+
+
+def _logprobs_from_list(v: list[Any] | None) -> list[TokenLogprobs] | None:
+    return None if v is None else [TokenLogprobs(a, b, c) for a, b, c in v]
+
+
 def step_output_to_list(o: StepOutput) -> list[Any]:
-    lps = None
-    if o.new_logprobs is not None:
-        lps = [[t.token_ids, t.logprobs, t.sampled_rank] for t in o.new_logprobs]
-    return [o.request_id, o.new_token_ids, lps, o.finish_reason, o.stop_reason,
-            o.num_prompt_tokens, o.num_cached_tokens]
+    return [o.request_id, o.new_token_ids, _logprobs_to_list(o.new_logprobs), o.finish_reason,
+            o.stop_reason, o.num_prompt_tokens, o.num_cached_tokens,
+            _logprobs_to_list(o.prompt_logprobs)]
 
 
 def step_output_from_list(v: list[Any]) -> StepOutput:
-    rid, ids, lps, finish, stop, num_prompt, num_cached = v
-    logprobs = None if lps is None else [TokenLogprobs(a, b, c) for a, b, c in lps]
-    return StepOutput(rid, ids, logprobs, finish, stop, num_prompt, num_cached)
+    rid, ids, lps, finish, stop, num_prompt, num_cached, prompt_lps = v
+    return StepOutput(rid, ids, _logprobs_from_list(lps), finish, stop, num_prompt, num_cached,
+                      _logprobs_from_list(prompt_lps))
 
 
 # ---------------------------------------------------------------------------------- child
 
 
-class _HookedExecutor:
-    """Wraps the core's executor to record the time each request waited before its first
-    schedule (the queue-time metric)."""
+class _QueueTimes:
+    """A step observer: the seconds each request waited before its first schedule (the
+    queue-time metric), from the arrivals the loop records."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.arrivals: dict[str, float] = {}  # request id -> arrival, until first scheduled
-        self.queue_times: dict[str, float] = {}  # first scheduled this step: id -> seconds
+        self.seconds: dict[str, float] = {}  # first scheduled since the last report
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def launch(self, out: Any) -> Any:
-        now = time.monotonic()
+    def __call__(self, out: Any, scheduled_at: float, seconds: float) -> None:
         for new in out.new_requests:
             arrival = self.arrivals.pop(new.request_id, None)
             if arrival is not None:
-                self.queue_times[new.request_id] = now - arrival
-        return self.inner.launch(out)
+                self.seconds[new.request_id] = scheduled_at - arrival
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
 
 
 class _EngineLoop:
-    def __init__(self, core: Any, in_addr: str, out_addr: str) -> None:
+    def __init__(self, core: Any, queue_times: _QueueTimes, in_addr: str,
+                 out_addr: str, events: Any = None) -> None:
         import zmq
 
-        from skyline.engine.frontend import load_tokenizer
-        from skyline.engine.structured import attach_structured_outputs
-
         self.core = core
-        attach_structured_outputs(core, lambda: load_tokenizer(core.config.model))
-        self.hooks = _HookedExecutor(core.executor)
-        core.executor = self.hooks
+        self.queue_times = queue_times
+        self.events = events  # a KVEventPublisher, or None
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.connect(in_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inp, zmq.POLLIN)
+        if events is not None:
+            self.poller.register(events.snapshots, zmq.POLLIN)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
         self.out.setsockopt(zmq.LINGER, 5000)
@@ -127,26 +134,32 @@ class _EngineLoop:
         s = dict(self.core.stats())
         s["max_model_len"] = self.core.max_model_len
         s["num_adds"] = self.num_adds
+        pool = self.core.scheduler.kv_manager.block_pool
+        s["num_used_blocks"] = pool.num_blocks - pool.num_free_blocks  # 0 when idle
         return s
 
     def handle(self, msg: list[Any]) -> None:
         kind = msg[0]
         self.stats_dirty = True
         if kind == "add":
-            req = request_from_dict(msg[1])
             self.num_adds += 1
+            rid = str(msg[1].get("id")) if isinstance(msg[1], dict) else "?"
             try:
+                req = request_from_dict(msg[1])
+                # The front end validated it; validate again here, where a value the sampler
+                # cannot hold would otherwise fail a whole step, not just this request.
+                req.sampling_params.validate(self.core.config.model.arch.vocab_size)
                 self.core.add_request(req)
             except Exception as e:  # a bad request must not take the engine down
                 if not isinstance(e, ValueError):
-                    log.exception("request %s could not be added", req.request_id)
-                self.send(("add_error", req.request_id, str(e)))
+                    log.exception("request %s could not be added", rid)
+                self.send(("add_error", rid, str(e)))
                 return
-            self.hooks.arrivals[req.request_id] = req.arrival_time
+            self.queue_times.arrivals[req.request_id] = req.arrival_time
         elif kind == "abort":
             self.core.abort_requests(msg[1])
             for rid in msg[1]:
-                self.hooks.arrivals.pop(rid, None)
+                self.queue_times.arrivals.pop(rid, None)
         elif kind == "call":
             _, call_id, method, args = msg
             if method == "stats":
@@ -162,15 +175,26 @@ class _EngineLoop:
     def drain(self, block: bool) -> None:
         import zmq
 
-        if block:
-            while self.running and not self.inp.poll(1000):
-                pass
+        while block and self.running:
+            ready = dict(self.poller.poll(1000))
+            self.publish_events(None)  # snapshot requests, heartbeats
+            if self.inp in ready:
+                break
         while self.running:
             try:
                 data = self.inp.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self.handle(unpack(data))
+
+    def publish_events(self, stats: dict[str, Any] | None) -> None:
+        """Publish the cache's events since the last call, then answer snapshot requests
+        (in this order, so that a snapshot includes every event published)."""
+        if self.events is None:
+            return
+        pool = self.core.scheduler.kv_manager.block_pool
+        self.events.publish(pool.take_events(), stats if stats is not None else self.stats())
+        self.events.answer_snapshots(pool.cached_hashes)
 
     def run(self) -> None:
         while self.running:
@@ -179,19 +203,24 @@ class _EngineLoop:
                 break
             if not self.core.has_unfinished():
                 if self.stats_dirty:  # e.g. everything was aborted: report the freed cache
-                    self.send(("out", [], self.stats(), {}))
+                    stats = self.stats()
+                    self.send(("out", [], stats, {}))
+                    self.publish_events(stats)
                     self.stats_dirty = False
                 continue
             outputs = self.core.step()
-            queue_times, self.hooks.queue_times = self.hooks.queue_times, {}
-            self.send(("out", [step_output_to_list(o) for o in outputs], self.stats(),
-                       queue_times))
+            stats = self.stats()
+            self.send(("out", [step_output_to_list(o) for o in outputs], stats,
+                       self.queue_times.take()))
+            self.publish_events(stats)
             self.stats_dirty = False
 
     def close(self) -> None:
         self.inp.close(linger=0)
         self.out.close()
         self.ctx.term()
+        if self.events is not None:
+            self.events.close()
 
 
 def _exit_with_parent() -> None:
@@ -206,14 +235,6 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _weights_gib(core: Any) -> float | None:
-    model = getattr(getattr(core.executor, "runner", None), "model", None)
-    if model is None:
-        return None
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
-
-
 def run_engine_core(args: Any, in_addr: str, out_addr: str,
                     conn: multiprocessing.connection.Connection, log_level: int) -> None:
     """Entry point of the engine-core process (spawned)."""
@@ -226,10 +247,15 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
     from skyline.config import ConfigError
     from skyline.engine.core import EngineCore, tune_gc
     from skyline.engine.create import create_engine_config
+    from skyline.engine.frontend.llm import load_tokenizer
+    from skyline.engine.frontend.structured import structured_outputs
 
+    queue_times = _QueueTimes()
     try:
         config, auto_len = create_engine_config(args)
-        core = EngineCore(config, max_model_len_auto=auto_len)
+        structured = structured_outputs(config.model, lambda: load_tokenizer(config.model))
+        core = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
+                          observers=[queue_times])
     except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
         conn.send(("error", str(e)))
         return
@@ -238,6 +264,16 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         conn.send(("error", f"the engine failed to start ({type(e).__name__}: {e})"))
         return
     cfg = core.config
+    events = None
+    if cfg.fleet.kv_events_port is not None:
+        from skyline.engine.kv_events import KVEventPublisher
+
+        try:
+            events = KVEventPublisher(cfg.fleet.kv_events_host, cfg.fleet.kv_events_port)
+        except OSError as e:
+            core.shutdown()
+            conn.send(("error", str(e)))
+            return
     info = {
         "model_name": cfg.model.name, "model_path": cfg.model.path,
         "load_format": cfg.model.load_format, "dtype": cfg.model.dtype, "device": cfg.device,
@@ -245,10 +281,12 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         "eos_token_ids": list(cfg.model.arch.eos_token_ids),
         "block_size": cfg.cache.block_size, "max_waiting": cfg.scheduler.max_waiting,
         "max_num_seqs": cfg.scheduler.max_num_seqs,
-        "weights_gib": _weights_gib(core), "pid": os.getpid(),
+        "role": cfg.fleet.role, "kv_events_port": cfg.fleet.kv_events_port,
+        "kv_transfer_port": (core.kv_connector_info or {}).get("kv_transfer_port"),
+        "pid": os.getpid(),
         **core.executor.describe(),
     }
-    loop = _EngineLoop(core, in_addr, out_addr)
+    loop = _EngineLoop(core, queue_times, in_addr, out_addr, events)
     tune_gc()
     conn.send(("ready", info))
     conn.close()
@@ -258,8 +296,10 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         traceback.print_exc()
         loop.send(("dead", f"the engine failed: {type(e).__name__}: {e}"))
         loop.close()
+        core.shutdown()
         os._exit(1)
     loop.close()
+    core.shutdown()
 
 
 # ---------------------------------------------------------------------------------- parent

@@ -4,6 +4,10 @@ weights (dequantized by ops/dequant.py).
 llama.cpp's converter permutes the rows of Q and K of llama-architecture models so that rope
 rotates interleaved pairs; `iter_gguf_weights` undoes that, so the weights drop into the same
 rotate-half model code as safetensors checkpoints. qwen2/qwen3 files are not permuted.
+
+Mixture-of-experts files (qwen3moe; Mixtral, which llama.cpp files as llama with experts) store
+each layer's experts stacked, `ffn_{gate,up,down}_exps` [E, rows, cols]; they come out per
+expert under HF's names, as a safetensors checkpoint has them.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),  # Mistral files say llama too
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+MOE_LLAMA = ("MixtralForCausalLM", "mixtral")  # a llama file with experts
 PERMUTED_QK = {"llama"}  # architectures whose Q/K rows llama.cpp permuted
 
 _GLOBAL_NAMES = {
@@ -49,7 +55,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the router
 }
+# stacked experts [E, rows, cols] -> per-expert projections
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SKIPPED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")  # not weights
 
@@ -123,8 +133,10 @@ def read_gguf_hf_config(path: str) -> dict[str, Any]:
             f"{path} is a GGUF of architecture {arch!r}, which skyline does not support; "
             f"use a GGUF of one of: {', '.join(ARCHITECTURES)}"
         )
-    if gguf_value(r, f"{arch}.expert_count", 0):
-        raise ConfigError(f"{path} is a mixture-of-experts GGUF, which skyline cannot load yet")
+    num_experts = int(gguf_value(r, f"{arch}.expert_count", 0) or 0)
+    if any(re.match(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$", t.name) for t in r.tensors):
+        raise ConfigError(f"{path} stores its experts one tensor each (an old converter); "
+                          "convert the model again with llama.cpp's convert_hf_to_gguf.py")
     bad = sorted({type_name(q) for q in {int(t.tensor_type) for t in r.tensors} - set(GGML_TYPES)})
     if bad:
         raise ConfigError(
@@ -157,13 +169,24 @@ def read_gguf_hf_config(path: str) -> dict[str, Any]:
         rope_freqs = np.asarray(rope_freqs.data, dtype=np.float64).reshape(-1)
     eos = [gguf_value(r, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
-    hf_arch, model_type = ARCHITECTURES[arch]
-    return {
+    hf_arch, model_type = MOE_LLAMA if arch == "llama" and num_experts else ARCHITECTURES[arch]
+    moe: dict[str, Any] = {}
+    if num_experts:
+        moe = {"num_experts": num_experts,
+               "num_experts_per_tok": int(need("expert_used_count")),
+               "moe_intermediate_size": int(gguf_value(r, f"{arch}.expert_feed_forward_length")
+                                            or need("feed_forward_length")),
+               # llama.cpp renormalizes the chosen experts' weights of both architectures
+               "norm_topk_prob": bool(gguf_value(r, f"{arch}.expert_weights_norm", True))}
+    ffn = gguf_value(r, f"{arch}.feed_forward_length")
+    if ffn is None:  # an MoE file may give the experts' size only
+        ffn = moe.get("moe_intermediate_size") or need("feed_forward_length")
+    return moe | {
         "architectures": [hf_arch],
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(_single(ffn, "feed_forward_length", path)),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -188,10 +211,12 @@ def hf_weight_name(gguf_name: str) -> str | None:
     if _SKIPPED.match(gguf_name):
         return None
     m = _LAYER_RE.match(gguf_name)
+    if m is not None and m.group(2) in _EXPERT_NAMES:  # one name per expert: "{e}" to fill
+        return f"model.layers.{m.group(1)}.mlp.experts.{{e}}.{_EXPERT_NAMES[m.group(2)]}.weight"
     if m is None or m.group(2) not in _LAYER_NAMES:
         raise ConfigError(
             f"the GGUF has a tensor {gguf_name!r} that skyline does not know; "
-            "is it a llama, qwen2 or qwen3 model?"
+            "is it a llama, qwen2, qwen3 or qwen3moe model?"
         )
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
@@ -207,8 +232,9 @@ def iter_gguf_weights(
     path: str, arch: ModelArch, packed: bool = False
 ) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 CPU tensor shaped as HF has it) for every weight of the GGUF file;
-    one tensor in memory at a time. A tied model yields no lm_head.weight. With `packed`,
-    Linear weights (`*_proj.weight`) come as stored, as quant.gguf.PackedGGUF raw blocks."""
+    one tensor in memory at a time (a layer's stacked experts: one expert at a time, from one
+    dequantized tensor). A tied model yields no lm_head.weight. With `packed`, Linear weights
+    (`*_proj.weight`, not experts') come as stored, as quant.gguf.PackedGGUF raw blocks."""
     r = open_gguf(path)
     gguf_arch = gguf_value(r, "general.architecture")
     permuted = gguf_arch in PERMUTED_QK
@@ -224,7 +250,8 @@ def iter_gguf_weights(
         with warnings.catch_warnings():  # the memory map is read-only; it is only read
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(t.data)
-        keep = packed and name.endswith("_proj.weight")
+        experts = "{e}" in name
+        keep = packed and name.endswith("_proj.weight") and not experts
         # [rows, bytes] as stored (row permutation below works on it alike), or [rows, cols]
         w = raw.contiguous().view(torch.uint8) if keep else dequantize_ref(raw, t.tensor_type)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -236,4 +263,8 @@ def iter_gguf_weights(
 
             _, block, size = GGML_TYPES[int(t.tensor_type)]
             w = PackedGGUF(w, int(t.tensor_type), w.shape[-1] // size * block)
+        if experts:  # [E, rows, cols]
+            for e in range(w.shape[0]):
+                yield name.format(e=e), w[e]
+            continue
         yield name, w

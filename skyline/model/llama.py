@@ -1,9 +1,13 @@
 """Llama and its close relatives: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM
-(Qwen2 differs only by bias on q/k/v). Parameter names mirror HF's, except that q/k/v and
-gate/up are stacked into `qkv_proj` and `gate_up_proj`."""
+(Qwen2 differs only by bias on q/k/v; Mistral's sliding window, and Qwen2's where it is on, come
+from ModelArch.sliding_windows). Parameter names mirror HF's, except that q/k/v and gate/up are
+stacked into `qkv_proj` and `gate_up_proj`, and MoE experts into `experts.w13` / `experts.w2`
+(layers/moe.py). Subclasses change the attention (`attention_cls`), the MLP of a layer
+(`make_mlp`) and checkpoint names (`renames`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,13 +19,16 @@ from skyline.model.layers.attention import Attention
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
 from skyline.model.layers.linear import Linear, QKVLinear, default_weight_loader
 from skyline.model.layers.mlp import MLP
+from skyline.model.layers.moe import expert_hf_name, expert_param
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding
 from skyline.ops.kv_write import KVWrite
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding) -> None:
+    sinks = False  # gpt-oss: a learned sink logit per head (layers/attention.py)
+
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -35,7 +42,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, arch.hidden_size, bias=o_bias)
         self.rotary_emb = rotary
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
-                              self.num_kv_heads)
+                              self.num_kv_heads, feeds=self.o_proj,
+                              sliding_window=arch.window(layer), sinks=self.sinks)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                     kv: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,46 +59,45 @@ class LlamaAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         kv = self.attn.kv_write(v)
         q, k = self.position_qk(positions, q, k, kv)
-        quant = self.o_proj.input_quant(q.flatten(1))  # asks for the output o_proj takes
-        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None, quant=quant))
+        return self.o_proj(self.attn(q, k, v, kv_written=kv is not None))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, arch: ModelArch, rotary: RotaryEmbedding, attention_cls: type[LlamaAttention]
-    ) -> None:
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding,
+                 attention_cls: type[LlamaAttention], layer: int, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = attention_cls(arch, rotary)
-        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = attention_cls(arch, rotary, layer)
+        self.mlp = mlp  # MLP, or an MoE block
+        # Each norm hands the Linear it feeds its input quantized as that Linear takes it.
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                                       feeds=self.self_attn.qkv_proj)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps,
+                                                feeds=self.mlp)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual add of each sublayer is fused into the norm that follows it, which
-        # hands quantized Linears their input quantized when they take it so.
-        quant = self.self_attn.qkv_proj.input_quant(x)
+        # The residual add of each sublayer is fused into the norm that follows it.
         if residual is None:
-            residual, x = x, self.input_layernorm(x, quant=quant)
+            residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual, quant=quant)
+            x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
-        quant = self.mlp.gate_up_proj.input_quant(x)
-        x, residual = self.post_attention_layernorm(x, residual, quant=quant)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(self, arch: ModelArch, attention_cls: type[LlamaAttention],
+                 make_mlp: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary_emb, attention_cls)
-            for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, self.rotary_emb, attention_cls, i, make_mlp(arch, i))
+            for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -115,13 +122,21 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # (pattern, replacement) applied to checkpoint names first, in order: an architecture's
+    # own names brought to the shared ones
+    renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, self.attention_cls)
+        self.model = LlamaModel(arch, self.attention_cls, self.make_mlp)
         tie_to = self.model.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tie_to=tie_to)
+
+    @staticmethod
+    def make_mlp(arch: ModelArch, layer: int) -> nn.Module:
+        """The MLP of `layer` (MoE models: a sparse block where ModelArch.is_moe_layer)."""
+        return MLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden_size]."""
@@ -172,12 +187,20 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def _param_name(self, hf_name: str) -> tuple[str, Any]:
+        for pattern, replacement in self.renames:
+            hf_name = re.sub(pattern, replacement, hf_name)
+        expert = expert_param(hf_name)
+        if expert is not None:
+            return expert
         for part, (stacked, shard_id) in self.stacked_params.items():
             if f".{part}." in hf_name:
                 return hf_name.replace(f".{part}.", f".{stacked}."), shard_id
         return hf_name, None
 
     def _hf_name(self, name: str, shard_id: Any) -> str:
+        expert = expert_hf_name(name, shard_id)
+        if expert is not None:
+            return expert
         for part, (stacked, sid) in self.stacked_params.items():
             if shard_id is not None and sid == shard_id and f".{stacked}." in name:
                 return name.replace(f".{stacked}.", f".{part}.")

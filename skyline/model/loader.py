@@ -15,11 +15,14 @@ from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.model.layers.embedding import LMHead
-from skyline.model.layers.linear import Linear, prepack
+from skyline.model.layers.linear import Linear
+from skyline.model.layers.moe import FusedExperts
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.registry import get_model_class
 from skyline.quant import attach_quant_methods, finish_loading
+from skyline.quant.external import translate
+from skyline.quant.method import prepack, unpack
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,7 +137,8 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)
         elif cfg.load_format == "safetensors":
-            model.load_weights(iter_safetensors(cfg.path))
+            # another tool's quantized tensors repacked into skyline's layout as they stream
+            model.load_weights(translate(iter_safetensors(cfg.path), cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
@@ -167,27 +171,49 @@ def prepack_for_cpu(model: nn.Module) -> int:
             packed += hook(module, dtype) if hook is not None else prepack(module)
         elif isinstance(module, LMHead):
             packed += module.prepack()
+        elif isinstance(module, FusedExperts):
+            hook = getattr(module.expert_method, "prepack_cpu", None)
+            packed += hook(module, dtype) if hook is not None else 0
     return packed
 
 
+def plain_layout(model: nn.Module) -> None:
+    """Undo prepack_for_cpu for the unquantized Linears and the LM head: their dense weights
+    back as Parameters, as load_model left them (bit for bit: oneDNN's layout only reorders
+    the values), so the model computes exactly as a freshly loaded one. What tools that read
+    or change the weights need (calibration, quantization, the format search); serving goes
+    on through F.linear. Quantized Linears keep the layout they serve with."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            unpack(module)
+        elif isinstance(module, LMHead):
+            module.packed_weight = None
+
+
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1. Generated on
-    the parameters' device, so an 8B model fills in well under a second on a GPU."""
+    """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1; quantized
+    tensors (MoE experts shipped in MXFP4) as their format's `fill_dummy` makes them. Generated
+    on the parameters' device, so an 8B model fills in well under a second on a GPU."""
     seen: set[int] = set()
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+        return generators[device]
+
     for module in model.modules():
+        fill = getattr(getattr(module, "expert_method", None), "fill_dummy", None)
+        if fill is not None:
+            fill(module, generator(next(module.parameters()).device))
         for param in module.parameters(recurse=False):
             if id(param) in seen:
                 continue  # tied weights
             seen.add(id(param))
             if isinstance(module, RMSNorm):
                 param.data.fill_(1.0)
-                continue
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(param.device)
-                gen.manual_seed(seed)
-            param.data.uniform_(-1e-3, 1e-3, generator=gen)
+            elif param.is_floating_point():  # integer tensors: filled by their format above
+                param.data.uniform_(-1e-3, 1e-3, generator=generator(param.device))
 
 
 def safetensors_files(path: str) -> list[Path]:

@@ -14,8 +14,8 @@ from skyline.ops.rotary import qk_norm_rotary
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding) -> None:
-        super().__init__(arch, rotary)
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, layer: int) -> None:
+        super().__init__(arch, rotary, layer)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
 

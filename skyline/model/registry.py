@@ -5,14 +5,20 @@ from __future__ import annotations
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.model.gpt_oss import GptOssForCausalLM
 from skyline.model.llama import LlamaForCausalLM
+from skyline.model.mixtral import MixtralForCausalLM
 from skyline.model.qwen3 import Qwen3ForCausalLM
+from skyline.model.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v bias comes from ModelArch.attention_bias
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

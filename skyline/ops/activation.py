@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
+from skyline.ops.triton_utils import tl, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 
@@ -107,11 +108,6 @@ def _config(d: int, dtype: torch.dtype, bucket: int) -> dict[str, Any]:
     return get_config("silu_and_mul", config_key(d, dtype, bucket), DEFAULT_CONFIG)
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference above serves
-    triton = None
 
 if triton is not None:
     from skyline.ops.fp8_quant import quantize_rows_in_registers

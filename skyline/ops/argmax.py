@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from skyline.ops.pdl import pdl_wait, use_pdl
+from skyline.ops.triton_utils import tl, triton
 
 BLOCK = 4096  # elements of a row per loop iteration
 
@@ -41,11 +42,6 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference serves
-    triton = None
 
 if triton is not None:
 

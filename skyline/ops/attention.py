@@ -9,13 +9,11 @@ and dequantizes what it reads.
 
 The kernels stream K/V in BLOCK_N-token tiles through a software-pipelined loop (num_stages - 1
 tiles in flight); tile sizes, warps, pipeline depth and the decode split count are data
-(`skyline/ops/configs/`, written by `bench/tune_attention.py`) over heuristic defaults, chosen
-from shapes and the batch size only.
+(`skyline/ops/configs/`, written by `bench/kernels/tune_attention.py`) over heuristic defaults,
+chosen from shapes and the batch size only.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +32,11 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     prefill_config,
     shape_key,
 )
-from skyline.ops.attention_triton import triton
 from skyline.ops.cpu_attention import DecodeGather, decode_attention_cpu, decode_gather
 from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import interpreted, triton
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,6 +44,47 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Ten
     bs = cache.shape[1]
     nblk = (n + bs - 1) // bs
     return cache[block_table[:nblk].long()].flatten(0, 1)[:n]
+
+
+# Score elements (float32) attend_ref materializes at once where torch's attention would not
+# serve it: longer query runs go in chunks (a profiling forward of 8,192 tokens over 64 heads
+# would take 17 GiB whole).
+ATTEND_CHUNK = 1 << 26
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float, sinks: torch.Tensor | None = None,
+               causal: bool = False) -> torch.Tensor:
+    """Softmax attention of q [..., H, Lq, D] over k/v [..., KVH, L, D] (GQA: query head h
+    reads kv head h // (H / KVH)); `mask` [..., Lq, L] True where a query sees a key, or None
+    (all, or causal with `causal`: query i of Lq sees keys up to L - Lq + i). `sinks` [H]
+    (gpt-oss): one more logit per head in every softmax's denominator, attending to nothing.
+    Torch's attention serves it without sinks, where its masks stay small (a masked call may
+    fall back to a kernel that holds every score); the rest runs in chunks of queries."""
+    lq, n = q.shape[-2], k.shape[-2]
+    heads = q[..., 0, 0].numel()  # batch x heads
+    if sinks is None and (mask is None or heads * lq * n <= ATTEND_CHUNK):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              is_causal=causal and mask is None,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.shape[-3] != k.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    if mask is None and causal:
+        mask = causal_mask(n - lq, n, 0, q.device)
+    rows = max(1, ATTEND_CHUNK // max(1, heads * n))
+    out = []
+    for i in range(0, lq, rows):
+        s = torch.matmul(q[..., i:i + rows, :].float(), k.float().transpose(-1, -2)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask[..., i:i + rows, :], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(-1, 1, 1).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        out.append(torch.matmul(p, v.float()).to(q.dtype))
+    return torch.cat(out, dim=-2)
 
 
 def _decode_ref(
@@ -57,36 +96,40 @@ def _decode_ref(
     seq_lens_tensor: torch.Tensor | None,
     k_scale: float,
     v_scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
     # All one-token sequences as one padded batch.
     kc, vc = kv_cache[0], kv_cache[1]
     max_len = max(seq_lens)
+    # With a window only the last `window` positions of each sequence are read.
+    first = max(0, min(seq_lens) - window) if window else 0
     bs = kc.shape[1]
     nblk = (max_len + bs - 1) // bs
-    table = block_tables[:, :nblk].long()  # [B, nblk]
-    k = kc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, kvh, L, d]
-    v = vc[table].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    table = block_tables[:, first // bs:nblk].long()  # [B, nblk - first // bs]
+    base = first // bs * bs  # the position of the table's first slot
+    k = kc[table].flatten(1, 2)[:, :max_len - base].transpose(1, 2)  # [B, kvh, L, d]
+    v = vc[table].flatten(1, 2)[:, :max_len - base].transpose(1, 2)
     # On a CPU in float32: torch's CPU attention for one query row is several times slower
     # in bfloat16 than in float32 (5-8x; bench/cpu_attention_speed.py), and K/V are small.
     dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     k, v = k.to(dtype), v.to(dtype)
     mask = None  # sequences of one length (batch 1, say) have no padding to mask
-    if min(seq_lens) < max_len:
-        pos = torch.arange(max_len, device=q.device)
+    if min(seq_lens) < max_len or window:
+        pos = torch.arange(base, max_len, device=q.device)
         # A host list copied to the GPU here would synchronise every layer; use the device copy.
         lens_t = seq_lens_tensor if seq_lens_tensor is not None else torch.tensor(
             seq_lens, device=q.device)
         valid = pos[None, :] < lens_t[:, None]  # [B, L]
+        if window:
+            valid &= pos[None, :] >= lens_t[:, None] - window
         # Padded positions read whatever the padding blocks hold; zero them so a NaN left
         # there by another sequence cannot leak through 0 * NaN.
         k = k.masked_fill(~valid[:, None, :, None], 0)
         v = v.masked_fill(~valid[:, None, :, None], 0)
         mask = valid[:, None, None, :]
     # the fp8 scales, folded in: scores * k_scale, output * v_scale
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2).to(dtype), k, v, attn_mask=mask, scale=scale * k_scale,
-        enable_gqa=q.shape[1] != kc.shape[2],
-    )
+    o = attend_ref(q.unsqueeze(2).to(dtype), k, v, mask, scale * k_scale, sinks)
     return _times(o.squeeze(2), v_scale).to(q.dtype)
 
 
@@ -102,25 +145,35 @@ def _extend_ref(
     scale: float,
     k_scale: float,
     v_scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     q_len = q.shape[0]
-    gqa = q.shape[1] != kv_cache.shape[3]
     k = _gather(kv_cache[0], block_table, seq_len).transpose(0, 1).to(q.dtype)  # [kvh, n, d]
     v = _gather(kv_cache[1], block_table, seq_len).transpose(0, 1).to(q.dtype)
     qi = q.transpose(0, 1)  # [H, q_len, d]
     scale = scale * k_scale
-    if q_len == seq_len:
-        o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q_len == seq_len and not window:
+        o = attend_ref(qi, k, v, None, scale, sinks, causal=True)
     else:
-        # query j sits at absolute position seq_len - q_len + j and sees keys up to it
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = qpos[:, None] >= torch.arange(seq_len, device=q.device)[None, :]  # [q_len, n]
+        # query j sits at absolute position seq_len - q_len + j and sees keys up to it (and,
+        # with a window, none `window` or more positions before it)
+        mask = causal_mask(seq_len - q_len, seq_len, window, q.device)  # [q_len, n]
         if q.device.type == "cpu" and q_len <= SMALL_EXTEND:
-            o = _attend_small(qi, k, v, mask, scale)
+            o = _attend_small(qi, k, v, mask, scale, sinks)
         else:
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            o = attend_ref(qi, k, v, mask, scale, sinks)
     return _times(o.transpose(0, 1), v_scale)
+
+
+def causal_mask(first: int, seq_len: int, window: int, device: torch.device | str
+                ) -> torch.Tensor:
+    """[seq_len - first, seq_len] bool: query positions first.. against key positions 0..,
+    True where the query sees the key (causal; within `window` positions when it is > 0)."""
+    qpos = torch.arange(first, seq_len, device=device)[:, None]
+    kpos = torch.arange(seq_len, device=device)[None, :]
+    mask = qpos >= kpos
+    return mask & (qpos - kpos < window) if window else mask
 
 
 # Queries of an extend (a verification's drafts, a short chunk) up to which the CPU takes
@@ -130,16 +183,22 @@ SMALL_EXTEND = 64
 
 
 def _attend_small(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+                  scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [H, q_len, d] over k/v [KVH, n, d] with mask [q_len, n] (True: attend), the query
-    heads of one kv head batched as rows of one matmul, in float32 -> [H, q_len, d]."""
+    heads of one kv head batched as rows of one matmul, in float32 -> [H, q_len, d]. `sinks`
+    as attend_ref's."""
     h, q_len, d = q.shape
     kvh, n, _ = k.shape
     qg = q.float().reshape(kvh, (h // kvh) * q_len, d)  # heads of kv head i are i*g..i*g+g-1
     s = torch.bmm(qg, k.float().transpose(1, 2)) * scale  # [KVH, g * q_len, n]
     s = s.view(kvh, h // kvh, q_len, n).masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).view(kvh, (h // kvh) * q_len, n)
-    return torch.bmm(p, v.float()).view(h, q_len, d).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.float().view(kvh, h // kvh, 1, 1).expand(kvh, h // kvh, q_len, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.bmm(p.reshape(kvh, (h // kvh) * q_len, n), v.float()).view(h, q_len, d).to(
+        q.dtype)
 
 
 def paged_attention_ref(
@@ -153,30 +212,34 @@ def paged_attention_ref(
     seq_lens_tensor: torch.Tensor | None = None,  # [num_seqs] int32, seq_lens on q's device
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     The new tokens of a sequence are its last q_len positions. Sequences [0, num_decodes)
     have one query token each and are computed as one padded batch. The cache holds
-    K / k_scale and V / v_scale (kv_write.write_kv_ref).
+    K / k_scale and V / v_scale (kv_write.write_kv_ref). With `window` > 0 a query sees only
+    the keys less than `window` positions before it (sliding-window attention); `sinks`, one
+    logit per head, joins every softmax's denominator (attend_ref).
     """
     out = torch.empty_like(q)
     if num_decodes:
         lens_t = None if seq_lens_tensor is None else seq_lens_tensor[:num_decodes]
         out[:num_decodes] = _decode_ref(q[:num_decodes], kv_cache, seq_lens[:num_decodes],
                                         block_tables[:num_decodes], scale, lens_t,
-                                        k_scale, v_scale)
+                                        k_scale, v_scale, window, sinks)
     _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
-             k_scale, v_scale)
+             k_scale, v_scale, window, sinks)
     return out
 
 
 def _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, first,
-             k_scale, v_scale) -> None:
+             k_scale, v_scale, window=0, sinks=None) -> None:
     for i in range(first, len(seq_lens)):
         s, e = query_start_loc[i], query_start_loc[i + 1]
         out[s:e] = _extend_ref(q[s:e], kv_cache, seq_lens[i], block_tables[i], scale,
-                               k_scale, v_scale)
+                               k_scale, v_scale, window, sinks)
 
 
 def _paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
@@ -210,6 +273,8 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     int8_out: bool = False,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
     cpu_gather: DecodeGather | None = None,  # CPU: the decodes' gather, made once per step
 ) -> torch.Tensor | Int8Chunks:
     """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills.
@@ -217,45 +282,61 @@ def paged_attention(
     size that is a power of two and a multiple of 32) returns [T, H * D] rounded for the W4A8
     GEMV, as Int8Chunks, from that kernel; otherwise the plain output."""
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
-        if q.device.type == "cpu" and num_decodes:
+        # the CPU's few-operation decodes take full causal attention without sinks only
+        if q.device.type == "cpu" and num_decodes and not window and sinks is None:
             return _paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables,
                                         scale, num_decodes, seq_lens_tensor, k_scale, v_scale,
                                         cpu_gather)
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                                   num_decodes, seq_lens_tensor, k_scale, v_scale)
+                                   num_decodes, seq_lens_tensor, k_scale, v_scale, window, sinks)
     if len(seq_lens) == num_decodes:  # a pure decode batch
         return paged_decode_attention(q, kv_cache, block_tables, seq_lens_tensor, scale,
-                                      k_scale=k_scale, v_scale=v_scale, int8_out=int8_out)
+                                      k_scale=k_scale, v_scale=v_scale, int8_out=int8_out,
+                                      window=window, sinks=sinks)
     out = torch.empty_like(q)
     if num_decodes:
         paged_decode_attention(q[:num_decodes], kv_cache, block_tables[:num_decodes],
                                seq_lens_tensor[:num_decodes], scale, k_scale=k_scale,
-                               v_scale=v_scale, out=out[:num_decodes])
+                               v_scale=v_scale, out=out[:num_decodes], window=window,
+                               sinks=sinks)
     if query_start_loc_tensor is None:
         _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
-                 k_scale, v_scale)
+                 k_scale, v_scale, window, sinks)
         return out
     t0 = query_start_loc[num_decodes]
     max_q = max(query_start_loc[i + 1] - query_start_loc[i]
                 for i in range(num_decodes, len(seq_lens)))
     out[t0:] = paged_prefill_attention(
         q[t0:], kv_cache, query_start_loc_tensor[num_decodes:] - t0,
-        seq_lens_tensor[num_decodes:], block_tables[num_decodes:], scale, max_q, k_scale, v_scale)
+        seq_lens_tensor[num_decodes:], block_tables[num_decodes:], scale, max_q, k_scale, v_scale,
+        window=window, sinks=sinks)
     return out
 
 
 # ----------------------------------------------------------------------------------------
-# Launch configurations: data from skyline/ops/configs/ (bench/tune_attention.py) over
+# Launch configurations: data from skyline/ops/configs/ (bench/kernels/tune_attention.py) over
 # heuristic defaults. Chosen from shapes and the batch size only, never from device data, so
 # a captured CUDA graph stays valid.
 
 
-def _combine_splits_ref(ml: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+def _combine_splits_ref(ml: torch.Tensor, acc: torch.Tensor,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     # ml [B, H, S, 2] (running max, sum), acc [B, H, S, D] unnormalised -> [B, H, D].
     # Split 0 always holds tokens, so the max over splits is finite; empty splits weigh 0.
+    # A sink [H] is one more split: max the sink, sum 1, nothing accumulated.
     m, l_sum = ml[..., 0], ml[..., 1]
-    w = torch.exp(m - m.amax(-1, keepdim=True))  # [B, H, S]
-    return (acc * w[..., None]).sum(2) / (l_sum * w).sum(-1)[..., None]
+    top = m.amax(-1, keepdim=True)
+    if sinks is not None:
+        top = torch.maximum(top, sinks.float()[:, None])
+    w = torch.exp(m - top)  # [B, H, S]
+    den = (l_sum * w).sum(-1)
+    if sinks is not None:
+        den = den + torch.exp(sinks.float() - top[..., 0])
+    return (acc * w[..., None]).sum(2) / den[..., None]
+
+
+# The window the kernels take for full attention: longer than any context.
+NO_WINDOW = 1 << 30
 
 
 def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -265,11 +346,10 @@ def _f16_tiles(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _fp8_words(k: torch.Tensor, head_dim: int) -> int:
     # an fp8 cache is read as int32 words (attention_triton._load_kv_tile): 2 when compiled
-    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches, or
-    # with SKYLINE_KV_FP8_WORDS=0 (the fp8 tiles as loaded, for comparison)
-    if k.dtype.itemsize != 1 or head_dim % 4 or os.environ.get("SKYLINE_KV_FP8_WORDS") == "0":
+    # (PTX conversion, sm_89 and later), 1 in Triton's interpreter; 0 for other caches
+    if k.dtype.itemsize != 1 or head_dim % 4:
         return 0
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return 1
     return 2 if k.is_cuda and has_fp8_units(k.device) else 0
 
@@ -286,6 +366,8 @@ def paged_decode_attention(
     config: dict | None = None,  # None: decode_config (tuned, else the default)
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim] to write; None: new
     int8_out: bool = False,  # see paged_attention
+    window: int = 0,  # sliding window (paged_attention_ref); 0: the whole context
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 (paged_attention_ref)
 ) -> torch.Tensor | Int8Chunks:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
@@ -298,6 +380,8 @@ def paged_decode_attention(
     _check(config, DECODE_KERNEL)
     if num_splits is None:
         num_splits = config["NUM_SPLITS"]
+        if window:  # splits past the window's tiles would hold nothing
+            num_splits = max(1, min(num_splits, -(-window // config["BLOCK_N"])))
     if out is None:
         out = torch.empty_like(q)
     ml = acc = out  # unused unless split
@@ -310,13 +394,14 @@ def paged_decode_attention(
     pdl = use_pdl(q.device)
     kernels.paged_decode_kernel[(num_seqs, kvh, num_splits)](
         q, k, v, out, ml, acc, block_tables, seq_lens, scale * k_scale, v_scale, num_heads,
-        num_splits,
+        num_splits, window or NO_WINDOW, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         SPLIT=num_splits > 1, PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"],
         F16=_f16_tiles(q, k), PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim),
+        SINKS=sinks is not None and num_splits == 1,
         num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
     )
     rounded = None
@@ -328,7 +413,8 @@ def paged_decode_attention(
             S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
             PDL=pdl, num_seqs=num_seqs, words_ptr=rounded and rounded.words,
             floats_ptr=rounded and rounded.floats, INT8_OUT=rounded is not None,
-            INT8_MAX=INT8_MAX, num_warps=1, launch_pdl=pdl,
+            INT8_MAX=INT8_MAX, sinks_ptr=sinks, SINKS=sinks is not None, num_warps=1,
+            launch_pdl=pdl,
         )
     return out if rounded is None else rounded
 
@@ -349,6 +435,8 @@ def paged_prefill_attention(
     k_scale: float = 1.0,  # fp8 cache: the layer's K and V scales
     v_scale: float = 1.0,
     config: dict | None = None,  # None: prefill_config (tuned, else the default)
+    window: int = 0,  # sliding window (paged_attention_ref); 0: the whole context
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 (paged_attention_ref)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
@@ -359,16 +447,22 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     k, v = kv_cache[0], kv_cache[1]
     block_m = config["BLOCK_M"]
-    grid = (seq_lens.shape[0], num_heads, triton.cdiv(max_query_len, block_m))
+    # PACK query heads of one kv head per program (1, or the whole group): BLOCK_M is then
+    # in tokens, and the program's tile has BLOCK_M * PACK_PAD rows.
+    group = num_heads // kvh
+    pack = group if config.get("PACK", 1) > 1 else 1
+    grid = (seq_lens.shape[0], num_heads // pack, triton.cdiv(max_query_len, block_m))
     pdl = use_pdl(q.device)
     kernels.paged_prefill_kernel[grid](
         q, k, v, out, block_tables, seq_lens, query_start_loc, scale * k_scale, v_scale,
+        window or NO_WINDOW, q if sinks is None else sinks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
-        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), num_warps=config["num_warps"],
-        num_stages=config["num_stages"], launch_pdl=pdl,
+        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), PACK=pack,
+        PACK_PAD=triton.next_power_of_2(pack), SINKS=sinks is not None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
     )
     return out

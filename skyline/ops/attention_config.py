@@ -1,15 +1,15 @@
 """Launch configurations of the paged attention kernels (ops/attention.py): heuristic
 defaults, and the tuned tables (`skyline/ops/configs/attention-*.json`, written by
-`bench/tune_attention.py`) looked up by shape and batch size only, so a captured CUDA graph
+`bench/kernels/tune_attention.py`) looked up by shape and batch size only, so a captured CUDA graph
 stays valid."""
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from skyline.ops.triton_utils import interpreted
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 DECODE_KERNEL = "paged_decode"  # the kernels' names in the tuning tables
@@ -92,7 +92,7 @@ def _pipelined(cfg: dict) -> bool:
     # Compiled: a `for` over tl.range, software-pipelined num_stages deep. Triton's
     # interpreter cannot run range() to a runtime bound, so there (and for num_stages 1) the
     # kernels walk the same tiles with a while loop, which the compiler does not pipeline.
-    return os.environ.get("TRITON_INTERPRET") != "1" and cfg["num_stages"] > 1
+    return not interpreted() and cfg["num_stages"] > 1
 
 
 def _check(cfg: dict, kernel: str) -> None:

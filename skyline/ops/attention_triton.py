@@ -6,11 +6,7 @@ interpreter."""
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references serve
-    triton = None
+from skyline.ops.triton_utils import tl, triton
 
 if triton is not None:
     from skyline.ops.gemv_int_a8_triton import round_row_to_words
@@ -124,20 +120,39 @@ if triton is not None:
         return m, l_sum, acc, blk_next
 
     @triton.jit
+    def _add_sinks(sinks_ptr, heads, mask, m, l_sum, acc, BASE2: tl.constexpr = False):
+        # The softmax state (m, l_sum, acc) of rows of heads `heads` [R] with each head's sink
+        # logit added to the denominator: rescaled to max(m, sink). BASE2: m is in log2 units
+        # (the prefill's exp2 softmax). Returns (acc, l_sum).
+        sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+        if BASE2:
+            sink = sink * 1.4426950408889634
+        top = tl.maximum(m, sink)
+        if BASE2:
+            alpha = tl.math.exp2(m - top)  # 0 for rows that saw nothing (m = -inf)
+            return acc * alpha[:, None], l_sum * alpha + tl.math.exp2(sink - top)
+        alpha = tl.exp(m - top)
+        return acc * alpha[:, None], l_sum * alpha + tl.exp(sink - top)
+
+    @triton.jit
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
-        scale, v_scale, num_heads, num_splits,
+        scale, v_scale, num_heads, num_splits, window, sinks_ptr,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         SPLIT: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
         F16: tl.constexpr, PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
+        SINKS: tl.constexpr = False,
     ):
         # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
         # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
         # table. With SPLIT (flash-decoding), each of the num_splits programs of a sequence
         # covers one slice of the context and writes its partial (max, sum, acc) for
         # _combine_splits. `scale` includes the fp8 k_scale; v_scale multiplies the output.
+        # Only the last `window` positions are read (sliding window; a huge window reads all).
+        # SINKS (unsplit): the heads' sink logits join the softmax's denominator; split, the
+        # combine kernel adds them.
         pdl_wait(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -155,12 +170,13 @@ if triton is not None:
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
         offs = tl.arange(0, BLOCK_N)
+        lo = tl.maximum(seq_len - window, 0)
         if SPLIT:
-            per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-            start = split * per
+            per = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+            start = lo + split * per
             end = tl.minimum(seq_len, start + per)
         else:
-            start = 0
+            start = lo
             end = seq_len
         blk = _page_ids(block_tables_ptr, seq, start + offs, end, stride_bt, PAGE)
         if PIPELINE:
@@ -184,6 +200,8 @@ if triton is not None:
             tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                      mask=gmask[:, None] & dmask[None, :])
         else:
+            if SINKS:
+                acc, l_sum = _add_sinks(sinks_ptr, heads, gmask, m, l_sum, acc)
             out = acc / l_sum[:, None]
             tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
@@ -194,7 +212,8 @@ if triton is not None:
         ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
         NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PDL: tl.constexpr, num_seqs=1, words_ptr=None, floats_ptr=None,
-        INT8_OUT: tl.constexpr = False, INT8_MAX: tl.constexpr = 127.0,
+        INT8_OUT: tl.constexpr = False, INT8_MAX: tl.constexpr = 127.0, sinks_ptr=None,
+        SINKS: tl.constexpr = False,
     ):
         # One program per (sequence, head): _combine_splits_ref in one launch. INT8_OUT
         # (HEAD_DIM == D_PAD, a multiple of 32): the head's values as stored are also rounded
@@ -208,11 +227,18 @@ if triton is not None:
         base = row * NUM_SPLITS + s
         m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
         l_sum = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-        w = tl.exp(m - tl.max(m, 0))  # [S]
+        seq, head = row // num_heads, row % num_heads
+        top = tl.max(m, 0)
+        if SINKS:  # one more split: max the sink, sum 1, nothing accumulated
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            top = tl.maximum(top, sink)
+        w = tl.exp(m - top)  # [S]
         acc = tl.load(acc_ptr + base[:, None] * HEAD_DIM + d[None, :],
                       mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [S, D]
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
-        seq, head = row // num_heads, row % num_heads
+        den = tl.sum(l_sum * w, 0)
+        if SINKS:
+            den += tl.exp(sink - top)
+        out = tl.sum(acc * w[:, None], 0) / den
         tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
         if INT8_OUT:
@@ -221,10 +247,38 @@ if triton is not None:
                                head * (HEAD_DIM // 32), HEAD_DIM // 32, INT8_MAX)
 
     @triton.jit
+    def _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE: tl.constexpr,
+                          MASKED: tl.constexpr):
+        # _attend_tile in base 2 (`qk_scale` includes log2(e); m is in log2 units) for the
+        # prefill loop. Unmasked tiles (MASKED False: every query sees every key of the tile)
+        # skip the mask and the guard for rows that have seen nothing.
+        if IEEE:  # fp32: exact, not the tensor cores' tf32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if MASKED:
+            # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            shift = m_new
+        p = tl.math.exp2(s - shift[:, None])
+        alpha = tl.math.exp2(m - shift)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                      offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                      stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                      FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                      offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
+                      stride_ks, stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      IEEE: tl.constexpr, FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      D_PAD: tl.constexpr, MASKED: tl.constexpr):
         # The prefill loop body: context positions [start, start + BLOCK_N) on pages `blk`.
         # Returns the new (m, l_sum, acc) and the next tile's page ids.
         pos = start + offs
@@ -232,62 +286,94 @@ if triton is not None:
         blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
         k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
                              stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
-        see = valid[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, [M, N]
-        m, l_sum, acc = _attend_tile(q, k, v, see, m, l_sum, acc, scale, IEEE)
+        # causal and within the window, [M, N]
+        see = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (
+            q_pos[:, None] - pos[None, :] < window)
+        m, l_sum, acc = _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE, MASKED)
         return m, l_sum, acc, blk_next
 
     @triton.jit
     def paged_prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale, v_scale,
+        window, sinks_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
-        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
+        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0, PACK: tl.constexpr = 1,
+        PACK_PAD: tl.constexpr = 1, SINKS: tl.constexpr = False,
     ):
-        # One program per (sequence, query head, tile of BLOCK_M query tokens). Query j of a
-        # sequence sits at absolute position seq_len - q_len + j and sees keys up to it.
+        # One program per (sequence, PACK query heads of one kv head, tile of BLOCK_M query
+        # tokens): the PACK heads' queries are the rows of one [BLOCK_M * PACK_PAD, D] tile
+        # (token-major), so each K/V tile is read once for all of them. Query j of a sequence
+        # sits at absolute position seq_len - q_len + j and sees keys up to it, and none
+        # `window` or more positions before it (a huge window: all). SINKS: each head's sink
+        # logit joins the softmax's denominator.
         # Tiles run last first: the last tiles of a causal prefill see the most keys, so the
         # long programs start first and the short ones fill the tail.
         # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
         pdl_wait(PDL)
         seq = tl.program_id(0)
-        head = tl.program_id(1)
+        head0 = tl.program_id(1) * PACK
         tile = tl.num_programs(2) - 1 - tl.program_id(2)
         q_start = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + seq)
-        kvh = head // GROUP
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
-        q_pos = seq_len - q_len + rows  # [M]
+        kvh = head0 // GROUP
+        r = tl.arange(0, BLOCK_M * PACK_PAD)
+        tok = tile * BLOCK_M + r // PACK_PAD  # [R] query token within the sequence's new ones
+        head = head0 + r % PACK_PAD
+        row_ok = (tok < q_len) & (r % PACK_PAD < PACK)
+        q_pos = seq_len - q_len + tok  # [R]
         d = tl.arange(0, D_PAD)
         dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [M, D]
+        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [R, D]
         q = _query_dtype(q, F16)
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        m = tl.full([BLOCK_M * PACK_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_M * PACK_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * PACK_PAD, D_PAD], tl.float32)
         offs = tl.arange(0, BLOCK_N)
-        # keys this tile can see: up to its last query's position (tiles past q_len see none)
-        end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
-        end = tl.where(tile * BLOCK_M < q_len, end, 0)
-        blk = _page_ids(block_tables_ptr, seq, offs, end, stride_bt, PAGE)
-        if PIPELINE:
-            for start in tl.range(0, end, BLOCK_N, num_stages=NUM_STAGES):
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
-        else:
-            start = 0
-            while start < end:
-                m, l_sum, acc, blk = _prefill_tile(
-                    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                    offs, d, dmask, m, l_sum, acc, scale, stride_bt, stride_kb, stride_ks,
-                    stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS, HEAD_DIM, D_PAD)
-                start += BLOCK_N
+        # keys this tile can see: up to its last query's position (tiles past q_len see none),
+        # from the first its first query's window reaches
+        active = tile * BLOCK_M < q_len
+        first_q = seq_len - q_len + tile * BLOCK_M
+        end = tl.where(active, tl.minimum(seq_len, first_q + BLOCK_M), 0)
+        lo = tl.where(active, tl.maximum(first_q - window + 1, 0), 0)
+        # Keys every query of the tile sees (before its first query, within its last one's
+        # window) run without the mask: tiles [mid, full_end) of the BLOCK_N grid from lo; the
+        # others (the window's edge, the diagonal) with it. Without a window, lo = mid = 0.
+        mid = lo + tl.cdiv(tl.maximum(end - window - lo, 0), BLOCK_N) * BLOCK_N
+        full_end = mid + tl.maximum(first_q - mid, 0) // BLOCK_N * BLOCK_N
+        full_end = tl.where(active, full_end, mid)
+        qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
+        blk = _page_ids(block_tables_ptr, seq, lo + offs, end, stride_bt, PAGE)
+        for span in tl.static_range(3):  # masked, unmasked, masked
+            if span == 0:
+                span_lo, span_hi = lo, mid
+            elif span == 1:
+                span_lo, span_hi = mid, full_end
+            else:
+                span_lo, span_hi = full_end, end
+            if PIPELINE:
+                for start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
+                    m, l_sum, acc, blk = _prefill_tile(
+                        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start,
+                        end, offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt,
+                        stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS,
+                        HEAD_DIM, D_PAD, span != 1)
+            else:
+                start = span_lo
+                while start < span_hi:
+                    m, l_sum, acc, blk = _prefill_tile(
+                        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start,
+                        end, offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt,
+                        stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS,
+                        HEAD_DIM, D_PAD, span != 1)
+                    start += BLOCK_N
+        if SINKS:  # m is in log2 units here
+            acc, l_sum = _add_sinks(sinks_ptr, head, row_ok, m, l_sum, acc, True)
         out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+        o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dmask[None, :])

@@ -3,7 +3,8 @@ row, on whatever the device offers: the fp8 GEMVs of ops/gemv_quant.py for decod
 on GPUs with fp8 units, `torch._scaled_mm` (activations quantized per token) above that, and
 elsewhere an exact emulation (both sides dequantized, multiplied in float32: the values
 _scaled_mm multiplies, accumulated in another order). Shared by the fp8 Linear
-(quant/fp8.py) and the fp8 LM head (model/layers/embedding.py)."""
+(quant/fp8.py) and the fp8 LM head (model/layers/embedding.py). Activations are quantized per
+token, or (checkpoints calibrated so, `x_scale`) with one static scale for every token."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from skyline.ops.fp8_quant import Fp8Rows, quantize_rows_fp8
-from skyline.ops.gemv_quant import fp8_gemv, fp8_gemv_a8, quant_gemv_ok
+from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, quantize_rows_fp8
+from skyline.ops.gemv_quant import fp8_gemv_a8, quant_gemv_ok
 
 
 @functools.lru_cache(maxsize=16)
@@ -33,25 +34,37 @@ def fp8_gemv_takes_rows(x: torch.Tensor) -> bool:
     return quant_gemv_ok(x) and x.dim() == 2 and has_fp8_units(x.device)
 
 
+def quantize_static_fp8(x: torch.Tensor, x_scale: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scale [M, 1]) with one stored scale x_scale [1] for
+    every row: x / x_scale, saturated at +-448."""
+    xq = (x.float() / x_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return xq, x_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+
+
 def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, gemv: str = "a8p") -> torch.Tensor:
-    """x [..., K] -> [..., N] in x's dtype. `gemv` picks the decode-sized GEMV (quant/fp8.py's
-    GEMV_ACTIVATIONS): "a8p" / "a8" fp8 x fp8 with x quantized in the kernel, "a8q" x
-    quantized per row first, "w8a16" unquantized x against the fp8 weights. x may come
-    quantized per row already (Fp8Rows [M, K], from a producer that fp8_gemv_takes_rows
-    allowed)."""
+               bias: torch.Tensor | None = None, rows_first: bool = False,
+               x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype. Decode-sized batches run the fp8 x fp8 GEMV, x
+    quantized in the kernel per row and K tile, or (`rows_first`) per row by a launch of its
+    own first. x may come quantized per row already (Fp8Rows [M, K], from a producer that
+    fp8_gemv_takes_rows allowed). With `x_scale` [1], x is quantized with that static scale."""
     if isinstance(x, Fp8Rows):
         return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype, x_scale_block=x.block)
     lead = x.shape[:-1]
-    if quant_gemv_ok(x) and has_fp8_units(x.device):
-        if gemv == "w8a16":
-            return fp8_gemv(x, w, w_scale, bias)
-        if gemv == "a8q":
+    gemv = quant_gemv_ok(x) and has_fp8_units(x.device)
+    if gemv and x_scale is None:
+        if rows_first:
             xq, x_scale = quantize_rows_fp8(x.reshape(-1, x.shape[-1]))
             return fp8_gemv_a8(xq, x_scale, w, w_scale, bias, x.dtype).reshape(*lead, -1)
         return fp8_gemv_a8(x, None, w, w_scale, bias, x.dtype)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales
+    if x_scale is None:
+        xq, x_scale = quantize_rows_fp8(x2)  # dynamic per-token scales
+    else:
+        xq, x_scale = quantize_static_fp8(x2, x_scale)
+        if gemv:
+            return fp8_gemv_a8(xq, x_scale, w, w_scale, bias, x.dtype).reshape(*lead, -1)
     if scaled_mm_ok(x2, w):
         # Row-wise scales: x_scale [M, 1], w_scale [1, N]; w.t() is column-major as required.
         y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.unsqueeze(0),

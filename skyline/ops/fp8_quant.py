@@ -16,13 +16,13 @@ them (RMSNorm per row, SiLU-and-mul per row and block of columns) as `Fp8Rows`;
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from skyline.ops.pdl import pdl_wait, use_pdl
+from skyline.ops.triton_utils import interpreted, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -74,7 +74,7 @@ def fp8_rows_ref(y: torch.Tensor, block: int = 0) -> Fp8Rows:
 def software_rounding() -> bool:
     """Whether kernels round to e4m3 in float arithmetic before converting: in Triton's
     interpreter, whose conversion carries a rounding into the exponent wrongly (7.77 -> 4)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreted()
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,11 +110,6 @@ def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference serves
-    triton = None
 
 if triton is not None:
 

@@ -15,8 +15,8 @@ itself in on a per-tile counter; the last split of a tile to arrive adds all par
 order (deterministic, unlike float atomics), adds the bias, casts, stores y and resets the
 counter. No second kernel: in a CUDA graph each extra launch costs about a microsecond, a
 large share of a 4k x 4k projection's ~8 us. Launch configurations are data
-(`skyline/ops/configs/`, written by `bench/tune_gemv.py`), with a heuristic default for shapes
-that were not tuned.
+(`skyline/ops/configs/`, written by `bench/kernels/tune_gemv.py`), with a heuristic default for
+shapes that were not tuned.
 
 CUDA-graph safe: the partials are a plain `torch.empty` per call, the counters one zeroed
 buffer per device, allocated on first use outside capture (the runner warms the model up before
@@ -27,19 +27,13 @@ every launch, and nothing reads back to the host.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from skyline.ops.pdl import pdl_wait, use_pdl
+from skyline.ops.triton_utils import interpreted, tl, triton
 from skyline.ops.tuning import get_config
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the dispatcher falls back to F.linear
-    triton = None
 
 MAX_ROWS = 8  # the dispatcher uses the kernel for at most this many rows of x
 MAX_SPLIT_TILES = 1 << 16  # output tiles (N / BLOCK_N) a split-K launch may have
@@ -136,7 +130,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if partial is None:  # unused unless split
         partial, counters = y, y
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreted()
     pdl = use_pdl(x.device)
     _gemv_kernel[(num_tiles, split_k)](
         x2, weight, bias if bias is not None else weight, y, partial, counters,
@@ -144,7 +138,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
         USE_DOT=use_dot, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
-        STATIC_ITERS=k_iters if interpreted else 0, PDL=pdl,
+        STATIC_ITERS=k_iters if interp else 0, PDL=pdl,
         PREFETCH=bool(cfg.get("PREFETCH", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )

@@ -30,7 +30,6 @@ per chunk, float32 across chunks and splits. Launch configurations: tuning table
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -38,9 +37,9 @@ import torch
 from skyline.ops import gemv_int_a8_triton as kernels
 from skyline.ops.fp8_quant import absmax_scales_ref
 from skyline.ops.gemv import _cdiv, gemv_rows, row_bucket, split_k_plan
-from skyline.ops.gemv_int_a8_triton import triton
 from skyline.ops.gemv_quant import config_key
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import get_config
 
 KERNEL = "gemv_int4a8"
@@ -186,7 +185,7 @@ def int4_gemv_a8(x: torch.Tensor | Int8Chunks, qweight: torch.Tensor, scales: to
     y = torch.empty(m, n, dtype=xr.dtype, device=dev)
     if partial is None:
         partial, counters = y, y
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreted()
     pdl = use_pdl(dev)
     kernels.gemv_int4_a8_kernel[(num_tiles, split_k)](
         qweight.view(torch.int32), scales, zeros, bias if bias is not None else scales, y,
@@ -194,8 +193,8 @@ def int4_gemv_a8(x: torch.Tensor | Int8Chunks, qweight: torch.Tensor, scales: to
         qweight.stride(0) // 4, scales.stride(0), scales.stride(1), GROUP=group,
         HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
         BLOCK_M=row_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
-        STATIC_ITERS=k_iters if interpreted else 0, PREFETCH=cfg.get("PREFETCH", False),
-        ASM=not interpreted and dev.type == "cuda" and not torch.version.hip, PDL=pdl,
+        STATIC_ITERS=k_iters if interp else 0, PREFETCH=cfg.get("PREFETCH", False),
+        ASM=not interp and dev.type == "cuda" and not torch.version.hip, PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y if rounded else y.reshape(*x.shape[:-1], n)

@@ -4,11 +4,7 @@ epilogue."""
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: callers keep their PyTorch paths
-    triton = None
+from skyline.ops.triton_utils import tl, triton
 
 if triton is not None:
     from skyline.ops.fp8_quant import absmax_scales

@@ -4,15 +4,12 @@ layout). The same streaming scheme as `skyline/ops/gemv.py` (FMA or tensor-core 
 split-K with the last-arriver reduction and its per-device counters), with the weight tile
 loaded in its stored width and converted in registers, so each weight byte is read once:
 
-- FP8 (WEIGHT_KIND 0): y = (x @ float(W_fp8)^T) * w_scale. Weight-only: activations stay in
-  bf16/fp16 and are not quantized, so the result is at least as accurate as the W8A8
-  `_scaled_mm` path (same weights, exact activations). The per-row scale is applied once, at
-  the end. `fp8_gemv_a8` is the W8A8 form, with the tensor cores multiplying fp8 tiles as
-  loaded (nothing converted per weight): either x in bf16/fp16 quantized inside the kernel,
-  one e4m3 scale per row and BLOCK_K-column tile (finer than per row; no separate kernel, no
-  extra launch; kernel name "gemv_fp8a8" in the tuning tables), or x quantized per row
-  beforehand (y = (x_q @ W_q^T) * x_scale * w_scale, the values `_scaled_mm` computes;
-  "gemv_fp8a8q").
+- FP8 (WEIGHT_KIND 0), W8A8 (`fp8_gemv_a8`): the tensor cores multiply fp8 tiles as loaded
+  (nothing converted per weight), x either in bf16/fp16 quantized inside the kernel, one e4m3
+  scale per row and BLOCK_K-column tile (finer than per row; no separate kernel, no extra
+  launch; kernel name "gemv_fp8a8" in the tuning tables), or quantized per row beforehand
+  (y = (x_q @ W_q^T) * x_scale * w_scale, the values `_scaled_mm` computes; "gemv_fp8a8q").
+  The weights' per-row scale is applied once, at the end.
 - INT8 / INT4 (WEIGHT_KIND 1 / 2): W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with
   g = k // GROUP. BLOCK_K divides GROUP, so every K tile of a row lies in one group: its scale
   and zero are two [BLOCK_N] loads per tile. INT4 bytes hold element 2j in the low nibble and
@@ -44,14 +41,13 @@ from the tuning tables (kernels "gemv_fp8", "gemv_int8", "gemv_int4") over `defa
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from skyline.ops import gemv_quant_triton as kernels
 from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
-from skyline.ops.gemv_quant_triton import triton
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import get_config
 
 FP8, INT8, INT4 = 0, 1, 2  # WEIGHT_KIND
@@ -69,15 +65,6 @@ def quant_gemv_ok(x: torch.Tensor) -> bool:
     m = x.numel() // k if k else 0
     return (triton is not None and x.is_cuda and x.dtype in _ACT_DTYPES
             and 1 <= m <= MAX_ROWS)
-
-
-def fp8_gemv_ref(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], fp8 weight [N, K], float32 w_scale [N] -> [..., N] in x's dtype."""
-    y = (x.float() @ weight.float().t()) * w_scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
 
 
 def quantize_tiles_fp8_ref(x: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -186,22 +173,6 @@ def quant_gemv_config(kind: int, m: int, n: int, k: int, group: int,
                       default_config(kind, m, n, k, group, num_sms, a8))
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-             bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (1..MAX_ROWS rows), e4m3 weight [N, K], float32 w_scale [N] (per output row),
-    bias [N] -> [..., N] in x's dtype; weight-only (x is not quantized)."""
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn [N, K], got {weight.dtype} "
-                         f"{tuple(weight.shape)}")
-    n, k = weight.shape
-    if w_scale.numel() != n:
-        raise ValueError(f"fp8_gemv: w_scale has {w_scale.numel()} values for {n} rows")
-    if x.shape[-1] != k:
-        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} does not match weight {(n, k)}")
-    return _launch(FP8, x, weight.contiguous(), w_scale.reshape(-1).contiguous(), None, n, k, 0,
-                   bias, config)
-
-
 def fp8_gemv_a8(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
                 w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.bfloat16,
@@ -297,7 +268,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if partial is None:
         partial, counters = y, y
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreted()
     pdl = use_pdl(x.device)
     if kind != FP8 and not use_dot:
         kernels.gemv_int_fma_kernel[(num_tiles, split_k)](
@@ -306,7 +277,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
             scales.stride(0), BITS=4 if kind == INT4 else 8, GROUP=group,
             HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
-            STATIC_ITERS=k_iters if interpreted else 0, X_BCAST=bool(cfg.get("X_BCAST", False)),
+            STATIC_ITERS=k_iters if interp else 0, X_BCAST=bool(cfg.get("X_BCAST", False)),
             PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
         )
         return y.reshape(*x.shape[:-1], n)
@@ -318,10 +289,10 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         WEIGHT_KIND=kind, GROUP=max(group, 1), HAS_BIAS=bias is not None,
         EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1, USE_DOT=use_dot,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interpreted else 0,
-        X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interpreted,
+        NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interp else 0,
+        X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interp,
         XS_BLOCK=xs_block, XS_STRIDE=_cdiv(k, xs_block) if xs_block else 1,
-        INT4_ASM=0 if interpreted or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
+        INT4_ASM=0 if interp or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
         INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
         PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )

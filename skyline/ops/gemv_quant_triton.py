@@ -5,11 +5,7 @@ Both end in gemv.py's split-K epilogue."""
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: callers keep their PyTorch paths
-    triton = None
+from skyline.ops.triton_utils import tl, triton
 
 if triton is not None:
     from skyline.ops.fp8_quant import round_e4m3
@@ -243,8 +239,6 @@ if triton is not None:
                     xq = xs.to(tl.float8e4nv)
                     t = tl.dot(wq, tl.trans(xq), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
                     acc += t * sx[None, :]
-                elif WEIGHT_KIND == 0:
-                    acc = _dot_t(wq.to(xv.dtype), xv, acc, IEEE)
                 elif WEIGHT_KIND == 1:
                     # codes 0..255 are exact in bf16/fp16; the zero (an integer, or any float:
                     # GGUF offsets) leaves the sum as zero * sum(x over the tile)
@@ -266,9 +260,7 @@ if triton is not None:
                         t = _dot_t(hi, xh, t, IEEE)
                         acc += (t - (z[:, None] + INT4_OFFSET) * xsum[None, :]) * s[:, None]
             else:
-                if WEIGHT_KIND == 0:
-                    acc += wq.to(tl.float32) * xv.to(tl.float32)
-                elif WEIGHT_KIND == 1:
+                if WEIGHT_KIND == 1:
                     wd = (wq.to(tl.float32) - z[:, None, None]) * s[:, None, None]
                     acc += wd * xv.to(tl.float32)
                 else:

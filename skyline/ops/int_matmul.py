@@ -13,8 +13,8 @@ tile by tile inside the matmul, so the full-precision weight never exists in mem
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from skyline.ops.triton_utils import tl, triton
 
 
 def dequantize_int_ref(
@@ -41,47 +41,49 @@ def int_matmul_ref(
     return torch.matmul(x, w.to(x.dtype).t())
 
 
-@triton.jit
-def _int_matmul_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
-    M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
-    GROUP: tl.constexpr, BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k0 = 0
-    while k0 < K:  # a while loop: Triton's interpreter cannot run range() to a runtime bound
-        k = k0 + offs_k
-        k_mask = k < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        if BITS == 8:
-            q = tl.load(q_ptr + offs_n[None, :] * stride_qn + k[:, None], mask=w_mask, other=0)
-        else:
-            b = tl.load(q_ptr + offs_n[None, :] * stride_qn + (k // 2)[:, None], mask=w_mask,
-                        other=0)
-            q = (b >> ((k % 2) * 4)[:, None].to(tl.uint8)) & 0x0F  # [BLOCK_K, BLOCK_N]
-        # BLOCK_K divides GROUP, so the whole tile shares one group per output row.
-        g = k0 // GROUP
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
-        z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
-        w = (q.to(tl.float32) - z[None, :]) * s[None, :]
-        if IEEE:  # fp32 activations: exact fp32, not the tensor cores' tf32
-            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x.dtype))
-        k0 += BLOCK_K
-    y = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y,
-             mask=m_mask[:, None] & n_mask[None, :])
+if triton is not None:
+
+    @triton.jit
+    def _int_matmul_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, y_ptr,
+        M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+        GROUP: tl.constexpr, BITS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k0 = 0
+        while k0 < K:  # a while loop: Triton's interpreter cannot run range() to a runtime bound
+            k = k0 + offs_k
+            k_mask = k < K
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            if BITS == 8:
+                q = tl.load(q_ptr + offs_n[None, :] * stride_qn + k[:, None], mask=w_mask, other=0)
+            else:
+                b = tl.load(q_ptr + offs_n[None, :] * stride_qn + (k // 2)[:, None], mask=w_mask,
+                            other=0)
+                q = (b >> ((k % 2) * 4)[:, None].to(tl.uint8)) & 0x0F  # [BLOCK_K, BLOCK_N]
+            # BLOCK_K divides GROUP, so the whole tile shares one group per output row.
+            g = k0 // GROUP
+            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=n_mask, other=0.0)
+            z = tl.load(z_ptr + offs_n * stride_sn + g, mask=n_mask, other=0).to(tl.float32)
+            w = (q.to(tl.float32) - z[None, :]) * s[None, :]
+            if IEEE:  # fp32 activations: exact fp32, not the tensor cores' tf32
+                acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
+            k0 += BLOCK_K
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y,
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 def int_matmul_triton(

@@ -14,6 +14,7 @@ import torch
 
 from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8, quantize_kv
 from skyline.ops.pdl import pdl_wait, use_pdl
+from skyline.ops.triton_utils import tl, triton
 
 
 class KVWrite(NamedTuple):
@@ -65,11 +66,6 @@ def write_kv(
         write_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference serves
-    triton = None
 
 if triton is not None:
 

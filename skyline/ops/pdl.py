@@ -17,15 +17,12 @@ in a captured CUDA graph. `SKYLINE_PDL=0` turns it off.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: no kernel calls pdl_wait
-    triton = None
+from skyline import envs
+from skyline.ops.triton_utils import interpreted, tl, triton
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: PDL stays off
@@ -39,8 +36,7 @@ def use_pdl(device: torch.device) -> bool:
 
 @functools.cache
 def _enabled(index: int | None) -> bool:
-    if (gdc_wait is None or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1"
-            or os.environ.get("SKYLINE_PDL", "1") == "0"):
+    if gdc_wait is None or torch.version.hip or interpreted() or not envs.ENV.pdl:
         return False  # (ROCm reports compute capabilities >= 9 too, without PDL)
     return torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -53,3 +49,5 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+else:  # no kernel runs, so none calls it
+    pdl_wait = None

@@ -19,6 +19,7 @@ from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8
 from skyline.ops.kv_write import KVWrite, write_kv
 from skyline.ops.norm import rms_norm_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
+from skyline.ops.triton_utils import tl, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 
@@ -199,11 +200,6 @@ def rotary_triton(
     return q, k
 
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references above serve
-    triton = None
 
 if triton is not None:
     from skyline.ops.kv_write import store_kv

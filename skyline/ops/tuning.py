@@ -1,6 +1,6 @@
 """Kernel launch configurations as data: tuned per GPU model, looked up by kernel and shape key.
 
-`bench/tune_kernels.py` measures candidate configurations on a GPU and writes them with
+`bench/kernels/tune_kernels.py` measures candidate configurations on a GPU and writes them with
 `write_configs` into a JSON file under `skyline/ops/configs/`:
 
     {"device": "NVIDIA H200", "meta": {...},
@@ -59,8 +59,8 @@ def read_configs(path: str | Path) -> dict[str, Any]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise KernelConfigError(
-            f"cannot read kernel configs {path} ({e}); delete it or run bench/tune_kernels.py "
-            "again") from None
+            f"cannot read kernel configs {path} ({e}); delete it or run "
+            "bench/kernels/tune_kernels.py again") from None
     ok = (isinstance(data, dict) and isinstance(data.get("device"), str)
           and isinstance(data.get("configs"), dict)
           and all(isinstance(t, dict) and all(isinstance(c, dict) for c in t.values())
@@ -68,7 +68,7 @@ def read_configs(path: str | Path) -> dict[str, Any]:
     if not ok:
         raise KernelConfigError(
             f"kernel configs {path} lack a 'device' name or a 'configs' table of "
-            "{kernel: {key: config}}; delete it or run bench/tune_kernels.py again")
+            "{kernel: {key: config}}; delete it or run bench/kernels/tune_kernels.py again")
     return data
 
 

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 
 from skyline.config import ConfigError, QuantConfig, parse_size
-from skyline.model.layers.linear import Linear
+from skyline.quant.method import LinearLayer
 
 SEARCHABLE = ("none", "fp8", "int8", "int4", "mxfp4", "nvfp4")
-DEFAULT_CANDIDATES = "mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8"
 _FORMAT = re.compile(r"^([a-z0-9]+?)(?:-g(\d+))?$")
 
 
@@ -64,7 +63,8 @@ def parse_formats(text: str, group_size: int = 128) -> list[Format]:
 
 
 def parse_budget(
-    text: str, num_weights: int, layers: dict[str, Linear] | None = None, group_size: int = 128,
+    text: str, num_weights: int, layers: dict[str, LinearLayer] | None = None,
+    group_size: int = 128,
 ) -> int:
     """'4.5' (bits per Linear weight), '70MiB' (bytes) or, given the model's `layers`, a
     format name such as 'int4-g32' (that format's uniform size) -> a byte budget."""
@@ -87,7 +87,7 @@ def parse_budget(
     return int(bpw * num_weights / 8)
 
 
-def linear_bytes(layer: Linear, fmt: Format, dtype: torch.dtype = torch.float32) -> int:
+def linear_bytes(layer: LinearLayer, fmt: Format, dtype: torch.dtype = torch.float32) -> int:
     """Bytes the Linear stores in format `fmt` (unquantized weights in `dtype`)."""
     if fmt.method == "none":
         size = layer.out_features * layer.in_features * dtype.itemsize
@@ -102,7 +102,7 @@ def linear_bytes(layer: Linear, fmt: Format, dtype: torch.dtype = torch.float32)
     return size
 
 
-def check_budget(layers: dict[str, Linear], formats: list[Format], budget: int) -> None:
+def check_budget(layers: dict[str, LinearLayer], formats: list[Format], budget: int) -> None:
     """Raise unless the Linears fit in `budget` bytes, each in its smallest format."""
     num_weights = sum(m.in_features * m.out_features for m in layers.values())
     least = sum(min(linear_bytes(m, f, m.weight.dtype) for f in formats)
@@ -122,7 +122,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def stored_bytes(layer: Linear) -> int:
+def stored_bytes(layer: LinearLayer) -> int:
     """Bytes the Linear holds now (its parameters and buffers): what linear_bytes predicts."""
     tensors = [*layer.parameters(recurse=False), *layer.buffers(recurse=False)]
     return sum(t.numel() * t.element_size() for t in tensors)

@@ -16,10 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError, QuantConfig
-from skyline.model.layers.linear import Linear, _shape_error
 from skyline.ops import cpu_linear
+from skyline.ops.fp4 import pack_nibbles, unpack_nibbles
 from skyline.ops.gemv_quant import int_gemv, quant_gemv_ok
 from skyline.ops.int_matmul import int_matmul_ref, int_matmul_triton
+from skyline.quant.method import LinearLayer, set_loader, shape_error
+
+__all__ = ["pack_nibbles", "unpack_nibbles"]  # the formats' shared packing (ops/fp4.py)
 
 
 def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -41,7 +44,7 @@ def int_codes_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return y if bias is None else y + bias
 
 
-def keep_dense(layer: Linear, w: torch.Tensor, drop: tuple[str, ...]) -> None:
+def keep_dense(layer: LinearLayer, w: torch.Tensor, drop: tuple[str, ...]) -> None:
     """A CPU serving layout for formats no CPU kernel takes: the weight w [out, in],
     dequantized once (in the engine's dtype), packed for oneDNN where it can be, replaces the
     quantized tensors `drop`."""
@@ -50,28 +53,18 @@ def keep_dense(layer: Linear, w: torch.Tensor, drop: tuple[str, ...]) -> None:
         delattr(layer, name)
 
 
-def dense_weight(layer: Linear) -> torch.Tensor:
+def dense_weight(layer: LinearLayer) -> torch.Tensor:
     """keep_dense's weight as float32 [out, in]."""
     w = layer.dense_weight
     return (cpu_linear.unpack(w) if w.is_mkldnn else w).float()
 
 
-def dense_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+def dense_linear(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype, through keep_dense's weight (its dtype)."""
     w = layer.dense_weight
     if w.is_mkldnn:
         return cpu_linear.packed_linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
     return F.linear(x.to(w.dtype), w, layer.bias).to(x.dtype)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[rows, 2n] uint8 codes < 16 -> [rows, n] bytes: element 2j in the low nibble."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, n] bytes -> [rows, 2n] uint8 codes (inverse of pack_nibbles)."""
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 
 class QuantLinearMethod:
@@ -80,10 +73,14 @@ class QuantLinearMethod:
     name = ""
     # Parameters holding one value per checkpoint tensor (stored per row in a merged layer).
     per_tensor: tuple[str, ...] = ()
+    # Parameters a checkpoint of another tool may store coarser than per row
+    # (shard_rows_loader): per tensor, per channel of a group-wise layout, per block of rows.
+    coarse: tuple[str, ...] = ()
 
     def __init__(self, cfg: QuantConfig) -> None:
         self.group_size = cfg.group_size
         self.prequantized = cfg.prequantized
+        self.layout = cfg.layout  # a checkpoint of another tool (quant/external/)
 
     # -- format: subclasses -------------------------------------------------------------------
 
@@ -104,21 +101,42 @@ class QuantLinearMethod:
 
     # -- the LinearMethod interface -----------------------------------------------------------
 
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: LinearLayer) -> None:
         if not self.prequantized:  # load full precision; process_weights_after_loading quantizes
             weight = torch.empty(layer.out_features, layer.in_features)
             layer.weight = nn.Parameter(weight, requires_grad=False)
-            _set_loader(layer.weight, layer, layer.weight_loader)
+            set_loader(layer.weight, layer, layer.weight_loader)
             return
-        for name, (shape, dtype) in self.param_specs(layer.out_features, layer.in_features).items():
+        specs = {**self.param_specs(layer.out_features, layer.in_features),
+                 **self.load_specs(layer)}
+        for name, (shape, dtype) in specs.items():
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             setattr(layer, name, param)
-            loader = _per_tensor_loader(layer) if name in self.per_tensor else layer.weight_loader
-            _set_loader(param, layer, loader)
+            set_loader(param, layer, self.loader(layer, name))
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def load_specs(self, layer: LinearLayer) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Tensors a checkpoint of another tool carries beside param_specs' (g_idx, static
+        input scales), consumed by finish_prequantized."""
+        return {}
+
+    def loader(self, layer: LinearLayer, name: str) -> Any:
+        """The weight loader of parameter `name`."""
+        if self.layout is not None and name in self.coarse + self.per_tensor:
+            return shard_rows_loader(layer, self.block_rows())
+        return _per_tensor_loader(layer) if name in self.per_tensor else layer.weight_loader
+
+    def block_rows(self) -> int:
+        """Rows of one of the layout's scale blocks (1: scales per row)."""
+        return 1
+
+    def finish_prequantized(self, layer: LinearLayer) -> None:
+        """Once a prequantized layer is loaded: bring what load_specs loaded into the serving
+        layout."""
+
+    def process_weights_after_loading(self, layer: LinearLayer) -> None:
         """Online: quantize each checkpoint tensor (shard) of the loaded weight, then drop it."""
         if self.prequantized:
+            self.finish_prequantized(layer)
             return
         w = layer.weight.data
         tensors = self.quantize_shards(w, layer.shards, getattr(layer, "act_sq", None))
@@ -141,37 +159,59 @@ class QuantLinearMethod:
             out[name] = torch.cat(rows).contiguous()
         return out
 
-    def set_tensors(self, layer: Linear, tensors: dict[str, torch.Tensor]) -> None:
+    def set_tensors(self, layer: LinearLayer, tensors: dict[str, torch.Tensor]) -> None:
         """Install quantized tensors (from `quantize_shards`) as the layer's parameters."""
         for name, tensor in tensors.items():
             setattr(layer, name, nn.Parameter(tensor, requires_grad=False))
 
-    def tensors(self, layer: Linear) -> dict[str, torch.Tensor]:
+    def tensors(self, layer: LinearLayer) -> dict[str, torch.Tensor]:
         specs = self.param_specs(layer.out_features, layer.in_features)
         return {name: getattr(layer, name) for name in specs}
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         return self.dequantize(self.tensors(layer), layer.in_features)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         # Reference path: dequantize the whole weight, then one matmul in x's dtype.
         w = self.dequantized_weight(layer).to(x.dtype)
         return F.linear(x, w, layer.bias)
 
 
-def _set_loader(param: nn.Parameter, layer: Linear, loader: Any) -> None:
-    param.weight_loader = loader  # type: ignore[attr-defined]
-    param.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]
+def shard_rows_loader(layer: LinearLayer, block_rows: int = 1) -> Any:
+    """A loader for a parameter of one value per row ([rows]) or per row and column group
+    ([rows, groups]) that also takes what other tools store for one shard of `size` rows: one
+    value ([] or [1]), one per row ([size] or [size, 1], repeated along the groups: per-channel
+    scales in a group-wise layout), or one per `block_rows` rows ([cdiv(size, block_rows),
+    groups]: fp8 block scales)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id not in layer.shards:
+            raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(layer.shards)}")
+        offset, size = layer.shards[shard_id]
+        dst = param.data.narrow(0, offset, size)
+        src = loaded.reshape(1) if loaded.numel() == 1 else loaded
+        if src.dim() == 1 and src.numel() > 1:
+            src = src.reshape(-1, 1)
+        if block_rows > 1 and src.shape[0] == -(-size // block_rows) and src.numel() > 1:
+            src = src.repeat_interleave(block_rows, dim=0)[:size]
+        if dst.dim() == 1 and src.dim() == 2 and src.shape[1] == 1:
+            src = src[:, 0]
+        try:
+            dst.copy_(src.expand_as(dst))
+        except RuntimeError:
+            raise ConfigError(shape_error(loaded.shape, dst.shape)) from None
+
+    return load
 
 
-def _per_tensor_loader(layer: Linear) -> Any:
+def _per_tensor_loader(layer: LinearLayer) -> Any:
     """A loader that writes one checkpoint scalar into every row of its shard."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id not in layer.shards:
             raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(layer.shards)}")
         if loaded.numel() != 1:
-            raise ConfigError(_shape_error(loaded.shape, torch.Size([1])))
+            raise ConfigError(shape_error(loaded.shape, torch.Size([1])))
         offset, size = layer.shards[shard_id]
         param.data.narrow(0, offset, size).copy_(loaded.reshape(1).expand(size))
 

@@ -3,18 +3,10 @@ mean squared input activation per input channel (what the int4 clip search weigh
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from skyline.model.layers.linear import Linear
-
-BUILTIN_TEXT = Path(__file__).with_name("calibration.txt")  # public domain, see its header
-
-
-def builtin_text() -> str:
-    return BUILTIN_TEXT.read_text(encoding="utf-8")
+from skyline.quant.method import LinearLayer
 
 
 @torch.no_grad()
@@ -30,7 +22,7 @@ def collect_act_sq(
     counts: dict[str, int] = {}
     hooks = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, LinearLayer):
             def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
                 x = args[0].reshape(-1, args[0].shape[-1]).float()  # [tokens, in_features]
                 sums[name] = sums.get(name, 0) + x.square().sum(0)

@@ -1,8 +1,9 @@
 """MXFP4 and NVFP4 weight-only formats: 4-bit E2M1 elements in small blocks with a shared scale.
 
-E2M1 codes: bit 3 is the sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
-Encoding rounds to nearest, ties to the even code (round-half-even on the E2M1 grid), and
-saturates at 6. Two codes per byte, element 2j in the low nibble.
+E2M1 codes (ops/fp4.py, which reads them back): bit 3 is the sign, bits 0-2 index the
+magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. Encoding rounds to nearest, ties to the even code
+(round-half-even on the E2M1 grid), and saturates at 6. Two codes per byte, element 2j in the
+low nibble.
 
 - MXFP4 (OCP Microscaling v1.0): blocks of 32, one E8M0 scale per block (a power of two,
   2^(e - 127), e = 255 is NaN) chosen as 2^(floor(log2(amax)) - 2), 2 being E2M1's largest
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
+from skyline.ops.fp4 import decode_e2m1, dequantize_mxfp4, e8m0_to_float
 from skyline.ops.int_matmul import dequantize_int_ref
 from skyline.quant.base import (
     QuantLinearMethod,
@@ -29,6 +30,9 @@ from skyline.quant.base import (
     pad_cols,
     unpack_nibbles,
 )
+from skyline.quant.method import LinearLayer
+
+__all__ = ["decode_e2m1", "dequantize_mxfp4", "e8m0_to_float", "quantize_mxfp4", "quantize_nvfp4"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes; a tie rounds to the even code, i.e. up when the
@@ -47,21 +51,6 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return code | ((x < 0).to(torch.uint8) << 3)
 
 
-def decode_e2m1(code: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes -> float32 values. Arithmetic, not a table lookup, so it creates no
-    tensor from Python values (CUDA-graph capturable)."""
-    c = code.to(torch.int32)
-    e, m = (c >> 1) & 3, (c & 1).float()
-    mag = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).float()) * (1.0 + m * 0.5))
-    return torch.where((c & 8) != 0, -mag, mag)
-
-
-def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """uint8 E8M0 exponents -> float32 2^(e - 127) (255 -> NaN)."""
-    v = torch.exp2(e.float() - 127.0)
-    return torch.where(e == 255, torch.full_like(v, float("nan")), v)
-
-
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, K] -> (packed codes uint8 [R, Kp / 2], E8M0 scales uint8 [R, Kp / 32])."""
     rows = w.shape[0]
@@ -73,13 +62,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.exp2(exp.float()).unsqueeze(-1)
     codes = encode_e2m1(wb / scale).reshape(rows, -1)
     return pack_nibbles(codes), (exp + 127).to(torch.uint8)
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of quantize_mxfp4: float32 [R, Kp]."""
-    rows = packed.shape[0]
-    vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 32)
-    return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(rows, -1)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,28 +112,28 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     # the block scale per group of 32 (the layout of GGUF's Q8_0 there), made at the first
     # (eager) call.
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine in bfloat16 (loader.prepack_for_cpu): keep only the planes."""
         if dtype != torch.bfloat16 or self._cpu_planes(layer) is None:
             return False
         del layer.qweight, layer.scales
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if hasattr(layer, "fp4_int8"):
             return dequantize_int_ref(*layer.fp4_int8, 8, 32)[:, : layer.in_features]
         if not hasattr(layer, "qweight"):  # prepacked: read back from the planes
             return cpu_int4.planes_weight(layer.fp4_planes)[:, : layer.in_features]
         return super().dequantized_weight(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return int_codes_linear(x, *self._int8_layout(layer), 8, 32, bias=layer.bias)
         if x.dtype == torch.bfloat16 and (planes := self._cpu_planes(layer)) is not None:
             return cpu_int4.planes_linear(x, planes, layer.bias)
         return super().apply(layer, x)
 
-    def _int8_layout(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _int8_layout(self, layer: LinearLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # (codes uint8 [N, Kp], scales, zeros float32 [N, Kp / 32]); replaces the packed
         # tensors at the first call
         if not hasattr(layer, "fp4_int8"):
@@ -162,7 +144,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
             del layer.qweight, layer.scales
         return layer.fp4_int8
 
-    def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+    def _cpu_planes(self, layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
         # made at the first use, kept beside the packed tensors (None: no kernel, or a shape
         # it cannot take)
         if not hasattr(layer, "fp4_planes"):
@@ -193,7 +175,7 @@ class Nvfp4LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return dequantize_nvfp4(q["qweight"], q["scales"], q["tensor_scale"])[:, :cols]
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine (loader.prepack_for_cpu): no CPU kernel takes 16-element blocks,
         so the layer keeps its weight dequantized once, in the engine's dtype and packed for
         oneDNN where it can be (the values every call would otherwise dequantize to; dense
@@ -202,12 +184,12 @@ class Nvfp4LinearMethod(QuantLinearMethod):
                    ("qweight", "scales", "tensor_scale"))
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
             return dense_weight(layer)
         return super().dequantized_weight(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
             return dense_linear(layer, x)
         return super().apply(layer, x)

@@ -34,7 +34,6 @@ others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go d
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from skyline import envs
 from skyline.config import ConfigError
-from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4, cpu_linear, cpu_plan
 from skyline.ops.dequant import (
     AFFINE_GROUP,
@@ -53,12 +52,13 @@ from skyline.ops.dequant import (
 )
 from skyline.ops.int_matmul import dequantize_int_ref
 from skyline.quant.base import int_codes_linear, pack_nibbles
+from skyline.quant.method import LinearLayer
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 # Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
 # weight, faster than dense bf16 for one or two rows but about half its speed at eight: the
 # kernel is compute-bound there); 1 keeps those types dense bfloat16 (16 bits).
-MAX_CPU_PLANES = int(os.environ.get("SKYLINE_GGUF_CPU_PLANES", "2"))
+MAX_CPU_PLANES = envs.ENV.gguf_cpu_planes
 
 
 @dataclass
@@ -77,14 +77,14 @@ class GGUFLinearMethod:
 
     name = "gguf"
 
-    def create_weights(self, layer: Linear) -> None:
+    def create_weights(self, layer: LinearLayer) -> None:
         # An empty placeholder carries the loader; process_weights_after_loading removes it.
         layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
         layer.weight.weight_loader = _loader(layer)  # type: ignore[attr-defined]
         layer.weight.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]
         layer.gguf_parts = {}
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
+    def process_weights_after_loading(self, layer: LinearLayer) -> None:
         device = layer.weight.device
         parts = sorted(((layer.shards[s][0], p) for s, p in layer.gguf_parts.items()),
                        key=lambda t: t[0])
@@ -102,7 +102,7 @@ class GGUFLinearMethod:
         del layer.weight
         del layer.gguf_parts
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if getattr(layer, "cpu_dense", None) is not None:
             dense = layer.cpu_dense
             return (cpu_linear.unpack(dense) if dense.is_mkldnn else dense).float()
@@ -118,7 +118,7 @@ class GGUFLinearMethod:
             return layer.gguf_dense.float()
         return _dequantize_blocks(layer)
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """The layout a CPU engine serves with (loader.prepack_for_cpu; tools that read or save
         weights never call it), by this machine's plan (ops/cpu_plan.py): the int4 kernel's
         planes for decode-sized batches where the plan runs this layer's codes on it, and the
@@ -140,7 +140,15 @@ class GGUFLinearMethod:
             delattr(layer, f"gguf_w{i}")
         return True
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def decode_bytes(self, layer: LinearLayer) -> int | None:
+        """Bytes a one-row product reads where it is less than the layer holds: the int4
+        planes of a CPU engine's layer (prepack_cpu), not its dense copy; None otherwise."""
+        planes = getattr(layer, "cpu_planes", None)
+        if planes is None or layer.cpu_plane_rows < 1:
+            return None
+        return sum(t.numel() * t.element_size() for p in planes for t in p)
+
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "cpu_plane_rows"):
             return _serve_cpu(layer, x)
         if x.is_cuda and _cuda_ready(layer, x.dtype):
@@ -154,7 +162,7 @@ class GGUFLinearMethod:
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
 
 
-def _serve_cpu(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
     dense weights."""
     if x.numel() <= layer.cpu_plane_rows * layer.in_features:
@@ -182,13 +190,13 @@ def _room_for(nbytes: int) -> bool:
         return True
 
 
-def _dequantize_blocks(layer: Linear) -> torch.Tensor:
+def _dequantize_blocks(layer: LinearLayer) -> torch.Tensor:
     ws = [dequantize_ref(getattr(layer, f"gguf_w{i}"), qtype)
           for i, qtype in enumerate(layer.gguf_types)]
     return ws[0] if len(ws) == 1 else torch.cat(ws)
 
 
-def _cpu_ready(layer: Linear, build: bool) -> bool:
+def _cpu_ready(layer: LinearLayer, build: bool) -> bool:
     """Whether the layer has its CPU bfloat16 form: the int4 kernel's packed weights
     (`gguf_int4`) or, for other block types, dense bfloat16 weights (`gguf_dense`). With
     `build` (a bfloat16 input), the first call makes it and drops the raw blocks."""
@@ -203,7 +211,7 @@ def _cpu_ready(layer: Linear, build: bool) -> bool:
     return True
 
 
-def _cuda_ready(layer: Linear, dtype: torch.dtype) -> bool:
+def _cuda_ready(layer: LinearLayer, dtype: torch.dtype) -> bool:
     """Makes the layer's CUDA form at its first call (an eager one: the engine's profiling run
     comes before any graph capture): the integer layout (`gguf_qweight`, `gguf_scales`,
     `gguf_zeros`, `gguf_bits_group`), or dense weights in `dtype` for float types; the raw
@@ -222,12 +230,14 @@ def _cuda_ready(layer: Linear, dtype: torch.dtype) -> bool:
     return True
 
 
-def _int_apply(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+def _int_apply(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     return int_codes_linear(x, layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
                             *layer.gguf_bits_group, bias=layer.bias)
 
 
-def int_layout(layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
+def int_layout(
+    layer: LinearLayer,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
     """The layer's blocks as (qweight, scales, zeros, bits, group) in ops/int_matmul.py's
     layout with float32 zeros, the same weights (W = q * s + o = (q - z) * s, z = -o / s);
     None if a run is not a type of integer codes. Runs of different group sizes share the
@@ -251,7 +261,7 @@ def int_layout(layer: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return q.contiguous(), s.contiguous(), z.contiguous(), bits, group
 
 
-def _pack_int4(layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+def _pack_int4(layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
     """The layer's weights as planes of torch's CPU int4 kernel (ops/cpu_int4.py): one when
     every run is a 4-bit group type, two when a run has wider codes; None unless every run has
     an affine map per 32 elements (and the kernel takes the shape)."""
@@ -266,7 +276,7 @@ def _pack_int4(layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
     return cpu_int4.pack_planes(codes, scale, offset, INT4_GROUP, wide)
 
 
-def _loader(layer: Linear) -> Any:
+def _loader(layer: LinearLayer) -> Any:
     def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(loaded, PackedGGUF):
             raise ConfigError("--quantization gguf needs a .gguf model; use another method")

@@ -10,25 +10,27 @@ exact reference). With calibration statistics, each group's range is clipped to 
 minimises the activation-weighted error sum_k E[x_k^2] (w_k - w'_k)^2: an outlier weight on a
 quiet input channel is not worth coarsening the whole group for (AWQ/GPTQ-style clip search).
 
-On CUDA, decode-sized batches (<= 8 rows) of INT4 run a GEMV: with `INT4_GEMV = "a8p"` (the
-default) the W4A8 one (ops/gemv_int_a8.py: x rounded to int8 per 32 columns, `dp4a`; faster,
-not exact in x: on the default model its rounding of x alone costs a KL of 0.005 against the
-0.53-0.66 of INT4's weights, bench/results/quant-quality-cpu-smollm2-w4a8.json), with "a16" the
-weight-only one on the tensor cores (ops/gemv_quant.py; x stays bf16/fp16). With "a8p" the
+On CUDA, decode-sized batches (<= 8 rows) of INT4 in groups of 32k run the W4A8 GEMV
+(ops/gemv_int_a8.py: x rounded to int8 per 32 columns, `dp4a`; faster than the weight-only
+GEMV, not exact in x: on the default model its rounding of x alone costs a KL of 0.005 against
+the 0.53-0.66 of INT4's weights, bench/results/quant/quant-quality-cpu-smollm2-w4a8.json). The
 kernel that makes x (RMSNorm, SiLU-and-mul, the split-KV combine of a decode batch's attention)
-hands it over rounded (Linear.input_quant); the GEMV rounds any other x by a launch of its own,
-as "a8" does for every x.
+hands it over rounded (Linear.input_quant); the GEMV rounds any other x by a launch of its own.
+
+Checkpoints of other tools (GPTQ, AWQ, compressed-tensors; quant/external/) load into this
+layout; those quantized in activation order also gather x by the layer's `in_perm`
+(quant/act_order.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from skyline.model.layers.linear import Linear
 from skyline.ops import cpu_int4
-from skyline.ops.gemv_int_a8 import CHUNK, Int8Chunks, int4_gemv_a8
+from skyline.ops.gemv_int_a8 import CHUNK, Int8Chunks, int4_gemv_a8, quantize_chunks_int8_ref
 from skyline.ops.gemv_quant import quant_gemv_ok
 from skyline.ops.int_matmul import dequantize_int_ref, int_matmul_triton
+from skyline.quant.act_order import fold_act_order, shard_index_loader, unpermute
 from skyline.quant.base import (
     QuantLinearMethod,
     int_codes_linear,
@@ -36,8 +38,8 @@ from skyline.quant.base import (
     pad_cols,
     unpack_nibbles,
 )
+from skyline.quant.method import LinearLayer, iter_linears
 
-INT4_GEMV = "a8p"  # INT4 on CUDA at <= 8 rows: "a8p" / "a8" int8 activations, "a16" weight-only
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
 
 
@@ -76,6 +78,8 @@ def quantize_groups(
 class IntLinearMethod(QuantLinearMethod):
     """Weight-only INT8 or INT4 (two codes per byte)."""
 
+    coarse = ("scales", "zeros")
+
     def __init__(self, cfg, bits: int) -> None:
         super().__init__(cfg)
         self.bits = bits
@@ -102,7 +106,19 @@ class IntLinearMethod(QuantLinearMethod):
         w = dequantize_int_ref(q["qweight"], q["scales"], q["zeros"], self.bits, self.group_size)
         return w[:, :cols]
 
-    def prepack_cpu(self, layer: Linear, dtype: torch.dtype) -> bool:
+    def load_specs(self, layer: LinearLayer) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.layout is None or not self.layout.act_order:
+            return {}
+        return {"g_idx": ((len(layer.shards), layer.in_features), torch.int32)}
+
+    def loader(self, layer: LinearLayer, name: str):
+        return shard_index_loader(layer) if name == "g_idx" else super().loader(layer, name)
+
+    def finish_prequantized(self, layer: LinearLayer) -> None:
+        if "g_idx" in layer._parameters:
+            fold_act_order(layer, self.bits, self.group_size)
+
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine in bfloat16 (loader.prepack_for_cpu; tools that save weights never
         call it): the int4 kernel's planes replace the packed tensors, so the layer holds about
         as many bytes as the codes (4.25 bits a weight for INT4 in groups of 128, 8.5 for INT8)."""
@@ -112,13 +128,17 @@ class IntLinearMethod(QuantLinearMethod):
             delattr(layer, name)
         return True
 
-    def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+    def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
         if not hasattr(layer, "qweight"):  # prepacked: read back from the kernel's planes
-            return cpu_int4.planes_weight(layer.int_planes)[:, : layer.in_features]
-        return super().dequantized_weight(layer)
+            w = cpu_int4.planes_weight(layer.int_planes)[:, : layer.in_features]
+        else:
+            w = super().dequantized_weight(layer)
+        return unpermute(w, getattr(layer, "in_perm", None))
 
-    def apply(self, layer: Linear, x: torch.Tensor | Int8Chunks) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor | Int8Chunks) -> torch.Tensor:
         # x comes as Int8Chunks when input_quant asked its producer for them
+        if (perm := getattr(layer, "in_perm", None)) is not None:
+            x = x.index_select(-1, perm)  # activation order: input_quant asked for plain x
         if isinstance(x, Int8Chunks) or self._w4a8(layer, x):
             return int4_gemv_a8(x, layer.qweight, layer.scales, layer.zeros, self.group_size,
                                 bias=layer.bias)
@@ -133,18 +153,18 @@ class IntLinearMethod(QuantLinearMethod):
             return y if layer.bias is None else y + layer.bias
         return int_codes_linear(x, *args, bias=layer.bias)
 
-    def input_quant(self, layer: Linear, x: torch.Tensor) -> str | None:
+    def input_quant(self, layer: LinearLayer, x: torch.Tensor) -> str | None:
         """"int8" where x, about to be made by a norm or activation kernel, should come rounded
         (Int8Chunks) for this layer's W4A8 GEMV."""
-        return "int8" if INT4_GEMV == "a8p" and self._w4a8(layer, x) else None
+        return "int8" if self._w4a8(layer, x) and not hasattr(layer, "in_perm") else None
 
-    def _w4a8(self, layer: Linear, x: torch.Tensor) -> bool:
+    def _w4a8(self, layer: LinearLayer, x: torch.Tensor) -> bool:
         """Whether x (or the x about to be made) goes to the W4A8 GEMV."""
-        return (INT4_GEMV in ("a8p", "a8") and self.bits == 4 and self.group_size % CHUNK == 0
+        return (self.bits == 4 and self.group_size % CHUNK == 0
                 and hasattr(layer, "qweight") and layer.zeros.dtype == torch.uint8
                 and quant_gemv_ok(x))
 
-    def _cpu_planes(self, layer: Linear) -> tuple[cpu_int4.Plane, ...] | None:
+    def _cpu_planes(self, layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
         """The layer's codes as planes of torch's CPU int4 kernel (ops/cpu_int4.py: one for
         INT4, two for INT8), made at the first bfloat16 call on the CPU and kept beside the
         packed tensors (None where the kernel is missing or cannot take the shape)."""
@@ -157,3 +177,18 @@ class IntLinearMethod(QuantLinearMethod):
                                               self.group_size, wide=self.bits == 8)
             layer.int_planes = planes
         return layer.int_planes
+
+
+def round_linear_inputs_int8(model: torch.nn.Module) -> None:
+    """From now on every Linear's input is replaced by its int8 rounding per row and 32
+    columns, the values the W4A8 GEMV multiplies (quantize_chunks_int8_ref), for every token:
+    W4A8's activation error measured on any device (bench/quant_quality.py)."""
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        x2 = x.reshape(-1, x.shape[-1])
+        q, scale = quantize_chunks_int8_ref(x2)
+        deq = q.float() * scale.repeat_interleave(CHUNK, dim=1)[:, : x2.shape[1]]
+        return (deq.to(x.dtype).reshape(x.shape),)
+
+    for layer in iter_linears(model):  # (the LM head is not one)
+        layer.register_forward_pre_hook(hook)

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.model.layers.linear import Linear
 from skyline.quant import make_linear_method
 from skyline.quant.assignment import Format, linear_bytes
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.fp8 import quantize_rows_fp8
+from skyline.quant.method import LinearLayer
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SwapMethod:
         self.weight = weight
         self.act_fp8 = act_fp8
 
-    def create_weights(self, layer: Linear) -> None:  # the layer keeps its own parameters
+    def create_weights(self, layer: LinearLayer) -> None:  # the layer keeps its own parameters
         pass
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,13 +51,13 @@ class SwapMethod:
             return F.linear(xq.float() * x_scale, self.weight).to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype))
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x)
         return y if layer.bias is None else y + layer.bias
 
 
-def linears(model: nn.Module) -> dict[str, Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+def linears(model: nn.Module) -> dict[str, LinearLayer]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LinearLayer)}
 
 
 def quantize_choices(
@@ -103,7 +103,7 @@ def linear_inputs(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def dequantized(layer: Linear, fmt: Format, choice: Choice) -> SwapMethod:
+def dequantized(layer: LinearLayer, fmt: Format, choice: Choice) -> SwapMethod:
     if fmt.method == "none":
         return SwapMethod(layer.weight.data.float())
     method = make_linear_method(fmt.quant_config())
@@ -112,7 +112,7 @@ def dequantized(layer: Linear, fmt: Format, choice: Choice) -> SwapMethod:
 
 
 def swap_in(
-    lin: dict[str, Linear], choices: dict[str, dict[Format, Choice]],
+    lin: dict[str, LinearLayer], choices: dict[str, dict[Format, Choice]],
     assignment: dict[str, Format],
 ) -> None:
     """Give each Linear its assigned format's SwapMethod."""

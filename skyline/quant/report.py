@@ -1,6 +1,6 @@
-"""`skyline quantize --search`: search per-layer formats for a budget (search.py), then score
-the result and every uniform candidate format on held-out text with their real quantized
-methods, and write the checkpoint, assignment.json and report.json.
+"""The report of a mixed-precision search (`skyline quantize --search`, bench/quant_search.py):
+per-layer formats searched for a budget (search.py), then the result and every uniform
+candidate format scored on held-out text with their real quantized methods.
 
 The calibration text is split in two: the first `calib_tokens` calibrate the int formats'
 clipping and score the search; the next `eval_tokens` (never seen by the search) give the
@@ -9,31 +9,21 @@ reported KL, perplexity and top-1 agreement against the unquantized model.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from skyline.config import ConfigError, ModelConfig, QuantConfig
-from skyline.model.layers.linear import UnquantizedLinearMethod
+from skyline.config import ConfigError
 from skyline.quant import make_linear_method
-from skyline.quant.assignment import (
-    Format,
-    assignment_json,
-    check_budget,
-    parse_budget,
-    parse_formats,
-    stored_bytes,
-    to_quant_config,
-)
+from skyline.quant.assignment import Format, assignment_json, parse_budget, stored_bytes
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.joint import Choice, linears
-from skyline.quant.search import SearchResult, search
+from skyline.quant.method import UnquantizedLinearMethod
+from skyline.quant.search import SearchResult, prepare, search
 
 log = logging.getLogger(__name__)
 
@@ -181,76 +171,40 @@ def search_report(
     return result, report
 
 
-def write_search_outputs(
-    model: nn.Module, model_cfg: ModelConfig, result: SearchResult, report: dict[str, Any],
-    out_dir: str, calibration: dict[str, Any],
-) -> QuantConfig:
-    """The checkpoint of the (installed) mixed model, assignment.json and report.json."""
-    from skyline.quant.checkpoint import write_checkpoint
-
-    qcfg = to_quant_config(result.assignment)
-    write_checkpoint(model, model_cfg, qcfg, out_dir, calibration)
-    out = Path(out_dir)
-    meta = {"bytes": result.nbytes, "budget_bytes": result.budget,
-            "bits_per_weight": 8 * result.nbytes / result.num_weights,
-            "format_counts": _counts(result.assignment)}
-    (out / "assignment.json").write_text(
-        json.dumps(assignment_json(result.assignment, **meta), indent=2), encoding="utf-8")
-    (out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
-    return qcfg
+def assignment_summary(result: SearchResult) -> dict[str, Any]:
+    """assignment.json of a search: its size against the budget and every Linear's format."""
+    return assignment_json(result.assignment, bytes=result.nbytes, budget_bytes=result.budget,
+                           bits_per_weight=8 * result.nbytes / result.num_weights,
+                           format_counts=_counts(result.assignment))
 
 
-def table(report: dict[str, Any]) -> str:
-    """The report as a short markdown table (mixed first, then every uniform format)."""
-    best = report["best_uniform_within_budget"]
-    lines = ["| variant | bits/weight | MiB | KL | perplexity | top-1 |",
-             "|---|---|---|---|---|---|"]
-    for r in sorted(report["results"], key=lambda r: (not r["variant"].startswith("mixed"),
-                                                      r["bytes"])):
-        mark = " (best uniform within budget)" if best and r is best else ""
-        lines.append(f"| {r['variant']}{mark} | {r['bits_per_weight']:.3f} | "
-                     f"{r['bytes'] / 2**20:.2f} | {r['kl']:.4f} | {r['perplexity']:.3f} | "
-                     f"{r['top1_agreement']:.3f} |")
-    ratio = report["kl_ratio_vs_best_uniform"]
-    if ratio is not None:
-        lines.append(f"KL of the mixed assignment / best uniform within the budget: {ratio:.3f}")
-    return "\n".join(lines)
-
-
-
-def search_checkpoint(
-    model_cfg: ModelConfig, formats: str, budget: str, out_dir: str, group_size: int = 128,
-    calib_text: str | None = None, calib_tokens: int = 1024, eval_tokens: int = 1024,
-    **search_kw: Any,
+def search_budgets(
+    model: nn.Module, calib: list[int], evals: list[int], formats: list[Format],
+    budgets: list[str], act_sq: dict[str, torch.Tensor] | None, eval_window: int = 512,
+    sensitivity_tokens: int = 256, **search_kw: Any,
 ) -> dict[str, Any]:
-    """`skyline quantize --search`: load the unquantized `model_cfg`, search formats (a
-    comma-separated list) for `budget` ("4.5" bits per weight, "70MiB", or a format name for
-    that format's uniform size), score on held-out text, write `out_dir`. Returns the
-    report."""
-    from skyline.engine.frontend import load_tokenizer
-    from skyline.model.loader import load_model
-    from skyline.model.registry import get_model_class
-    from skyline.quant.calibrate import builtin_text, collect_act_sq
-
-    if model_cfg.quant.method != "none" or model_cfg.quant.layers:
-        raise ConfigError("skyline quantize needs an unquantized model; pass the original one")
-    fmts = parse_formats(formats, group_size)
-    with torch.device("meta"):  # shapes only: check the budget before loading anything
-        shapes = linears(get_model_class(model_cfg.arch.architecture)(model_cfg.arch))
-    num_weights = sum(m.in_features * m.out_features for m in shapes.values())
-    nbytes = parse_budget(budget, num_weights, shapes, group_size)
-    check_budget(shapes, fmts, nbytes)
-    tok = load_tokenizer(model_cfg)
-    if tok is None:
-        raise ConfigError(f"{model_cfg.path} has no tokenizer.json; --search needs one to "
-                          "read the calibration text")
-    ids = tok.encode(calib_text if calib_text is not None else builtin_text())
-    model = load_model(model_cfg, "cpu")
-    act_sq = collect_act_sq(model, ids[:calib_tokens])
-    result, report = search_report(model, ids, fmts, nbytes, act_sq, calib_tokens, eval_tokens,
-                                   **search_kw)
-    calibration = {"source": "built-in text" if calib_text is None else "given text",
-                   "tokens": min(calib_tokens, len(ids))}
-    report = {"model": model_cfg.path, "date": time.strftime("%Y-%m-%d"), **report}
-    write_search_outputs(model, model_cfg, result, report, out_dir, calibration)
-    return report
+    """One search per budget (a format's name: its uniform size; else bits per weight or a
+    size, as --budget), sharing the formats' quantization and sensitivities (`prepare`), each
+    reported beside the uniform formats on `evals`. The model is left unquantized."""
+    cands = prepare(model, calib, formats, act_sq, sensitivity_tokens=sensitivity_tokens)
+    held = HeldOut(model, evals, eval_window)
+    uniform = [held.row(f"uniform {f.name}", {n: f for n in held.lin}, cands.choices)
+               for f in formats]
+    held.reset()
+    by_name = {r["variant"].removeprefix("uniform "): r["bytes"] for r in uniform}
+    runs = []
+    for spec in budgets:
+        budget = by_name.get(spec) or parse_budget(spec, held.num_weights)
+        result = search(model, calib, formats, budget, act_sq, candidates=cands, **search_kw)
+        seed = None
+        if result.seed != result.assignment:
+            seed = held.row("mixed (knapsack seed)", result.seed, cands.choices)
+        mixed = held.row("mixed (searched)", result.assignment, cands.choices)
+        held.reset()
+        report = compare(result, mixed, uniform, seed)
+        report["budget"] = spec
+        report["assignment"] = {n: f.name for n, f in result.assignment.items()}
+        runs.append(report)
+    return {"prepare_seconds": round(cands.seconds, 1),
+            "search_split_uniform_kl": cands.uniform_kl, "sensitivity": cands.sensitivity,
+            "uniform": uniform, "runs": runs}

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.model.layers.linear import Linear
 from skyline.quant.assignment import Format, check_budget
 from skyline.quant.joint import (
     Choice,
@@ -48,6 +47,7 @@ from skyline.quant.joint import (
     spread_windows,
     swap_in,
 )
+from skyline.quant.method import LinearLayer
 
 log = logging.getLogger(__name__)
 # A move is kept only if it lowers the joint KL by this fraction: the KL of a few hundred
@@ -219,7 +219,7 @@ def solve_knapsack(
 
 
 def _local_search(
-    lin: dict[str, Linear], choices: dict[str, dict[Format, Choice]],
+    lin: dict[str, LinearLayer], choices: dict[str, dict[Format, Choice]],
     pred: dict[str, dict[Format, float]], budget: int, scorer: JointKL,
     cur: dict[str, Format], kl_cur: float, max_evals: int, deadline: float | None,
 ) -> tuple[dict[str, Format], float, list[dict[str, Any]]]:

@@ -15,7 +15,8 @@ policy's measured gate, fed each step's wall time through `record_step`.
 
 Invariants between calls:
 - `running` is in admission order; every running request holds blocks for its computed tokens.
-- waiting (and preempted) requests hold no blocks and have `num_computed_tokens == 0`.
+- waiting (and preempted) requests hold no blocks and have `num_computed_tokens == 0`;
+  requests waiting for KV from a connector (sched/kv_loads.py) hold the blocks being filled.
 - `_finished_ids` holds every id the runner must forget before the next step.
 
 Call order: `schedule`, run the step, `update`, and `add_request` / `abort_requests` only between
@@ -38,10 +39,17 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from skyline.cache.connector import KVConnectorScheduler
 from skyline.cache.kv_manager import KVCacheManager
 from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
+from skyline.sched.kv_loads import KVLoads
 from skyline.sched.spec import SpecPolicy
-from skyline.sched.stop import append_until_stop, step_output
+from skyline.sched.stop import (
+    append_until_stop,
+    receive_prompt_logprobs,
+    scores_prompt,
+    step_output,
+)
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -63,6 +71,8 @@ class Scheduler:
         cache_cfg: CacheConfig,
         num_blocks: int,
         spec_cfg: SpecConfig | None = None,
+        structured: Any = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.cfg = sched_cfg
         self.block_size = cache_cfg.block_size
@@ -73,16 +83,18 @@ class Scheduler:
             f"max_model_len={sched_cfg.max_model_len}"
         )
         self.kv_manager = KVCacheManager(
-            num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching
+            num_blocks, cache_cfg.block_size, cache_cfg.enable_prefix_caching, connector,
+            record_events=cache_cfg.kv_events,
         )
+        self.kv_loads = KVLoads(connector, self.kv_manager)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
-        # Optional structured-output hooks (engine/structured.py), injected by the engine:
-        # before_step(out) fills out.token_masks, after_step(out, res) advances the matchers.
-        self.structured: Any = None
+        # Optional structured-output hooks (engine/frontend/structured.py): before_step(out)
+        # fills out.token_masks, after_step(out, res) advances the matchers.
+        self.structured = structured
         # Speculative decoding: the runner's latest drafts per running request, and tail blocks
         # freed since the request last ran (the runner drops them when it next runs).
         self.spec = SpecPolicy(spec_cfg) if spec_cfg is not None and spec_cfg.enabled else None
@@ -97,7 +109,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queue a new request. Raises ValueError if it can never run (the frontend validates
         first; this is the last line of defence)."""
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or self.kv_loads.holds(req.request_id):
             raise ValueError(f"request id {req.request_id!r} is already in use")
         max_len = self.max_len(req)
         if not 0 < req.num_tokens < max_len:
@@ -120,7 +132,7 @@ class Scheduler:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            self.kv_manager.free(req)
+            self.kv_loads.release(req)
             self._forget_spec(rid)
             req.status = RequestStatus.FINISHED_ABORTED
             aborted.add(rid)
@@ -130,7 +142,8 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r.request_id not in aborted)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or KV transfers to see end."""
+        return bool(self.requests) or self.kv_loads.busy
 
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the previous step's `update`: not
@@ -166,7 +179,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         spec = self.spec.stats() if self.spec is not None else {}
-        return spec | {
+        return spec | self.kv_loads.stats() | {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "kv_usage": self.kv_manager.usage,
@@ -177,7 +190,7 @@ class Scheduler:
         }
 
     def reset_prefix_cache(self) -> int:
-        return self.kv_manager.reset_prefix_cache()
+        return self.kv_manager.reset_prefix_cache() + self.kv_loads.reset()
 
     # ---------------------------------------------------------------- schedule
 
@@ -197,13 +210,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            rid = req.request_id
             pending = req.num_output_placeholders
             num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             if num_new <= 0 or (pending and self._ends_within(req, pending)):
                 i += 1  # nothing to compute until `update` gives it a token
                 continue
             speculate_req = speculate and num_new == 1 and not pending
-            drafts = (self.spec.drafts_for(req, self._drafts.get(req.request_id),
+            drafts = (self.spec.drafts_for(req, self._drafts.get(rid),
                                            min(budget, self.max_len(req) - req.num_tokens) - 1)
                       if speculate_req else [])
             while True:
@@ -214,8 +228,12 @@ class Scheduler:
                     drafts = []
                     continue
                 victim = self.running.pop()
+                if victim is req and not self.running and self.kv_loads.holds_blocks:
+                    self.running.append(req)  # the blocks it needs are being loaded into:
+                    preempted = True  # it waits for those loads (no admission meanwhile)
+                    break
                 assert victim is not req or self.running, (
-                    f"request {req.request_id} alone cannot get blocks; the cache is too small"
+                    f"request {rid} alone cannot get blocks; the cache is too small"
                 )
                 self._preempt(victim, out)
                 preempted = True
@@ -223,27 +241,40 @@ class Scheduler:
                     break
             if new_ids is None:
                 break  # `req` was preempted; it was the last running request
-            out.cached_requests.append(
-                CachedRequestData(req.request_id, new_ids, req.num_computed_tokens,
-                                  self._num_freed_blocks.pop(req.request_id, 0))
-            )
+            if self.kv_loads.take_unsent(req):  # its KV came through the connector
+                out.new_requests.append(NewRequestData.of(req, self.kv_manager.block_ids(rid)))
+            else:
+                out.cached_requests.append(CachedRequestData(
+                    rid, new_ids, req.num_computed_tokens, self._num_freed_blocks.pop(rid, 0)))
             if drafts:
-                out.spec_token_ids[req.request_id] = drafts
+                out.spec_token_ids[rid] = drafts
                 num_new += len(drafts)
             self._commit(req, num_new, out)
             budget -= num_new
             i += 1
 
         # 2. Waiting requests, FCFS. None after a preemption: memory is short this step.
+        num_loading = len(self.kv_loads.loading)
         while (
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.cfg.max_num_seqs
+            and len(self.running) + num_loading < self.cfg.max_num_seqs
         ):
             req = self.waiting[0]
+            rid = req.request_id
             assert not req.num_output_placeholders  # a preempted request is updated first
             hits, num_hit = self.kv_manager.get_computed_blocks(req)
+            if scores_prompt(req):
+                hits, num_hit = [], 0  # every prompt token must be computed to be scored
+            else:
+                loading = self.kv_loads.admit(req, hits, num_hit)  # more prefix below the device?
+                if loading is None:
+                    break
+                if loading:
+                    self.waiting.popleft()
+                    num_loading += 1
+                    continue
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv_manager.allocate_slots(req, num_new, hits) is None:
                 break  # FCFS: no one overtakes the head of the queue
@@ -253,23 +284,15 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            out.new_requests.append(
-                NewRequestData(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids),
-                    sampling_params=req.sampling_params,
-                    block_ids=self.kv_manager.block_ids(req.request_id),
-                    num_computed_tokens=num_hit,
-                )
-            )
+            out.new_requests.append(NewRequestData.of(req, self.kv_manager.block_ids(rid)))
             self._commit(req, num_new, out)
             budget -= num_new
 
+        self.kv_loads.build(out)
         assert out.total_num_scheduled_tokens <= self.cfg.max_num_batched_tokens
         if self.structured is not None:
             self.structured.before_step(out)
-        if self.spec is not None and not out.empty:
+        if self.spec is not None and out.total_num_scheduled_tokens:
             self.spec.scheduled(out, speculate)
             # The next step's mode, decided now: its drafts are proposed after this step.
             out.propose_drafts = self._speculates_next()
@@ -312,7 +335,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute-style preemption: drop the KV, requeue at the front. Its computed full
         blocks stay in the prefix cache, so the recompute is often mostly hits."""
-        self.kv_manager.free(req)
+        self.kv_loads.release(req, preempted=True)
         self._drafts.pop(req.request_id, None)
         self._num_freed_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
@@ -329,9 +352,14 @@ class Scheduler:
         that are done. Returns one StepOutput per request that produced tokens or finished."""
         if self.structured is not None:
             self.structured.after_step(sched_out, runner_out)
+        self.running += self.kv_loads.update(runner_out)  # requests whose KV arrived
         index = {rid: i for i, rid in enumerate(runner_out.req_ids)}
         outputs: list[StepOutput] = []
         finished: set[str] = set()
+        for rid, (first, lps) in runner_out.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                receive_prompt_logprobs(req, first, lps)
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
@@ -367,7 +395,7 @@ class Scheduler:
             self.kv_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             out = step_output(req, new_ids, runner_out.logprobs, i)
             if req.status.finished:
-                self.kv_manager.free(req)
+                self.kv_loads.release(req)
                 self._forget_spec(rid)
                 del self.requests[rid]
                 finished.add(rid)
@@ -398,3 +426,4 @@ class Scheduler:
             del self.requests[req.request_id]
             self._finished_ids.add(req.request_id)
         return [out]
+

@@ -1,5 +1,5 @@
 """Appending a step's tokens to a request: the stop checks run on every token, and the step's
-output for the request."""
+output for the request (with its prompt logprobs, received as the prefill's chunks run)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def step_output(req: Request, new_ids: list[int], logprobs: list[list[TokenLogpr
                      new_logprobs=trim_logprobs(lps, len(new_ids)),
                      num_prompt_tokens=req.num_prompt_tokens,
                      num_cached_tokens=max(req.num_cached_tokens, 0))
+    if (req.sampling_params.prompt_logprobs is not None and new_ids
+            and req.num_output_tokens == len(new_ids)):  # the first tokens: the prompt is done
+        out.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
     if req.status.finished:
         out.finish_reason = req.status.value
         out.stop_reason = req.stop_reason
@@ -56,3 +59,19 @@ def check_stop(req: Request, token_id: int, max_len: int) -> bool:
 def trim_logprobs(logprobs: list[TokenLogprobs] | None, n: int) -> list[TokenLogprobs] | None:
     """The logprobs of the first `n` positions (those of tokens emitted before a stop)."""
     return None if logprobs is None else logprobs[:n]
+
+
+def scores_prompt(req: Request) -> bool:
+    """Whether the request still needs logprobs of prompt tokens (which a prefix-cache hit
+    would skip)."""
+    return (req.sampling_params.prompt_logprobs is not None
+            and req.num_prompt_logprobs < req.num_prompt_tokens - 1)
+
+
+def receive_prompt_logprobs(req: Request, first: int, lps: list[TokenLogprobs]) -> None:
+    """Keep the prompt logprobs of tokens `first`, `first` + 1, ... that are new: a prefill
+    recomputed after preemption scores tokens again."""
+    skip = req.num_prompt_logprobs + 1 - first
+    if 0 <= skip < len(lps):
+        req.prompt_logprobs.extend(lps[skip:])
+        req.num_prompt_logprobs += len(lps) - skip

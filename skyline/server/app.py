@@ -2,28 +2,36 @@
 
 `skyline serve` binds the port, starts the engine-core process, prints what it serves and runs
 uvicorn. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up
-to --shutdown-timeout seconds, aborts the rest, then stops the engine.
+to --shutdown-timeout seconds, ends the rest with an error each (an SSE error event and [DONE]
+for streams), then stops the engine.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
-from skyline.engine.async_llm import AsyncLLM
-from skyline.server.chat import create_chat_completion, render_chat
+from skyline.engine.frontend.async_llm import AsyncLLM
+from skyline.engine.supervisor import EngineDeadError, RestartPolicy
+from skyline.server.chat import create_chat_completion
 from skyline.server.completions import create_completion
-from skyline.server.errors import APIError, error_body, install_error_handlers
+from skyline.server.errors import error_body, install_error_handlers
+from skyline.server.guard import Guard
+from skyline.server.limits import RequestLimits
 from skyline.server.metrics import CONTENT_TYPE, Metrics
+from skyline.server.parse import ParsePool
 from skyline.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,86 +40,48 @@ from skyline.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from skyline.server.responses.protocol import ResponsesRequest
+from skyline.server.responses.route import create_response
 from skyline.server.serving import ServerState
+from skyline.server.tokenize import detokenize, tokenize
+from skyline.server.tools import resolve_tool_format
 
 log = logging.getLogger("skyline.server")
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")
-
-
-class _Guard:
-    """ASGI middleware: API key (constant-time compare) and request-body size limit. The body is
-    read here, so a too-large one is refused before any parsing, and replayed to the app."""
-
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def _reply(self, scope: Any, receive: Any, send: Any, status: int, message: str,
-                     headers: dict[str, str] | None = None) -> None:
-        await JSONResponse(error_body(status, message), status_code=status,
-                           headers=headers)(scope, receive, send)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith(_PROTECTED):
-            auth = headers.get(b"authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
-                return await self._reply(scope, receive, send, 401,
-                                         "invalid or missing API key; send it as "
-                                         "'Authorization: Bearer <key>'",
-                                         {"WWW-Authenticate": "Bearer"})
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > self.max_body_bytes
-            except ValueError:
-                return await self._reply(scope, receive, send, 400, "bad Content-Length header")
-            if too_big:
-                return await self._reply(scope, receive, send, 413, self._too_big())
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        chunks, total = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            body = msg.get("body", b"")
-            total += len(body)
-            if total > self.max_body_bytes:
-                return await self._reply(scope, receive, send, 413, self._too_big())
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: wait for the client to disconnect
-
-        await self.app(scope, replay, send)
-
-    def _too_big(self) -> str:
-        return f"the request body is larger than {self.max_body_bytes} bytes; send a smaller one"
+# The routes parse their own bodies (off the event loop, within the limits): their schemas are
+# declared here for /openapi.json.
+_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/v1/responses": ResponsesRequest,
+}
+DEFAULT_PARSE_WORKERS = 2
+CUT_GRACE_S = 5.0  # after cutting requests at the drain timeout, for their errors to be sent
 
 
 def build_app(llm: AsyncLLM, *, api_key: str | None = None,
-              max_body_bytes: int = 16 << 20) -> FastAPI:
-    state = ServerState(llm, llm.model_name, Metrics(llm.model_name, lambda: llm.stats))
+              limits: RequestLimits | None = None,
+              parse_workers: int = DEFAULT_PARSE_WORKERS,
+              tool_call_parser: str = "auto") -> FastAPI:
+    """`tool_call_parser`: a format of tool_parsers.PARSERS, "none", or "auto" (guessed from
+    the chat template)."""
+    limits = (limits or RequestLimits()).resolved(llm.max_model_len)
+    metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts)
+    template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
+    state = ServerState(llm, llm.model_name, metrics, limits,
+                        tool_format=resolve_tool_format(tool_call_parser, template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        llm.engine.start()  # watch the engine from now on, not from the first request
+        state.parse_pool = ParsePool(parse_workers, limits)
+        await state.parse_pool.start()
         yield
         # uvicorn has drained (or cancelled) the in-flight requests: stop the engine now, as
         # uvicorn re-raises SIGTERM once this returns.
         state.shutting_down = True
+        await state.parse_pool.close()
+        state.threads.shutdown(wait=False, cancel_futures=True)
         llm.shutdown()
         print("skyline: server stopped", file=sys.stderr, flush=True)
 
@@ -119,14 +89,24 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
                   redoc_url=None)
     app.state.skyline = state
     install_error_handlers(app)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       body_timeout_s=limits.body_timeout_s)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if llm.dead is not None or not llm.engine.alive:
-            return JSONResponse(error_body(503, llm.dead or "the engine is not running"),
-                                status_code=503)
+        # 503 while the engine restarts (or after it failed for good, or while shutting down)
+        if llm.dead is not None:
+            return JSONResponse(error_body(503, llm.dead), status_code=503,
+                                headers={"Retry-After": "5"})
         return Response(status_code=200)
+
+    @app.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        """What a router (skyline/router/) reads when this replica joins."""
+        i = llm.info
+        return {"pid": os.getpid(), **{k: i.get(k) for k in (
+            "model_name", "role", "block_size", "num_blocks", "kv_events_port",
+            "kv_transfer_port")}}
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -135,43 +115,52 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
         return ModelList(data=[card])
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics_route() -> Response:
         await llm.refresh_stats()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        state.check_model(req.model)
-        tok = llm.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer")
-        if req.messages is not None:
-            _, ids = render_chat(state, req.messages, req.add_generation_prompt, None)
-        elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise APIError(400, "give either 'prompt' or 'messages'")
-        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
+    async def tokenize_route(raw: Request) -> dict[str, Any]:
+        return await tokenize(state, raw)
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        state.check_model(req.model)
-        tok = llm.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer")
-        if any(not 0 <= t < llm.vocab_size for t in req.tokens):
-            raise APIError(400, f"tokens must be in 0..{llm.vocab_size - 1}", param="tokens")
-        return {"prompt": tok.decode(req.tokens)}
+    async def detokenize_route(raw: Request) -> dict[str, Any]:
+        return await detokenize(state, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(state, req, raw)
+    async def chat(raw: Request) -> Response:
+        return await create_chat_completion(state, raw)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(state, req, raw)
+    async def completions(raw: Request) -> Response:
+        return await create_completion(state, raw)
 
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await create_response(state, raw)
+
+    app.openapi = _openapi_with_bodies(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in _BODIES.values()],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                defs.get("$defs", {}))
+            for path, model in _BODIES.items():
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -189,7 +178,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def banner(llm: AsyncLLM, host: str, port: int) -> str:
+def banner(llm: AsyncLLM, host: str, port: int, tool_format: str | None = None) -> str:
     i = llm.info
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     weights = i.get("weights_gib")
@@ -203,28 +192,64 @@ def banner(llm: AsyncLLM, host: str, port: int) -> str:
         f"up to {i['max_num_seqs']} running requests",
         f"  engine core: pid {i['pid']}; API process: pid {os.getpid()}",
     ]
+    if tool_format is not None:
+        lines.append(f"  tool calls: the {tool_format} format")
     return "\n".join(lines)
 
 
 def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_body_bytes: int = 16 << 20,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> None:
+          api_key: str | None = None, limits: RequestLimits | None = None,
+          shutdown_timeout: float = 30.0, log_level: str = "info",
+          restart: RestartPolicy | None = None, max_waiting: int | None = None,
+          chat_template: str | None = None,
+          parse_workers: int = DEFAULT_PARSE_WORKERS, tool_call_parser: str = "auto") -> None:
     """Run the server until SIGTERM / Ctrl-C. Raises OSError / EngineStartError with one
-    sentence when it cannot start."""
+    sentence when it cannot start, EngineDeadError when the engine failed more often than
+    `restart` allows."""
     import uvicorn
 
+    from skyline.server.lifecycle import DrainingServer, JSONErrorProtocol, escape_log_controls
+
     sock = bind_socket(host, port)
+    fatal: list[str] = []
+    servers: list[uvicorn.Server] = []
+
+    def on_fatal(reason: str) -> None:
+        # The engine will not come back: stop serving (in-flight requests end with errors)
+        # and exit non-zero, so that whatever supervises the server restarts it.
+        fatal.append(reason)
+        for s in servers:
+            s.should_exit = True
+
     try:
-        llm = AsyncLLM(engine_args)
+        llm = AsyncLLM(engine_args, restart=restart, on_fatal=on_fatal, max_waiting=max_waiting,
+                       chat_template=chat_template)
     except BaseException:
         sock.close()
         raise
     try:
-        app = build_app(llm, api_key=api_key, max_body_bytes=max_body_bytes)
-        print(banner(llm, host, sock.getsockname()[1]), flush=True)
-        config = uvicorn.Config(app, log_level=log_level, access_log=False,
-                                timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-        uvicorn.Server(config).run(sockets=[sock])
+        app = build_app(llm, api_key=api_key, limits=limits, parse_workers=parse_workers,
+                        tool_call_parser=tool_call_parser)
+        state: ServerState = app.state.skyline
+
+        def drain() -> None:
+            # SIGTERM: no new requests; those still running after the timeout are cut with an
+            # error each (uvicorn's own timeout, a little later, would drop them mid-response).
+            state.shutting_down = True
+            asyncio.get_running_loop().call_later(shutdown_timeout, llm.cut_all,
+                                                  "the server shut down before this request "
+                                                  "finished; retry it on another replica")
+
+        fmt = state.tool_format.name if state.tool_format is not None else None
+        print(banner(llm, host, sock.getsockname()[1], fmt), flush=True)
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,
+                                http=JSONErrorProtocol)
+        escape_log_controls()
+        servers.append(DrainingServer(config, drain))
+        servers[0].run(sockets=[sock])
     finally:
         llm.shutdown()  # already done by the lifespan unless uvicorn failed
         sock.close()
+    if fatal:
+        raise EngineDeadError(f"{fatal[0]}; the server stopped")

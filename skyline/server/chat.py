@@ -1,84 +1,82 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions, with tools (server/tools.py) and constrained output."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from skyline.engine.frontend.async_llm import RequestStream
+from skyline.engine.frontend.chat_template import RenderLimits, render_chat_template
 from skyline.server.errors import APIError
 from skyline.server.metrics import RequestTracker
 from skyline.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     DeltaMessage,
     PromptTokensDetails,
     Usage,
     random_id,
 )
+from skyline.server.sampling import build_params, check_constraint
 from skyline.server.serving import (
     SSE_DONE,
     Choice,
     ServerState,
-    build_params,
     chat_logprobs,
+    encode_text,
     http_error,
     merged,
+    prompt_logprobs_body,
     sse,
     start_request,
     stream_error,
     until_disconnect,
 )
+from skyline.server.tools import (
+    StreamedChoice,
+    ToolPlan,
+    finish_reason,
+    message,
+    plan_tools,
+    template_input,
+)
+from skyline.types import RequestOutput, TokenLogprobs
 
 log = logging.getLogger("skyline.server")
 
 
-def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if p.type != "text" or p.text is None:
-                    raise APIError(400, f"messages[{i}] has a '{p.type}' content part; this "
-                                        "model reads text parts only", param="messages")
-                parts.append(p.text)
-            content = "".join(parts)
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
-
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
-    """The conversation as prompt text and token ids, through the model's chat template."""
+def render_chat(state: ServerState, messages: list[dict[str, Any]],
+                add_generation_prompt: bool, kwargs: dict[str, Any] | None,
+                deadline: float, tools: list[dict[str, Any]] | None = None
+                ) -> tuple[str, list[int]]:
+    """The conversation (and the tools it may call) as prompt text and token ids, through the
+    model's (or the operator's) chat template, within the request's limits. Blocking: run it
+    on a preparation thread."""
     tok = state.llm.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
                             "with prompt token ids")
-    msgs = to_template_messages(messages)
-    try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                       **(kwargs or {}))
-    except ValueError as e:  # the template rejected the conversation, or there is none
-        raise APIError(400, str(e), param="messages") from None
-    except TypeError as e:  # e.g. chat_template_kwargs that clash with the template's own
-        raise APIError(400, f"the chat template cannot be rendered with these arguments ({e})",
-                       param="chat_template_kwargs") from None
-    return text, tok.encode(text, add_special_tokens=False)
+    if not tok.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions, or start the "
+                            "server with --chat-template FILE")
+    special = {k: v for k, v in (("bos_token", tok.bos_token), ("eos_token", tok.eos_token),
+                                 ("unk_token", tok.unk_token), ("pad_token", tok.pad_token))
+               if v is not None}
+    limits = RenderLimits(max_chars=state.limits.max_prompt_chars, deadline=deadline)
+    messages, tools = template_input(state.tool_format, tok.chat_template, messages, tools)
+    text = render_chat_template(tok.chat_template, messages,
+                                add_generation_prompt=add_generation_prompt, tools=tools,
+                                special_tokens=special, limits=limits, **(kwargs or {}))
+    return text, encode_text(tok, text, add_special_tokens=False)
 
 
 def _usage(num_prompt: int, num_generated: int, num_cached: int) -> Usage:
@@ -87,35 +85,74 @@ def _usage(num_prompt: int, num_generated: int, num_cached: int) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
-                                 raw: Request) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request, queued: its id, tool plan, prompt and output stream."""
+
+    rid: str
+    req: ChatCompletionRequest
+    plan: ToolPlan | None
+    num_prompt: int
+    stream: RequestStream
+    tracker: RequestTracker
+    choices: list[Choice] = field(default_factory=list)
+    num_cached: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        self.tracker.observe(out)
+        self.num_cached = out.num_cached_tokens
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
+
+    def usage(self) -> Usage:
+        return _usage(self.num_prompt, sum(c.num_tokens for c in self.choices), self.num_cached)
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest,
+                     messages: list[dict[str, Any]], deadline: float,
+                     prefix: str = "chatcmpl") -> ChatRun:
+    """Check a parsed chat request, render and tokenize it (off the event loop) and queue it;
+    its errors are APIErrors."""
     state.check_model(req.model)
-    if req.tools and req.tool_choice != "none":
-        raise APIError(400, "tool calling is not supported by this server", param="tools")
+    plan = plan_tools(state.tool_format, req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_params(req, max_tokens, num_logprobs)
-    text, ids = render_chat(state, req.messages, req.add_generation_prompt,
-                            req.chat_template_kwargs)
-    rid = random_id("chatcmpl")
+    params, constrained_by = build_params(req, max_tokens, num_logprobs, state.llm.vocab_size)
+    if plan is not None and plan.forced:
+        if constrained_by is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice!r} forces a tool call, which "
+                                f"{constrained_by} cannot constrain too; send one of them",
+                           param=constrained_by)
+        constrained_by = "tools"
+    if plan is not None and plan.fmt.special_markers:
+        params.skip_special_tokens = False  # the text must keep the call markers
+
+    def prepare() -> tuple[str, list[int]]:
+        if plan is not None and plan.forced:
+            params.grammar = plan.grammar()
+        check_constraint(params, constrained_by)
+        return render_chat(state, messages, req.add_generation_prompt,
+                           req.chat_template_kwargs, deadline, plan.tools if plan else None)
+
+    text, ids = await state.in_thread(deadline, prepare)
+    rid = random_id(prefix)
     stream = start_request(state, ids, params, rid, prompt_text=text)
-    log.info("%s: chat, %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s", rid, len(ids),
-             req.n, max_tokens, req.stream, f", user={req.user}" if req.user else "")
-    tracker = state.metrics.tracker(len(ids))
-    headers = {"X-Request-Id": rid}
-    if req.stream:
-        return StreamingResponse(_stream(state, req, rid, stream, tracker),
-                                 media_type="text/event-stream", headers=headers)
-    choices = [Choice() for _ in range(req.n)]
-    num_cached = 0
+    log.info("%s: chat, %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s%s", rid, len(ids),
+             req.n, max_tokens, req.stream, f", {len(plan.tools)} tools" if plan else "",
+             f", user={req.user}" if req.user else "")
+    return ChatRun(rid, req, plan, len(ids), stream, state.metrics.tracker(len(ids)),
+                   [Choice() for _ in range(req.n)])
+
+
+async def collect_chat(raw: Request, run: ChatRun) -> bool:
+    """Gather a whole (non-streamed) chat's choices; False if the client left first (the
+    request is then aborted)."""
 
     async def collect() -> bool:
-        nonlocal num_cached
-        async for _, out in merged([stream]):
-            tracker.observe(out)
-            num_cached = out.num_cached_tokens
+        async for _, out in merged([run.stream]):
+            run.observe(out)
             for c in out.outputs:
-                choices[c.index].add(c)
+                run.choices[c.index].add(c)
         return True
 
     try:
@@ -123,76 +160,99 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     except Exception as e:
         raise http_error(e) from None
     finally:
-        stream.close()
-        tracker.finish([c.finish_reason for c in choices])
+        run.stream.close()
+        run.tracker.finish([c.finish_reason for c in run.choices])
     if done is None:
-        log.info("%s: client disconnected; aborted", rid)
+        log.info("%s: client disconnected; aborted", run.rid)
+        return False
+    _log_done(run)
+    return True
+
+
+async def create_chat_completion(state: ServerState, raw: Request) -> Response:
+    parsed, deadline = await state.parse("chat", raw)
+    assert parsed.messages is not None
+    run = await start_chat(state, parsed.request, parsed.messages, deadline)
+    req = run.req
+    headers = {"X-Request-Id": run.rid}
+    if req.stream:
+        return StreamingResponse(_stream(state, run), media_type="text/event-stream",
+                                 headers=headers)
+    if not await collect_chat(raw, run):
         return Response(status_code=499)
-    generated = sum(c.num_tokens for c in choices)
-    _log_done(rid, choices, generated, tracker)
+    messages_out = [message(run.plan, c.text) for c in run.choices]
     body = ChatCompletionResponse(
-        id=rid, model=state.model_name,
-        choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+        id=run.rid, model=state.model_name,
+        choices=[ChatChoice(index=i, message=m,
                             logprobs=chat_logprobs(state, c.logprobs) if req.logprobs else None,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                 for i, c in enumerate(choices)],
-        usage=_usage(len(ids), generated, num_cached),
+                            finish_reason=finish_reason(c.finish_reason, bool(m.tool_calls)),
+                            stop_reason=c.stop_reason)
+                 for i, (c, m) in enumerate(zip(run.choices, messages_out, strict=True))],
+        usage=run.usage(), prompt_logprobs=prompt_logprobs_body(state, run.prompt_logprobs),
     )
     return JSONResponse(body.model_dump(), headers=headers)
 
 
-def _log_done(rid: str, choices: list[Choice], generated: int, tracker: RequestTracker) -> None:
-    reasons = ",".join(str(c.finish_reason) for c in choices)
-    log.info("%s: finished (%s), %d tokens generated in %.2fs", rid, reasons, generated,
-             time.monotonic() - tracker.arrival)
+def _log_done(run: ChatRun) -> None:
+    reasons = ",".join(str(c.finish_reason) for c in run.choices)
+    log.info("%s: finished (%s), %d tokens generated in %.2fs", run.rid, reasons,
+             sum(c.num_tokens for c in run.choices), time.monotonic() - run.tracker.arrival)
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, rid: str, stream: Any,
-                  tracker: RequestTracker) -> AsyncIterator[str]:
-    created = int(time.time())
+async def stream_deltas(state: ServerState, run: ChatRun
+                        ) -> AsyncIterator[list[tuple[int, DeltaMessage, str | None, Any]]]:
+    """A streamed chat's deltas as they come: per output, (choice index, delta, finish
+    reason, its CompletionOutput) for each choice that has something to say. Ends the request
+    (aborting it if unfinished) when the iteration stops."""
+    tools = [StreamedChoice(run.plan) for _ in run.choices] if run.plan is not None else None
+    try:
+        async for _, out in merged([run.stream]):
+            run.observe(out)
+            items = []
+            for c in out.outputs:
+                acc = run.choices[c.index]
+                if acc.finish_reason is not None:
+                    continue  # finished earlier; siblings are still running
+                acc.add(c)
+                delta, reason = DeltaMessage(content=c.text), c.finish_reason
+                if tools is not None:
+                    t = tools[c.index]
+                    delta = t.delta(c.text, c.finish_reason is not None)
+                    reason = finish_reason(reason, t.has_calls)
+                if delta.content or delta.tool_calls or reason or c.logprobs:
+                    items.append((c.index, delta, reason, c))
+            if items:
+                yield items
+        _log_done(run)
+    finally:
+        run.stream.close()
+        run.tracker.finish([c.finish_reason for c in run.choices])
+        if not all(c.finish_reason for c in run.choices):
+            log.info("%s: stream ended early (client gone or shutdown); aborted", run.rid)
+
+
+async def _stream(state: ServerState, run: ChatRun) -> AsyncIterator[str]:
+    req, created = run.req, int(time.time())
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
     continuous = include_usage and opts is not None and opts.continuous_usage_stats
-    choices = [Choice() for _ in range(req.n)]
-    num_prompt = stream.num_prompt_tokens
-    num_cached = 0
 
     def chunk(items: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name,
+        return sse(ChatCompletionChunk(id=run.rid, created=created, model=state.model_name,
                                        choices=items, usage=usage))
 
     try:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
-        async for _, out in merged([stream]):
-            tracker.observe(out)
-            num_cached = out.num_cached_tokens
-            items = []
-            for c in out.outputs:
-                acc = choices[c.index]
-                if acc.finish_reason is not None:
-                    continue  # finished earlier; siblings are still running
-                acc.add(c)
-                if not c.text and c.finish_reason is None and not c.logprobs:
-                    continue  # tokens that do not make a whole character yet
-                lps = chat_logprobs(state, c.logprobs) if req.logprobs and c.logprobs else None
-                items.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                             logprobs=lps, finish_reason=c.finish_reason,
-                                             stop_reason=c.stop_reason))
-            if items:
-                generated = sum(c.num_tokens for c in choices)
-                usage = _usage(num_prompt, generated, num_cached) if continuous else None
-                yield chunk(items, usage)
-        generated = sum(c.num_tokens for c in choices)
+        async for items in stream_deltas(state, run):
+            yield chunk([ChatChunkChoice(
+                index=i, delta=delta, finish_reason=reason, stop_reason=c.stop_reason,
+                logprobs=chat_logprobs(state, c.logprobs) if req.logprobs and c.logprobs
+                else None) for i, delta, reason, c in items],
+                run.usage() if continuous else None)
         if include_usage:
-            yield chunk([], _usage(num_prompt, generated, num_cached))
+            yield chunk([], run.usage())
         yield SSE_DONE
-        _log_done(rid, choices, generated, tracker)
     except Exception as e:
         yield stream_error(e)
         yield SSE_DONE
-    finally:
-        stream.close()
-        tracker.finish([c.finish_reason for c in choices])
-        if not all(c.finish_reason for c in choices):
-            log.info("%s: stream ended early (client gone or shutdown); aborted", rid)

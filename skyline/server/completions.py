@@ -19,19 +19,23 @@ from skyline.server.protocol import (
     Usage,
     random_id,
 )
+from skyline.server.sampling import build_params, check_constraint
 from skyline.server.serving import (
     SSE_DONE,
     Choice,
     ServerState,
-    build_params,
     completion_logprobs,
+    echo_logprobs,
+    encode_text,
     http_error,
     merged,
+    prompt_logprobs_body,
     sse,
     start_request,
     stream_error,
     until_disconnect,
 )
+from skyline.types import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("skyline.server")
 
@@ -47,21 +51,39 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
+def _encode_all(state: ServerState, prompts: list[str | list[int]]
+                ) -> list[tuple[str | None, list[int]]]:
+    """Each prompt's text (None for token ids) and token ids. Blocking: a preparation thread."""
+    tok = state.llm.tokenizer
+    out: list[tuple[str | None, list[int]]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer; send prompt token ids instead",
+                               param="prompt")
+            out.append((p, encode_text(tok, p)))
+        else:
+            out.append((None, p))
+    return out
+
+
 class _Batch:
     """The requests of one completion call, with their accumulated choices."""
 
-    def __init__(self, state: ServerState, req: CompletionRequest, rid: str) -> None:
+    def __init__(self, state: ServerState, req: CompletionRequest, rid: str,
+                 prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> None:
         self.state, self.req, self.rid = state, req, rid
-        prompts = _prompts(req.prompt)
-        params = build_params(req, req.max_tokens, req.logprobs)
         self.streams = []
         self.echo: list[str] = []
+        self.prompt_ids = [ids for _, ids in prompts]
+        # per prompt, once its first output brings them (SamplingParams.prompt_logprobs)
+        self.prompt_lps: list[list[TokenLogprobs | None] | None] = [None] * len(prompts)
         try:
-            for i, p in enumerate(prompts):
+            for i, (text, ids) in enumerate(prompts):
                 sub = rid if len(prompts) == 1 else f"{rid}-{i}"
-                s = start_request(state, p, params, sub)
+                s = start_request(state, ids, params, sub, prompt_text=text)
                 self.streams.append(s)
-                self.echo.append(self._prompt_text(p) if req.echo else "")
+                self.echo.append(self._prompt_text(text, ids) if req.echo else "")
         except BaseException:
             for s in self.streams:
                 s.close()
@@ -71,11 +93,11 @@ class _Batch:
         self.choices = [Choice() for _ in range(len(prompts) * req.n)]
         self.num_cached = [0] * len(prompts)
 
-    def _prompt_text(self, p: str | list[int]) -> str:
-        if isinstance(p, str):
-            return p
-        tok = self.state.llm.tokenizer
-        return tok.decode(p, skip_special_tokens=False) if tok else ""
+    def _prompt_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        tok = self.state.llm.tokenizer  # ids passed check_prompt: at most a context's worth
+        return tok.decode(ids, skip_special_tokens=False) if tok else ""
 
     def usage(self) -> Usage:
         gen = sum(c.num_tokens for c in self.choices)
@@ -97,15 +119,51 @@ class _Batch:
     def offset(self, index: int, choice: Choice) -> int:
         return len(self.echo[index // self.req.n]) + len(choice.text)
 
+    def choice(self, j: int, c: Choice, text: str, lps: list[TokenLogprobs] | None,
+               offset: int, first: bool) -> CompletionChoice:
+        """Choice `j`'s body: `text` (its new text, or all of it) with the logprobs `lps` from
+        text offset `offset`; its `first` body also carries the echoed prompt, its logprobs
+        and vLLM's prompt_logprobs."""
+        req, i = self.req, j // self.req.n
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = (echo_logprobs(self.state, self.prompt_ids[i], self.prompt_lps[i],
+                                      req.logprobs)
+                        if first and req.echo and self.prompt_lps[i] else None)
+            logprobs = completion_logprobs(self.state, lps or [], offset, logprobs)
+        prompt_lps = None
+        if first and req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_body(self.state, self.prompt_lps[i])
+        return CompletionChoice(index=j, text=(self.echo[i] if first else "") + text,
+                                logprobs=logprobs, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason, prompt_logprobs=prompt_lps)
 
-async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+
+async def create_completion(state: ServerState, raw: Request) -> Response:
+    parsed, deadline = await state.parse("completion", raw)
+    req: CompletionRequest = parsed.request
     state.check_model(req.model)
     if req.suffix:
         raise APIError(400, "suffix is not supported by this server", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported by this server; use n", param="best_of")
+    params, constrained_by = build_params(req, req.max_tokens, req.logprobs,
+                                          state.llm.vocab_size)
+    if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+        params.prompt_logprobs = req.logprobs  # the echoed prompt's logprobs
+    prompts = _prompts(req.prompt)
+    try:
+        state.llm.check_fits(len(prompts) * req.n)
+    except ValueError as e:
+        raise APIError(400, str(e), param="n") from None
+
+    def prepare() -> list[tuple[str | None, list[int]]]:
+        check_constraint(params, constrained_by)
+        return _encode_all(state, prompts)
+
+    encoded = await state.in_thread(deadline, prepare)
     rid = random_id("cmpl")
-    batch = _Batch(state, req, rid)
+    batch = _Batch(state, req, rid, encoded, params)
     log.info("%s: completion, %d prompt(s), %d prompt tokens, n=%d, max_tokens=%s, stream=%s%s",
              rid, len(batch.streams), batch.num_prompt, req.n, req.max_tokens, req.stream,
              f", user={req.user}" if req.user else "")
@@ -117,6 +175,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         async for i, out in merged(batch.streams):
             batch.trackers[i].observe(out)
             batch.num_cached[i] = out.num_cached_tokens
+            batch.prompt_lps[i] = batch.prompt_lps[i] or out.prompt_logprobs
             for c in out.outputs:
                 batch.choices[i * req.n + c.index].add(c)
         return True
@@ -133,14 +192,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         log.info("%s: client disconnected; aborted", rid)
         return Response(status_code=499)
     batch.log_done()
-    choices = []
-    for j, c in enumerate(batch.choices):
-        echo = batch.echo[j // req.n]
-        lps = (completion_logprobs(state, c.logprobs, len(echo))
-               if req.logprobs is not None else None)
-        choices.append(CompletionChoice(index=j, text=echo + c.text, logprobs=lps,
-                                        finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason))
+    choices = [batch.choice(j, c, c.text, c.logprobs, len(batch.echo[j // req.n]), True)
+               for j, c in enumerate(batch.choices)]
     body = CompletionResponse(id=rid, model=state.model_name, choices=choices,
                               usage=batch.usage())
     return JSONResponse(body.model_dump(), headers=headers)
@@ -157,13 +210,14 @@ async def _stream(batch: _Batch) -> AsyncIterator[str]:
         return sse(CompletionResponse(id=batch.rid, created=created, model=state.model_name,
                                       choices=items, usage=usage))
 
+    # a choice's first chunk carries the echoed prompt and the prompt's logprobs, which come
+    # with the prompt's first output
+    sent = [False] * len(batch.choices)
     try:
-        if req.echo:
-            yield chunk([CompletionChoice(index=j, text=batch.echo[j // req.n])
-                         for j in range(len(batch.choices))])
         async for i, out in merged(batch.streams):
             batch.trackers[i].observe(out)
             batch.num_cached[i] = out.num_cached_tokens
+            batch.prompt_lps[i] = batch.prompt_lps[i] or out.prompt_logprobs
             items = []
             for c in out.outputs:
                 j = i * req.n + c.index
@@ -172,13 +226,11 @@ async def _stream(batch: _Batch) -> AsyncIterator[str]:
                     continue
                 offset = batch.offset(j, acc)
                 acc.add(c)
-                if not c.text and c.finish_reason is None and not c.logprobs:
+                first = not sent[j] and (req.echo or req.prompt_logprobs is not None)
+                if not (c.text or c.finish_reason or c.logprobs or first):
                     continue
-                lps = (completion_logprobs(state, c.logprobs or [], offset)
-                       if req.logprobs is not None else None)
-                items.append(CompletionChoice(index=j, text=c.text, logprobs=lps,
-                                              finish_reason=c.finish_reason,
-                                              stop_reason=c.stop_reason))
+                sent[j] = True
+                items.append(batch.choice(j, acc, c.text, c.logprobs, offset, first))
             if items:
                 yield chunk(items, batch.usage() if continuous else None)
         if include_usage:

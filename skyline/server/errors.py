@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from skyline.server.parse import validation_message
 from skyline.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("skyline.server")
@@ -22,6 +23,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -56,27 +58,6 @@ def error_response(status: int, message: str, param: str | None = None,
                         headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "the request body is invalid", None
-    e = errors[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    # Unions report one error per member; the first one's location is the useful part.
-    loc = [x for x in loc if not x.startswith(("list[", "str", "int", "function-"))]
-    field = ".".join(loc) or None
-    kind = e.get("type", "")
-    if kind == "json_invalid":
-        return "the request body is not valid JSON", None
-    if kind == "missing" and field is None:
-        return "the request body is missing; send a JSON object", None
-    if kind == "missing":
-        return f"the field '{field}' is required", field
-    if field is None:
-        return f"the request body is invalid: {e.get('msg', '')}", None
-    return f"invalid value for '{field}': {e.get('msg', 'invalid')}", field
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -85,7 +66,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(list(exc.errors()))
         log.info("%s %s -> 400: %s", request.method, request.url.path, message)
         return error_response(400, message, param)
 
@@ -97,9 +78,3 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal server error ({type(exc).__name__}); "
-                                   "this is a bug in skyline, please report it")

@@ -29,6 +29,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # per-position and per-bucket keys of sched/spec's stats
 _POS_KEY = re.compile(r"spec_acceptance_pos_(\d+)")
 _GATE_KEY = re.compile(r"spec_gate_b(\d+)_(spec|plain)_tokens_per_s")
+# per-tier keys of the KV tiers' stats (cache/offload.py)
+_TIER = r"kv_offload_(ram|disk)_"
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -40,9 +42,11 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 class _EngineCollector(Collector):
     """Engine-side gauges and counters, from the stats the engine core last reported."""
 
-    def __init__(self, model: str, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model: str, stats: Callable[[], dict[str, Any]],
+                 restarts: Callable[[], int]) -> None:
         self.model = model
         self.stats = stats
+        self.restarts = restarts
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -58,11 +62,12 @@ class _EngineCollector(Collector):
             c.add_metric([self.model], float(value))
             return c
 
-        def by_key(name: str, doc: str, key: re.Pattern[str], extra: list[str]) -> Metric:
+        def by_key(name: str, doc: str, key: re.Pattern[str] | str, extra: list[str],
+                   family: type = GaugeMetricFamily) -> Metric:
             # one sample per stats key matching `key`, its groups the `extra` label values
-            g = GaugeMetricFamily(f"skyline:{name}", doc, labels=[*labels, *extra])
+            g = family(f"skyline:{name}", doc, labels=[*labels, *extra])
             for k, value in s.items():
-                if (m := key.fullmatch(k)) is not None:
+                if (m := re.fullmatch(key, k)) is not None:
                     g.add_metric([self.model, *m.groups()], float(value))
             return g
 
@@ -72,6 +77,10 @@ class _EngineCollector(Collector):
                     s.get("num_waiting", 0))
         yield gauge("kv_cache_usage_perc", "KV-cache usage (1 means 100 percent).",
                     s.get("kv_usage", 0.0))
+        yield gauge("kv_cache_used_blocks", "KV-cache blocks held by requests (0 when idle: "
+                    "more is a leak).", s.get("num_used_blocks", 0))
+        yield counter("engine_restarts", "Times the engine core died and was restarted.",
+                      self.restarts())
         yield gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all queried tokens.",
                     s.get("prefix_cache_hit_rate", 0.0))
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -80,6 +89,17 @@ class _EngineCollector(Collector):
                       s.get("prefix_cache_hit_tokens", 0))
         yield counter("num_preemptions", "Preemptions (requests evicted and recomputed).",
                       s.get("num_preemptions", 0))
+        if "kv_offload_ram_hit_tokens" in s:  # KV tiers beyond the device
+            yield from self._tiers(s, counter, by_key)
+        if "pd_loaded_blocks" in s:  # a prefill or decode replica (cache/pd.py)
+            for key, doc in (("pd_sent_blocks", "Blocks a decode replica pulled from here."),
+                             ("pd_send_expired", "Sends no decode replica pulled in time."),
+                             ("pd_loaded_blocks", "Prompt blocks pulled from a prefill replica."),
+                             ("pd_load_failed_blocks", "Blocks that failed to arrive "
+                                                       "(recomputed here)."),
+                             ("pd_loaded_bytes", "KV bytes pulled from prefill replicas."),
+                             ("pd_load_seconds", "Seconds from each pull's start to its end.")):
+                yield counter(f"kv_transfer_{key[3:]}", doc, s.get(key, 0))
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
                       s.get("spec_num_draft_tokens", 0))
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
@@ -100,8 +120,34 @@ class _EngineCollector(Collector):
                      "mode.", _GATE_KEY, ["batch", "mode"])
 
 
+    def _tiers(self, s: dict[str, Any], counter: Callable[..., Metric],
+               by_key: Callable[..., Metric]) -> Iterator[Metric]:
+        yield counter("external_prefix_cache_queries",
+                      "Prompt tokens looked up beyond the device's prefix cache.",
+                      s.get("prefix_cache_query_tokens", 0))
+        yield counter("external_prefix_cache_hits",
+                      "Prompt tokens restored from the KV tiers instead of computed.",
+                      s["kv_offload_ram_hit_tokens"] + s.get("kv_offload_disk_hit_tokens", 0))
+        tier = ["tier"]
+        yield by_key("kv_offload_hit_tokens", "Prompt tokens restored from each KV tier.",
+                     _TIER + "hit_tokens", tier, CounterMetricFamily)
+        yield by_key("kv_offload_stored_blocks", "Blocks written to each KV tier.",
+                     _TIER + "stored_blocks", tier, CounterMetricFamily)
+        yield by_key("kv_offload_evicted_blocks", "Blocks evicted from each KV tier.",
+                     _TIER + "evicted_blocks", tier, CounterMetricFamily)
+        yield by_key("kv_offload_blocks", "Blocks each KV tier holds.", _TIER + "blocks", tier)
+        yield by_key("kv_offload_capacity_blocks", "Blocks each KV tier can hold.",
+                     _TIER + "capacity_blocks", tier)
+        yield by_key("kv_offload_usage_perc", "Each KV tier's usage (1 means 100 percent).",
+                     _TIER + "usage", tier)
+        yield by_key("kv_offload_failed_blocks",
+                     "Blocks a KV tier could not read (recomputed) or write (not kept).",
+                     r"kv_offload_(load|store)_failed_blocks", ["op"], CounterMetricFamily)
+
+
 class Metrics:
-    def __init__(self, model: str, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model: str, engine_stats: Callable[[], dict[str, Any]],
+                 engine_restarts: Callable[[], int] = lambda: 0) -> None:
         disable_created_metrics()  # no *_created series, as vLLM
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
@@ -127,7 +173,7 @@ class Metrics:
                                   registry=r)
         self.success = Counter("skyline:request_success", "Requests finished, by reason.",
                                ["model_name", "finished_reason"], registry=r)
-        r.register(_EngineCollector(model, engine_stats))
+        r.register(_EngineCollector(model, engine_stats, engine_restarts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,33 +6,41 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 
-from skyline.engine.async_llm import (
+from skyline.engine.frontend.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineOverloadedError,
     RequestStream,
 )
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.server.errors import APIError, error_body
+from skyline.server.limits import RequestLimits
 from skyline.server.metrics import Metrics
+from skyline.server.parse import UNICODE_ERROR, Parsed, ParsePool, PrepareTimeout, Rejected
 from skyline.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
-    SamplingRequest,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
-from skyline.types import RequestOutput, SamplingParams, TokenLogprobs
+from skyline.server.tool_parsers.base import ToolFormat
+from skyline.types import RequestOutput, SamplingParams, TokenLogprobs, is_valid_unicode
 
 log = logging.getLogger("skyline.server")
 
 T = TypeVar("T")
+PREPARE_THREADS = 4
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; masked tokens report this (as vLLM does)
 
 
@@ -41,8 +49,49 @@ class ServerState:
     llm: AsyncLLM
     model_name: str
     metrics: Metrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_format: ToolFormat | None = None  # how the model writes tool calls (--tool-call-parser)
+    parse_pool: ParsePool | None = None  # set when the app starts
     shutting_down: bool = False
     token_text_cache: dict[int, str] = field(default_factory=dict)
+    # Chat templates and tokenization run here, never on the event loop; a few threads, as
+    # tokenizers encodes without the GIL and templates yield it every few milliseconds.
+    threads: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        PREPARE_THREADS, thread_name_prefix="skyline-prepare"))
+
+    async def parse(self, kind: str, raw: Request) -> tuple[Parsed, float]:
+        """The request body validated and within the limits, and the deadline (monotonic) by
+        which the request must be ready to queue."""
+        deadline = time.monotonic() + self.limits.prepare_timeout_s
+        body = await raw.body()
+        assert self.parse_pool is not None, "the app has not started"
+        try:
+            result = await self.parse_pool.parse(kind, body, self.limits.prepare_timeout_s)
+        except PrepareTimeout as e:
+            if e.busy:
+                raise APIError(503, "the server is busy parsing other large requests; retry "
+                                    "shortly", headers={"Retry-After": "1"}) from None
+            raise self._timeout(str(e)) from None
+        if isinstance(result, Rejected):
+            raise APIError(result.status, result.message, param=result.param)
+        return result, deadline
+
+    async def in_thread(self, deadline: float, fn: Callable[[], T]) -> T:
+        """`fn()` on a preparation thread, by `deadline`. A thread cannot be stopped: what
+        runs there bounds itself (the template's RenderLimits, the prompt's length)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self.threads, fn),
+                                          max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            raise self._timeout("its chat template and tokenization took that long") from None
+        except ValueError as e:  # the template or the tokenizer refused the input
+            raise APIError(400, str(e)) from None
+
+    def _timeout(self, why: str) -> APIError:
+        return APIError(400, f"the request was not ready to run within "
+                             f"{self.limits.prepare_timeout_s:g} s ({why}); send a smaller one",
+                        code="request_too_expensive")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -58,45 +107,26 @@ class ServerState:
         return text
 
 
-def build_params(req: SamplingRequest, max_tokens: int | None,
-                 logprobs: int | None) -> SamplingParams:
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    schema: dict[str, Any] | None = None
-    rf = req.response_format
-    if rf is not None and rf.type == "json_object":
-        schema = {"type": "object"}
-    elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise APIError(400, "response_format of type json_schema needs json_schema.schema",
-                           param="response_format")
-        schema = rf.json_schema.schema_
-
-    def pick(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    return SamplingParams(
-        n=req.n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
-        top_k=pick(req.top_k, 0), min_p=pick(req.min_p, 0.0),
-        repetition_penalty=pick(req.repetition_penalty, 1.0),
-        presence_penalty=pick(req.presence_penalty, 0.0),
-        frequency_penalty=pick(req.frequency_penalty, 0.0),
-        seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output, json_schema=schema,
-    )
+def encode_text(tok: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, as Tokenizer.encode gives them, for a preparation thread: the batch
+    entry point holds the GIL only to hand over the text and the ids, not while it encodes."""
+    if not is_valid_unicode(text):
+        raise ValueError(UNICODE_ERROR)
+    backend = tok.backend
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    return encode([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def start_request(state: ServerState, prompt: str | list[int], params: SamplingParams,
                   request_id: str, prompt_text: str | None = None) -> RequestStream:
-    """Queue a request; its errors become the HTTP errors OpenAI clients expect."""
+    """Queue a request (its output constraint already checked, by `check_constraint`); its
+    errors become the HTTP errors OpenAI clients expect."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down; retry on another replica",
                        headers={"Retry-After": "5"})
     try:
-        return state.llm.add_request(prompt, params, request_id, prompt_text)
+        return state.llm.add_request(prompt, params, request_id, prompt_text,
+                                     structured_checked=True)
     except EngineOverloadedError as e:
         raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
     except EngineDeadError as e:
@@ -184,14 +214,19 @@ def sse(obj: BaseModel | dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def stream_error(e: Exception) -> str:
-    """An error in the middle of a stream (headers already sent): an SSE error event."""
+def stream_error_status(e: Exception) -> tuple[int, str]:
+    """The status and message of an error in the middle of a stream (headers already sent)."""
     if isinstance(e, EngineDeadError):
-        return sse(error_body(503, str(e)))
+        return 503, str(e)
     if isinstance(e, ValueError):
-        return sse(error_body(400, str(e)))
+        return 400, str(e)
     log.error("stream failed", exc_info=e)
-    return sse(error_body(500, f"internal server error ({type(e).__name__})"))
+    return 500, f"internal server error ({type(e).__name__})"
+
+
+def stream_error(e: Exception) -> str:
+    """An error in the middle of a stream: an SSE error event."""
+    return sse(error_body(*stream_error_status(e)))
 
 
 def http_error(e: Exception) -> APIError:
@@ -219,18 +254,56 @@ def chat_logprobs(state: ServerState, lps: list[TokenLogprobs]) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(state: ServerState, lps: list[TokenLogprobs],
-                        offset: int) -> CompletionLogprobs:
-    out = CompletionLogprobs()
+def completion_logprobs(state: ServerState, lps: list[TokenLogprobs], offset: int,
+                        out: CompletionLogprobs | None = None, k: int | None = None
+                        ) -> CompletionLogprobs:
+    """The legacy logprobs of tokens from text offset `offset` on, appended to `out`; `k`
+    bounds the top logprobs of each (prompt logprobs may hold more)."""
+    out = out if out is not None else CompletionLogprobs()
     for lp in lps:
         text = state.token_text(lp.token_ids[0])
         out.tokens.append(text)
         out.token_logprobs.append(_lp(lp.logprobs[0]))
-        top = {state.token_text(i): _lp(v)
-               for i, v in zip(lp.token_ids[1:], lp.logprobs[1:], strict=False)}
+        ids, values = lp.token_ids[1:], lp.logprobs[1:]
+        if k is not None:
+            ids, values = ids[:k], values[:k]
+        top = {state.token_text(i): _lp(v) for i, v in zip(ids, values, strict=False)}
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
+    return out
+
+
+def echo_logprobs(state: ServerState, prompt_ids: list[int],
+                  prompt_lps: list[TokenLogprobs | None], k: int) -> CompletionLogprobs:
+    """The legacy logprobs of an echoed prompt: none for its first token, then each token's
+    given those before it."""
+    first = state.token_text(prompt_ids[0])
+    out = CompletionLogprobs(text_offset=[0], token_logprobs=[None], tokens=[first],
+                             top_logprobs=[None])
+    rest = [lp for lp in prompt_lps[1:] if lp is not None]
+    return completion_logprobs(state, rest, len(first), out, k)
+
+
+def prompt_logprobs_body(state: ServerState, lps: list[TokenLogprobs | None] | None
+                         ) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else its token id and the
+    top ones -> {logprob, rank, decoded_token}."""
+    if lps is None:
+        return None
+    out: PromptLogprobs = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(lp.token_ids[0]): PromptLogprob(logprob=_lp(lp.logprobs[0]),
+                                                     rank=lp.sampled_rank,
+                                                     decoded_token=state.token_text(
+                                                         lp.token_ids[0]))}
+        for rank, (i, v) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], strict=False)):
+            entry.setdefault(str(i), PromptLogprob(logprob=_lp(v), rank=rank + 1,
+                                                   decoded_token=state.token_text(i)))
+        out.append(entry)
     return out
 
 

@@ -1,47 +1,78 @@
-"""Executors run a SchedulerOutput on the workers. One device today: a direct call."""
+"""Executors run a SchedulerOutput on the workers and answer what tools ask of the model.
+
+The engine core talks to one `Executor`; it never sees a model or a tensor. `UniProcExecutor`
+runs the one `ModelRunner` in the engine's own process. Everything an executor returns is
+plain data or CPU tensors, so that an executor whose ranks are other processes answers the
+same calls.
+
+What tools ask of a loaded model (scoring text, hidden states, calibration, quantized
+checkpoints, the format search) are the queries of worker/queries.py, run where the model lives:
+`executor.query(name, *args)`.
+"""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from skyline.config import EngineConfig
 from skyline.types import RunnerOutput, SchedulerOutput
-from skyline.worker.runner import ModelRunner
 
 
 class Executor:
-    def __init__(self, config: EngineConfig) -> None:
-        self.runner = ModelRunner(config)
+    """The compute side of an engine. A step is launched (`launch`) and collected (`collect`);
+    `execute` does both."""
 
-    @property
-    def num_blocks(self) -> int:
-        return self.runner.num_blocks
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(out)
+    num_blocks: int
 
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Queue a step; returns the output of the step that was in flight, if any."""
+        raise NotImplementedError
+
+    def collect(self) -> RunnerOutput:
+        """Wait for the step in flight and return its output."""
+        raise NotImplementedError
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step and wait for its tokens."""
+        prev = self.launch(out)
+        assert prev is None, "collect the step in flight first"
+        return RunnerOutput() if out.empty else self.collect()
+
+    def query(self, name: str, *args: Any) -> Any:
+        """Run the query `name` of worker/queries.py on the model; returns its (plain) result."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What start-up reports: KV cache size, load time, weights' size."""
+        return self.query("describe")
+
+    def shutdown(self) -> None:
+        """Release the workers (idempotent)."""
+
+
+class UniProcExecutor(Executor):
+    """One device, in this process: calls go straight to the runner."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from skyline.worker.runner import ModelRunner
+
+        self.runner = ModelRunner(config)
+        self.num_blocks = self.runner.num_blocks
+
+    def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         return self.runner.launch(out)
 
     def collect(self) -> RunnerOutput:
         return self.runner.collect()
 
-    @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Log-probs of the next token at every position of `token_ids` (teacher forcing):
-        one causal forward pass outside the KV cache. Returns [len(token_ids), vocab] float32
-        on the CPU."""
-        r = self.runner
-        ids = torch.tensor(token_ids, device=r.device)
-        hidden = r.model(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
-        return r.model.compute_logits(hidden).float().log_softmax(-1).cpu()
+    def query(self, name: str, *args: Any) -> Any:
+        from skyline.worker.queries import QUERIES
 
-    def describe(self) -> dict[str, float]:
-        r = self.runner
-        return {
-            "num_blocks": r.num_blocks,
-            "kv_cache_gib": r.kv_cache_bytes / 2**30,
-            "kv_cache_tokens": r.num_blocks * r.block_size,
-            "load_seconds": r.load_seconds,
-        }
+        return QUERIES[name](self.runner, *args)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    return UniProcExecutor(config)

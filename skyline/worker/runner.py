@@ -12,18 +12,17 @@ collected in turn, as `execute` does.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
 from skyline.model.loader import load_model, prepack_for_cpu
-from skyline.spec.proposer import HiddenStateProposer, make_proposer
-from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
+from skyline.worker.connector import make_connector
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.kv_cache import (
@@ -33,7 +32,9 @@ from skyline.worker.kv_cache import (
     kv_cache_dtype,
     num_blocks_for,
 )
-from skyline.worker.sampler import DeviceSample, SamplingRow, sample_on_device
+from skyline.worker.sampler import DeviceSample, SamplingRow, prompt_logprobs, sample_on_device
+from skyline.worker.spec.proposer import HiddenStateProposer, make_proposer
+from skyline.worker.spec.verify import sample_and_verify, verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # share well, and in a server the API process needs a core for every token it streams: an
 # engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
 # a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
-CPU_SERIAL_TOKENS = int(os.environ.get("SKYLINE_CPU_SERIAL_TOKENS", "4"))
+CPU_SERIAL_TOKENS = envs.ENV.cpu_serial_tokens
+# A step with nothing to compute (requests only wait for KV transfers) waits this long at most
+# for one to end: the loop neither spins nor keeps new requests waiting.
+KV_WAIT_S = 0.005
 
 
 @dataclass
@@ -54,6 +58,7 @@ class _InFlight:
     propose: bool = True  # draft for the next step (SchedulerOutput.propose_drafts)
     sample: DeviceSample | None = None  # None: nothing sampled, or `result` already known
     result: RunnerOutput | None = None
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class ModelRunner:
@@ -70,6 +75,7 @@ class ModelRunner:
             prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
+        self._scoring: set[str] = set()  # requests whose prompt logprobs are still to compute
         # None without speculative decoding
         self.proposer = make_proposer(config.spec, self.model)
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
@@ -100,10 +106,15 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * bytes_per_block(
             self.arch, self.block_size, self.kv_dtype
         )
+        # KV beyond the device (worker/connector/): started at launch, polled at each output.
+        self.connector = make_connector(config, self.kv_caches, scales)
         self._in_flight: _InFlight | None = None
         # Seconds the host has waited for sampled tokens: near zero when the host, not the
         # device, sets the pace of the steps.
         self.device_wait_s = 0.0
+        # Seconds of the runner's own host work by phase (the request states, the step's
+        # inputs, reading sampled tokens: bench/host_overhead.py); a few clock reads a step.
+        self.host_s = {"states": 0.0, "inputs": 0.0, "read_tokens": 0.0}
         self.cpu_threads = torch.get_num_threads()  # as configured (--threads)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -140,10 +151,14 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_request_ids:
             state = self.states.pop(rid, None)
+            self._scoring.discard(rid)
             if state is not None and self.proposer is not None:
                 self.proposer.finish(rid, state.token_ids)
         for new in out.new_requests:
             self.states[new.request_id] = RequestState.from_new(new)
+            # A request resumed with output tokens had its whole prompt scored before.
+            if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
+                self._scoring.add(new.request_id)
         for c in out.cached_requests:
             s = self.states[c.request_id]
             if c.num_freed_blocks:
@@ -151,25 +166,31 @@ class ModelRunner:
             s.block_ids.extend(c.new_block_ids)
             s.num_computed_tokens = c.num_computed_tokens
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run one step and wait for its tokens."""
-        assert self._in_flight is None, "collect the step in flight first"
-        self.launch(out)
-        return self.collect() if self._in_flight is not None else RunnerOutput()
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Queue a step on the device. If a step was in flight, wait for its tokens (after this
         step's forward pass is queued) and return its output."""
+        t0 = time.perf_counter()
         self._update_states(out)
+        if out.kv_transfers:
+            assert self.connector is not None
+            self.connector.start(out.kv_transfers)  # before this step's forward pass
+        t1 = time.perf_counter()
+        self.host_s["states"] += t1 - t0
         prev, self._in_flight = self._in_flight, None
         if out.empty:  # nothing to run: nothing in flight afterwards
+            return self._finish(prev) if prev is not None else None
+        if not out.total_num_scheduled_tokens:  # only KV transfers: report them
+            if self.connector is not None and (prev is None or not prev.req_ids):
+                self.connector.wait(KV_WAIT_S)  # nothing on the device to overlap with
+            self._in_flight = _InFlight([], [], out.propose_drafts)
             return self._finish(prev) if prev is not None else None
         in_flight = None
         if prev is not None and prev.sample is not None:
             in_flight = ({r: i for i, r in enumerate(prev.sampling_req_ids)}, prev.sample.tokens)
         inp = build_inputs(self.states, out.num_scheduled_tokens, self.block_size, self.device,
                            out.spec_token_ids, in_flight)
+        self.host_s["inputs"] += time.perf_counter() - t1
         serial = (self.device.type == "cpu" and self.cpu_threads > 1
                   and inp.input_ids.shape[0] <= CPU_SERIAL_TOKENS)
         if serial:  # restored below: the process's other torch work keeps its threads
@@ -196,17 +217,42 @@ class ModelRunner:
         if inp.sampling_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_logits, vocab]
         prev_out = self._finish(prev) if prev is not None else None
-        step = _InFlight(inp.req_ids, inp.sampling_req_ids, out.propose_drafts)
+        step = _InFlight(inp.req_ids, inp.sampling_req_ids, out.propose_drafts,
+                         prompt_logprobs=self._prompt_logprobs(inp, hidden))
         if logits is not None:
             if out.spec_token_ids or out.token_masks:
                 sampled, logprobs = self._sample(out, inp.sampling_req_ids, logits)
-                step.result = self._output(inp.req_ids, sampled, logprobs, step.propose)
+                step.result = self._output(inp.req_ids, sampled, logprobs, step.propose,
+                                           step.prompt_logprobs)
             else:
                 rows = [self._sampling_row(self.states[r]) for r in inp.sampling_req_ids]
                 step.sample = sample_on_device(logits, rows)
                 step.sample.copy_to_host()
         self._in_flight = step
         return prev_out
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]] | None:
+        """Logprobs of the prompt tokens this step's prefill rows predict, for the requests
+        that ask for them (called after `num_computed_tokens` counted the step's tokens)."""
+        if not self._scoring:
+            return None
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        loc = inp.attn.query_start_loc
+        for i, rid in enumerate(inp.req_ids):
+            if rid not in self._scoring:
+                continue
+            s = self.states[rid]
+            n = loc[i + 1] - loc[i]
+            start = s.num_computed_tokens - n  # the row at position p predicts token p + 1
+            end = min(start + n, len(s.prompt_token_ids) - 1)
+            if end > start:
+                out[rid] = (start + 1, prompt_logprobs(
+                    self.model.compute_logits, hidden[loc[i] : loc[i] + end - start],
+                    s.prompt_token_ids[start + 1 : end + 1], s.params.prompt_logprobs or 0))
+            if end >= len(s.prompt_token_ids) - 1:
+                self._scoring.discard(rid)
+        return out or None
 
     def _sampling_row(self, s: RequestState) -> SamplingRow:
         """The request's row for the sampler, made once: it holds the state's own token lists,
@@ -223,10 +269,20 @@ class ModelRunner:
         return self._finish(step)
 
     def _finish(self, step: _InFlight) -> RunnerOutput:
+        t0 = time.perf_counter()
+        try:
+            res = self._read_tokens(step)
+        finally:
+            self.host_s["read_tokens"] += time.perf_counter() - t0
+        if self.connector is not None:
+            res.kv_finished, res.kv_failed = self.connector.poll()
+        return res
+
+    def _read_tokens(self, step: _InFlight) -> RunnerOutput:
         if step.result is not None:
             return step.result
         if step.sample is None:
-            return self._output(step.req_ids, {}, {}, step.propose)
+            return self._output(step.req_ids, {}, {}, step.propose, step.prompt_logprobs)
         t = time.perf_counter()
         tokens, lps = step.sample.to_host()
         self.device_wait_s += time.perf_counter() - t
@@ -239,15 +295,18 @@ class ModelRunner:
         logprobs = ({r: [lp] if lp is not None else None
                      for r, lp in zip(step.sampling_req_ids, lps, strict=True)}
                     if any(lp is not None for lp in lps) else {})
-        return self._output(step.req_ids, sampled, logprobs, step.propose)
+        return self._output(step.req_ids, sampled, logprobs, step.propose, step.prompt_logprobs)
 
     def _output(self, req_ids: list[str], sampled: dict[str, list[int]],
-                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool) -> RunnerOutput:
+                logprobs: dict[str, list[TokenLogprobs] | None], propose: bool,
+                prompt_lps: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+                ) -> RunnerOutput:
         return RunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             logprobs=[logprobs.get(r) for r in req_ids],
             draft_token_ids=self._propose(req_ids, sampled, propose),
+            prompt_logprobs=prompt_lps or {},
         )
 
     def _sample(
@@ -289,3 +348,7 @@ class ModelRunner:
         drafts = self.proposer.propose(rids, [self.states[r].token_ids for r in rids], depth)
         by_id = dict(zip(rids, drafts, strict=True))
         return [by_id.get(r, []) for r in req_ids]
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

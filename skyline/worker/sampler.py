@@ -1,4 +1,5 @@
-"""Sampling on the device: penalties, temperature, min-p, top-k, top-p, seeded draws, logprobs.
+"""Sampling on the device: logit biases, penalties, temperature, min-p, top-k, top-p, seeded
+draws, logprobs (of sampled tokens, and of prompt tokens from a prefill pass).
 
 Randomness is drawn as exponential noise: argmax(p / E) with E ~ Exp(1) is a draw from p
 (the "exponential race"). A seeded request draws its noise from a generator keyed by
@@ -12,6 +13,7 @@ scheduling the host can prepare the next step while this one runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +33,12 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     stop_ids: tuple[int, ...]  # masked while fewer than min_tokens outputs exist
+
+    def __post_init__(self) -> None:
+        self.bias: dict[int, float] | None = self.params.logit_bias or None
+        # the biases' token ids and values on the device, made at the first step that needs
+        # them (a row lives as long as its request)
+        self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -84,6 +92,17 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, to_device(list(r.stop_ids), torch.long, dev)] = _MASK
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    # logits [n, vocab], modified in place
+    for i, r in enumerate(rows):
+        if r.bias is None:
+            continue
+        if r.bias_tensors is None or r.bias_tensors[0].device != logits.device:
+            r.bias_tensors = (to_device(list(r.bias), torch.long, logits.device),
+                              to_device(list(r.bias.values()), logits.dtype, logits.device))
+        logits[i].index_add_(0, *r.bias_tensors)
+
+
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p on the non-greedy rows; returns probabilities."""
     dev = logits.device
@@ -95,7 +114,8 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[1]
-        k = to_device([k if k > 0 else vocab for k in top_k], torch.long, dev)
+        # top_k beyond the vocabulary keeps every token (and must not overflow int64)
+        k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(drop, _MASK).softmax(-1)
@@ -191,13 +211,18 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> DeviceSam
     """logits [n, vocab] float32 (one row per request that samples now) -> tokens and
     logprobs on the device, without waiting for it.
 
-    Logprobs are those of the model's raw distribution (before penalties and temperature),
-    as vLLM reports them.
+    Logprobs are those of the model's raw distribution (before logit biases, penalties and
+    temperature), as vLLM reports them.
     """
     dev = logits.device
     raw = logits
-    if any(any(_penalties(r)) for r in rows):  # in place, on a copy: logprobs read raw ones
+    biased = any(r.bias is not None for r in rows)
+    penalized = any(any(_penalties(r)) for r in rows)
+    if biased or penalized:  # in place, on a copy: logprobs read raw ones
         logits = logits.clone()
+    if biased:
+        _apply_logit_bias(logits, rows)
+    if penalized:
         _apply_penalties(logits, rows)
     tokens = argmax(logits)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -227,3 +252,25 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """`sample_on_device`, then wait for the tokens: token ids and logprobs per row."""
     return sample_on_device(logits, rows).to_host()
+
+
+PROMPT_LOGPROB_ROWS = 512  # logits rows at a time: [rows, vocab] float32 each, not [chunk, vocab]
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Teacher-forced logprobs: row i of `hidden` [n, hidden] scores `targets[i]` (the token
+    that follows it in the prompt), with its rank and the top k there. `compute_logits` maps
+    hidden rows to [rows, vocab] logits. Waits for the device."""
+    out: list[TokenLogprobs] = []
+    for s in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        rows = hidden[s : s + PROMPT_LOGPROB_ROWS]
+        lp = compute_logits(rows).float().log_softmax(-1)  # [r, vocab]
+        tgt = to_device(targets[s : s + len(rows)], torch.long, lp.device)
+        chosen = lp.gather(1, tgt[:, None])  # [r, 1]
+        ranks = ((lp > chosen).sum(-1) + 1).tolist()
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tgt[:, None][:, :0])
+        for t, c, rank, tl, ti in zip(targets[s : s + len(rows)], chosen[:, 0].tolist(), ranks,
+                                      top_lp.tolist(), top_ids.tolist(), strict=True):
+            out.append(TokenLogprobs([t, *ti], [c, *tl], rank))
+    return out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyline.bench.floor import ModelCost, copy_bandwidth, matmul_peak, model_cost, offline_floor
+from skyline.bench.floor import copy_bandwidth, matmul_peak, offline_floor
+from skyline.engine.cost import ModelCost, model_cost
 
 
 def test_floor_by_hand():
@@ -46,12 +47,12 @@ def test_peaks_are_measured_on_the_cpu():
 
 def test_model_cost_of_a_shipped_config_on_the_meta_device():
     # Llama-3.1-8B: 32 layers of q/o 4096^2, k/v 4096 x 1024, MLP 3 x 4096 x 14336; head 128256 wide
-    bf16 = model_cost("llama-3.1-8b", None, torch.bfloat16)
+    bf16 = model_cost("llama-3.1-8b", None, "auto")
     assert bf16.linear_params == 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
     assert bf16.head_params == 128256 * 4096
     assert bf16.weight_bytes == 2 * (bf16.linear_params + bf16.head_params)
     assert bf16.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
-    fp8 = model_cost("llama-3.1-8b", "fp8", torch.float8_e4m3fn)
+    fp8 = model_cost("llama-3.1-8b", "fp8", "fp8")
     # one byte a weight plus a float32 scale per output channel; the head stays bf16
     channels = 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
     assert fp8.weight_bytes == fp8.linear_params + 4 * channels + 2 * fp8.head_params

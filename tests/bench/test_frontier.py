@@ -51,7 +51,7 @@ def test_frontier_end_to_end_and_resume(tmp_path, capsys) -> None:
 
 def test_quality_status_dummy_weights_not_applicable() -> None:
     from skyline.bench.frontier import FrontierSpec, quality_status
-    from skyline.engine.create import EngineArgs
+    from skyline.engine.args import EngineArgs
 
     spec = FrontierSpec(grid=[])
     assert quality_status(spec, EngineArgs()) == "measured"

@@ -18,19 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=1024)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
+def tiny_dir(tiny_llama):
+    return tiny_llama(0.15, "tiny", hidden_size=128, intermediate_size=256,
+                      max_position_embeddings=1024, eos_token_id=2)
 
 
 def test_cuda_matches_cpu_fp32(tiny_dir):

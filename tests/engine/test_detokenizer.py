@@ -1,4 +1,4 @@
-"""engine/detokenizer.py: streaming text deltas, UTF-8 split over tokens, stop strings."""
+"""engine/frontend/detokenizer.py: streaming text deltas, UTF-8 split over tokens, stop strings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 import pytest
 from spm_vocab import write_spm_gguf
 
-from skyline.engine.detokenizer import IncrementalDetokenizer
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.detokenizer import IncrementalDetokenizer
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.model.default import default_model_path
 
 

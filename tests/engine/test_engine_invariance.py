@@ -66,12 +66,15 @@ def test_greedy_matches_hf_generate(tiny_model):
         assert toks == ref[0, len(p):].tolist()
 
 
-def test_batch_chunk_prefix_preempt_invariance(tiny_model):
-    path, _ = tiny_model
-    prompts = _prompts(16, seed=2)
-    alone = [_run(path, [p])[0] for p in prompts[:4]]
+def check_invariance(path: str, num_prompts: int, num_alone: int, prefix_len: int,
+                     num_prefixed: int) -> None:
+    """Greedy tokens of `num_prompts` prompts: the same alone (the first `num_alone`), batched,
+    in prefill chunks of 5 tokens, under preemption by recompute, and with a shared prefix of
+    `prefix_len` tokens reused from the prefix cache (the first `num_prefixed`)."""
+    prompts = _prompts(num_prompts, seed=2)
+    alone = [_run(path, [p])[0] for p in prompts[:num_alone]]
     batched = _run(path, prompts)
-    assert batched[:4] == alone
+    assert batched[:num_alone] == alone
     # tiny token budget: every prompt is prefilled in chunks of 5, mixed with decodes
     assert _run(path, prompts, max_num_batched_tokens=5) == batched
     # a tiny cache forces preemption by recompute
@@ -80,15 +83,19 @@ def test_batch_chunk_prefix_preempt_invariance(tiny_model):
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == batched
     assert llm.engine.stats()["num_preemptions"] > 0
-    # prefix reuse: a shared 32-token prefix, run twice in one engine
-    shared = _prompts(1, seed=3, lo=32, hi=32)[0]
-    pref = [shared + p for p in prompts[:6]]
+    # prefix reuse: a shared prefix, run twice in one engine
+    shared = _prompts(1, seed=3, lo=prefix_len, hi=prefix_len)[0]
+    pref = [shared + p for p in prompts[:num_prefixed]]
     llm = LLM(path, device="cpu", dtype="float32", block_size=4)
     first = [o.outputs[0].token_ids for o in llm.generate(pref, GREEDY)]
     again = llm.generate(pref, GREEDY)
     assert [o.outputs[0].token_ids for o in again] == first
-    assert all(o.num_cached_tokens >= 32 for o in again)
+    assert all(o.num_cached_tokens >= prefix_len for o in again)
     assert first == _run(path, pref, enable_prefix_caching=False)
+
+
+def test_batch_chunk_prefix_preempt_invariance(tiny_model):
+    check_invariance(tiny_model[0], 16, 4, 32, 6)
 
 
 def test_seeded_sampling_ignores_batch(tiny_model):

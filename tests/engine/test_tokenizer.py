@@ -1,4 +1,5 @@
-"""engine/tokenizer.py: GGUF- and HF-dir-built tokenizers against transformers, chat templates."""
+"""engine/frontend/tokenizer.py: GGUF- and HF-dir-built tokenizers against transformers, chat
+templates."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from spm_vocab import write_spm_gguf
 from tokenizers import pre_tokenizers
 
 from skyline.config import ConfigError
-from skyline.engine.chat_template import ChatTemplateError
-from skyline.engine.tokenizer import Tokenizer
+from skyline.engine.frontend.chat_template import ChatTemplateError
+from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.model.default import default_model_path
 
 transformers = pytest.importorskip("transformers")
@@ -232,7 +233,7 @@ def test_errors(tmp_path) -> None:
 def test_llama_cpp_regexes_split_like_originals(pre, hf_regex) -> None:
     from tokenizers import Regex
 
-    from skyline.engine.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+    from skyline.engine.frontend.gguf_tokenizer import PRE_TOKENIZER_SPLITS
 
     ours = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(rx), behavior="isolated")
                                     for rx in PRE_TOKENIZER_SPLITS[pre]])

@@ -76,11 +76,9 @@ def tiny_model(arch: str, tie: bool = False) -> torch.nn.Module:
     return model
 
 
-def write_gguf(path: str, model: torch.nn.Module, arch: str, quant: bool = False,
-               extra: dict | None = None) -> dict[str, np.ndarray]:
-    """Write `model` as llama.cpp would; returns the HF weights as the file holds them."""
-    c = model.config
-    w = GGUFWriter(path, arch)
+def write_header(w: GGUFWriter, c, head_dim: bool) -> None:
+    """The shape metadata and a stand-in vocabulary of HF config `c`, as llama.cpp's converter
+    writes them (`head_dim`: the key and value lengths too)."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -89,11 +87,19 @@ def write_gguf(path: str, model: torch.nn.Module, arch: str, quant: bool = False
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
-    if arch == "qwen3":
+    if head_dim:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+
+
+def write_gguf(path: str, model: torch.nn.Module, arch: str, quant: bool = False,
+               extra: dict | None = None) -> dict[str, np.ndarray]:
+    """Write `model` as llama.cpp would; returns the HF weights as the file holds them."""
+    c = model.config
+    w = GGUFWriter(path, arch)
+    write_header(w, c, head_dim=arch == "qwen3")
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for add in (extra or {}).values():
@@ -292,8 +298,11 @@ def test_weight_names() -> None:
     assert hf_weight_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     assert hf_weight_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
     assert hf_weight_name("rope_freqs.weight") is None
-    with pytest.raises(ConfigError, match="ffn_gate_exps"):
-        hf_weight_name("blk.0.ffn_gate_exps.weight")
+    # stacked experts: one name per expert (tests/model/test_gguf_moe.py)
+    assert hf_weight_name("blk.0.ffn_gate_exps.weight") == \
+        "model.layers.0.mlp.experts.{e}.gate_proj.weight"
+    with pytest.raises(ConfigError, match="ffn_frobnicate"):
+        hf_weight_name("blk.0.ffn_frobnicate.weight")
 
 
 @pytest.mark.cuda
@@ -302,7 +311,8 @@ def test_weight_names() -> None:
 def test_packed_gguf_on_cuda_matches_dense(tmp_path, dtype) -> None:
     """--quantization gguf on CUDA: Q4_0 / Q5_1 / Q8_0 layers in the integer layout of the GPU
     kernels (GEMV for a few tokens, dequant-matmul for more) give the dense model's logits."""
-    from skyline.engine.create import EngineArgs, create_engine_config
+    from skyline.engine.args import EngineArgs
+    from skyline.engine.create import create_engine_config
     from skyline.model.loader import load_model
 
     path = str(tmp_path / "tiny.gguf")

@@ -112,7 +112,8 @@ def test_tied_checkpoint_with_lm_head_is_accepted(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     with pytest.raises(ConfigError, match="architecture GPT2LMHeadModel is not supported; "
-                                          "skyline supports: LlamaForCausalLM"):
+                                          "skyline supports: GptOssForCausalLM, "
+                                          "LlamaForCausalLM"):
         get_model_class("GPT2LMHeadModel")
     config = {**TINY, "num_hidden_layers": 1, "architectures": ["FalconForCausalLM"]}
     config["num_attention_heads"] = 4
@@ -165,7 +166,7 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
 
 
 def test_shipped_configs():
-    assert shipped_config_names() == ["llama-3.1-8b", "qwen3-8b"]
+    assert shipped_config_names() == ["gpt-oss-20b", "llama-3.1-8b", "qwen3-30b-a3b", "qwen3-8b"]
     assert dummy_config_dir("no-such-model") is None
     llama, fmt = read_model_arch(dummy_config_dir("llama-3.1-8b"), "dummy")
     assert fmt == "dummy"
@@ -205,3 +206,21 @@ def test_dummy_weights_from_shrunken_shipped_config(name):
     assert logits.shape == (4, 512) and torch.isfinite(logits).all()
     again = load_model(cfg, "cpu")
     assert torch.equal(_logits(again, [1, 2, 3, 4]), logits)  # seeded
+
+
+def test_plain_layout_undoes_cpu_prepacking(hf_llama, tmp_path):
+    """prepack_for_cpu then plain_layout: the dense weights back as Parameters, bit for bit,
+    and the model computes as a freshly loaded one (what tools' queries rely on)."""
+    from skyline.model.loader import plain_layout, prepack_for_cpu
+
+    hf_llama.save_pretrained(tmp_path, safe_serialization=True)
+    fresh, model = _load(str(tmp_path)), _load(str(tmp_path))
+    if not prepack_for_cpu(model):
+        pytest.skip("this torch build packs nothing for oneDNN")
+    plain_layout(model)
+    want, got = dict(fresh.named_parameters()), dict(model.named_parameters())
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    assert model.lm_head.packed_weight is None
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert torch.equal(_logits(model, ids), _logits(fresh, ids))

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
-from skyline.model.layers.linear import (
-    Linear,
-    MergedLinear,
+from skyline.model.layers.linear import Linear, MergedLinear
+from skyline.ops import cpu_linear
+from skyline.quant.method import (
     PackedLinearMethod,
     UnquantizedLinearMethod,
     prepack,
 )
-from skyline.ops import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.can_pack(torch.zeros(1, 1)),
                                 reason="torch built without oneDNN")

@@ -77,7 +77,7 @@ def test_writing_another_devices_file_is_refused(tmp_path):
                                   json.dumps({"device": "Test GPU", "configs": {"k": [1]}})])
 def test_bad_file_gives_one_clear_error(on_gpu, text):
     (on_gpu / "bad.json").write_text(text)
-    with pytest.raises(KernelConfigError, match="run bench/tune_kernels.py again"):
+    with pytest.raises(KernelConfigError, match="run bench/kernels/tune_kernels.py again"):
         get_config("k", "key", DEFAULT)
 
 

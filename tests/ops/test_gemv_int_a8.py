@@ -197,11 +197,10 @@ def test_input_errors(bad):
         int4_gemv_a8(x, *args, group, bias=bias, config=config)
 
 
-@pytest.mark.parametrize("mode", ["a8p", "a8", "a16"])
-def test_linear_modes(monkeypatch, mode):
-    """INT4_GEMV "a8p" / "a8": CUDA decode rows run the W4A8 GEMV (its reference's values),
-    other inputs (CPU, more than 8 rows) keep the exact weight-only path; "a8p" asks the
-    producer for x rounded. "a16": weight-only everywhere."""
+def test_linear_paths():
+    """CUDA decode rows run the W4A8 GEMV (its reference's values), other inputs (CPU, more
+    than 8 rows) keep the exact weight-only path; on CUDA decode rows the layer asks the
+    producer for x rounded."""
     from types import SimpleNamespace
 
     from skyline.model.layers.linear import Linear
@@ -214,18 +213,17 @@ def test_linear_modes(monkeypatch, mode):
     layer.weight.data.copy_(w)
     method.process_weights_after_loading(layer)
     layer.to(DEV)
-    monkeypatch.setattr(intq, "INT4_GEMV", mode)
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float32  # the GEMVs take bf16 / fp16
     x = torch.randn(2, 96, device=DEV).to(dtype)
     args = (layer.qweight, layer.scales, layer.zeros)
     y = layer(x).float()
-    if DEV == "cuda" and mode != "a16":
+    if DEV == "cuda":
         ref = int4_gemv_a8_ref(x, *args, 32).float()
     else:
         ref = int_gemv_ref(x, *args, 4, 32)
     assert (y - ref).abs().max().item() <= TOL[dtype] * ref.abs().max().item()
     # a producer's rounding, handed over when the layer asks for it (on CUDA decode rows)
-    assert layer.input_quant(x) == ("int8" if DEV == "cuda" and mode == "a8p" else None)
+    assert layer.input_quant(x) == ("int8" if DEV == "cuda" else None)
     yc = layer(int8_chunks_ref(x)).float()
     assert (yc - int4_gemv_a8_ref(x, *args, 32).float()).abs().max().item() <= (
         TOL[dtype] * ref.abs().max().item())

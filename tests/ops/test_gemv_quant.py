@@ -1,4 +1,4 @@
-"""The quantized small-batch GEMV (FP8 per-row scales; INT8 / INT4 group-wise asymmetric)
+"""The quantized small-batch GEMV (FP8 W8A8, per-row scales; INT8 / INT4 group-wise asymmetric)
 against dequantize-then-multiply references over shapes, rows 1..8, bias, group sizes 32 and
 128, odd N, FMA and tensor-core modes, split-K on and off; plus the default configurations and
 the input checks. On CPU in Triton's interpreter (small shapes, fp32 and fp16 activations).
@@ -23,10 +23,8 @@ from skyline.ops.gemv_quant import (  # noqa: E402
     INT4,
     INT8,
     default_config,
-    fp8_gemv,
     fp8_gemv_a8,
     fp8_gemv_a8_ref,
-    fp8_gemv_ref,
     int_gemv,
     int_gemv_ref,
     quant_gemv_config,
@@ -92,25 +90,15 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_references_match_dequantized_linear():
     x, w, b = operands(3, 24, 96, torch.float32, seed=1)
     q, s = quantize_rows_fp8(w)
+    xq, xs = quantize_rows_fp8(x.cpu())
     wd = q.float() * s
-    check(fp8_gemv_ref(x, q.to(DEV), s.reshape(-1).to(DEV), b), F.linear(x, wd.to(DEV), b))
+    check(fp8_gemv_a8_ref(xq.to(DEV), xs.to(DEV), q.to(DEV), s.reshape(-1).to(DEV), b,
+                          torch.float32), F.linear(xq.float().to(DEV) * xs.to(DEV),
+                                                   wd.to(DEV), b))
     for bits in (4, 8):
         c, sc, z = int_weights(w, bits, 32)
         wd = dequantize_int_ref(c, sc, z, bits, 32)[:, :96]
         check(int_gemv_ref(x, c, sc, z, bits, 32, b), F.linear(x, wd, b))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("use_dot", [False, True])
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 33, 200), (8, 16, 64), (5, 17, 40)])
-def test_fp8_gemv_matches_reference(dtype, use_dot, split_k, bias, m, n, k):
-    x, w, b = operands(m, n, k, dtype, seed=m * n + k)
-    q, s = fp8_weights(w)
-    b = b if bias else None
-    out = fp8_gemv(x, q, s, b, config=config(16, 32, split_k, use_dot))
-    check(out, fp8_gemv_ref(x, q, s, b))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16] + DTYPES[2:])
@@ -191,19 +179,22 @@ def test_int_gemv_fma_with_broadcast_x(bits, split_k, m, n, k):
 @pytest.mark.parametrize("m", [1, 2, 8])
 def test_default_config_is_valid_and_runs(kind, group, m):
     n, k = 24, 256
+    a8 = kind == FP8  # fp8 weights: W8A8 on the tensor cores
     for big_n, big_k in [(4096, 4096), (14336, 4096), (4096, 14336)]:
-        cfg = default_config(kind, m, big_n, big_k, group)
-        assert cfg["USE_DOT"] == (m > 2)
+        cfg = default_config(kind, m, big_n, big_k, group, a8=a8)
+        assert cfg["USE_DOT"] == (m > 2 or a8)
         if kind != FP8:
             assert group % cfg["BLOCK_K"] == 0
             row_bytes = cfg["BLOCK_K"] // (2 if kind == INT4 else 1)
             if not cfg["USE_DOT"]:  # 2 KiB of weight bytes x rows per tile (accumulator cap)
                 assert cfg["BLOCK_N"] * row_bytes * (1 if m == 1 else 2) >= 2048
     x, w, b = operands(m, n, k, torch.float32, seed=7)
-    cfg = default_config(kind, m, n, k, group)
+    cfg = default_config(kind, m, n, k, group, a8=a8)
     if kind == FP8:
         q, s = fp8_weights(w)
-        check(fp8_gemv(x, q, s, b, config=cfg), fp8_gemv_ref(x, q, s, b))
+        x, b = x.half(), b.half()
+        check(fp8_gemv_a8(x, None, q, s, b, torch.float16, config=cfg),
+              fp8_gemv_a8_ref(x, None, q, s, b, torch.float16, block_k=cfg["BLOCK_K"]))
     else:
         bits = 4 if kind == INT4 else 8
         c, s, z = int_weights(w, bits, group)
@@ -226,7 +217,10 @@ def test_split_k_leaves_counters_zeroed_and_repeats_exactly(use_dot):
         outs = [int_gemv(x, c, s, z, 4, 32, b, config=cfg) for _ in range(2)]
         check(outs[0], int_gemv_ref(x, c, s, z, 4, 32, b))
         assert torch.equal(outs[0], outs[1])
-        check(fp8_gemv(x, q, qs, b, config=cfg), fp8_gemv_ref(x, q, qs, b))
+        if use_dot:  # the fp8 x fp8 GEMV runs on the tensor cores only
+            xh = x.half()
+            check(fp8_gemv_a8(xh, None, q, qs, b.half(), torch.float16, config=cfg),
+                  fp8_gemv_a8_ref(xh, None, q, qs, b.half(), torch.float16, block_k=32))
         assert not _COUNTERS[x.device].any()
 
 
@@ -234,9 +228,10 @@ def test_bad_inputs_are_refused():
     x, w, _ = operands(2, 16, 64, torch.float32, seed=3)
     q, s = quantize_rows_fp8(w)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        fp8_gemv(x, w.to(DEV), s.reshape(-1).to(DEV))
+        fp8_gemv_a8(x.half(), None, w.to(DEV), s.reshape(-1).to(DEV))
     with pytest.raises(ValueError, match="rows"):
-        fp8_gemv(torch.zeros(9, 64, device=DEV), q.to(DEV), s.reshape(-1).to(DEV))
+        fp8_gemv_a8(torch.zeros(9, 64, device=DEV).half(), None, q.to(DEV),
+                    s.reshape(-1).to(DEV))
     c, sc, z = int_weights(w, 4, 32)
     with pytest.raises(ValueError, match="int4 group-64"):
         int_gemv(x, c, sc, z, 4, 64)
@@ -261,9 +256,11 @@ def test_bad_inputs_are_refused():
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1031, 14336), (28672, 4096)])
 def test_default_configs_on_model_shapes(bits, m, n, k):
     x, w, b = operands(m, n, k, torch.bfloat16, seed=n + k)
-    if bits == 0:
+    if bits == 0:  # fp8: W8A8, x quantized in the kernel per row and K tile
         q, s = fp8_weights(w)
-        check(fp8_gemv(x, q, s, b), fp8_gemv_ref(x, q, s, b))
+        block_k = quant_gemv_config(FP8, m, n, k, 0, x.device, True)["BLOCK_K"]
+        check(fp8_gemv_a8(x, None, q, s, b),
+              fp8_gemv_a8_ref(x, None, q, s, b, torch.bfloat16, block_k=block_k))
     else:
         c, s, z = int_weights(w, bits, 128)
         check(int_gemv(x, c, s, z, bits, 128, b), int_gemv_ref(x, c, s, z, bits, 128, b))
@@ -292,25 +289,20 @@ def test_linear_methods_dispatch_to_the_gemv():
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["a8", "a8q", "w8a16"])
-def test_fp8_linear_decode_gemv_modes(mode, monkeypatch):
-    # every --fp8-gemv variant of the fp8 Linear at decode-sized batches, against its reference
-    from types import SimpleNamespace
+@pytest.mark.parametrize("rows_first", [False, True])
+def test_fp8_linear_decode_gemv(rows_first):
+    # the fp8 product at decode-sized batches against its reference: x quantized in the GEMV
+    # per row and K tile (a Linear's input no producer quantized), or per row by a launch of
+    # its own first (the fp8 LM head)
+    from skyline.ops.fp8_linear import fp8_linear
 
-    from skyline.quant import fp8
-
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", mode)
     x, w, b = operands(3, 64, 512, torch.bfloat16, seed=12)
-    method = fp8.Fp8LinearMethod(SimpleNamespace(group_size=128, prequantized=False))
-    params = {k: v.to(DEV) for k, v in method.quantize(w).items()}
-    q, s = params["weight"], params["weight_scale"]
-    out = method.apply(SimpleNamespace(bias=b, **params), x)
-    if mode == "a8":
-        block_k = quant_gemv_config(FP8, 3, 64, 512, 0, x.device, True)["BLOCK_K"]
-        ref = fp8_gemv_a8_ref(x, None, q, s, b, torch.bfloat16, block_k=block_k)
-    elif mode == "a8q":
+    q, s = fp8_weights(w)
+    out = fp8_linear(x, q, s, b, rows_first=rows_first)
+    if rows_first:
         xq, xs = quantize_rows_fp8(x)
         ref = fp8_gemv_a8_ref(xq, xs, q, s, b, torch.bfloat16)
     else:
-        ref = fp8_gemv_ref(x, q, s, b)
+        block_k = quant_gemv_config(FP8, 3, 64, 512, 0, x.device, True)["BLOCK_K"]
+        ref = fp8_gemv_a8_ref(x, None, q, s, b, torch.bfloat16, block_k=block_k)
     check(out, ref)

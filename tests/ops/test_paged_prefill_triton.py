@@ -22,13 +22,15 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
                                                              (32, 8, 128)])
 @pytest.mark.parametrize("page", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype):
+@pytest.mark.parametrize("pack", [False, True])
+def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype, pack):
     if DEV == "cpu" and (head_dim > 32 or dtype != torch.float32):
         pytest.skip("interpreter: small fp32 shapes only")
     rng = random.Random(head_dim + page)
     g = torch.Generator().manual_seed(page)
     # (q_len, seq_len): fresh prompts, extends over a cached prefix, chunks, a single token
     shapes = [(rng.randint(1, 80), 0) for _ in range(3)] + [(17, 40), (1, 33), (70, 70), (5, 6)]
+    shapes += [(9, 150), (40, 203)]  # long cached prefixes: unmasked tiles before the diagonal
     shapes = [(q, max(q, s)) for q, s in shapes]
     seq_lens = [s for _, s in shapes]
     num_blocks = sum(-(-n // page) for n in seq_lens) + 3
@@ -41,10 +43,13 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, page, dtyp
     q = torch.randn(qsl[-1], num_heads, head_dim, generator=g).to(DEV, dtype)
     table = table.to(DEV)
     scale = head_dim**-0.5
+    # pack: the query heads of a kv head in one program (the kernel's PACK), 16 tokens a tile
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PACK": 2} \
+        if pack else None
     out = paged_prefill_attention(
         q, cache, torch.tensor(qsl, dtype=torch.int32, device=DEV),
         torch.tensor(seq_lens, dtype=torch.int32, device=DEV), table, scale,
-        max(q_len for q_len, _ in shapes))
+        max(q_len for q_len, _ in shapes), config=config)
     ref = paged_attention_ref(q.double(), cache.double(), qsl, seq_lens, table, scale)
     assert torch.isfinite(out).all()
     err = (out.double() - ref).norm() / ref.norm()

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from skyline import envs
 from skyline.ops import pdl
 
 triton = pytest.importorskip("triton")
@@ -60,6 +61,7 @@ def test_off_without_a_hopper_gpu(monkeypatch):
     pdl._enabled.cache_clear()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # only SKYLINE_PDL says no here
     monkeypatch.setenv("SKYLINE_PDL", "0")
+    monkeypatch.setattr(envs, "ENV", envs.Env.read())
     try:
         assert not pdl._enabled(0)
     finally:
@@ -88,6 +90,7 @@ def test_graph_of_pdl_launches_matches_plain_launches(monkeypatch):
     def run(enabled: bool) -> torch.Tensor:
         pdl._enabled.cache_clear()
         monkeypatch.setenv("SKYLINE_PDL", "1" if enabled else "0")
+        monkeypatch.setattr(envs, "ENV", envs.Env.read())
         assert pdl.use_pdl(x0.device) == (enabled and torch.cuda.get_device_capability()[0] >= 9)
         x, res = x0.clone(), torch.zeros_like(x0)
         layers(x.clone(), res.clone())  # compile and allocate the split-K counters

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from skyline.config import ConfigError, QuantConfig
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.model.loader import load_model
 from skyline.quant.calibrate import collect_act_sq
-from skyline.quant.checkpoint import quantize_checkpoint, quantize_loaded
+from skyline.quant.checkpoint import quantize_loaded
+from skyline.tools.quantize.checkpoint import quantize_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +80,7 @@ def test_quantized_logits_close_to_fp32(hf_dir, ref_logits, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_quantized_model_runs_in_engine(hf_dir, fmt):
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
     from skyline.types import SamplingParams
 
     llm = LLM(model=hf_dir, quantization=fmt, quant_group_size=32, num_blocks=32,

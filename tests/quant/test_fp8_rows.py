@@ -1,13 +1,14 @@
 """FP8 decode products fed by their producers: RMSNorm and SiLU-and-mul hand an fp8 Linear its
 input already quantized per row (ops/fp8_quant.Fp8Rows) when the Linear's decode GEMV takes it
-so (GEMV_ACTIVATIONS "a8p"); the logits are those of quantizing the same rows in the product."""
+so; the logits are those of quantizing the same rows in the product."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.model.loader import load_model
 from skyline.ops import fp8_linear
 from skyline.quant import fp8
@@ -32,13 +33,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def a8q_then_a8p(model, device: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Decode logits with every Linear quantizing its own input per row ("a8q"), then with the
-    producers handing over rows ("a8p"), and the fp8 GEMV calls of the second run (1 for a
-    call that received Fp8Rows, 0 for one that quantized x itself)."""
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8q")
+def own_then_handed(model, device: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Decode logits with every Linear quantizing its own input (per row and K tile in the
+    GEMV: per row here, every K within one tile), then with the producers handing over rows,
+    and the fp8 GEMV calls of the second run (1 for a call that received Fp8Rows, 0 for one
+    that quantized x itself)."""
+    takes_rows = fp8.fp8_gemv_takes_rows
+    monkeypatch.setattr(fp8, "fp8_gemv_takes_rows", lambda x: False)  # no Linear asks
     want = run(model, device)
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8p")
+    monkeypatch.setattr(fp8, "fp8_gemv_takes_rows", takes_rows)
     calls: list[int] = []
     real = fp8_linear.fp8_gemv_a8
 
@@ -54,33 +57,29 @@ def a8q_then_a8p(model, device: str, monkeypatch) -> tuple[torch.Tensor, torch.T
                     "the CUDA test below covers GPUs")
 def test_producers_hand_over_rows_on_the_decode_path(tiny_llama_dir, monkeypatch):
     # CPU: the GEMV runs in Triton's interpreter as if the CPU had fp8 units, the producers'
-    # references make the rows. Against every Linear quantizing its own input per row ("a8q",
-    # the same reference), qkv and gate/up get the same rows, and so does down (SiLU's
-    # 1,024-column scale blocks span its 96 columns); o_proj quantizes in its GEMV per row and
-    # K tile under "a8p", here one tile (K = 64): the same rows again, so the logits are equal.
+    # references make the rows. Against every Linear quantizing its own input in its GEMV (per
+    # row and K tile, here one tile: K = 64 and 96), qkv and gate/up get the same rows, and so
+    # does down (SiLU's 1,024-column scale blocks span its 96 columns); o_proj quantizes in its
+    # GEMV either way, so the logits are equal.
     decode = lambda x: x.dtype == torch.bfloat16 and x.dim() == 2 and len(x) <= 8  # noqa: E731
     monkeypatch.setattr(fp8_linear, "quant_gemv_ok", decode)
     monkeypatch.setattr(fp8_linear, "has_fp8_units", lambda device: True)
     monkeypatch.setattr(fp8, "fp8_gemv_takes_rows", decode)
     model = fp8_model(tiny_llama_dir, "cpu")
-    want, got, calls = a8q_then_a8p(model, "cpu", monkeypatch)
+    want, got, calls = own_then_handed(model, "cpu", monkeypatch)
     # per layer: qkv (input norm), gate/up (post-attention norm), down (SiLU-and-mul) take
     # rows; o_proj (attention output) quantizes in its GEMV
     assert sum(calls) == 3 * 2 and len(calls) == 4 * 2
     assert torch.equal(got, want)
-    monkeypatch.setattr(fp8, "GEMV_ACTIVATIONS", "a8")  # only "a8p" asks the producers
-    calls.clear()
-    run(model, "cpu")
-    assert len(calls) == 4 * 2 and not any(calls)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_decode_takes_rows_from_producers(tiny_llama_dir, monkeypatch):
     # On the GPU the norm / SiLU kernels quantize; against every Linear quantizing its own input
-    # ("a8q", the per-row kernel) qkv and gate/up get the same rows, down finer-scaled ones.
+    # in its GEMV, qkv and gate/up get the same rows, down finer-scaled ones.
     model = fp8_model(tiny_llama_dir, "cuda")
-    want, got, calls = a8q_then_a8p(model, "cuda", monkeypatch)
+    want, got, calls = own_then_handed(model, "cuda", monkeypatch)
     assert sum(calls) == 3 * 2 and len(calls) == 4 * 2  # o_proj quantizes in its GEMV
     assert rel_err(got, want) < 2e-2
     prefill = run(model, "cuda", n=40)  # past the GEMV's rows: _scaled_mm, no Fp8Rows

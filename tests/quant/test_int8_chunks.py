@@ -1,15 +1,16 @@
 """INT4 decode products fed by their producers: RMSNorm and SiLU-and-mul hand an INT4 Linear its
 input already rounded to int8 per 32 columns (ops/gemv_int_a8.Int8Chunks) when its W4A8 GEMV
-takes it so (INT4_GEMV "a8p"); the logits are those of rounding the same rows in the GEMV's own
-launch ("a8"). CPU machines: the GEMV and the rounding run in Triton's interpreter, the
-producers' references make the chunks."""
+takes it so; the logits are those of rounding the same rows in the GEMV's own launch. CPU
+machines: the GEMV and the rounding run in Triton's interpreter, the producers' references make
+the chunks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
 from skyline.model.loader import load_model
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.quant import intq
@@ -40,17 +41,13 @@ def test_producers_hand_over_int8_chunks_on_the_decode_path(tiny_llama_dir, monk
         return real(x, *args, **kw)
 
     monkeypatch.setattr(intq, "int4_gemv_a8", spy)
-    monkeypatch.setattr(intq, "INT4_GEMV", "a8")  # every GEMV rounds its own input
-    want = run(model)
+    with monkeypatch.context() as m:  # no Linear asks its producer: every GEMV rounds x
+        m.setattr(intq.IntLinearMethod, "input_quant", lambda self, layer, x: None)
+        want = run(model)
     assert calls == [0] * 4 * 2
     calls.clear()
-    monkeypatch.setattr(intq, "INT4_GEMV", "a8p")
     got = run(model)
     # per layer: qkv (input norm), gate/up (post-attention norm), down (SiLU-and-mul) take
     # chunks; o_proj rounds in its own launch (attention without a paged cache: no combine)
     assert sum(calls) == 3 * 2 and len(calls) == 4 * 2
     assert torch.equal(got, want)
-    calls.clear()
-    monkeypatch.setattr(intq, "INT4_GEMV", "a16")  # weight-only: no W4A8 GEMV at all
-    run(model)
-    assert not calls

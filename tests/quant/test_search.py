@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from skyline.config import ConfigError, QuantConfig
-from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
+from skyline.model.checkpoint import write_checkpoint
 from skyline.model.loader import load_model
 from skyline.quant.assignment import (
     Format,
@@ -26,7 +28,7 @@ from skyline.quant.assignment import (
 )
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.calibrate import collect_act_sq
-from skyline.quant.checkpoint import quantize_loaded, write_checkpoint
+from skyline.quant.checkpoint import quantize_loaded
 from skyline.quant.joint import JointKL, linears, quantize_choices, spread_windows, swap_in
 from skyline.quant.report import install, search_report
 from skyline.quant.search import search, solve_knapsack
@@ -275,7 +277,7 @@ def test_cli_search_writes_checkpoint_assignment_and_report(hf_dir, tmp_path, ca
         assert stored_bytes(layer) == linear_bytes(layer, fmt)
     assert torch.isfinite(logits(loaded)).all()
 
-    from skyline.engine.frontend import LLM
+    from skyline.engine.frontend.llm import LLM
     from skyline.types import SamplingParams
 
     llm = LLM(model=str(out), num_blocks=32, dtype="float32", device="cpu")

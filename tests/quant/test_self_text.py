@@ -1,4 +1,4 @@
-"""`skyline quantize --calib-self` (quant/self_text.py): the default model writes its own
+"""`skyline quantize --calib-self` (tools/quantize/self_text.py): the default model writes its own
 calibration text, answering the built-in prompts; reproducible, and no more than asked."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from skyline import LLM
-from skyline.quant.self_text import self_text
+from skyline.tools.quantize.self_text import self_text
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,23 @@ token is a deterministic function of the tokens read back.
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from skyline.sched.scheduler import Scheduler
-from skyline.types import RunnerOutput, SamplingParams, SchedulerOutput, StepOutput
+from skyline.types import (
+    KV_DROP,
+    KV_LOAD,
+    KV_SPILL,
+    KV_STORE,
+    KVTransfer,
+    RunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    StepOutput,
+)
 
 VOCAB = 97
 
@@ -64,12 +75,76 @@ class _State:
         return self.digests[pos]
 
 
+Block = tuple[tuple[int, int] | None, ...]  # one block's slots
+
+
+class FakeTiers:
+    """The worker half of the KV tiers, on the fake cache: RAM slots and disk files hold copies
+    of a block's slots. Copies that a real worker makes later (DMA, I/O threads) are made when
+    the transfer is reported, `delay` steps after it started, so that a block or slot reused
+    too early holds the wrong digests and the reads of `FakeRunner.execute` fail. Disk reads
+    and writes fail with probability `fail`."""
+
+    def __init__(self, runner: FakeRunner, rng: random.Random | None = None,
+                 delay: int = 0, fail: float = 0.0) -> None:
+        self.runner = runner
+        self.rng = rng or random.Random(0)
+        self.delay, self.fail = delay, fail
+        self.ram: dict[int, Block] = {}
+        self.disk: dict[bytes, Block] = {}
+        self.pending: list[tuple[int, KVTransfer, set[int]]] = []  # due step, op, failed
+        self.step = 0
+
+    def read_block(self, block_id: int) -> Block:
+        bs = self.runner.block_size
+        return tuple(self.runner.slots.get((block_id, o)) for o in range(bs))
+
+    def write_block(self, block_id: int, data: Block) -> None:
+        for o, v in enumerate(data):
+            if v is None:
+                self.runner.slots.pop((block_id, o), None)
+            else:
+                self.runner.slots[(block_id, o)] = v
+
+    def start(self, transfers: list[KVTransfer]) -> None:
+        for t in sorted(transfers, key=lambda t: t.kind != KV_STORE):
+            failed = set()
+            if t.kind == KV_STORE:  # the gather: now, before the step writes
+                for b, slot in zip(t.block_ids, t.ram_slots, strict=True):
+                    data = self.read_block(b)
+                    assert None not in data, f"block {b} stored before it was full"
+                    self.ram[slot] = data
+            if t.kind in (KV_STORE, KV_SPILL, KV_LOAD):
+                failed = {i for i, d in enumerate(t.disk) if d and self.rng.random() < self.fail}
+            self.pending.append((self.step + self.rng.randint(0, self.delay), t, failed))
+
+    def poll(self, out: RunnerOutput) -> None:
+        self.step += 1
+        due = [p for p in self.pending if p[0] < self.step]
+        self.pending = [p for p in self.pending if p[0] >= self.step]
+        for _, t, failed in due:
+            for i, key in enumerate(t.keys):
+                if i in failed:
+                    continue
+                if t.kind == KV_LOAD:
+                    data = self.disk[key] if t.disk[i] else self.ram[t.ram_slots[i]]
+                    self.write_block(t.block_ids[i], data)
+                elif t.kind in (KV_STORE, KV_SPILL) and t.disk[i]:
+                    self.disk[key] = self.ram[t.ram_slots[i]]
+                elif t.kind == KV_DROP:
+                    self.disk.pop(key, None)
+            out.kv_finished.append(t.op_id)
+            if failed:
+                out.kv_failed[t.op_id] = sorted(failed)
+
+
 class FakeRunner:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.slots: dict[tuple[int, int], tuple[int, int]] = {}  # (block, offset) -> (pos, digest)
         self.reqs: dict[str, _State] = {}
         self._in_flight: RunnerOutput | None = None
+        self.tiers: FakeTiers | None = None
 
     def launch(self, so: SchedulerOutput) -> RunnerOutput | None:
         """Async scheduling: run `so` now (the fake device is instant and in order) and hand
@@ -90,6 +165,9 @@ class FakeRunner:
         return st.block_ids[pos // self.block_size], pos % self.block_size
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        if so.kv_transfers:
+            assert self.tiers is not None
+            self.tiers.start(so.kv_transfers)
         for rid in so.finished_request_ids:
             self.reqs.pop(rid, None)
         for nr in so.new_requests:
@@ -134,6 +212,8 @@ class FakeRunner:
                 out.sampled_token_ids.append([t])
             else:
                 out.sampled_token_ids.append([])
+        if self.tiers is not None:
+            self.tiers.poll(out)
         return out
 
 
@@ -141,8 +221,13 @@ def check_invariants(sched: Scheduler) -> None:
     """Block accounting between any two calls."""
     kv, pool = sched.kv_manager, sched.kv_manager.block_pool
     pool.check_invariants()
-    live = {r.request_id for r in sched.running}
-    assert set(kv._blocks) <= live, "a non-running request holds blocks"
+    loads = sched.kv_loads
+    loading = {r.request_id for r in loads.loading.values()}
+    held = {r.request_id for r in loads._held.values()}
+    live = {r.request_id for r in sched.running} | loading | held
+    assert set(kv._blocks) <= live, "a request that is not running holds blocks"
+    for r in loads.loading.values():
+        assert r.status.value == "waiting_for_kv" and r.request_id in sched.requests
     assert sum(b.ref_cnt for b in pool.blocks) == kv.num_held_blocks()
     holders: dict[int, int] = defaultdict(int)
     for rid in live:
@@ -157,7 +242,9 @@ def check_invariants(sched: Scheduler) -> None:
     for r in sched.waiting:
         assert r.num_computed_tokens == 0 and not kv.blocks(r.request_id)
     assert len(sched.running) <= sched.cfg.max_num_seqs
-    assert set(sched.requests) == live | {r.request_id for r in sched.waiting}
+    assert set(sched.requests) == (live - held) | {r.request_id for r in sched.waiting}
+    if loads.connector is not None:
+        loads.connector.check_invariants()
 
 
 def run(
@@ -175,7 +262,8 @@ def run(
         assert steps < max_steps, "no progress: deadlock or livelock"
         so = sched.schedule()
         assert so.total_num_scheduled_tokens <= sched.cfg.max_num_batched_tokens
-        assert so.total_num_scheduled_tokens > 0, "unfinished requests but nothing scheduled"
+        assert so.total_num_scheduled_tokens > 0 or so.kv_in_flight, (
+            "unfinished requests but nothing scheduled")
         if check:
             check_invariants(sched)
         if on_step is not None:

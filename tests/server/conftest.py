@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import openai
 import pytest
 
 STARTUP_TIMEOUT = 180.0
+CLIENT_TIMEOUT = 120.0
 
 
 def free_port() -> int:
@@ -30,6 +32,7 @@ class Server:
     proc: subprocess.Popen
     port: int
     log_path: str
+    api_key: str | None = None  # sent with every request made through `request`
 
     @property
     def base_url(self) -> str:
@@ -44,7 +47,8 @@ class Server:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
-            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            hdrs = {"Content-Type": "application/json", **auth, **(headers or {})}
             conn.request(method, path, body=data, headers=hdrs)
             resp = conn.getresponse()
             return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
@@ -92,7 +96,8 @@ def start_server(tmp_dir: str, *args: str) -> Server:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, port, log_path)
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    server = Server(proc, port, log_path, key)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -120,3 +125,16 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield factory
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's `server` fixture."""
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=CLIENT_TIMEOUT,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The id of the model the module's server serves."""
+    return client.models.list().data[0].id

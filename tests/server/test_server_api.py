@@ -25,17 +25,6 @@ def server(server_factory):
                           "--max-request-bytes", str(MAX_BODY))
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", timeout=TIMEOUT,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def _ask(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -275,7 +264,7 @@ def test_errors(server, client, model):
     _error(server, {**chat, "top_p": 0})
     _error(server, {**chat, "max_tokens": 0})
     _error(server, {**chat, "stop": 5})
-    _error(server, {**chat, "logit_bias": {"1": 5}})
+    assert _error(server, {**chat, "logit_bias": {"1": 500}})["param"].startswith("logit_bias")
     _error(server, {**chat, "messages": []})
     _error(server, {**chat, "messages": [{"role": "wizard", "content": "x"}]})
     _error(server, {**chat, "messages": [{"role": "user", "content": [

@@ -35,7 +35,8 @@ def _stream(server, body: dict) -> tuple[http.client.HTTPConnection, http.client
 
 def test_api_key(server):
     body = {"model": "smol", "prompt": "hi", "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"},
+                    {"Authorization": KEY}):
         status, hdrs, raw = server.request("POST", "/v1/completions", body, headers)
         assert status == 401
         assert json.loads(raw)["error"]["type"] == "authentication_error"
@@ -46,8 +47,11 @@ def test_api_key(server):
     assert client.models.list().data[0].id == "smol"
     r = client.completions.create(model="smol", prompt="hi", max_tokens=2)
     assert r.usage.completion_tokens == 2
-    assert server.request("GET", "/health")[0] == 200  # health and metrics need no key
-    assert server.request("GET", "/metrics")[0] == 200
+    no_key = {"Authorization": ""}
+    assert server.request("GET", "/health", headers=no_key)[0] == 200  # probes need no key
+    for path in ("/metrics", "/openapi.json", "/v1/models"):
+        assert server.request("GET", path, headers=no_key)[0] == 401, path
+        assert server.request("GET", path)[0] == 200, path
 
 
 def test_queue_full_gives_429(server):

@@ -8,6 +8,11 @@ import json
 import pytest
 import torch
 
+from skyline.engine.frontend.structured import (
+    StructuredOutputs,
+    check_structured,
+    make_ll_tokenizer,
+)
 from skyline.engine.process import (
     pack,
     request_from_dict,
@@ -16,7 +21,6 @@ from skyline.engine.process import (
     step_output_to_list,
     unpack,
 )
-from skyline.engine.structured import StructuredOutputs, check_structured, make_ll_tokenizer
 from skyline.types import (
     CachedRequestData,
     NewRequestData,
@@ -75,7 +79,7 @@ def test_apply_token_masks():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from skyline.engine.tokenizer import Tokenizer
+    from skyline.engine.frontend.tokenizer import Tokenizer
     from skyline.model.default import default_model_path
 
     return Tokenizer.load(default_model_path())
@@ -84,7 +88,7 @@ def tokenizer():
 def test_structured_outputs_masks(tokenizer):
     vocab = tokenizer.vocab_size
     eos = tuple(tokenizer.eos_token_ids)
-    so = StructuredOutputs(lambda: make_ll_tokenizer(tokenizer, vocab, eos), eos)
+    so = StructuredOutputs(lambda: make_ll_tokenizer(tokenizer, vocab, eos), eos, vocab)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
     params = SamplingParams(json_schema=schema)
@@ -117,6 +121,21 @@ def test_structured_outputs_masks(tokenizer):
     assert not so.matchers
 
 
+def test_a_tokenizer_llguidance_cannot_read_refuses_constrained_requests():
+    calls = []
+
+    def unreadable():
+        calls.append(1)
+        raise ValueError("can't determine decoder type")
+
+    so = StructuredOutputs(unreadable, (2,), 64)
+    so.admit(SamplingParams())  # unconstrained: no tokenizer needed
+    for _ in range(2):
+        with pytest.raises(ValueError, match="tokenizer cannot be used for constrained"):
+            so.admit(SamplingParams(regex="a+"))
+    assert len(calls) == 1  # tried once
+
+
 def test_json_schema_text_round_trip():
     schema = {"type": "object"}
     assert check_structured(SamplingParams(json_schema=json.dumps(schema))) is None
@@ -140,3 +159,34 @@ def test_metrics_export_speculation_by_position_and_the_gate():
     assert samples[("skyline:spec_decode_gate_tokens_per_second", key)] == 120.0
     key = (("batch", "8"), ("mode", "plain"), ("model_name", "m"))
     assert samples[("skyline:spec_decode_gate_tokens_per_second", key)] == 90.0
+
+
+def test_metrics_export_kv_tiers():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from skyline.cache.offload import TierConnector, TierLayout
+    from skyline.server.metrics import Metrics
+
+    stats = TierConnector(TierLayout(8, 16), 4, False, 2).stats()
+    stats |= {"prefix_cache_query_tokens": 100, "kv_offload_ram_hit_tokens": 12,
+              "kv_offload_disk_hit_tokens": 8, "kv_offload_load_failed_blocks": 1}
+    text = Metrics("m", lambda: stats).render().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    m = (("model_name", "m"),)
+    assert samples[("skyline:external_prefix_cache_hits_total", m)] == 20
+    assert samples[("skyline:external_prefix_cache_queries_total", m)] == 100
+    assert samples[("skyline:kv_offload_hit_tokens_total", (*m, ("tier", "disk")))] == 8
+    assert samples[("skyline:kv_offload_capacity_blocks", (*m, ("tier", "ram")))] == 8
+    assert samples[("skyline:kv_offload_failed_blocks_total", (("model_name", "m"),
+                                                                ("op", "load")))] == 1
+    assert not any("kv_offload" in k[0] for k in _samples_without_tiers())
+
+
+def _samples_without_tiers():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from skyline.server.metrics import Metrics
+
+    text = Metrics("m", lambda: {}).render().decode()
+    return [(s.name, s.labels) for f in text_string_to_metric_families(text) for s in f.samples]

@@ -1,4 +1,4 @@
-"""The draft-model proposer (spec/draft.py) on tiny random HF models: lossless output (greedy
+"""The draft-model proposer (worker/spec/draft.py) on tiny random HF models: lossless output (greedy
 identical with another model or the target as draft, through mixed prefill chunks and
 preemption; seeded identical; sampled distribution-identical), full acceptance when the draft is
 the target, the draft's own KV blocks freed and never over-committed, the self-draft of the
@@ -16,8 +16,9 @@ import torch
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, ModelArch, SpecConfig
-from skyline.engine.create import EngineArgs, check_draft_vocab, create_engine_config
-from skyline.spec.draft import DraftProposer, truncated_model
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import check_draft_vocab, create_engine_config
+from skyline.worker.spec.draft import DraftProposer, truncated_model
 
 transformers = pytest.importorskip("transformers")
 

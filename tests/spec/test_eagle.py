@@ -1,4 +1,4 @@
-"""The EAGLE head and proposer (spec/eagle.py, spec/eagle_proposer.py) on tiny random HF
+"""The EAGLE head and proposer (worker/spec/eagle.py, eagle_proposer.py) on tiny random HF
 models: shapes and the head's KV bookkeeping, training-time unrolling equal to drafting,
 lossless output (greedy identical, seeded identical, sampled distribution-identical), and
 `skyline train-speculator` end to end with its errors."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from skyline import LLM, SamplingParams
-from skyline.config import ConfigError, SpecConfig
-from skyline.spec.eagle import (
+from skyline.config import ConfigError, SpecConfig, TrainArgs
+from skyline.worker.spec.eagle import (
     AttnPlan,
     build_head,
     init_head,
@@ -24,34 +24,18 @@ from skyline.spec.eagle import (
     save_head,
     target_parts,
 )
-from skyline.spec.eagle_proposer import EagleProposer
-from skyline.spec.head_cache import PAGE, HeadCache, HeadKVPool
-from skyline.spec.train import TrainArgs, train_head
+from skyline.worker.spec.eagle_proposer import EagleProposer
+from skyline.worker.spec.head_cache import PAGE, HeadCache, HeadKVPool
+from skyline.worker.spec.train import train_head
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 320
 
 
-def _build(tmp_path_factory, std: float, name: str, hidden: int = 64) -> str:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=VOCAB - 1, bos_token_id=1, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, std)
-    path = tmp_path_factory.mktemp(name)
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return _build(tmp_path_factory, 0.15, "llama")
+def tiny_model(tiny_llama):
+    return tiny_llama(0.15)
 
 
 def _target(path: str):
@@ -281,7 +265,7 @@ def test_the_head_is_not_fed_past_the_static_bound(tiny_model, random_head):
 def trained_head(tiny_model, tmp_path_factory):
     """A head trained briefly on the tiny model's own greedy continuations (the API path of
     `skyline train-speculator`); returns (path, stats)."""
-    from skyline.spec.data import Example, record
+    from skyline.tools.speculator.data import Example, record
 
     llm = LLM(tiny_model, device="cpu", dtype="float32", enable_prefix_caching=False)
     examples = [Example(p) for p in _prompts(24, seed=5)]
@@ -355,7 +339,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_train_speculator_cli_and_errors(tiny_model, tmp_path, tmp_path_factory):
+def test_train_speculator_cli_and_errors(tiny_model, tmp_path, tiny_llama):
     prompts = tmp_path / "p.jsonl"
     rng = random.Random(0)
     with open(prompts, "w") as f:
@@ -381,7 +365,7 @@ def test_train_speculator_cli_and_errors(tiny_model, tmp_path, tmp_path_factory)
     one_line_error(_cli(*gen, "--raw", "1 2 3"), "--speculative-model")
     one_line_error(_cli(*gen, "--speculative-model", str(tmp_path / "nope"), "x"),
                    "train-speculator")
-    other = _build(tmp_path_factory, 0.15, "wide", hidden=96)
+    other = tiny_llama(0.15, "wide", hidden_size=96)
     one_line_error(_cli("generate", "--model", other, "--speculative-method", "eagle",
                         "--speculative-model", str(out), "x"), "hidden_size 64", "96")
     bad = tmp_path / "bad.csv"
@@ -406,7 +390,7 @@ def test_config_needs_a_head():
 
 
 def test_recorder_keeps_features_by_position():
-    from skyline.spec.data import FeatureRecorder
+    from feature_recorder import FeatureRecorder
 
     rec = FeatureRecorder()
     rows = torch.arange(12.0).reshape(6, 2)
@@ -422,7 +406,7 @@ def test_recording_with_async_scheduling(tiny_model):
     a stop token is seen one step late, after the next step, which still samples it, was
     launched; that step's output must not ask the proposer about the finished request. The
     features are those of the synchronous loop."""
-    from skyline.spec.data import FeatureRecorder
+    from feature_recorder import FeatureRecorder
 
     prompts = _prompts(12, seed=7)
     ref = LLM(tiny_model, device="cpu", dtype="float32").generate(prompts, GREEDY)
@@ -461,7 +445,7 @@ def test_cuda_lossless_and_trainable(tiny_model, random_head):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
-    from skyline.spec.data import Example, record
+    from skyline.tools.speculator.data import Example, record
 
     llm = LLM(tiny_model, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2,
               enable_prefix_caching=False)

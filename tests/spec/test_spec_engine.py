@@ -8,7 +8,6 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from skyline import LLM, SamplingParams
 
@@ -17,32 +16,16 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 320
 
 
-def _build(tmp_path_factory, std: float) -> str:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=VOCAB - 1, bos_token_id=1, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, std)
-    path = tmp_path_factory.mktemp("llama")
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_model(tiny_llama):
     # Weights large enough that greedy decoding wanders: many drafts are rejected.
-    return _build(tmp_path_factory, 0.15)
+    return tiny_llama(0.15)
 
 
 @pytest.fixture(scope="module")
-def loopy_model(tmp_path_factory):
+def loopy_model(tiny_llama):
     # Small weights: greedy decoding soon repeats itself, so most drafts are accepted.
-    return _build(tmp_path_factory, 0.02)
+    return tiny_llama(0.02)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

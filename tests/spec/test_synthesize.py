@@ -1,12 +1,12 @@
-"""`train-speculator --synthesize` (spec/data.py): the default model writes user messages
-after its chat template's user header; they come back as chats for the target to answer."""
+"""`train-speculator --synthesize` (tools/speculator/data.py): the default model writes user
+messages after its chat template's user header; they come back as chats for the target to answer."""
 
 from __future__ import annotations
 
 import pytest
 
 from skyline import LLM
-from skyline.spec.data import SYNTH_MIN_TOKENS, synthesize, user_prefix
+from skyline.tools.speculator.data import SYNTH_MIN_TOKENS, synthesize, user_prefix
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import math
 
 import torch
 
-from skyline.spec.ngram import NgramProposer, continuation
-from skyline.spec.suffix import SuffixProposer
-from skyline.spec.verify import sample_and_verify, verify_rows
 from skyline.types import SamplingParams
 from skyline.worker.inputs import RequestState
+from skyline.worker.spec.ngram import NgramProposer, continuation
+from skyline.worker.spec.suffix import SuffixProposer
+from skyline.worker.spec.verify import sample_and_verify, verify_rows
 
 VOCAB = 8
 PROMPT = [1, 2, 3]

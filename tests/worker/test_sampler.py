@@ -111,3 +111,36 @@ def test_min_tokens_masks_stop_ids():
     assert sample(logits, [row])[0] == [1]
     row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), [], [1, 1], (0,))
     assert sample(logits, [row])[0] == [0]
+
+
+def test_logit_bias_forces_and_bans():
+    """+100 makes a token the draw (at temperature 1, 2,000 rows of a peaked distribution);
+    -100 bans the favourite; other rows of the batch are unbiased; logprobs stay raw."""
+    torch.manual_seed(3)
+    n, vocab = 2000, 64
+    logits = (torch.randn(vocab) * 4).repeat(n, 1)
+    top, low = int(logits[0].argmax()), int(logits[0].argmin())
+    force = SamplingParams(temperature=1.0, logit_bias={low: 100.0}, logprobs=0)
+    ban = SamplingParams(temperature=1.0, logit_bias={top: -100.0})
+    rows = [SamplingRow(force if i % 3 == 0 else ban if i % 3 == 1 else SamplingParams(),
+                        [0], [], ()) for i in range(n)]
+    tokens, lps = sample(logits, rows)
+    assert all(t == low for t in tokens[0::3])
+    assert top not in tokens[1::3]
+    assert tokens[2::3].count(top) > 0  # unbiased rows still draw the favourite
+    raw = logits[0].log_softmax(-1)
+    assert lps[0].token_ids == [low] and lps[0].logprobs[0] == pytest.approx(raw[low].item())
+    greedy = [SamplingRow(SamplingParams(temperature=0.0, logit_bias={top: -100, low: 100}),
+                          [0], [], ())]
+    assert sample(logits[:1], greedy)[0] == [low]
+
+
+def test_logit_bias_bounds():
+    with pytest.raises(ValueError, match="between -100 and 100"):
+        SamplingParams(logit_bias={1: 101.0}).validate()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingParams(logit_bias={64: 1.0}).validate(64)
+    with pytest.raises(ValueError, match="token ids"):
+        SamplingParams(logit_bias={-1: 1.0}).validate()
+    with pytest.raises(ValueError, match="between -100 and 100"):
+        SamplingParams(logit_bias={1: float("nan")}).validate()

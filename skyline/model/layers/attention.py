@@ -7,13 +7,15 @@ runner; the layer holds only its KV cache tensor and, for an fp8 cache, its K an
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
-from skyline.ops.attention import paged_attention
+from skyline.ops.attention import attend_ref, causal_mask, paged_attention
 from skyline.ops.cpu_attention import decode_gather
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
@@ -31,7 +33,13 @@ class Attention(nn.Module):
     computes.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 feeds: Any = None, sliding_window: int = 0, sinks: bool = False) -> None:
+        """`feeds`: the Linear that takes the output (o_proj): where it takes its input rounded
+        to int8 (Linear.input_quant), a decode batch whose KV splits a kernel combines comes out
+        rounded already. `sliding_window` > 0: a query sees only the keys less than that many
+        positions before it. `sinks` (gpt-oss): a learned logit per head (the parameter
+        `sinks`, [num_heads]) joins every softmax's denominator."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ConfigError(
@@ -42,12 +50,18 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner
         self.kv_cache: torch.Tensor | None = None
         # The cache holds k / k_scale and v / v_scale: float32 values, 1.0 unless it is fp8.
         # Fixed once bound (CUDA graphs capture them as kernel constants).
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # The consumer's question, not the consumer (a module attribute would register it twice)
+        self._input_quant = feeds.input_quant if feeds is not None else None
 
     def kv_write(self, v: torch.Tensor) -> KVWrite | None:
         """Where this forward's k and v go in the cache, for a rope kernel to store them on the
@@ -63,12 +77,10 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_written: bool = False,  # k and v are already in the cache (see kv_write)
-        quant: str | None = None,  # "int8": the output as Int8Chunks where a kernel rounds it
     ) -> torch.Tensor | Int8Chunks:  # [num_tokens, num_heads * head_dim]
-        """With quant "int8" (Linear.input_quant of the projection that follows), a pure decode
-        batch whose KV splits are combined by a kernel comes out rounded for the W4A8 GEMV, as
-        Int8Chunks; every other case, and any other request, returns the plain output (the
-        GEMV then rounds it itself)."""
+        """Where the Linear this feeds takes int8 input, a pure decode batch whose KV splits are
+        combined by a kernel comes out rounded for the W4A8 GEMV, as Int8Chunks; every other
+        case returns the plain output (the GEMV then rounds it itself)."""
         meta = get_forward_context()
         if meta is None:
             if self.kv_cache is not None and is_fp8(self.kv_cache):
@@ -99,23 +111,35 @@ class Attention(nn.Module):
                 query_start_loc_tensor=meta.query_start_loc_tensor,
                 k_scale=self.k_scale,
                 v_scale=self.v_scale,
-                int8_out=quant == "int8",
+                int8_out=self._wants_int8(q),
+                window=self.sliding_window,
+                sinks=self.sinks,
                 cpu_gather=meta.cpu_gather,
             )
             if isinstance(out, Int8Chunks):
                 return out
         return out.flatten(1, 2)
 
+    def _wants_int8(self, q: torch.Tensor) -> bool:
+        return (self._input_quant is not None
+                and self._input_quant(q.flatten(1)) == "int8")  # asks with o_proj's input shape
+
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, T, D]
-            k.transpose(0, 1),  # [KVH, T, D]
-            v.transpose(0, 1),
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return o.transpose(0, 1)  # [T, H, D]
+        if self.sliding_window == 0 and self.sinks is None:
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1),  # [H, T, D]
+                k.transpose(0, 1),  # [KVH, T, D]
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return o.transpose(0, 1)  # [T, H, D]
+        n = q.shape[0]
+        mask = causal_mask(0, n, self.sliding_window, q.device) if self.sliding_window else None
+        o = attend_ref(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask,
+                       self.scale, self.sinks, causal=True)
+        return o.transpose(0, 1)
 
     def _varlen_no_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -131,6 +155,8 @@ class Attention(nn.Module):
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+            + (f", window={self.sliding_window}" if self.sliding_window else "")
+            + (", sinks" if self.sinks is not None else "")
             + (f", k_scale={self.k_scale:.4g}, v_scale={self.v_scale:.4g}"
                if self.k_scale != 1.0 or self.v_scale != 1.0 else "")
         )

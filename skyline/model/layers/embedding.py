@@ -78,9 +78,9 @@ class LMHead(nn.Module):
                 hidden = fake_quantize_rows_fp8(hidden).to(hidden.dtype)
             return cpu_linear.packed_linear(hidden, self.packed_weight).float()
         if self.fp8_weight is not None:
-            # x quantized per row by a kernel of its own ("a8q"): one launch, where the
+            # x quantized per row by a kernel of its own (rows_first): one launch, where the
             # GEMV's ~2,000 programs over the vocabulary would each quantize it again
-            return fp8_linear(hidden, self.fp8_weight, self.fp8_scale, gemv="a8q").float()
+            return fp8_linear(hidden, self.fp8_weight, self.fp8_scale, rows_first=True).float()
         return F.linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:

@@ -2,74 +2,25 @@
 
 A merged projection (q/k/v, gate/up) is one matmul over a weight stacked along the output
 dim; the checkpoint stores the parts separately, so `weight_loader(param, loaded, shard_id)`
-copies each part into its slice. Quantization plugs in through `LinearMethod`: it creates the
-layer's parameters and applies the matmul. The unquantized method lives here, with its CPU
-variant whose weight is packed for oneDNN once loaded (`prepack`); a quantized format (quant/)
-supplies its own method and weight layout, model files never change.
+copies each part into its slice. Quantization plugs in through `LinearMethod`
+(quant/method.py): it creates the layer's parameters and applies the matmul; model files never
+change.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.ops import cpu_linear
-from skyline.ops.gemv import gemv_or_linear
-
-
-class LinearMethod(Protocol):
-    """How a Linear stores and applies its weight (the seam for quantization)."""
-
-    def create_weights(self, layer: Linear) -> None: ...
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
-
-
-class UnquantizedLinearMethod:
-    """Weight [out_features, in_features] in the default dtype; y = x W^T + b."""
-
-    def create_weights(self, layer: Linear) -> None:
-        weight = torch.empty(layer.out_features, layer.in_features)
-        layer.weight = nn.Parameter(weight, requires_grad=False)
-        _set_loader(layer.weight, layer)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        # F.linear, except a few rows of bf16/fp16 on CUDA (decode) take the Triton GEMV.
-        return gemv_or_linear(x, layer.weight, layer.bias)
-
-    def full_weight(self, layer: Linear) -> torch.Tensor:
-        return layer.weight
-
-
-class PackedLinearMethod:
-    """The unquantized weight packed for oneDNN on the CPU (`ops/cpu_linear.py`): the same
-    product as F.linear, faster at decode-sized batches. The layer holds `packed_weight`
-    instead of the `weight` Parameter; `prepack` converts a loaded layer."""
-
-    def create_weights(self, layer: Linear) -> None:
-        raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
-
-    def full_weight(self, layer: Linear) -> torch.Tensor:
-        return cpu_linear.unpack(layer.packed_weight)
-
-
-def prepack(layer: Linear) -> bool:
-    """Pack a loaded unquantized CPU layer's weight for oneDNN, dropping the dense copy
-    (memory stays the same). Returns whether it did; other layers are left as they are."""
-    if type(layer.linear_method) is not UnquantizedLinearMethod or not cpu_linear.can_pack(
-            layer.weight):
-        return False
-    packed = cpu_linear.pack(layer.weight.data)
-    del layer.weight
-    layer.packed_weight = packed
-    layer.linear_method = PackedLinearMethod()
-    return True
+from skyline.quant.method import (
+    LinearMethod,
+    UnquantizedLinearMethod,
+    set_loader,
+    shape_error,
+)
 
 
 def default_weight_loader(
@@ -77,21 +28,8 @@ def default_weight_loader(
 ) -> None:
     """Copy a checkpoint tensor whole into a parameter that has no loader of its own."""
     if param.shape != loaded.shape:
-        raise ConfigError(_shape_error(loaded.shape, param.shape))
+        raise ConfigError(shape_error(loaded.shape, param.shape))
     param.data.copy_(loaded)
-
-
-def _shape_error(got: torch.Size, want: torch.Size) -> str:
-    return (
-        f"shape {tuple(got)} does not match the model's {tuple(want)}; "
-        "does config.json belong to this checkpoint?"
-    )
-
-
-def _set_loader(param: nn.Parameter, layer: Linear) -> None:
-    # Parameters carry their loader and expected shards so load_weights needs no layer lookup.
-    param.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
-    param.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]
 
 
 class Linear(nn.Module):
@@ -118,7 +56,7 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            _set_loader(self.bias, self)
+            set_loader(self.bias, self, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
@@ -129,7 +67,7 @@ class Linear(nn.Module):
         offset, size = self.shards[shard_id]
         dst = param.data.narrow(0, offset, size)
         if dst.shape != loaded.shape:
-            raise ConfigError(_shape_error(loaded.shape, dst.shape))
+            raise ConfigError(shape_error(loaded.shape, dst.shape))
         dst.copy_(loaded)
 
     def set_linear_method(self, linear_method: LinearMethod) -> None:

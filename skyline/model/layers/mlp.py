@@ -15,6 +15,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
+    def input_quant(self, x: torch.Tensor) -> str | None:
+        """How the norm before it should hand it x (gate_up_proj's Linear.input_quant)."""
+        return self.gate_up_proj.input_quant(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
         act = silu_and_mul(gate_up, quant=self.down_proj.input_quant(gate_up))

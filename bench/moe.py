@@ -1,0 +1,148 @@
+"""Mixture-of-experts models against their floors, each measured in the same run: batch-1
+decode against the bandwidth roofline of the bytes one token reads (dense weights, the experts
+it is routed to, its KV), and an offline run against the sequential and overlapped floors of
+skyline/bench/floor.py (the experts each decode step reads, expected over uniform routing).
+Every stage runs on one GPU; models run one after the other.
+
+  python bench/moe.py                                   # both stages, both models, this GPU
+  python bench/moe.py --stages decode --models gpt-oss-20b
+  python bench/moe.py --smoke --out-dir /tmp/moe        # CPU, shrunken configs, seconds
+
+Models are shipped config names (dummy weights): qwen3-30b-a3b in bf16, gpt-oss-20b with its
+experts in MXFP4 as the checkpoint ships them.
+JSON: <out-dir>/{decode,offline}-<model>-<device>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from skyline.bench.floor import copy_bandwidth
+from skyline.bench.offline import machine_info, random_prompts, run_offline, save_json
+from skyline.configs import dummy_config_dir
+from skyline.engine.args import EngineArgs
+from skyline.engine.frontend.llm import LLM
+from skyline.types import SamplingParams
+
+MODELS = ("qwen3-30b-a3b", "gpt-oss-20b")
+# --smoke: each shipped config shrunk to a model a CPU runs in seconds
+SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             num_experts=16, num_local_experts=16, max_position_embeddings=4096)
+
+
+def smoke_config(name: str, root: Path) -> str:
+    """A directory holding `name`'s shipped config.json with SMOKE's sizes."""
+    cfg = json.loads((Path(dummy_config_dir(name)) / "config.json").read_text())
+    cfg.update({k: v for k, v in SMOKE.items() if k in cfg})
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][: cfg["num_hidden_layers"]]
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def release(llm: LLM) -> None:
+    """Hand the engine's memory back before the next model loads."""
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    """Batch-1 decode tok/s against bandwidth / (bytes one token reads)."""
+    device = torch.device("cuda" if args.device.startswith("cuda") else "cpu")
+    bandwidth = copy_bandwidth(device)
+    llm = LLM(**dataclasses.asdict(args) | dict(max_model_len=prompt_len + new_tokens + 16,
+                                                max_num_seqs=8))
+    cfg = llm.config
+    cost = llm.query("model_cost")
+    mean_ctx = prompt_len + new_tokens / 2
+    bytes_per_token = cost.step_weight_bytes(1) + cost.kv_bytes_per_token * mean_ctx
+    roofline = bandwidth / bytes_per_token
+    prompt = random_prompts(1, prompt_len, cfg.model.arch.vocab_size)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt], dataclasses.replace(params, max_tokens=8))  # warm-up
+
+    def rate() -> float:
+        # first to last token as the caller receives them (no syncs of our own)
+        stamps = [time.perf_counter() for _ in llm.stream(prompt, params)]
+        return (new_tokens - 1) / (stamps[-1] - stamps[0])
+
+    tok_s = max(rate() for _ in range(2))
+    res = {
+        "benchmark": "moe_decode", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "model": name, "device": cfg.device, "dtype": cfg.model.dtype,
+        "quantization": cfg.model.quant.method, "experts": cfg.model.quant.experts or
+        cfg.model.quant.method, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "cuda_graphs": cfg.device.startswith("cuda") and not cfg.enforce_eager,
+        "copy_bandwidth_TBps": bandwidth / 1e12, "cost": dataclasses.asdict(cost),
+        "active_weight_GB": cost.step_weight_bytes(1) / 1e9,
+        "all_experts_GB": cost.expert_bytes / 1e9, "bytes_per_token_GB": bytes_per_token / 1e9,
+        "roofline_tok_s": roofline, "decode_tok_s": tok_s, "fraction_of_roofline":
+        tok_s / roofline, "machine": machine_info(cfg.device),
+    }
+    print(f"{name} batch-1 decode: {tok_s:.1f} tok/s, roofline {roofline:.1f} tok/s "
+          f"({res['bytes_per_token_GB']:.2f} GB a token at {bandwidth / 1e12:.2f} TB/s): "
+          f"{res['fraction_of_roofline']:.2f}")
+    release(llm)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", nargs="+", default=["decode", "offline"],
+                    choices=["decode", "offline"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=256, help="decode: tokens generated")
+    ap.add_argument("--num-prompts", type=int, default=1000, help="offline")
+    ap.add_argument("--input-len", type=int, default=1000, help="offline")
+    ap.add_argument("--output-len", type=int, default=1000, help="offline")
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="offline")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out-dir", default="bench/results/moe")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, the configs shrunk, a few tokens: checks the script runs")
+    a = ap.parse_args()
+    tmp = tempfile.TemporaryDirectory() if a.smoke else None
+    if a.smoke:
+        a.device, a.prompt_len, a.new_tokens = "cpu", 16, 8
+        a.num_prompts, a.input_len, a.output_len, a.max_num_seqs = 4, 8, 4, 4
+    out = Path(a.out_dir)
+    for name in a.models:
+        path = smoke_config(name, Path(tmp.name)) if tmp is not None else name
+        args = EngineArgs(model=path, load_format="dummy", device=a.device,
+                          kv_cache_dtype=a.kv_cache_dtype, enforce_eager=a.enforce_eager)
+        tag = f"{name}-{'smoke' if a.smoke else a.device}"
+        if "decode" in a.stages:
+            res = decode(args, name, a.prompt_len, a.new_tokens)
+            save_json(res, str(out / f"decode-{tag}.json"))
+        if "offline" in a.stages:
+            args = dataclasses.replace(args, max_num_seqs=a.max_num_seqs,
+                                       max_model_len=a.input_len + a.output_len + 16)
+            run_offline(args, a.num_prompts, a.input_len, a.output_len,
+                        str(out / f"offline-{tag}.json"), floor=True)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Deployments of skyline above one host: Ray Serve (ray.py)."""

@@ -1,0 +1,62 @@
+"""Every environment variable skyline reads, typed, read once.
+
+`ENV` is read when this module is first imported and never changes afterwards; code reads
+`envs.ENV.<name>`, never `os.environ`. Tests that need another value replace `envs.ENV`
+(`monkeypatch.setattr(envs, "ENV", envs.Env.read())` after setting the variable).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"the environment variable {name}={value!r} must be a whole number"
+                         ) from None
+
+
+@dataclass(frozen=True)
+class Env:
+    # TRITON_INTERPRET=1: Triton kernels run in Triton's CPU interpreter (kernel tests without
+    # a GPU); kernels then avoid what the interpreter cannot run (pipelined range loops, PTX).
+    triton_interpret: bool
+    # SKYLINE_PDL=0: no programmatic dependent launch for the Triton kernels (ops/pdl.py).
+    pdl: bool
+    # SKYLINE_CPU_SERIAL_TOKENS: on a CPU, a step of at most this many tokens runs on one
+    # thread (worker/runner.py); 0 turns it off.
+    cpu_serial_tokens: int
+    # SKYLINE_GGUF_CPU_PLANES: on a CPU in bfloat16, GGUF blocks of at most this many bits
+    # above 4 run the int4 kernel as two planes (quant/gguf.py); 1 keeps them dense.
+    gguf_cpu_planes: int
+    # SKYLINE_API_KEY: the server's API key when --api-key is not given.
+    api_key: str | None
+    # OPENAI_API_KEY: the key `skyline bench serve` sends when --api-key is not given.
+    openai_api_key: str | None
+
+    @classmethod
+    def read(cls) -> Env:
+        return cls(
+            triton_interpret=os.environ.get("TRITON_INTERPRET") == "1",
+            pdl=_flag("SKYLINE_PDL", True),
+            cpu_serial_tokens=_int("SKYLINE_CPU_SERIAL_TOKENS", 4),
+            gguf_cpu_planes=_int("SKYLINE_GGUF_CPU_PLANES", 2),
+            api_key=os.environ.get("SKYLINE_API_KEY") or None,
+            openai_api_key=os.environ.get("OPENAI_API_KEY") or None,
+        )
+
+
+ENV = Env.read()

@@ -1,0 +1,129 @@
+"""Triton kernel of the MoE's grouped GEMM (ops/moe.py holds its PyTorch reference, its launcher
+and the layouts): one program per (block of BLOCK_M pairs of one expert, BLOCK_N output
+columns), the weight tile dequantized in registers (fp8, MXFP4) before a bf16/fp32 dot."""
+
+from __future__ import annotations
+
+from skyline.ops.triton_utils import tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1_to_f32(code):
+        # uint8 E2M1 codes (< 16) -> float32, by building the float's bits: magnitude
+        # 2^(e - 1) * (1 + m / 2) is exponent e + 126 with mantissa m << 22; e = 0 holds 0
+        # and 0.5 (exponent 126, no mantissa).
+        c = code.to(tl.int32)
+        e = (c >> 1) & 3
+        m = c & 1
+        exp = tl.where(e == 0, m * 126, e + 126)
+        mant = tl.where(e == 0, 0, m << 22)
+        bits = ((c & 8) << 28) | (exp << 23) | mant
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e8m0_to_f32(s):
+        # uint8 E8M0 exponents -> 2^(s - 127) as float32 bits (s = 0 reads as 0, not 2^-127)
+        return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk, s_base, n, n_ok,
+                stride_sn, stride_sk, K, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
+                SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_K: tl.constexpr,
+                IEEE: tl.constexpr):
+        # acc [BLOCK_M, BLOCK_N] += a[a_rows, k0:k0 + BLOCK_K] @ W_e[n, k0:k0 + BLOCK_K]^T
+        if FMT == 2:
+            # bytes j of the tile hold elements 2j (low nibble) and 2j + 1 (high): two dots,
+            # over a's even and odd columns
+            j = tl.arange(0, BLOCK_K // 2)
+            kj = k0 + 2 * j
+            w_mask = (kj < K)[:, None] & n_ok[None, :]
+            byte = tl.load(w_base + (k0 // 2 + j)[:, None] * stride_wk, mask=w_mask,
+                           other=0)  # [BLOCK_K / 2, BLOCK_N]
+            scale = _e8m0_to_f32(tl.load(s_base + n[None, :] * stride_sn
+                                         + (kj // 32)[:, None] * stride_sk, mask=w_mask,
+                                         other=0))
+            a_even = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :],
+                             mask=row_ok[:, None] & (kj < K)[None, :], other=0.0)
+            a_odd = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :] + 1,
+                            mask=row_ok[:, None] & (kj + 1 < K)[None, :], other=0.0)
+            w_lo = (_e2m1_to_f32(byte & 0x0F) * scale).to(a_even.dtype)
+            w_hi = (_e2m1_to_f32(byte >> 4) * scale).to(a_even.dtype)
+            if IEEE:
+                acc += tl.dot(a_even, w_lo, input_precision="ieee")
+                acc += tl.dot(a_odd, w_hi, input_precision="ieee")
+            else:
+                acc += tl.dot(a_even, w_lo)
+                acc += tl.dot(a_odd, w_hi)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            w = tl.load(w_base + k[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
+                        other=0)  # [BK, BN]
+            if FMT == 1:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if not CHANNEL_SCALE:  # the tile's columns share one scale block
+                    w = w * tl.load(s_base + (n // SCALE_BN) * stride_sn
+                                    + (k0 // SCALE_BK) * stride_sk, mask=n_ok,
+                                    other=0.0)[None, :]
+                w = w.to(a.dtype)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
+        return acc
+
+    @triton.jit
+    def grouped_matmul_kernel(
+        a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr,
+        N, K, num_pairs,
+        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_be,
+        stride_om,
+        GATHER: tl.constexpr, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        # Rows: the pairs sorted_ids[pid_m * BLOCK_M ...] (P = padding), all of expert e, whose
+        # inputs are rows pair // GATHER of a. FMT 0: W [E, N, K] in a's dtype; 1: e4m3 bytes
+        # with a scale per output channel [E, N] (CHANNEL_SCALE) or per SCALE_BN x SCALE_BK
+        # block (BLOCK_K divides SCALE_BK); 2: MXFP4, bytes [E, N, K / 2] and E8M0 scales
+        # [E, N, K / 32]. The bias and the routing weight (ROUTE) apply after the product.
+        # K tiles stream through a software-pipelined loop (PIPELINE), a while loop in
+        # Triton's interpreter, which cannot run range() to a runtime bound.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_experts_ptr + pid_m)
+        if e < 0:  # blocks past the last expert's
+            return
+        rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_ok = rows < num_pairs
+        a_rows = (rows // GATHER).to(tl.int64)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        w_base = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn
+        s_base = s_ptr + e.to(tl.int64) * stride_se
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PIPELINE:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
+                              s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
+                              SCALE_BN, SCALE_BK, BLOCK_K, IEEE)
+        else:
+            k0 = 0
+            while k0 < K:
+                acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
+                              s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
+                              SCALE_BN, SCALE_BK, BLOCK_K, IEEE)
+                k0 += BLOCK_K
+        if CHANNEL_SCALE:
+            acc = acc * tl.load(s_base + n * stride_sn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok,
+                           other=0.0).to(tl.float32)[None, :]
+        if ROUTE:
+            acc = acc * tl.load(route_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

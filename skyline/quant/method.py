@@ -1,0 +1,120 @@
+"""The seam between a Linear layer (model/layers/linear.py) and its weight format.
+
+A Linear owns a `LinearMethod`: the method creates the layer's parameters and applies the
+matmul; a quantized format (fp8.py, intq.py, fp4.py, gguf.py) supplies its own method and
+weight layout, model files never change. This package sits below `model`, so it names the
+layer through the `LinearLayer` protocol, never the class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from skyline.config import ConfigError
+from skyline.ops import cpu_linear
+from skyline.ops.gemv import gemv_or_linear
+
+
+@runtime_checkable
+class LinearLayer(Protocol):
+    """What a method sees of its layer: y = x W^T (+ b), [..., in] -> [..., out]. `shards`
+    maps a shard id (q/k/v, gate/up) to its (offset, size) along the output dim."""
+
+    in_features: int
+    out_features: int
+    shards: dict[Any, tuple[int, int]]
+    linear_method: Any
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: Any = None) -> None: ...
+
+
+class LinearMethod(Protocol):
+    """How a Linear stores and applies its weight."""
+
+    def create_weights(self, layer: LinearLayer) -> None: ...
+
+    def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def linears(model: nn.Module) -> dict[str, Any]:
+    """Every Linear layer of `model` by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearLayer)}
+
+
+def iter_linears(model: nn.Module) -> Iterator[Any]:
+    return (m for m in model.modules() if isinstance(m, LinearLayer))
+
+
+class UnquantizedLinearMethod:
+    """Weight [out_features, in_features] in the default dtype; y = x W^T + b."""
+
+    def create_weights(self, layer: Any) -> None:
+        weight = torch.empty(layer.out_features, layer.in_features)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        set_loader(layer.weight, layer, layer.weight_loader)
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        # F.linear, except a few rows of bf16/fp16 on CUDA (decode) take the Triton GEMV.
+        return gemv_or_linear(x, layer.weight, layer.bias)
+
+    def full_weight(self, layer: Any) -> torch.Tensor:
+        return layer.weight
+
+
+class PackedLinearMethod:
+    """The unquantized weight packed for oneDNN on the CPU (`ops/cpu_linear.py`): the same
+    product as F.linear, faster at decode-sized batches. The layer holds `packed_weight`
+    instead of the `weight` Parameter; `prepack` converts a loaded layer."""
+
+    def create_weights(self, layer: Any) -> None:
+        raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
+
+    def full_weight(self, layer: Any) -> torch.Tensor:
+        return cpu_linear.unpack(layer.packed_weight)
+
+
+def prepack(layer: Any) -> bool:
+    """Pack a loaded unquantized CPU layer's weight for oneDNN, dropping the dense copy
+    (memory stays the same). Returns whether it did; other layers are left as they are."""
+    if type(layer.linear_method) is not UnquantizedLinearMethod or not cpu_linear.can_pack(
+            layer.weight):
+        return False
+    packed = cpu_linear.pack(layer.weight.data)
+    del layer.weight
+    layer.packed_weight = packed
+    layer.linear_method = PackedLinearMethod()
+    return True
+
+
+def unpack(layer: Any) -> bool:
+    """prepack's inverse: the dense weight back as the layer's `weight` Parameter (bit for
+    bit), served by F.linear again. Returns whether the layer was packed."""
+    if type(layer.linear_method) is not PackedLinearMethod:
+        return False
+    weight = cpu_linear.unpack(layer.packed_weight)
+    del layer.packed_weight
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    set_loader(layer.weight, layer, layer.weight_loader)
+    layer.linear_method = UnquantizedLinearMethod()
+    return True
+
+
+def shape_error(got: torch.Size, want: torch.Size) -> str:
+    return (
+        f"shape {tuple(got)} does not match the model's {tuple(want)}; "
+        "does config.json belong to this checkpoint?"
+    )
+
+
+def set_loader(param: nn.Parameter, layer: Any, loader: Any) -> None:
+    # Parameters carry their loader and expected shards so load_weights needs no layer lookup.
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = tuple(layer.shards)  # type: ignore[attr-defined]

@@ -1,0 +1,1 @@
+"""`skyline quantize`: calibrated checkpoints and the per-layer format search."""

@@ -1,0 +1,263 @@
+"""What tools, benchmarks and start-up ask of a loaded model, answered where the model lives.
+
+Each query is a function of the rank's `ModelRunner` and plain arguments, returning plain data
+or CPU tensors, so that any executor can run it: in its own process, or on every rank's
+worker (`Executor.query(name, *args)`). One dict names them all. The algorithms are the
+packages' (quant/ for calibration, quantization and the format search, worker/spec/ for the
+EAGLE head's training); a query only hands them the runner's model.
+
+Queries that read or change the Linear weights first put the model back in its plain layout
+(model/loader.py: `plain_layout`), so that what they compute is what a freshly loaded model
+computes, whatever packing the engine served with; the engine goes on serving (a CPU engine
+through F.linear). Quantizing leaves the engine's model quantized: a tool shuts the engine
+down afterwards. The bench probes at the end change how the engine computes, for one
+measurement each; a benchmark's engine is not used for anything else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from skyline.config import QuantConfig, TrainArgs
+from skyline.model.checkpoint import write_checkpoint
+from skyline.model.cost import ModelCost
+from skyline.model.loader import plain_layout
+from skyline.model.weights import held_bytes
+from skyline.ops import cpu_int4, cpu_linear
+from skyline.ops.pdl import use_pdl
+from skyline.quant import report
+from skyline.quant.assignment import parse_formats, to_quant_config
+from skyline.quant.calibrate import collect_act_sq as _collect_act_sq
+from skyline.quant.checkpoint import quantize_loaded
+from skyline.quant.intq import round_linear_inputs_int8
+from skyline.quant.method import iter_linears
+from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
+from skyline.worker.runner import ModelRunner
+from skyline.worker.spec.train import Sample, train_and_save
+
+ActSq = dict[str, torch.Tensor]
+
+
+def describe(r: ModelRunner) -> dict[str, Any]:
+    """What start-up reports: the KV cache's size, load and CUDA-graph capture times, the
+    weights' size (as held for serving: packed and quantized layouts included)."""
+    return {
+        "num_blocks": r.num_blocks,
+        "kv_cache_gib": r.kv_cache_bytes / 2**30,
+        "kv_cache_tokens": r.num_blocks * r.block_size,
+        "load_seconds": r.load_seconds,
+        "weights_gib": held_bytes(r.model.modules()) / 2**30,
+        "num_cuda_graphs": len(r.graphs.graphs) if r.graphs is not None else 0,
+        "cuda_graph_capture_seconds": getattr(r, "graph_capture_seconds", None),
+        "pdl": use_pdl(r.device),  # programmatic dependent launch (SKYLINE_PDL)
+    }
+
+
+@torch.inference_mode()
+def score(r: ModelRunner, token_ids: list[int],
+          kv_scales: list[tuple[float, float]] | None = None) -> torch.Tensor:
+    """Log-probs of the next token at every position of `token_ids` (teacher forcing): one
+    causal forward pass outside the KV cache (K and V rounded as an fp8 cache stores them,
+    with the layers' scales, or `kv_scales` for this pass). Returns [len(token_ids), vocab]
+    float32 on the CPU."""
+    layers = r.model.attention_layers()
+    saved = [(layer.k_scale, layer.v_scale) for layer in layers]
+    try:
+        for layer, (k, v) in zip(layers, kv_scales or saved, strict=True):
+            layer.k_scale, layer.v_scale = k, v
+        ids = torch.tensor(token_ids, device=r.device)
+        hidden = r.model(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
+        return r.model.compute_logits(hidden).float().log_softmax(-1).cpu()
+    finally:
+        for layer, (k, v) in zip(layers, saved, strict=True):
+            layer.k_scale, layer.v_scale = k, v
+
+
+def kv_scales(r: ModelRunner, token_ids: list[int] | None = None) -> list[tuple[float, float]]:
+    """Per-layer (k_scale, v_scale) of an fp8 KV cache: the engine's, or (given token ids)
+    those the engine's calibration gives on that text (bench/kv_cache_quality.py)."""
+    layers = r.model.attention_layers()
+    if token_ids is None:
+        return [(layer.k_scale, layer.v_scale) for layer in layers]
+    caches = [layer.kv_cache for layer in layers]
+    try:  # calibrated as at start-up, before the layers had a cache to round K and V for
+        for layer in layers:
+            layer.kv_cache = None
+        return calibrate_kv_scales(r.model, r.arch.vocab_size, r.config.model.max_model_len,
+                                   r.device, token_ids)
+    finally:
+        for layer, cache in zip(layers, caches, strict=True):
+            layer.kv_cache = cache
+
+
+@torch.inference_mode()
+def hidden_states(r: ModelRunner, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The target's hidden state (its LM head's input) at every position of each sequence, by
+    a causal forward pass over it outside the KV cache: [len(seq), hidden] on the CPU in the
+    model's dtype (the EAGLE head's training features, tools/speculator/data.py)."""
+    out = []
+    for seq in sequences:
+        ids = torch.tensor(seq, device=r.device)
+        out.append(r.model(ids, torch.arange(len(ids), device=r.device)).cpu())
+    return out
+
+
+def device_wait_seconds(r: ModelRunner) -> float:
+    """Seconds the host has waited for sampled tokens so far (near zero when the host, not
+    the device, sets the pace of the steps)."""
+    return r.device_wait_s
+
+
+def linear_bytes(r: ModelRunner) -> int:
+    """Bytes the Linear layers hold as they serve now (their formats' tensors, any CPU
+    layout), the embedding and the LM head apart (bench/quant_quality.py)."""
+    return held_bytes(iter_linears(r.model))
+
+
+def model_cost(r: ModelRunner) -> ModelCost:
+    """The loaded model's cost per token as it serves (skyline/bench/floor.py)."""
+    return ModelCost.of(r.model, bytes_per_block(r.arch, 1, r.kv_dtype))
+
+
+# -- the quantize tool ------------------------------------------------------------------------
+
+
+def collect_act_sq(r: ModelRunner, token_ids: list[int]) -> ActSq:
+    """Calibration statistics of the (unquantized) model on `token_ids`: quant/calibrate.py."""
+    plain_layout(r.model)
+    return _collect_act_sq(r.model, token_ids)
+
+
+def quantize(r: ModelRunner, quant: QuantConfig, act_sq: ActSq | None = None) -> None:
+    """Quantize the loaded, unquantized model in place, each Linear to its format in `quant`,
+    calibrated by `act_sq` (quant/checkpoint.py)."""
+    plain_layout(r.model)
+    quantize_loaded(r.model, quant, act_sq)
+
+
+def save_quantized(r: ModelRunner, out_dir: str, quant: QuantConfig,
+                   calibration: dict[str, Any]) -> dict[str, Any]:
+    """Write the model, quantized as `quant`, to `out_dir`: model.safetensors and config.json
+    (the model's own, with the quantization_config, which is returned). The tokenizer's files
+    are the caller's."""
+    return write_checkpoint(r.model, r.config.model, quant, out_dir, calibration)
+
+
+def search_formats(r: ModelRunner, formats: str, group_size: int, budget: int,
+                   token_ids: list[int], act_sq: ActSq | None, calib_tokens: int,
+                   eval_tokens: int, search_kw: dict[str, Any]) -> dict[str, Any]:
+    """The mixed-precision search for `budget` bytes over `formats` (a comma-separated list)
+    and its report (quant/report.py), as plain data: the QuantConfig of the assignment
+    ("quant"), assignment.json ("assignment") and report.json ("report"). Leaves the model
+    quantized as the assignment, ready for `save_quantized`."""
+    plain_layout(r.model)
+    result, rep = report.search_report(r.model, token_ids, parse_formats(formats, group_size),
+                                       budget, act_sq, calib_tokens, eval_tokens, **search_kw)
+    return {"quant": to_quant_config(result.assignment),
+            "assignment": report.assignment_summary(result), "report": rep}
+
+
+def search_budgets(r: ModelRunner, formats: str, budgets: list[str], calib: list[int],
+                   evals: list[int], act_sq: ActSq | None, search_kw: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """Searches for several budgets sharing their preparation (bench/quant_search.py:
+    quant/report.py's search_budgets); the model is left unquantized."""
+    plain_layout(r.model)
+    return report.search_budgets(r.model, calib, evals, parse_formats(formats), budgets,
+                                 act_sq, **search_kw)
+
+
+# -- the train-speculator tool ----------------------------------------------------------------
+
+
+def train_eagle_head(r: ModelRunner, samples: list[tuple[list[int], int, torch.Tensor]],
+                     args: TrainArgs, eos_ids: tuple[int, ...], out_dir: str,
+                     about: dict[str, Any]) -> dict[str, Any]:
+    """Train an EAGLE head for the model on (token ids, prompt length, features) samples and
+    save it to `out_dir` (worker/spec/train.py); returns the training statistics."""
+    return train_and_save(r.model, [Sample(*s) for s in samples], args, eos_ids, out_dir,
+                          about)
+
+
+# -- bench probes -----------------------------------------------------------------------------
+
+
+def round_linear_inputs(r: ModelRunner) -> None:
+    """Every Linear's input rounded to int8 per row and 32 columns from now on, as the CUDA
+    W4A8 GEMV rounds it (bench/quant_quality.py)."""
+    round_linear_inputs_int8(r.model)
+
+
+def zero_forward(r: ModelRunner) -> None:
+    """The model's forward pass and logits become zeros: what remains of a step is the host's
+    work (bench/host_overhead.py)."""
+    hidden, vocab = r.arch.hidden_size, r.arch.vocab_size
+    r.model.forward = lambda ids, pos: torch.zeros(ids.shape[0], hidden, device=r.device)
+    r.model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab, device=r.device)
+
+
+def repeat_drafts(r: ModelRunner) -> None:
+    """The proposer drafts the request's last token, as many times as asked, whatever the
+    text: steps cost what speculation costs, whatever it predicts (bench/profile_spec_step.py)."""
+    assert r.proposer is not None, "repeat_drafts needs an engine with a speculative method"
+    r.proposer.propose = lambda rids, token_ids, depth: [[t[-1]] * depth for t in token_ids]
+
+
+def cpu_product_seconds(r: ModelRunner) -> float:
+    """Seconds the CPU's weight products (the int4 kernel's and oneDNN's calls: the Linears
+    and the LM head) took since this probe's first call, which starts timing them
+    (bench/cpu_vs_llamacpp.py: a decode step's products against the rest of it)."""
+    spent = getattr(r, "product_s", None)
+    if spent is None:
+        spent = r.product_s = [0.0]
+        for module, name in ((cpu_int4, "planes_mm"), (cpu_linear, "packed_linear")):
+            setattr(module, name, _timed(getattr(module, name), spent))
+    return spent[0]
+
+
+def _timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+    return call
+
+
+def host_seconds(r: ModelRunner) -> dict[str, float]:
+    """Seconds the runner's host work took so far, by phase (bench/host_overhead.py)."""
+    return dict(r.host_s)
+
+
+def kv_connector_info(r: ModelRunner) -> dict[str, Any] | None:
+    """What the scheduler's half of the KV connector needs at start-up (worker/connector/),
+    or None without one. A multi-rank executor merges its ranks' answers (`merge_info`)."""
+    return r.connector.info() if r.connector is not None else None
+
+
+QUERIES: dict[str, Callable[..., Any]] = {
+    "describe": describe,
+    "score": score,
+    "kv_scales": kv_scales,
+    "hidden_states": hidden_states,
+    "device_wait_seconds": device_wait_seconds,
+    "model_cost": model_cost,
+    "linear_bytes": linear_bytes,
+    "collect_act_sq": collect_act_sq,
+    "quantize": quantize,
+    "save_quantized": save_quantized,
+    "search_formats": search_formats,
+    "search_budgets": search_budgets,
+    "train_eagle_head": train_eagle_head,
+    "round_linear_inputs": round_linear_inputs,
+    "zero_forward": zero_forward,
+    "repeat_drafts": repeat_drafts,
+    "host_seconds": host_seconds,
+    "cpu_product_seconds": cpu_product_seconds,
+    "kv_connector_info": kv_connector_info,
+}

@@ -1,0 +1,2 @@
+"""Speculative decoding on the worker: proposers (n-gram, suffix, EAGLE head, draft model) and
+verification of their drafts."""

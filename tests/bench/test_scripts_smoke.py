@@ -1,0 +1,30 @@
+"""Every bench script (bench/*.py, bench/kernels/*.py) runs in its --smoke mode: a tiny random
+model or tiny kernel shapes on the CPU, seconds each, so a script that rots fails here. Each
+runs in a fresh process, in a temporary directory (nothing it writes lands in the repo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SCRIPTS = sorted([*BENCH.glob("*.py"), *(BENCH / "kernels").glob("*.py")])
+
+
+def test_every_script_is_here():
+    assert len(SCRIPTS) > 20 and BENCH / "kernels" / "tune_gemv.py" in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
+def test_smoke(script: Path, tmp_path: Path):
+    # The scripts choose Triton's interpreter themselves (the PTX counters must not have it).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TMPDIR": str(tmp_path), "OUT": ""}
+    r = subprocess.run([sys.executable, str(script), "--smoke"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{script.name} --smoke failed:\n{r.stdout[-2000:]}\n" \
+                              f"{r.stderr[-4000:]}"
