@@ -10,6 +10,7 @@ import torch
 
 from skyline.config import ConfigError
 from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.model.cost import ModelCost
 from skyline.model.loader import load_model, prepack_for_cpu
 from skyline.ops import cpu_linear, cpu_plan
 
@@ -55,6 +56,8 @@ def test_served_default_is_as_close_as_dense_bf16(monkeypatch, caps):
     layer = served.model.layers[0].mlp.gate_up_proj
     assert (getattr(layer, "cpu_planes", None) is not None) == plan.gguf_packed
     dense_bf16 = _model(dtype="bfloat16")
+    if plan.gguf_packed:  # a decode step reads the planes, not the dense copy beside them
+        assert ModelCost.of(served, 0).weight_bytes < ModelCost.of(dense_bf16, 0).weight_bytes
     for rows in (4, 40):  # decode-sized (the int4 kernel) and prefill-sized (dense) products
         ref = _logits(exact, rows)
         bound = rel_err(_logits(dense_bf16, rows), ref)  # ~0.009 measured
