@@ -1,7 +1,8 @@
 """skyline against llama.cpp on the CPU, on the same GGUF files with the same threads, in one run.
 
     python bench/cpu_vs_llamacpp.py --llama-bin DIR [--threads 2] [--rounds 3]
-        [--models q4_1,q4_k_m,q8_0] [--out bench/results/cpu/cpu-vs-llamacpp-2threads.json]
+        [--models q4_1,q4_k_m,q8_0] [--parts offline,serve]
+        [--out bench/results/cpu/cpu-vs-llamacpp-2threads.json]
     python bench/cpu_vs_llamacpp.py --smoke      # skyline only, tiny settings, no llama.cpp
 
 DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
@@ -227,6 +228,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="skyline only, tiny settings (CI): no llama.cpp needed")
     ap.add_argument("--models", default="q4_1,q4_k_m,q8_0")
+    ap.add_argument("--parts", default="offline,serve",
+                    help="offline (batch-1 decode and prefill), serve (the streams), or both")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=512, help="prefill prompt tokens")
@@ -275,8 +278,10 @@ def main() -> None:
         model = model_file(name, ns.work_dir, ns.llama_bin)
         print(f"{name}: {model}", flush=True)
         entry = {"file": os.path.basename(model), "bytes": os.path.getsize(model)}
-        entry |= bench_offline(model, ns, bandwidth)
-        entry["serve"] = bench_serve(model, ns)
+        if "offline" in ns.parts:
+            entry |= bench_offline(model, ns, bandwidth)
+        if "serve" in ns.parts:
+            entry["serve"] = bench_serve(model, ns)
         report["models"][name] = entry
         _print_model(name, entry)
         if ns.smoke:
@@ -300,9 +305,11 @@ def _check_smoke(entry: dict[str, Any]) -> None:
 
 
 def _print_model(name: str, entry: dict[str, Any]) -> None:
-    serve = entry["serve"]["engines"]
+    serve = entry.get("serve", {}).get("engines", {})
     line = [f"{name}:"]
     for key, raw in (("decode_b1", "decode_b1_tok_s"), ("prefill", "prefill_tok_s")):
+        if raw not in entry:
+            continue
         if key in entry:
             s = entry[key]
             line.append(f"{key} {s['skyline_median']:.1f} / {s['llamacpp_median']:.1f} tok/s "
