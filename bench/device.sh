@@ -32,8 +32,17 @@
 #                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
 #   fast-start     engine ready from a safetensors checkpoint (bench/fast_start.py), with
 #                  --speculative-method $SPEC_METHOD (none)
+#   served         the API process's streamed-token ceiling on this host's CPU
+#                  (bench/serve_ceiling.py), then served against offline at SERVED_C (256)
+#                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py)
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
 #                  machine's CPU (bench/host_overhead.py)
+#   parallel       bench/parallel_gpu.py on GPUS GPUs (default: all visible) for PAR_STAGES
+#                  (decode offline pp): batch-1 decode at TP=GPUS against GPUS GPUs' roofline,
+#                  1000 x (1000, 1000) at TP=GPUS against TP=1, and PP=GPUS against TP=GPUS;
+#                  PAR_ARGS adds flags (e.g. "--num-prompts 256"); on one GPU: TP=1 and PP=1;
+#                  PAR_STAGES="mp1 placement" on one GPU: the multi-process executor at world
+#                  size 1 against one process, and PP over cuda + cpu (--cpu-layers, 1)
 #   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
 #                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
 #                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)
@@ -195,9 +204,28 @@ stage_fast_start() {
     --out "$OUT/fast-start-h200-$M$name$TAG.json"
 }
 
+stage_served() {
+  # The API process's ceiling on this host's CPU (a near-free tiny engine, 64 and 256 streams),
+  # then served against offline on the GPU at SERVED_C users (256), SERVED_PROCS client
+  # processes (8), SERVED_N requests (1024) of SERVED_IN -> SERVED_OUT tokens (128 -> 256),
+  # engine flags SERVED_FLAGS (none; e.g. "--kv-cache-dtype fp8")
+  CUDA_VISIBLE_DEVICES='' python3 bench/serve_ceiling.py --processes 8 \
+    --out-dir "$OUT" --tag "h200-host$TAG"
+  python3 bench/served_vs_offline.py --model "$M" --concurrency "${SERVED_C:-256}" \
+    --processes "${SERVED_PROCS:-8}" --num-requests "${SERVED_N:-1024}" \
+    --input-len "${SERVED_IN:-128}" --output-len "${SERVED_OUT:-256}" \
+    --flags "${SERVED_FLAGS:-}" \
+    --out "$OUT/served-vs-offline-h200-$M-c${SERVED_C:-256}$TAG.json"
+}
+
 stage_host() {
   CUDA_VISIBLE_DEVICES='' python3 bench/host_overhead.py --batch 256 1024 --context 1500 \
     --steps 60 --out "$OUT/host-overhead-h200-ctx1500$TAG.json"
+}
+
+stage_parallel() {
+  python3 bench/parallel_gpu.py --gpus "${GPUS:-$(nvidia-smi -L | wc -l)}" --model "$M" \
+    --stages ${PAR_STAGES:-decode offline pp} ${PAR_ARGS:-} --out-dir "$OUT"
 }
 
 stage_tune_attention() {

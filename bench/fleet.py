@@ -370,7 +370,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", default="routing,kill,overhead")
     ap.add_argument("--smoke", action="store_true", help="a few requests per stage (CI)")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results", "fleet"))
+    ap.add_argument("--out-dir", default=None, help="default: bench/results/fleet (a --smoke "
+                    "run writes nothing unless given one)")
     ap.add_argument("--log-dir", default="/tmp/skyline-fleet-bench")
     ap.add_argument("--flags", default="", help="extra `skyline serve` flags for every engine")
     ap.add_argument("--prefix-len", type=int, default=768, help="system prompt tokens")
@@ -433,8 +434,9 @@ def main() -> None:
                            "seconds": time.monotonic() - t0,
                            "machine": machine_info(
                                "cuda" if name == "gpu" and not a.smoke else "cpu")})
-            save_json(result, os.path.join(a.out_dir,
-                                           f"{name}{'-smoke' if a.smoke else ''}.json"))
+            out_dir = a.out_dir or (None if a.smoke else os.path.join(HERE, "results", "fleet"))
+            save_json(result, out_dir and os.path.join(
+                out_dir, f"{name}{'-smoke' if a.smoke else ''}.json"))
     finally:
         if fleet is not None:
             fleet.stop()

@@ -8,13 +8,23 @@ import logging
 import os
 import sys
 
+from skyline import progress
 from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench scripts and tests)
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    Parser,
     add_engine_args,
     add_load_args,
+    add_quiet,
     add_router_args,
     add_sampling_args,
     engine_args,
+    float_in,
+    host,
+    int_in,
     load_specs,
+    port_range,
     router_config,
     sampling_params,
     strip_flags,
@@ -40,34 +50,9 @@ def _cmd_generate(ns: argparse.Namespace) -> None:
 
 def _cmd_chat(ns: argparse.Namespace) -> None:
     from skyline.engine.frontend.llm import LLM
+    from skyline.tools.chat import run_chat
 
-    llm = LLM(**dataclasses.asdict(engine_args(ns)))
-    params = sampling_params(ns)
-    history: list[dict[str, str]] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print(f"skyline chat: {llm.config.model.name} (Ctrl-D or /exit to quit, /reset to clear)")
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            history = history[:1] if ns.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = []
-        for out in llm.stream(llm.render_chat(history), params):
-            reply.append(out.outputs[0].text)
-            sys.stdout.write(out.outputs[0].text)
-            sys.stdout.flush()
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    run_chat(LLM(**dataclasses.asdict(engine_args(ns))), sampling_params(ns), ns.system)
 
 
 def _cmd_bench_offline(ns: argparse.Namespace) -> None:
@@ -87,7 +72,7 @@ def _cmd_bench_serve(ns: argparse.Namespace) -> None:
     load = dc.replace(load, base_url=ns.base_url, model=ns.model, concurrency=ns.concurrency,
                       request_rate=ns.request_rate, temperature=ns.temperature,
                       api_key=ns.api_key or os.environ.get("OPENAI_API_KEY"),
-                      progress=not ns.no_progress)
+                      progress=not (ns.no_progress or ns.quiet))
     run_serve_bench(load, workload, slos, ns.output)
 
 
@@ -112,13 +97,14 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
                         output_dir=ns.output_dir, quality=ns.quality,
                         reference_flags=ns.reference_flags, calib_tokens=ns.calib_tokens,
                         num_gpus=ns.num_gpus, percentile=ns.percentile,
-                        startup_timeout=ns.startup_timeout)
+                        startup_timeout=ns.startup_timeout, ports=ns.port)
     run_frontier(spec, load, workload, slos, parse_flags, dry_run=ns.dry_run)
 
 
 def _cmd_quantize(ns: argparse.Namespace) -> None:
     from skyline.engine.create import create_engine_config
     from skyline.tools.quantize.checkpoint import quantize_checkpoint
+    from skyline.tools.quantize.sizes import size_report
 
     text = None
     if ns.calib_file is not None and ns.calib_self:
@@ -162,10 +148,12 @@ def _cmd_quantize(ns: argparse.Namespace) -> None:
             search_tokens=ns.search_tokens, max_evals=ns.max_evals)
         print(table(report))
         print(f"wrote {ns.out} (checkpoint, assignment.json, report.json)")
+        print(size_report(ns.out, ns.model_path, "mixed formats"))
         return
     meta = quantize_checkpoint(cfg.model, ns.format, ns.out, ns.group_size, calib_text=text,
                                calib_tokens=ns.calib_tokens or 4096)
     print(f"wrote {ns.out} ({meta['format']}, calibration: {meta['calibration']['source']})")
+    print(size_report(ns.out, ns.model_path, ns.format))
 
 
 def _cmd_train_speculator(ns: argparse.Namespace) -> None:
@@ -347,6 +335,12 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         sys.exit(f"skyline: error: {e}")
 
 
+def _cmd_worker(ns: argparse.Namespace) -> None:
+    from skyline.worker.executor.multiproc import run_node
+
+    sys.exit(run_node(ns.distributed_init, ns.node_rank, ns.nnodes))
+
+
 def _serve_api_key(flag: str | None, path: str | None, env: str | None) -> str | None:
     """The API key: --api-key-file, else --api-key (with a warning: any user can read a
     command line, e.g. in `ps`), else $SKYLINE_API_KEY."""
@@ -366,182 +360,219 @@ def _serve_api_key(flag: str | None, path: str | None, env: str | None) -> str |
     return env or None
 
 
+_UVICORN_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skyline", description="LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING")
+    parser = Parser(prog="skyline", description="LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], type=str.upper,
+                        help="how much the engine logs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="complete one prompt, streaming to the terminal")
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the prompt (a user message, unless --raw)")
     p.add_argument("--raw", action="store_true", help="no chat template: plain completion")
     add_engine_args(p)
     add_sampling_args(p)
+    add_quiet(p)
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
-    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--system", default=None, help="system prompt (default: none)")
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
+    add_quiet(p)
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("model_tag", nargs="?", default=None, help="same as --model")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", type=host, default="127.0.0.1",
+                   help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="the port to listen on (0: any free one, printed at start)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(visible in ps: prefer --api-key-file or $SKYLINE_API_KEY)")
+                        "(visible in ps: prefer --api-key-file or $SKYLINE_API_KEY; default: "
+                        "$SKYLINE_API_KEY, else no key)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="read the API key from FILE")
-    p.add_argument("--served-model-name", default=None, help="model id clients ask for")
+                   help="read the API key from FILE (default: none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients ask for (default: the model's file or directory "
+                        "name)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template to use instead of the model's (requests cannot "
-                        "bring their own)")
+                        "bring their own; default: the model's)")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "none", *PARSERS],
                    help="the format the model writes tool calls in (auto: the chat template's, "
                         "where it is unambiguous; ChatML templates: hermes)")
-    p.add_argument("--max-waiting", type=int, default=-1,
+    p.add_argument("--max-waiting", type=int_in(-1), default=-1,
                    help="waiting requests beyond which new ones get 429 (-1: 4 x "
                         "--max-num-seqs; 0: no limit)")
     g = p.add_argument_group("request limits (a request over one gets a 400)")
-    g.add_argument("--max-request-bytes", type=int, default=16 << 20,
+    g.add_argument("--max-request-bytes", type=POSITIVE, default=16 << 20,
                    help="larger request bodies get 413")
-    g.add_argument("--max-prompt-chars", type=int, default=0,
+    g.add_argument("--max-prompt-chars", type=NON_NEGATIVE, default=0,
                    help="characters in a prompt or a conversation (0: 32 per token of context, "
                         "at least 1Mi)")
-    g.add_argument("--max-n", type=int, default=128,
+    g.add_argument("--max-n", type=POSITIVE, default=128,
                    help="choices per request (n, times the prompts of a batched completion)")
-    g.add_argument("--max-stop", type=int, default=32,
+    g.add_argument("--max-stop", type=NON_NEGATIVE, default=32,
                    help="stop strings, and stop token ids, per request")
-    g.add_argument("--max-stop-chars", type=int, default=1000,
+    g.add_argument("--max-stop-chars", type=POSITIVE, default=1000,
                    help="characters per stop string")
-    g.add_argument("--max-logprobs", type=int, default=20, help="top logprobs per token")
-    g.add_argument("--max-tools", type=int, default=128,
+    g.add_argument("--max-logprobs", type=NON_NEGATIVE, default=20,
+                   help="top logprobs per token")
+    g.add_argument("--max-tools", type=NON_NEGATIVE, default=128,
                    help="tools per request, and calls in one past assistant message")
-    g.add_argument("--max-schema-bytes", type=int, default=64 << 10,
+    g.add_argument("--max-schema-bytes", type=POSITIVE, default=64 << 10,
                    help="a response_format JSON schema, a structured-output constraint, or one "
                         "tool, as JSON")
-    g.add_argument("--max-logit-bias", type=int, default=300,
+    g.add_argument("--max-logit-bias", type=NON_NEGATIVE, default=300,
                    help="tokens one logit_bias may name")
-    g.add_argument("--prepare-timeout", type=float, default=10.0,
+    g.add_argument("--prepare-timeout", type=float_in(0, lo_open=True), default=10.0,
                    help="seconds to parse a request, render its chat template and tokenize it")
-    g.add_argument("--body-timeout", type=float, default=30.0,
+    g.add_argument("--body-timeout", type=float_in(0, lo_open=True), default=30.0,
                    help="seconds for a request body to arrive (then 408)")
-    p.add_argument("--parse-workers", type=int, default=2,
+    p.add_argument("--parse-workers", type=NON_NEGATIVE, default=2,
                    help="processes that parse large request bodies off the event loop")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted")
-    p.add_argument("--max-engine-restarts", type=int, default=5,
+    p.add_argument("--max-engine-restarts", type=NON_NEGATIVE, default=5,
                    help="restarts of a failed engine core allowed within ten minutes (with "
                         "backoff); one more failure stops the server, exit code 1 (0: none)")
-    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--uvicorn-log-level", default="info", choices=_UVICORN_LEVELS,
+                   help="how much the HTTP server logs")
     p.add_argument("--role", default="both",
                    help="both | prefill | decode: the work a router sends this replica (with "
                         "--replicas: one role for all, or one per replica, comma-separated)")
-    p.add_argument("--kv-events-port", type=int, default=None,
+    p.add_argument("--kv-events-port", type=int_in(0, 65534), default=None,
                    help="publish KV events for a router on this port (ZMQ PUB; snapshots on "
-                        "the next port); 0: any free pair")
-    p.add_argument("--kv-transfer-port", type=int, default=None,
+                        "the next port); 0: any free pair (default: none published)")
+    p.add_argument("--kv-transfer-port", type=PORT, default=None,
                    help="--role prefill: the port decode replicas pull KV from (default: any "
                         "free one, given in GET /fleet)")
     add_engine_args(p)
     g = p.add_argument_group("fleet (several engines behind a router on --port)")
-    g.add_argument("--replicas", type=int, default=1,
+    g.add_argument("--replicas", type=POSITIVE, default=1,
                    help="engines to start on this host (devices split among them; on the CPU "
                         "the cores)")
     g.add_argument("--ray", action="store_true",
                    help="run the replicas and the router as Ray Serve deployments")
     g.add_argument("--ray-address", default=None,
                    help="--ray: the cluster to join (default: start a local one)")
-    g.add_argument("--ray-num-gpus", type=float, default=None,
+    g.add_argument("--ray-num-gpus", type=float_in(0), default=None,
                    help="--ray: GPUs per replica (default: 1 on CUDA, 0 on the CPU)")
     add_router_args(g)
+    add_quiet(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("worker", help="run this host's ranks of an engine started on another "
+                                      "host with --nnodes")
+    p.add_argument("--distributed-init", required=True, metavar="tcp://HOST:PORT",
+                   help="the engine's --distributed-init")
+    p.add_argument("--node-rank", type=int, required=True, help="this host's index, from 1")
+    p.add_argument("--nnodes", type=int, default=None, help="checked against the engine's")
+    p.set_defaults(func=_cmd_worker)
 
     p = sub.add_parser("router", help="one OpenAI-compatible endpoint over several replicas")
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat per replica)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", type=host, default="127.0.0.1",
+                   help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=PORT, default=8000, help="the port to listen on")
     p.add_argument("--model", "-m", default=None,
                    help="the replicas' model (its tokenizer and chat template hash prompts "
                         "for cache-aware routing); default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' of clients and send it to the "
                         "replicas (default: $SKYLINE_API_KEY)")
-    p.add_argument("--uvicorn-log-level", default="info")
+    p.add_argument("--uvicorn-log-level", default="info", choices=_UVICORN_LEVELS,
+                   help="how much the HTTP server logs")
     add_router_args(p)
+    add_quiet(p)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("offline", help="offline throughput on random prompts")
-    b.add_argument("--num-prompts", type=int, default=64)
-    b.add_argument("--input-len", type=int, default=128)
-    b.add_argument("--output-len", type=int, default=128)
-    b.add_argument("--output", default=None, help="JSON file for the results")
+    b.add_argument("--num-prompts", type=POSITIVE, default=64, help="prompts, all at once")
+    b.add_argument("--input-len", type=POSITIVE, default=128, help="tokens per prompt")
+    b.add_argument("--output-len", type=POSITIVE, default=128, help="tokens per output")
+    b.add_argument("--output", default=None, help="JSON file for the results (default: none)")
     b.add_argument("--floor", action="store_true",
                    help="measure the device's matmul peak and copy bandwidth first and report "
                         "the run against the floor they set")
     add_engine_args(b)
+    add_quiet(b)
     b.set_defaults(func=_cmd_bench_offline)
     b = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
-    b.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's API")
     b.add_argument("--model", default=None, help="model name (default: the server's first)")
     b.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--output", default=None, help="JSON file for the results")
-    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy")
+    b.add_argument("--output", default=None, help="JSON file for the results (default: none)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_load_args(b)
+    add_quiet(b)
     b.set_defaults(func=_cmd_bench_serve)
 
     p = sub.add_parser("frontier", help="sweep engine settings x load levels; Pareto report")
     p.add_argument("--grid", action="append", metavar="FLAG=V1,V2",
                    help="a serve flag and its values, e.g. max_num_seqs=8,32 (repeatable; "
-                        "true/false for switches)")
+                        "true/false for switches; default: the base flags alone)")
     p.add_argument("--base-flags", default="", help="serve flags every setting shares")
-    p.add_argument("--output-dir", default="bench/tmp/frontier")
+    p.add_argument("--output-dir", default="bench/tmp/frontier",
+                   help="where the JSON, plots and HTML report go")
     p.add_argument("--dry-run", action="store_true", help="list the points and a time estimate")
     p.add_argument("--no-quality", dest="quality", action="store_false",
                    help="skip KL / top-1 agreement against the reference")
     p.add_argument("--reference-flags", default="--quantization none",
                    help="flags (over --base-flags) of the quality reference")
-    p.add_argument("--calib-tokens", type=int, default=512, help="tokens of calibration text")
-    p.add_argument("--num-gpus", type=int, default=1, help="devices a setting uses")
+    p.add_argument("--calib-tokens", type=POSITIVE, default=512,
+                   help="tokens of calibration text")
+    p.add_argument("--num-gpus", type=POSITIVE, default=1, help="devices a setting uses")
     p.add_argument("--percentile", default="median", choices=["median", "p90", "p99"],
                    help="latency percentile of the per-user axes")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--startup-timeout", type=float_in(0, lo_open=True), default=600.0,
+                   help="seconds a setting's server may take to start")
+    p.add_argument("--port", type=port_range, default=None, metavar="PORT|LO-HI",
+                   help="the port of each setting's server (one runs at a time): this one, or "
+                        "the first free one in LO-HI (default: any free port)")
     add_load_args(p, sweep=True)
+    add_quiet(p)
     p.set_defaults(func=_cmd_frontier)
 
     p = sub.add_parser("quantize", help="write a quantized safetensors checkpoint")
     p.add_argument("model_path", metavar="MODEL", help="HF model directory or .gguf file")
     p.add_argument("--format", default=None, choices=["fp8", "int8", "int4", "mxfp4", "nvfp4"],
-                   help="one format for every Linear")
+                   help="one format for every Linear (no default: give it, or --search)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--group-size", type=int, default=128, help="int8/int4 group size")
+    p.add_argument("--group-size", type=POSITIVE, default=128, help="int8/int4 group size")
     p.add_argument("--calib-file", default=None,
                    help="calibration text file (default: a built-in public-domain text)")
     p.add_argument("--calib-self", action="store_true",
                    help="calibrate on the model's own answers to built-in prompts (sampled "
                         "first; the text it will write when serving)")
-    p.add_argument("--calib-tokens", type=int, default=None,
+    p.add_argument("--calib-tokens", type=POSITIVE, default=None,
                    help="calibration tokens (default 4096; with --search 1024, and the "
                         "following --eval-tokens are held out for the report)")
     p.add_argument("--search", action="store_true",
                    help="choose a format per Linear for --budget by the end-to-end KL")
     p.add_argument("--budget", default=None,
                    help="--search: bits per weight (e.g. 4.5), bytes of the Linear layers "
-                        "(e.g. 60MiB), or a format (e.g. int4-g32: its uniform size)")
+                        "(e.g. 60MiB), or a format (e.g. int4-g32: its uniform size); no "
+                        "default")
     p.add_argument("--formats", default=None,
                    help="--search: candidate formats, comma-separated; int4/int8 take -gN for "
                         "a group size (default: mxfp4,nvfp4,int4,int4-g64,int4-g32,fp8,int8)")
-    p.add_argument("--eval-tokens", type=int, default=1024,
+    p.add_argument("--eval-tokens", type=POSITIVE, default=1024,
                    help="--search: held-out tokens the report is measured on")
-    p.add_argument("--search-tokens", type=int, default=512,
+    p.add_argument("--search-tokens", type=POSITIVE, default=512,
                    help="--search: calibration tokens each assignment is scored on")
-    p.add_argument("--max-evals", type=int, default=64,
+    p.add_argument("--max-evals", type=POSITIVE, default=64,
                    help="--search: joint evaluations of the local search")
+    add_quiet(p)
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("train-speculator",
@@ -552,22 +583,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".txt (an instruction a line) or .jsonl (prompts, {prompt, completion} "
                         "traffic or chat messages); default: the built-in instruction set")
     t.add_argument("--out", required=True, metavar="DIR", help="where to write the head")
-    t.add_argument("--num-prompts", type=int, default=None, help="sample this many prompts")
-    t.add_argument("--synthesize", type=int, default=0, metavar="N",
+    t.add_argument("--num-prompts", type=POSITIVE, default=None,
+                   help="sample this many prompts (default: all)")
+    t.add_argument("--synthesize", type=NON_NEGATIVE, default=0, metavar="N",
                    help="also train on N user messages the target writes itself after its "
                         "chat template's user header (Magpie); kept if they end by themselves")
-    t.add_argument("--max-tokens", type=int, default=128,
+    t.add_argument("--max-tokens", type=POSITIVE, default=128,
                    help="tokens of each continuation the target writes")
-    t.add_argument("--temperature", type=float, default=0.0,
+    t.add_argument("--temperature", type=float_in(0), default=0.0,
                    help="continuations: 0 greedy, else sampled")
-    t.add_argument("--epochs", type=int, default=4)
-    t.add_argument("--steps", type=int, default=None, help="stop after this many steps")
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--batch-tokens", type=int, default=2048, help="positions per step")
-    t.add_argument("--unroll", type=int, default=3,
+    t.add_argument("--epochs", type=POSITIVE, default=4, help="passes over the data")
+    t.add_argument("--steps", type=POSITIVE, default=None,
+                   help="stop after this many steps (default: when the epochs end)")
+    t.add_argument("--lr", type=float_in(0, lo_open=True), default=2e-3, help="learning rate")
+    t.add_argument("--batch-tokens", type=POSITIVE, default=2048, help="positions per step")
+    t.add_argument("--unroll", type=POSITIVE, default=3,
                    help="draft steps simulated in training (training-time test)")
-    t.add_argument("--draft-vocab", type=int, default=8192,
+    t.add_argument("--draft-vocab", type=POSITIVE, default=8192,
                    help="tokens the head may propose (the most frequent in the data)")
+    add_quiet(p)
     p.set_defaults(func=_cmd_train_speculator)
     return parser
 
@@ -586,6 +620,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
     ns.argv = argv
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    progress.set_enabled(not ns.quiet)
     try:
         ns.func(ns)
     except (ConfigError, ValueError) as e:

@@ -5,11 +5,142 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+import difflib
+import ipaddress
+import re
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from skyline.config import POLICIES, RouterConfig
+from skyline.config import POLICIES, ConfigError, RouterConfig, parse_size
 from skyline.engine.args import EngineArgs
 from skyline.types import SamplingParams
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default after its help, unless the help already speaks of it (or the
+    flag is a switch, or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in text
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line and a pointer to --help, not the whole usage
+    block first: `skyline serve: error: --port must be in 1..65535, got 99999`."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        # Unknown flags are reported by the command that got them (`skyline serve: error:
+        # unrecognized arguments: --prot 80; did you mean --port?`), not by `skyline`.
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            leaf: argparse.ArgumentParser = getattr(ns, "leaf_parser", self)
+            known = [o for a in leaf._actions for o in a.option_strings]
+            close = [m for e in extra if e.startswith("--")
+                     for m in difflib.get_close_matches(e.split("=")[0], known, 1, 0.75)]
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            leaf.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return ns
+
+    def error(self, message: str) -> NoReturn:
+        m = re.match(r"argument ([^:/]+)(?:/[^:]*)?: (.*)", message, re.S)
+        if m:  # "argument --port: must be ..." -> "--port must be ..."
+            message = f"{m[1]} {m[2]}" if m[2].startswith("must") else f"{m[1]}: {m[2]}"
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in lo..hi (no upper bound when hi is None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            span = f"at least {lo}" if hi is None else f"in {lo}..{hi}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    return parse
+
+
+def float_in(lo: float, hi: float | None = None, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in [lo, hi] ((lo, hi] with lo_open; no upper bound when hi is
+    None)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        low_ok = value > lo if lo_open else value >= lo
+        if not low_ok or (hi is not None and value > hi) or value != value:
+            left = "(" if lo_open else "["
+            span = f"in {left}{lo}, {hi}]" if hi is not None else \
+                f"{'above' if lo_open else 'at least'} {lo}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
+
+
+PORT = int_in(1, 65535)
+POSITIVE = int_in(1)
+NON_NEGATIVE = int_in(0)
+_HOST_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def port_range(text: str) -> tuple[int, int]:
+    """An argparse type: a port N, or a range LO-HI, as (LO, HI)."""
+    lo, sep, hi = text.partition("-")
+    first, last = PORT(lo), PORT(hi) if sep else PORT(lo)
+    if last < first:
+        raise argparse.ArgumentTypeError(f"must be a port or a range LO-HI, got {text!r}")
+    return first, last
+
+
+def count_or_auto(text: str) -> int | str:
+    """An argparse type: "auto", or a whole number of at least 1."""
+    return "auto" if text == "auto" else POSITIVE(text)
+
+
+def host(text: str) -> str:
+    """An argparse type: an IP address or a well-formed host name (resolved at bind time)."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if re.fullmatch(r"[\d.]+", text) or not _HOST_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be an IP address (e.g. 127.0.0.1 or 0.0.0.0 for every interface) or a host "
+            f"name, got {text!r}")
+    return text
+
+
+def size(text: str) -> str:
+    """An argparse type: a byte size such as 2GiB (kept as text for EngineArgs)."""
+    try:
+        parse_size(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    """`--quiet`, on every command (each of which calls this last)."""
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars (they show only when stderr is a terminal)")
+    p.set_defaults(leaf_parser=p)  # the command that reports an unknown flag
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,15 +149,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory, .gguf file, or shipped config name (with "
                         "--load-format dummy); default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--load-format", default="auto",
-                   choices=["auto", "safetensors", "gguf", "dummy"])
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default="2GiB", help="CPU KV cache size, e.g. 4GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--num-blocks", type=int, default=None, help="fixed KV block count")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+                   choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="auto: from the file (a shipped config name: dummy, random weights)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 | float16 (auto: float32 on a CPU, bfloat16 "
+                        "for int4/int8/mxfp4 weights there; the checkpoint's 16-bit type on a "
+                        "GPU)")
+    g.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N (auto: a GPU if one is visible)")
+    g.add_argument("--max-model-len", type=POSITIVE, default=None,
+                   help="tokens of context per sequence, prompt and output (default: the "
+                        "model's trained context)")
+    g.add_argument("--block-size", type=POSITIVE, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=size, default="2GiB",
+                   help="CPU KV cache size, e.g. 4GiB")
+    g.add_argument("--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
+                   help="the fraction of the GPU's memory for weights, activations and KV "
+                        "cache")
+    g.add_argument("--num-blocks", type=POSITIVE, default=None,
+                   help="fixed KV block count (default: as many as the memory above holds)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt instead of reusing cached KV of its prefix")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) | fp8 (e4m3 with per-layer scales: twice the "
                         "tokens of a bf16 cache)")
@@ -35,7 +178,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prefix found there is copied back instead of recomputed")
     g.add_argument("--kv-offload-disk", default=None, metavar="DIR",
                    help="a directory for KV blocks below RAM; it survives restarts and "
-                        "replicas on one host may share it")
+                        "replicas on one host may share it (default: no disk tier)")
     g.add_argument("--kv-offload-disk-size", default=None, metavar="SIZE",
                    help="the most the disk tier holds (default: 90%% of the free space)")
     g.add_argument("--kv-offload-policy", default="eviction", choices=["eviction", "eager"],
@@ -44,14 +187,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="blocks in RAM and on disk quantized per token and head (half the "
                         "bytes of a 16-bit cache; lossy); auto: as the device holds them")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None, help="CPU threads")
+    g.add_argument("--max-num-seqs", type=count_or_auto, default="auto",
+                   help="running requests at most: N, or auto (GPU: from the KV cache's "
+                        "capacity and the CUDA-graph batch sizes; CPU: 64)")
+    g.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None,
+                   help="tokens in one step (default: 1024 on a CPU, 8192 on a GPU)")
+    g.add_argument("--seed", type=NON_NEGATIVE, default=0,
+                   help="random seed (dummy weights, sampling without a per-request seed)")
+    g.add_argument("--threads", type=POSITIVE, default=None,
+                   help="CPU threads (default: torch's, one per core)")
     g.add_argument("--quantization", default=None,
                    help="none | fp8 | int8 | int4 | mxfp4 | nvfp4 | gguf (default: the "
                         "checkpoint's own format; GGUF files dequantize at load)")
-    g.add_argument("--quant-group-size", type=int, default=128,
+    g.add_argument("--quant-group-size", type=POSITIVE, default=128,
                    help="int8/int4: input elements per scale")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="the LM head in fp8 (W8A8), with any --quantization: half its bytes "
@@ -69,21 +217,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="eagle: the head's directory, written by `skyline train-speculator` "
                         "(default for the embedded model: the head shipped for it); draft: the "
                         "draft model (HF directory, .gguf file or shipped config name)")
-    g.add_argument("--speculative-draft-layers", type=int, default=0, metavar="N",
+    g.add_argument("--speculative-draft-layers", type=NON_NEGATIVE, default=0, metavar="N",
                    help="draft without --speculative-model: the target's own first N layers "
                         "(weights shared) draft for it")
     g.add_argument("--no-eagle-lookup", dest="eagle_lookup", action="store_false",
                    help="eagle: head drafts only, no prompt lookup for repeated spans")
-    g.add_argument("--num-speculative-tokens", type=int, default=5,
+    g.add_argument("--num-speculative-tokens", type=POSITIVE, default=5,
                    help="most draft tokens verified per request and step")
-    g.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram match proposed")
-    g.add_argument("--ngram-max", type=int, default=5, help="longest n-gram match tried")
-    g.add_argument("--speculative-max-batch-tokens", type=int, default=None,
+    g.add_argument("--ngram-min", type=POSITIVE, default=2, help="shortest n-gram match proposed")
+    g.add_argument("--ngram-max", type=POSITIVE, default=5, help="longest n-gram match tried")
+    g.add_argument("--speculative-max-batch-tokens", type=POSITIVE, default=None,
                    help="no speculation in steps with more tokens than this (default: 16 on "
                         "CPU, 256 on GPU)")
     g.add_argument("--no-speculative-gate", dest="speculative_gate", action="store_false",
                    help="speculate in every step (within --speculative-max-batch-tokens), not "
                         "only in batch sizes where speculative steps were measured faster")
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallel")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer (heads, MLP, vocabulary)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages, each a share of the layers")
+    g.add_argument("--placement", default=None, metavar="auto|DEVICE=LAYERS,...",
+                   help="one pipeline stage per device with its layer count, e.g. "
+                        "cuda:0=28,cuda:1=20,cpu=8; auto: from each device's free memory and "
+                        "measured speed, the CPU only for what the GPUs cannot hold")
+    g.add_argument("--distributed-executor", default="auto", choices=["auto", "uni", "mp"],
+                   help="mp: one process per rank (auto: beyond one rank); uni: in the "
+                        "engine's process")
+    g.add_argument("--distributed-init", default=None, metavar="tcp://HOST:PORT",
+                   help="where ranks of several hosts meet (the engine's host and a free port)")
+    g.add_argument("--nnodes", type=int, default=1, help="hosts sharing the ranks")
+    g.add_argument("--node-rank", type=int, default=0, help="this host's index (engine: 0)")
+    g.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a rank unheard from this long stops the engine")
 
 
 def engine_args(ns: argparse.Namespace, **extra: Any) -> EngineArgs:
@@ -95,13 +265,19 @@ def engine_args(ns: argparse.Namespace, **extra: Any) -> EngineArgs:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--max-tokens", type=POSITIVE, default=max_tokens,
+                   help="tokens to generate at most")
+    g.add_argument("--temperature", type=float_in(0), default=0.7, help="0: greedy")
+    g.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0,
+                   help="nucleus sampling: the smallest set of tokens with this probability")
+    g.add_argument("--top-k", type=int_in(-1), default=0,
+                   help="sample among the k most likely tokens (0 or -1: all)")
+    g.add_argument("--min-p", type=float_in(0, 1), default=0.0,
+                   help="drop tokens less likely than this times the most likely one")
+    g.add_argument("--repetition-penalty", type=float_in(0, lo_open=True), default=1.0,
+                   help="divide the logits of tokens already seen by this (1: off)")
+    g.add_argument("--sampling-seed", type=NON_NEGATIVE, default=None,
+                   help="per-request seed (default: none, a fresh draw each run)")
 
 
 def sampling_params(ns: argparse.Namespace) -> SamplingParams:
@@ -117,33 +293,41 @@ def add_load_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="random",
                    choices=["random", "shared-prefix", "multi-turn", "code-edit",
-                            "long-context", "mixed", "file"])
+                            "long-context", "mixed", "file"],
+                   help="the prompts sent (file: --dataset)")
     g.add_argument("--input-len", default="128", help="prompt tokens: N or LO:HI")
     g.add_argument("--output-len", default="64", help="generated tokens: N or LO:HI")
-    g.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix workload")
-    g.add_argument("--num-prefixes", type=int, default=1,
+    g.add_argument("--system-prompt-len", type=NON_NEGATIVE, default=512,
+                   help="shared-prefix workload")
+    g.add_argument("--num-prefixes", type=POSITIVE, default=1,
                    help="shared-prefix workload: distinct system prompts")
-    g.add_argument("--long-fraction", type=float, default=0.1,
+    g.add_argument("--long-fraction", type=float_in(0, 1), default=0.1,
                    help="mixed workload: the fraction of long prompts among short ones")
     g.add_argument("--long-len", default="4096", help="mixed workload: long prompts' tokens")
-    g.add_argument("--num-turns", type=int, default=3, help="multi-turn workload")
-    g.add_argument("--dataset", default=None, help="file workload: JSONL of {prompt|messages}")
+    g.add_argument("--num-turns", type=POSITIVE, default=3, help="multi-turn workload")
+    g.add_argument("--dataset", default=None,
+                   help="file workload: JSONL of {prompt|messages} (default: none)")
     g = p.add_argument_group("load")
-    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="the OpenAI route requests go to")
     if sweep:
         g.add_argument("--concurrency", default="1,4", help="load levels, e.g. 1,8,32")
     else:
-        g.add_argument("--concurrency", type=int, default=None, help="requests in flight")
-        g.add_argument("--request-rate", type=float, default=None,
-                       help="Poisson arrivals per second (with --concurrency: a cap)")
-    g.add_argument("--num-requests", type=int, default=None, help="default: 100 unless "
+        g.add_argument("--concurrency", type=POSITIVE, default=None,
+                       help="requests in flight (default: all at once, or by --request-rate)")
+        g.add_argument("--request-rate", type=float_in(0, lo_open=True), default=None,
+                       help="Poisson arrivals per second (with --concurrency: a cap; default: "
+                            "none)")
+    g.add_argument("--num-requests", type=POSITIVE, default=None, help="default: 100 unless "
                    "--duration is given")
-    g.add_argument("--duration", type=float, default=None, help="seconds")
+    g.add_argument("--duration", type=float_in(0, lo_open=True), default=None,
+                   help="seconds to send requests for (default: until --num-requests)")
     g.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
-                   help="latency objectives, e.g. ttft:500 tpot:50")
+                   help="latency objectives, e.g. ttft:500 tpot:50 (default: none)")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (output lengths are then not exact)")
-    g.add_argument("--bench-seed", type=int, default=0)
+    g.add_argument("--bench-seed", type=NON_NEGATIVE, default=0,
+                   help="seed of the workload's prompts and arrivals")
 
 
 def load_specs(ns: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
@@ -166,16 +350,16 @@ def add_router_args(p: argparse.ArgumentParser | Any) -> None:
     p.add_argument("--policy", default="cache-aware", choices=list(POLICIES),
                    help="cache-aware: where the prompt's prefix is cached, unless that replica "
                         "is overloaded; round-robin; least-load: fewest requests open")
-    p.add_argument("--balance-abs", type=int, default=4,
+    p.add_argument("--balance-abs", type=NON_NEGATIVE, default=4,
                    help="cache-aware: a replica with this many more open requests than the "
                         "least-loaded one ...")
-    p.add_argument("--balance-rel", type=float, default=1.5,
+    p.add_argument("--balance-rel", type=float_in(1), default=1.5,
                    help="... and more than this many times as many is overloaded")
-    p.add_argument("--health-interval", type=float, default=1.0,
+    p.add_argument("--health-interval", type=float_in(0, lo_open=True), default=1.0,
                    help="seconds between health checks of each replica")
-    p.add_argument("--max-attempts", type=int, default=3,
+    p.add_argument("--max-attempts", type=POSITIVE, default=3,
                    help="replicas a request is tried on before it starts")
-    p.add_argument("--pd-min-prompt-tokens", type=int, default=256,
+    p.add_argument("--pd-min-prompt-tokens", type=NON_NEGATIVE, default=256,
                    help="prefill/decode: prompts with fewer uncached tokens are prefilled on "
                         "the decode replica")
 

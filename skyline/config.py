@@ -292,6 +292,9 @@ class OffloadConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128  # running requests at most
+    # max_num_seqs "auto": the runner chooses it once the KV cache is sized (max_num_seqs is
+    # then the bound it sized for); the engine core takes the runner's choice
+    max_num_seqs_auto: bool = False
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunk + decodes)
     max_model_len: int = 8192
     max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)
@@ -362,6 +365,53 @@ class SpecConfig:
         return self.method != "none"
 
 
+EXECUTORS = ("uni", "mp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over processes (worker/executor/, parallel/). `stages`: one
+    (device, first layer, end layer) per pipeline stage, resolved by engine/create.py from
+    --pipeline-parallel-size or --placement; each stage runs `tensor_parallel_size` ranks.
+    `executor` "uni" runs the one rank in the engine's process, "mp" every rank in a process of
+    its own. Across hosts, ranks meet at `distributed_init` (tcp://HOST:PORT: the engine's
+    rendezvous store), `nnodes` hosts each starting its share of the ranks."""
+
+    tensor_parallel_size: int = 1
+    stages: tuple[tuple[str, int, int], ...] = ()  # () until resolved: one stage, the device
+    executor: str = "uni"
+    distributed_init: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    # Seconds a rank may go unheard before the engine stops (heartbeats; a collective waits
+    # as long before it fails).
+    timeout_s: float = 600.0
+    # CPU threads of each rank on a CPU (--threads); None: the host's cores shared by them
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("--tensor-parallel-size must be at least 1")
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"--distributed-executor must be one of {', '.join(EXECUTORS)}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} with --nnodes "
+                              f"{self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"{self.world_size} ranks cannot be shared evenly by --nnodes "
+                              f"{self.nnodes}")
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return max(1, len(self.stages))
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 ROLES = ("both", "prefill", "decode")
 
 
@@ -454,6 +504,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     # Schedule step n+1 while the device runs step n (engine/core.py).
     async_scheduling: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
 

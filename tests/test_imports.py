@@ -17,27 +17,28 @@ PKG = ROOT / "skyline"
 # package -> the packages it may import (besides itself). cli, cli_args and skyline/__init__
 # may import anything.
 BELOW_ENGINE = ("worker", "sched", "cache", "model", "quant", "parallel", "ops", "config",
-                "configs", "envs", "types")
+                "configs", "envs", "progress", "types")
 ALLOWED: dict[str, set[str]] = {
     "types": set(),
     "envs": set(),
+    "progress": set(),  # progress bars (tqdm) for long steps at any level
     "configs": set(),
     "config": {"types"},
-    "ops": {"config", "envs", "types"},
-    "quant": {"ops", "config", "envs", "types"},
-    "parallel": {"ops", "config", "envs", "types"},
-    "model": {"quant", "parallel", "ops", "config", "configs", "envs", "types"},
-    "cache": {"config", "envs", "types"},
-    "sched": {"cache", "config", "envs", "types"},
+    "ops": {"config", "envs", "progress", "types"},
+    "quant": {"ops", "config", "envs", "progress", "types"},
+    "parallel": {"ops", "config", "envs", "progress", "types"},
+    "model": {"quant", "parallel", "ops", "config", "configs", "envs", "progress", "types"},
+    "cache": {"config", "envs", "progress", "types"},
+    "sched": {"cache", "config", "envs", "progress", "types"},
     # worker uses cache's BlockPool for a draft model's own blocks
     "worker": {"model", "quant", "parallel", "ops", "cache", "config", "configs", "envs",
-               "types"},
+               "progress", "types"},
     "engine": set(BELOW_ENGINE),
-    "server": {"engine", "config", "envs", "types"},
-    "router": {"server", "config", "envs", "types"},
-    "tools": {"engine", "config", "configs", "envs", "types"},
-    "bench": {"engine", "config", "configs", "envs", "types"},
-    "deploy": {"engine", "server", "router", "config", "envs", "types"},
+    "server": {"engine", "config", "envs", "progress", "types"},
+    "router": {"server", "config", "envs", "progress", "types"},
+    "tools": {"engine", "config", "configs", "envs", "progress", "types"},
+    "bench": {"engine", "config", "configs", "envs", "progress", "types"},
+    "deploy": {"engine", "server", "router", "config", "envs", "progress", "types"},
 }
 ANYTHING = {"cli", "cli_args", "__init__"}
 # router may use the server's protocol module only

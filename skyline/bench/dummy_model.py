@@ -64,3 +64,23 @@ def write_model_dir(model: str, out: str) -> str:
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump(tc, f)
     return out
+
+
+# A model whose steps cost next to nothing on any device: for measuring what is around them
+# (the API process, bench/serve_ceiling.py), with real text from the synthetic tokenizer.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "vocab_size": 4096, "bos_token_id": 4094, "eos_token_id": 4095,
+}
+
+
+def tiny_model_dir(root: str) -> str:
+    """A 1-layer, hidden-64 Llama config with a 4,096-word tokenizer, in `root`/model."""
+    src = os.path.join(root, "config")
+    os.makedirs(src, exist_ok=True)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    return write_model_dir(src, os.path.join(root, "model"))

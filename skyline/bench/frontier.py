@@ -37,6 +37,8 @@ from skyline.bench.serve import LoadSpec, run_serve_bench
 from skyline.bench.workloads import WorkloadSpec, parse_len
 from skyline.configs import dummy_config_dir
 from skyline.engine.args import EngineArgs
+from skyline.engine.create import resolve_device
+from skyline.progress import bar
 
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
 _NO_QUALITY = {"max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
@@ -59,6 +61,7 @@ class FrontierSpec:
     num_gpus: int = 1
     percentile: str = "median"
     startup_timeout: float = 600.0
+    ports: tuple[int, int] | None = None  # the servers' ports: the first free one in LO..HI
 
 
 def parse_grid(entries: list[str]) -> list[tuple[str, list[str]]]:
@@ -155,15 +158,21 @@ def measure_quality(args: EngineArgs, ref: Any, ids: list[int], calib_tokens: in
             "num_tokens": len(ids)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(ports: tuple[int, int] | None = None) -> int:
+    """A port free on 127.0.0.1: any (None), or the first free one in `ports` (LO, HI)."""
+    for port in [0] if ports is None else range(ports[0], ports[1] + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no port in {ports[0]}..{ports[1]} is free; give another --port range")
 
 
-def start_server(flags: list[str], log_path: str, timeout: float
-                 ) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def start_server(flags: list[str], log_path: str, timeout: float,
+                 ports: tuple[int, int] | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port(ports)
     cmd = [sys.executable, "-m", "skyline.cli", "serve", "--port", str(port),
            "--uvicorn-log-level", "warning", *flags]
     with open(log_path, "wb") as log:
@@ -281,7 +290,8 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
              "load": {"endpoint": load.endpoint, "num_requests": load.num_requests,
                       "duration": load.duration, "ignore_eos": load.ignore_eos},
              "slos_ms": slos, "num_gpus": spec.num_gpus, "percentile": spec.percentile,
-             "reference_flags": spec.reference_flags, "calib_tokens": spec.calib_tokens}
+             "reference_flags": spec.reference_flags, "calib_tokens": spec.calib_tokens,
+             "device": resolve_device(parse_flags(base).device).split(":")[0]}
     sweep["quality"] = quality_status(spec, ref_args)
     state = _load_state(path, sweep)
     done = {(p["setting"], p["concurrency"]) for p in state["points"]}
@@ -299,6 +309,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
     # A killed sweep (SIGTERM) still stops its server: `finally` below runs on SystemExit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ref = ids = None
+    points = bar(total=len(todo), desc="frontier", unit=" points")
     for flags in settings:
         key = shlex.join(flags)
         pending = [c for c in levels if (key, c) not in done]
@@ -325,9 +336,10 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
         try:
             proc, url = start_server(base + flags, os.path.join(spec.output_dir, "runs",
                                                                   f"{slug}.log"),
-                                     spec.startup_timeout)
+                                     spec.startup_timeout, spec.ports)
         except RuntimeError as e:
             print(f"skipped: {e}")
+            points.update(len(pending))
             for c in pending:
                 state["points"].append({"setting": key, "concurrency": c, "command": command,
                                         "quality_key": qkey, "error": str(e)[:600]})
@@ -352,6 +364,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                                             "error": str(e)[:600]})
                     _save(path, state)
                     break
+                points.update()
                 s = res["summary"]
                 bad = f", {s['failed']} failed ({res['cut_requests']} cut)" if s["failed"] else ""
                 print(f"  concurrency {c}: {s['output_throughput']:.1f} output tok/s, "
@@ -364,6 +377,7 @@ def run_frontier(spec: FrontierSpec, load: LoadSpec, workload: WorkloadSpec,
                 _save(path, state)
         finally:
             stop_server(proc)
+    points.close()
     paths = write_report(state, spec.output_dir)
     print("wrote " + ", ".join(paths))
     return state

@@ -1,5 +1,6 @@
-"""Frontier report: the Pareto front over (output throughput per GPU, per-user speed, quality),
-PNG plots with the front highlighted and dominated points greyed, and one self-contained HTML."""
+"""Frontier report: the Pareto front over (output throughput per GPU, or in total on a CPU,
+per-user speed, quality), PNG plots with the front highlighted and dominated points faded in
+their setting's colour, and one self-contained HTML."""
 
 from __future__ import annotations
 
@@ -10,11 +11,25 @@ import math
 import os
 from typing import Any
 
+# Dominated points: drawn in their setting's colour at this opacity.
+DOMINATED_ALPHA = 0.3
+
+
+def on_gpus(sweep: dict[str, Any]) -> bool:
+    """Whether the sweep's servers ran on GPUs (throughput is then per GPU; on a CPU, the
+    server's total: its processes share the cores, so "per device" would mean nothing)."""
+    return sweep.get("device", "cuda") == "cuda"
+
+
+def throughput_label(sweep: dict[str, Any]) -> str:
+    return "per GPU" if on_gpus(sweep) else "total"
+
 
 def point_metrics(state: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per measured point with the axes of the front."""
     sweep = state["sweep"]
     pct = sweep.get("percentile", "median")
+    gpus = max(sweep.get("num_gpus", 1), 1) if on_gpus(sweep) else 1
     rows = []
     for p in state["points"]:
         if "summary" not in p:
@@ -25,7 +40,7 @@ def point_metrics(state: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({
             "setting": p["setting"] or "(base flags)", "concurrency": p["concurrency"],
             "command": p["command"],
-            "throughput_per_gpu": s["output_throughput"] / max(sweep.get("num_gpus", 1), 1),
+            "throughput_per_gpu": s["output_throughput"] / gpus,
             "user_tok_s": 1000.0 / tpot if tpot and not math.isnan(tpot) else 0.0,
             "ttft_ms": s["ttft_ms"][pct], "tpot_ms": tpot,
             "kl": q.get("kl_mean"), "top1": q.get("top1_agreement"),
@@ -64,20 +79,20 @@ def _plot(rows: list[dict[str, Any]], front: list[bool], x: str, y: str, xlabel:
     for r, on in zip(rows, front, strict=True):
         if r[x] is None or r[y] is None:
             continue
+        c = colors(settings.index(r["setting"]) % 10)
         if on:
-            c = colors(settings.index(r["setting"]) % 10)
             ax.scatter(r[x], r[y], color=c, s=60, zorder=3, edgecolor="black")
             ax.annotate(f"c={r['concurrency']}", (r[x], r[y]), fontsize=7,
                         xytext=(4, 4), textcoords="offset points")
-        else:
-            ax.scatter(r[x], r[y], color="lightgrey", s=30, zorder=2)
+        else:  # its setting's colour, faded: the legend still says whose point it is
+            ax.scatter(r[x], r[y], color=c, alpha=DOMINATED_ALPHA, s=30, zorder=2)
     pts = sorted((r[x], r[y]) for r, on in zip(rows, front, strict=True)
                  if on and r[x] is not None and r[y] is not None)
     if len(pts) > 1:
         ax.plot(*zip(*pts, strict=True), color="black", lw=0.8, ls="--", zorder=1)
     for i, s in enumerate(settings):
-        ax.scatter([], [], color=colors(i % 10), label=s[:60])
-    ax.scatter([], [], color="lightgrey", label="dominated")
+        ax.scatter([], [], color=colors(i % 10), edgecolor="black", label=s[:60])
+    ax.scatter([], [], color="grey", alpha=DOMINATED_ALPHA, label="dominated (faded)")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
@@ -94,7 +109,7 @@ def write_report(state: dict[str, Any], out_dir: str) -> list[str]:
     front = pareto_front(rows)
     sweep = state["sweep"]
     pct = sweep.get("percentile", "median")
-    per = "GPU" if sweep.get("num_gpus", 1) >= 1 else "device"
+    per = throughput_label(sweep)
     plots = [("frontier.png", "user_tok_s", f"per-user speed (tok/s, 1000 / TPOT {pct})"),
              ("frontier-ttft.png", "ttft_ms", f"TTFT {pct} (ms)")]
     if any(r["kl"] is not None for r in rows):
@@ -102,18 +117,38 @@ def write_report(state: dict[str, Any], out_dir: str) -> list[str]:
     paths = []
     for name, y, ylabel in plots:
         path = os.path.join(out_dir, name)
-        _plot(rows, front, "throughput_per_gpu", y, f"output throughput per {per} (tok/s)",
+        _plot(rows, front, "throughput_per_gpu", y, f"output throughput {per} (tok/s)",
               ylabel, path, f"{sweep['workload']['name']} workload: front in color")
         paths.append(path)
     on_front = [r for r, on in zip(rows, front, strict=True) if on]
     print("Pareto front (serve command @ client concurrency):")
     for r in sorted(on_front, key=lambda r: -r["throughput_per_gpu"]):
-        print(f"  {r['throughput_per_gpu']:8.1f} tok/s/{per}  {r['user_tok_s']:7.1f} tok/s/user"
+        print(f"  {r['throughput_per_gpu']:8.1f} tok/s {per}  {r['user_tok_s']:7.1f} tok/s/user"
               f"  TTFT {r['ttft_ms']:7.0f} ms  @ c={r['concurrency']}:  {r['command']}")
     html_path = os.path.join(out_dir, "report.html")
     with open(html_path, "w") as f:
         f.write(_html(state, rows, front, [p for p in paths]))
     return [*paths, html_path]
+
+
+def _settings_table(sweep: dict[str, Any]) -> str:
+    """The sweep's settings as a two-column table (a nested setting, one row per field)."""
+    rows: list[tuple[str, str]] = [
+        ("grid", " ".join(sweep["grid"]) or "(none)"),
+        ("base flags", sweep["base_flags"] or "(none)"),
+        ("device", f"{sweep.get('device', 'cuda')}"
+                   + (f" x {sweep.get('num_gpus', 1)}" if on_gpus(sweep) else "")),
+        ("client concurrency", ", ".join(str(c) for c in sweep["levels"])),
+    ]
+    for group in ("workload", "load"):
+        rows += [(f"{group}: {k}", json.dumps(v) if isinstance(v, dict | list) else str(v))
+                 for k, v in sweep[group].items() if v is not None]
+    if sweep.get("slos_ms"):
+        rows.append(("goodput objectives (ms)", json.dumps(sweep["slos_ms"])))
+    rows.append(("quality reference", sweep["reference_flags"]))
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                    for k, v in rows)
+    return f'<table class="settings">{cells}</table>'
 
 
 def _fmt(v: Any, nd: int = 1) -> str:
@@ -131,7 +166,9 @@ def _quality_note(sweep: dict[str, Any]) -> str:
 def _html(state: dict[str, Any], rows: list[dict[str, Any]], front: list[bool],
           images: list[str]) -> str:
     sweep = state["sweep"]
-    head = ("<tr><th>front</th><th>setting</th><th>concurrency</th><th>out tok/s per GPU</th>"
+    per = throughput_label(sweep)
+    head = ("<tr><th>front</th><th>setting</th><th>concurrency</th>"
+            f"<th>out tok/s {per}</th>"
             "<th>tok/s per user</th><th>TTFT ms</th><th>TPOT ms</th><th>KL</th><th>top-1</th>"
             "<th>goodput req/s</th><th>command</th></tr>")
     body = []
@@ -158,17 +195,15 @@ def _html(state: dict[str, Any], rows: list[dict[str, Any]], front: list[bool],
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>skyline frontier</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:48%}}</style>
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:48%}}
+table.settings td,table.settings th{{text-align:left}}</style>
 </head><body>
 <h1>skyline frontier</h1>
-<p>Workload: <code>{html.escape(json.dumps(sweep['workload']))}</code><br>
-Load: <code>{html.escape(json.dumps(sweep['load']))}</code>, client concurrency levels
-{sweep['levels']}; base flags <code>{html.escape(sweep['base_flags'] or '(none)')}</code>;
-grid <code>{html.escape(' '.join(sweep['grid']))}</code>.<br>
-Front: no other point has at least the output throughput per GPU, the per-user speed
+{_settings_table(sweep)}
+<p>Front: no other point has at least the output throughput ({per}), the per-user speed
 (1000 / TPOT {sweep.get('percentile', 'median')}) and the quality (lower KL vs
 <code>{html.escape(sweep['reference_flags'])}</code> on {sweep['calib_tokens']} calibration
-tokens), and more of one. Dominated points are grey.</p>
+tokens), and more of one. Dominated points are faded (grey in the table).</p>
 {_quality_note(sweep)}
 {''.join(imgs)}
 <table>{head}{''.join(body)}</table>

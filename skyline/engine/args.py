@@ -26,7 +26,7 @@ class EngineArgs:
     kv_offload_disk_size: str | int | None = None  # None: 90% of the free space
     kv_offload_policy: str = "eviction"  # eviction | eager
     kv_offload_dtype: str = "auto"  # auto | fp8 | int8: blocks in the lower tiers
-    max_num_seqs: int | None = None
+    max_num_seqs: int | str | None = "auto"  # "auto" (or None): from the KV cache on GPUs
     max_num_batched_tokens: int | None = None
     max_waiting: int = 0
     seed: int = 0
@@ -48,6 +48,14 @@ class EngineArgs:
     ngram_max: int = 5
     speculative_max_batch_tokens: int | None = None  # None: auto (by device)
     speculative_gate: bool = True  # speculate only where it was measured faster
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    placement: str | None = None  # auto | DEVICE=LAYERS,... (one pipeline stage each)
+    distributed_executor: str = "auto"  # auto (mp beyond one rank) | uni | mp
+    distributed_init: str | None = None  # tcp://HOST:PORT: the rendezvous across hosts
+    nnodes: int = 1
+    node_rank: int = 0
+    distributed_timeout: float = 600.0  # seconds a rank may go unheard
     role: str = "both"  # both | prefill | decode (a replica behind `skyline router`)
     kv_events_host: str = "127.0.0.1"
     kv_events_port: int | None = None  # publish KV events here (ZMQ PUB; snapshots on +1)

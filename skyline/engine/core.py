@@ -14,52 +14,22 @@ for a synchronous step; with async scheduling it is, as it overlaps the device's
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from skyline.cache.connector import KVConnectorScheduler
 from skyline.cache.offload import TierConnector, TierLayout
 from skyline.cache.pd import PDConnector
 from skyline.config import ConfigError, EngineConfig
+from skyline.engine.gc_tuning import GC_THRESHOLD0, fewer_collections, tune_gc  # noqa: F401
 from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, RunnerOutput, SchedulerOutput, StepOutput
 from skyline.worker.executor import make_executor
 
 log = logging.getLogger(__name__)
-
-# Net allocations of container objects between young-generation collections (CPython's
-# default is 700). A step at a thousand requests allocates a few thousand short-lived
-# containers and frees them before the next: with the default, collections run several times
-# a step, and every few dozen steps a full one rescans each request's token lists: a pause the
-# device waits out (bench/host_overhead.py times them).
-GC_THRESHOLD0 = 20_000
-
-
-def tune_gc() -> None:
-    """For a process that runs an engine loop, once the engine is built: freeze what exists
-    (the model, the tokenizer, the modules: nothing to collect, much to scan) and collect the
-    young generation less often. Reference counting still frees everything acyclic at once."""
-    gc.collect()
-    gc.freeze()
-    g0, g1, g2 = gc.get_threshold()
-    gc.set_threshold(max(GC_THRESHOLD0, g0), g1, g2)
-
-
-@contextlib.contextmanager
-def fewer_collections() -> Iterator[None]:
-    """`tune_gc`'s threshold for a while, in a process that is not the engine's own (the
-    offline `LLM` runs in the caller's): restored afterwards, nothing frozen."""
-    g0, g1, g2 = gc.get_threshold()
-    gc.set_threshold(max(GC_THRESHOLD0, g0), g1, g2)
-    try:
-        yield
-    finally:
-        gc.set_threshold(g0, g1, g2)
 
 
 class StepObserver(Protocol):
@@ -90,6 +60,10 @@ class EngineCore:
             sched = dataclasses.replace(config.scheduler, max_model_len=capacity)
             model = dataclasses.replace(config.model, max_model_len=capacity)
             config = dataclasses.replace(config, scheduler=sched, model=model)
+        if config.scheduler.max_num_seqs_auto:  # the runner chose it from the cache's size
+            sched = dataclasses.replace(config.scheduler,
+                                        max_num_seqs=self.executor.max_num_seqs)
+            config = dataclasses.replace(config, scheduler=sched)
         self.config = config
         self.structured = structured
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,

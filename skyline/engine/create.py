@@ -9,6 +9,7 @@ import os
 import torch
 
 from skyline.config import (
+    EXECUTORS,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -16,6 +17,7 @@ from skyline.config import (
     ModelArch,
     ModelConfig,
     OffloadConfig,
+    ParallelConfig,
     QuantConfig,
     SchedulerConfig,
     SpecConfig,
@@ -26,10 +28,21 @@ from skyline.engine.args import EngineArgs
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
 from skyline.ops import cpu_plan
+from skyline.parallel.placement import (
+    Stage,
+    even_stages,
+    format_stages,
+    parse_placement,
+    plan_stages,
+)
+from skyline.parallel.shard import even_shard, head_shard
 from skyline.quant.resolve import resolve_quant_config
+from skyline.worker.cuda_graph import MAX_GRAPH_BATCH
 
 log = logging.getLogger(__name__)
 
+
+CPU_MAX_NUM_SEQS = 64  # max_num_seqs "auto" on the CPU
 
 _DTYPE_ALIASES = {
     "float": "float32", "fp32": "float32", "float32": "float32",
@@ -63,12 +76,17 @@ def resolve_device(device: str) -> str:
 CPU_BF16_KERNEL_FORMATS = ("int4", "int8", "mxfp4")
 
 
-def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format: str) -> str:
+def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format: str,
+                   quant_method: str) -> str:
     if dtype == "auto":
         if device == "cpu":
-            # A GGUF file is served as this CPU runs it fastest (ops/cpu_plan.py: bfloat16
-            # where its products are native); other checkpoints in float32, exactly.
-            return _DTYPE_NAMES[cpu_plan.plan().dtype] if load_format == "gguf" else "float32"
+            if load_format == "gguf":
+                # A GGUF file is served as this CPU runs it fastest (ops/cpu_plan.py:
+                # bfloat16 where its products are native).
+                return _DTYPE_NAMES[cpu_plan.plan().dtype]
+            if quant_method in CPU_BF16_KERNEL_FORMATS:
+                return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
+            return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
     if dtype not in _DTYPE_ALIASES:
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
@@ -176,14 +194,110 @@ def resolve_model_path(model: str | None, load_format: str) -> str:
     return model
 
 
+def _placement_device(args: EngineArgs, arch: ModelArch) -> str | None:
+    """The device an explicit --placement implies for the engine's defaults: cuda if a stage
+    is on a GPU (which must be visible), else cpu; None without one."""
+    if not args.placement or args.placement == "auto":
+        return None
+    stages = parse_placement(args.placement, arch.num_layers)
+    gpus = [int(s.device[5:]) for s in stages if s.device != "cpu"]
+    if gpus and max(gpus) >= torch.cuda.device_count():
+        raise ConfigError(f"--placement uses cuda:{max(gpus)} but "
+                          f"{torch.cuda.device_count()} GPU(s) are visible")
+    return "cuda" if gpus else "cpu"
+
+
+def _resolve_stages(args: EngineArgs, model: ModelConfig, cache: CacheConfig,
+                    device: str) -> list[Stage]:
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError("--tensor-parallel-size and --pipeline-parallel-size must be at "
+                          "least 1")
+    num_layers = model.arch.num_layers
+    if not args.placement:
+        # A stage's ranks on a GPU take the GPU of their local rank.
+        kind = "cpu" if device == "cpu" else "cuda"
+        per_node = tp * pp // max(args.nnodes, 1)
+        if kind == "cuda" and per_node > 1 and per_node > torch.cuda.device_count():
+            raise ConfigError(f"{per_node} ranks a host need as many GPUs; "
+                              f"{torch.cuda.device_count()} are visible")
+        return even_stages(num_layers, [device if tp * pp == 1 else kind] * pp)
+    if tp > 1 or pp > 1:
+        raise ConfigError("--placement gives the pipeline stages and their devices itself; "
+                          "drop --tensor-parallel-size and --pipeline-parallel-size")
+    if args.placement != "auto":
+        return parse_placement(args.placement, num_layers)
+    from skyline.worker.probe import device_budgets
+
+    devices = ["cpu"] if device == "cpu" else \
+        [f"cuda:{i}" for i in range(torch.cuda.device_count())] + ["cpu"]
+    budgets, layer_bytes, first, last = device_budgets(model, cache, devices,
+                                                       model.max_model_len)
+    stages = plan_stages(num_layers, budgets, layer_bytes, first, last)
+    log.info("--placement auto: %s (per layer: %s)", format_stages(stages),
+             ", ".join(f"{b.device} {b.seconds_per_layer * 1e3:.2f} ms" for b in budgets))
+    return stages
+
+
+def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, device: str,
+                      spec: bool, role: str) -> ParallelConfig:
+    """The stages, checked against the model: every split the layers will make, made once
+    here so that a bad size fails before any process starts."""
+    stages = _resolve_stages(args, model, cache, device)
+    tp = args.tensor_parallel_size
+    world = tp * len(stages)
+    arch = model.arch
+    for r in range(tp if tp > 1 else 0):
+        head_shard(arch.num_heads, arch.num_kv_heads, tp, r)
+        if not arch.num_experts:
+            even_shard(arch.intermediate_size, tp, r, "intermediate size")
+    if tp > 1 and arch.num_experts and arch.num_experts < tp:
+        raise ConfigError(f"{arch.num_experts} experts cannot be shared by "
+                          f"--tensor-parallel-size {tp} (each rank holds whole experts)")
+    if world > 1 and role != "both":
+        raise ConfigError(f"a {role} replica runs on one rank; drop --role or the parallel "
+                          "sizes")
+    if world > 1 and spec:
+        raise ConfigError("speculative decoding does not run with tensor or pipeline "
+                          "parallelism yet; drop --speculative-method or the parallel sizes")
+    executor = args.distributed_executor
+    if executor == "auto":
+        executor = "mp" if world > 1 else "uni"
+    if executor not in EXECUTORS:
+        raise ConfigError(f"--distributed-executor must be auto, uni or mp, got {executor!r}")
+    if world > 1 and executor == "uni":
+        raise ConfigError(f"{world} ranks need a process each; drop --distributed-executor uni")
+    return ParallelConfig(
+        tensor_parallel_size=tp,
+        stages=tuple((s.device, s.start, s.end) for s in stages),
+        executor=executor, distributed_init=args.distributed_init, nnodes=args.nnodes,
+        node_rank=args.node_rank, timeout_s=args.distributed_timeout, threads=args.threads)
+
+
+def _resolve_max_num_seqs(value: int | str | None, on_gpu: bool) -> tuple[int, bool]:
+    """(max_num_seqs, chosen by the runner): "auto" on a GPU lets the runner choose up to the
+    largest CUDA-graph batch once the KV cache is sized; on the CPU it is 64."""
+    if value is None or value == "auto":
+        return (MAX_GRAPH_BATCH, True) if on_gpu else (CPU_MAX_NUM_SEQS, False)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--max-num-seqs takes a number or auto, got {value!r}") from None
+    if n < 1:
+        raise ConfigError("--max-num-seqs must be at least 1")
+    return n, False
+
+
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     """Returns the config and whether max_model_len was left to "auto"."""
+    _check_counts(args)
     path = resolve_model_path(args.model, args.load_format)
     if args.model is not None and dummy_config_dir(args.model) == path:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
-    device = resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, fmt)
+    device = _placement_device(args, arch) or resolve_device(args.device)
+    quant = _resolve_quant(args, path, fmt, device)
+    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, fmt, quant.method)
     if args.threads:
         torch.set_num_threads(args.threads)
     auto_len = args.max_model_len is None
@@ -192,14 +306,13 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         log.warning("--max-model-len %d is beyond the model's trained context of %d tokens; "
                     "quality past it is not guaranteed", max_len, arch.max_position_embeddings)
     on_gpu = device.startswith("cuda")
-    max_seqs = args.max_num_seqs or (256 if on_gpu else 64)
+    max_seqs, seqs_auto = _resolve_max_num_seqs(args.max_num_seqs, on_gpu)
     budget = args.max_num_batched_tokens or (8192 if on_gpu else 1024)
     name = args.served_model_name or os.path.basename(os.path.normpath(path))
-    quant = _resolve_quant(args, path, fmt, device)
     if device == "cpu" and dtype == "float32" and quant.method in CPU_BF16_KERNEL_FORMATS:
-        log.warning("--quantization %s on the CPU in float32 dequantizes every layer at every "
-                    "call; --dtype bfloat16 runs it on torch's int4 kernel, several times "
-                    "faster (BENCHMARKS.md)", quant.method)
+        log.warning("%s weights on the CPU in float32 (--dtype float32) dequantize every layer "
+                    "at every call; --dtype auto or bfloat16 runs them on torch's int4 kernel, "
+                    "several times faster (BENCHMARKS.md)", quant.method)
     if args.quantize_lm_head:
         quant = dataclasses.replace(quant, lm_head=True)
     model_cfg = ModelConfig(path=path, load_format=fmt, arch=arch, dtype=dtype,
@@ -216,7 +329,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     fleet = FleetConfig(role=args.role, kv_events_host=args.kv_events_host,
                         kv_events_port=args.kv_events_port,
                         kv_transfer_port=args.kv_transfer_port)
-    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_seqs_auto=seqs_auto,
+                            max_num_batched_tokens=budget,
                             max_model_len=max_len, max_waiting=args.max_waiting)
     spec = SpecConfig(
         method=args.speculative_method,
@@ -235,10 +349,22 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         draft_cost=0.1 if on_gpu else 0.02,
         gate=args.speculative_gate,
     )
+    parallel = _resolve_parallel(args, model_cfg, cache, device, spec.enabled, fleet.role)
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
                         enforce_eager=args.enforce_eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),
-                        offload=_resolve_offload(args), fleet=fleet), auto_len
+                        parallel=parallel, offload=_resolve_offload(args),
+                        fleet=fleet), auto_len
+
+
+def _check_counts(args: EngineArgs) -> None:
+    """Counts a caller of the Python API may set to 0 or less (the CLI's flags refuse them)."""
+    for name in ("max_model_len", "max_num_batched_tokens", "num_blocks", "threads",
+                 "block_size", "num_speculative_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
 
 
 def _resolve_offload(args: EngineArgs) -> OffloadConfig:

@@ -22,7 +22,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import threading
 import time
 import traceback
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import msgpack
 
 from skyline.types import Request, SamplingParams, StepOutput, TokenLogprobs
+from skyline.worker.executor.rank import exit_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -223,27 +223,18 @@ class _EngineLoop:
             self.events.close()
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def run_engine_core(args: Any, in_addr: str, out_addr: str,
-                    conn: multiprocessing.connection.Connection, log_level: int) -> None:
-    """Entry point of the engine-core process (spawned)."""
+                    conn: multiprocessing.connection.Connection, log_level: int,
+                    progress_level: int = logging.WARNING) -> None:
+    """Entry point of the engine-core process (spawned); `progress_level`: the parent's
+    `skyline.progress` logger's (skyline/progress.py)."""
     # The parent decides when the engine stops (after draining requests on SIGTERM / Ctrl-C,
     # which a terminal or supervisor may send to the whole process group).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
+    exit_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
+    logging.getLogger("skyline.progress").setLevel(progress_level)
     from skyline.config import ConfigError
     from skyline.engine.core import EngineCore, tune_gc
     from skyline.engine.create import create_engine_config
@@ -318,7 +309,8 @@ class EngineProcess:
         recv, send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=run_engine_core, name="skyline-engine",
-            args=(args, in_addr, out_addr, send, logging.getLogger("skyline").getEffectiveLevel()),
+            args=(args, in_addr, out_addr, send, logging.getLogger("skyline").getEffectiveLevel(),
+                  logging.getLogger("skyline.progress").getEffectiveLevel()),
         )
         self.proc.start()
         send.close()

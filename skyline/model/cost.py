@@ -14,6 +14,7 @@ from skyline.config import ModelArch, QuantConfig
 from skyline.model.layers.embedding import LMHead
 from skyline.model.layers.linear import Linear
 from skyline.model.layers.moe import FusedExperts, Router
+from skyline.model.partition import attention_layers
 from skyline.model.registry import get_model_class
 from skyline.model.weights import held_bytes
 from skyline.quant import attach_quant_methods, finish_loading
@@ -57,7 +58,9 @@ class ModelCost:
             head_params=sum(m.weight.numel() for m in heads),
             weight_bytes=_decode_bytes(linears) + head_bytes + round(expert_bytes * fraction),
             kv_bytes_per_token=kv_bytes_per_token,
-            attn_flops_per_pair=4 * arch.num_layers * arch.num_heads * arch.head_dim,
+            # the heads of the layers this model (this rank's part) runs
+            attn_flops_per_pair=4 * sum(a.num_heads * a.head_dim
+                                        for a in attention_layers(model)),
             expert_bytes=expert_bytes,
             expert_fraction=fraction,
         )
@@ -86,11 +89,12 @@ def _decode_bytes(layers: list[nn.Module]) -> int:
     return total
 
 
-def meta_model_cost(arch: ModelArch, quant: QuantConfig, kv_bytes_per_token: int) -> ModelCost:
-    """The cost of a model of `arch` with weights in `quant`, built on the meta device: no
+def meta_model(arch: ModelArch, quant: QuantConfig, dtype: torch.dtype = torch.bfloat16
+               ) -> nn.Module:
+    """A model of `arch` with weights in `quant` and `dtype`, built on the meta device: no
     memory, no weights, the layouts the engine serves with (online quantization included)."""
     prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
             m = get_model_class(arch.architecture)(arch)
@@ -99,4 +103,9 @@ def meta_model_cost(arch: ModelArch, quant: QuantConfig, kv_bytes_per_token: int
             finish_loading(m)
     finally:
         torch.set_default_dtype(prev)
-    return ModelCost.of(m, kv_bytes_per_token)
+    return m
+
+
+def meta_model_cost(arch: ModelArch, quant: QuantConfig, kv_bytes_per_token: int) -> ModelCost:
+    """The cost of a model of `arch` with weights in `quant` (see `meta_model`)."""
+    return ModelCost.of(meta_model(arch, quant), kv_bytes_per_token)

@@ -17,7 +17,7 @@ import os
 import re
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -229,18 +229,19 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    path: str, arch: ModelArch, packed: bool = False
+    path: str, arch: ModelArch, packed: bool = False, want: Callable[[str], Any] | None = None
 ) -> Iterator[tuple[str, Any]]:
-    """(HF name, float32 CPU tensor shaped as HF has it) for every weight of the GGUF file;
-    one tensor in memory at a time (a layer's stacked experts: one expert at a time, from one
-    dequantized tensor). A tied model yields no lm_head.weight. With `packed`, Linear weights
-    (`*_proj.weight`, not experts') come as stored, as quant.gguf.PackedGGUF raw blocks."""
+    """(HF name, float32 CPU tensor shaped as HF has it) for every weight of the GGUF file
+    (that `want` is true of); one tensor in memory at a time (a layer's stacked experts: one
+    expert at a time, from one dequantized tensor). A tied model yields no lm_head.weight. With
+    `packed`, Linear weights (`*_proj.weight`, not experts') come as stored, as
+    quant.gguf.PackedGGUF raw blocks."""
     r = open_gguf(path)
     gguf_arch = gguf_value(r, "general.architecture")
     permuted = gguf_arch in PERMUTED_QK
     for t in r.tensors:
         name = hf_weight_name(t.name)
-        if name is None:
+        if name is None or (want is not None and not want(name)):
             continue
         if int(t.tensor_type) not in GGML_TYPES:
             raise ConfigError(

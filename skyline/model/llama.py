@@ -17,7 +17,7 @@ from torch import nn
 from skyline.config import ConfigError, ModelArch
 from skyline.model.layers.attention import Attention
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
-from skyline.model.layers.linear import Linear, QKVLinear, default_weight_loader
+from skyline.model.layers.linear import AttentionOutLinear, QKVLinear, default_weight_loader
 from skyline.model.layers.mlp import MLP
 from skyline.model.layers.moe import expert_hf_name, expert_param
 from skyline.model.layers.norm import RMSNorm
@@ -30,20 +30,19 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        num_heads, num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
-        q_size = self.num_heads * self.head_dim
         self.qkv_proj = QKVLinear(
-            arch.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-            bias=arch.attention_bias,
+            arch.hidden_size, self.head_dim, num_heads, num_kv_heads, bias=arch.attention_bias,
         )
         # HF Llama puts attention_bias on o_proj too; Qwen2 biases q/k/v only.
         o_bias = arch.attention_bias and not arch.architecture.startswith("Qwen2")
-        self.o_proj = Linear(q_size, arch.hidden_size, bias=o_bias)
+        self.o_proj = AttentionOutLinear(num_heads, num_kv_heads, self.head_dim,
+                                         arch.hidden_size, bias=o_bias)
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
-                              self.num_kv_heads, feeds=self.o_proj,
-                              sliding_window=arch.window(layer), sinks=self.sinks)
+        self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads,
+                              feeds=self.o_proj, sliding_window=arch.window(layer),
+                              sinks=self.sinks)
 
     def position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                     kv: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +53,10 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [T, num_heads, head_dim]
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, num_kv_heads, head_dim]
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        # this rank's heads (all of them without tensor parallelism)
+        q = q.unflatten(-1, (-1, self.head_dim))  # [T, num_heads, head_dim]
+        k = k.unflatten(-1, (-1, self.head_dim))  # [T, num_kv_heads, head_dim]
+        v = v.unflatten(-1, (-1, self.head_dim))
         kv = self.attn.kv_write(v)
         q, k = self.position_qk(positions, q, k, kv)
         return self.o_proj(self.attn(q, k, v, kv_written=kv is not None))

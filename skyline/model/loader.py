@@ -1,25 +1,33 @@
 """Find a model's architecture and build it on a device with its weights: safetensors
-(single file or sharded), GGUF, or dummy (random values, for speed runs at real scale)."""
+(single file or sharded), GGUF, or dummy (random values, for speed runs at real scale).
+
+A model is built on the meta device, cut to the rank's part (model/partition.py: its pipeline
+stage, its tensor-parallel shards; the whole model in one process), then its parameters are
+made on the device and filled from the checkpoint, each rank reading the tensors of its own
+stage and keeping its slices."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from tqdm import tqdm
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
-from skyline.model.layers.embedding import LMHead
-from skyline.model.layers.linear import Linear
+from skyline.model.layers.embedding import LMHead, VocabEmbedding
+from skyline.model.layers.linear import Linear, default_weight_loader
 from skyline.model.layers.moe import FusedExperts
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
+from skyline.model.partition import partition, weight_names
 from skyline.model.registry import get_model_class
+from skyline.parallel.groups import ParallelLayout
+from skyline.progress import bar
 from skyline.quant import attach_quant_methods, finish_loading
 from skyline.quant.external import translate
 from skyline.quant.method import prepack, unpack
@@ -113,37 +121,47 @@ def _normalize_rope(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
-    """Build the model of `cfg.arch` in `cfg.dtype` directly on `device`, then load weights."""
+def load_model(cfg: ModelConfig, device: torch.device | str,
+               layout: ParallelLayout | None = None) -> nn.Module:
+    """Build the model of `cfg.arch` in `cfg.dtype` on `device`, then load weights: the whole
+    model, or with `layout` this rank's part of it."""
     device = torch.device(device)
     dtype = DTYPES.get(cfg.dtype)
     if dtype is None:
         raise ConfigError(f"dtype {cfg.dtype!r} is not supported; use one of {list(DTYPES)}")
+    layout = layout or ParallelLayout.single(cfg.arch.num_layers, str(device))
     model_cls = get_model_class(cfg.arch.architecture)
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with device:
+        with torch.device("meta"):
             model = model_cls(cfg.arch)
             attach_quant_methods(model, cfg.quant)  # Linear layouts of the quantized format
+            partition(model, layout)
+        for m in model.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.materialize(device)
+                m.extend(cfg.max_model_len)
+        materialize(model, device)
     finally:
         torch.set_default_dtype(prev_dtype)
     model.requires_grad_(False)
     model.eval()
-    for m in model.modules():
-        if isinstance(m, RotaryEmbedding):
-            m.extend(cfg.max_model_len)
+    rename = weight_names(model, layout)
+    desc = f"loading {cfg.name}"
     with torch.no_grad():
         if cfg.load_format == "dummy":
             fill_dummy_weights(model, cfg.seed)
         elif cfg.load_format == "safetensors":
             # another tool's quantized tensors repacked into skyline's layout as they stream
-            model.load_weights(translate(iter_safetensors(cfg.path), cfg.quant))
+            tensors = bar(iter_safetensors(cfg.path, rename), desc=desc, unit=" tensors")
+            model.load_weights(translate(_renamed(tensors, rename), cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
             packed = cfg.quant.method == "gguf"
-            model.load_weights(iter_gguf_weights(cfg.path, cfg.arch, packed=packed))
+            weights = iter_gguf_weights(cfg.path, cfg.arch, packed=packed, want=rename)
+            model.load_weights(_renamed(bar(weights, desc=desc, unit=" tensors"), rename))
         else:
             raise ConfigError(
                 f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"
@@ -154,6 +172,39 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> nn.Module:
                 if isinstance(m, LMHead):
                     m.quantize_fp8()
     return model
+
+
+def _renamed(weights: Iterator[tuple[str, Any]], rename: Callable[[str], str | None]
+             ) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        new = rename(name)
+        if new is not None:
+            yield new, tensor
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Real tensors on `device` (uninitialized: loading fills them) for the parameters of a
+    model built on the meta device, each once (tied weights stay tied), with their loaders.
+    A buffer computed at construction must have been rebuilt on the device before."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            new = made.get(id(p))
+            if new is None:
+                # torch.empty, not empty_like: a meta tensor's *_like runs Python reference ops
+                new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                   requires_grad=False)
+                new.__dict__.update(p.__dict__)  # weight_loader, shard_ids
+                made[id(p)] = new
+            module._parameters[name] = new
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                raise RuntimeError(f"buffer {name} of {type(module).__name__} was computed on the "
+                                   "meta device; rebuild it on the device in load_model")
+            if b is not None and b.device != device:  # built on the host at construction
+                module._buffers[name] = b.to(device)
 
 
 def prepack_for_cpu(model: nn.Module) -> int:
@@ -192,28 +243,43 @@ def plain_layout(model: nn.Module) -> None:
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights with no checkpoint: uniform(-1e-3, 1e-3), norm weights 1; quantized
-    tensors (MoE experts shipped in MXFP4) as their format's `fill_dummy` makes them. Generated
-    on the parameters' device, so an 8B model fills in well under a second on a GPU."""
+    tensors (MoE experts shipped in MXFP4) as their format's `fill_dummy` makes them. Each
+    checkpoint tensor is drawn from a generator of its own name, at its full size, and loaded
+    as a checkpoint's would be: every rank of a parallel layout holds the values one process
+    would (on the same kind of device). Generated on the parameters' device."""
     seen: set[int] = set()
-    generators: dict[torch.device, torch.Generator] = {}
-
-    def generator(device: torch.device) -> torch.Generator:
-        if device not in generators:
-            generators[device] = torch.Generator(device).manual_seed(seed)
-        return generators[device]
-
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         fill = getattr(getattr(module, "expert_method", None), "fill_dummy", None)
         if fill is not None:
-            fill(module, generator(next(module.parameters()).device))
-        for param in module.parameters(recurse=False):
-            if id(param) in seen:
-                continue  # tied weights
+            device = next(module.parameters()).device
+            fill(module, torch.Generator(device).manual_seed(
+                seed ^ zlib.crc32(prefix.encode())))
+        for pname, param in module.named_parameters(prefix, recurse=False):
+            if id(param) in seen or param.numel() == 0 or not param.is_floating_point():
+                continue  # tied weights; placeholders; integer tensors, filled by their format
             seen.add(id(param))
             if isinstance(module, RMSNorm):
                 param.data.fill_(1.0)
-            elif param.is_floating_point():  # integer tensors: filled by their format above
-                param.data.uniform_(-1e-3, 1e-3, generator=generator(param.device))
+                continue
+            if getattr(module, "loads_embedding", False):
+                pname = "model.embed_tokens.weight"  # an untied head stands for the embedding
+            load = getattr(param, "weight_loader", default_weight_loader)
+            for shard_id in getattr(param, "shard_ids", (None,)):
+                gen = torch.Generator(param.device)
+                gen.manual_seed(seed ^ zlib.crc32(f"{pname}/{shard_id}".encode()))
+                full = torch.empty(_checkpoint_shape(module, param, shard_id), dtype=param.dtype,
+                                   device=param.device)
+                load(param, full.uniform_(-1e-3, 1e-3, generator=gen), shard_id)
+
+
+def _checkpoint_shape(module: nn.Module, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
+    """The shape of the checkpoint tensor that fills (shard `shard_id` of) `param`."""
+    shape = getattr(module, "checkpoint_shape", None)  # a layer that holds a shard
+    if shape is not None:
+        return shape(param, shard_id)
+    if isinstance(module, (VocabEmbedding, LMHead)) and module.vocab_shard is not None:
+        return (module.vocab_size, param.shape[1])
+    return tuple(param.shape)
 
 
 def safetensors_files(path: str) -> list[Path]:
@@ -239,12 +305,12 @@ def safetensors_files(path: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor of the checkpoint, one tensor in memory at a time;
-    the caller copies each into its parameter."""
+def iter_safetensors(path: str, want: Callable[[str], Any] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) for every tensor of the checkpoint (that `want` is true of), one
+    tensor in memory at a time; the caller copies each into its parameter."""
     files = safetensors_files(path)
-    for file in tqdm(files, desc="Loading safetensors shards", unit="shard",
-                     disable=len(files) < 2):
+    for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
             names = list(handle.keys())
@@ -253,6 +319,8 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 f"cannot read {file} ({e}); it is truncated or corrupt, download it again"
             ) from None
         for name in names:
+            if want is not None and not want(name):
+                continue
             try:
                 tensor = handle.get_tensor(name)
             except (SafetensorError, OSError, RuntimeError) as e:

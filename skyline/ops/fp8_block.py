@@ -54,7 +54,8 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     xq, x_scale = quantize_rows_fp8_ref(x2, BLOCK)
-    if _cublas_blocks_ok(x.device) and k % BLOCK == 0 and x.dtype == torch.bfloat16:
+    if (x2.shape[0] >= CUBLAS_MIN_ROWS and k % BLOCK == 0 and x.dtype == torch.bfloat16
+            and _cublas_blocks_ok(x.device)):
         y = _cublas_block_mm(xq, x_scale, w, w_scale, x.dtype)
     else:
         y = fp8_block_matmul_triton(xq, x_scale, w, w_scale, x.dtype)
@@ -63,12 +64,25 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     return y.reshape(*x.shape[:-1], -1)
 
 
+# cuBLAS refuses block scales for a single row (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11);
+# _cublas_blocks_ok checks 32 rows, and few rows are a GEMV the Triton kernel serves well.
+CUBLAS_MIN_ROWS = 32
+
+
 def _cublas_block_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # cuBLAS takes both scale tensors outer-dim major: stride 1 along M (or N)
+    # cuBLAS takes both scale tensors outer-dim major: stride 1 along M (or N), and stride M
+    # (or N) along K, also where M is 1 (where .t().contiguous().t() would keep stride K)
     recipe = F.ScalingType.BlockWise1x128
-    return F.scaled_mm(xq, w.t(), x_scale.t().contiguous().t(), recipe,
-                       w_scale.float().t().contiguous().t(), recipe, output_dtype=dtype)
+    return F.scaled_mm(xq, w.t(), _outer_major(x_scale), recipe,
+                       _outer_major(w_scale.float()), recipe, output_dtype=dtype)
+
+
+def _outer_major(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` [rows, blocks] copied with strides (1, rows)."""
+    rows, blocks = scale.shape
+    out = torch.empty_strided((rows, blocks), (1, rows), dtype=scale.dtype, device=scale.device)
+    return out.copy_(scale)
 
 
 @functools.lru_cache(maxsize=8)
@@ -85,7 +99,7 @@ def _cublas_blocks_ok(device: torch.device) -> bool:
     xq, x_scale = quantize_rows_fp8_ref(x, BLOCK)
     try:
         got = _cublas_block_mm(xq, x_scale, w, w_scale, torch.bfloat16).float()
-    except (RuntimeError, TypeError, AttributeError) as e:
+    except (RuntimeError, TypeError, ValueError, AttributeError) as e:
         log.info("fp8 block scales run on the Triton kernel: torch's scaled_mm refused (%s)", e)
         return False
     want = fp8_block_linear_ref(x, w, w_scale).float()

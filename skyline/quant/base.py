@@ -73,6 +73,8 @@ class QuantLinearMethod:
     name = ""
     # Parameters holding one value per checkpoint tensor (stored per row in a merged layer).
     per_tensor: tuple[str, ...] = ()
+    # Input columns that share a scale: a row-parallel split must cut between such groups.
+    column_block = 1
     # Parameters a checkpoint of another tool may store coarser than per row
     # (shard_rows_loader): per tensor, per channel of a group-wise layout, per block of rows.
     coarse: tuple[str, ...] = ()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from skyline.progress import bar
 from skyline.quant.method import LinearLayer
 
 
@@ -31,7 +32,8 @@ def collect_act_sq(
             hooks.append(module.register_forward_pre_hook(hook))
     device = next(model.parameters()).device
     try:
-        for start in range(0, len(token_ids), window):
+        starts = range(0, len(token_ids), window)
+        for start in bar(starts, desc="calibrating", unit=" windows"):
             ids = torch.tensor(token_ids[start : start + window], device=device)
             model(ids, torch.arange(len(ids), device=device))
     finally:

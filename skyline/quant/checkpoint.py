@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from skyline.config import SAVABLE_METHODS, ConfigError, QuantConfig
+from skyline.progress import bar
 from skyline.quant import make_linear_method
 from skyline.quant.base import QuantLinearMethod
 from skyline.quant.method import UnquantizedLinearMethod, linears
@@ -19,7 +20,7 @@ def quantize_loaded(
     """Quantize the Linears of an unquantized, loaded model in place (online, as at load),
     each to its format in `cfg` (a Linear whose per-layer format is "none" stays as it is)."""
     check_savable(cfg)
-    for name, module in linears(model).items():
+    for name, module in bar(linears(model).items(), desc="quantizing", unit=" Linears"):
         method = make_linear_method(cfg.for_layer(name))
         if method is None:
             continue

@@ -91,6 +91,7 @@ def dequantize_nvfp4(
 
 class Mxfp4LinearMethod(QuantLinearMethod):
     name = "mxfp4"
+    column_block = 32
 
     def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         blocks = -(-cols // 32)
@@ -158,6 +159,7 @@ class Mxfp4LinearMethod(QuantLinearMethod):
 
 class Nvfp4LinearMethod(QuantLinearMethod):
     name = "nvfp4"
+    column_block = 16
     per_tensor = ("tensor_scale",)
 
     def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -46,6 +46,7 @@ from skyline.config import ConfigError
 from skyline.ops import cpu_int4, cpu_linear, cpu_plan
 from skyline.ops.dequant import (
     AFFINE_GROUP,
+    GGML_TYPES,
     INT4_GROUP_TYPES,
     affine_groups,
     dequantize_ref,
@@ -124,6 +125,8 @@ class GGUFLinearMethod:
         planes for decode-sized batches where the plan runs this layer's codes on it, and the
         weights dequantized once to `dtype` (oneDNN-packed) for larger batches; the raw blocks
         are dropped. From then on every input takes one of the two."""
+        if not getattr(layer, "gguf_types", None):  # no blocks (a model built on meta)
+            return False
         cpu = cpu_plan.plan()
         types = [int(t) for t in layer.gguf_types]
         rows = cpu.int4_rows if all(t in INT4_GROUP_TYPES for t in types) else cpu.int4_wide_rows
@@ -276,6 +279,25 @@ def _pack_int4(layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
     return cpu_int4.pack_planes(codes, scale, offset, INT4_GROUP, wide)
 
 
+def _rank_slice(layer: LinearLayer, loaded: PackedGGUF, shard_id: Any,
+                rows: int) -> PackedGGUF:
+    """This rank's part of a tensor's blocks: its rows (column-parallel) or whole blocks of
+    its input columns (row-parallel)."""
+    if layer.tp_cols is None:
+        data = layer.take_shard(loaded.data, shard_id, torch.Size((rows, loaded.data.shape[1])))
+        return PackedGGUF(data, loaded.qtype, loaded.cols)
+    start, cols, _ = layer.tp_cols
+    name, block, size = GGML_TYPES[loaded.qtype]
+    if start % block or cols % block:
+        raise ConfigError(
+            f"GGUF {name} blocks of {block} cannot be split at input column "
+            f"{start} ({cols} columns a rank); use another --tensor-parallel-size or load "
+            "without --quantization gguf")
+    held = torch.Size((rows, cols // block * size))
+    return PackedGGUF(layer.take_shard(loaded.data, shard_id, held).contiguous(), loaded.qtype,
+                      cols)
+
+
 def _loader(layer: LinearLayer) -> Any:
     def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(loaded, PackedGGUF):
@@ -283,6 +305,7 @@ def _loader(layer: LinearLayer) -> Any:
         if shard_id not in layer.shards:
             raise ConfigError(f"unknown shard {shard_id!r}; expected one of {list(layer.shards)}")
         rows = layer.shards[shard_id][1]
+        loaded = _rank_slice(layer, loaded, shard_id, rows)
         if loaded.data.shape[0] != rows or loaded.cols != layer.in_features:
             raise ConfigError(
                 f"shape ({loaded.data.shape[0]}, {loaded.cols}) does not match the model's "

@@ -84,6 +84,7 @@ class IntLinearMethod(QuantLinearMethod):
         super().__init__(cfg)
         self.bits = bits
         self.name = f"int{bits}"
+        self.column_block = self.group_size
 
     def param_specs(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         num_groups = -(-cols // self.group_size)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.progress import bar
 from skyline.quant import make_linear_method
 from skyline.quant.assignment import Format, linear_bytes
 from skyline.quant.base import QuantLinearMethod
@@ -69,7 +70,8 @@ def quantize_choices(
     `energy_ids`."""
     inputs = linear_inputs(model, energy_ids)
     out: dict[str, dict[Format, Choice]] = {}
-    for name, layer in linears(model).items():
+    lin = linears(model)
+    for name, layer in bar(lin.items(), desc="quantizing to every format", unit=" Linears"):
         dtype = layer.weight.dtype
         x = inputs.pop(name)  # [T, in]
         ref = F.linear(x, layer.weight.float())  # [T, out]

@@ -28,9 +28,16 @@ class LinearLayer(Protocol):
     out_features: int
     shards: dict[Any, tuple[int, int]]
     linear_method: Any
+    # tensor parallel: (start, size, total) of the input columns a row-parallel layer holds
+    tp_cols: tuple[int, int, int] | None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: Any = None) -> None: ...
+
+    def take_shard(self, loaded: torch.Tensor, shard_id: Any, local: torch.Size,
+                   is_bias: bool = False) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor, for a parameter slice of shape `local`."""
+        ...
 
 
 class LinearMethod(Protocol):

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.progress import bar
 from skyline.quant.assignment import Format, check_budget
 from skyline.quant.joint import (
     Choice,
@@ -101,7 +102,7 @@ def prepare(
     scorer = JointKL(model, spread_windows(calib_ids, sensitivity_tokens, window))
     pred, sensitivity, uniform_kl = {}, {}, {}
     try:
-        for n, layer in lin.items():
+        for n, layer in bar(lin.items(), desc="measuring sensitivity", unit=" Linears"):
             by_size = sorted(formats, key=lambda f, n=n: choices[n][f].nbytes)
             f0 = by_size[(len(by_size) - 1) // 2]
             layer.linear_method = dequantized(layer, f0, choices[n][f0])
@@ -226,9 +227,12 @@ def _local_search(
     """First-improvement hill climbing on the joint KL over moves ranked by prediction."""
     moves: list[dict[str, Any]] = []
     ranked = _rank_moves(cur, choices, pred, budget)
+    progress = bar(total=max_evals, desc="searching", unit=" moves")
+    progress.set_postfix_str(f"best KL {kl_cur:.4f}")
     for _ in range(max_evals):
         if not ranked or (deadline is not None and time.time() > deadline):
             break
+        progress.update()
         delta, changes = ranked.pop(0)
         for n, f in changes:
             lin[n].linear_method = dequantized(lin[n], f, choices[n][f])
@@ -239,10 +243,12 @@ def _local_search(
                           "predicted_delta": delta, "kl_before": kl_cur, "kl_after": kl})
             cur.update(changes)
             kl_cur = kl
+            progress.set_postfix_str(f"best KL {kl_cur:.4f}")
             ranked = _rank_moves(cur, choices, pred, budget)
         else:
             for n, _ in changes:
                 lin[n].linear_method = dequantized(lin[n], cur[n], choices[n][cur[n]])
+    progress.close()
     return cur, kl_cur, moves
 
 

@@ -9,6 +9,7 @@ for streams), then stops the engine.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -24,6 +25,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from skyline.engine.frontend.async_llm import AsyncLLM
+from skyline.engine.gc_tuning import tune_gc
 from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.chat import create_chat_completion
 from skyline.server.completions import create_completion
@@ -171,8 +173,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
-                      "or stop the process using it") from None
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
+                          "or stop the process using it") from None
+        # Not the port: the host is no address of this machine, or its name does not resolve.
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); --host must be an address "
+                      "of this machine: 127.0.0.1 (this machine only) or 0.0.0.0 (every "
+                      "interface)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -246,6 +253,9 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
                                 timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,
                                 http=JSONErrorProtocol)
         escape_log_controls()
+        # This process streams every request's outputs: the engine's garbage-collector
+        # settings keep full collections (a pause of every stream) rare here too.
+        tune_gc()
         servers.append(DrainingServer(config, drain))
         servers[0].run(sockets=[sock])
     finally:

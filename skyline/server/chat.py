@@ -31,6 +31,7 @@ from skyline.server.serving import (
     SSE_DONE,
     Choice,
     ServerState,
+    TextChunks,
     chat_logprobs,
     encode_text,
     http_error,
@@ -241,10 +242,19 @@ async def _stream(state: ServerState, run: ChatRun) -> AsyncIterator[str]:
         return sse(ChatCompletionChunk(id=run.rid, created=created, model=state.model_name,
                                        choices=items, usage=usage))
 
+    text_chunk = TextChunks(lambda i, text: ChatCompletionChunk(
+        id=run.rid, created=created, model=state.model_name,
+        choices=[ChatChunkChoice(index=i, delta=DeltaMessage(content=text))]))
     try:
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         async for items in stream_deltas(state, run):
+            if len(items) == 1 and not continuous:
+                i, delta, reason, c = items[0]
+                if (reason is None and c.stop_reason is None and delta.tool_calls is None
+                        and delta.role is None and delta.content and not req.logprobs):
+                    yield text_chunk(i, delta.content)  # the common chunk: new text only
+                    continue
             yield chunk([ChatChunkChoice(
                 index=i, delta=delta, finish_reason=reason, stop_reason=c.stop_reason,
                 logprobs=chat_logprobs(state, c.logprobs) if req.logprobs and c.logprobs

@@ -24,6 +24,7 @@ from skyline.server.serving import (
     SSE_DONE,
     Choice,
     ServerState,
+    TextChunks,
     completion_logprobs,
     echo_logprobs,
     encode_text,
@@ -210,6 +211,9 @@ async def _stream(batch: _Batch) -> AsyncIterator[str]:
         return sse(CompletionResponse(id=batch.rid, created=created, model=state.model_name,
                                       choices=items, usage=usage))
 
+    text_chunk = TextChunks(lambda j, text: CompletionResponse(
+        id=batch.rid, created=created, model=state.model_name,
+        choices=[CompletionChoice(index=j, text=text)]))
     # a choice's first chunk carries the echoed prompt and the prompt's logprobs, which come
     # with the prompt's first output
     sent = [False] * len(batch.choices)
@@ -230,6 +234,10 @@ async def _stream(batch: _Batch) -> AsyncIterator[str]:
                 if not (c.text or c.finish_reason or c.logprobs or first):
                     continue
                 sent[j] = True
+                if (not first and c.finish_reason is None and req.logprobs is None
+                        and not continuous and len(out.outputs) == 1):
+                    yield text_chunk(j, c.text)  # the common chunk: new text only
+                    continue
                 items.append(batch.choice(j, acc, c.text, c.logprobs, offset, first))
             if items:
                 yield chunk(items, batch.usage() if continuous else None)

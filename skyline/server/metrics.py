@@ -173,6 +173,10 @@ class Metrics:
                                   registry=r)
         self.success = Counter("skyline:request_success", "Requests finished, by reason.",
                                ["model_name", "finished_reason"], registry=r)
+        # The series of every streamed token, looked up once (a label lookup per token per
+        # stream is measurable at hundreds of streams).
+        self.itl_series = self.itl.labels(model)
+        self.gen_tokens_series = self.gen_tokens.labels(model)
         r.register(_EngineCollector(model, engine_stats, engine_restarts))
 
     def render(self) -> bytes:
@@ -209,10 +213,10 @@ class RequestTracker:
             self.m.ttft.labels(label).observe(now - self.arrival)
             self.m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
         elif self.last is not None:
-            self.m.itl.labels(label).observe(now - self.last)
+            self.m.itl_series.observe(now - self.last)
         self.last = now
         self.num_generated += new
-        self.m.gen_tokens.labels(label).inc(new)
+        self.m.gen_tokens_series.inc(new)
 
     def finish(self, reasons: list[str | None]) -> None:
         """Record the request's end; reasons holds each choice's finish reason (None: cut off)."""

@@ -43,6 +43,27 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return [s for s in sizes if s <= max_batch] or [1]
 
 
+# max_num_seqs "auto": as many sequences as the KV cache holds at this many tokens each (or the
+# context length, if shorter): more would be preempted at that length, and recomputed.
+AUTO_SEQ_TOKENS = 2048
+AUTO_MIN_SEQS = 256  # never fewer than the fixed default this replaced
+
+
+def auto_max_num_seqs(kv_tokens: int, max_model_len: int,
+                      max_batch: int = MAX_GRAPH_BATCH) -> tuple[int, str]:
+    """max_num_seqs for a cache of `kv_tokens` tokens: the largest decode-graph batch size
+    (so that a full batch runs in a graph without padding) whose sequences fit at
+    AUTO_SEQ_TOKENS each, within [AUTO_MIN_SEQS, max_batch]; and why, in words."""
+    per_seq = max(1, min(AUTO_SEQ_TOKENS, max_model_len))
+    fit = kv_tokens // per_seq
+    fitting = [b for b in bucket_sizes(max_batch) if b <= fit]
+    n = min(max_batch, max(AUTO_MIN_SEQS, fitting[-1] if fitting else 1))
+    why = (f"the KV cache holds {kv_tokens:,} tokens = {fit:,} sequences of {per_seq:,} "
+           f"tokens; the largest CUDA-graph batch size within that and [{AUTO_MIN_SEQS}, "
+           f"{max_batch}] is {n}")
+    return n, why
+
+
 def graph_shapes(max_batch: int, max_query_len: int = 1) -> list[tuple[int, int]]:
     """(sequences, query tokens each) of every graph to capture."""
     shapes = [(bs, 1) for bs in bucket_sizes(max_batch)]
@@ -56,7 +77,10 @@ def graph_shapes(max_batch: int, max_query_len: int = 1) -> list[tuple[int, int]
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int,
                  block_size: int, scratch_block: int, device: torch.device,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1,
+                 hidden_input: tuple[int, torch.dtype] | None = None) -> None:
+        """`hidden_input` (hidden size, dtype): the forward takes hidden states, not token ids
+        (a pipeline stage after the first)."""
         self.model = model
         self.shapes = graph_shapes(max_batch, max_query_len)
         self.block_size = block_size
@@ -64,7 +88,11 @@ class CudaGraphRunner:
         self.scratch_block = scratch_block
         n = max(bs * q for bs, q in self.shapes)
         seqs = max(bs for bs, _ in self.shapes)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        if hidden_input is None:
+            self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        else:  # [n, hidden]
+            self.input_ids = torch.zeros(n, hidden_input[0], dtype=hidden_input[1],
+                                         device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
         self.block_tables = torch.full((seqs, max_blocks_per_seq), scratch_block,

@@ -58,6 +58,7 @@ def build_inputs(
     device: torch.device,
     spec_token_ids: dict[str, list[int]] | None = None,
     in_flight: tuple[dict[str, int], torch.Tensor] | None = None,
+    with_ids: bool = True,
 ) -> StepInputs:
     """Draft tokens of a request (`spec_token_ids`) follow its last real token in the batch; a
     request that reaches its end gets a logits row at its last real token and one per draft.
@@ -65,6 +66,9 @@ def build_inputs(
     `in_flight` (async scheduling): the previous step's sampled tokens, still on the device, and
     each sampling request's row in them. A request scheduled one token past what the host knows
     takes that token from there, without the host waiting for it.
+
+    Without `with_ids` (a later pipeline stage, whose input is the previous stage's hidden
+    states) no token ids are gathered; `input_ids` is left empty.
 
     At a thousand requests this runs every step of a decode-bound batch, so the per-request
     loop only gathers token ids and counts; positions, slots and the block table are built
@@ -92,15 +96,16 @@ def build_inputs(
         num_blocks.append(len(s.block_ids))
         drafts = spec.get(rid, ())
         known = len(s.token_ids)
-        input_ids.extend(s.token_ids[start : end - len(drafts)])
-        if end - len(drafts) > known:
-            assert in_flight is not None and end == known + 1 and not drafts, (
-                f"request {rid} is scheduled past its known tokens with none in flight")
-            fill_at.append(len(input_ids))
-            fill_from.append(in_flight[0][rid])
-            input_ids.append(0)
-        if drafts:
-            input_ids.extend(drafts)
+        if with_ids:
+            input_ids.extend(s.token_ids[start : end - len(drafts)])
+            if end - len(drafts) > known:
+                assert in_flight is not None and end == known + 1 and not drafts, (
+                    f"request {rid} is scheduled past its known tokens with none in flight")
+                fill_at.append(len(input_ids))
+                fill_from.append(in_flight[0][rid])
+                input_ids.append(0)
+            if drafts:
+                input_ids.extend(drafts)
         if end - len(drafts) >= known:
             logits_idx.extend(range(end_of_batch - 1 - len(drafts), end_of_batch))
             sampling.append(rid)

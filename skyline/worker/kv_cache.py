@@ -4,11 +4,13 @@ for an fp8 cache, the per-layer K/V scales."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from skyline.config import CacheConfig, ConfigError, ModelArch
+from skyline.model.partition import attention_layers
 from skyline.ops.kv_quant import FP8_DTYPE, scale_from_amax
 
 log = logging.getLogger(__name__)
@@ -74,12 +76,14 @@ def allocate_kv_cache(
 def calibrate_kv_scales(
     model: nn.Module, vocab_size: int, max_model_len: int, device: torch.device,
     token_ids: list[int] | None = None,
+    forward: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
 ) -> list[tuple[float, float]]:
     """Per-layer (k_scale, v_scale) of an fp8 cache: the largest |k| and |v| each attention
     layer sees in one forward of CALIBRATION_TOKENS random tokens (fewer if max_model_len is
     smaller; `token_ids` instead, if given), mapped by `scale_from_amax` (with headroom;
-    larger values saturate)."""
-    layers = model.attention_layers()
+    larger values saturate). `forward` runs the model (a pipeline stage's, through the
+    stages: every stage draws the same tokens)."""
+    layers = attention_layers(model)
     amax = [torch.zeros(2, device=device) for _ in layers]  # kept on the device: no sync
 
     def observe(i: int):
@@ -99,7 +103,7 @@ def calibrate_kv_scales(
             ids = torch.randint(0, vocab_size, (n,), generator=gen).to(device)
         else:
             ids = torch.tensor(token_ids, device=device)
-        model(ids, torch.arange(len(ids), device=device))
+        (forward or model)(ids, torch.arange(len(ids), device=device))
     finally:
         for h in hooks:
             h.remove()

@@ -2,9 +2,12 @@
 
 Each query is a function of the rank's `ModelRunner` and plain arguments, returning plain data
 or CPU tensors, so that any executor can run it: in its own process, or on every rank's
-worker (`Executor.query(name, *args)`). One dict names them all. The algorithms are the
-packages' (quant/ for calibration, quantization and the format search, worker/spec/ for the
-EAGLE head's training); a query only hands them the runner's model.
+worker (`Executor.query(name, *args)`). One dict names them all. With several ranks every rank
+runs the query (a forward pass needs them all); the answer is the driver's (the rank that
+samples), or that of the query's entry in `COMBINE` over every rank's. The tools' queries
+(`ONE_RANK`) need the whole model in one process. The algorithms are the packages' (quant/ for
+calibration, quantization and the format search, worker/spec/ for the EAGLE head's training);
+a query only hands them the runner's model.
 
 Queries that read or change the Linear weights first put the model back in its plain layout
 (model/loader.py: `plain_layout`), so that what they compute is what a freshly loaded model
@@ -16,6 +19,7 @@ measurement each; a benchmark's engine is not used for anything else.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +39,7 @@ from skyline.quant.calibrate import collect_act_sq as _collect_act_sq
 from skyline.quant.checkpoint import quantize_loaded
 from skyline.quant.intq import round_linear_inputs_int8
 from skyline.quant.method import iter_linears
+from skyline.worker.connector.base import merge_info
 from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
 from skyline.worker.runner import ModelRunner
 from skyline.worker.spec.train import Sample, train_and_save
@@ -59,19 +64,23 @@ def describe(r: ModelRunner) -> dict[str, Any]:
 
 @torch.inference_mode()
 def score(r: ModelRunner, token_ids: list[int],
-          kv_scales: list[tuple[float, float]] | None = None) -> torch.Tensor:
+          kv_scales: list[tuple[float, float]] | None = None) -> torch.Tensor | None:
     """Log-probs of the next token at every position of `token_ids` (teacher forcing): one
     causal forward pass outside the KV cache (K and V rounded as an fp8 cache stores them,
-    with the layers' scales, or `kv_scales` for this pass). Returns [len(token_ids), vocab]
-    float32 on the CPU."""
+    with the layers' scales, or `kv_scales` of every layer of the model for this pass).
+    Returns [len(token_ids), vocab] float32 on the CPU (None on ranks other than the
+    driver)."""
     layers = r.model.attention_layers()
     saved = [(layer.k_scale, layer.v_scale) for layer in layers]
+    stage = r.layout.stage
+    given = kv_scales[stage.start : stage.end] if kv_scales is not None else saved
     try:
-        for layer, (k, v) in zip(layers, kv_scales or saved, strict=True):
+        for layer, (k, v) in zip(layers, given, strict=True):
             layer.k_scale, layer.v_scale = k, v
         ids = torch.tensor(token_ids, device=r.device)
-        hidden = r.model(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
-        return r.model.compute_logits(hidden).float().log_softmax(-1).cpu()
+        hidden = r.forward_stages(ids, torch.arange(len(ids), device=r.device))  # [n, hidden]
+        logits = r.model.compute_logits(hidden) if hidden is not None else None
+        return logits.float().log_softmax(-1).cpu() if logits is not None else None
     finally:
         for layer, (k, v) in zip(layers, saved, strict=True):
             layer.k_scale, layer.v_scale = k, v
@@ -79,7 +88,8 @@ def score(r: ModelRunner, token_ids: list[int],
 
 def kv_scales(r: ModelRunner, token_ids: list[int] | None = None) -> list[tuple[float, float]]:
     """Per-layer (k_scale, v_scale) of an fp8 KV cache: the engine's, or (given token ids)
-    those the engine's calibration gives on that text (bench/kv_cache_quality.py)."""
+    those the engine's calibration gives on that text (bench/kv_cache_quality.py). This rank's
+    layers; `_kv_scales_all` makes the model's of every rank's."""
     layers = r.model.attention_layers()
     if token_ids is None:
         return [(layer.k_scale, layer.v_scale) for layer in layers]
@@ -88,21 +98,25 @@ def kv_scales(r: ModelRunner, token_ids: list[int] | None = None) -> list[tuple[
         for layer in layers:
             layer.kv_cache = None
         return calibrate_kv_scales(r.model, r.arch.vocab_size, r.config.model.max_model_len,
-                                   r.device, token_ids)
+                                   r.device, token_ids, forward=r.forward_stages)
     finally:
         for layer, cache in zip(layers, caches, strict=True):
             layer.kv_cache = cache
 
 
 @torch.inference_mode()
-def hidden_states(r: ModelRunner, sequences: list[list[int]]) -> list[torch.Tensor]:
+def hidden_states(r: ModelRunner, sequences: list[list[int]]) -> list[torch.Tensor] | None:
     """The target's hidden state (its LM head's input) at every position of each sequence, by
     a causal forward pass over it outside the KV cache: [len(seq), hidden] on the CPU in the
-    model's dtype (the EAGLE head's training features, tools/speculator/data.py)."""
+    model's dtype (the EAGLE head's training features, tools/speculator/data.py); None on
+    ranks other than the last stage's."""
     out = []
     for seq in sequences:
         ids = torch.tensor(seq, device=r.device)
-        out.append(r.model(ids, torch.arange(len(ids), device=r.device)).cpu())
+        hidden = r.forward_stages(ids, torch.arange(len(ids), device=r.device))
+        if hidden is None:
+            return None
+        out.append(hidden.cpu())
     return out
 
 
@@ -120,7 +134,7 @@ def linear_bytes(r: ModelRunner) -> int:
 
 def model_cost(r: ModelRunner) -> ModelCost:
     """The loaded model's cost per token as it serves (skyline/bench/floor.py)."""
-    return ModelCost.of(r.model, bytes_per_block(r.arch, 1, r.kv_dtype))
+    return ModelCost.of(r.model, bytes_per_block(r.kv_arch, 1, r.kv_dtype))
 
 
 # -- the quantize tool ------------------------------------------------------------------------
@@ -193,11 +207,14 @@ def round_linear_inputs(r: ModelRunner) -> None:
 
 
 def zero_forward(r: ModelRunner) -> None:
-    """The model's forward pass and logits become zeros: what remains of a step is the host's
-    work (bench/host_overhead.py)."""
+    """The model's forward pass and logits become zeros at no cost, on every rank: what
+    remains of a step is the host's and the executor's work (bench/host_overhead.py,
+    bench/parallel_overhead.py)."""
     hidden, vocab = r.arch.hidden_size, r.arch.vocab_size
-    r.model.forward = lambda ids, pos: torch.zeros(ids.shape[0], hidden, device=r.device)
+    r.model.forward = lambda ids, positions: torch.zeros(
+        positions.shape[0], hidden, dtype=r.dtype, device=r.device)
     r.model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab, device=r.device)
+    r.graphs = None
 
 
 def repeat_drafts(r: ModelRunner) -> None:
@@ -260,4 +277,53 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "host_seconds": host_seconds,
     "cpu_product_seconds": cpu_product_seconds,
     "kv_connector_info": kv_connector_info,
+}
+# The tools' queries: their algorithms take the whole model in one process.
+ONE_RANK = frozenset({"collect_act_sq", "quantize", "save_quantized", "search_formats",
+                      "search_budgets", "train_eagle_head"})
+
+
+# -- answers of several ranks -----------------------------------------------------------------
+
+
+def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
+    """Every rank's memory added up; the slowest load."""
+    out = dict(values[driver])
+    for key in ("kv_cache_gib", "weights_gib"):
+        out[key] = sum(v[key] for v in values)
+    out["load_seconds"] = max(v["load_seconds"] for v in values)
+    out["ranks"] = len(values)
+    return out
+
+
+def _cost_all(values: list[ModelCost], driver: int) -> ModelCost:
+    """The whole model's cost: the sum of its parts."""
+    return ModelCost(**{f.name: sum(getattr(v, f.name) for v in values)
+                        for f in dataclasses.fields(ModelCost)})
+
+
+def _kv_scales_all(values: list[list[tuple[float, float]]], driver: int
+                   ) -> list[tuple[float, float]]:
+    """The model's layers in stage order (ranks are numbered stage by stage, the driver first
+    of the last stage); a layer's scale over its tensor-parallel shards is the largest, as one
+    process's over all heads."""
+    tp = len(values) - driver
+    out = []
+    for first in range(0, len(values), tp):
+        for shards in zip(*values[first : first + tp], strict=True):
+            out.append((max(k for k, _ in shards), max(v for _, v in shards)))
+    return out
+
+
+def _connector_info_all(values: list[dict[str, Any] | None], driver: int
+                        ) -> dict[str, Any] | None:
+    return merge_info(values) if values[driver] is not None else None
+
+
+COMBINE: dict[str, Callable[[list[Any], int], Any]] = {
+    "describe": _describe_all,
+    "model_cost": _cost_all,
+    "linear_bytes": lambda values, driver: sum(values),
+    "kv_scales": _kv_scales_all,
+    "kv_connector_info": _connector_info_all,
 }

@@ -34,6 +34,9 @@ class _StallingHandler(socketserver.StreamRequestHandler):
             self._json({"data": [{"id": "m"}]})
         elif request.startswith("POST /tokenize"):
             self._json({"tokens": list(range(1, len(body["prompt"].split()) + 1))})
+        elif not request.startswith("POST /v1/"):  # /metrics: a server without cache counters
+            self.wfile.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                             b"Connection: close\r\n\r\n")
         else:
             with self.server.lock:
                 self.server.calls += 1

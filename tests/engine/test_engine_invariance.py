@@ -204,9 +204,9 @@ def test_small_cpu_steps_run_on_one_thread_and_restore_it(tiny_model, monkeypatc
         seen: list[tuple[int, int]] = []
         inner = runner._launch
 
-        def spy(out, inp, prev):
-            seen.append((inp.input_ids.shape[0], torch.get_num_threads()))
-            return inner(out, inp, prev)
+        def spy(out, prev):
+            seen.append((out.total_num_scheduled_tokens, torch.get_num_threads()))
+            return inner(out, prev)
 
         monkeypatch.setattr(runner, "_launch", spy)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import glob
 import os
-import random
 import threading
 
 import pytest
 import torch
+from tiny_hf import prefix_prompts
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
@@ -33,11 +33,7 @@ def model_path(tiny_llama):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    shared = [rng.randrange(2, VOCAB - 1) for _ in range(40)]
-    return [shared[: rng.randint(20, 40)] + [rng.randrange(2, VOCAB - 1)
-                                              for _ in range(rng.randint(10, 40))]
-            for _ in range(10)]
+    return prefix_prompts(VOCAB, 10, 40, (10, 40))
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,13 @@ from skyline.ops.fp8_linear import fp8_linear, quantize_static_fp8
 from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref
 from skyline.ops.triton_utils import triton
 
+# The Triton kernel runs compiled on a GPU, in Triton's interpreter on a CPU machine.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def block_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    w = (torch.randn(n, k, generator=gen) * 100).to(FP8)
+    # clamped: values past e4m3's 448 would become NaN
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8)
     return w, torch.rand(n, -(-k // 128), generator=gen) / 100 + 1e-3
 
 
@@ -41,11 +45,15 @@ def test_reference_is_the_blockwise_sum():
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 128), (5, 70, 256), (17, 64, 200)])
 def test_triton_kernel_matches_reference(m, n, k):
     gen = torch.Generator().manual_seed(m + n + k)
-    w, ws = block_weight(n, k, gen)
-    x = torch.randn(m, k, generator=gen)
+    w, ws = (t.to(DEVICE) for t in block_weight(n, k, gen))
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
     xq, xs = quantize_rows_fp8_ref(x, 128)
     got = fp8_block_matmul_triton(xq, xs, w, ws, torch.float32)
-    torch.testing.assert_close(got, fp8_block_linear_ref(x, w, ws), rtol=1e-4, atol=1e-3)
+    want = fp8_block_linear_ref(x, w, ws)
+    if DEVICE == "cuda":  # Hopper's fp8 tensor-core sums keep fewer bits than float32
+        assert ((got - want).norm() / want.norm()) < 1e-2
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 def test_static_activation_scale():
@@ -67,7 +75,8 @@ def test_static_activation_scale():
                                            (5, 256, 200)])
 def test_block_linear_on_cuda(m, n, k):
     gen = torch.Generator("cuda").manual_seed(0)
-    w = (torch.randn(n, k, device="cuda", generator=gen) * 100).to(FP8)
+    # clamped: values past e4m3's 448 would become NaN
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 100).clamp(-448, 448).to(FP8)
     ws = torch.rand(n, -(-k // 128), device="cuda", generator=gen) / 100
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     want = fp8_block_linear_ref(x, w, ws).float()

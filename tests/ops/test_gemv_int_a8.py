@@ -207,7 +207,8 @@ def test_linear_paths():
     from skyline.quant import intq
 
     torch.manual_seed(4)
-    method = intq.IntLinearMethod(SimpleNamespace(group_size=32, prequantized=False), 4)
+    method = intq.IntLinearMethod(SimpleNamespace(group_size=32, prequantized=False,
+                                                  layout=None), 4)
     layer = Linear(96, 40, bias=False, linear_method=method)
     w = torch.randn(40, 96) * 0.1
     layer.weight.data.copy_(w)

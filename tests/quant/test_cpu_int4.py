@@ -55,7 +55,8 @@ def test_int_linear_in_bfloat16_runs_the_kernel(bits, group):
     g = torch.Generator().manual_seed(bits + group)
     w = torch.randn(64, 200, generator=g) * 0.05  # 200 columns: padded to whole groups
     b = torch.randn(64, generator=g)
-    method = IntLinearMethod(SimpleNamespace(group_size=group, prequantized=False), bits)
+    method = IntLinearMethod(SimpleNamespace(group_size=group, prequantized=False, layout=None),
+                             bits)
     layer = SimpleNamespace(bias=b, **method.quantize(w))
     wq = method.dequantize({k: getattr(layer, k) for k in ("qweight", "scales", "zeros")}, 200)
     x = torch.randn(3, 200, generator=g)

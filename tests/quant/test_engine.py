@@ -266,11 +266,13 @@ def test_gguf_packed_bf16_runs_the_int4_kernel():
     assert rel_err(packed, ref) < 1.5 * rel_err(dense, ref)  # 0.0105 vs 0.0089 measured
 
 
-def test_quantize_cli_writes_a_loadable_checkpoint(hf_dir, tmp_path, ref_logits):
+def test_quantize_cli_writes_a_loadable_checkpoint(hf_dir, tmp_path, ref_logits, capsys):
     from skyline.cli import main
 
     out = tmp_path / "int8"
     main(["quantize", hf_dir, "--format", "int8", "--out", str(out), "--group-size", "32"])
+    printed = capsys.readouterr().out
+    assert "  Linears " in printed and "(int8, stored as" in printed and "  norms " in printed
     cfg = model_cfg(str(out))
     assert (cfg.quant.method, cfg.quant.prequantized) == ("int8", True)
     assert rel_err(logits(load_model(cfg, "cpu")), ref_logits) < BOUNDS["int8"]
@@ -278,13 +280,22 @@ def test_quantize_cli_writes_a_loadable_checkpoint(hf_dir, tmp_path, ref_logits)
         main(["quantize", str(out), "--format", "int4", "--out", str(tmp_path / "again")])
 
 
-def test_cpu_float32_int_formats_point_to_bfloat16(hf_dir, caplog):
+def test_cpu_int_formats_load_in_bfloat16_unless_told(hf_dir, tmp_path, caplog):
+    # the dtype their kernels want, whether asked for or the checkpoint's own format
+    cfg, _ = create_engine_config(EngineArgs(model=hf_dir, device="cpu", quantization="int4"))
+    assert cfg.model.dtype == "bfloat16"
+    quantize_checkpoint(model_cfg(hf_dir, "none"), "int8", str(tmp_path), group_size=32)
+    cfg, _ = create_engine_config(EngineArgs(model=str(tmp_path), device="cpu"))
+    assert (cfg.model.quant.method, cfg.model.dtype) == ("int8", "bfloat16")
+    cfg, _ = create_engine_config(EngineArgs(model=hf_dir, device="cpu", quantization="fp8"))
+    assert cfg.model.dtype == "float32"
     with caplog.at_level("WARNING", logger="skyline.engine.create"):
-        create_engine_config(EngineArgs(model=hf_dir, device="cpu", quantization="int4"))
-    assert "--dtype bfloat16" in caplog.text
+        create_engine_config(EngineArgs(model=hf_dir, device="cpu", dtype="float32",
+                                        quantization="int4"))
+    assert "--dtype auto or bfloat16" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="skyline.engine.create"):
         create_engine_config(EngineArgs(model=hf_dir, device="cpu", dtype="bfloat16",
                                         quantization="mxfp4"))
         create_engine_config(EngineArgs(model=hf_dir, device="cpu", quantization="fp8"))
-    assert "--dtype bfloat16" not in caplog.text
+    assert "--dtype auto or bfloat16" not in caplog.text

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from tiny_hf import save_scaled
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, ModelArch, SpecConfig
@@ -33,14 +34,7 @@ def _build(tmp_path_factory, name: str, hidden: int = 64, layers: int = 2, vocab
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=512, eos_token_id=vocab - 1, bos_token_id=1,
         tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp(name)
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return save_scaled(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp(name))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from skyline.engine.frontend.output import OutputProcessor, child_params
+from skyline.engine.frontend.output import OutputProcessor, child_params, merge_deltas
 from skyline.engine.frontend.structured import check_structured, constrained
 from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.engine.process import request_to_dict, step_output_from_list
@@ -44,6 +44,7 @@ class RequestStream:
         self._queue = queue
         self.finished = False
         self._closed = False
+        self._error: Exception | None = None  # met while merging deltas: raised next
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -51,7 +52,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        queue = self._queue
+        item = self._error if self._error is not None else await queue.get()
+        # A reader that fell behind takes every delta waiting as one: one chunk to encode and
+        # one socket write for several steps, so the API process catches up instead of
+        # falling further behind at high concurrency. An error behind them comes next call.
+        while not isinstance(item, Exception) and not item.finished and not queue.empty():
+            nxt = queue.get_nowait()
+            if isinstance(nxt, Exception):
+                self._error = nxt
+                break
+            item = merge_deltas(item, nxt)
         if isinstance(item, Exception):
             self.close()
             raise item

@@ -186,3 +186,20 @@ class OutputProcessor:
             p.prompt_sent = p.prompt_sent or prompt_lps is not None
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outs, p.finished,
                              p.num_cached_tokens, metrics, prompt_lps)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two successive delta outputs of one request as one (`b` came later): what a reader
+    that fell behind gets, so that it writes one chunk for several steps, not one each."""
+    outs = []
+    for x, y in zip(a.outputs, b.outputs, strict=True):
+        lps = x.logprobs if y.logprobs is None else (x.logprobs or []) + y.logprobs
+        done = y.finish_reason is not None
+        outs.append(CompletionOutput(
+            x.index, x.text + y.text, x.token_ids + y.token_ids,
+            y.finish_reason if done else x.finish_reason,
+            y.stop_reason if done else x.stop_reason, lps))
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished,
+                         b.num_cached_tokens, {**a.metrics, **b.metrics},
+                         a.prompt_logprobs if a.prompt_logprobs is not None
+                         else b.prompt_logprobs)

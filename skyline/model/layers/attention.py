@@ -20,6 +20,8 @@ from skyline.ops.cpu_attention import decode_gather
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from skyline.ops.kv_write import KVWrite, write_kv
+from skyline.parallel.groups import ParallelLayout
+from skyline.parallel.shard import head_shard
 
 
 class Attention(nn.Module):
@@ -62,6 +64,28 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         # The consumer's question, not the consumer (a module attribute would register it twice)
         self._input_quant = feeds.input_quant if feeds is not None else None
+
+    def shard(self, layout: ParallelLayout) -> None:
+        """Attend with this rank's heads (those its QKVLinear projects)."""
+        if layout.tp.size > 1:
+            h = head_shard(self.num_heads, self.num_kv_heads, layout.tp.size, layout.tp.index)
+            if self.sinks is not None:  # this rank's heads' sinks, from the checkpoint's all
+                self.sinks = nn.Parameter(torch.empty(h.num_q), requires_grad=False)
+                self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+                self._sink_rows = (h.q_start, h.num_q, self.num_heads)
+            self.num_heads, self.num_kv_heads = h.num_q, h.num_kv
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard_id: Any = None) -> None:
+        start, n, total = self._sink_rows
+        if loaded.shape != (total,):
+            raise ConfigError(f"sinks of {tuple(loaded.shape)} where ({total},) was expected")
+        param.data.copy_(loaded[start : start + n])
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor that fills `param` (all heads' sinks)."""
+        rows = getattr(self, "_sink_rows", None)
+        return (rows[2],) if rows is not None and param is self.sinks else tuple(param.shape)
 
     def kv_write(self, v: torch.Tensor) -> KVWrite | None:
         """Where this forward's k and v go in the cache, for a rope kernel to store them on the

@@ -1,4 +1,9 @@
-"""Token embedding and the LM head (optionally tied to the embedding)."""
+"""Token embedding and the LM head (optionally tied to the embedding).
+
+With tensor parallelism both are vocabulary-parallel: each rank holds an equal slice of the
+vocabulary's rows (the last one padded with zero rows); the embedding looks up the tokens in
+its slice and the slices' lookups are summed, the head computes its slice's logits and the
+sampling rank gathers them."""
 
 from __future__ import annotations
 
@@ -6,9 +11,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from skyline.config import ConfigError
 from skyline.ops import cpu_linear
 from skyline.ops.fp8_linear import fp8_linear
 from skyline.ops.fp8_quant import fake_quantize_rows_fp8, quantize_rows_fp8
+from skyline.parallel.groups import Group, ParallelLayout
+from skyline.parallel.shard import padded_shard
+
+
+class VocabShard:
+    """The vocabulary rows [start, start + size) of one rank, held in `padded` rows."""
+
+    def __init__(self, vocab_size: int, tp: Group) -> None:
+        self.start, self.size, self.padded = padded_shard(vocab_size, tp.size, tp.index)
+        self.tp = tp
+
+    def loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's rows of checkpoint tensor `loaded` [vocab, hidden]; zero the
+        padding."""
+        if loaded.dim() != 2 or loaded.shape[1] != param.shape[1] or \
+                loaded.shape[0] < self.start + self.size:
+            raise ConfigError(f"shape {tuple(loaded.shape)} does not match the model's "
+                              "vocabulary; does config.json belong to this checkpoint?")
+        param.data[: self.size].copy_(loaded[self.start : self.start + self.size])
+        param.data[self.size :].zero_()
+
+    def weight(self, hidden_size: int) -> nn.Parameter:
+        w = nn.Parameter(torch.empty(self.padded, hidden_size), requires_grad=False)
+        w.weight_loader = self.loader  # type: ignore[attr-defined]
+        return w
 
 
 class VocabEmbedding(nn.Module):
@@ -19,9 +50,21 @@ class VocabEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.vocab_shard: VocabShard | None = None
+
+    def shard(self, layout: ParallelLayout) -> None:
+        if layout.tp.size > 1 and self.vocab_shard is None:  # a tied head may have asked first
+            self.vocab_shard = VocabShard(self.vocab_size, layout.tp)
+            self.weight = self.vocab_shard.weight(self.hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        vs = self.vocab_shard
+        if vs is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - vs.start
+        outside = (local < 0) | (local >= vs.size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return vs.tp.all_reduce(out.masked_fill(outside[:, None], 0.0))
 
     def extra_repr(self) -> str:
         return f"{self.vocab_size}, {self.hidden_size}"
@@ -39,15 +82,41 @@ class LMHead(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.tied = tie_to is not None
+        self.loads_embedding = False  # untied from an embedding another stage holds
+        self._tie_to = (tie_to,)  # not a submodule: the embedding is registered where it lives
         if tie_to is not None:
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.vocab_shard: VocabShard | None = None
         self.packed_weight: torch.Tensor | None = None
         # --quantize-lm-head: an e4m3 copy with a float32 scale per vocabulary row
         self.register_buffer("fp8_weight", None)
         self.register_buffer("fp8_scale", None)
+
+    def untie(self) -> None:
+        """Hold a weight of its own (a pipeline's last stage, whose embedding is elsewhere);
+        it loads from the checkpoint's embedding."""
+        self.tied = False
+        self.loads_embedding = True
+        self._tie_to = (None,)
+        self.weight = nn.Parameter(torch.empty(self.vocab_size, self.hidden_size),
+                                   requires_grad=False)
+
+    def shard(self, layout: ParallelLayout) -> None:
+        """Hold this rank's vocabulary slice (the tied embedding's, sharded first)."""
+        if layout.tp.size == 1:
+            return
+        tie_to = self._tie_to[0]
+        if tie_to is not None:
+            if tie_to.vocab_shard is None:
+                tie_to.shard(layout)
+            self.vocab_shard, self.weight = tie_to.vocab_shard, tie_to.weight
+        else:
+            self.vocab_shard = VocabShard(self.vocab_size, layout.tp)
+            self.weight = self.vocab_shard.weight(self.hidden_size)
 
     def prepack(self) -> bool:
         """On the CPU, compute through a oneDNN-packed copy of the loaded weight
@@ -71,7 +140,17 @@ class LMHead(nn.Module):
         q, scale = quantize_rows_fp8(self.weight.data)
         self.fp8_weight, self.fp8_scale = q, scale.reshape(-1)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits; with a vocabulary split over ranks, gathered on the group's first rank
+        (the one that samples): None on the others."""
+        logits = self._logits(hidden)
+        vs = self.vocab_shard
+        if vs is None:
+            return logits
+        full = vs.tp.gather(logits, dst=0, dim=-1)  # [n, tp * padded]
+        return full[:, : self.vocab_size] if full is not None else None
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token

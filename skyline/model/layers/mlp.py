@@ -1,4 +1,5 @@
-"""Gated MLP (SwiGLU): down(silu(gate(x)) * up(x)), with gate and up as one matmul."""
+"""Gated MLP (SwiGLU): down(silu(gate(x)) * up(x)), with gate and up as one matmul.
+Tensor parallel: gate/up column-parallel, down row-parallel (one all-reduce)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, parallel="row")
 
     def input_quant(self, x: torch.Tensor) -> str | None:
         """How the norm before it should hand it x (gate_up_proj's Linear.input_quant)."""

@@ -7,7 +7,9 @@ contiguous slice of the layer's), and the dispatch / combine steps around the ex
 rank it holds every expert and both steps are the identity. With a slice per rank the experts
 compute only the pairs routed to their own experts (the others read zero, ops/moe.py's
 expert_map), so a placement whose combine sums over the ranks of its process group (all-reduce;
-or all-to-all around dispatch) gives every rank the whole output.
+or all-to-all around dispatch) gives every rank the whole output. With tensor parallelism the
+experts are split so over the tensor-parallel group (`GroupPlacement`): each rank sees every
+token (its hidden states are the group's), runs its own experts' pairs, and the group sums.
 
 Checkpoints name experts' tensors per expert, `<prefix>.experts.<e>.<gate|up|down>_proj.
 <weight|bias|blocks|scales>` (Qwen3-MoE's own names; Mixtral's and gpt-oss's are brought to
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.parallel.groups import Group, ParallelLayout
 from skyline.quant.experts import UnquantizedExpertMethod, set_expert_loader
 from skyline.quant.method import shape_error
 
@@ -73,8 +76,8 @@ class ExpertPlacement:
         None when every expert is held."""
         if len(self.local) == self.num_experts:
             return None
-        m = torch.full((self.num_experts,), -1, dtype=torch.int32)
-        m[self.first:self.first + len(self.local)] = torch.arange(len(self.local),
+        m = torch.full((self.num_experts,), -1, dtype=torch.int32, device="cpu")
+        m[self.first:self.first + len(self.local)] = torch.arange(len(self.local), device="cpu",
                                                                    dtype=torch.int32)
         return m
 
@@ -86,6 +89,26 @@ class ExpertPlacement:
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """The whole output from this rank's share: its share, here."""
         return y
+
+
+@dataclass(frozen=True, eq=False)
+class GroupPlacement(ExpertPlacement):
+    """A contiguous slice of the experts on each rank of `group`; every rank runs every token,
+    and the outputs are summed over the group."""
+
+    group: Group | None = None
+
+    @classmethod
+    def of(cls, num_experts: int, group: Group) -> GroupPlacement:
+        """Rank i of the group holds experts [i * E / n, (i + 1) * E / n) (whole experts; the
+        first E mod n ranks one more)."""
+        per, extra = divmod(num_experts, group.size)
+        first = group.index * per + min(group.index, extra)
+        return cls(num_experts, first, per + (group.index < extra), group)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
+        return self.group.all_reduce(y)
 
 
 class Router(nn.Module):
@@ -130,22 +153,37 @@ class FusedExperts(nn.Module):
                  swiglu_limit: float | None = None,
                  placement: ExpertPlacement | None = None) -> None:
         super().__init__()
-        self.placement = placement or ExpertPlacement(num_experts)
-        self.expert_ids = self.placement.local
-        self.num_experts = len(self.expert_ids)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.activation, self.swiglu_limit = activation, swiglu_limit
         self.bias = bias
         self.expert_method: Any = UnquantizedExpertMethod()
+        self._place(placement or ExpertPlacement(num_experts))
+
+    def _place(self, placement: ExpertPlacement) -> None:
+        """Hold `placement`'s experts: the weights made anew (before they are loaded)."""
+        self.placement = placement
+        self.expert_ids = placement.local
+        self.num_experts = len(self.expert_ids)
+        for name in list(self._parameters):
+            delattr(self, name)
         self.expert_method.create_weights(self)
-        if bias:
-            for proj, rows in (("w13", 2 * intermediate_size), ("w2", hidden_size)):
+        if self.bias:
+            for proj, rows in (("w13", 2 * self.intermediate_size), ("w2", self.hidden_size)):
                 param = nn.Parameter(torch.empty(self.num_experts, rows), requires_grad=False)
                 setattr(self, f"{proj}_bias", param)
                 set_expert_loader(param, self, proj)
-        m = self.placement.expert_map()
-        self.register_buffer("expert_map", None if m is None else m.to(torch.get_default_device()),
-                             persistent=False)
+        # built on the host: loading moves it to the parameters' device (model/loader.py)
+        self.register_buffer("expert_map", placement.expert_map(), persistent=False)
+
+    def shard(self, layout: ParallelLayout) -> None:
+        """With tensor parallelism: this rank's slice of the experts (GroupPlacement)."""
+        if layout.tp.size > 1:
+            self._place(GroupPlacement.of(self.placement.num_experts, layout.tp))
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
+        """The shape of one expert's checkpoint tensor (shard (expert, part)) of `param`."""
+        rows, *rest = param.shape[1:]
+        return (rows if shard_id[1] == "down" else rows // 2, *rest)
 
     def set_expert_method(self, method: Any) -> None:
         """Replace the weight layout before loading (quant/ does this; model files never do).

@@ -127,8 +127,12 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self._inv_freq, self._attn_scale = inv_freq, attn_scale
-        # Built on the default device (the loader's `with torch.device(...)`), in float32.
-        self.register_buffer("cos_sin_cache", self._table(max_position, None), persistent=False)
+        # Built on the default device, in float32. On the meta device (the loader builds there,
+        # then `materialize`s) only its shape: meta arithmetic runs torch's Python reference
+        # ops, whose first use imports seconds of torch.
+        table = torch.empty(max_position, head_dim) if torch.empty(0).is_meta else \
+            self._table(max_position, None)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
         self._rot_key: tuple[torch.Tensor | None, torch.dtype | None] = (None, None)
         self._rot = (torch.empty(0), torch.empty(0))
 
@@ -137,6 +141,10 @@ class RotaryEmbedding(nn.Module):
         freqs = t[:, None] * self._inv_freq.to(t.device)[None, :]  # [n, head_dim // 2]
         s = self._attn_scale
         return torch.cat((freqs.cos() * s, freqs.sin() * s), dim=-1)
+
+    def materialize(self, device: torch.device) -> None:
+        """Compute the table on `device` (for a model built on the meta device)."""
+        self.cos_sin_cache = self._table(self.max_position, device)
 
     def extend(self, num_positions: int) -> None:
         """Cover positions up to `num_positions` (a context beyond the trained one, which the

@@ -29,6 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from skyline import progress
 from skyline.config import ConfigError
 from skyline.tools import BUILTIN_PROMPTS
 from skyline.types import SamplingParams
@@ -150,7 +151,8 @@ def record(llm: LLM, examples: list[Example], max_tokens: int, temperature: floa
     todo = [i for i, ex in enumerate(examples) if ex.completion is None]
     params = [SamplingParams(temperature=temperature, max_tokens=examples[i].max_tokens
                              or max_tokens, seed=seed + i) for i in todo]
-    outs = llm.generate([examples[i].prompt for i in todo], params, use_tqdm=bool(todo))
+    outs = llm.generate([examples[i].prompt for i in todo], params,
+                        use_tqdm=bool(todo) and progress.enabled())
     written = {i: list(out.outputs[0].token_ids) for i, out in zip(todo, outs, strict=True)}
     seqs = []  # (tokens, how many of them have a feature, prompt length)
     for i, ex in enumerate(examples):
@@ -200,7 +202,7 @@ def synthesize(llm: LLM, num: int, max_tokens: int = 128, seed: int = 0) -> list
     prefix = user_prefix(llm)
     params = [SamplingParams(temperature=SYNTH_TEMPERATURE, top_p=SYNTH_TOP_P,
                              max_tokens=max_tokens, seed=seed + i) for i in range(num)]
-    outs = llm.generate([prefix] * num, params, use_tqdm=True)
+    outs = llm.generate([prefix] * num, params, use_tqdm=progress.enabled())
     seen: set[str] = set()
     examples = []
     for out in outs:

@@ -62,6 +62,10 @@ class TierWorker(KVConnector):
                  kv_scales: list[tuple[float, float]], rank: dict[str, int] | None = None
                  ) -> None:
         off = config.offload
+        rank = rank or {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+        # The tiers' sizes are the engine's: its ranks (each over its own shard of a block)
+        # share them evenly, so that every rank holds about as many blocks as one process.
+        share = rank["tp_size"] * rank["pp_size"]
         self.device = kv_caches[0].device
         self.cuda = self.device.type == "cuda"
         self.codec = BlockCodec(kv_caches, off.dtype)
@@ -69,7 +73,7 @@ class TierWorker(KVConnector):
         self.chunk = max(1, CHUNK_BYTES // p)
         self.config_ram = off.ram_bytes > 0
         if off.ram_bytes:
-            slots = off.ram_bytes // p
+            slots = off.ram_bytes // share // p
             if slots < 1:
                 raise ConfigError(f"--kv-offload-ram {off.ram_bytes} bytes holds no block of "
                                   f"{p} bytes; give more")
@@ -86,15 +90,14 @@ class TierWorker(KVConnector):
         self._found: list[bytes] = []
         if off.disk_dir is not None:
             shape = (len(kv_caches), *kv_caches[0].shape[:1], *kv_caches[0].shape[2:])
-            fp = fingerprint(config, str(kv_caches[0].dtype), kv_scales, shape,
-                             rank or {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1})
+            fp = fingerprint(config, str(kv_caches[0].dtype), kv_scales, shape, rank)
             self.disk = DiskStore(off.disk_dir, fp, p)
             self._found = self.disk.found()
             size = off.disk_bytes
             if size is None:
                 held = len(self._found) * self.disk.file_bytes
-                size = int((self.disk.free_bytes() + held) * DISK_SHARE)
-            self.disk_blocks = size // self.disk.file_bytes
+                size = int((self.disk.free_bytes() + held * share) * DISK_SHARE)
+            self.disk_blocks = size // share // self.disk.file_bytes
         self.staging = HostBuffer(max(4, STAGING_BYTES // p) if self.disk else 0, p,
                                   pin=self.cuda)
         self._staging_free = list(range(self.staging.num_slots))

@@ -145,7 +145,8 @@ class EagleHead(nn.Module):
         self.layer = LlamaDecoderLayer(arch, rotary, attention_cls, 0,
                                        MLP(arch.hidden_size, arch.intermediate_size))
         a = self.layer.self_attn
-        self.attn = HeadAttention(a.num_heads, a.head_dim, a.head_dim**-0.5, a.num_kv_heads)
+        self.attn = HeadAttention(a.attn.num_heads, a.head_dim, a.head_dim**-0.5,
+                                  a.attn.num_kv_heads)
         a.attn = self.attn
         # The draft vocabulary: target token ids the head may propose, ascending.
         self.register_buffer("vocab_ids", torch.zeros(draft_vocab_size, dtype=torch.int64))
@@ -173,9 +174,9 @@ class EagleHead(nn.Module):
         eps = layer.input_layernorm.eps
         h = rms_norm_ref(x, layer.input_layernorm.weight, eps)
         q, k, v = a.qkv_proj(h).split(a.qkv_proj.output_sizes, dim=-1)
-        q = q.unflatten(-1, (a.num_heads, a.head_dim))
-        k = k.unflatten(-1, (a.num_kv_heads, a.head_dim))
-        v = v.unflatten(-1, (a.num_kv_heads, a.head_dim))
+        q = q.unflatten(-1, (-1, a.head_dim))
+        k = k.unflatten(-1, (-1, a.head_dim))
+        v = v.unflatten(-1, (-1, a.head_dim))
         q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         if q_norm is not None and k_norm is not None:
             q = rms_norm_ref(q, q_norm.weight, q_norm.eps)

@@ -60,7 +60,7 @@ class EagleProposer:
         a = self.head.layer.self_attn
         w = self.parts.lm_weight
         self.dtype, self.device = w.dtype, w.device
-        self.pool = HeadKVPool(a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        self.pool = HeadKVPool(a.attn.num_kv_heads, a.head_dim, self.dtype, self.device)
         self.caches: dict[str, HeadCache] = {}
         self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # rows awaiting their token
         self.last: dict[str, torch.Tensor] = {}  # [H] the head's f' at its last position

@@ -31,6 +31,7 @@ from torch import nn
 
 from skyline.config import TrainArgs
 from skyline.ops.norm import rms_norm_ref
+from skyline.progress import bar
 from skyline.worker.spec.eagle import (
     AttnPlan,
     EagleHead,
@@ -231,6 +232,7 @@ def train_head(model: nn.Module, samples: list[Sample], args: TrainArgs,
     log.info("held-out before training: %s", _fmt(before))
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     step, t0, history = 0, time.perf_counter(), []
+    progress = bar(total=total, desc="training the head", unit=" steps")
     while step < total:
         for group in _batches(train, args.batch_tokens, rng):
             if step >= total:
@@ -245,10 +247,13 @@ def train_head(model: nn.Module, samples: list[Sample], args: TrainArgs,
             opt.step()
             history.append(loss.item())
             step += 1
+            progress.update()
+            progress.set_postfix_str(f"loss {sum(history[-20:]) / len(history[-20:]):.3f}")
             if step % 20 == 0 or step == total:
                 log.info("step %d/%d loss %.4f top1 %s (%.0f s)", step, total,
                          sum(history[-20:]) / len(history[-20:]),
                          " ".join(f"{a:.2f}" for a in acc), time.perf_counter() - t0)
+    progress.close()
     after = evaluate(obj, val, device, args.batch_tokens)
     log.info("held-out after training: %s", _fmt(after))
     head.requires_grad_(False)

@@ -1,9 +1,9 @@
 """Executors run a SchedulerOutput on the workers and answer what tools ask of the model.
 
 The engine core talks to one `Executor`; it never sees a model or a tensor. `UniProcExecutor`
-runs the one `ModelRunner` in the engine's own process. Everything an executor returns is
-plain data or CPU tensors, so that an executor whose ranks are other processes answers the
-same calls.
+runs the one `ModelRunner` in the engine's own process; `MultiProcExecutor` (multiproc.py) one
+per rank, each in a process of its own. Everything an executor returns is plain data or CPU
+tensors, so both answer the same calls.
 
 What tools ask of a loaded model (scoring text, hidden states, calibration, quantized
 checkpoints, the format search) are the queries of worker/queries.py, run where the model lives:
@@ -23,6 +23,7 @@ class Executor:
     `execute` does both."""
 
     num_blocks: int
+    max_num_seqs: int  # the runner's (chosen by it under max_num_seqs "auto")
 
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Queue a step; returns the output of the step that was in flight, if any."""
@@ -58,6 +59,7 @@ class UniProcExecutor(Executor):
 
         self.runner = ModelRunner(config)
         self.num_blocks = self.runner.num_blocks
+        self.max_num_seqs = self.runner.max_num_seqs
 
     def launch(self, out: SchedulerOutput) -> RunnerOutput | None:
         return self.runner.launch(out)
@@ -72,7 +74,3 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         self.runner.shutdown()
-
-
-def make_executor(config: EngineConfig) -> Executor:
-    return UniProcExecutor(config)

@@ -1,0 +1,113 @@
+"""Served against offline at the same concurrency: the same engine flags, the same N random
+prompts of fixed lengths, C sequences at a time, first through `LLM.generate` (`skyline bench
+offline`), then through `skyline serve` streaming to C users spread over several load-generator
+processes (one Python client saturates near 9k tok/s). The goal (issue 31): served output
+tokens/s >= 0.95 of offline, TTFT p50 <= 150 ms and p99 <= 1 s.
+
+The model directory is the shipped config with the synthetic word-level tokenizer
+(skyline/bench/dummy_model.py), so that the server detokenizes and streams real text.
+
+    python bench/served_vs_offline.py --model llama-3.1-8b --concurrency 256 --processes 8
+    python bench/served_vs_offline.py --smoke        # the tiny model on the CPU, 8 streams
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+
+from skyline.bench.dummy_model import tiny_model_dir, write_model_dir
+from skyline.bench.frontier import start_server, stop_server
+from skyline.bench.metrics import summarize
+from skyline.bench.serve import LoadProcesses, LoadSpec, http_stack
+from skyline.bench.workloads import WorkloadSpec
+
+
+def offline(model: str, flags: list[str], ns: argparse.Namespace, work: str) -> dict:
+    """`skyline bench offline` in its own process (the device's memory is free afterwards)."""
+    path = os.path.join(work, "offline.json")
+    cmd = [sys.executable, "-m", "skyline.cli", "bench", "offline", "--model", model,
+           "--num-prompts", str(ns.num_requests), "--input-len", str(ns.input_len),
+           "--output-len", str(ns.output_len), "--output", path, *flags]
+    subprocess.run(cmd, check=True, timeout=ns.timeout)
+    with open(path) as f:
+        return json.load(f)["skyline"]
+
+
+def served(model: str, flags: list[str], ns: argparse.Namespace, work: str) -> dict:
+    proc, url = start_server(["--model", model, *flags], os.path.join(work, "server.log"),
+                             ns.timeout)
+    try:
+        load = LoadSpec(base_url=url, concurrency=ns.concurrency, num_requests=ns.num_requests,
+                        timeout=ns.timeout, setup_timeout=ns.timeout)
+        work_spec = WorkloadSpec(name="random", input_len=str(ns.input_len),
+                                 output_len=str(ns.output_len))
+        results, seconds = LoadProcesses(load, work_spec, ns.processes).wait()
+    finally:
+        stop_server(proc)
+    return summarize(results, seconds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b", help="shipped config name (dummy weights)")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--num-requests", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--processes", type=int, default=8, help="load-generator processes")
+    ap.add_argument("--flags", default="", help="more engine flags for both runs")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per phase, at most")
+    ap.add_argument("--out", default=None, help="JSON file (default: under bench/results/serve)")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 8 streams")
+    ns = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="skyline-served-")
+    flags = ["--load-format", "dummy", "--max-num-seqs", str(ns.concurrency),
+             *shlex.split(ns.flags)]
+    if ns.smoke:
+        ns.concurrency, ns.num_requests, ns.input_len, ns.output_len = 8, 16, 16, 16
+        ns.processes = 2
+        model = tiny_model_dir(work)
+        flags = ["--load-format", "dummy", "--max-num-seqs", "8", "--device", "cpu",
+                 "--threads", "1", "--max-model-len", "256", "--kv-cache-memory", "64MiB"]
+    else:
+        model = write_model_dir(ns.model, os.path.join(work, "model"))
+    off = offline(model, flags, ns, work)
+    srv = served(model, flags, ns, work)
+    ratio = srv["output_throughput"] / off["output_tokens_per_s"]
+    out = {
+        "benchmark": "served_vs_offline",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "bench/served_vs_offline.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "model": "tiny" if ns.smoke else ns.model, "flags": flags,
+        "concurrency": ns.concurrency, "num_requests": ns.num_requests,
+        "input_len": ns.input_len, "output_len": ns.output_len,
+        "client_processes": ns.processes, "http_stack": http_stack(),
+        "offline_output_tok_s": off["output_tokens_per_s"],
+        "served_output_tok_s": srv["output_throughput"],
+        "served_over_offline": ratio,
+        "ttft_p50_ms": srv["ttft_ms"]["median"], "ttft_p99_ms": srv["ttft_ms"]["p99"],
+        "failed": srv["failed"], "offline": off, "served": srv,
+    }
+    print(f"== served vs offline at {ns.concurrency} users: offline "
+          f"{off['output_tokens_per_s']:.0f} tok/s, served "
+          f"{srv['output_throughput']:.0f} tok/s = {ratio:.3f} of offline; TTFT p50 "
+          f"{out['ttft_p50_ms']:.0f} ms, p99 {out['ttft_p99_ms']:.0f} ms; {srv['failed']} failed")
+    path = ns.out or (os.path.join(work, "smoke.json") if ns.smoke else
+                      f"bench/results/serve/served-vs-offline-{ns.model}-c{ns.concurrency}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

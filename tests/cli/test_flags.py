@@ -1,0 +1,103 @@
+"""Every flag has help with its default; a bad value is one line naming the flag, not a
+traceback or the whole usage block."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from skyline.cli import build_parser
+from skyline.config import ConfigError
+from skyline.engine.args import EngineArgs
+from skyline.engine.create import create_engine_config
+from skyline.server.app import bind_socket
+
+
+def _options(parser: argparse.ArgumentParser, name: str = "skyline"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, p in action.choices.items():
+                yield from _options(p, f"{name} {sub}")
+        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            yield name, action
+
+
+def test_every_flag_has_help_that_gives_its_default():
+    missing = []
+    for name, a in _options(build_parser()):
+        text = a.help or ""
+        silent = a.default is None and a.nargs != 0 and not a.required and "default" not in text
+        if not text or silent:
+            missing.append(f"{name} {a.option_strings[0]}")
+    assert not missing, missing
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "--port PORT" in text and "(default: 8000)" in text
+
+
+@pytest.mark.parametrize("argv, line", [
+    ("serve --port 99999", "skyline serve: error: --port must be in 0..65535, got 99999"),
+    ("router --port 0", "skyline router: error: --port must be in 1..65535, got 0"),
+    ("serve --port http", "skyline serve: error: --port must be a whole number, got 'http'"),
+    ("serve --host 256.1.1.1", "skyline serve: error: --host must be an IP address"),
+    ("serve --host bad_name!", "skyline serve: error: --host must be an IP address"),
+    ("generate hi --max-model-len 0", "--max-model-len must be at least 1, got 0"),
+    ("chat --max-num-seqs 0", "--max-num-seqs must be at least 1, got 0"),
+    ("chat --max-num-seqs many", "--max-num-seqs must be a whole number, got 'many'"),
+    ("serve --max-num-batched-tokens -5", "--max-num-batched-tokens must be at least 1, got -5"),
+    ("serve --gpu-memory-utilization 1.5", "--gpu-memory-utilization must be in (0, 1]"),
+    ("serve --kv-cache-memory lots", "--kv-cache-memory: cannot read 'lots' as a size"),
+    ("generate hi --load-format foo", "--load-format: invalid choice: 'foo'"),
+    ("generate hi --top-p 0", "--top-p must be in (0, 1], got 0"),
+    ("bench offline --num-prompts 0", "--num-prompts must be at least 1, got 0"),
+])
+def test_bad_value_is_one_line(argv, line, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv.split())
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and line in err and "--help" in err, err
+
+
+def test_good_values_parse():
+    ns = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "65535",
+                                    "--max-model-len", "1", "--gpu-memory-utilization", "1"])
+    assert (ns.host, ns.port, ns.max_model_len) == ("0.0.0.0", 65535, 1)
+    for h in ("::", "localhost", "node-1.example.com", "fe80::1"):
+        assert build_parser().parse_args(["router", "--host", h]).host == h
+
+
+def test_the_command_prints_one_line_and_no_usage():
+    r = subprocess.run([sys.executable, "-m", "skyline.cli", "serve", "--port", "99999"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("skyline serve: error: --port must be in 0..65535, got 99999 "
+                        "(see 'skyline serve --help')\n")
+
+
+def test_api_counts_below_one_are_refused():
+    with pytest.raises(ConfigError, match="--max-model-len must be at least 1, got 0"):
+        create_engine_config(EngineArgs(max_model_len=0, device="cpu"))
+    with pytest.raises(ConfigError, match="--max-num-seqs must be at least 1"):
+        create_engine_config(EngineArgs(max_num_seqs=0, device="cpu"))
+
+
+def test_host_not_of_this_machine_says_so_not_pick_a_port():
+    with pytest.raises(OSError) as e:
+        bind_socket("203.0.113.7", 8123)  # TEST-NET-3: never a local address
+    assert "--host must be an address of this machine" in str(e.value)
+    assert "--port" not in str(e.value)
+
+
+def test_unknown_flag_is_reported_by_its_command_with_the_closest_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--max-model-length", "5"])
+    assert capsys.readouterr().err == (
+        "skyline generate: error: unrecognized arguments: --max-model-length 5; did you mean "
+        "--max-model-len? (see 'skyline generate --help')\n")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "offline", "--zzz"])
+    assert capsys.readouterr().err.startswith(
+        "skyline bench offline: error: unrecognized arguments: --zzz (see")
