@@ -18,6 +18,7 @@ from skyline.config import (
     ModelConfig,
     OffloadConfig,
     ParallelConfig,
+    QuantConfig,
     SchedulerConfig,
     SpecConfig,
     parse_size,
@@ -26,6 +27,7 @@ from skyline.configs import dummy_config_dir
 from skyline.engine.args import EngineArgs
 from skyline.model.default import default_model_path
 from skyline.model.loader import read_model_arch
+from skyline.ops import cpu_plan
 from skyline.parallel.placement import (
     Stage,
     even_stages,
@@ -74,9 +76,14 @@ def resolve_device(device: str) -> str:
 CPU_BF16_KERNEL_FORMATS = ("int4", "int8", "mxfp4")
 
 
-def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, quant_method: str) -> str:
+def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format: str,
+                   quant_method: str) -> str:
     if dtype == "auto":
         if device == "cpu":
+            if load_format == "gguf":
+                # A GGUF file is served as this CPU runs it fastest (ops/cpu_plan.py:
+                # bfloat16 where its products are native).
+                return _DTYPE_NAMES[cpu_plan.plan().dtype]
             if quant_method in CPU_BF16_KERNEL_FORMATS:
                 return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
             return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
@@ -84,6 +91,21 @@ def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, quant_metho
     if dtype not in _DTYPE_ALIASES:
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPE_ALIASES[dtype]
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _resolve_quant(args: EngineArgs, path: str, fmt: str, device: str) -> QuantConfig:
+    """The checkpoint's own format unless --quantization says otherwise; on a CPU with no
+    --dtype either, a GGUF file keeps its blocks packed where this CPU's plan runs them on
+    the int4 kernel (quant/gguf.py). An explicit --dtype float32 is the exact path: blocks
+    dequantized to float32 at load."""
+    method = args.quantization
+    if (method in (None, "auto") and device == "cpu" and fmt == "gguf"
+            and args.dtype == "auto" and cpu_plan.plan().gguf_packed):
+        method = "gguf"
+    return resolve_quant_config(method, args.quant_group_size, path, fmt)
 
 
 def _resolve_kv_cache_dtype(kv_dtype: str, device: str) -> str:
@@ -274,8 +296,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         args.load_format = "dummy"
     arch, fmt = read_model_arch(path, args.load_format)
     device = _placement_device(args, arch) or resolve_device(args.device)
-    quant = resolve_quant_config(args.quantization, args.quant_group_size, path, fmt)
-    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, quant.method)
+    quant = _resolve_quant(args, path, fmt, device)
+    dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, fmt, quant.method)
     if args.threads:
         torch.set_num_threads(args.threads)
     auto_len = args.max_model_len is None

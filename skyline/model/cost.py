@@ -45,11 +45,8 @@ class ModelCost:
         linears = [m for m in model.modules() if isinstance(m, (Linear, Router))]
         experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
         heads = [m for m in model.modules() if isinstance(m, LMHead)]
-        head_bytes = sum(  # an fp8 head is read instead of the dense one
-            sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
-            if m.fp8_weight is not None else m.weight.numel() * m.weight.element_size()
-            for m in heads)
         arch = model.arch
+        head_bytes = sum(_head_bytes(m) for m in heads)
         fraction = arch.num_experts_per_tok / arch.num_experts if experts else 0.0
         expert_bytes = held_bytes(experts)
         expert_params = sum(3 * m.num_experts * m.hidden_size * m.intermediate_size
@@ -59,7 +56,7 @@ class ModelCost:
                               else m.in_features * m.out_features for m in linears)
             + round(expert_params * fraction),
             head_params=sum(m.weight.numel() for m in heads),
-            weight_bytes=held_bytes(linears) + head_bytes + round(expert_bytes * fraction),
+            weight_bytes=_decode_bytes(linears) + head_bytes + round(expert_bytes * fraction),
             kv_bytes_per_token=kv_bytes_per_token,
             # the heads of the layers this model (this rank's part) runs
             attn_flops_per_pair=4 * sum(a.num_heads * a.head_dim
@@ -67,6 +64,29 @@ class ModelCost:
             expert_bytes=expert_bytes,
             expert_fraction=fraction,
         )
+
+
+def _head_bytes(m: LMHead) -> int:
+    """What the head's product reads: the CPU's oneDNN-packed copy, else an fp8 head's values
+    and scales, else the dense weight."""
+    if m.packed_weight is not None:
+        return m.packed_weight.numel() * m.packed_weight.element_size()
+    if m.fp8_weight is not None:
+        return sum(t.numel() * t.element_size() for t in (m.fp8_weight, m.fp8_scale))
+    return m.weight.numel() * m.weight.element_size()
+
+
+def _decode_bytes(layers: list[nn.Module]) -> int:
+    """Bytes a decode step's products read: a layer whose format serves a row from a smaller
+    layout than it holds (`decode_bytes`: a CPU GGUF layer's int4 planes beside its dense
+    copy) counts that layout, any other all it holds."""
+    total = 0
+    for m in layers:
+        method = getattr(m, "linear_method", None)
+        read = getattr(method, "decode_bytes", None)
+        n = read(m) if read is not None else None
+        total += held_bytes([m]) if n is None else n
+    return total
 
 
 def meta_model(arch: ModelArch, quant: QuantConfig, dtype: torch.dtype = torch.bfloat16

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,9 @@ class AttentionMetadata:
     num_decodes: int = 0
     seq_lens_tensor: torch.Tensor | None = None  # [num_seqs] int32, on the device
     query_start_loc_tensor: torch.Tensor | None = None  # [num_seqs + 1] int32, on the device
+    # CPU: the decodes' cache gather (ops/cpu_attention.DecodeGather), made by the first
+    # attention layer of the step and read by the others
+    cpu_gather: Any = None
 
     @property
     def num_seqs(self) -> int:

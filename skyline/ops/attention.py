@@ -32,6 +32,7 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     prefill_config,
     shape_key,
 )
+from skyline.ops.cpu_attention import DecodeGather, decode_attention_cpu, decode_gather
 from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks
 from skyline.ops.pdl import use_pdl
@@ -241,6 +242,24 @@ def _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, f
                                k_scale, v_scale, window, sinks)
 
 
+def _paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                         num_decodes, seq_lens_tensor, k_scale, v_scale,
+                         gather: DecodeGather | None) -> torch.Tensor:
+    # paged_attention_ref's contract, its decodes in a few operations (ops/cpu_attention.py)
+    if gather is None:
+        lens_t = None if seq_lens_tensor is None else seq_lens_tensor[:num_decodes]
+        gather = decode_gather(seq_lens[:num_decodes], block_tables[:num_decodes],
+                               kv_cache.shape[2], lens_t)
+    if num_decodes == len(seq_lens):
+        return decode_attention_cpu(q, kv_cache, gather, scale, k_scale, v_scale)
+    out = torch.empty_like(q)
+    out[:num_decodes] = decode_attention_cpu(q[:num_decodes], kv_cache, gather, scale, k_scale,
+                                             v_scale)
+    _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
+             k_scale, v_scale)
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -256,12 +275,18 @@ def paged_attention(
     int8_out: bool = False,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    cpu_gather: DecodeGather | None = None,  # CPU: the decodes' gather, made once per step
 ) -> torch.Tensor | Int8Chunks:
     """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills.
     With `int8_out`, a pure decode batch whose splits are combined by a kernel (and a head
     size that is a power of two and a multiple of 32) returns [T, H * D] rounded for the W4A8
     GEMV, as Int8Chunks, from that kernel; otherwise the plain output."""
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
+        # the CPU's few-operation decodes take full causal attention without sinks only
+        if q.device.type == "cpu" and num_decodes and not window and sinks is None:
+            return _paged_attention_cpu(q, kv_cache, query_start_loc, seq_lens, block_tables,
+                                        scale, num_decodes, seq_lens_tensor, k_scale, v_scale,
+                                        cpu_gather)
         return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                    num_decodes, seq_lens_tensor, k_scale, v_scale, window, sinks)
     if len(seq_lens) == num_decodes:  # a pure decode batch

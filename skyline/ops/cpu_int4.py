@@ -88,10 +88,18 @@ def planes_linear(x: torch.Tensor, planes: tuple[Plane, ...],
     """x [..., K'] (K' <= K: the weights' padding columns meet zeros) -> [..., N] in x's
     dtype, through bfloat16."""
     k = _cols(planes)
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    # (each operation skipped when it would be a no-op: a CPU decode step is bound by the
+    # operations Python dispatches)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.bfloat16:
+        x2 = x2.to(torch.bfloat16)
     if x2.shape[1] < k:
         x2 = torch.nn.functional.pad(x2, (0, k - x2.shape[1]))
-    y = planes_mm(x2, planes).to(x.dtype).reshape(*x.shape[:-1], -1)
+    y = planes_mm(x2, planes)
+    if x.dtype != torch.bfloat16:
+        y = y.to(x.dtype)
+    if x.dim() != 2:
+        y = y.reshape(*x.shape[:-1], -1)
     return y if bias is None else y + bias.to(y.dtype)
 
 

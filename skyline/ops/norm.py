@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
@@ -45,6 +46,21 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(x, weight, eps), x
 
 
+# CPU forwards of at most this many rows take rms_norm_cpu: a decode step is bound by the
+# operations Python dispatches, and the trick below doubles the bytes it reads.
+CPU_FEW_ROWS = 64
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_ref's contract in three operations instead of seven: LayerNorm (one fused CPU
+    kernel) of [x, -x] has mean 0 and variance mean(x^2), so its first half is x / sqrt(mean(x^2)
+    + eps), computed in float32 and rounded to x's dtype once, as the reference; the weight
+    multiplies that rounded result, as the reference's."""
+    d = x.shape[-1]
+    normed = F.layer_norm(torch.cat((x, -x), -1), (2 * d,), eps=eps)
+    return normed[..., :d] * weight
+
+
 def quantized_ref(y: torch.Tensor, quant: str | None) -> torch.Tensor | Fp8Rows | Int8Chunks:
     """y as a producing kernel hands it to a Linear that asked for `quant` (None: as it is)."""
     if quant is None:
@@ -64,6 +80,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             return rms_norm_triton(x, weight, eps, config, quant=quant)
         return quantized_ref(rms_norm_ref(x, weight, eps), quant)
     if not _use_triton(x) or x.dim() not in (2, 3):
+        if _few_cpu_rows(x):
+            return rms_norm_cpu(x, weight, eps)
         return rms_norm_ref(x, weight, eps)
     return rms_norm_triton(x, weight, eps, config)
 
@@ -82,9 +100,16 @@ def fused_add_rms_norm(
     same = (x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
             and residual.stride(-1) == 1)
     if not (_use_triton(x) and same and x.dim() == 2):
+        if quant is None and _few_cpu_rows(x):
+            residual = x + residual  # the add stays in the model dtype, as the reference's
+            return rms_norm_cpu(residual, weight, eps), residual
         normed, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
         return quantized_ref(normed, quant), residual
     return fused_add_rms_norm_triton(x, residual, weight, eps, config, quant)
+
+
+def _few_cpu_rows(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_FEW_ROWS
 
 
 def _use_triton(x: torch.Tensor) -> bool:

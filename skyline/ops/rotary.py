@@ -42,6 +42,39 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rotation_operands(
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, 1, head_dim] each
+    """What rotary_cpu multiplies by, made once per forward pass: [cos, cos] and [-sin, sin]
+    (cast to `dtype` first, as rotary_embedding_ref casts them)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+
+
+def rotary_cpu(
+    cos2: torch.Tensor,  # [num_tokens, 1, head_dim] from rotation_operands
+    sin2: torch.Tensor,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding_ref's result in three operations a layer: a CPU decode step is bound by
+    the operations Python dispatches (the reference takes ~25 for q and k), not by their
+    arithmetic. x * [cos, cos] + roll(x, d / 2) * [-sin, sin], the second product added in
+    float32 (addcmul) before the one rounding; q and k that are neighbouring views of one
+    projection (qkv.split) rotate together."""
+    t, h, d = q.shape
+    # (a dimension of size 1 may have any stride)
+    if (k.data_ptr() == q.data_ptr() + h * d * q.element_size() and q.stride()[1:] == (d, 1)
+            and k.stride()[1:] == (d, 1) and (t == 1 or k.stride(0) == q.stride(0))):
+        qk = q.as_strided((t, h + k.shape[1], d), q.stride())
+        out = torch.addcmul(qk * cos2, qk.roll(d // 2, -1), sin2)
+        return out[:, :h], out[:, h:]
+    return (torch.addcmul(q * cos2, q.roll(d // 2, -1), sin2),
+            torch.addcmul(k * cos2, k.roll(d // 2, -1), sin2))
+
+
 def qk_norm_rotary_ref(
     positions: torch.Tensor,
     q: torch.Tensor,

@@ -12,8 +12,17 @@ from then on the layer runs every input on that kernel (other dtypes through bfl
 `dequantized_weight` reads the weights back from it. A layer with types of 16-element groups
 (Q6_K, Q2_K, Q3_K: the kernel takes groups of 32 or more) is dequantized once to bfloat16 at its
 first bfloat16 call instead, its raw blocks dropped: 16 bits a weight rather than the file's
-2.6-6.6, because dequantizing whole blocks at every call makes decode 4-5x slower. Float32 (the
-default) keeps the raw blocks and dequantizes them with ops/dequant.py at each call, exact.
+2.6-6.6, because dequantizing whole blocks at every call makes decode 4-5x slower. Float32
+keeps the raw blocks and dequantizes them with ops/dequant.py at each call, exact.
+
+A CPU engine (the default for a GGUF file on a CPU whose plan runs the int4 kernel,
+ops/cpu_plan.py) does not take those lazy paths: `prepack_cpu` builds its serving layout at
+load, by the plan: the int4 kernel's planes where the plan runs this layer's codes on it
+(decode-sized batches: up to `int4_rows` rows, 4-bit codes; `int4_wide_rows` for 5- to 8-bit
+codes), and the weights dequantized once to the model dtype and packed for oneDNN (prefill and
+many streams, where the int4 kernel's time grows with the rows and a dense product's barely
+does). The raw blocks are dropped; memory is the planes plus the dense copy (the default
+model's Linears in bfloat16: 63 + 203 MiB, against 405 MiB dequantized to float32).
 
 On CUDA, a layer's first call turns its blocks into the group-wise integer layout of
 ops/int_matmul.py (every block type with integer codes: W = (q - zero) * scale per group, the
@@ -34,7 +43,7 @@ from torch import nn
 
 from skyline import envs
 from skyline.config import ConfigError
-from skyline.ops import cpu_int4
+from skyline.ops import cpu_int4, cpu_linear, cpu_plan
 from skyline.ops.dequant import (
     AFFINE_GROUP,
     GGML_TYPES,
@@ -95,6 +104,11 @@ class GGUFLinearMethod:
         del layer.gguf_parts
 
     def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
+        if getattr(layer, "cpu_dense", None) is not None:
+            dense = layer.cpu_dense
+            return (cpu_linear.unpack(dense) if dense.is_mkldnn else dense).float()
+        if getattr(layer, "cpu_planes", None) is not None:
+            return cpu_int4.planes_weight(layer.cpu_planes)
         if hasattr(layer, "gguf_qweight"):
             w = dequantize_int_ref(layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
                                    *layer.gguf_bits_group)
@@ -105,7 +119,41 @@ class GGUFLinearMethod:
             return layer.gguf_dense.float()
         return _dequantize_blocks(layer)
 
+    def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
+        """The layout a CPU engine serves with (loader.prepack_for_cpu; tools that read or save
+        weights never call it), by this machine's plan (ops/cpu_plan.py): the int4 kernel's
+        planes for decode-sized batches where the plan runs this layer's codes on it, and the
+        weights dequantized once to `dtype` (oneDNN-packed) for larger batches; the raw blocks
+        are dropped. From then on every input takes one of the two."""
+        if not getattr(layer, "gguf_types", None):  # no blocks (a model built on meta)
+            return False
+        cpu = cpu_plan.plan()
+        types = [int(t) for t in layer.gguf_types]
+        rows = cpu.int4_rows if all(t in INT4_GROUP_TYPES for t in types) else cpu.int4_wide_rows
+        layer.cpu_planes = _pack_int4(layer) if rows else None
+        layer.cpu_plane_rows = rows if layer.cpu_planes is not None else 0
+        layer.cpu_dense = None
+        dense_bytes = layer.out_features * layer.in_features * dtype.itemsize
+        if layer.cpu_planes is None or _room_for(dense_bytes):
+            dense = _dequantize_blocks(layer).to(dtype)
+            layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
+        else:  # every batch on the planes: slower prefill, but it fits
+            layer.cpu_plane_rows = 2**62
+        for i in range(len(layer.gguf_types)):
+            delattr(layer, f"gguf_w{i}")
+        return True
+
+    def decode_bytes(self, layer: LinearLayer) -> int | None:
+        """Bytes a one-row product reads where it is less than the layer holds: the int4
+        planes of a CPU engine's layer (prepack_cpu), not its dense copy; None otherwise."""
+        planes = getattr(layer, "cpu_planes", None)
+        if planes is None or layer.cpu_plane_rows < 1:
+            return None
+        return sum(t.numel() * t.element_size() for p in planes for t in p)
+
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(layer, "cpu_plane_rows"):
+            return _serve_cpu(layer, x)
         if x.is_cuda and _cuda_ready(layer, x.dtype):
             if not hasattr(layer, "gguf_qweight"):
                 return F.linear(x, layer.gguf_dense, layer.bias)
@@ -115,6 +163,34 @@ class GGUFLinearMethod:
                 return F.linear(x, layer.gguf_dense.to(x.dtype), layer.bias)
             return cpu_int4.planes_linear(x, layer.gguf_int4, layer.bias)
         return F.linear(x, self.dequantized_weight(layer).to(x.dtype), layer.bias)
+
+
+def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
+    """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
+    dense weights."""
+    if x.numel() <= layer.cpu_plane_rows * layer.in_features:
+        return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
+    dense = layer.cpu_dense
+    if dense.is_mkldnn:
+        return cpu_linear.packed_linear(x, dense, layer.bias)
+    return F.linear(x, dense, layer.bias)
+
+
+# The dense copies of a CPU engine's layers (prepack_cpu) are made while this share of the
+# machine's memory stays available after them (the KV cache and the rest of the process come
+# later); past it, layers that have planes serve every batch on them.
+MEMORY_RESERVE = 0.25
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more leaves MEMORY_RESERVE of the memory available (Linux's
+    /proc/meminfo; elsewhere, always)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] - nbytes >= MEMORY_RESERVE * info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
 
 
 def _dequantize_blocks(layer: LinearLayer) -> torch.Tensor:

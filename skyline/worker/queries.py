@@ -20,6 +20,7 @@ measurement each; a benchmark's engine is not used for anything else.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from skyline.model.checkpoint import write_checkpoint
 from skyline.model.cost import ModelCost
 from skyline.model.loader import plain_layout
 from skyline.model.weights import held_bytes
+from skyline.ops import cpu_int4, cpu_linear
 from skyline.ops.pdl import use_pdl
 from skyline.quant import report
 from skyline.quant.assignment import parse_formats, to_quant_config
@@ -222,6 +224,28 @@ def repeat_drafts(r: ModelRunner) -> None:
     r.proposer.propose = lambda rids, token_ids, depth: [[t[-1]] * depth for t in token_ids]
 
 
+def cpu_product_seconds(r: ModelRunner) -> float:
+    """Seconds the CPU's weight products (the int4 kernel's and oneDNN's calls: the Linears
+    and the LM head) took since this probe's first call, which starts timing them
+    (bench/cpu_vs_llamacpp.py: a decode step's products against the rest of it)."""
+    spent = getattr(r, "product_s", None)
+    if spent is None:
+        spent = r.product_s = [0.0]
+        for module, name in ((cpu_int4, "planes_mm"), (cpu_linear, "packed_linear")):
+            setattr(module, name, _timed(getattr(module, name), spent))
+    return spent[0]
+
+
+def _timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+    return call
+
+
 def host_seconds(r: ModelRunner) -> dict[str, float]:
     """Seconds the runner's host work took so far, by phase (bench/host_overhead.py)."""
     return dict(r.host_s)
@@ -251,6 +275,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "zero_forward": zero_forward,
     "repeat_drafts": repeat_drafts,
     "host_seconds": host_seconds,
+    "cpu_product_seconds": cpu_product_seconds,
     "kv_connector_info": kv_connector_info,
 }
 # The tools' queries: their algorithms take the whole model in one process.

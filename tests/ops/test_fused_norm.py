@@ -12,10 +12,12 @@ triton = pytest.importorskip("triton")
 from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
 from skyline.ops.gemv_int_a8 import int8_chunks_ref  # noqa: E402
 from skyline.ops.norm import (  # noqa: E402
+    CPU_FEW_ROWS,
     fused_add_rms_norm,
     fused_add_rms_norm_ref,
     fused_add_rms_norm_triton,
     rms_norm,
+    rms_norm_cpu,
     rms_norm_ref,
     rms_norm_triton,
 )
@@ -104,13 +106,19 @@ def test_weight_in_float32_promotes_as_reference():
     close(rms_norm_triton(x, w.float(), 1e-6), rms_norm_ref(x, w.float(), 1e-6), torch.bfloat16)
 
 
-def test_dispatch_on_cpu_is_the_reference():
-    x, residual, w = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
+@pytest.mark.parametrize("rows", [3, CPU_FEW_ROWS + 1])
+def test_dispatch_on_cpu_is_the_reference(rows):
+    # a few rows (decode) take rms_norm_cpu (tests/ops/test_cpu_decode_ops.py), more the
+    # reference itself; the inputs are never written
+    x, residual, w = torch.randn(rows, 32), torch.randn(rows, 32), torch.rand(32)
     x_before, res_before = x.clone(), residual.clone()
-    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    norm = rms_norm_cpu if rows <= CPU_FEW_ROWS else rms_norm_ref
+    assert torch.equal(rms_norm(x, w, 1e-6), norm(x, w, 1e-6))
+    close(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
     out, res = fused_add_rms_norm(x, residual, w, 1e-6)
     want_out, want_res = fused_add_rms_norm_ref(x_before, res_before, w, 1e-6)
-    assert torch.equal(out, want_out) and torch.equal(res, want_res)
+    assert torch.equal(res, want_res) and torch.equal(out, norm(want_res, w, 1e-6))
+    close(out, want_out)
     assert torch.equal(x, x_before) and torch.equal(residual, res_before)
 
 

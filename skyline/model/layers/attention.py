@@ -16,6 +16,7 @@ from torch import nn
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
 from skyline.ops.attention import attend_ref, causal_mask, paged_attention
+from skyline.ops.cpu_attention import decode_gather
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from skyline.ops.kv_write import KVWrite, write_kv
@@ -117,6 +118,11 @@ class Attention(nn.Module):
         else:
             if not kv_written:
                 write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            if meta.num_decodes and meta.cpu_gather is None and not self.kv_cache.is_cuda:
+                n = meta.num_decodes
+                lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:n]
+                meta.cpu_gather = decode_gather(meta.seq_lens[:n], meta.block_tables[:n],
+                                                self.kv_cache.shape[2], lens)
             out = paged_attention(
                 q,
                 self.kv_cache,
@@ -132,6 +138,7 @@ class Attention(nn.Module):
                 int8_out=self._wants_int8(q),
                 window=self.sliding_window,
                 sinks=self.sinks,
+                cpu_gather=meta.cpu_gather,
             )
             if isinstance(out, Int8Chunks):
                 return out

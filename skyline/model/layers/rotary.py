@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.ops.kv_write import KVWrite
-from skyline.ops.rotary import rotary_embedding
+from skyline.ops.kv_write import KVWrite, write_kv
+from skyline.ops.rotary import rotary_cpu, rotary_embedding, rotation_operands
 
 
 def _base_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -133,6 +133,8 @@ class RotaryEmbedding(nn.Module):
         table = torch.empty(max_position, head_dim) if torch.empty(0).is_meta else \
             self._table(max_position, None)
         self.register_buffer("cos_sin_cache", table, persistent=False)
+        self._rot_key: tuple[torch.Tensor | None, torch.dtype | None] = (None, None)
+        self._rot = (torch.empty(0), torch.empty(0))
 
     def _table(self, n: int, device: torch.device | None) -> torch.Tensor:  # [n, head_dim]
         t = torch.arange(n, dtype=torch.float32, device=device)
@@ -160,7 +162,21 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated by their positions; on CUDA in place (one kernel, which also writes
         the cache when given `kv`), and returned."""
+        if q.device.type == "cpu":
+            q, k = rotary_cpu(*self._operands(positions, q.dtype), q, k)
+            if kv is not None:
+                write_kv(k, kv.v, kv.kv_cache, kv.slot_mapping, kv.k_scale, kv.v_scale)
+            return q, k
         return rotary_embedding(positions, q, k, self.cos_sin_cache, kv=kv)
+
+    def _operands(self, positions: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a forward pass rotates by the same positions tensor: its operands are
+        # made once (the tensor is held, so a later one cannot reuse its id).
+        if self._rot_key[0] is not positions or self._rot_key[1] != dtype:
+            self._rot = rotation_operands(positions, self.cos_sin_cache, dtype)
+            self._rot_key = (positions, dtype)
+        return self._rot
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"

@@ -1,0 +1,326 @@
+"""skyline against llama.cpp on the CPU, on the same GGUF files with the same threads, in one run.
+
+    python bench/cpu_vs_llamacpp.py --llama-bin DIR [--threads 2] [--rounds 3]
+        [--models q4_1,q4_k_m,q8_0] [--parts offline,serve]
+        [--out bench/results/cpu/cpu-vs-llamacpp-2threads.json]
+    python bench/cpu_vs_llamacpp.py --smoke      # skyline only, tiny settings, no llama.cpp
+
+DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
+default (SmolLM2-135M-Instruct Q4_1) and two files llama-quantize makes from it (Q4_K_M, Q8_0;
+kept in --work-dir). skyline runs each with no flags but the threads (the CPU plan of
+ops/cpu_plan.py chooses dtype and kernels). Per model:
+
+- batch-1 decode and prefill against `llama-bench` (tg N: N tokens generated one at a time
+  from an empty context; pp P: one P-token prompt): skyline in this process (prefix caching
+  off) generates N tokens after a one-token prompt (decode = the time past the first token),
+  and prefills a P-token prompt (the time of a one-token generation); one llama-bench
+  repetition and one skyline measurement alternate for --rounds rounds.
+- 16 streams through `skyline serve` against `llama-server` (16 slots, continuous batching):
+  random prompts of 64 tokens, 128 output tokens, EOS ignored, both servers up for the whole
+  cell and the engines alternating by round (bench/llamacpp_serve.py's protocol): aggregate
+  output tok/s and TTFT p50.
+
+The floor of batch-1 decode is the bytes one step reads (the weights each engine holds for a
+one-row product, skyline's KV read included) over the read bandwidth measured in the same run
+(a sum over 256 MiB at the run's threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from skyline import LLM, SamplingParams
+from skyline.bench.frontier import start_server, stop_server
+from skyline.bench.metrics import summarize
+from skyline.bench.offline import machine_info, save_json
+from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.workloads import WorkloadSpec
+from skyline.engine.create import resolve_model_path
+from skyline.ops import cpu_plan
+
+QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}  # made from the default model
+
+
+def llamacpp_serve() -> Any:
+    """bench/llamacpp_serve.py (the serving protocol), imported only with llama.cpp at hand."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llamacpp_serve
+
+    return llamacpp_serve
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second a sum over 256 MiB reads, at `threads` threads (median of 5)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    x = torch.ones(2**26)
+    x.sum()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    torch.set_num_threads(prev)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
+    default = resolve_model_path(None, "auto")
+    if name == "q4_1":
+        return default
+    path = os.path.join(work_dir, f"smollm2-135m-{QUANT_TYPES[name]}.gguf")
+    if not os.path.exists(path):
+        if llama_bin is None:
+            raise SystemExit(f"{path} does not exist; give --llama-bin to make it")
+        os.makedirs(work_dir, exist_ok=True)
+        subprocess.run([os.path.join(llama_bin, "llama-quantize"), "--allow-requantize",
+                        default, path, QUANT_TYPES[name]], check=True, capture_output=True)
+    return path
+
+
+def step_bytes(llm: LLM, context: int) -> float:
+    """Bytes a batch-1 decode step reads (skyline/model/cost.py, as the layers serve: the int4
+    kernel's planes where a Linear has them, the LM head as it computes) and the K/V of
+    `context` tokens."""
+    cost = llm.query("model_cost")
+    return cost.step_weight_bytes(1) + context * cost.kv_bytes_per_token
+
+
+def skyline_decode_prefill(llm: LLM, prompt_len: int, gen_len: int) -> tuple[float, float]:
+    """(decode tok/s at batch 1 after a one-token prompt, prefill tok/s of one prompt)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    one = [[100]]
+    t = time.perf_counter()
+    llm.generate(one, params)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(one, SamplingParams(temperature=0.0, max_tokens=gen_len + 1, ignore_eos=True))
+    decode = gen_len / max(time.perf_counter() - t - first, 1e-9)
+    prompt = [[(7 * j) % 1000 + 100 for j in range(prompt_len)]]
+    t = time.perf_counter()
+    llm.generate(prompt, params)
+    return decode, prompt_len / (time.perf_counter() - t)
+
+
+def decode_breakdown(llm: LLM, gen_len: int) -> dict[str, float]:
+    """Where a batch-1 decode step's time goes: the Linear and LM-head products (the int4
+    kernel's and oneDNN's calls, timed by the engine's cpu_product_seconds probe) against
+    everything else, the host work of the step (the other operations, their Python dispatch,
+    scheduling, sampling)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    spent0 = llm.query("cpu_product_seconds")
+    t = time.perf_counter()
+    llm.generate([[100]], params)
+    first = time.perf_counter() - t
+    spent1 = llm.query("cpu_product_seconds")
+    t = time.perf_counter()
+    llm.generate([[100]], SamplingParams(temperature=0.0, max_tokens=gen_len + 1,
+                                         ignore_eos=True))
+    wall = time.perf_counter() - t - first
+    mm = llm.query("cpu_product_seconds") - spent1 - (spent1 - spent0)
+    return {"step_ms": 1e3 * wall / gen_len, "products_ms": 1e3 * mm / gen_len,
+            "other_ms": 1e3 * (wall - mm) / gen_len, "products_share": mm / wall}
+
+
+def llama_bench(llama_bin: str, model: str, threads: int, prompt_len: int, gen_len: int
+                ) -> tuple[float, float]:
+    """(tg tok/s, pp tok/s) of one llama-bench repetition (after its own warm-up run)."""
+    cmd = [os.path.join(llama_bin, "llama-bench"), "-m", model, "-t", str(threads),
+           "-p", str(prompt_len), "-n", str(gen_len), "-r", "1", "-o", "json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rows = json.loads(out)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
+    return tg, pp
+
+
+def ratio_summary(sky: list[float], ref: list[float]) -> dict[str, Any]:
+    return {"skyline": sky, "llama.cpp": ref,
+            "skyline_median": statistics.median(sky), "llamacpp_median": statistics.median(ref),
+            "ratio_of_medians": statistics.median(sky) / statistics.median(ref),
+            "ratio_per_round": [round(s / r, 3) for s, r in zip(sky, ref, strict=True)]}
+
+
+def bench_offline(model: str, ns: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    llm = LLM(model=model, threads=ns.threads, enable_prefix_caching=False)
+    skyline_decode_prefill(llm, min(ns.prompt_len, 64), 8)  # warm-up
+    dec: dict[str, list[float]] = {"skyline": [], "llama.cpp": []}
+    pre: dict[str, list[float]] = {"skyline": [], "llama.cpp": []}
+    for r in range(ns.rounds):
+        order = ("skyline", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "skyline")
+        for engine in order:
+            if engine == "skyline":
+                d, p = skyline_decode_prefill(llm, ns.prompt_len, ns.gen_len)
+            elif ns.llama_bin is None:
+                continue
+            else:
+                d, p = llama_bench(ns.llama_bin, model, ns.threads, ns.prompt_len, ns.gen_len)
+            dec[engine].append(d)
+            pre[engine].append(p)
+            print(f"  round {r} {engine:<9} decode b1 {d:7.1f} tok/s  prefill {p:7.1f} tok/s",
+                  flush=True)
+    cfg = llm.engine.config.model
+    sky_bytes = step_bytes(llm, ns.gen_len // 2)
+    breakdown = decode_breakdown(llm, ns.gen_len)
+    print(f"  skyline batch-1 step {breakdown['step_ms']:.2f} ms: products "
+          f"{breakdown['products_ms']:.2f} ms, the rest {breakdown['other_ms']:.2f} ms", flush=True)
+    out: dict[str, Any] = {
+        "skyline_defaults": {"dtype": cfg.dtype, "quantization": cfg.quant.method},
+        "decode_b1_tok_s": dec, "prefill_tok_s": pre,
+        "decode_step_breakdown": breakdown,
+        "decode_step_bytes": {"skyline": sky_bytes, "llama.cpp": os.path.getsize(model)},
+        "decode_floor_tok_s": {"skyline": bandwidth / sky_bytes,
+                               "llama.cpp": bandwidth / os.path.getsize(model)},
+    }
+    if dec["llama.cpp"]:
+        out["decode_b1"] = ratio_summary(dec["skyline"], dec["llama.cpp"])
+        out["prefill"] = ratio_summary(pre["skyline"], pre["llama.cpp"])
+    del llm
+    return out
+
+
+def bench_serve(model: str, ns: argparse.Namespace) -> dict[str, Any]:
+    flags = ["--model", model, "--threads", str(ns.threads)]
+    workload = WorkloadSpec("random", str(ns.serve_in), str(ns.serve_out))
+    log_dir = ns.work_dir
+    sky_proc, sky_url = start_server(flags, os.path.join(log_dir, "skyline-serve.log"), 600.0)
+    procs, urls = {"skyline": sky_proc}, {"skyline": sky_url}
+    llama_cmd: list[str] = []
+    try:
+        if ns.llama_bin is not None:
+            ls = llamacpp_serve()
+            proc, url, llama_cmd = ls.start_llama_server(
+                os.path.join(ns.llama_bin, "llama-server"), model, ns.threads, ns.streams,
+                1024, os.path.join(log_dir, "llama-server.log"), 300.0)
+            procs["llama.cpp"], urls["llama.cpp"] = proc, url
+            cell = ls.run_cell(urls, "completions", workload, ns.streams,
+                               ns.streams * ns.requests_per_stream, ns.rounds, seed=16)
+        else:  # skyline alone
+            load = LoadSpec(base_url=sky_url, concurrency=ns.streams, progress=False,
+                            num_requests=ns.streams * ns.requests_per_stream, warmup=1)
+            results, duration, _, _ = run_load(load, workload)
+            cell = {"engines": {"skyline": summarize(results, duration)}}
+    finally:
+        for p in procs.values():
+            stop_server(p)
+    cell["skyline_command"] = shlex.join(["skyline", "serve", *flags])
+    if llama_cmd:
+        llama_cmd[llama_cmd.index("--port") + 1] = "<free>"
+        cell["llama_server_command"] = shlex.join(llama_cmd)
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-bin", default=None,
+                    help="directory of llama-bench, llama-server, llama-quantize")
+    ap.add_argument("--smoke", action="store_true",
+                    help="skyline only, tiny settings (CI): no llama.cpp needed")
+    ap.add_argument("--models", default="q4_1,q4_k_m,q8_0")
+    ap.add_argument("--parts", default="offline,serve",
+                    help="offline (batch-1 decode and prefill), serve (the streams), or both")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=512, help="prefill prompt tokens")
+    ap.add_argument("--gen-len", type=int, default=128, help="batch-1 decode tokens")
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--requests-per-stream", type=int, default=2, help="per engine and round")
+    ap.add_argument("--serve-in", type=int, default=64)
+    ap.add_argument("--serve-out", type=int, default=128)
+    ap.add_argument("--work-dir", default="/tmp/cpu-vs-llamacpp",
+                    help="made GGUF files and server logs")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default bench/results/cpu/cpu-vs-llamacpp-<N>threads.json; "
+                         "with --smoke none unless given)")
+    ns = ap.parse_args()
+    if ns.smoke:
+        ns.models, ns.rounds, ns.prompt_len, ns.gen_len = "q4_1", 1, 16, 8
+        ns.streams, ns.requests_per_stream, ns.serve_in, ns.serve_out = 2, 1, 16, 8
+        ns.llama_bin = None
+    elif ns.llama_bin is None:
+        raise SystemExit("give --llama-bin DIR (llama.cpp's binaries), or --smoke")
+    out_path = ns.out or (None if ns.smoke else
+                          f"bench/results/cpu/cpu-vs-llamacpp-{ns.threads}threads.json")
+    os.makedirs(ns.work_dir, exist_ok=True)
+    t_start = time.time()
+    bandwidth = read_bandwidth(ns.threads)
+    plan = cpu_plan.plan()
+    report: dict[str, Any] = {
+        "benchmark": "cpu-vs-llamacpp",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python " + shlex.join(sys.argv),
+        "machine": machine_info("cpu") | {"load_avg_at_start": os.getloadavg()},
+        "cpu_plan": {"family": plan.family, "dtype": str(plan.dtype).removeprefix("torch."),
+                     "int4_rows": plan.int4_rows, "int4_wide_rows": plan.int4_wide_rows},
+        "threads": ns.threads, "rounds": ns.rounds,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "settings": {"prefill_prompt_tokens": ns.prompt_len, "decode_tokens": ns.gen_len,
+                     "serve_streams": ns.streams, "serve_input_tokens": ns.serve_in,
+                     "serve_output_tokens": ns.serve_out,
+                     "serve_requests_per_engine_and_round": ns.streams * ns.requests_per_stream},
+        "models": {},
+    }
+    if ns.llama_bin is not None:
+        server = os.path.join(ns.llama_bin, "llama-server")
+        report["llama_cpp_version"] = llamacpp_serve().llama_version(server)
+    for name in ns.models.split(","):
+        model = model_file(name, ns.work_dir, ns.llama_bin)
+        print(f"{name}: {model}", flush=True)
+        entry = {"file": os.path.basename(model), "bytes": os.path.getsize(model)}
+        if "offline" in ns.parts:
+            entry |= bench_offline(model, ns, bandwidth)
+        if "serve" in ns.parts:
+            entry["serve"] = bench_serve(model, ns)
+        report["models"][name] = entry
+        _print_model(name, entry)
+        if ns.smoke:
+            _check_smoke(entry)
+    report["machine"]["load_avg_at_end"] = os.getloadavg()
+    report["total_seconds"] = round(time.time() - t_start, 1)
+    save_json(report, out_path)
+    if out_path:
+        print(f"-> {out_path}")
+
+
+def _check_smoke(entry: dict[str, Any]) -> None:
+    """A smoke run fails unless every part measured something and every request completed
+    (tests/bench/test_scripts_smoke.py runs it)."""
+    serve = entry["serve"]["engines"]["skyline"]
+    figures = (entry["decode_b1_tok_s"]["skyline"][0], entry["prefill_tok_s"]["skyline"][0],
+               entry["decode_floor_tok_s"]["skyline"], serve["output_throughput"],
+               serve["ttft_ms"]["median"])
+    if serve["failed"] or serve["completed"] != 2 or min(figures) <= 0:
+        raise SystemExit(f"smoke run measured nothing: {figures}, serve {serve}")
+
+
+def _print_model(name: str, entry: dict[str, Any]) -> None:
+    serve = entry.get("serve", {}).get("engines", {})
+    line = [f"{name}:"]
+    for key, raw in (("decode_b1", "decode_b1_tok_s"), ("prefill", "prefill_tok_s")):
+        if raw not in entry:
+            continue
+        if key in entry:
+            s = entry[key]
+            line.append(f"{key} {s['skyline_median']:.1f} / {s['llamacpp_median']:.1f} tok/s "
+                        f"({s['ratio_of_medians']:.2f}x)")
+        else:
+            line.append(f"{key} skyline {statistics.median(entry[raw]['skyline']):.1f} tok/s")
+    for engine, s in serve.items():
+        line.append(f"serve {engine} {s['output_throughput']:.1f} tok/s TTFT p50 "
+                    f"{s['ttft_ms']['median']:.0f} ms")
+    print("  ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Which CPU kernels this machine runs fastest: a plan chosen from what the CPU, ATen and oneDNN
+report, so that a GGUF model takes its fast path with no flags.
+
+Four x86 families differ in what is native (`bench/cpu_kernel_plan.py` measures each kernel on
+the default model's shapes, the families emulated on one machine with ATEN_CPU_CAPABILITY and
+ONEDNN_MAX_CPU_ISA):
+
+- AMX and AVX-512 BF16: bfloat16 products are native, so activations, the KV cache and dense
+  weights are bfloat16 (oneDNN packs them), and 4-bit GGUF codes run torch's int4 kernel
+  (`ops/cpu_int4.py`) for decode-sized batches, where it reads a third of the bytes of dense
+  bf16. Wider codes (Q5/Q8) would need two kernel calls, which lose to one dense bf16 product.
+- AVX-512 without BF16 (VNNI: Cascade Lake, Ice Lake): oneDNN emulates bf16, 2.5x slower than
+  float32 at 16 rows, so activations stay float32 and only the int4 kernel's input is rounded
+  to bfloat16 (its AVX-512 path converts it to float32 in registers): 4-bit codes as one plane,
+  5- to 8-bit codes as two, against 32 bits a weight for dense float32.
+- AVX2 only: the int4 kernel's AVX2 path is slower, but one plane still beats dense float32 for
+  a few rows; wider codes stay dense float32.
+
+Everywhere, batches above `int4_rows` (prefill, many streams) run dense oneDNN products on
+weights dequantized once at load: the int4 kernel's time grows with the rows (it unpacks the
+codes per block of rows) where a dense product's barely does. Integer dot products on int8
+activations (oneDNN / fbgemm / `torch._int_mm`: 1.5-4x faster than these) are not used: torch
+exposes them with one activation scale per row or tensor only, and rounding SmolLM2's
+activations per row costs a KL of 0.057 against the GGUF weights (top-1 agreement 0.88), thirty
+times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL 0.005).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from skyline.ops import cpu_linear
+
+FAMILIES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
+
+
+@dataclass(frozen=True)
+class CpuCaps:
+    """What this machine reports: ATen's vector ISA (its kernels are compiled per ISA and
+    dispatched at run time, ATEN_CPU_CAPABILITY lowers it), the CPU's flags, and oneDNN."""
+
+    aten_isa: str  # "AVX512", "AVX2", "DEFAULT", ... (torch.backends.cpu.get_cpu_capability)
+    avx512_bf16: bool
+    amx_bf16: bool
+    onednn_bf16: bool  # oneDNN packs bfloat16 weights (natively, or emulated on AVX-512)
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """The kernels a CPU engine serves a GGUF model with when no flag says otherwise."""
+
+    family: str  # one of FAMILIES
+    dtype: torch.dtype  # activations, KV cache and dense weights
+    int4_rows: int  # batches of at most this many rows run 4-bit codes on the int4 kernel
+    int4_wide_rows: int  # the same for 5- to 8-bit codes (two planes); 0: always dense
+
+    @property
+    def gguf_packed(self) -> bool:
+        """Whether a GGUF model keeps its blocks (for the int4 kernel) by default."""
+        return self.int4_rows > 0
+
+
+def _flag(caps: dict[str, bool], name: str, probe: str) -> bool:
+    # torch.cpu.get_capabilities() (recent torch) lists every flag; older builds have probes
+    if name in caps:
+        return bool(caps[name])
+    fn = getattr(torch.cpu, probe, None)
+    return bool(fn()) if fn is not None else False
+
+
+@functools.lru_cache(maxsize=1)
+def probe() -> CpuCaps:
+    """This machine's capabilities (read once)."""
+    get = getattr(torch.cpu, "get_capabilities", None)
+    caps = get() if get is not None else {}
+    return CpuCaps(
+        aten_isa=torch.backends.cpu.get_cpu_capability(),
+        avx512_bf16=_flag(caps, "avx512_bf16", "_is_avx512_bf16_supported"),
+        amx_bf16=_flag(caps, "amx_bf16", "_is_amx_tile_supported"),
+        onednn_bf16=cpu_linear.can_pack(torch.zeros(1, 1, dtype=torch.bfloat16)),
+    )
+
+
+def family(caps: CpuCaps) -> str:
+    """The family whose kernels run fastest here; ATen's ISA bounds what its kernels use."""
+    if caps.aten_isa == "AVX512":
+        if caps.onednn_bf16 and caps.amx_bf16:
+            return "amx"
+        if caps.onednn_bf16 and caps.avx512_bf16:
+            return "avx512_bf16"
+        return "avx512"
+    if caps.aten_isa == "AVX2":
+        return "avx2"
+    return "other"
+
+
+# Rows up to which the int4 kernel beats a dense product on the default model's Linears (30
+# layers of 576-wide projections, weights streamed from memory), measured per family at 1 and
+# 2 threads (bench/cpu_kernel_plan.py). "other" (no x86 vector ISA torch dispatches to, e.g.
+# ARM) keeps the dense float32 path, whose speed there is known.
+_PLANS = {
+    "amx": (torch.bfloat16, 8, 0),
+    "avx512_bf16": (torch.bfloat16, 8, 0),
+    "avx512": (torch.float32, 8, 4),
+    "avx2": (torch.float32, 4, 0),
+    "other": (torch.float32, 0, 0),
+}
+
+
+def plan_for(caps: CpuCaps) -> CpuPlan:
+    fam = family(caps)
+    dtype, rows, wide = _PLANS[fam]
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        rows = wide = 0
+    return CpuPlan(fam, dtype, rows, wide)
+
+
+def plan() -> CpuPlan:
+    """This machine's plan."""
+    return plan_for(probe())

@@ -1,0 +1,136 @@
+"""The CPU plan: each x86 family (simulated by patching the capability probe) gets its kernels
+and defaults, and a GGUF layer served by the plan's layout matches its dequantized weights on
+both of its paths (the int4 kernel for few rows, dense products for more)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from skyline.bench.gguf_blocks import random_blocks
+from skyline.config import ConfigError
+from skyline.engine.create import EngineArgs, create_engine_config
+from skyline.ops import cpu_int4, cpu_linear, cpu_plan
+from skyline.quant.gguf import GGUFLinearMethod
+
+CAPS = {
+    "amx": cpu_plan.CpuCaps("AVX512", avx512_bf16=True, amx_bf16=True, onednn_bf16=True),
+    "avx512_bf16": cpu_plan.CpuCaps("AVX512", avx512_bf16=True, amx_bf16=False,
+                                    onednn_bf16=True),
+    # AVX-512 with VNNI but no BF16: oneDNN still packs bf16 (emulated), the plan does not
+    "avx512": cpu_plan.CpuCaps("AVX512", avx512_bf16=False, amx_bf16=False, onednn_bf16=True),
+    "avx2": cpu_plan.CpuCaps("AVX2", avx512_bf16=False, amx_bf16=False, onednn_bf16=False),
+    "other": cpu_plan.CpuCaps("DEFAULT", avx512_bf16=False, amx_bf16=False, onednn_bf16=False),
+}
+NATIVE_BF16 = {"amx", "avx512_bf16"}
+
+
+@pytest.fixture(params=list(CAPS))
+def family(request, monkeypatch):
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS[request.param])
+    return request.param
+
+
+def test_each_family_gets_its_plan(family):
+    plan = cpu_plan.plan()
+    assert plan.family == family
+    # bfloat16 only where its products are native; the int4 kernel for decode-sized batches
+    # on every x86 family (5- to 8-bit codes on it for no more rows than 4-bit ones); a CPU
+    # torch has no vector kernels for keeps dense float32
+    assert plan.dtype == (torch.bfloat16 if family in NATIVE_BF16 else torch.float32)
+    x86 = family != "other" and cpu_int4.has_kernel()
+    assert (plan.int4_rows > 0) == x86 and 0 <= plan.int4_wide_rows <= plan.int4_rows
+    assert plan.gguf_packed == (plan.int4_rows > 0)
+
+
+def test_a_bf16_capable_cpu_without_onednn_bf16_stays_float32():
+    caps = cpu_plan.CpuCaps("AVX512", avx512_bf16=True, amx_bf16=True, onednn_bf16=False)
+    assert cpu_plan.plan_for(caps).dtype == torch.float32
+    # ATen's ISA lowered to AVX2 (ATEN_CPU_CAPABILITY=avx2): its AVX2 kernels are what run
+    caps = cpu_plan.CpuCaps("AVX2", avx512_bf16=True, amx_bf16=False, onednn_bf16=True)
+    assert cpu_plan.family(caps) == "avx2"
+
+
+def test_the_real_probe_names_a_family():
+    caps = cpu_plan.probe()
+    assert cpu_plan.family(caps) in cpu_plan.FAMILIES
+    assert caps.aten_isa == torch.backends.cpu.get_cpu_capability()
+
+
+def test_engine_defaults_for_a_gguf_model(family):
+    try:
+        cfg, _ = create_engine_config(EngineArgs(device="cpu"))
+    except ConfigError:
+        pytest.skip("the default GGUF model is not installed")
+    plan = cpu_plan.plan()
+    assert cfg.model.dtype == {torch.float32: "float32", torch.bfloat16: "bfloat16"}[plan.dtype]
+    assert cfg.model.quant.method == ("gguf" if plan.gguf_packed else "none")
+    # --dtype float32 is the exact path everywhere: blocks dequantized to float32 at load
+    exact, _ = create_engine_config(EngineArgs(device="cpu", dtype="float32"))
+    assert (exact.model.dtype, exact.model.quant.method) == ("float32", "none")
+    # an explicit --quantization is kept
+    packed, _ = create_engine_config(EngineArgs(device="cpu", dtype="float32",
+                                                quantization="gguf"))
+    assert packed.model.quant.method == "gguf"
+
+
+class _Layer(torch.nn.Module):
+    """What GGUFLinearMethod needs of a Linear after loading: runs of raw blocks."""
+
+    def __init__(self, runs: list[tuple[Q, torch.Tensor]], cols: int) -> None:
+        super().__init__()
+        self.gguf_types = [int(q) for q, _ in runs]
+        for i, (_, data) in enumerate(runs):
+            self.register_buffer(f"gguf_w{i}", data)
+        self.bias = None
+        self.in_features = cols
+        self.out_features = sum(data.shape[0] for _, data in runs)
+
+
+@pytest.mark.parametrize("runs", [[Q.Q4_1], [Q.Q4_0, Q.Q4_K], [Q.Q8_0], [Q.Q5_0, Q.Q4_1],
+                                  [Q.Q6_K]], ids=lambda r: "+".join(q.name for q in r))
+def test_served_layout_follows_the_plan_and_matches_the_blocks(family, runs):
+    plan = cpu_plan.plan()
+    dtype = plan.dtype
+    if dtype == torch.bfloat16 and not cpu_linear.can_pack(torch.zeros(1, 1, dtype=dtype)):
+        pytest.skip("this machine has no oneDNN bfloat16 products")
+    layer = _Layer([(q, random_blocks(q, 32, 256, 7 + i)) for i, q in enumerate(runs)], 256)
+    method = GGUFLinearMethod()
+    w = method.dequantized_weight(layer)  # [32 * len(runs), 256] float32, exact
+    assert method.prepack_cpu(layer, dtype)
+    assert not hasattr(layer, "gguf_w0")  # the raw blocks are dropped
+    four_bit = all(q in (Q.Q4_0, Q.Q4_1, Q.Q4_K) for q in runs)
+    want_rows = 0 if Q.Q6_K in runs else plan.int4_rows if four_bit else plan.int4_wide_rows
+    assert layer.cpu_plane_rows == want_rows
+    assert (layer.cpu_planes is not None) == (want_rows > 0)
+    if want_rows:
+        assert len(layer.cpu_planes) == (1 if four_bit else 2)
+    for rows in sorted({1, max(want_rows, 1), want_rows + 1, 17}):
+        x = torch.randn(rows, 256).to(dtype)
+        y = method.apply(layer, x)
+        assert y.dtype == dtype and y.shape == (rows, w.shape[0])
+        ref = x.float() @ w.T
+        # bf16 scales / weights / accumulation on both paths; float32 dense is exact
+        tol = 2e-2 if dtype == torch.bfloat16 or rows <= want_rows else 1e-5
+        assert (y.float() - ref).abs().max() / ref.abs().max() < tol, rows
+    back = method.dequantized_weight(layer)
+    assert (back - w).abs().max() / w.abs().max() < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_without_room_for_dense_copies_every_batch_takes_the_planes(monkeypatch):
+    import skyline.quant.gguf as gguf_method
+
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512"])
+    monkeypatch.setattr(gguf_method, "_room_for", lambda nbytes: False)
+    if not cpu_int4.has_kernel():
+        pytest.skip("torch lacks the CPU int4 kernel")
+    layer = _Layer([(Q.Q4_1, random_blocks(Q.Q4_1, 32, 256, 3))], 256)
+    method = GGUFLinearMethod()
+    w = method.dequantized_weight(layer)
+    method.prepack_cpu(layer, torch.float32)
+    assert layer.cpu_dense is None and layer.cpu_planes is not None
+    x = torch.randn(40, 256)  # a prefill-sized batch
+    ref = x @ w.T
+    assert (method.apply(layer, x) - ref).abs().max() / ref.abs().max() < 2e-2
+    assert (method.dequantized_weight(layer) - w).abs().max() / w.abs().max() < 1e-2
