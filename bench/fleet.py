@@ -120,9 +120,9 @@ class Router:
     """A second `skyline router` over replicas another router already fronts."""
 
     def __init__(self, replicas: list[str], policy: str, log_path: str) -> None:
-        from skyline.bench.frontier import _free_port
+        from skyline.bench.frontier import free_port
 
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.base}/v1"
         args = [arg for r in replicas for arg in ("--replica", f"http://{r}")]
@@ -315,9 +315,9 @@ def _wait(url: str, timeout: float = 60.0) -> None:
 
 
 def stage_overhead(a: argparse.Namespace) -> dict[str, Any]:
-    from skyline.bench.frontier import _free_port
+    from skyline.bench.frontier import free_port
 
-    stub_port, router_port = _free_port(), _free_port()
+    stub_port, router_port = free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, __file__, "--serve-stub", str(stub_port),
                                "--overhead-itl-ms", str(a.overhead_itl_ms)])]
     procs.append(subprocess.Popen(
