@@ -72,3 +72,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return y.reshape(*x.shape[:-1], n)
+
+
+def exact_near_max(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   limit_per_row: int = 64) -> torch.Tensor:
+    """Logits [n, V] of a 16-bit head (x [n, K] @ weight [V, K]^T, float32 sums rounded to the
+    weight's dtype, then upcast) with the entries near each row's maximum recomputed in float32.
+
+    Rounding the output is what costs: at a logit of 16 a bfloat16 step is 0.125, so a model's
+    near-ties become exact ties and the greedy token turns on the vocabulary index. A rounded
+    entry is within half a step of its float32 sum, so the float32 maximum lies within one step
+    of the rounded one; those entries (a few per row) are recomputed, in place, and argmax picks
+    what a float32 head would. A degenerate row with more than `limit_per_row` entries that
+    close (a zero model) is left as it is. Float32 weights return logits untouched."""
+    if weight.dtype == torch.float32 or logits.numel() == 0:
+        return logits
+    top = logits.amax(-1, keepdim=True)
+    margin = top.abs() * (2 * torch.finfo(weight.dtype).eps) + 1e-6
+    rows, cols = (logits >= top - margin).nonzero(as_tuple=True)
+    if rows.numel() > limit_per_row * logits.shape[0]:
+        return logits
+    exact = (x.reshape(-1, x.shape[-1])[rows].float() * weight[cols].float()).sum(-1)
+    logits[rows, cols] = exact
+    return logits

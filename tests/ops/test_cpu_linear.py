@@ -100,3 +100,50 @@ def test_lm_head_packs_a_copy_and_keeps_the_tied_embedding():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)
     assert head.weight is embed.weight  # the embedding still reads the dense rows
+
+
+def test_exact_near_max_breaks_rounding_ties_as_float32_would():
+    """Logits 16.0 and 16.0625 round to the same bfloat16 value (a step is 0.125 there): the
+    rounded head's argmax is the lower index; recomputed near the maximum it is float32's, and
+    the recomputed entries hold float32's values."""
+    torch.manual_seed(0)
+    k, v = 64, 500
+    x = torch.ones(3, k, dtype=torch.bfloat16)
+    w = (torch.randn(v, k) * 0.02).to(torch.bfloat16)
+    w[7] = 0.25  # 16.0
+    w[300] = 0.25
+    w[300, 0] = 0.3125  # 16.0625
+    ref = x.float() @ w.float().t()
+    rounded = (x @ w.t()).float()
+    assert rounded[0, 7] == rounded[0, 300] and rounded[0].argmax() == 7 != ref[0].argmax()
+    out = cpu_linear.exact_near_max(rounded.clone(), x, w)
+    assert (out.argmax(-1) == 300).all()
+    near = out != rounded
+    assert near.any() and near.sum() <= 3 * 64
+    torch.testing.assert_close(out[near], ref[near], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=0.07, rtol=0)  # the rest: within half a step
+
+
+def test_exact_near_max_leaves_float32_and_degenerate_rows():
+    x = torch.randn(2, 16)
+    logits = torch.randn(2, 40)
+    assert cpu_linear.exact_near_max(logits, x, torch.randn(40, 16)) is logits
+    flat = torch.zeros(2, 40)
+    w = torch.zeros(40, 16, dtype=torch.bfloat16)
+    out = cpu_linear.exact_near_max(flat.clone(), x.bfloat16(), w, limit_per_row=8)
+    assert torch.equal(out, flat)  # 40 equal entries per row: a zero model, left alone
+
+
+def test_head_on_the_cpu_answers_as_float32_at_near_ties():
+    head = LMHead(500, 64)
+    torch.manual_seed(1)
+    w = torch.randn(500, 64) * 0.05
+    w[9], w[400] = 0.25, 0.25
+    w[400, 0] = 0.3125  # 16.0625 against 16.0: one bfloat16 value
+    head.weight.data = w.to(torch.bfloat16)
+    xb = torch.ones(1, 64, dtype=torch.bfloat16)
+    assert (xb @ head.weight.data.t()).float().argmax(-1).item() == 9
+    ref = (xb.float() @ head.weight.data.float().t()).argmax(-1)
+    assert ref.item() == 400 and head(xb).argmax(-1).item() == 400
+    if head.prepack():
+        assert head(xb).argmax(-1).item() == ref.item()

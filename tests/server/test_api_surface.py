@@ -138,12 +138,13 @@ def test_tool_request_errors(server, model):
 
 # ------------------------------------------------------------------ structured outputs
 
-OBJ = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-       "additionalProperties": False}
+OBJ = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+       "required": ["n"], "additionalProperties": False}
 
 
 def _json_n(text: str) -> bool:
-    return isinstance(json.loads(text)["n"], int)
+    n = json.loads(text)["n"]
+    return isinstance(n, int) and 0 <= n <= 999  # the schema's bounds hold the digits in
 
 
 @pytest.mark.parametrize("body,check", [

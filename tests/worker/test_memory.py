@@ -41,8 +41,8 @@ def test_8b_in_float32_on_a_24gb_machine_names_what_fits(monkeypatch):
 
 
 def test_weights_fit_but_the_kv_cache_asked_for_does_not(monkeypatch):
-    cfg, _ = create_engine_config(EngineArgs(device="cpu", kv_cache_memory="8GiB",
-                                             max_model_len=8192))
+    cfg, _ = create_engine_config(EngineArgs(device="cpu", dtype="float32",
+                                             kv_cache_memory="8GiB", max_model_len=8192))
     weights = memory.weight_bytes(cfg.model, CPU)
     assert 0.3e9 < weights < 0.8e9  # the default model's 135M parameters in float32
     _free(monkeypatch, 2)

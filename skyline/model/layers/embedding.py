@@ -155,12 +155,24 @@ class LMHead(nn.Module):
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token
                 hidden = fake_quantize_rows_fp8(hidden).to(hidden.dtype)
-            return cpu_linear.packed_linear(hidden, self.packed_weight).float()
+            return self._exact_top(cpu_linear.packed_linear(hidden, self.packed_weight).float(),
+                                   hidden)
         if self.fp8_weight is not None:
             # x quantized per row by a kernel of its own (rows_first): one launch, where the
             # GEMV's ~2,000 programs over the vocabulary would each quantize it again
             return fp8_linear(hidden, self.fp8_weight, self.fp8_scale, rows_first=True).float()
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight).float()
+        return self._exact_top(logits, hidden) if hidden.device.type == "cpu" else logits
+
+    def _exact_top(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """On the CPU (whose plan runs small models in bfloat16) the entries near each row's
+        maximum are recomputed in float32, so a 16-bit head's rounding does not turn near-ties
+        into ties that the greedy token breaks by index (`cpu_linear.exact_near_max`). GPUs
+        keep the plain head: the recomputation's shape depends on the values, which CUDA
+        graphs cannot hold. An fp8 head is left as computed."""
+        if self.fp8_weight is not None:
+            return logits
+        return cpu_linear.exact_near_max(logits, hidden, self.weight.data)
 
     def extra_repr(self) -> str:
         fp8 = ", fp8" if self.fp8_weight is not None else ""
