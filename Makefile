@@ -33,7 +33,7 @@ lint: setup
 	.venv/bin/ruff check skyline tests bench
 
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=25 $(ARGS)
 
 # What a user gets from a plain `pip install .` (no extras, so no Triton on a CPU): the CLI
 # generates and serves the default model. CI runs it (.ci/run).
