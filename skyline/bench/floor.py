@@ -10,7 +10,8 @@ its arithmetic counts each token's experts only). Two floors:
 
 - sequential: a step runs its products and then its attention, one after the other: prefill
   arithmetic at the peak, each decode step's products at the larger of their FLOPs over the
-  peak and the weights over the bandwidth, and the decode attention's K/V over the bandwidth.
+  peak and the weights over the bandwidth, and the decode attention at the larger of its K/V
+  over the bandwidth and its FLOPs over the peak.
   An engine that runs each kernel at its own roofline reaches it.
 - overlapped: the larger of all FLOPs over the peak and all bytes over the bandwidth, which no
   schedule beats.
@@ -49,7 +50,7 @@ def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len:
     prefill_s = prefill_flops / peak_flops
     step_bytes = cost.step_weight_bytes(rows)
     decode_linear_s = steps * max(step_bytes / bandwidth, per_token * rows / peak_flops)
-    decode_attention_s = kv_bytes / bandwidth
+    decode_attention_s = max(kv_bytes / bandwidth, cost.attn_flops_per_pair * keys / peak_flops)
     total_flops = prefill_flops + per_token * n_decode + cost.attn_flops_per_pair * keys
     total_bytes = steps * step_bytes + kv_bytes
     sequential_s = prefill_s + decode_linear_s + decode_attention_s

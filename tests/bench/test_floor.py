@@ -20,10 +20,12 @@ def test_floor_by_hand():
     assert f["decode_steps"] == 3 and f["decode_linear_s"] == pytest.approx(18.0)
     # keys read: tokens t = 1..3 of each prompt see 3 + t keys
     keys = sum(3 + t for _ in range(2) for t in range(1, 4))
-    assert f["decode_attention_s"] == pytest.approx(keys * 2 / 100)
-    assert f["sequential_s"] == pytest.approx(18.8 + 18.0 + 0.6)
+    # attention: the larger of its K/V bytes (keys * 2 B / 100 B/s) and FLOPs (4 per key / 10)
+    assert f["decode_attention_s"] == pytest.approx(max(keys * 2 / 100, keys * 4 / 10)) == 12.0
+    assert f["sequential_s"] == pytest.approx(18.8 + 18.0 + 12.0)
     flops = 188 + 30 * 6 + 4 * keys
     assert f["overlapped_s"] == pytest.approx(max(flops / 10, (300 + keys * 2) / 100))
+    assert f["overlapped_s"] <= f["sequential_s"]  # no schedule beats the overlapped floor
     assert f["sequential_tok_s"] == pytest.approx(8 / f["sequential_s"])
 
 
