@@ -1,6 +1,8 @@
 """Every bench script (bench/*.py, bench/kernels/*.py) runs in its --smoke mode: a tiny random
 model or tiny kernel shapes on the CPU, seconds each, so a script that rots fails here. Each
-runs in a fresh process, in a temporary directory (nothing it writes lands in the repo)."""
+runs in a fresh process, in a temporary directory (nothing it writes lands in the repo).
+Scripts whose smoke run has a test of its own, which also checks what it wrote, run there
+only (OWN_TEST)."""
 
 from __future__ import annotations
 
@@ -12,14 +14,27 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+TESTS = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*BENCH.glob("*.py"), *(BENCH / "kernels").glob("*.py")])
+OWN_TEST = {
+    "fleet.py": "bench/test_fleet_bench.py",
+    "kv_tiers.py": "bench/test_kv_bench.py",
+    "long_prompt.py": "bench/test_kv_bench.py",
+    "moe.py": "bench/test_moe_bench.py",
+    "parallel_overhead.py": "bench/test_parallel_bench.py",
+    "serve_ceiling.py": "server/test_served_speed.py",
+    "served_vs_offline.py": "server/test_served_speed.py",
+}
 
 
 def test_every_script_is_here():
     assert len(SCRIPTS) > 20 and BENCH / "kernels" / "tune_gemv.py" in SCRIPTS
+    for script, test in OWN_TEST.items():
+        assert BENCH / script in SCRIPTS and script in (TESTS / test).read_text(), script
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.name not in OWN_TEST],
+                         ids=lambda p: str(p.relative_to(BENCH)))
 def test_smoke(script: Path, tmp_path: Path):
     # The scripts choose Triton's interpreter themselves (the PTX counters must not have it).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
