@@ -34,6 +34,7 @@ others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,20 @@ class GGUFLinearMethod:
         if planes is None or layer.cpu_plane_rows < 1:
             return None
         return sum(t.numel() * t.element_size() for p in planes for t in p)
+
+    def cpu_decode_product(self, layer: LinearLayer
+                           ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """(product, rows): what `apply` computes for a bfloat16 x [M, in_features] of at most
+        `rows` rows, with no check on the way (a CPU engine's layer whose int4 planes take such
+        an x as it is: prepack_cpu's cpu_plane_group); None otherwise."""
+        group = getattr(layer, "cpu_plane_group", 0)
+        if not group:
+            return None
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            return cpu_int4.planes_mm(x, layer.cpu_planes, group)
+
+        return product, layer.cpu_plane_rows
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "cpu_plane_rows"):
