@@ -45,6 +45,7 @@ from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
+from skyline.bench.step_trace import timed
 from skyline.bench.workloads import WorkloadSpec
 from skyline.engine.create import resolve_model_path
 from skyline.ops import cpu_plan
@@ -113,24 +114,40 @@ def skyline_decode_prefill(llm: LLM, prompt_len: int, gen_len: int) -> tuple[flo
     return decode, prompt_len / (time.perf_counter() - t)
 
 
-def decode_breakdown(llm: LLM, gen_len: int) -> dict[str, float]:
-    """Where a batch-1 decode step's time goes: the Linear and LM-head products (the int4
-    kernel's and oneDNN's calls, timed by the engine's cpu_product_seconds probe) against
-    everything else, the host work of the step (the other operations, their Python dispatch,
-    scheduling, sampling)."""
+def decode_breakdown(llm: LLM, gen_len: int) -> dict[str, Any]:
+    """Where a batch-1 decode step's time goes (ms per step): the layers' weight products (the
+    int4 kernel's calls), the rest of the layers (the other operations and their Python
+    dispatch), the LM head, sampling, the runner's input building and token reading, the
+    scheduler, and what is left (the engine's and the front end's outputs, detokenizing),
+    from the engine's cpu_step_seconds probe and the scheduler's calls timed here."""
+    sched = llm.engine.scheduler
+    phases = {"schedule": 0.0, "update": 0.0}
+    schedule, update = sched.schedule, sched.update
+    sched.schedule, sched.update = (timed(phases, "schedule", schedule),
+                                    timed(phases, "update", update))
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    spent0 = llm.query("cpu_product_seconds")
-    t = time.perf_counter()
-    llm.generate([[100]], params)
-    first = time.perf_counter() - t
-    spent1 = llm.query("cpu_product_seconds")
-    t = time.perf_counter()
-    llm.generate([[100]], SamplingParams(temperature=0.0, max_tokens=gen_len + 1,
-                                         ignore_eos=True))
-    wall = time.perf_counter() - t - first
-    mm = llm.query("cpu_product_seconds") - spent1 - (spent1 - spent0)
-    return {"step_ms": 1e3 * wall / gen_len, "products_ms": 1e3 * mm / gen_len,
-            "other_ms": 1e3 * (wall - mm) / gen_len, "products_share": mm / wall}
+    try:
+        marks = []
+        for n in (1, gen_len + 1):  # decode: the second generation less the first
+            s0, p0 = llm.query("cpu_step_seconds"), dict(phases)
+            t = time.perf_counter()
+            llm.generate([[100]], params if n == 1 else
+                         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            wall = time.perf_counter() - t
+            s1 = llm.query("cpu_step_seconds")
+            marks.append({"wall": wall} | {k: s1[k] - s0[k] for k in s1}
+                         | {k: phases[k] - p0[k] for k in phases})
+    finally:
+        sched.schedule, sched.update = schedule, update
+    d = {k: (marks[1][k] - marks[0][k]) * 1e3 / gen_len for k in marks[0]}
+    split = {"linears": d["linears"], "layers_other": d["forward"] - d["linears"],
+             "lm_head": d["lm_head"], "sample": d["sample"], "inputs": d["inputs"],
+             "read_tokens": d["read_tokens"], "schedule": d["schedule"], "update": d["update"]}
+    split["engine_other"] = d["wall"] - sum(split.values())
+    return {"step_ms": d["wall"], "products_ms": d["linears"] + d["lm_head"],
+            "other_ms": d["wall"] - d["linears"] - d["lm_head"],
+            "products_share": (d["linears"] + d["lm_head"]) / d["wall"],
+            "split_ms": {k: round(v, 3) for k, v in split.items()}}
 
 
 def llama_bench(llama_bin: str, model: str, threads: int, prompt_len: int, gen_len: int
@@ -174,7 +191,8 @@ def bench_offline(model: str, ns: argparse.Namespace, bandwidth: float) -> dict[
     sky_bytes = step_bytes(llm, ns.gen_len // 2)
     breakdown = decode_breakdown(llm, ns.gen_len)
     print(f"  skyline batch-1 step {breakdown['step_ms']:.2f} ms: products "
-          f"{breakdown['products_ms']:.2f} ms, the rest {breakdown['other_ms']:.2f} ms", flush=True)
+          f"{breakdown['products_ms']:.2f} ms, the rest {breakdown['other_ms']:.2f} ms; "
+          + ", ".join(f"{k} {v:.2f}" for k, v in breakdown["split_ms"].items()), flush=True)
     out: dict[str, Any] = {
         "skyline_defaults": {"dtype": cfg.dtype, "quantization": cfg.quant.method},
         "decode_b1_tok_s": dec, "prefill_tok_s": pre,

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError, ModelArch
+from skyline.model.forward_ctx import get_forward_context
+from skyline.model.layers import cpu_decode
 from skyline.model.layers.attention import Attention
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
 from skyline.model.layers.linear import AttentionOutLinear, QKVLinear, default_weight_loader
@@ -100,14 +102,28 @@ class LlamaModel(nn.Module):
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # layers/cpu_decode.py's plan, made at the first CPU forward (False: none qualifies)
+        self._cpu_decode: cpu_decode.DecodePlan | bool | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        meta = get_forward_context()
+        fast = self._cpu_decode_plan() if x.device.type == "cpu" and meta is not None else None
+        if fast is not None and cpu_decode.usable(fast, x, meta):
+            x, residual = cpu_decode.run(fast, positions, x, meta)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
+
+    def _cpu_decode_plan(self) -> cpu_decode.DecodePlan | None:
+        if self._cpu_decode is None:
+            plain = all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is MLP
+                        and type(layer.self_attn) is LlamaAttention for layer in self.layers)
+            self._cpu_decode = (plain and cpu_decode.plan(self.layers, self.rotary_emb)) or False
+        return self._cpu_decode or None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -74,9 +74,10 @@ def _plane(q: torch.Tensor, s: torch.Tensor, zero: torch.Tensor) -> Plane:
     return packed, torch.stack([s.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
 
 
-def planes_mm(x: torch.Tensor, planes: tuple[Plane, ...]) -> torch.Tensor:
-    """x [M, K] bfloat16 -> [M, N] bfloat16: the sum of the planes' products."""
-    group = _group(planes)
+def planes_mm(x: torch.Tensor, planes: tuple[Plane, ...], group: int = 0) -> torch.Tensor:
+    """x [M, K] bfloat16 -> [M, N] bfloat16: the sum of the planes' products (`group`: the
+    planes' group size, where the caller knows it)."""
+    group = group or planes_group(planes)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, planes[0][0], group, planes[0][1])
     for packed, sz in planes[1:]:
         y = y + torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, sz)
@@ -87,15 +88,19 @@ def planes_linear(x: torch.Tensor, planes: tuple[Plane, ...],
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K'] (K' <= K: the weights' padding columns meet zeros) -> [..., N] in x's
     dtype, through bfloat16."""
-    k = _cols(planes)
-    # (each operation skipped when it would be a no-op: a CPU decode step is bound by the
-    # operations Python dispatches)
+    # (each operation, and each Python call, skipped when it would be a no-op: a CPU decode
+    # step is bound by what Python dispatches)
+    packed, sz = planes[0]
+    k = packed.numel() * 2 // sz.shape[1]  # planes_cols, inline
+    group = k // sz.shape[0]
+    if x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[1] == k and bias is None:
+        return planes_mm(x, planes, group)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.bfloat16:
         x2 = x2.to(torch.bfloat16)
     if x2.shape[1] < k:
         x2 = torch.nn.functional.pad(x2, (0, k - x2.shape[1]))
-    y = planes_mm(x2, planes)
+    y = planes_mm(x2, planes, group)
     if x.dtype != torch.bfloat16:
         y = y.to(x.dtype)
     if x.dim() != 2:
@@ -107,7 +112,7 @@ def planes_weight(planes: tuple[Plane, ...], chunk: int = 1024) -> torch.Tensor:
     """The float32 weights [N, K] the planes multiply by: the kernel applied to rows of the
     identity (each output one weight times 1: exact but for the bf16 output), `chunk` rows at
     a time."""
-    k, group = _cols(planes), _group(planes)
+    k, group = planes_cols(planes), planes_group(planes)
     parts = []
     for k0 in range(0, k, chunk):
         cols = torch.arange(k0, min(k0 + chunk, k))
@@ -118,11 +123,12 @@ def planes_weight(planes: tuple[Plane, ...], chunk: int = 1024) -> torch.Tensor:
     return torch.cat(parts).t()
 
 
-def _cols(planes: tuple[Plane, ...]) -> int:
-    # K: the packed codes are N x K / 2 bytes
+def planes_cols(planes: tuple[Plane, ...]) -> int:
+    """K, the input columns the planes take (the packed codes are N x K / 2 bytes)."""
     packed, sz = planes[0]
     return packed.numel() * 2 // sz.shape[1]
 
 
-def _group(planes: tuple[Plane, ...]) -> int:
-    return _cols(planes) // planes[0][1].shape[0]
+def planes_group(planes: tuple[Plane, ...]) -> int:
+    """The planes' group size."""
+    return planes_cols(planes) // planes[0][1].shape[0]

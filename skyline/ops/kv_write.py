@@ -59,12 +59,22 @@ def write_kv(
     elif (kv_cache.device.type == "cpu" and k.dtype == v.dtype == kv_cache.dtype
           and k_scale == v_scale == 1.0):
         # K and V stored unchanged: one scatter of both (the reference takes six operations,
-        # and a CPU decode step is bound by the operations Python dispatches)
+        # and a CPU decode step is bound by the operations Python dispatches), read in place
+        # where they are neighbouring views of one projection
         _, nb, bs, kvh, d = kv_cache.shape
-        kv_cache.view(2, nb * bs, kvh, d).index_copy_(1, slot_mapping, torch.stack((k, v)))
+        kv_cache.view(2, nb * bs, kvh, d).index_copy_(1, slot_mapping, _kv_pair(k, v))
     else:
         write_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
+
+def _kv_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [2, T, KVH, D]
+    """k and v as one tensor: a view where v follows k in memory as a qkv projection's
+    neighbouring slices do (same strides, each head row contiguous), else a stacked copy."""
+    t, kvh, d = k.shape
+    if (v.data_ptr() == k.data_ptr() + kvh * d * k.element_size() and k.stride() == v.stride()
+            and k.stride()[1:] == (d, 1)):
+        return k.as_strided((2, t, kvh, d), (kvh * d, *k.stride()))
+    return torch.stack((k, v))
 
 
 if triton is not None:

@@ -97,12 +97,13 @@ def fused_add_rms_norm(
     """fused_add_rms_norm_ref's contract. Both inputs are consumed: on CUDA one Triton launch
     writes x + residual over `residual` and the normed sum over `x`, and returns them. With
     `quant` the normed sum comes quantized, as rms_norm's (with "fp8" x is left unwritten)."""
+    if quant is None and _few_cpu_rows(x):  # (checked first: a CPU decode step is bound by
+        # what Python dispatches)
+        residual = x + residual  # the add stays in the model dtype, as the reference's
+        return rms_norm_cpu(residual, weight, eps), residual
     same = (x.shape == residual.shape and x.dtype == residual.dtype == weight.dtype
             and residual.stride(-1) == 1)
     if not (_use_triton(x) and same and x.dim() == 2):
-        if quant is None and _few_cpu_rows(x):
-            residual = x + residual  # the add stays in the model dtype, as the reference's
-            return rms_norm_cpu(residual, weight, eps), residual
         normed, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
         return quantized_ref(normed, quant), residual
     return fused_add_rms_norm_triton(x, residual, weight, eps, config, quant)

@@ -62,15 +62,17 @@ def rotary_cpu(
     """rotary_embedding_ref's result in three operations a layer: a CPU decode step is bound by
     the operations Python dispatches (the reference takes ~25 for q and k), not by their
     arithmetic. x * [cos, cos] + roll(x, d / 2) * [-sin, sin], the second product added in
-    float32 (addcmul) before the one rounding; q and k that are neighbouring views of one
-    projection (qkv.split) rotate together."""
+    float32 (addcmul) before the one rounding. q and k that are neighbouring views of one
+    projection (qkv.split) rotate together and in place, as on CUDA: k then still neighbours
+    the projection's v, and write_kv stores both from there without stacking them."""
     t, h, d = q.shape
     # (a dimension of size 1 may have any stride)
     if (k.data_ptr() == q.data_ptr() + h * d * q.element_size() and q.stride()[1:] == (d, 1)
             and k.stride()[1:] == (d, 1) and (t == 1 or k.stride(0) == q.stride(0))):
         qk = q.as_strided((t, h + k.shape[1], d), q.stride())
-        out = torch.addcmul(qk * cos2, qk.roll(d // 2, -1), sin2)
-        return out[:, :h], out[:, h:]
+        # the out= operand is read only by the two products, made before it is written
+        torch.addcmul(qk * cos2, qk.roll(d // 2, -1), sin2, out=qk)
+        return q, k
     return (torch.addcmul(q * cos2, q.roll(d // 2, -1), sin2),
             torch.addcmul(k * cos2, k.roll(d // 2, -1), sin2))
 

@@ -34,6 +34,7 @@ others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +133,12 @@ class GGUFLinearMethod:
         rows = cpu.int4_rows if all(t in INT4_GROUP_TYPES for t in types) else cpu.int4_wide_rows
         layer.cpu_planes = _pack_int4(layer) if rows else None
         layer.cpu_plane_rows = rows if layer.cpu_planes is not None else 0
+        # the planes' group where a bfloat16 x [M, in_features] goes straight to planes_mm
+        # (one plane, no padding columns, no bias), else 0
+        layer.cpu_plane_group = 0
+        if layer.cpu_planes is not None and len(layer.cpu_planes) == 1 and layer.bias is None:
+            if cpu_int4.planes_cols(layer.cpu_planes) == layer.in_features:
+                layer.cpu_plane_group = cpu_int4.planes_group(layer.cpu_planes)
         layer.cpu_dense = None
         dense_bytes = layer.out_features * layer.in_features * dtype.itemsize
         if layer.cpu_planes is None or _room_for(dense_bytes):
@@ -151,6 +158,20 @@ class GGUFLinearMethod:
             return None
         return sum(t.numel() * t.element_size() for p in planes for t in p)
 
+    def cpu_decode_product(self, layer: LinearLayer
+                           ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+        """(product, rows): what `apply` computes for a bfloat16 x [M, in_features] of at most
+        `rows` rows, with no check on the way (a CPU engine's layer whose int4 planes take such
+        an x as it is: prepack_cpu's cpu_plane_group); None otherwise."""
+        group = getattr(layer, "cpu_plane_group", 0)
+        if not group:
+            return None
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            return cpu_int4.planes_mm(x, layer.cpu_planes, group)
+
+        return product, layer.cpu_plane_rows
+
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "cpu_plane_rows"):
             return _serve_cpu(layer, x)
@@ -169,6 +190,10 @@ def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
     dense weights."""
     if x.numel() <= layer.cpu_plane_rows * layer.in_features:
+        if layer.cpu_plane_group and x.dtype == torch.bfloat16 and x.dim() == 2:
+            # planes_linear's no-op checks skipped: a CPU decode step is bound by what Python
+            # dispatches
+            return cpu_int4.planes_mm(x, layer.cpu_planes, layer.cpu_plane_group)
         return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
     dense = layer.cpu_dense
     if dense.is_mkldnn:

@@ -31,7 +31,7 @@ from skyline.model.checkpoint import write_checkpoint
 from skyline.model.cost import ModelCost
 from skyline.model.loader import plain_layout
 from skyline.model.weights import held_bytes
-from skyline.ops import cpu_int4, cpu_linear
+from skyline.ops import cpu_int4
 from skyline.ops.pdl import use_pdl
 from skyline.quant import report
 from skyline.quant.assignment import parse_formats, to_quant_config
@@ -224,16 +224,20 @@ def repeat_drafts(r: ModelRunner) -> None:
     r.proposer.propose = lambda rids, token_ids, depth: [[t[-1]] * depth for t in token_ids]
 
 
-def cpu_product_seconds(r: ModelRunner) -> float:
-    """Seconds the CPU's weight products (the int4 kernel's and oneDNN's calls: the Linears
-    and the LM head) took since this probe's first call, which starts timing them
-    (bench/cpu_vs_llamacpp.py: a decode step's products against the rest of it)."""
-    spent = getattr(r, "product_s", None)
+def cpu_step_seconds(r: ModelRunner) -> dict[str, float]:
+    """Seconds a CPU engine's steps spent since this probe's first call, which starts timing
+    them, by part: "linears" (the int4 kernel's products: the layers' Linears), "forward"
+    (the layers, their Linears included), "lm_head", "sample", and the runner's host phases
+    (bench/cpu_vs_llamacpp.py: where a decode step's time goes)."""
+    spent = getattr(r, "step_s", None)
     if spent is None:
-        spent = r.product_s = [0.0]
-        for module, name in ((cpu_int4, "planes_mm"), (cpu_linear, "packed_linear")):
-            setattr(module, name, _timed(getattr(module, name), spent))
-    return spent[0]
+        spent = r.step_s = {"linears": [0.0], "forward": [0.0], "lm_head": [0.0],
+                            "sample": [0.0]}
+        cpu_int4.planes_mm = _timed(cpu_int4.planes_mm, spent["linears"])
+        r.model.forward = _timed(r.model.forward, spent["forward"])
+        r.model.compute_logits = _timed(r.model.compute_logits, spent["lm_head"])
+        r._sample_part = _timed(r._sample_part, spent["sample"])  # type: ignore[method-assign]
+    return {k: v[0] for k, v in spent.items()} | dict(r.host_s)
 
 
 def _timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
@@ -275,7 +279,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "zero_forward": zero_forward,
     "repeat_drafts": repeat_drafts,
     "host_seconds": host_seconds,
-    "cpu_product_seconds": cpu_product_seconds,
+    "cpu_step_seconds": cpu_step_seconds,
     "kv_connector_info": kv_connector_info,
 }
 # The tools' queries: their algorithms take the whole model in one process.

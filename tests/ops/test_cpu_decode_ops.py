@@ -49,13 +49,17 @@ def test_rotary_cpu(dtype, tokens, heads, kv_heads, d, layout):
     q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q, k = q.unflatten(-1, (heads, d)), k.unflatten(-1, (kv_heads, d))
     if layout == "separate":
-        q, k = q.contiguous(), k.contiguous()
-    q_before, k_before = q.clone(), k.clone()
+        q, k = q.clone(), k.clone()
+    q_before, k_before, v_before = q.clone(), k.clone(), qkv[:, (heads + kv_heads) * d :].clone()
     want_q, want_k = rotary_embedding_ref(pos, q, k, cache)
     got_q, got_k = rotary_cpu(*rotation_operands(pos, cache, dtype), q, k)
     close(got_q, want_q)
     close(got_k, want_k)
-    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # new tensors, as the ref
+    if layout == "separate":  # new tensors, as the ref
+        assert torch.equal(q, q_before) and torch.equal(k, k_before)
+    else:  # in place in the projection, as on CUDA; v untouched
+        assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+        assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)
 
 
 def _paged(lens: list[int], kvh: int, d: int, bs: int, dtype: torch.dtype, seed: int):
@@ -109,6 +113,22 @@ def test_write_kv_on_cpu_is_the_reference(dtype, tokens):
     slots = torch.randperm(24)[:tokens]
     write_kv(k, v, cache, slots)
     write_kv_ref(k, v, want, slots)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("heads", [0, 3])
+def test_write_kv_on_cpu_reads_neighbouring_views_in_place(tokens, heads):
+    # k and v as a qkv projection's slices (v right after k): stored as the reference stores
+    # copies of them
+    cache = torch.randn(2, 6, 4, 2, 8).to(torch.bfloat16)
+    want = cache.clone()
+    qkv = torch.randn(tokens, (heads + 4) * 8).to(torch.bfloat16)
+    _, k, v = qkv.split([heads * 8, 16, 16], dim=-1)
+    k, v = k.unflatten(-1, (2, 8)), v.unflatten(-1, (2, 8))
+    slots = torch.randperm(24)[:tokens]
+    write_kv(k, v, cache, slots)
+    write_kv_ref(k.clone(), v.clone(), want, slots)
     assert torch.equal(cache, want)
 
 

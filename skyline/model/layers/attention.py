@@ -16,7 +16,7 @@ from torch import nn
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import AttentionMetadata, get_forward_context
 from skyline.ops.attention import attend_ref, causal_mask, paged_attention
-from skyline.ops.cpu_attention import decode_gather
+from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
 from skyline.ops.gemv_int_a8 import Int8Chunks
 from skyline.ops.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from skyline.ops.kv_write import KVWrite, write_kv
@@ -118,11 +118,18 @@ class Attention(nn.Module):
         else:
             if not kv_written:
                 write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            if meta.num_decodes and meta.cpu_gather is None and not self.kv_cache.is_cuda:
-                n = meta.num_decodes
-                lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:n]
-                meta.cpu_gather = decode_gather(meta.seq_lens[:n], meta.block_tables[:n],
-                                                self.kv_cache.shape[2], lens)
+            if meta.num_decodes and not self.kv_cache.is_cuda:
+                if meta.cpu_gather is None:
+                    n = meta.num_decodes
+                    lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:n]
+                    meta.cpu_gather = decode_gather(meta.seq_lens[:n], meta.block_tables[:n],
+                                                    self.kv_cache.shape[2], lens)
+                if (meta.num_decodes == q.shape[0] and not self.sliding_window
+                        and self.sinks is None):
+                    # a pure decode batch: paged_attention's CPU path, called directly (a CPU
+                    # decode step is bound by what Python dispatches)
+                    return decode_attention_cpu(q, self.kv_cache, meta.cpu_gather, self.scale,
+                                                self.k_scale, self.v_scale).flatten(1, 2)
             out = paged_attention(
                 q,
                 self.kv_cache,

@@ -193,6 +193,13 @@ class Linear(nn.Module):
         wants = getattr(self.linear_method, "input_quant", None)
         return wants(self, x) if wants is not None else None
 
+    def cpu_decode_product(self) -> tuple[Any, int] | None:
+        """(product, rows): a function computing this layer for a bfloat16 x [M, in_features]
+        of at most `rows` rows with no check on the way, where its method has one (a CPU
+        engine's int4 planes) and no collective follows; None otherwise."""
+        get = getattr(self.linear_method, "cpu_decode_product", None)
+        return get(self) if get is not None and self.reduce_group is None else None
+
     def full_weight(self) -> torch.Tensor | None:
         """The [out, in] weight in the model dtype if the layer is unquantized (dense or
         packed), else None."""

@@ -1,0 +1,118 @@
+"""Llama decoder layers' decode step on the CPU in the fewest Python calls.
+
+A batch-1 CPU decode step of a small model is bound by what Python dispatches: SmolLM2-135M's
+30 layers spent more time in module calls, the checks of general-purpose paths and the small
+operations between the weight products than in the products themselves. Where every layer
+qualifies (`plan`: plain Llama attention and gated MLP, Linears with a CPU decode product,
+full causal attention without sinks), a pure decode batch of at most the products' rows, with a
+KV cache of the activations' dtype and no hook on any module (`usable`), runs through `run`:
+the operations of the modules' CPU paths (ops/norm.py's rms_norm_cpu, ops/rotary.py's
+rotary_cpu, ops/kv_write.py's write_kv, ops/cpu_attention.py's decode_attention_cpu, SwiGLU), in
+the same order on the same values, with each layer's weights and shapes bound once. Its
+results are the modules' bit for bit (tests/model/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from skyline.model.forward_ctx import AttentionMetadata
+from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
+from skyline.ops.kv_write import write_kv
+from skyline.ops.norm import rms_norm_cpu
+from skyline.ops.rotary import rotary_cpu
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LayerPlan(NamedTuple):
+    """One decoder layer's weights and shapes, bound once."""
+
+    norm_in: tuple[torch.Tensor, float]  # input_layernorm (weight, eps)
+    qkv: Product
+    attn: Any  # layers/attention.Attention: its kv_cache is read at each step (bound late)
+    heads: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
+    o: Product
+    norm_post: tuple[torch.Tensor, float]  # post_attention_layernorm (weight, eps)
+    gate_up: Product
+    down: Product
+
+
+class DecodePlan(NamedTuple):
+    layers: tuple[LayerPlan, ...]
+    rotary: Any  # layers/rotary.RotaryEmbedding, shared by the layers
+    rows: int  # the most rows every product takes
+    modules: tuple[nn.Module, ...]  # every module `run` stands in for (their hooks)
+
+
+def plan(layers: nn.ModuleList, rotary: Any) -> DecodePlan | None:
+    """The plan of Llama decoder layers (the caller checks that their attention and MLP are
+    the plain ones), or None where a layer's Linear has no CPU decode product or its attention
+    a sliding window or sinks."""
+    out, rows, modules = [], 1 << 30, [rotary]
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        products = [lin.cpu_decode_product() for lin in linears]
+        if any(p is None for p in products) or a.attn.sliding_window or a.attn.sinks is not None:
+            return None
+        rows = min(rows, *(n for _, n in products))
+        n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+        out.append(LayerPlan((n1.weight, n1.eps), products[0][0], a.attn,
+                             (a.attn.num_heads, a.attn.num_kv_heads, a.head_dim),
+                             products[1][0], (n2.weight, n2.eps), products[2][0],
+                             products[3][0]))
+        modules += [layer, a, a.attn, mlp, n1, n2, *linears]
+    return DecodePlan(tuple(out), rotary, rows, tuple(modules))
+
+
+def usable(p: DecodePlan, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
+    """Whether `run` computes this forward: a pure decode batch of few enough bfloat16 rows,
+    the KV cache bound in that dtype (so unscaled), and no hook to call."""
+    if meta is None or meta.num_decodes != x.shape[0] or x.shape[0] > p.rows:
+        return False
+    cache = p.layers[0].attn.kv_cache
+    if cache is None or cache.dtype != x.dtype or x.dtype != torch.bfloat16:
+        return False
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or any(m._forward_hooks or m._forward_pre_hooks for m in p.modules)):
+        return False
+    return True
+
+
+def run(p: DecodePlan, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, hidden] (the embeddings) through every layer -> (the last MLP's output, the
+    residual), as LlamaDecoderLayer's forwards return them."""
+    t = x.shape[0]
+    cos2, sin2 = p.rotary._operands(positions, x.dtype)
+    if meta.cpu_gather is None:
+        block_size = p.layers[0].attn.kv_cache.shape[2]
+        lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:t]
+        meta.cpu_gather = decode_gather(meta.seq_lens[:t], meta.block_tables[:t], block_size,
+                                        lens)
+    gather, slots = meta.cpu_gather, meta.slot_mapping
+    residual = None
+    for layer in p.layers:
+        h, kvh, d = layer.heads
+        w, eps = layer.norm_in
+        residual = x if residual is None else x + residual  # in the model dtype, as the norm
+        qkv = layer.qkv(rms_norm_cpu(residual, w, eps)).view(t, h + 2 * kvh, d)
+        q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+        q, k = rotary_cpu(cos2, sin2, q, k)  # in place: k still neighbours v
+        attn = layer.attn
+        write_kv(k, v, attn.kv_cache, slots)
+        o = decode_attention_cpu(q, attn.kv_cache, gather, attn.scale)
+        residual = layer.o(o.view(t, h * d)) + residual
+        w, eps = layer.norm_post
+        gate_up = layer.gate_up(rms_norm_cpu(residual, w, eps))
+        gate, up = gate_up.chunk(2, dim=-1)
+        x = layer.down(F.silu(gate) * up)
+    assert residual is not None
+    return x, residual

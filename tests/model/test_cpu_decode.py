@@ -1,0 +1,95 @@
+"""layers/cpu_decode.py against the modules it stands in for: the default model as a CPU
+engine serves it, decode steps of one and of several sequences (padded to the longest), the
+hidden states bit for bit and the greedy tokens; and where it must not run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyline import LLM, SamplingParams
+from skyline.config import ConfigError
+from skyline.model.forward_ctx import forward_context
+from skyline.model.layers import cpu_decode
+from skyline.ops import cpu_plan
+
+
+@pytest.fixture(scope="module")
+def llm():
+    if cpu_plan.plan().dtype != torch.bfloat16 or not cpu_plan.plan().gguf_packed:
+        pytest.skip("this CPU's plan serves no bfloat16 int4 planes")
+    try:
+        return LLM(device="cpu", threads=1, enable_prefix_caching=False)
+    except ConfigError:
+        pytest.skip("the default GGUF model is not installed")
+
+
+def _decode_inputs(llm, prompts):
+    """The inputs of the first decode step of `prompts`, as the runner built them."""
+    runner = llm.engine.executor.runner
+    seen = []
+    forward = runner._forward
+
+    def capture(inp):
+        seen.append(inp)
+        return forward(inp)
+
+    runner._forward = capture
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    finally:
+        runner._forward = forward
+    return next(inp for inp in seen if inp.attn.num_decodes == len(prompts))
+
+
+@pytest.mark.parametrize("lens", [[1], [9], [5, 23, 17]], ids=lambda x: f"b{len(x)}")
+def test_hidden_states_are_the_modules_bit_for_bit(llm, lens):
+    model = llm.engine.executor.runner.model.model
+    assert model._cpu_decode_plan() is not None
+    prompts = [[(7 * j + 31 * i) % 4000 + 100 for j in range(n)] for i, n in enumerate(lens)]
+    inp = _decode_inputs(llm, prompts)
+    plan = model._cpu_decode
+    out = {}
+    for name, p in (("modules", False), ("fast", plan)):
+        model._cpu_decode = p
+        inp.attn.cpu_gather = None
+        with torch.no_grad(), forward_context(inp.attn):  # rewrites the step's K/V: the same
+            out[name] = model(inp.input_ids, inp.positions)
+    model._cpu_decode = plan
+    assert torch.equal(out["fast"], out["modules"])
+
+
+def test_greedy_tokens_are_the_modules(llm, monkeypatch):
+    model = llm.engine.executor.runner.model.model
+    plan = model._cpu_decode_plan()
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646], [504, 3575, 282, 4649, 314]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = []
+    real_run = cpu_decode.run
+    monkeypatch.setattr(cpu_decode, "run", lambda *a: runs.append(1) or real_run(*a))
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert len(runs) >= 23
+    model._cpu_decode = False
+    try:
+        modules = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        model._cpu_decode = plan
+    assert fast == modules
+
+
+def test_not_usable_with_hooks_prefill_or_many_rows(llm):
+    model = llm.engine.executor.runner.model.model
+    plan = model._cpu_decode_plan()
+    inp = _decode_inputs(llm, [[100, 200]])
+    x = torch.zeros(1, 576, dtype=torch.bfloat16)
+    assert cpu_decode.usable(plan, x, inp.attn)
+    assert not cpu_decode.usable(plan, x, None)  # no forward context
+    assert not cpu_decode.usable(plan, x.float(), inp.attn)
+    rows = torch.zeros(plan.rows + 1, 576, dtype=torch.bfloat16)
+    assert not cpu_decode.usable(plan, rows, inp.attn)  # more rows than a product takes
+    handle = model.layers[3].mlp.down_proj.register_forward_pre_hook(lambda m, a: None)
+    try:
+        assert not cpu_decode.usable(plan, x, inp.attn)
+    finally:
+        handle.remove()
+    assert cpu_decode.usable(plan, x, inp.attn)
