@@ -326,7 +326,7 @@ class MultiProcExecutor(Executor):
         for r, p in self.procs.items():
             if p.exitcode is not None:
                 if p.exitcode > 0:  # a rank that raised said why before it exited
-                    self._drain_errors(wait_s=1.0)
+                    self._drain_errors(wait_s=3.0)
                 raise self._fail(f"rank {r} (pid {p.pid}) {exit_reason(p.exitcode)}")
         for r in range(self.world):
             if r not in self.procs and now - self._heard.get(r, now) > self.timeout_s:

@@ -100,7 +100,10 @@ def run_rank(where: RankAddress, log_level: int) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(store.get(STORE_PREFIX + "steps").decode())
     out_addr = store.get(STORE_PREFIX + "results").decode()
-    push = ctx.socket(zmq.PUSH)
+    # the results socket has a context of its own: terminating it at exit waits until what
+    # was sent (an error's sentence, above all) has left, where os._exit would drop it
+    out_ctx = zmq.Context()
+    push = out_ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 0)
     push.setsockopt(zmq.LINGER, 5000)
     push.connect(out_addr)
@@ -151,8 +154,10 @@ def run_rank(where: RankAddress, log_level: int) -> None:
         message = str(e) if user else f"{type(e).__name__}: {e}"
         push.send(pack(("error", rank, message, user)))
         push.close(linger=5000)
+        out_ctx.term()
         os._exit(1)
     push.close(linger=5000)
+    out_ctx.term()
     sub.close(linger=0)
     # No teardown of the process group: NCCL's can hang in it after CUDA graphs captured its
     # collectives, and every peer exits alike.
