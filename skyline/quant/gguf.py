@@ -190,10 +190,6 @@ def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
     dense weights."""
     if x.numel() <= layer.cpu_plane_rows * layer.in_features:
-        if layer.cpu_plane_group and x.dtype == torch.bfloat16 and x.dim() == 2:
-            # planes_linear's no-op checks skipped: a CPU decode step is bound by what Python
-            # dispatches
-            return cpu_int4.planes_mm(x, layer.cpu_planes, layer.cpu_plane_group)
         return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
     dense = layer.cpu_dense
     if dense.is_mkldnn:

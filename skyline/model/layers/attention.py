@@ -24,6 +24,17 @@ from skyline.parallel.groups import ParallelLayout
 from skyline.parallel.shard import head_shard
 
 
+def cpu_gather(meta: AttentionMetadata, block_size: int) -> Any:
+    """The CPU decode attention's gather of the step's decodes (ops/cpu_attention.py), made
+    once per step by the first layer that needs it and kept on the metadata."""
+    if meta.cpu_gather is None:
+        n = meta.num_decodes
+        lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:n]
+        meta.cpu_gather = decode_gather(meta.seq_lens[:n], meta.block_tables[:n], block_size,
+                                        lens)
+    return meta.cpu_gather
+
+
 class Attention(nn.Module):
     """q [T, H, D], k/v [T, KVH, D] -> [T, H * D].
 
@@ -119,11 +130,7 @@ class Attention(nn.Module):
             if not kv_written:
                 write_kv(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             if meta.num_decodes and not self.kv_cache.is_cuda:
-                if meta.cpu_gather is None:
-                    n = meta.num_decodes
-                    lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:n]
-                    meta.cpu_gather = decode_gather(meta.seq_lens[:n], meta.block_tables[:n],
-                                                    self.kv_cache.shape[2], lens)
+                cpu_gather(meta, self.kv_cache.shape[2])
                 if (meta.num_decodes == q.shape[0] and not self.sliding_window
                         and self.sinks is None):
                     # a pure decode batch: paged_attention's CPU path, called directly (a CPU

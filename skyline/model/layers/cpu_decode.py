@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 from skyline.model.forward_ctx import AttentionMetadata
-from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
+from skyline.model.layers.attention import cpu_gather
+from skyline.ops.cpu_attention import decode_attention_cpu
 from skyline.ops.kv_write import write_kv
 from skyline.ops.norm import rms_norm_cpu
 from skyline.ops.rotary import rotary_cpu
@@ -92,12 +93,7 @@ def run(p: DecodePlan, positions: torch.Tensor, x: torch.Tensor, meta: Attention
     residual), as LlamaDecoderLayer's forwards return them."""
     t = x.shape[0]
     cos2, sin2 = p.rotary._operands(positions, x.dtype)
-    if meta.cpu_gather is None:
-        block_size = p.layers[0].attn.kv_cache.shape[2]
-        lens = None if meta.seq_lens_tensor is None else meta.seq_lens_tensor[:t]
-        meta.cpu_gather = decode_gather(meta.seq_lens[:t], meta.block_tables[:t], block_size,
-                                        lens)
-    gather, slots = meta.cpu_gather, meta.slot_mapping
+    gather, slots = cpu_gather(meta, p.layers[0].attn.kv_cache.shape[2]), meta.slot_mapping
     residual = None
     for layer in p.layers:
         h, kvh, d = layer.heads
