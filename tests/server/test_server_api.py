@@ -21,7 +21,9 @@ TIMEOUT = 120.0
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory("--max-model-len", str(MAX_MODEL_LEN),
+    # float32: greedy tokens are batch-invariant there (the CPU plan's bfloat16 products differ
+    # with the rows in a step, so concurrent streams could flip a near-tie against offline)
+    return server_factory("--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
                           "--max-request-bytes", str(MAX_BODY))
 
 
@@ -204,7 +206,7 @@ def test_concurrent_streams_match_offline(server, model):
     served = run_concurrently(server, *(lambda c, p=p: one(c, p) for p in prompts))
     from skyline import LLM, SamplingParams
 
-    llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB")
+    llm = LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB", dtype="float32")
     offline = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
     assert served == [o.outputs[0].text for o in offline]
 
