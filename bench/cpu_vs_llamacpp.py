@@ -38,9 +38,8 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from skyline import LLM, SamplingParams
+from skyline.bench.floor import host_read_bandwidth
 from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
@@ -59,21 +58,6 @@ def llamacpp_serve() -> Any:
     import llamacpp_serve
 
     return llamacpp_serve
-
-
-def read_bandwidth(threads: int) -> float:
-    """Bytes per second a sum over 256 MiB reads, at `threads` threads (median of 5)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    x = torch.ones(2**26)
-    x.sum()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    torch.set_num_threads(prev)
-    return x.numel() * 4 / statistics.median(times)
 
 
 def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
@@ -272,7 +256,7 @@ def main() -> None:
                           f"bench/results/cpu/cpu-vs-llamacpp-{ns.threads}threads.json")
     os.makedirs(ns.work_dir, exist_ok=True)
     t_start = time.time()
-    bandwidth = read_bandwidth(ns.threads)
+    bandwidth = host_read_bandwidth(ns.threads)
     plan = cpu_plan.plan()
     report: dict[str, Any] = {
         "benchmark": "cpu-vs-llamacpp",

@@ -8,8 +8,11 @@
   mp1      one GPU: the same workload through the multi-process executor at world size 1
            against the engine's own process (the executor's cost), and their greedy tokens
   placement  one GPU and the host: PP=2 over --placement cuda=L-C,cpu=C (the last --cpu-layers
-           layers, 1 by default, on the CPU) against the whole model on the GPU: batch-1 decode
-           and greedy tokens (a CPU stage runs the CPU kernels: in bf16 tokens may part)
+           layers, 1 by default, and the LM head on the CPU) against the whole model on the
+           GPU: batch-1 decode against the floor of each layout (each part's weight bytes over
+           its memory's rate: the GPU's copy bandwidth, the host's read bandwidth, measured in
+           this run) and greedy tokens (a CPU stage runs the CPU kernels: in bf16 tokens may
+           part)
 
     python bench/parallel_gpu.py --gpus 2 --stages decode offline pp
     python bench/parallel_gpu.py --gpus 1 --stages decode offline pp --num-prompts 64  # 1 GPU
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from skyline.bench.floor import copy_bandwidth
+from skyline.bench.floor import copy_bandwidth, host_read_bandwidth
 from skyline.bench.offline import machine_info, random_prompts, run_offline, save_json
 from skyline.bench.smoke import tiny_model
 from skyline.engine.args import EngineArgs
@@ -147,12 +150,19 @@ def stage_mp1(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
-    rows, tokens, kw = [], [], {}
+    # the floor of each part: its weight bytes over its own memory's rate, both measured here
+    gpu = torch.device("cpu" if args.smoke else "cuda:0")
+    gpu_bw, host_bw = copy_bandwidth(gpu), host_read_bandwidth()
+    if gpu.type == "cuda":
+        torch.cuda.empty_cache()
+    rows, tokens, kw, cost = [], [], {}, None
     for label in ("gpu", "gpu+cpu"):
         llm = LLM(args.model, **args.engine, max_model_len=256, max_num_seqs=4, **kw)
         try:
             tokens.append(_greedy(llm, 4, 32))
             arch = llm.config.model.arch
+            cost = cost or llm.query("model_cost")  # the whole model's, from one process
+            itemsize = getattr(torch, llm.config.model.dtype).itemsize
             prompt = random_prompts(1, 64, arch.vocab_size)[0]
             params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
             llm.generate([prompt], params)  # warm-up
@@ -161,13 +171,25 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
             rate = params.max_tokens / (time.perf_counter() - t)
         finally:
             llm.shutdown()
-        rows.append({"layout": label, **kw, "decode_tokens_per_s": rate})
-        print(f"placement {label} {kw}: batch-1 decode {rate:.1f} tok/s")
+        # The last stage holds the LM head: on the CPU in the split layout.
+        head_bytes = cost.head_params * itemsize
+        layer_bytes = (cost.weight_bytes - head_bytes) / arch.num_layers
+        cpu_layers = args.cpu_layers if kw else 0
+        gpu_bytes = (arch.num_layers - cpu_layers) * layer_bytes + (0 if kw else head_bytes)
+        cpu_bytes = cpu_layers * layer_bytes + (head_bytes if kw else 0)
+        floor = 1 / (gpu_bytes / gpu_bw + cpu_bytes / host_bw)
+        rows.append({"layout": label, **kw, "decode_tokens_per_s": rate,
+                     "gpu_weight_bytes": gpu_bytes, "cpu_weight_bytes": cpu_bytes,
+                     "floor_tokens_per_s": floor, "fraction_of_floor": rate / floor})
+        print(f"placement {label} {kw}: batch-1 decode {rate:.1f} tok/s, floor {floor:.1f} "
+              f"({rate / floor:.2f}): {gpu_bytes / 2**30:.2f} GiB at {gpu_bw / 1e9:.0f} GB/s + "
+              f"{cpu_bytes / 2**30:.2f} GiB at {host_bw / 1e9:.0f} GB/s")
         first = "cpu" if args.smoke else "cuda"  # --smoke: two CPU stages
         kw = {"placement": f"{first}={arch.num_layers - args.cpu_layers},cpu={args.cpu_layers}"}
     same = _same_prefix(tokens[0], tokens[1])
     print(f"placement: greedy tokens equal before the first difference: {same:.2f}")
     return {"benchmark": "parallel_placement", **stamp(args), "cpu_layers": args.cpu_layers,
+            "device_bandwidth_Bps": gpu_bw, "host_read_bandwidth_Bps": host_bw,
             "runs": rows, "greedy_same_prefix_fraction": same}
 
 

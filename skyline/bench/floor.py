@@ -95,6 +95,18 @@ def copy_bandwidth(device: torch.device, elements: int | None = None) -> float:
     return 2 * n * 2 / _timed(lambda: y.copy_(x), device, 20)
 
 
+def host_read_bandwidth(threads: int | None = None, nbytes: int = 1 << 28) -> float:
+    """Bytes per second a float32 sum over `nbytes` of host memory reads (256 MiB: beyond any
+    last-level cache), at `threads` threads (default: torch's), median of 5 after one."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads or prev)
+    try:
+        x = torch.ones(nbytes // 4)
+        return nbytes / _timed(x.sum, torch.device("cpu"), 5)
+    finally:
+        torch.set_num_threads(prev)
+
+
 def matmul_peak(device: torch.device, fp8: bool = False) -> float:
     """FLOP/s of a large square product: bf16 on a GPU (fp8 x fp8 through `torch._scaled_mm`
     with `fp8` on one that has fp8 units), float32 on the CPU."""
