@@ -184,7 +184,7 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
         print(f"placement {label} {kw}: batch-1 decode {rate:.1f} tok/s, floor {floor:.1f} "
               f"({rate / floor:.2f}): {gpu_bytes / 2**30:.2f} GiB at {gpu_bw / 1e9:.0f} GB/s + "
               f"{cpu_bytes / 2**30:.2f} GiB at {host_bw / 1e9:.0f} GB/s")
-        first = "cpu" if args.smoke else "cuda"  # --smoke: two CPU stages
+        first = "cpu" if args.smoke else "cuda:0"  # --smoke: two CPU stages
         kw = {"placement": f"{first}={arch.num_layers - args.cpu_layers},cpu={args.cpu_layers}"}
     same = _same_prefix(tokens[0], tokens[1])
     print(f"placement: greedy tokens equal before the first difference: {same:.2f}")

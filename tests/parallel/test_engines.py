@@ -124,6 +124,21 @@ def test_uneven_placement(llama, llama_ref):
     check_layout(llama, llama_ref, placement="cpu=2,cpu=1").shutdown()
 
 
+@pytest.mark.cuda
+def test_gpu_and_cpu_stages(llama):
+    """A stage on the GPU and one on the CPU, each running its own device's kernels, give the
+    tokens of the whole model on the GPU (float32)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gpu = {**SMALL, "device": "cuda"}
+    want = run_cases(LLM(llama, **gpu))
+    llm = LLM(llama, **{**SMALL, "device": "auto"}, placement="cuda:0=2,cpu=1")
+    try:
+        assert run_cases(llm) == want
+    finally:
+        llm.shutdown()
+
+
 def test_default_model_tensor_parallel():
     """SmolLM2's 9 query heads in 3 groups split 6 + 3 over two ranks."""
     kw = dict(device="cpu", dtype="float32", max_model_len=256)
