@@ -37,7 +37,9 @@ def test_bench_offline_writes_json(tmp_path):
     assert floor["cost"]["head_params"] == 49152 * 576
     assert floor["cost"]["kv_bytes_per_token"] % (2 * 30 * 3 * 64) == 0
     assert floor["concurrency"] == 3 and floor["decode_steps"] == 3
-    assert 0 < floor["fraction_of_overlapped"] <= floor["fraction_of_sequential"] <= 1
+    # The overlapped floor is never above the sequential one; against the run's own time
+    # either may pass 1 on a busy CPU (the peak and bandwidth are measured while it is busy).
+    assert 0 < floor["fraction_of_overlapped"] <= floor["fraction_of_sequential"]
     # The step trace: one step prefills the three 8-token prompts (and samples each first
     # token), three decode steps of three rows read 9, 10 and 11 positions per sequence.
     steps = res["steps"]
