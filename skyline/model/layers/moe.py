@@ -2,14 +2,12 @@
 normalization of their weights), the experts (stacked weights [E, ...] owned by an expert layer
 with its own format method, quant/experts.py), and the block that joins them.
 
-Expert parallelism plugs in through `ExpertPlacement`: which experts this rank holds (a
-contiguous slice of the layer's), and the dispatch / combine steps around the experts. On one
-rank it holds every expert and both steps are the identity. With a slice per rank the experts
-compute only the pairs routed to their own experts (the others read zero, ops/moe.py's
-expert_map), so a placement whose combine sums over the ranks of its process group (all-reduce;
-or all-to-all around dispatch) gives every rank the whole output. With tensor parallelism the
-experts are split so over the tensor-parallel group (`GroupPlacement`): each rank sees every
-token (its hidden states are the group's), runs its own experts' pairs, and the group sums.
+Where experts live plugs in through an `ExpertPlacement` (parallel/experts.py): which experts
+this rank holds (a contiguous slice of the layer's), and the dispatch / combine steps around
+them. On one rank it holds every expert and both steps are the identity. With tensor
+parallelism (`GroupPlacement`) each rank runs every token on its slice and the group sums;
+with --expert-parallel (`AllToAllPlacement`) tokens move to the ranks of their experts and
+back; with --n-cpu-moe (`HostPlacement`) the experts live in host memory and run on the CPU.
 
 Checkpoints name experts' tensors per expert, `<prefix>.experts.<e>.<gate|up|down>_proj.
 <weight|bias|blocks|scales>` (Qwen3-MoE's own names; Mixtral's and gpt-oss's are brought to
@@ -20,7 +18,6 @@ them by their model files); `expert_param` maps such a name to the stacked param
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.parallel.groups import Group, ParallelLayout
+from skyline.parallel.experts import (
+    AllToAllPlacement,
+    ExpertPlacement,
+    GroupPlacement,
+    HostPlacement,
+)
+from skyline.parallel.groups import ParallelLayout
 from skyline.quant.experts import UnquantizedExpertMethod, set_expert_loader
 from skyline.quant.method import shape_error
 
@@ -55,60 +58,6 @@ def expert_hf_name(name: str, shard_id: Any) -> str | None:
         return None
     kind = {v: k for k, v in _SUFFIX.items()}[m.group(3) or ""]
     return f"{m.group(1)}.{shard_id[0]}.{shard_id[1]}_proj.{kind}"
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """The experts of a layer this rank holds, global ids [first, first + count), and how
-    tokens reach them. The default holds all of them, and dispatch / combine pass through."""
-
-    num_experts: int
-    first: int = 0
-    count: int | None = None  # None: all from `first` on
-
-    @property
-    def local(self) -> range:
-        count = self.num_experts - self.first if self.count is None else self.count
-        return range(self.first, self.first + count)
-
-    def expert_map(self) -> torch.Tensor | None:
-        """[num_experts] int32: global id -> index among the experts held, -1 for the others;
-        None when every expert is held."""
-        if len(self.local) == self.num_experts:
-            return None
-        m = torch.full((self.num_experts,), -1, dtype=torch.int32, device="cpu")
-        m[self.first:self.first + len(self.local)] = torch.arange(len(self.local), device="cpu",
-                                                                   dtype=torch.int32)
-        return m
-
-    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The tokens (and their routing) this rank's experts run: every token, here."""
-        return x, topk_weights, topk_ids
-
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """The whole output from this rank's share: its share, here."""
-        return y
-
-
-@dataclass(frozen=True, eq=False)
-class GroupPlacement(ExpertPlacement):
-    """A contiguous slice of the experts on each rank of `group`; every rank runs every token,
-    and the outputs are summed over the group."""
-
-    group: Group | None = None
-
-    @classmethod
-    def of(cls, num_experts: int, group: Group) -> GroupPlacement:
-        """Rank i of the group holds experts [i * E / n, (i + 1) * E / n) (whole experts; the
-        first E mod n ranks one more)."""
-        per, extra = divmod(num_experts, group.size)
-        first = group.index * per + min(group.index, extra)
-        return cls(num_experts, first, per + (group.index < extra), group)
-
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        assert self.group is not None
-        return self.group.all_reduce(y)
 
 
 class Router(nn.Module):
@@ -176,9 +125,23 @@ class FusedExperts(nn.Module):
         self.register_buffer("expert_map", placement.expert_map(), persistent=False)
 
     def shard(self, layout: ParallelLayout) -> None:
-        """With tensor parallelism: this rank's slice of the experts (GroupPlacement)."""
-        if layout.tp.size > 1:
-            self._place(GroupPlacement.of(self.placement.num_experts, layout.tp))
+        """With expert parallelism: this rank's slice of the experts, tokens moved to them
+        (AllToAllPlacement); with tensor parallelism: the slice, every token run on it and
+        the outputs summed (GroupPlacement)."""
+        num = self.placement.num_experts
+        if layout.ep.size > 1:
+            self._place(AllToAllPlacement.of(num, layout.ep))
+        elif layout.tp.size > 1:
+            self._place(GroupPlacement.of(num, layout.tp))
+
+    def place_on_host(self) -> None:
+        """Hold every expert in host memory, run by the CPU (--n-cpu-moe)."""
+        self._place(HostPlacement(self.placement.num_experts))
+
+    @property
+    def weight_device(self) -> str | None:
+        """Where the expert weights live when not on the layer's device (loader.materialize)."""
+        return "cpu" if self.placement.host else None
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
         """The shape of one expert's checkpoint tensor (shard (expert, part)) of `param`."""
@@ -240,6 +203,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k] each
         place = self.experts.placement
-        xs, weights, ids = place.dispatch(x, weights, ids)
-        return place.combine(self.experts(xs, weights, ids))
+        routed = place.dispatch(x, weights, ids)
+        return place.combine(self.experts(routed.x, routed.weights, routed.ids), routed)
 
