@@ -133,7 +133,10 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
             resolve_quant_config(method, m.quant.group_size, m.path, m.load_format)
         alt = dataclasses.replace(m, dtype=dtype or ("bfloat16" if device.type == "cpu"
                                                      else m.dtype), quant=quant_cfg)
-        size = weight_bytes(alt, device, n_cpu_moe)
+        try:
+            size = weight_bytes(alt, device, n_cpu_moe)
+        except ConfigError:  # a format this model cannot take (int4 experts): no hint
+            continue
         if size is not None and size + kv <= free:
             options.append(f"{flags} ({_gb(size)})")
     hint = f"use {' or '.join(options)}" if options else "use a smaller model or a larger machine"

@@ -301,9 +301,10 @@ def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
 
 
 def _cost_all(values: list[ModelCost], driver: int) -> ModelCost:
-    """The whole model's cost: the sum of its parts."""
-    return ModelCost(**{f.name: sum(getattr(v, f.name) for v in values)
-                        for f in dataclasses.fields(ModelCost)})
+    """The whole model's cost: the sum of its parts (the share of experts a token runs is
+    each part's, not a sum)."""
+    return ModelCost(**{f.name: (max if f.name == "expert_fraction" else sum)(
+        getattr(v, f.name) for v in values) for f in dataclasses.fields(ModelCost)})
 
 
 def _kv_scales_all(values: list[list[tuple[float, float]]], driver: int
