@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from skyline.bench.floor import copy_bandwidth
-from skyline.config import ConfigError
 from skyline.bench.offline import machine_info, random_prompts, run_offline, save_json
+from skyline.config import ConfigError
 from skyline.configs import dummy_config_dir
 from skyline.engine.args import EngineArgs
 from skyline.engine.frontend.llm import LLM
