@@ -247,13 +247,17 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
     tp = args.tensor_parallel_size
     world = tp * len(stages)
     arch = model.arch
+    expert_parallel = args.expert_parallel and tp > 1 and bool(arch.num_experts)
     for r in range(tp if tp > 1 else 0):
         head_shard(arch.num_heads, arch.num_kv_heads, tp, r)
         if not arch.num_experts:
             even_shard(arch.intermediate_size, tp, r, "intermediate size")
-    if tp > 1 and arch.num_experts and arch.num_experts < tp:
+        elif not expert_parallel:  # every rank holds a slice of every expert
+            even_shard(arch.moe_intermediate_size, tp, r, "experts' intermediate size")
+    if expert_parallel and arch.num_experts < tp:
         raise ConfigError(f"{arch.num_experts} experts cannot be shared by "
-                          f"--tensor-parallel-size {tp} (each rank holds whole experts)")
+                          f"--tensor-parallel-size {tp} with --expert-parallel (each rank "
+                          "holds whole experts); drop --expert-parallel")
     if args.n_cpu_moe and tp > 1:
         raise ConfigError("--n-cpu-moe runs with one rank per stage; drop "
                           "--tensor-parallel-size or --n-cpu-moe")
@@ -275,7 +279,7 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
         stages=tuple((s.device, s.start, s.end) for s in stages),
         executor=executor, distributed_init=args.distributed_init, nnodes=args.nnodes,
         node_rank=args.node_rank, timeout_s=args.distributed_timeout, threads=args.threads,
-        expert_parallel=args.expert_parallel and tp > 1 and bool(arch.num_experts),
+        expert_parallel=expert_parallel,
         n_cpu_moe=min(args.n_cpu_moe, arch.num_layers) if arch.num_experts else 0)
 
 

@@ -5,9 +5,11 @@ expert ids the experts run here) and `combine` (the layer's whole output from wh
 returned). The placements:
 
 - `ExpertPlacement`: every expert, on the layer's device; both steps pass through.
-- `GroupPlacement` (tensor parallelism): a slice of the experts on each rank of the group;
-  every rank runs every token on its own experts (the others' pairs read zero, ops/moe.py's
-  expert_map), and the group all-reduces the outputs.
+- `GroupPlacement` (tensor parallelism): every rank of the group runs every token on what it
+  holds and the group all-reduces the outputs. The layer holds all experts, each cut to 1/n
+  of its intermediate size (model/layers/moe.py: balanced whatever the routing); a placement
+  of a slice of whole experts works alike (the others' pairs read zero, ops/moe.py's
+  expert_map).
 - `AllToAllPlacement` (--expert-parallel): the same slices, but each rank routes only its
   1/n of the tokens (the group's ranks hold the same hidden states), sends each (token,
   expert) pair's row to the rank holding the expert and gets the results back (all-to-all
@@ -88,8 +90,9 @@ def _slices(num: int, group: Group) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True, eq=False)
 class GroupPlacement(ExpertPlacement):
-    """A contiguous slice of the experts on each rank of `group`; every rank runs every token,
-    and the outputs are summed over the group."""
+    """The experts [first, first + count) on this rank of `group` (all of them by default:
+    the layer then holds a slice of each one's intermediate size); every rank runs every
+    token, and the outputs are summed over the group."""
 
     group: Group | None = None
 

@@ -1,11 +1,11 @@
 """The multi-process executor with the other features (gloo on the CPU, fp32): a MoE model's
-experts split over tensor-parallel ranks, spread over 2 and 4 expert-parallel ranks (tokens
-moved by all-to-all; chunked prefill, prefix hits) and cut into pipeline stages gives one
-process's greedy tokens and prompt logprobs, and a rank dying amid its all-to-all stops the
-engine with one error; gpt-oss gives them too (sinks, windows) at TP=2; the KV tiers
-run on every rank (each over its own shard of a block) and a prefix restored from host RAM
-gives the same tokens; the queries answer through the ranks; what does not combine is refused
-with one sentence."""
+experts each split over tensor-parallel ranks, whole experts spread over 2 and 4
+expert-parallel ranks (tokens moved by all-to-all; chunked prefill, prefix hits, preemption)
+and layers cut into pipeline stages give one process's greedy tokens and prompt logprobs, and
+a rank dying amid the all-to-alls stops the engine with one error; gpt-oss gives them too at
+TP=2 (sinks, windows, expert biases); the KV tiers run on every rank (each over its own shard
+of a block) and a prefix restored from host RAM gives the same tokens; the queries answer
+through the ranks; what does not combine is refused with one sentence."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ SMALL = dict(device="cpu", dtype="float32", block_size=4, num_blocks=48, max_mod
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    """5 experts: split 3 + 2 over two ranks."""
+    """5 experts: 3 + 2 and 2 + 1 + 1 + 1 whole experts over 2 and 4 expert-parallel ranks;
+    32 intermediate features, 16 of each expert on each of 2 tensor-parallel ranks."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

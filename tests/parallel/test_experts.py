@@ -102,3 +102,88 @@ def test_experts_in_host_memory_compute_the_same(full):
     _copy_into(layer, full)
     x = torch.randn(5, HIDDEN)
     torch.testing.assert_close(layer(x), full(x), rtol=0, atol=0)
+
+
+FORMATS = ["none", "fp8", "mxfp4", "mxfp4-checkpoint"]
+
+
+def _loaded_layer(fmt: str, ckpt: dict, tp=None) -> MoE:
+    """A layer of 4 experts (64 -> 64 -> 64) in `fmt`, given the router and per-expert
+    checkpoint tensors of `ckpt`; with `tp` (a group) this rank's part of every expert."""
+    from types import SimpleNamespace
+
+    from skyline.parallel.groups import Group
+    from skyline.quant.experts import make_expert_method
+
+    layer = MoE(64, 64, 4, 2, "softmax_renorm", bias=True)
+    layer.experts.set_expert_method(make_expert_method(fmt.split("-")[0],
+                                                       prequantized=fmt.endswith("checkpoint")))
+    if tp is not None:
+        layer.experts.shard(SimpleNamespace(ep=Group.single(), tp=tp))
+    with torch.no_grad():
+        layer.gate.weight.copy_(ckpt["gate"])
+        for name, param in layer.experts.named_parameters():
+            kind = name.rpartition("_")[2] if "_" in name else "weight"
+            for e, part in param.shard_ids:
+                param.weight_loader(param, ckpt[e, part, kind], (e, part))
+    after = getattr(layer.experts.expert_method, "process_weights_after_loading", None)
+    if after is not None:
+        after(layer.experts)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tensor_parallel_holds_a_slice_of_every_expert(fmt):
+    """Without --expert-parallel, each of 2 ranks holds half of every expert's intermediate
+    size (gate and up rows, down columns; MXFP4 codes and scales by blocks of 32; the down
+    bias once) and the summed outputs are the layer's."""
+    from skyline.quant.fp4 import quantize_mxfp4
+
+    gen = torch.Generator().manual_seed(1)
+    ckpt: dict = {"gate": torch.randn(4, 64, generator=gen)}
+    for e in range(4):
+        for part in ("gate", "up", "down"):
+            w = torch.randn(64, 64, generator=gen) * 0.2
+            ckpt[e, part, "weight"] = w
+            ckpt[e, part, "bias"] = torch.randn(64, generator=gen) * 0.1
+            codes, scales = quantize_mxfp4(w)
+            ckpt[e, part, "blocks"] = codes.view(64, 2, 16)  # as gpt-oss ships them
+            ckpt[e, part, "scales"] = scales
+    full = _loaded_layer(fmt, ckpt)
+    board: dict = {"barrier": threading.Barrier(2, timeout=10)}
+    ranks = [_loaded_layer(fmt, ckpt, ThreadGroup(2, i, board)) for i in range(2)]
+    assert all(r.experts.intermediate_size == 32 and r.experts.num_experts == 4 for r in ranks)
+    x = torch.randn(9, 64, generator=gen)
+    want = full(x)
+    outs: list = [None, None]
+
+    def run(i: int) -> None:
+        outs[i] = ranks[i](x)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    if fmt == "fp8":  # each rank scales its rows over its own columns: errors of their own,
+        # no larger than one process's against the unquantized layer's output
+        dense = _loaded_layer("none", ckpt)(x)
+        one = (want - dense).abs().max()
+        assert all(0 < (out - dense).abs().max() < 1.5 * one for out in outs)
+        return
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_split_inside_a_block_is_refused():
+    from types import SimpleNamespace
+
+    from skyline.config import ConfigError
+    from skyline.parallel.groups import Group
+    from skyline.quant.experts import make_expert_method
+
+    layer = MoE(64, 64, 4, 2, "softmax_renorm")
+    layer.experts.set_expert_method(make_expert_method("mxfp4"))
+    tp = ThreadGroup(4, 0, {})
+    with pytest.raises(ConfigError, match="not whole blocks of 32; use --expert-parallel"):
+        layer.experts.shard(SimpleNamespace(ep=Group.single(), tp=tp))

@@ -5,7 +5,8 @@ with its own format method, quant/experts.py), and the block that joins them.
 Where experts live plugs in through an `ExpertPlacement` (parallel/experts.py): which experts
 this rank holds (a contiguous slice of the layer's), and the dispatch / combine steps around
 them. On one rank it holds every expert and both steps are the identity. With tensor
-parallelism (`GroupPlacement`) each rank runs every token on its slice and the group sums;
+parallelism (`GroupPlacement`) each rank holds 1/n of every expert's intermediate size (gate
+and up rows, down columns, as vLLM splits them), runs every token on it and the group sums;
 with --expert-parallel (`AllToAllPlacement`) tokens move to the ranks of their experts and
 back; with --n-cpu-moe (`HostPlacement`) the experts live in host memory and run on the CPU.
 
@@ -32,6 +33,7 @@ from skyline.parallel.experts import (
     HostPlacement,
 )
 from skyline.parallel.groups import ParallelLayout
+from skyline.parallel.shard import even_shard
 from skyline.quant.experts import UnquantizedExpertMethod, set_expert_loader
 from skyline.quant.method import shape_error
 
@@ -106,6 +108,10 @@ class FusedExperts(nn.Module):
         self.activation, self.swiglu_limit = activation, swiglu_limit
         self.bias = bias
         self.expert_method: Any = UnquantizedExpertMethod()
+        # tensor parallelism without --expert-parallel: (first, count, rank) of the
+        # intermediate size this rank holds of every expert; None: all of it
+        self.full_intermediate = intermediate_size
+        self.i_shard: tuple[int, int, int] | None = None
         self._place(placement or ExpertPlacement(num_experts))
 
     def _place(self, placement: ExpertPlacement) -> None:
@@ -126,13 +132,25 @@ class FusedExperts(nn.Module):
 
     def shard(self, layout: ParallelLayout) -> None:
         """With expert parallelism: this rank's slice of the experts, tokens moved to them
-        (AllToAllPlacement); with tensor parallelism: the slice, every token run on it and
-        the outputs summed (GroupPlacement)."""
+        (AllToAllPlacement). With tensor parallelism: 1/n of every expert's intermediate
+        size (gate and up rows, down columns; balanced whatever the routing), every token
+        run on it and the partial outputs summed over the group (GroupPlacement holding
+        every expert)."""
         num = self.placement.num_experts
         if layout.ep.size > 1:
             self._place(AllToAllPlacement.of(num, layout.ep))
         elif layout.tp.size > 1:
-            self._place(GroupPlacement.of(num, layout.tp))
+            tp = layout.tp
+            first, count = even_shard(self.full_intermediate, tp.size, tp.index,
+                                      "experts' intermediate size")
+            if getattr(self.expert_method, "fmt", None) == "mxfp4" and count % 32:
+                raise ConfigError(
+                    f"MXFP4 experts split over --tensor-parallel-size {tp.size} would hold "
+                    f"{count} of their {self.full_intermediate} intermediate features each, "
+                    "not whole blocks of 32; use --expert-parallel or another size")
+            self.intermediate_size = count
+            self.i_shard = (first, count, tp.index)
+            self._place(GroupPlacement(num, group=tp))
 
     def place_on_host(self) -> None:
         """Hold every expert in host memory, run by the CPU (--n-cpu-moe)."""
@@ -144,9 +162,14 @@ class FusedExperts(nn.Module):
         return "cpu" if self.placement.host else None
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
-        """The shape of one expert's checkpoint tensor (shard (expert, part)) of `param`."""
+        """The shape of one expert's checkpoint tensor (shard (expert, part)) of `param`,
+        whatever part of the intermediate size this rank holds."""
         rows, *rest = param.shape[1:]
-        return (rows if shard_id[1] == "down" else rows // 2, *rest)
+        if shard_id[1] != "down":
+            rows = rows // 2 if self.i_shard is None else self.full_intermediate
+        elif rest and self.i_shard is not None:
+            rest[-1] = rest[-1] * self.full_intermediate // self.intermediate_size
+        return (rows, *rest)
 
     def set_expert_method(self, method: Any) -> None:
         """Replace the weight layout before loading (quant/ does this; model files never do).
@@ -164,6 +187,8 @@ class FusedExperts(nn.Module):
         if e not in self.expert_ids:
             return
         dst = param.data[e - self.expert_ids.start]
+        if self.i_shard is not None:
+            loaded = self._intermediate_part(loaded, part, param.dtype == torch.uint8)
         if part != "down":  # gate rows, then up rows
             half = dst.shape[0] // 2
             dst = dst.narrow(0, 0 if part == "gate" else half, half)
@@ -172,6 +197,23 @@ class FusedExperts(nn.Module):
         if dst.shape != loaded.shape:
             raise ConfigError(shape_error(loaded.shape, dst.shape))
         dst.copy_(loaded)
+
+    def _intermediate_part(self, loaded: torch.Tensor, part: str, packed: bool
+                           ) -> torch.Tensor:
+        """This rank's part of one expert's checkpoint tensor under tensor parallelism: gate
+        and up rows (weights, MXFP4 blocks and scales, biases), down columns (MXFP4's by
+        blocks of 32: a scale and 16 bytes of codes each); the down bias is added by the
+        first rank only, as the group sums the outputs."""
+        assert self.i_shard is not None
+        first, count, index = self.i_shard
+        if part == "down" and loaded.dim() == 1:
+            return loaded if index == 0 else torch.zeros_like(loaded)
+        dim, unit = (0, 1) if part != "down" else (1, 32 if packed else 1)
+        if loaded.dim() <= dim or loaded.shape[dim] * unit != self.full_intermediate:
+            raise ConfigError(f"an expert's {part} tensor of shape {tuple(loaded.shape)} does "
+                              f"not match the model's intermediate size "
+                              f"{self.full_intermediate}; is the checkpoint complete?")
+        return loaded.narrow(dim, first // unit, count // unit)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
