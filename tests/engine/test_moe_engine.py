@@ -56,6 +56,8 @@ def _cost_and_tokens(path: str, prompts, **kw) -> tuple:
     llm = LLM(path, dtype="float32", **kw)
     try:
         toks = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        info = llm.engine.executor.describe()
+        assert (info["host_experts_gib"] > 0) == (kw.get("n_cpu_moe", 0) > 0)
         return llm.query("model_cost"), toks, llm.config
     finally:
         llm.shutdown()
