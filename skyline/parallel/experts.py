@@ -23,6 +23,7 @@ returned). The placements:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,13 @@ class _Exchange:
     weights: torch.Tensor  # [t, k] this rank's tokens' routing weights (float32)
 
 
+@functools.cache
+def _owners(num_experts: int, size: int, device: str) -> torch.Tensor:
+    # made once per layout and device: no host-to-device copy in every layer's dispatch
+    shares = torch.tensor([split_evenly(num_experts, size, i)[1] for i in range(size)])
+    return torch.repeat_interleave(torch.arange(size), shares).to(device)
+
+
 @dataclass(frozen=True, eq=False)
 class AllToAllPlacement(GroupPlacement):
     """Expert parallelism: whole experts sharded as GroupPlacement's, tokens moved to them.
@@ -133,8 +141,7 @@ class AllToAllPlacement(GroupPlacement):
     def owners(self, device: torch.device) -> torch.Tensor:
         """[num_experts] int64: the member holding each expert."""
         assert self.group is not None
-        sizes = torch.tensor([n for _, n in _slices(self.num_experts, self.group)])
-        return torch.repeat_interleave(torch.arange(self.group.size), sizes).to(device)
+        return _owners(self.num_experts, self.group.size, str(device))
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                  ) -> Routed:
@@ -149,7 +156,7 @@ class AllToAllPlacement(GroupPlacement):
         order = torch.argsort(owner, stable=True)
         send_counts = torch.bincount(owner, minlength=group.size)
         recv_counts = group.all_to_all(send_counts)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
+        send, recv = torch.stack([send_counts, recv_counts]).tolist()  # one host sync
         rows = x[first:first + count][order // top_k]  # [P, H] grouped by destination
         recv_x = group.all_to_all(rows, recv, send)
         recv_ids = group.all_to_all(ids[order], recv, send)
