@@ -109,6 +109,20 @@ def test_moe_across_ranks(moe, prompts, moe_ref, layout):
         llm.shutdown()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_expert_parallel_over_nccl(moe, prompts):
+    """Two GPUs: the all-to-alls over NCCL (counts read on the host, the engine eager)."""
+    gpu = SMALL | dict(device="cuda")
+    want = _tokens(LLM(moe, **gpu), prompts)
+    llm = LLM(moe, **gpu, tensor_parallel_size=2, expert_parallel=True)
+    try:
+        assert llm.config.enforce_eager and llm.config.parallel.expert_parallel
+        assert _tokens(llm, prompts) == want
+    finally:
+        llm.shutdown()
+
+
 def test_a_rank_dying_amid_expert_parallel_stops_the_engine(moe, prompts):
     import os
     import signal
