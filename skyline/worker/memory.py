@@ -139,6 +139,15 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
             continue
         if size is not None and size + kv <= free:
             options.append(f"{flags} ({_gb(size)})")
+    layers = m.arch.num_layers
+    if device.type == "cuda" and m.arch.num_experts and n_cpu_moe < layers:
+        # experts in host memory: the fewest first layers' that leave the rest room
+        every = _weight_bytes(m, device, layers)
+        per_layer = every[1] / layers if every is not None else 0
+        n = min(layers, n_cpu_moe + int(-(-(weights + kv - free) // max(per_layer, 1))))
+        size = weight_bytes(m, device, n) if per_layer else None
+        if size is not None and size + kv <= free:
+            options.append(f"--n-cpu-moe {n} ({_gb(size)} on the GPU)")
     hint = f"use {' or '.join(options)}" if options else "use a smaller model or a larger machine"
     raise ConfigError(f"{need} but {_gb(free)} is free on {where} (keeping "
                       f"{_gb(HEADROOM_BYTES)} spare); {hint}")

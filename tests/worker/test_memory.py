@@ -95,7 +95,9 @@ def test_experts_on_the_cpu_count_as_host_memory(monkeypatch):
     memory.check_memory(cfg, gpu)
     all_on_gpu = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                        n_cpu_moe=0))
-    with pytest.raises(ConfigError, match=r"^the weights need 61\.\d GB in bfloat16"):
+    with pytest.raises(ConfigError, match=r"^the weights need 61\.\d GB in bfloat16 but 40\.0 GB "
+                                          r"is free on the GPU .*; use --n-cpu-moe 1\d "
+                                          r"\(3\d\.\d GB on the GPU\)$"):
         memory.check_memory(all_on_gpu, gpu)
     free(40, 10)
     with pytest.raises(ConfigError, match=r"^the experts of --n-cpu-moe 24 need 2\d\.\d GB of "
