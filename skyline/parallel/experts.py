@@ -196,8 +196,13 @@ class HostPlacement(ExpertPlacement):
 
     def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
                  ) -> Routed:
-        cpu = torch.device("cpu")
-        return Routed(x.to(cpu), topk_weights.to(cpu), topk_ids.to(cpu), x.device)
+        if x.device.type != "cuda":  # nothing to move
+            return Routed(x, topk_weights, topk_ids, x.device)
+        # three copies queued, one wait for them all (the CPU needs the rows now)
+        parts = [t.to("cpu", non_blocking=True) for t in (x, topk_weights, topk_ids)]
+        torch.cuda.current_stream(x.device).synchronize()
+        return Routed(*parts, x.device)
 
     def combine(self, y: torch.Tensor, routed: Routed) -> torch.Tensor:
+        # from pageable memory: the copy is done when `to` returns, so `y` may be reused
         return y.to(routed.state)
