@@ -78,8 +78,9 @@ def test_experts_on_the_cpu_beside_the_gpu(moe_model):
     """The real split: the first layer's experts in host memory, run by the CPU, the rest on
     the GPU, eagerly; the same greedy tokens as all on the GPU (fp32)."""
     prompts = _prompts(3, seed=1)
-    _, want, _ = _cost_and_tokens(moe_model[0], prompts, device="cuda")
-    cost, toks, cfg = _cost_and_tokens(moe_model[0], prompts, device="cuda", n_cpu_moe=1)
+    gpu = dict(device="cuda", num_blocks=64, max_model_len=256)  # a cache of its own size
+    _, want, _ = _cost_and_tokens(moe_model[0], prompts, **gpu)
+    cost, toks, cfg = _cost_and_tokens(moe_model[0], prompts, **gpu, n_cpu_moe=1)
     assert cfg.enforce_eager and cfg.parallel.n_cpu_moe == 1
     assert cost.host_expert_bytes * 2 == cost.expert_bytes > 0
     assert toks == want
