@@ -176,9 +176,10 @@ def main() -> None:
                     res = {"benchmark": "moe_decode", "model": name, "n_cpu_moe": n,
                            "gpu_memory_utilization": a.gpu_memory_utilization,
                            "error": str(e)}
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                # after the except block: its exception holds the half-built engine's frames
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 save_json(res, path_n)
         elif "decode" in a.stages:
             res = decode(args, name, a.prompt_len, a.new_tokens)
