@@ -4,13 +4,21 @@ it is routed to, its KV), and an offline run against the sequential and overlapp
 skyline/bench/floor.py (the experts each decode step reads, expected over uniform routing).
 Every stage runs on one GPU; models run one after the other.
 
+With --n-cpu-moe N [N ...], decode runs once per N with the experts of the first N layers in
+host memory, run by the CPU (the GPU capped by --gpu-memory-utilization, so that the model
+need not fit), against a floor of two parts measured in the same run: the bytes a token reads
+on the GPU over the GPU's copy bandwidth, plus the host experts' bytes it reads over the host
+memory's. An N with which the model does not fit records the engine's sentence instead.
+
   python bench/moe.py                                   # both stages, both models, this GPU
   python bench/moe.py --stages decode --models gpt-oss-20b
+  python bench/moe.py --stages decode --models qwen3-30b-a3b --n-cpu-moe 0 16 24 32 \
+      --gpu-memory-utilization 0.3                      # experts partly on the CPU
   python bench/moe.py --smoke --out-dir /tmp/moe        # CPU, shrunken configs, seconds
 
 Models are shipped config names (dummy weights): qwen3-30b-a3b in bf16, gpt-oss-20b with its
 experts in MXFP4 as the checkpoint ships them.
-JSON: <out-dir>/{decode,offline}-<model>-<device>.json
+JSON: <out-dir>/{decode,offline}-<model>-<device>.json; decode-<model>-<device>-cpu-moe-<N>.json
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import torch
 
 from skyline.bench.floor import copy_bandwidth
 from skyline.bench.offline import machine_info, random_prompts, run_offline, save_json
+from skyline.config import ConfigError
 from skyline.configs import dummy_config_dir
 from skyline.engine.args import EngineArgs
 from skyline.engine.frontend.llm import LLM
@@ -61,17 +70,27 @@ def release(llm: LLM) -> None:
         torch.cuda.empty_cache()
 
 
-def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int) -> dict[str, Any]:
-    """Batch-1 decode tok/s against bandwidth / (bytes one token reads)."""
+def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int,
+           host_elements: int | None = None) -> dict[str, Any]:
+    """Batch-1 decode tok/s against bandwidth / (bytes one token reads); with experts on the
+    CPU (args.n_cpu_moe), against the GPU's bytes over its bandwidth plus the host experts'
+    bytes over the host memory's."""
     device = torch.device("cuda" if args.device.startswith("cuda") else "cpu")
     bandwidth = copy_bandwidth(device)
+    # host memory, not a cache: a buffer larger than any CPU's last-level cache
+    host_bandwidth = copy_bandwidth(torch.device("cpu"), host_elements) \
+        if args.n_cpu_moe else None
     llm = LLM(**dataclasses.asdict(args) | dict(max_model_len=prompt_len + new_tokens + 16,
                                                 max_num_seqs=8))
     cfg = llm.config
     cost = llm.query("model_cost")
     mean_ctx = prompt_len + new_tokens / 2
     bytes_per_token = cost.step_weight_bytes(1) + cost.kv_bytes_per_token * mean_ctx
-    roofline = bandwidth / bytes_per_token
+    # batch 1: each layer's top-k experts, a fraction of every layer's
+    host_bytes = cost.host_expert_bytes * cost.expert_fraction
+    device_seconds = (bytes_per_token - host_bytes) / bandwidth
+    host_seconds = host_bytes / host_bandwidth if host_bandwidth else 0.0
+    roofline = 1 / (device_seconds + host_seconds)
     prompt = random_prompts(1, prompt_len, cfg.model.arch.vocab_size)[0]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([prompt], dataclasses.replace(params, max_tokens=8))  # warm-up
@@ -88,6 +107,13 @@ def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int) -> dic
         "quantization": cfg.model.quant.method, "experts": cfg.model.quant.experts or
         cfg.model.quant.method, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "cuda_graphs": cfg.device.startswith("cuda") and not cfg.enforce_eager,
+        "n_cpu_moe": cfg.parallel.n_cpu_moe,
+        "gpu_memory_utilization": cfg.cache.gpu_memory_utilization,
+        "host_bandwidth_GBps": host_bandwidth / 1e9 if host_bandwidth else None,
+        "device_bytes_per_token_GB": (bytes_per_token - host_bytes) / 1e9,
+        "host_bytes_per_token_GB": host_bytes / 1e9,
+        "host_experts_GB": cost.host_expert_bytes / 1e9,
+        "floor_device_ms": device_seconds * 1e3, "floor_host_ms": host_seconds * 1e3,
         "copy_bandwidth_TBps": bandwidth / 1e12, "cost": dataclasses.asdict(cost),
         "active_weight_GB": cost.step_weight_bytes(1) / 1e9,
         "all_experts_GB": cost.expert_bytes / 1e9, "bytes_per_token_GB": bytes_per_token / 1e9,
@@ -97,6 +123,11 @@ def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int) -> dic
     print(f"{name} batch-1 decode: {tok_s:.1f} tok/s, roofline {roofline:.1f} tok/s "
           f"({res['bytes_per_token_GB']:.2f} GB a token at {bandwidth / 1e12:.2f} TB/s): "
           f"{res['fraction_of_roofline']:.2f}")
+    if host_bandwidth:
+        print(f"  --n-cpu-moe {cfg.parallel.n_cpu_moe}: {host_bytes / 1e9:.3f} GB a token from "
+              f"host memory at {host_bandwidth / 1e9:.1f} GB/s ({host_seconds * 1e3:.2f} ms) "
+              f"+ {(bytes_per_token - host_bytes) / 1e9:.3f} GB on the GPU "
+              f"({device_seconds * 1e3:.2f} ms)")
     release(llm)
     return res
 
@@ -115,6 +146,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="offline")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--n-cpu-moe", type=int, nargs="+", default=None, metavar="N",
+                    help="decode: one run per N, the first N layers' experts on the CPU")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out-dir", default="bench/results/moe")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU, the configs shrunk, a few tokens: checks the script runs")
@@ -129,7 +163,25 @@ def main() -> None:
         args = EngineArgs(model=path, load_format="dummy", device=a.device,
                           kv_cache_dtype=a.kv_cache_dtype, enforce_eager=a.enforce_eager)
         tag = f"{name}-{'smoke' if a.smoke else a.device}"
-        if "decode" in a.stages:
+        if "decode" in a.stages and a.n_cpu_moe is not None:
+            for n in a.n_cpu_moe:
+                path_n = str(out / f"decode-{tag}-cpu-moe-{n}.json")
+                run = dataclasses.replace(args, n_cpu_moe=n,
+                                          gpu_memory_utilization=a.gpu_memory_utilization)
+                try:
+                    res = decode(run, name, a.prompt_len, a.new_tokens,
+                                 2**20 if a.smoke else 2**29)
+                except ConfigError as e:  # does not fit with this N: say so, go on
+                    print(f"{name} --n-cpu-moe {n}: {e}")
+                    res = {"benchmark": "moe_decode", "model": name, "n_cpu_moe": n,
+                           "gpu_memory_utilization": a.gpu_memory_utilization,
+                           "error": str(e)}
+                # after the except block: its exception holds the half-built engine's frames
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                save_json(res, path_n)
+        elif "decode" in a.stages:
             res = decode(args, name, a.prompt_len, a.new_tokens)
             save_json(res, str(out / f"decode-{tag}.json"))
         if "offline" in a.stages:

@@ -5,6 +5,9 @@
            one GPU's copy bandwidth, measured in this run
   offline  N prompts x (IN in, OUT out) at TP=N against TP=1 (default 1000 x (1000, 1000))
   pp       the same workload at PP=N against TP=N (the same N GPUs)
+  ep       a MoE model (--model qwen3-30b-a3b): the same workload at TP=N with
+           --expert-parallel (whole experts per GPU, tokens moved by all-to-all; eager) against
+           TP=N (every expert split N ways)
   mp1      one GPU: the same workload through the multi-process executor at world size 1
            against the engine's own process (the executor's cost), and their greedy tokens
   placement  one GPU and the host: PP=2 over --placement cuda=L-C,cpu=C (the last --cpu-layers
@@ -17,6 +20,7 @@
     python bench/parallel_gpu.py --gpus 2 --stages decode offline pp
     python bench/parallel_gpu.py --gpus 1 --stages decode offline pp --num-prompts 64  # 1 GPU
     python bench/parallel_gpu.py --gpus 1 --stages mp1 placement --num-prompts 256
+    python bench/parallel_gpu.py --gpus 2 --stages ep --model qwen3-30b-a3b
 
 With --gpus 1 every stage runs (TP=1, PP=1), as a check of the script on one GPU. Each stage
 writes bench/results/parallel/<stage>-h200-<model>-gpus<N>.json (--out-dir). --smoke runs the
@@ -84,13 +88,13 @@ def stage_decode(args: argparse.Namespace) -> dict[str, Any]:
             "bytes_per_token": bytes_per_token, "weight_bytes": cost.weight_bytes}
 
 
-def _offline(args: argparse.Namespace, **parallel: int) -> dict[str, Any]:
+def _offline(args: argparse.Namespace, **parallel: Any) -> dict[str, Any]:
     engine = EngineArgs(model=args.model, **args.engine, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.input_len + args.output_len + 16, **parallel)
     return run_offline(engine, args.num_prompts, args.input_len, args.output_len, None)
 
 
-def _compare(args: argparse.Namespace, name: str, runs: list[tuple[str, dict[str, int]]]
+def _compare(args: argparse.Namespace, name: str, runs: list[tuple[str, dict[str, Any]]]
              ) -> dict[str, Any]:
     """The workload under two layouts: the first's output tokens per second over the
     second's."""
@@ -117,6 +121,13 @@ def stage_offline(args: argparse.Namespace) -> dict[str, Any]:
 def stage_pp(args: argparse.Namespace) -> dict[str, Any]:
     n = args.gpus
     return _compare(args, "pp", [(f"PP={n}", {"pipeline_parallel_size": n}),
+                                 (f"TP={n}", {"tensor_parallel_size": n})])
+
+
+def stage_ep(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.gpus
+    return _compare(args, "ep", [(f"EP={n}", {"tensor_parallel_size": n,
+                                              "expert_parallel": True}),
                                  (f"TP={n}", {"tensor_parallel_size": n})])
 
 
@@ -193,8 +204,8 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
             "runs": rows, "greedy_same_prefix_fraction": same}
 
 
-STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp, "mp1": stage_mp1,
-          "placement": stage_placement}
+STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp, "ep": stage_ep,
+          "mp1": stage_mp1, "placement": stage_placement}
 
 
 def main() -> None:

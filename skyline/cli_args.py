@@ -246,6 +246,16 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "cuda:0=28,cuda:1=20,cpu=8; auto: from each device's free memory and "
                         "measured speed, the CPU only for what the GPUs cannot hold (default: "
                         "none: the stages split the layers evenly)")
+    g.add_argument("--expert-parallel", "-ep", action="store_true",
+                   help="MoE: each stage's tensor-parallel ranks hold whole experts (1/N of "
+                        "them each) and tokens travel to their experts' rank and back "
+                        "(all-to-all); attention stays tensor-parallel (default: off: every "
+                        "rank runs every token on its experts and the ranks sum)")
+    g.add_argument("--n-cpu-moe", type=int_in(0), default=0, metavar="N",
+                   help="MoE: keep the experts of the first N layers in host memory and run "
+                        "them on the CPU, the rest of the model on the GPU (a model larger "
+                        "than the GPU; CUDA graphs off); on a machine without a GPU there is "
+                        "nothing to move (default: 0)")
     g.add_argument("--distributed-executor", default="auto", choices=["auto", "uni", "mp"],
                    help="mp: one process per rank (auto: beyond one rank); uni: in the "
                         "engine's process")

@@ -170,6 +170,12 @@ class ParallelConfig:
     timeout_s: float = 600.0
     # CPU threads of each rank on a CPU (--threads); None: the host's cores shared by them
     threads: int | None = None
+    # MoE layers spread whole experts over each stage's tensor-parallel ranks and move tokens
+    # to them by all-to-all (parallel/experts.py's AllToAllPlacement); attention stays split
+    expert_parallel: bool = False
+    # the experts of the MoE layers among the first `n_cpu_moe` layers live in host memory and
+    # run on the CPU, the rest of the model on the stage's device (llama.cpp's --n-cpu-moe)
+    n_cpu_moe: int = 0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -179,6 +185,8 @@ class ParallelConfig:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank must be in 0..{self.nnodes - 1} with --nnodes "
                               f"{self.nnodes}")
+        if self.n_cpu_moe < 0:
+            raise ConfigError("--n-cpu-moe must be 0 or more")
         if self.world_size % self.nnodes:
             raise ConfigError(f"{self.world_size} ranks cannot be shared evenly by --nnodes "
                               f"{self.nnodes}")

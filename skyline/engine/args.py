@@ -51,6 +51,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     placement: str | None = None  # auto | DEVICE=LAYERS,... (one pipeline stage each)
+    expert_parallel: bool = False  # MoE: whole experts over a stage's ranks, tokens moved
+    n_cpu_moe: int = 0  # MoE: the experts of the first N layers in host memory, on the CPU
     distributed_executor: str = "auto"  # auto (mp beyond one rank) | uni | mp
     distributed_init: str | None = None  # tcp://HOST:PORT: the rendezvous across hosts
     nnodes: int = 1

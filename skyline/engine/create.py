@@ -247,13 +247,20 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
     tp = args.tensor_parallel_size
     world = tp * len(stages)
     arch = model.arch
+    expert_parallel = args.expert_parallel and tp > 1 and bool(arch.num_experts)
     for r in range(tp if tp > 1 else 0):
         head_shard(arch.num_heads, arch.num_kv_heads, tp, r)
         if not arch.num_experts:
             even_shard(arch.intermediate_size, tp, r, "intermediate size")
-    if tp > 1 and arch.num_experts and arch.num_experts < tp:
+        elif not expert_parallel:  # every rank holds a slice of every expert
+            even_shard(arch.moe_intermediate_size, tp, r, "experts' intermediate size")
+    if expert_parallel and arch.num_experts < tp:
         raise ConfigError(f"{arch.num_experts} experts cannot be shared by "
-                          f"--tensor-parallel-size {tp} (each rank holds whole experts)")
+                          f"--tensor-parallel-size {tp} with --expert-parallel (each rank "
+                          "holds whole experts); drop --expert-parallel")
+    if args.n_cpu_moe and tp > 1:
+        raise ConfigError("--n-cpu-moe runs with one rank per stage; drop "
+                          "--tensor-parallel-size or --n-cpu-moe")
     if world > 1 and role != "both":
         raise ConfigError(f"a {role} replica runs on one rank; drop --role or the parallel "
                           "sizes")
@@ -271,7 +278,9 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
         tensor_parallel_size=tp,
         stages=tuple((s.device, s.start, s.end) for s in stages),
         executor=executor, distributed_init=args.distributed_init, nnodes=args.nnodes,
-        node_rank=args.node_rank, timeout_s=args.distributed_timeout, threads=args.threads)
+        node_rank=args.node_rank, timeout_s=args.distributed_timeout, threads=args.threads,
+        expert_parallel=expert_parallel,
+        n_cpu_moe=min(args.n_cpu_moe, arch.num_layers) if arch.num_experts else 0)
 
 
 def _resolve_max_num_seqs(value: int | str | None, on_gpu: bool) -> tuple[int, bool]:
@@ -350,8 +359,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
         gate=args.speculative_gate,
     )
     parallel = _resolve_parallel(args, model_cfg, cache, device, spec.enabled, fleet.role)
+    # Expert parallelism reads its token counts on the host, and experts in host memory run on
+    # the CPU: neither can be captured in a CUDA graph.
+    eager = args.enforce_eager or parallel.expert_parallel or parallel.n_cpu_moe > 0
     return EngineConfig(model=model_cfg, cache=cache, scheduler=sched, device=device,
-                        enforce_eager=args.enforce_eager, spec=spec,
+                        enforce_eager=eager, spec=spec,
                         async_scheduling=_resolve_async(args.async_scheduling, device),
                         parallel=parallel, offload=_resolve_offload(args),
                         fleet=fleet), auto_len

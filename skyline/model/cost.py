@@ -33,6 +33,8 @@ class ModelCost:
     # (top-k / experts); weight_bytes counts that share of expert_bytes
     expert_bytes: int = 0
     expert_fraction: float = 0.0
+    # of expert_bytes, the experts held in host memory and run by the CPU (--n-cpu-moe)
+    host_expert_bytes: int = 0
 
     def step_weight_bytes(self, rows: float) -> float:
         """Weight bytes a decode step of `rows` tokens reads: every dense weight, and each
@@ -63,6 +65,7 @@ class ModelCost:
                                         for a in attention_layers(model)),
             expert_bytes=expert_bytes,
             expert_fraction=fraction,
+            host_expert_bytes=held_bytes(m for m in experts if m.weight_device == "cpu"),
         )
 
 

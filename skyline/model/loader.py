@@ -184,10 +184,15 @@ def _renamed(weights: Iterator[tuple[str, Any]], rename: Callable[[str], str | N
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Real tensors on `device` (uninitialized: loading fills them) for the parameters of a
-    model built on the meta device, each once (tied weights stay tied), with their loaders.
+    model built on the meta device, each once (tied weights stay tied), with their loaders;
+    a module with a `weight_device` gets its own tensors there instead.
     A buffer computed at construction must have been rebuilt on the device before."""
     made: dict[int, nn.Parameter] = {}
+    layer_device = device
     for module in model.modules():
+        # a module may keep its weights elsewhere (experts in host memory: --n-cpu-moe)
+        elsewhere = getattr(module, "weight_device", None)
+        device = torch.device(elsewhere) if elsewhere is not None else layer_device
         for name, p in module._parameters.items():
             if p is None or not p.is_meta:
                 continue
@@ -223,6 +228,18 @@ def prepack_for_cpu(model: nn.Module) -> int:
         elif isinstance(module, LMHead):
             packed += module.prepack()
         elif isinstance(module, FusedExperts):
+            hook = getattr(module.expert_method, "prepack_cpu", None)
+            packed += hook(module, dtype) if hook is not None else 0
+    return packed
+
+
+def prepack_host_experts(model: nn.Module, dtype: torch.dtype) -> int:
+    """On a GPU engine, give the experts held in host memory (--n-cpu-moe) the CPU's serving
+    layout in the model's `dtype` (fp8 dequantized once: no CPU has fp8 units). Returns how
+    many were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, FusedExperts) and module.weight_device == "cpu":
             hook = getattr(module.expert_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else 0
     return packed

@@ -5,7 +5,8 @@ Every supported architecture has Hugging Face's skeleton (`model.embed_tokens`,
 `model.layers`, `model.norm`, `lm_head`): a stage keeps its layers and stands stubs
 (layers/stage.py) in for the rest; the embedding runs on the first stage, the norm and head on
 the last. Then every module that owns a shard (a method `shard(layout)`: Linears, embeddings,
-attention) keeps its part. Checkpoint tensors of other stages are never read.
+attention, experts) keeps its part; with --n-cpu-moe the experts of the model's first MoE
+layers move to host memory. Checkpoint tensors of other stages are never read.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def partition(model: nn.Module, layout: ParallelLayout) -> None:
         shard = getattr(module, "shard", None)
         if shard is not None:
             shard(layout)
+    for layer in list(inner.layers)[:layout.host_moe_layers]:
+        for module in layer.modules():
+            place = getattr(module, "place_on_host", None)
+            if place is not None:
+                place()
 
 
 def weight_names(model: nn.Module, layout: ParallelLayout) -> Callable[[str], str | None]:

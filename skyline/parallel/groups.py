@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +64,22 @@ class Group:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.pg)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(self, t: torch.Tensor, out_splits: Sequence[int] | None = None,
+                   in_splits: Sequence[int] | None = None) -> torch.Tensor:
+        """Rows of `t` to every member in group order, `in_splits[i]` rows to member i;
+        returns the rows received, `out_splits[i]` from member i (without splits: equal
+        shares of `t`'s rows each way)."""
+        if self.size == 1:
+            return t
+        import torch.distributed as dist
+
+        rows = t.shape[0] if out_splits is None else sum(out_splits)
+        out = t.new_empty((rows, *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), None if out_splits is None else
+                               list(out_splits), None if in_splits is None else list(in_splits),
+                               group=self.pg)
+        return out
 
     def gather(self, t: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every member's `t` (same shape) concatenated along `dim` on member `dst`; None on
@@ -149,11 +165,19 @@ class ParallelLayout:
     pipe: Group  # this tensor-parallel index across stages, in stage order
     tokens: Group  # the driver (position 0) and the first stage's ranks
     world: Group
+    # expert parallelism (--expert-parallel): the group MoE layers spread their experts and
+    # move tokens over (the stage's tensor-parallel group), else one rank
+    ep: Group = field(default_factory=Group.single)
+    # --n-cpu-moe: the experts of the MoE layers among the model's first `host_moe_layers`
+    # layers live in host memory and run on the CPU
+    host_moe_layers: int = 0
 
     @classmethod
-    def single(cls, num_layers: int, device: str = "cpu") -> ParallelLayout:
+    def single(cls, num_layers: int, device: str = "cpu", host_moe_layers: int = 0
+               ) -> ParallelLayout:
         one = Group.single()
-        return cls(0, 1, Stage(device, 0, num_layers), 0, 1, one, one, one, one)
+        return cls(0, 1, Stage(device, 0, num_layers), 0, 1, one, one, one, one,
+                   host_moe_layers=host_moe_layers)
 
     @property
     def first(self) -> bool:
@@ -181,9 +205,11 @@ def driver_rank(tp_size: int, num_stages: int) -> int:
 
 
 def init_layout(rank: int, stages: Sequence[Stage], tp_size: int, store: Any,
-                timeout_s: float) -> ParallelLayout:
+                timeout_s: float, expert_parallel: bool = False,
+                host_moe_layers: int = 0) -> ParallelLayout:
     """Join the process group (over `store`, torch.distributed's rendezvous) and make this
-    rank's groups. Every rank calls it, with the same stages."""
+    rank's groups. Every rank calls it, with the same stages. With `expert_parallel` the
+    tensor-parallel group is also the expert-parallel one."""
     import torch.distributed as dist
 
     num_stages = len(stages)
@@ -213,4 +239,5 @@ def init_layout(rank: int, stages: Sequence[Stage], tp_size: int, store: Any,
     token_group = (Group(token_ranks, rank, token_pg, mixed) if rank in token_ranks
                    else Group((rank,), rank))
     return ParallelLayout(rank, world, stages[stage_index], stage_index, num_stages, tp, pipe,
-                          token_group, Group(range(world), rank, None, False))
+                          token_group, Group(range(world), rank, None, False),
+                          tp if expert_parallel else Group.single(), host_moe_layers)

@@ -193,7 +193,9 @@ def banner(llm: AsyncLLM, host: str, port: int, tool_format: str | None = None) 
         f"skyline: serving {llm.model_name} ({i['model_path']}) at {where}/v1",
         f"  device {i['device']}, dtype {i['dtype']}, context {llm.max_model_len} tokens, "
         f"loaded in {i.get('load_seconds', 0):.1f}s"
-        + (f", weights {weights:.2f} GiB" if weights else ""),
+        + (f", weights {weights:.2f} GiB" if weights else "")
+        + (f" ({i['host_experts_gib']:.2f} GiB of experts in host memory)"
+           if i.get("host_experts_gib") else ""),
         f"  KV cache {i.get('kv_cache_gib', 0):.2f} GiB: {i.get('num_blocks', 0)} blocks of "
         f"{i['block_size']} tokens ({i.get('kv_cache_tokens', 0)} tokens), "
         f"up to {i['max_num_seqs']} running requests",

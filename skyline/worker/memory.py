@@ -14,6 +14,7 @@ import torch
 
 from skyline.config import ConfigError, EngineConfig, ModelConfig
 from skyline.model.cost import meta_model
+from skyline.model.layers.moe import FusedExperts
 from skyline.model.loader import DTYPES, prepack_for_cpu
 from skyline.model.weights import held_bytes
 from skyline.quant.resolve import resolve_quant_config
@@ -50,9 +51,24 @@ def free_memory(device: torch.device) -> int:
     return free
 
 
-def weight_bytes(cfg: ModelConfig, device: torch.device) -> int | None:
+def weight_bytes(cfg: ModelConfig, device: torch.device, host_moe_layers: int = 0
+                 ) -> int | None:
     """Bytes of the weights of `cfg` as the engine holds them on `device` (built on the meta
-    device, in the CPU's serving layouts there); None where a format cannot be built on meta."""
+    device, in the CPU's serving layouts there); None where a format cannot be built on meta.
+    On a GPU, the experts of the first `host_moe_layers` layers (--n-cpu-moe) are left out:
+    they live in host memory (`host_expert_bytes`)."""
+    both = _weight_bytes(cfg, device, host_moe_layers)
+    return None if both is None else both[0]
+
+
+def host_expert_bytes(cfg: ModelConfig, device: torch.device, host_moe_layers: int) -> int:
+    """Bytes of the experts a GPU engine keeps in host memory (--n-cpu-moe); 0 on a CPU."""
+    both = _weight_bytes(cfg, device, host_moe_layers)
+    return 0 if both is None else both[1]
+
+
+def _weight_bytes(cfg: ModelConfig, device: torch.device, host_moe_layers: int
+                  ) -> tuple[int, int] | None:
     try:
         model = meta_model(cfg.arch, cfg.quant, DTYPES[cfg.dtype])
         if device.type == "cpu":
@@ -64,7 +80,11 @@ def weight_bytes(cfg: ModelConfig, device: torch.device) -> int | None:
     held = held_bytes(model.modules())
     if cfg.quant.method == "gguf":  # blocks kept packed: they arrive with the file
         held = max(held, os.path.getsize(cfg.path))
-    return held
+    host = 0
+    if device.type != "cpu" and host_moe_layers:
+        host = held_bytes(m for layer in list(model.model.layers)[:host_moe_layers]
+                          for m in layer.modules() if isinstance(m, FusedExperts))
+    return held - host, host
 
 
 def _gb(n: int) -> str:
@@ -75,9 +95,17 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
     """Raise ConfigError, naming what fits, when the weights (and on a CPU the KV cache) will
     not fit in `device`'s free memory. On a GPU the KV cache takes what the weights leave."""
     m = config.model
-    weights = weight_bytes(m, device)
-    if weights is None:
+    n_cpu_moe = config.parallel.n_cpu_moe
+    both = _weight_bytes(m, device, n_cpu_moe)
+    if both is None:
         return
+    weights, host = both
+    cpu = torch.device("cpu")
+    if host and host > free_memory(cpu) - HEADROOM_BYTES:
+        raise ConfigError(
+            f"the experts of --n-cpu-moe {n_cpu_moe} need {_gb(host)} of host memory but "
+            f"{_gb(free_memory(cpu) - HEADROOM_BYTES)} is free (keeping {_gb(HEADROOM_BYTES)} "
+            "spare); lower --n-cpu-moe or use a quantized model")
     kv = 0
     if device.type == "cpu":
         sc = config.scheduler
@@ -105,9 +133,21 @@ def check_memory(config: EngineConfig, device: torch.device) -> None:
             resolve_quant_config(method, m.quant.group_size, m.path, m.load_format)
         alt = dataclasses.replace(m, dtype=dtype or ("bfloat16" if device.type == "cpu"
                                                      else m.dtype), quant=quant_cfg)
-        size = weight_bytes(alt, device)
+        try:
+            size = weight_bytes(alt, device, n_cpu_moe)
+        except ConfigError:  # a format this model cannot take (int4 experts): no hint
+            continue
         if size is not None and size + kv <= free:
             options.append(f"{flags} ({_gb(size)})")
+    layers = m.arch.num_layers
+    if device.type == "cuda" and m.arch.num_experts and n_cpu_moe < layers:
+        # experts in host memory: the fewest first layers' that leave the rest room
+        every = _weight_bytes(m, device, layers)
+        per_layer = every[1] / layers if every is not None else 0
+        n = min(layers, n_cpu_moe + int(-(-(weights + kv - free) // max(per_layer, 1))))
+        size = weight_bytes(m, device, n) if per_layer else None
+        if size is not None and size + kv <= free:
+            options.append(f"--n-cpu-moe {n} ({_gb(size)} on the GPU)")
     hint = f"use {' or '.join(options)}" if options else "use a smaller model or a larger machine"
     raise ConfigError(f"{need} but {_gb(free)} is free on {where} (keeping "
                       f"{_gb(HEADROOM_BYTES)} spare); {hint}")

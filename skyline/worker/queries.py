@@ -56,6 +56,9 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         "kv_cache_tokens": r.num_blocks * r.block_size,
         "load_seconds": r.load_seconds,
         "weights_gib": held_bytes(r.model.modules()) / 2**30,
+        # of those, the experts held in host memory (--n-cpu-moe)
+        "host_experts_gib": held_bytes(m for m in r.model.modules()
+                                       if getattr(m, "weight_device", None) == "cpu") / 2**30,
         "num_cuda_graphs": len(r.graphs.graphs) if r.graphs is not None else 0,
         "cuda_graph_capture_seconds": getattr(r, "graph_capture_seconds", None),
         "pdl": use_pdl(r.device),  # programmatic dependent launch (SKYLINE_PDL)
@@ -293,7 +296,7 @@ ONE_RANK = frozenset({"collect_act_sq", "quantize", "save_quantized", "search_fo
 def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
     """Every rank's memory added up; the slowest load."""
     out = dict(values[driver])
-    for key in ("kv_cache_gib", "weights_gib"):
+    for key in ("kv_cache_gib", "weights_gib", "host_experts_gib"):
         out[key] = sum(v[key] for v in values)
     out["load_seconds"] = max(v["load_seconds"] for v in values)
     out["ranks"] = len(values)
@@ -301,9 +304,10 @@ def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
 
 
 def _cost_all(values: list[ModelCost], driver: int) -> ModelCost:
-    """The whole model's cost: the sum of its parts."""
-    return ModelCost(**{f.name: sum(getattr(v, f.name) for v in values)
-                        for f in dataclasses.fields(ModelCost)})
+    """The whole model's cost: the sum of its parts (the share of experts a token runs is
+    each part's, not a sum)."""
+    return ModelCost(**{f.name: (max if f.name == "expert_fraction" else sum)(
+        getattr(v, f.name) for v in values) for f in dataclasses.fields(ModelCost)})
 
 
 def _kv_scales_all(values: list[list[tuple[float, float]]], driver: int

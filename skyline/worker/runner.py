@@ -25,7 +25,7 @@ import torch
 from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.forward_ctx import forward_context
-from skyline.model.loader import load_model, prepack_for_cpu
+from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
 from skyline.parallel.groups import ParallelLayout
 from skyline.types import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -67,7 +67,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, layout: ParallelLayout | None = None) -> None:
         self.config = config
         self.layout = layout or ParallelLayout.single(config.model.arch.num_layers,
-                                                      config.device)
+                                                      config.device, config.parallel.n_cpu_moe)
         self.device = torch.device(self.layout.stage.device if layout else config.device)
         self.dtype = DTYPES[config.model.dtype]
         self.arch = config.model.arch
@@ -76,9 +76,11 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         if layout is None or layout.world_size == 1:  # a rank holds its own part only
             check_memory(config, self.device)  # one sentence, not the out-of-memory killer
-        self.model = load_model(config.model, self.device, layout)
+        self.model = load_model(config.model, self.device, self.layout)
         if self.device.type == "cpu":
             prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
+        else:
+            prepack_host_experts(self.model, self.dtype)  # --n-cpu-moe: the CPU's layout
         self.load_seconds = time.perf_counter() - t0
         self.states: dict[str, RequestState] = {}
         self._scoring: set[str] = set()  # requests whose prompt logprobs are still to compute

@@ -20,3 +20,18 @@ def test_moe_bench_smoke(tmp_path):
         off = json.loads((tmp_path / f"offline-{model}-smoke.json").read_text())
         assert off["skyline"]["num_output_tokens"] == 16 and off["floor"]["sequential_s"] > 0
     assert dec["experts"] == "mxfp4"  # gpt-oss: its experts as the checkpoint ships them
+
+
+def test_moe_bench_smoke_with_experts_on_the_cpu(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "bench" / "moe.py"), "--smoke", "--stages",
+                        "decode", "--models", "qwen3-30b-a3b", "--n-cpu-moe", "1",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    dec = json.loads((tmp_path / "decode-qwen3-30b-a3b-smoke-cpu-moe-1.json").read_text())
+    assert dec["n_cpu_moe"] == 1 and dec["decode_tok_s"] > 0
+    # one of the two layers' experts in host memory: half of them, a share read a token
+    assert abs(dec["host_experts_GB"] * 2 - dec["all_experts_GB"]) < 1e-6
+    assert dec["host_bytes_per_token_GB"] > 0 and dec["floor_host_ms"] > 0
+    assert dec["host_bandwidth_GBps"] > 0

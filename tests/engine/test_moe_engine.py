@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_invariance import VOCAB, _prompts, _run, check_invariance
+from test_engine_invariance import GREEDY, VOCAB, _prompts, _run, check_invariance
+
+from skyline import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,3 +50,37 @@ def test_greedy_matches_hf_generate(moe_model):
 
 def test_batch_chunk_prefix_preempt_invariance(moe_model):
     check_invariance(moe_model[0], 8, 2, 24, 4)
+
+
+def _cost_and_tokens(path: str, prompts, **kw) -> tuple:
+    llm = LLM(path, dtype="float32", **kw)
+    try:
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        info = llm.engine.executor.describe()
+        assert (info["host_experts_gib"] > 0) == (kw.get("n_cpu_moe", 0) > 0)
+        return llm.query("model_cost"), toks, llm.config
+    finally:
+        llm.shutdown()
+
+
+def test_experts_of_the_first_layer_in_host_memory(moe_model):
+    """--n-cpu-moe 1 on a CPU: the first layer's experts are held as host experts (nothing
+    moves) and the tokens are the same."""
+    prompts = _prompts(3, seed=1)
+    cost, toks, _ = _cost_and_tokens(moe_model[0], prompts, device="cpu", n_cpu_moe=1)
+    assert cost.host_expert_bytes * 2 == cost.expert_bytes > 0  # one layer of two
+    assert toks == _run(moe_model[0], prompts)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_experts_on_the_cpu_beside_the_gpu(moe_model):
+    """The real split: the first layer's experts in host memory, run by the CPU, the rest on
+    the GPU, eagerly; the same greedy tokens as all on the GPU (fp32)."""
+    prompts = _prompts(3, seed=1)
+    gpu = dict(device="cuda", num_blocks=64, max_model_len=256)  # a cache of its own size
+    _, want, _ = _cost_and_tokens(moe_model[0], prompts, **gpu)
+    cost, toks, cfg = _cost_and_tokens(moe_model[0], prompts, **gpu, n_cpu_moe=1)
+    assert cfg.enforce_eager and cfg.parallel.n_cpu_moe == 1
+    assert cost.host_expert_bytes * 2 == cost.expert_bytes > 0
+    assert toks == want

@@ -1,9 +1,11 @@
 """The multi-process executor with the other features (gloo on the CPU, fp32): a MoE model's
-experts split over tensor-parallel ranks and cut into pipeline stages gives one process's
-greedy tokens and prompt logprobs, and so does gpt-oss (sinks, windows) at TP=2; the KV tiers
-run on every rank (each over its own shard of a block) and a prefix restored from host RAM
-gives the same tokens; the queries answer through the ranks; what does not combine is refused
-with one sentence."""
+experts each split over tensor-parallel ranks, whole experts spread over 2 and 4
+expert-parallel ranks (tokens moved by all-to-all; chunked prefill, prefix hits, preemption)
+and layers cut into pipeline stages give one process's greedy tokens and prompt logprobs, and
+a rank dying amid the all-to-alls stops the engine with one error; gpt-oss gives them too at
+TP=2 (sinks, windows, expert biases); the KV tiers run on every rank (each over its own shard
+of a block) and a prefix restored from host RAM gives the same tokens; the queries answer
+through the ranks; what does not combine is refused with one sentence."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ SMALL = dict(device="cpu", dtype="float32", block_size=4, num_blocks=48, max_mod
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    """5 experts: split 3 + 2 over two ranks."""
+    """5 experts: 3 + 2 and 2 + 1 + 1 + 1 whole experts over 2 and 4 expert-parallel ranks;
+    32 intermediate features, 16 of each expert on each of 2 tensor-parallel ranks."""
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -79,11 +82,20 @@ def moe_ref(moe, prompts):
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(pipeline_parallel_size=2)])
+                                    dict(pipeline_parallel_size=2),
+                                    dict(tensor_parallel_size=2, expert_parallel=True),
+                                    dict(tensor_parallel_size=4, expert_parallel=True)])
 def test_moe_across_ranks(moe, prompts, moe_ref, layout):
-    llm = LLM(moe, **SMALL, **layout)
+    ep = layout.get("expert_parallel", False)
+    # with expert parallelism half the blocks: requests are preempted and recomputed
+    llm = LLM(moe, **SMALL | dict(num_blocks=24 if ep else SMALL["num_blocks"]), **layout)
     try:
         assert _tokens(llm, prompts) == moe_ref[0]
+        if ep:  # the second round reads its prefixes from cache
+            again = llm.generate(prompts, GREEDY)
+            assert [o.outputs[0].token_ids for o in again] == moe_ref[0]
+            assert sum(o.num_cached_tokens for o in again) > 0
+            assert llm.engine.stats()["num_preemptions"] > 0
         # each rank holds its own experts only: together, the model's (and the expert maps)
         got = llm.engine.executor.query("model_cost").expert_bytes
         assert moe_ref[1] <= got < moe_ref[1] * 1.01
@@ -95,6 +107,47 @@ def test_moe_across_ranks(moe, prompts, moe_ref, layout):
                                    rtol=1e-4, atol=1e-4)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_expert_parallel_over_nccl(moe, prompts):
+    """Two GPUs: the all-to-alls over NCCL (counts read on the host, the engine eager)."""
+    gpu = SMALL | dict(device="cuda")
+    want = _tokens(LLM(moe, **gpu), prompts)
+    llm = LLM(moe, **gpu, tensor_parallel_size=2, expert_parallel=True)
+    try:
+        assert llm.config.enforce_eager and llm.config.parallel.expert_parallel
+        assert _tokens(llm, prompts) == want
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_dying_amid_expert_parallel_stops_the_engine(moe, prompts):
+    import os
+    import signal
+    import time
+
+    from skyline.worker.executor.multiproc import RankError
+
+    holder: list[LLM] = []
+    steps = []
+
+    def kill_after_three_steps(out, scheduled_at, seconds):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(holder[0].engine.executor.procs[1].pid, signal.SIGKILL)
+
+    llm = LLM(moe, **SMALL, tensor_parallel_size=2, expert_parallel=True,
+              observers=[kill_after_three_steps])
+    holder.append(llm)
+    t = time.monotonic()
+    with pytest.raises(RankError, match=r"^rank 1 \(pid \d+\) was killed by SIGKILL; the engine "
+                                        r"stopped$"):
+        llm.generate(prompts, GREEDY)
+    assert time.monotonic() - t < 30
+    assert not any(p.is_alive() for p in llm.engine.executor.procs.values())
+    llm.shutdown()
 
 
 def test_gpt_oss_tensor_parallel(gpt_oss, prompts):

@@ -159,6 +159,20 @@ def test_parallel_settings_are_checked_before_any_process_starts(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"intermediate size \(90\) is not divisible"):
         config(tensor_parallel_size=4)
+    # a MoE model: 3 experts of 30 intermediate features
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], num_experts=3, num_experts_per_tok=2,
+               moe_intermediate_size=30, head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    pc = config(tensor_parallel_size=2, expert_parallel=True).parallel
+    assert pc.expert_parallel and not config(tensor_parallel_size=2).parallel.expert_parallel
+    assert config(n_cpu_moe=99).parallel.n_cpu_moe == 3  # at most every layer
+    for kw, match in [
+        (dict(tensor_parallel_size=4, expert_parallel=True), "3 experts cannot be shared"),
+        (dict(tensor_parallel_size=4), r"experts' intermediate size \(30\) is not divisible"),
+        (dict(tensor_parallel_size=2, n_cpu_moe=1), "--n-cpu-moe runs with one rank per"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            config(**kw)
     from skyline.worker.executor.multiproc import parse_init
 
     assert parse_init("tcp://10.0.0.1:29500") == ("10.0.0.1", 29500)

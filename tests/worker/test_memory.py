@@ -3,6 +3,8 @@ what would fit (free memory patched; the weights' size from a model on the meta 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -71,3 +73,33 @@ def test_a_format_not_built_on_meta_is_not_checked(monkeypatch):
                                              device="cpu", quantization="nvfp4"))
     _free(monkeypatch, 1)
     memory.check_memory(cfg, CPU)  # its size is unknown before loading: no refusal
+
+
+def test_experts_on_the_cpu_count_as_host_memory(monkeypatch):
+    """--n-cpu-moe: on a GPU those experts' bytes leave the GPU's check for the host's."""
+    cfg, _ = create_engine_config(EngineArgs(model="qwen3-30b-a3b", load_format="dummy",
+                                             device="cpu", dtype="bfloat16", n_cpu_moe=24))
+    assert cfg.parallel.n_cpu_moe == 24
+    gpu = torch.device("cuda")
+    whole = memory.weight_bytes(cfg.model, gpu)
+    host = memory.host_expert_bytes(cfg.model, gpu, 24)
+    assert memory.weight_bytes(cfg.model, gpu, 24) + host == whole
+    assert 0.45 * whole < host < 0.5 * whole  # half of the 48 layers' experts
+    assert memory.host_expert_bytes(cfg.model, CPU, 24) == 0  # a CPU engine: nothing moves
+
+    def free(gpu_gb: float, host_gb: float) -> None:
+        monkeypatch.setattr(memory, "free_memory", lambda d: memory.HEADROOM_BYTES + int(
+            (gpu_gb if d.type == "cuda" else host_gb) * 1e9))
+
+    free(40, 100)  # the whole model does not fit on the GPU; with half its experts out, it does
+    memory.check_memory(cfg, gpu)
+    all_on_gpu = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                       n_cpu_moe=0))
+    with pytest.raises(ConfigError, match=r"^the weights need 61\.\d GB in bfloat16 but 40\.0 GB "
+                                          r"is free on the GPU .*; use --n-cpu-moe 1\d "
+                                          r"\(3\d\.\d GB on the GPU\)$"):
+        memory.check_memory(all_on_gpu, gpu)
+    free(40, 10)
+    with pytest.raises(ConfigError, match=r"^the experts of --n-cpu-moe 24 need 2\d\.\d GB of "
+                                          r"host memory but 10\.0 GB is free"):
+        memory.check_memory(cfg, gpu)

@@ -2,14 +2,13 @@
 normalization of their weights), the experts (stacked weights [E, ...] owned by an expert layer
 with its own format method, quant/experts.py), and the block that joins them.
 
-Expert parallelism plugs in through `ExpertPlacement`: which experts this rank holds (a
-contiguous slice of the layer's), and the dispatch / combine steps around the experts. On one
-rank it holds every expert and both steps are the identity. With a slice per rank the experts
-compute only the pairs routed to their own experts (the others read zero, ops/moe.py's
-expert_map), so a placement whose combine sums over the ranks of its process group (all-reduce;
-or all-to-all around dispatch) gives every rank the whole output. With tensor parallelism the
-experts are split so over the tensor-parallel group (`GroupPlacement`): each rank sees every
-token (its hidden states are the group's), runs its own experts' pairs, and the group sums.
+Where experts live plugs in through an `ExpertPlacement` (parallel/experts.py): which experts
+this rank holds (a contiguous slice of the layer's), and the dispatch / combine steps around
+them. On one rank it holds every expert and both steps are the identity. With tensor
+parallelism (`GroupPlacement`) each rank holds 1/n of every expert's intermediate size (gate
+and up rows, down columns, as vLLM splits them), runs every token on it and the group sums;
+with --expert-parallel (`AllToAllPlacement`) tokens move to the ranks of their experts and
+back; with --n-cpu-moe (`HostPlacement`) the experts live in host memory and run on the CPU.
 
 Checkpoints name experts' tensors per expert, `<prefix>.experts.<e>.<gate|up|down>_proj.
 <weight|bias|blocks|scales>` (Qwen3-MoE's own names; Mixtral's and gpt-oss's are brought to
@@ -20,7 +19,6 @@ them by their model files); `expert_param` maps such a name to the stacked param
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.parallel.groups import Group, ParallelLayout
+from skyline.parallel.experts import (
+    AllToAllPlacement,
+    ExpertPlacement,
+    GroupPlacement,
+    HostPlacement,
+)
+from skyline.parallel.groups import ParallelLayout
+from skyline.parallel.shard import even_shard
 from skyline.quant.experts import UnquantizedExpertMethod, set_expert_loader
 from skyline.quant.method import shape_error
 
@@ -55,60 +60,6 @@ def expert_hf_name(name: str, shard_id: Any) -> str | None:
         return None
     kind = {v: k for k, v in _SUFFIX.items()}[m.group(3) or ""]
     return f"{m.group(1)}.{shard_id[0]}.{shard_id[1]}_proj.{kind}"
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """The experts of a layer this rank holds, global ids [first, first + count), and how
-    tokens reach them. The default holds all of them, and dispatch / combine pass through."""
-
-    num_experts: int
-    first: int = 0
-    count: int | None = None  # None: all from `first` on
-
-    @property
-    def local(self) -> range:
-        count = self.num_experts - self.first if self.count is None else self.count
-        return range(self.first, self.first + count)
-
-    def expert_map(self) -> torch.Tensor | None:
-        """[num_experts] int32: global id -> index among the experts held, -1 for the others;
-        None when every expert is held."""
-        if len(self.local) == self.num_experts:
-            return None
-        m = torch.full((self.num_experts,), -1, dtype=torch.int32, device="cpu")
-        m[self.first:self.first + len(self.local)] = torch.arange(len(self.local), device="cpu",
-                                                                   dtype=torch.int32)
-        return m
-
-    def dispatch(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The tokens (and their routing) this rank's experts run: every token, here."""
-        return x, topk_weights, topk_ids
-
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """The whole output from this rank's share: its share, here."""
-        return y
-
-
-@dataclass(frozen=True, eq=False)
-class GroupPlacement(ExpertPlacement):
-    """A contiguous slice of the experts on each rank of `group`; every rank runs every token,
-    and the outputs are summed over the group."""
-
-    group: Group | None = None
-
-    @classmethod
-    def of(cls, num_experts: int, group: Group) -> GroupPlacement:
-        """Rank i of the group holds experts [i * E / n, (i + 1) * E / n) (whole experts; the
-        first E mod n ranks one more)."""
-        per, extra = divmod(num_experts, group.size)
-        first = group.index * per + min(group.index, extra)
-        return cls(num_experts, first, per + (group.index < extra), group)
-
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        assert self.group is not None
-        return self.group.all_reduce(y)
 
 
 class Router(nn.Module):
@@ -157,6 +108,10 @@ class FusedExperts(nn.Module):
         self.activation, self.swiglu_limit = activation, swiglu_limit
         self.bias = bias
         self.expert_method: Any = UnquantizedExpertMethod()
+        # tensor parallelism without --expert-parallel: (first, count, rank) of the
+        # intermediate size this rank holds of every expert; None: all of it
+        self.full_intermediate = intermediate_size
+        self.i_shard: tuple[int, int, int] | None = None
         self._place(placement or ExpertPlacement(num_experts))
 
     def _place(self, placement: ExpertPlacement) -> None:
@@ -176,14 +131,45 @@ class FusedExperts(nn.Module):
         self.register_buffer("expert_map", placement.expert_map(), persistent=False)
 
     def shard(self, layout: ParallelLayout) -> None:
-        """With tensor parallelism: this rank's slice of the experts (GroupPlacement)."""
-        if layout.tp.size > 1:
-            self._place(GroupPlacement.of(self.placement.num_experts, layout.tp))
+        """With expert parallelism: this rank's slice of the experts, tokens moved to them
+        (AllToAllPlacement). With tensor parallelism: 1/n of every expert's intermediate
+        size (gate and up rows, down columns; balanced whatever the routing), every token
+        run on it and the partial outputs summed over the group (GroupPlacement holding
+        every expert)."""
+        num = self.placement.num_experts
+        if layout.ep.size > 1:
+            self._place(AllToAllPlacement.of(num, layout.ep))
+        elif layout.tp.size > 1:
+            tp = layout.tp
+            first, count = even_shard(self.full_intermediate, tp.size, tp.index,
+                                      "experts' intermediate size")
+            if getattr(self.expert_method, "fmt", None) == "mxfp4" and count % 32:
+                raise ConfigError(
+                    f"MXFP4 experts split over --tensor-parallel-size {tp.size} would hold "
+                    f"{count} of their {self.full_intermediate} intermediate features each, "
+                    "not whole blocks of 32; use --expert-parallel or another size")
+            self.intermediate_size = count
+            self.i_shard = (first, count, tp.index)
+            self._place(GroupPlacement(num, group=tp))
+
+    def place_on_host(self) -> None:
+        """Hold every expert in host memory, run by the CPU (--n-cpu-moe)."""
+        self._place(HostPlacement(self.placement.num_experts))
+
+    @property
+    def weight_device(self) -> str | None:
+        """Where the expert weights live when not on the layer's device (loader.materialize)."""
+        return "cpu" if self.placement.host else None
 
     def checkpoint_shape(self, param: nn.Parameter, shard_id: Any) -> tuple[int, ...]:
-        """The shape of one expert's checkpoint tensor (shard (expert, part)) of `param`."""
+        """The shape of one expert's checkpoint tensor (shard (expert, part)) of `param`,
+        whatever part of the intermediate size this rank holds."""
         rows, *rest = param.shape[1:]
-        return (rows if shard_id[1] == "down" else rows // 2, *rest)
+        if shard_id[1] != "down":
+            rows = rows // 2 if self.i_shard is None else self.full_intermediate
+        elif rest and self.i_shard is not None:
+            rest[-1] = rest[-1] * self.full_intermediate // self.intermediate_size
+        return (rows, *rest)
 
     def set_expert_method(self, method: Any) -> None:
         """Replace the weight layout before loading (quant/ does this; model files never do).
@@ -201,6 +187,8 @@ class FusedExperts(nn.Module):
         if e not in self.expert_ids:
             return
         dst = param.data[e - self.expert_ids.start]
+        if self.i_shard is not None:
+            loaded = self._intermediate_part(loaded, part, param.dtype == torch.uint8)
         if part != "down":  # gate rows, then up rows
             half = dst.shape[0] // 2
             dst = dst.narrow(0, 0 if part == "gate" else half, half)
@@ -209,6 +197,23 @@ class FusedExperts(nn.Module):
         if dst.shape != loaded.shape:
             raise ConfigError(shape_error(loaded.shape, dst.shape))
         dst.copy_(loaded)
+
+    def _intermediate_part(self, loaded: torch.Tensor, part: str, packed: bool
+                           ) -> torch.Tensor:
+        """This rank's part of one expert's checkpoint tensor under tensor parallelism: gate
+        and up rows (weights, MXFP4 blocks and scales, biases), down columns (MXFP4's by
+        blocks of 32: a scale and 16 bytes of codes each); the down bias is added by the
+        first rank only, as the group sums the outputs."""
+        assert self.i_shard is not None
+        first, count, index = self.i_shard
+        if part == "down" and loaded.dim() == 1:
+            return loaded if index == 0 else torch.zeros_like(loaded)
+        dim, unit = (0, 1) if part != "down" else (1, 32 if packed else 1)
+        if loaded.dim() <= dim or loaded.shape[dim] * unit != self.full_intermediate:
+            raise ConfigError(f"an expert's {part} tensor of shape {tuple(loaded.shape)} does "
+                              f"not match the model's intermediate size "
+                              f"{self.full_intermediate}; is the checkpoint complete?")
+        return loaded.narrow(dim, first // unit, count // unit)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -240,6 +245,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k] each
         place = self.experts.placement
-        xs, weights, ids = place.dispatch(x, weights, ids)
-        return place.combine(self.experts(xs, weights, ids))
+        routed = place.dispatch(x, weights, ids)
+        return place.combine(self.experts(routed.x, routed.weights, routed.ids), routed)
 

@@ -186,6 +186,7 @@ def _start(config: Any, where: RankAddress, store: Any) -> Any:
         torch.set_num_threads(pc.threads or max(1, (os.cpu_count() or 1) // where.local_ranks))
     t0 = time.perf_counter()
     layout = init_layout(where.rank, stages, pc.tensor_parallel_size,
-                         dist.PrefixStore(STORE_PREFIX + "pg", store), pc.timeout_s)
+                         dist.PrefixStore(STORE_PREFIX + "pg", store), pc.timeout_s,
+                         pc.expert_parallel, pc.n_cpu_moe)
     log.info("joined the process group in %.1f s", time.perf_counter() - t0)
     return ModelRunner(config, layout)
