@@ -261,13 +261,19 @@ def fused_moe(
     topk_ids: torch.Tensor, activation: str = "silu", limit: float | None = None,
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the grouped GEMMs, on the
-    CPU the reference grouped by expert."""
+    """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the decode GEMVs
+    (ops/moe_gemv.py) for a few tokens, the grouped GEMMs above; on the CPU the reference
+    grouped by expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if x.is_cuda and triton is not None:
+        from skyline.ops import moe_gemv
+
+        if moe_gemv.gemv_ok(x, w13):
+            return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, activation,
+                                           limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,
                                 expert_map)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, limit, expert_map)
