@@ -236,11 +236,14 @@ if triton is not None:
         ACC_K: tl.constexpr = BLOCK_K // 2 if FMT == 2 else BLOCK_K
         acc_g = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+        x_ok = p >= 0  # always: x's row is the token's
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc_g = _rows_dot(acc_g, x_row, True, w_e, s_e, n, n_ok, k0, K, stride_wn, stride_sn,
-                              stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK, BLOCK_N, BLOCK_K)
-            acc_u = _rows_dot(acc_u, x_row, True, w_up, s_up, n, n_ok, k0, K, stride_wn, stride_sn,
-                              stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK, BLOCK_N, BLOCK_K)
+            acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
+                              stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                              BLOCK_N, BLOCK_K)
+            acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
+                              stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                              BLOCK_N, BLOCK_K)
         gate = tl.sum(acc_g, axis=1)
         up = tl.sum(acc_u, axis=1)
         if CHANNEL_SCALE:
