@@ -66,9 +66,11 @@
 #                  image does not ship: copy its parts to /root/parts/p*/ first; they are joined.
 #   spec-8b        Llama-3.1-8B dummy weights, 256 requests x 128 tokens, none/ngram/suffix
 #   moe            mixture-of-experts models (bench/moe.py): MOE_MODELS (qwen3-30b-a3b bf16,
-#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (decode offline): batch-1 decode against
-#                  the roofline of the bytes a token reads (its active experts), 1000 x (1000 in,
-#                  1000 out) against the floor; MOE_ARGS passes more (e.g. --enforce-eager)
+#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (kernel decode offline): the MoE MLP
+#                  alone at 1..8 tokens (decode GEMVs against the grouped GEMMs), batch-1 decode
+#                  against the roofline of the bytes a token reads (its active experts), 1000 x
+#                  (1000 in, 1000 out) against the floor with the KV GiB and preemptions;
+#                  MOE_ARGS passes more (e.g. --enforce-eager)
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
 #                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
@@ -291,7 +293,7 @@ stage_spec_8b() {
 
 stage_moe() {
   python3 bench/moe.py --models ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b} \
-    --stages ${MOE_STAGES:-decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
+    --stages ${MOE_STAGES:-kernel decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
 }
 
 stage_frontier() {
@@ -345,7 +347,7 @@ print("results in", res)
 EOF
 }
 
-SHOW=${SHOW:-'^==|tok_s"|fraction|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code'}
+SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code'}
 for stage in ${STAGES:-decode}; do
   declare -F "stage_${stage//-/_}" >/dev/null && continue
   echo "unknown stage: $stage (see the top of bench/device.sh)"; exit 2

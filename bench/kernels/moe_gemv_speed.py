@@ -75,6 +75,11 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from skyline.ops.moe import fused_moe_triton
     from skyline.ops.moe_gemv import fused_moe_gemv
+    from skyline.ops.triton_utils import triton
+
+    if triton is None:
+        print("skipped: the MoE kernels need triton (on the CPU for Triton's interpreter)")
+        return
 
     device = "cpu" if a.smoke else "cuda"
     dtype = torch.float32 if a.smoke else torch.bfloat16
@@ -89,7 +94,7 @@ def main() -> None:
                          + (0 if w.scale is None else w.scale[0].numel() * w.scale.element_size())
                          for w in (w13, w2))
         limit = 7.0 if act == "swiglu_oai" else None
-        for t in ((1, 2) if a.smoke else (1, 2, 4, 8)):
+        for t in ((1,) if a.smoke else (1, 2, 4, 8)):
             g = torch.Generator().manual_seed(t)
             weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k)
             weights, ids = weights.to(device), ids.to(device)
