@@ -62,33 +62,37 @@ def gemv_ok(x: torch.Tensor, w13: ExpertWeights) -> bool:
 
 
 def _block_k(k: int, w: ExpertWeights, want: int) -> int:
-    """The K tile: `want` or less, a power of two >= 32 that divides K where one does (no K
-    masks in the loop), and inside one fp8 scale block."""
-    bk = want
+    """The K tile: `want`, at most K rounded up to a power of two (>= 32: MXFP4 scale groups)
+    and inside one fp8 scale block. A K it does not divide ends in a masked tile (masked
+    lanes fetch nothing), which costs less than the extra iterations of a smaller tile."""
+    bk = min(want, max(32, 1 << (k - 1).bit_length()))
     blk = w.block()
     if blk is not None:
         bk = min(bk, blk[1] & -blk[1])
         if bk < 16:
             raise ValueError(f"fp8 scale blocks of {blk[1]} columns are too narrow for the MoE "
                              "kernel; use blocks of 16 columns or more")
-    while bk > 32 and k % bk:
-        bk //= 2
     return bk
 
 
-def default_config(kernel: str, num_tokens: int, n: int, k: int) -> dict[str, Any]:
-    """Without a tuned entry. `up` at one token: each of the k pairs x (I / 16) programs reads
-    2 x 16 rows of K (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB); `down` loops over the
-    token's k experts, so its tiles are narrower (8 rows: 256 programs at H = 2048)."""
-    block_n = 16 if kernel == "moe_gemv_up" else 8
-    return {"BLOCK_N": block_n, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}
+def default_config(kernel: str, num_tokens: int, k: int, fmt: str) -> dict[str, Any]:
+    """Without a tuned entry. Tiles of 512 bytes of each weight row per K step in every format
+    (bf16: 256 columns; fp8, MXFP4: 512); K loops of up to 16 tiles are unrolled, so a
+    program issues its tiles' loads back to back (its only way to keep several in flight:
+    at one token there are few programs per SM). `up` at one token: each of the k pairs x
+    (I / 16) programs reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB);
+    `down` loops over the token's k experts, so its tiles are narrower (8 rows: 256
+    programs at H = 2048)."""
+    block_k = 256 if fmt == "dense" else 512
+    return {"BLOCK_N": 16 if kernel == "moe_gemv_up" else 8, "BLOCK_K": block_k,
+            "UNROLL": -(-k // block_k) <= 16, "num_warps": 4, "num_stages": 1}
 
 
 @functools.cache
 def _config(kernel: str, n: int, k: int, fmt: str, dtype: torch.dtype, t: int
             ) -> dict[str, Any]:
     key = f"n{n}:k{k}:{fmt}:{dtype_name(dtype)}:t{t}"
-    return get_config(kernel, key, default_config(kernel, t, n, k))
+    return get_config(kernel, key, default_config(kernel, t, k, fmt))
 
 
 def moe_gemv_config(kernel: str, num_tokens: int, w: ExpertWeights, dtype: torch.dtype
@@ -151,7 +155,7 @@ def fused_moe_gemv(
             HAS_MAP=expert_map is not None, SWIGLU=activation == "swiglu_oai",
             LIMIT=float(limit) if limit is not None else 0.0, HAS_LIMIT=limit is not None,
             ALPHA=SWIGLU_ALPHA, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-            NUM_STAGES=cfg["num_stages"],
+            NUM_STAGES=cfg["num_stages"], UNROLL=bool(cfg.get("UNROLL", True)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out
@@ -169,29 +173,44 @@ if triton is not None:
         return e
 
     @triton.jit
+    def _acc_zeros(FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        if FMT == 2:
+            return tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        return tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+    @triton.jit
+    def _acc_sum(acc, FMT: tl.constexpr):  # -> [BLOCK_N]
+        if FMT == 2:
+            return tl.sum(tl.sum(acc, axis=2), axis=1)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
     def _rows_dot(acc, a_row, a_ok, w_rows, s_rows, n, n_ok, k0, K: tl.constexpr,
                   stride_wn, stride_sn, stride_sk, FMT: tl.constexpr,
                   CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # acc [BLOCK_N, BLOCK_K (/ 2 for MXFP4)] fp32 += W[n, tile] * a[tile], elementwise;
-        # W's rows at w_rows (the expert's first row), scales at s_rows; a read where a_ok.
+        # acc fp32 += W[n, tile] * a[tile], elementwise: [BLOCK_N, BLOCK_K], or for MXFP4
+        # [BLOCK_N, BLOCK_K / 32, 16] (scale groups of 16 bytes); W's rows at w_rows (the
+        # expert's first row), scales at s_rows; a read where a_ok. a's values are loaded
+        # spread over the whole tile, in W's layout (L1 hits; no layout conversion of W).
         if FMT == 2:
-            j = tl.arange(0, BLOCK_K // 2)
-            kj = k0 + 2 * j  # element of the low nibble
-            j_ok = kj < K
-            mask = n_ok[:, None] & j_ok[None, :]
-            byte = tl.load(w_rows + n[:, None] * stride_wn + (k0 // 2 + j)[None, :], mask=mask,
-                           other=0)
+            g = tl.arange(0, BLOCK_K // 32)
+            i = tl.arange(0, 16)
+            kj = k0 + g[:, None] * 32 + 2 * i[None, :]  # [G, 16]: the low nibble's element
+            j_ok = (kj < K)[None, :, :]
+            byte = tl.load(w_rows + n[:, None, None] * stride_wn + (kj // 2)[None, :, :],
+                           mask=n_ok[:, None, None] & j_ok, other=0)  # [BLOCK_N, G, 16]
+            gk = k0 // 32 + g
             scale = _e8m0_to_f32(tl.load(s_rows + n[:, None] * stride_sn
-                                         + (kj // 32)[None, :] * stride_sk, mask=mask,
-                                         other=0))
-            # x's even and odd columns spread over the tile (no layout conversion of W)
-            zero = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.int32)
-            a_even = tl.load(a_row + kj[None, :] + zero, mask=j_ok[None, :] & a_ok, other=0.0)
-            a_odd = tl.load(a_row + kj[None, :] + 1 + zero, mask=j_ok[None, :] & a_ok, other=0.0)
+                                         + gk[None, :] * stride_sk,
+                                         mask=n_ok[:, None] & (gk * 32 < K)[None, :],
+                                         other=0))  # [BLOCK_N, G]
+            zero = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.int32)
+            a_even = tl.load(a_row + kj[None, :, :] + zero, mask=j_ok & a_ok, other=0.0)
+            a_odd = tl.load(a_row + kj[None, :, :] + 1 + zero, mask=j_ok & a_ok, other=0.0)
             lo = _e2m1_to_f32(byte & 0x0F)
             hi = _e2m1_to_f32(byte >> 4)
-            acc += (lo * a_even.to(tl.float32) + hi * a_odd.to(tl.float32)) * scale
+            acc += (lo * a_even.to(tl.float32) + hi * a_odd.to(tl.float32)) * scale[:, :, None]
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
@@ -219,6 +238,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SWIGLU: tl.constexpr,
         LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+        UNROLL: tl.constexpr,
     ):
         # h[p, n] = act(gate, up) for n in this program's BLOCK_N of the I = N columns:
         # gate = W[e, n] . x[t], up = W[e, N + n] . x[t], e = pair p's expert, t = p // TOP_K.
@@ -233,19 +253,27 @@ if triton is not None:
         s_e = s_ptr + e.to(tl.int64) * stride_se
         w_up = w_e + N * stride_wn
         s_up = s_e + (N // SCALE_BN) * stride_sn  # SCALE_BN divides N (1 unless fp8 blocks)
-        ACC_K: tl.constexpr = BLOCK_K // 2 if FMT == 2 else BLOCK_K
-        acc_g = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+        acc_g = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
+        acc_u = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
         x_ok = p >= 0  # always: x's row is the token's
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
-                              stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
-                              BLOCK_N, BLOCK_K)
-            acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
-                              stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
-                              BLOCK_N, BLOCK_K)
-        gate = tl.sum(acc_g, axis=1)
-        up = tl.sum(acc_u, axis=1)
+        if UNROLL:  # every K tile's loads independent in straight-line code
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+                acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+        else:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+                acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+        gate = _acc_sum(acc_g, FMT)
+        up = _acc_sum(acc_u, FMT)
         if CHANNEL_SCALE:
             gate *= tl.load(s_e + n * stride_sn, mask=n_ok, other=0.0)
             up *= tl.load(s_up + n * stride_sn, mask=n_ok, other=0.0)
@@ -271,13 +299,13 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SWIGLU: tl.constexpr,
         LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+        UNROLL: tl.constexpr,
     ):
         # out[t, n] = sum_j route[t, j] * (W[e_j, n] . h[t * TOP_K + j] + b[e_j, n]) over this
         # program's BLOCK_N of the H = N columns; pairs of other ranks' experts load nothing.
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        ACC_K: tl.constexpr = BLOCK_K // 2 if FMT == 2 else BLOCK_K
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             p = t * TOP_K + j
@@ -288,11 +316,18 @@ if triton is not None:
             w_e = w_ptr + e_ok * stride_we
             s_e = s_ptr + e_ok * stride_se
             h_row = h_ptr + p.to(tl.int64) * K
-            acc = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn, stride_sn,
-                                stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK, BLOCK_N, BLOCK_K)
-            y = tl.sum(acc, axis=1)
+            acc = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
+            if UNROLL:  # the k experts' tiles too: nothing orders their loads
+                for k0 in tl.static_range(0, K, BLOCK_K):
+                    acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
+                                    stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
+                                    SCALE_BK, BLOCK_N, BLOCK_K)
+            else:
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                    acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
+                                    stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
+                                    SCALE_BK, BLOCK_N, BLOCK_K)
+            y = _acc_sum(acc, FMT)
             if CHANNEL_SCALE:
                 y *= tl.load(s_e + n * stride_sn, mask=rows_ok, other=0.0)
             if HAS_BIAS:

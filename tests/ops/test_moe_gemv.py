@@ -34,7 +34,9 @@ def test_matches_reference(fmt, activation, limit, bias, t):
     weights, ids = routing(t, 6, 2, t + 1)
     x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t))
     want = fused_moe_ref(x, w13, w2, weights, ids, activation, limit)
-    got = run(x, w13, w2, weights, ids, activation, limit)
+    # the K loop unrolled at one token, a loop at three
+    configs = tuple(c | {"UNROLL": t == 1} for c in SMALL)
+    got = run(x, w13, w2, weights, ids, activation, limit, configs=configs)
     assert torch.isfinite(got).all()
     assert (got - want).norm() / want.norm() < 1e-5
 
@@ -62,21 +64,22 @@ def test_every_token_count_with_a_partial_expert_map(t, monkeypatch):
     assert (got - want).abs().max() < 1e-5
 
 
-def test_default_configs_and_dispatch():
-    """The default (untuned) configurations at a shape whose K the 256-column tile does not
-    divide (K 96: tiles of 32), and fused_moe taking this path only for 1..MAX_TOKENS tokens
-    on a device Triton runs on."""
-    w13, w2 = experts(4, 96, 48, "fp8", bias=False)
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_default_configs_and_dispatch(fmt):
+    """The default (untuned) configurations at a shape whose K the tile does not divide (K 96:
+    a tile of 128, its last quarter masked; for MXFP4 a masked scale group), and fused_moe's
+    dispatch: this path for 1..MAX_TOKENS tokens on a device Triton runs on."""
+    w13, w2 = experts(4, 96, 48 if fmt == "fp8" else 64, fmt, bias=False)
     weights, ids = routing(2, 4, 2, 3)
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(3))
     want = fused_moe_ref(x, w13, w2, weights, ids)
     got = run(x, w13, w2, weights, ids, configs=None)
     assert (got - want).norm() / want.norm() < 1e-5
     assert gemv_ok(x, w13) and not gemv_ok(torch.randn(MAX_TOKENS + 1, 96), w13)
-    odd = ExpertWeights(w13.weight, torch.ones(4, 96 // 32, 96 // 32), None, "fp8")
-    assert not gemv_ok(x, odd)  # 32-row scale blocks: the up rows (from row 48) split one
     with pytest.raises(ValueError, match="1..8 tokens"):
         fused_moe_gemv(torch.randn(9, 96), w13, w2, *routing(9, 4, 2, 0))
+    if fmt == "fp8":  # 32-row scale blocks: the up rows (from row 48) would split one
+        assert not gemv_ok(x, ExpertWeights(w13.weight, torch.ones(4, 3, 3), None, "fp8"))
 
 
 @pytest.mark.cuda
