@@ -50,6 +50,9 @@
 #                  fp8a8) --rows $ROWS (1 2) --budget-s $BUDGET (150)
 #   tune-gemv      bench/kernels/tune_gemv.py (bf16) $TUNE_GEMV_ARGS (default: every shipped
 #                  shape, rows 1 2 4 8); e.g. TUNE_GEMV_ARGS="--models llama-3.1-8b --rows 1"
+#   tune-moe       bench/kernels/moe_gemv_speed.py --tune: the MoE decode GEMVs' launch configs
+#                  for Qwen3-30B-A3B (bf16, fp8) and gpt-oss-20b (MXFP4) experts at 1..8 tokens,
+#                  within BUDGET (240) s
 #   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
 #                  Tuning stages run under `timeout $TUNE_TIMEOUT` (300 s; TESTS_TIMEOUT caps the
 #                  tests stage). They write skyline/ops/configs/ in place, so later stages of the
@@ -247,6 +250,12 @@ stage_tune_gemv() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_gemv.py ${TUNE_GEMV_ARGS:-} \
     --report "$OUT/gemv-tune-h200$TAG.json"
   keep_configs gemv-h200.json
+}
+
+stage_tune_moe() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_gemv_speed.py --tune \
+    --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-h200$TAG.json"
+  keep_configs moe-gemv-h200.json
 }
 
 stage_tune_kernels() {

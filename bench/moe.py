@@ -127,7 +127,8 @@ def kernel(out: Path, smoke: bool) -> None:
     engine sizes its cache)."""
     script = Path(__file__).resolve().parent / "kernels" / "moe_gemv_speed.py"
     path = out / f"kernel-{'smoke' if smoke else 'cuda'}.json"
-    cmd = [sys.executable, str(script), "--out", str(path)] + (["--smoke"] if smoke else [])
+    cmd = [sys.executable, str(script), "--out", str(path)] + (["--smoke", "--tune"] if smoke
+                                                               else [])
     subprocess.run(cmd, check=True)
 
 
