@@ -22,8 +22,8 @@ def test_moe_bench_smoke(tmp_path):
         assert not kernel.exists()
     else:
         rows = json.loads(kernel.read_text())["rows"]
-        assert {r["fmt"] for r in rows} == {"dense", "fp8", "mxfp4"}
-        assert all(r["gemv_us"] > 0 and r["grouped_us"] > 0 for r in rows)
+        assert {r["fmt"] for r in rows} == {"dense", "mxfp4"}
+        assert all(r["gemv_us"] > 0 and r["grouped_us"] > 0 and r["tuned_us"] > 0 for r in rows)
     for model in ("qwen3-30b-a3b", "gpt-oss-20b"):
         dec = json.loads((tmp_path / f"decode-{model}-smoke.json").read_text())
         assert dec["decode_tok_s"] > 0 and dec["roofline_tok_s"] > 0
