@@ -276,7 +276,7 @@ def fused_moe(
     if x.is_cuda and triton is not None:
         from skyline.ops import moe_gemv
 
-        if moe_gemv.gemv_ok(x, w13):
+        if moe_gemv.gemv_ok(x, w13, w2):
             return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, activation,
                                            limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,

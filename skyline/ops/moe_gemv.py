@@ -51,11 +51,12 @@ FMTS = {"dense": 0, "fp8": 1, "mxfp4": 2}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def gemv_ok(x: torch.Tensor, w13: ExpertWeights) -> bool:
+def gemv_ok(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights) -> bool:
     """Whether the decode path serves x: CUDA (or the interpreter's CPU), 1..MAX_TOKENS rows of
-    a float dtype, weights whose K tiles it can walk."""
+    a float dtype, weights whose K tiles it can walk (unit stride along K)."""
     blk = w13.block()
     return (triton is not None and 1 <= x.shape[0] <= MAX_TOKENS and x.dtype in _DTYPES
+            and w13.weight.stride(-1) == 1 and w2.weight.stride(-1) == 1
             and (w13.fmt != "mxfp4" or w13.k % 32 == 0)
             # fp8 blocks: the up rows (from row I) start a block row
             and (blk is None or (w13.n // 2) % blk[0] == 0))

@@ -75,11 +75,14 @@ def test_default_configs_and_dispatch(fmt):
     want = fused_moe_ref(x, w13, w2, weights, ids)
     got = run(x, w13, w2, weights, ids, configs=None)
     assert (got - want).norm() / want.norm() < 1e-5
-    assert gemv_ok(x, w13) and not gemv_ok(torch.randn(MAX_TOKENS + 1, 96), w13)
+    assert gemv_ok(x, w13, w2) and not gemv_ok(torch.randn(MAX_TOKENS + 1, 96), w13, w2)
     with pytest.raises(ValueError, match="1..8 tokens"):
         fused_moe_gemv(torch.randn(9, 96), w13, w2, *routing(9, 4, 2, 0))
     if fmt == "fp8":  # 32-row scale blocks: the up rows (from row 48) would split one
-        assert not gemv_ok(x, ExpertWeights(w13.weight, torch.ones(4, 3, 3), None, "fp8"))
+        assert not gemv_ok(x, ExpertWeights(w13.weight, torch.ones(4, 3, 3), None, "fp8"), w2)
+        strided = ExpertWeights(w2.weight.transpose(1, 2).contiguous().transpose(1, 2),
+                                w2.scale, None, "fp8")
+        assert not gemv_ok(x, w13, strided)  # rows not contiguous along K: the grouped path
 
 
 @pytest.mark.cuda
