@@ -4,7 +4,8 @@ expert and runs each expert once on its rows; the Triton path (CUDA; Triton's in
 tests) sorts the pairs by expert into blocks of BLOCK_M rows (`moe_align`, no host sync, so
 CUDA graphs capture it) and runs each projection as one grouped GEMM over all experts
 (ops/moe_triton.py), the second with the routing weights in its epilogue, then sums each
-token's k rows.
+token's k rows. At decode sizes (1..8 tokens) two GEMV-style launches over the (token, expert)
+pairs replace all of that (ops/moe_gemv.py).
 
 Expert weights are stacked [E, N, K] (rows = output features, as a Linear's) in one of three
 formats (`ExpertWeights`): dense (the model dtype), fp8 (e4m3 with a float32 scale per output
