@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fused_moe import DEV, experts, on, routing
 
 from skyline.ops import moe_gemv
 from skyline.ops.moe import ExpertWeights, fused_moe, fused_moe_ref
 from skyline.ops.moe_gemv import MAX_TOKENS, fused_moe_gemv, gemv_ok
-from tests.ops.test_fused_moe import DEV, experts, on, routing
 
 # BLOCK_K 32 over K 64 or 48 (masked tail): two K tiles; BLOCK_N below N: several N tiles
 SMALL = (dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
