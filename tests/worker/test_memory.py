@@ -71,3 +71,13 @@ def test_a_format_not_built_on_meta_is_not_checked(monkeypatch):
                                              device="cpu", quantization="nvfp4"))
     _free(monkeypatch, 1)
     memory.check_memory(cfg, CPU)  # its size is unknown before loading: no refusal
+
+
+def test_gpu_free_memory_counts_what_the_allocator_caches(monkeypatch):
+    """Blocks this process's allocator keeps unused (an engine released without empty_cache)
+    are free to the next engine, not in use."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    assert memory.free_memory(torch.device("cuda", 0)) == 68 * gib
