@@ -22,16 +22,17 @@ Pairs are not grouped by expert, so two tokens routed to one expert read it twic
 they run close in time). With 8 tokens of top-8 over 128 experts (Qwen3-30B-A3B) the 64 pairs
 hit ~50 distinct experts (1.3x their bytes); with top-4 over 32 (gpt-oss) the 32 pairs hit ~20
 (1.6x). The FMAs stay on CUDA cores without becoming the bound: at 8 tokens of Qwen3-30B-A3B
-the 64 pairs' 2 x 9.4 M weights are ~1.2 GFLOP, ~20 us at an H200's ~60 fp32 TFLOP/s, against
-~110 us to read the ~50 experts' 470 MB. Beyond MAX_TOKENS the redundant reads grow (at 16
-tokens ~1.6x for Qwen3, ~2.4x for gpt-oss) past what the grouped GEMM's overheads cost, and
+the 64 pairs x 4.7 M weights x 2 FLOPs are 0.6 GFLOP, ~10 us at an H200's ~60 fp32 TFLOP/s,
+against ~110 us to read the ~50 experts' 470 MB. Beyond MAX_TOKENS the redundant reads grow
+(at 16 tokens ~1.6x for Qwen3, ~2.3x for gpt-oss) past what the grouped GEMM's overheads cost, and
 fused_moe takes the grouped path. Pairs whose expert another rank holds (expert_map -1) load
 nothing and add nothing.
 
 Formats (ops/moe.py's ExpertWeights): dense; fp8 e4m3 with a scale per output channel (applied
 once at the end) or per SCALE_BN x SCALE_BK block (BLOCK_K divides SCALE_BK: one scale per row
 and tile); MXFP4 (bytes hold elements 2j, low nibble, and 2j + 1; E8M0 scale per 32), whose
-tiles are [BLOCK_N, BLOCK_K / 2] bytes against x's even and odd columns.
+tiles are [BLOCK_N, BLOCK_K / 32, 16] bytes (one scale per row and group of 16 bytes) against
+x's even and odd columns.
 
 Launch configurations: the tuning tables (kernels "moe_gemv_up", "moe_gemv_down", keyed by
 shape, format, dtype and the token count) over `default_config`.
