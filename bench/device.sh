@@ -50,6 +50,9 @@
 #                  fp8a8) --rows $ROWS (1 2) --budget-s $BUDGET (150)
 #   tune-gemv      bench/kernels/tune_gemv.py (bf16) $TUNE_GEMV_ARGS (default: every shipped
 #                  shape, rows 1 2 4 8); e.g. TUNE_GEMV_ARGS="--models llama-3.1-8b --rows 1"
+#   tune-moe       bench/kernels/moe_gemv_speed.py --tune: the MoE decode GEMVs' launch configs
+#                  for Qwen3-30B-A3B (bf16, fp8) and gpt-oss-20b (MXFP4) experts at 1..8 tokens,
+#                  within BUDGET (240) s
 #   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
 #                  Tuning stages run under `timeout $TUNE_TIMEOUT` (300 s; TESTS_TIMEOUT caps the
 #                  tests stage). They write skyline/ops/configs/ in place, so later stages of the
@@ -66,9 +69,11 @@
 #                  image does not ship: copy its parts to /root/parts/p*/ first; they are joined.
 #   spec-8b        Llama-3.1-8B dummy weights, 256 requests x 128 tokens, none/ngram/suffix
 #   moe            mixture-of-experts models (bench/moe.py): MOE_MODELS (qwen3-30b-a3b bf16,
-#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (decode offline): batch-1 decode against
-#                  the roofline of the bytes a token reads (its active experts), 1000 x (1000 in,
-#                  1000 out) against the floor; MOE_ARGS passes more (e.g. --enforce-eager)
+#                  gpt-oss-20b MXFP4 experts), MOE_STAGES (kernel decode offline): the MoE MLP
+#                  alone at 1..8 tokens (decode GEMVs against the grouped GEMMs), batch-1 decode
+#                  against the roofline of the bytes a token reads (its active experts), 1000 x
+#                  (1000 in, 1000 out) against the floor with the KV GiB and preemptions;
+#                  MOE_ARGS passes more (e.g. --enforce-eager)
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
 #                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
@@ -247,6 +252,12 @@ stage_tune_gemv() {
   keep_configs gemv-h200.json
 }
 
+stage_tune_moe() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_gemv_speed.py --tune \
+    --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-h200$TAG.json"
+  keep_configs moe-gemv-h200.json
+}
+
 stage_tune_kernels() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_kernels.py --out "$CONFIGS/h200.json" \
     --results "$OUT/kernels-h200$TAG.json"
@@ -291,7 +302,7 @@ stage_spec_8b() {
 
 stage_moe() {
   python3 bench/moe.py --models ${MOE_MODELS:-qwen3-30b-a3b gpt-oss-20b} \
-    --stages ${MOE_STAGES:-decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
+    --stages ${MOE_STAGES:-kernel decode offline} --device cuda --out-dir "$OUT/moe$TAG" ${MOE_ARGS:-}
 }
 
 stage_frontier() {
@@ -345,7 +356,7 @@ print("results in", res)
 EOF
 }
 
-SHOW=${SHOW:-'^==|tok_s"|fraction|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code'}
+SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code'}
 for stage in ${STAGES:-decode}; do
   declare -F "stage_${stage//-/_}" >/dev/null && continue
   echo "unknown stage: $stage (see the top of bench/device.sh)"; exit 2

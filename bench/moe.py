@@ -1,8 +1,11 @@
-"""Mixture-of-experts models against their floors, each measured in the same run: batch-1
-decode against the bandwidth roofline of the bytes one token reads (dense weights, the experts
-it is routed to, its KV), and an offline run against the sequential and overlapped floors of
-skyline/bench/floor.py (the experts each decode step reads, expected over uniform routing).
-Every stage runs on one GPU; models run one after the other.
+"""Mixture-of-experts models against their floors, each measured in the same run: the MoE MLP
+alone at decode sizes (the decode GEMVs of ops/moe_gemv.py against the grouped GEMMs, in CUDA
+graphs: bench/kernels/moe_gemv_speed.py), batch-1 decode against the bandwidth roofline of the
+bytes one token reads (dense weights, the experts it is routed to, its KV), and an offline run
+against the sequential and overlapped floors of skyline/bench/floor.py (the experts each decode
+step reads, expected over uniform routing), with the KV cache the engine got (and the terms of
+its budget) and the preemptions it caused. Every stage runs on one GPU; models run one after
+the other, each engine released before the next one sizes its cache.
 
 With --n-cpu-moe N [N ...], decode runs once per N with the experts of the first N layers in
 host memory, run by the CPU (the GPU capped by --gpu-memory-utilization, so that the model
@@ -10,7 +13,7 @@ need not fit), against a floor of two parts measured in the same run: the bytes 
 on the GPU over the GPU's copy bandwidth, plus the host experts' bytes it reads over the host
 memory's. An N with which the model does not fit records the engine's sentence instead.
 
-  python bench/moe.py                                   # both stages, both models, this GPU
+  python bench/moe.py                                   # every stage, both models, this GPU
   python bench/moe.py --stages decode --models gpt-oss-20b
   python bench/moe.py --stages decode --models qwen3-30b-a3b --n-cpu-moe 0 16 24 32 \
       --gpu-memory-utilization 0.3                      # experts partly on the CPU
@@ -18,7 +21,8 @@ memory's. An N with which the model does not fit records the engine's sentence i
 
 Models are shipped config names (dummy weights): qwen3-30b-a3b in bf16, gpt-oss-20b with its
 experts in MXFP4 as the checkpoint ships them.
-JSON: <out-dir>/{decode,offline}-<model>-<device>.json; decode-<model>-<device>-cpu-moe-<N>.json
+JSON: <out-dir>/{decode,offline}-<model>-<device>.json, <out-dir>/kernel-<device>.json;
+decode-<model>-<device>-cpu-moe-<N>.json
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import argparse
 import dataclasses
 import gc
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,9 +68,13 @@ def smoke_config(name: str, root: Path) -> str:
 
 
 def release(llm: LLM) -> None:
-    """Hand the engine's memory back before the next model loads."""
+    """Hand the engine's memory back before the next model loads (shutdown lets go of its
+    weights, cache and graphs even while the caller still holds the LLM)."""
     llm.shutdown()
-    del llm
+    collect()
+
+
+def collect() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -101,6 +111,7 @@ def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int,
         return (new_tokens - 1) / (stamps[-1] - stamps[0])
 
     tok_s = max(rate() for _ in range(2))
+    memory = {k: v for k, v in llm.query("describe").items() if k.endswith("_gib")}
     res = {
         "benchmark": "moe_decode", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "model": name, "device": cfg.device, "dtype": cfg.model.dtype,
@@ -118,11 +129,11 @@ def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int,
         "active_weight_GB": cost.step_weight_bytes(1) / 1e9,
         "all_experts_GB": cost.expert_bytes / 1e9, "bytes_per_token_GB": bytes_per_token / 1e9,
         "roofline_tok_s": roofline, "decode_tok_s": tok_s, "fraction_of_roofline":
-        tok_s / roofline, "machine": machine_info(cfg.device),
+        tok_s / roofline, "memory": memory, "machine": machine_info(cfg.device),
     }
     print(f"{name} batch-1 decode: {tok_s:.1f} tok/s, roofline {roofline:.1f} tok/s "
           f"({res['bytes_per_token_GB']:.2f} GB a token at {bandwidth / 1e12:.2f} TB/s): "
-          f"{res['fraction_of_roofline']:.2f}")
+          f"fraction {res['fraction_of_roofline']:.2f}")
     if host_bandwidth:
         print(f"  --n-cpu-moe {cfg.parallel.n_cpu_moe}: {host_bytes / 1e9:.3f} GB a token from "
               f"host memory at {host_bandwidth / 1e9:.1f} GB/s ({host_seconds * 1e3:.2f} ms) "
@@ -132,10 +143,31 @@ def decode(args: EngineArgs, name: str, prompt_len: int, new_tokens: int,
     return res
 
 
+def offline_summary(name: str, res: dict[str, Any]) -> None:
+    """The offline run's headline: throughput, the KV cache it got and what that cost."""
+    eng, floor = res["engine"], res.get("floor", {})
+    print(f"{name} offline: {res['skyline']['output_tokens_per_s']:.0f} output tok/s, KV cache "
+          f"{eng['kv_cache_gib']:.1f} GiB ({eng['kv_cache_tokens']} tokens; in use before it "
+          f"{eng.get('memory_in_use_gib', 0):.1f} GiB, step peak "
+          f"{eng.get('profile_peak_gib', 0):.1f} GiB), {eng['num_preemptions']} preemptions, "
+          f"fraction of the sequential floor {floor.get('fraction_of_sequential', 0):.2f} at "
+          f"{floor.get('concurrency', 0)} sequences")
+
+
+def kernel(out: Path, smoke: bool) -> None:
+    """The MoE MLP alone at 1..8 tokens (its own process: its weights are gone before an
+    engine sizes its cache)."""
+    script = Path(__file__).resolve().parent / "kernels" / "moe_gemv_speed.py"
+    path = out / f"kernel-{'smoke' if smoke else 'cuda'}.json"
+    cmd = [sys.executable, str(script), "--out", str(path)] + (["--smoke", "--tune"] if smoke
+                                                               else [])
+    subprocess.run(cmd, check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stages", nargs="+", default=["decode", "offline"],
-                    choices=["decode", "offline"])
+    ap.add_argument("--stages", nargs="+", default=["kernel", "decode", "offline"],
+                    choices=["kernel", "decode", "offline"])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens")
@@ -158,6 +190,8 @@ def main() -> None:
         a.device, a.prompt_len, a.new_tokens = "cpu", 16, 8
         a.num_prompts, a.input_len, a.output_len, a.max_num_seqs = 4, 8, 4, 4
     out = Path(a.out_dir)
+    if "kernel" in a.stages:
+        kernel(out, a.smoke)
     for name in a.models:
         path = smoke_config(name, Path(tmp.name)) if tmp is not None else name
         args = EngineArgs(model=path, load_format="dummy", device=a.device,
@@ -184,14 +218,14 @@ def main() -> None:
         elif "decode" in a.stages:
             res = decode(args, name, a.prompt_len, a.new_tokens)
             save_json(res, str(out / f"decode-{tag}.json"))
+            collect()
         if "offline" in a.stages:
             args = dataclasses.replace(args, max_num_seqs=a.max_num_seqs,
                                        max_model_len=a.input_len + a.output_len + 16)
-            run_offline(args, a.num_prompts, a.input_len, a.output_len,
-                        str(out / f"offline-{tag}.json"), floor=True)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            res = run_offline(args, a.num_prompts, a.input_len, a.output_len,
+                              str(out / f"offline-{tag}.json"), floor=True)
+            offline_summary(name, res)
+            collect()
     if tmp is not None:
         tmp.cleanup()
 

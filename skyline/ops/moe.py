@@ -4,7 +4,8 @@ expert and runs each expert once on its rows; the Triton path (CUDA; Triton's in
 tests) sorts the pairs by expert into blocks of BLOCK_M rows (`moe_align`, no host sync, so
 CUDA graphs capture it) and runs each projection as one grouped GEMM over all experts
 (ops/moe_triton.py), the second with the routing weights in its epilogue, then sums each
-token's k rows.
+token's k rows. At decode sizes (1..8 tokens) two GEMV-style launches over the (token, expert)
+pairs replace all of that (ops/moe_gemv.py).
 
 Expert weights are stacked [E, N, K] (rows = output features, as a Linear's) in one of three
 formats (`ExpertWeights`): dense (the model dtype), fp8 (e4m3 with a float32 scale per output
@@ -247,13 +248,18 @@ def fused_moe_triton(
     sorted_ids, block_experts = moe_align(topk_ids, w13.num_experts, config["BLOCK_M"],
                                           expert_map)
     x = x.contiguous()
+    # Temporaries scale with the pairs: at the start-up profile's 8,192 tokens of top-8 they
+    # are h [P, 2I], its activation [P, I] (h freed once it is computed), y [P, H] and the
+    # fp32 sum [T, H]; y is summed in fp32 as it is read, not through an fp32 copy of it (at
+    # Qwen3-30B-A3B's sizes 0.5 GB more).
     h = grouped_matmul_triton(x, w13, sorted_ids, block_experts, num_pairs, top_k, config)
     h = moe_activation_ref(h, activation, limit)
     # Pairs of other ranks' experts are in no block: their rows of y must read zero.
     y = grouped_matmul_triton(h, w2, sorted_ids, block_experts, num_pairs, 1, config,
                               route_weights=topk_weights.flatten().float(),
                               zero=expert_map is not None)
-    return y.view(t, top_k, -1).float().sum(1).to(x.dtype)
+    del h
+    return y.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def fused_moe(
@@ -261,13 +267,19 @@ def fused_moe(
     topk_ids: torch.Tensor, activation: str = "silu", limit: float | None = None,
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the grouped GEMMs, on the
-    CPU the reference grouped by expert."""
+    """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the decode GEMVs
+    (ops/moe_gemv.py) for a few tokens, the grouped GEMMs above; on the CPU the reference
+    grouped by expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
     if x.shape[0] == 0:
         return torch.empty_like(x)
     if x.is_cuda and triton is not None:
+        from skyline.ops import moe_gemv
+
+        if moe_gemv.gemv_ok(x, w13, w2):
+            return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, activation,
+                                           limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,
                                 expert_map)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, limit, expert_map)

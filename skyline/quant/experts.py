@@ -12,6 +12,7 @@ through the `ExpertLayer` protocol, never the class.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -44,8 +45,18 @@ class ExpertLayer(Protocol):
 
 def set_expert_loader(param: nn.Parameter, layer: ExpertLayer, proj: str) -> None:
     """Give a stacked parameter of projection `proj` its loader and the (expert, part) shards
-    the checkpoint must supply."""
-    param.weight_loader = layer.weight_loader  # type: ignore[attr-defined]
+    the checkpoint must supply. The loader holds the layer weakly: a bound method would close
+    the cycle layer -> parameter -> loader -> layer, and the experts' weights (most of an MoE
+    model's bytes) would then outlive their engine until the garbage collector's next full
+    pass, held while the next engine in the process sizes its KV cache."""
+    method = weakref.WeakMethod(layer.weight_loader)
+
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        bound = method()
+        assert bound is not None, "the expert layer of this parameter was freed"
+        bound(param, loaded, shard_id)
+
+    param.weight_loader = weight_loader  # type: ignore[attr-defined]
     param.shard_ids = tuple((e, part) for e in layer.expert_ids  # type: ignore[attr-defined]
                             for part in PARTS[proj])
 

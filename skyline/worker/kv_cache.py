@@ -47,6 +47,10 @@ def num_blocks_for(
         free, total = torch.cuda.mem_get_info(device)
         # Everything in use now (the weights, other processes) is outside the KV budget.
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - profile_peak_bytes
+        log.info("KV cache budget %.1f GiB = %.2f x %.1f GiB - %.1f GiB in use (weights, "
+                 "buffers, other processes) - %.1f GiB peak of the largest step",
+                 budget / 2**30, cfg.gpu_memory_utilization, total / 2**30,
+                 (total - free) / 2**30, profile_peak_bytes / 2**30)
     else:
         budget = cfg.kv_cache_memory
     # More blocks than every running sequence at full length can use only feed the prefix

@@ -28,10 +28,13 @@ HEADROOM_BYTES = 1 << 30
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free for this process on `device`: a GPU's free memory; on the CPU the memory the
-    kernel can give without swapping (MemAvailable), within this cgroup's limit if it has one."""
+    """Bytes free for this process on `device`: a GPU's free memory, with what this process's
+    caching allocator holds unused (an earlier engine's, until empty_cache hands it back); on
+    the CPU the memory the kernel can give without swapping (MemAvailable), within this
+    cgroup's limit if it has one."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
         with open("/proc/meminfo") as f:

@@ -59,6 +59,9 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         # of those, the experts held in host memory (--n-cpu-moe)
         "host_experts_gib": held_bytes(m for m in r.model.modules()
                                        if getattr(m, "weight_device", None) == "cpu") / 2**30,
+        # the KV budget's other terms (CUDA): in use before sizing it, the largest step's peak
+        "memory_in_use_gib": r.memory_in_use_bytes / 2**30,
+        "profile_peak_gib": r.profile_peak_bytes / 2**30,
         "num_cuda_graphs": len(r.graphs.graphs) if r.graphs is not None else 0,
         "cuda_graph_capture_seconds": getattr(r, "graph_capture_seconds", None),
         "pdl": use_pdl(r.device),  # programmatic dependent launch (SKYLINE_PDL)
@@ -298,6 +301,8 @@ def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
     out = dict(values[driver])
     for key in ("kv_cache_gib", "weights_gib", "host_experts_gib"):
         out[key] = sum(v[key] for v in values)
+    for key in ("memory_in_use_gib", "profile_peak_gib"):  # per device: the largest
+        out[key] = max(v[key] for v in values)
     out["load_seconds"] = max(v["load_seconds"] for v in values)
     out["ranks"] = len(values)
     return out

@@ -17,6 +17,7 @@ and its output is the step's; the ranks that embed tokens receive the driver's.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 
@@ -88,6 +89,17 @@ class ModelRunner:
         self.proposer = make_proposer(config.spec, self.model)
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
         peak = self._profile() if self.device.type == "cuda" else 0
+        self.profile_peak_bytes = peak
+        # Device memory in use when the KV cache is sized (all of it counts against the
+        # budget: a leftover engine's weights would show here)
+        self.memory_in_use_bytes = 0
+        if self.device.type == "cuda":
+            # Garbage first: an earlier engine's tensors caught in reference cycles would
+            # otherwise count as in use until the collector's next full pass.
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.memory_in_use_bytes = total - free
         sc = config.scheduler
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
         layers = attention_layers(self.model)
@@ -460,5 +472,20 @@ class ModelRunner:
         return [by_id.get(r, []) for r in req_ids]
 
     def shutdown(self) -> None:
+        """Stop the connector and let go of the device memory this runner holds (CUDA graphs
+        and their pools, the KV cache, the weights): an engine that was shut down holds none
+        even while something still references it (a benchmark's next engine in the same
+        process sizes its KV cache from the memory free then)."""
         if self.connector is not None:
             self.connector.shutdown()
+        self._in_flight = None
+        self.graphs = None
+        if self.model is not None:
+            for layer in attention_layers(self.model):
+                layer.kv_cache = None
+        self.kv_caches = []
+        self.proposer = None
+        self.model = None  # type: ignore[assignment]
+        gc.collect()  # whatever of it sits in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -103,3 +103,13 @@ def test_experts_on_the_cpu_count_as_host_memory(monkeypatch):
     with pytest.raises(ConfigError, match=r"^the experts of --n-cpu-moe 24 need 2\d\.\d GB of "
                                           r"host memory but 10\.0 GB is free"):
         memory.check_memory(cfg, gpu)
+
+
+def test_gpu_free_memory_counts_what_the_allocator_caches(monkeypatch):
+    """Blocks this process's allocator keeps unused (an engine released without empty_cache)
+    are free to the next engine, not in use."""
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 141 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * gib)
+    assert memory.free_memory(torch.device("cuda", 0)) == 68 * gib

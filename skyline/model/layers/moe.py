@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.ops.moe_route import route
 from skyline.parallel.experts import (
     AllToAllPlacement,
     ExpertPlacement,
@@ -79,13 +80,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight, self.bias)  # [T, E]
-        if self.scoring == "topk_softmax":
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            return torch.softmax(top.float(), dim=-1), ids
-        weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
-        if self.scoring == "softmax_renorm":
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids
+        return route(logits, self.top_k, self.scoring)  # one launch on CUDA (ops/moe_route.py)
 
     def extra_repr(self) -> str:
         e, h = self.weight.shape

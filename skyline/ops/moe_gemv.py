@@ -1,0 +1,346 @@
+"""The MoE MLP at decode sizes (1..MAX_TOKENS tokens): two GEMV-style Triton launches over the
+(token, expert) pairs, no sorting, no host sync (CUDA graphs capture it). Its reference is
+ops/moe.py's `fused_moe_ref` (the same contract: x [T, K], stacked expert weights in any of the
+three formats, routing weights and ids, activation, expert_map).
+
+At a few tokens the MoE reads each routed expert's weights and does ~2 FLOPs per weight element
+per row: it is bound by bytes, as a dense GEMV is. The grouped GEMM (ops/moe_triton.py) pays
+there for its generality: a sort of the pairs into expert blocks (about ten small kernels), 16
+rows of tensor-core tiles for one real row, and a separate activation and top-k sum. Here:
+
+1. `up`: one program per (pair p, BLOCK_N columns of the intermediate size I): the rows n of
+   the gate and n + I of the up projection of the pair's expert, streamed in
+   [BLOCK_N, BLOCK_K] tiles against the token's row of x (FMA into fp32, reduced over K at the
+   end, as gemv.py's FMA mode), dequantized in registers, then bias and the activation (SiLU and
+   mul, or gpt-oss's clamped swiglu) fused: h [P, I] in x's dtype.
+2. `down`: one program per (token t, BLOCK_N output columns): its k pairs' down rows one
+   after the other, each times the pair's routing weight (bias included, as the reference
+   weights the whole expert output), summed in fp32 in registers: the top-k sum needs neither
+   a [P, H] buffer nor another launch.
+
+Pairs are not grouped by expert, so two tokens routed to one expert read it twice (from L2 when
+they run close in time). With 8 tokens of top-8 over 128 experts (Qwen3-30B-A3B) the 64 pairs
+hit ~50 distinct experts (1.3x their bytes); with top-4 over 32 (gpt-oss) the 32 pairs hit ~20
+(1.6x). The FMAs stay on CUDA cores without becoming the bound: at 8 tokens of Qwen3-30B-A3B
+the 64 pairs x 4.7 M weights x 2 FLOPs are 0.6 GFLOP, ~10 us at an H200's ~60 fp32 TFLOP/s,
+against ~110 us to read the ~50 experts' 470 MB. Beyond MAX_TOKENS the redundant reads grow
+(at 16 tokens ~1.6x for Qwen3, ~2.3x for gpt-oss) past what the grouped GEMM's overheads cost, and
+fused_moe takes the grouped path. Pairs whose expert another rank holds (expert_map -1) load
+nothing and add nothing.
+
+Formats (ops/moe.py's ExpertWeights): dense; fp8 e4m3 with a scale per output channel (applied
+once at the end) or per SCALE_BN x SCALE_BK block (BLOCK_K divides SCALE_BK: one scale per row
+and tile); MXFP4 (bytes hold elements 2j, low nibble, and 2j + 1; E8M0 scale per 32), whose
+tiles are [BLOCK_N, BLOCK_K / 32, 16] bytes (one scale per row and group of 16 bytes) against
+x's even and odd columns.
+
+Launch configurations: the tuning tables (kernels "moe_gemv_up", "moe_gemv_down", keyed by
+shape, format, dtype and the token count) over `default_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from skyline.ops.moe import SWIGLU_ALPHA, ExpertWeights
+from skyline.ops.triton_utils import tl, triton
+from skyline.ops.tuning import dtype_name, get_config
+
+MAX_TOKENS = 8  # fused_moe runs this path for 1..MAX_TOKENS tokens on CUDA
+KERNELS = ("moe_gemv_up", "moe_gemv_down")  # names in the tuning tables
+FMTS = {"dense": 0, "fp8": 1, "mxfp4": 2}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def gemv_ok(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights) -> bool:
+    """Whether the decode path serves x: CUDA (or the interpreter's CPU), 1..MAX_TOKENS rows of
+    a float dtype, weights whose K tiles it can walk (unit stride along K)."""
+    blk = w13.block()
+    return (triton is not None and 1 <= x.shape[0] <= MAX_TOKENS and x.dtype in _DTYPES
+            and w13.weight.stride(-1) == 1 and w2.weight.stride(-1) == 1
+            and (w13.fmt != "mxfp4" or w13.k % 32 == 0)
+            # fp8 blocks: the up rows (from row I) start a block row
+            and (blk is None or (w13.n // 2) % blk[0] == 0))
+
+
+def _block_k(k: int, w: ExpertWeights, want: int) -> int:
+    """The K tile: `want`, at most K rounded up to a power of two (>= 32: MXFP4 scale groups)
+    and inside one fp8 scale block. A K it does not divide ends in a masked tile (masked
+    lanes fetch nothing), which costs less than the extra iterations of a smaller tile."""
+    bk = min(want, max(32, 1 << (k - 1).bit_length()))
+    blk = w.block()
+    if blk is not None:
+        bk = min(bk, blk[1] & -blk[1])
+        if bk < 16:
+            raise ValueError(f"fp8 scale blocks of {blk[1]} columns are too narrow for the MoE "
+                             "kernel; use blocks of 16 columns or more")
+    return bk
+
+
+def default_config(kernel: str, num_tokens: int, k: int, fmt: str) -> dict[str, Any]:
+    """Without a tuned entry. Tiles of 512 bytes of each weight row per K step in every format
+    (bf16: 256 columns; fp8, MXFP4: 512); K loops of up to 16 tiles are unrolled, so a
+    program issues its tiles' loads back to back (its only way to keep several in flight:
+    at one token there are few programs per SM). `up` at one token: each of the k pairs x
+    (I / 16) programs reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB);
+    `down` loops over the token's k experts, so its tiles are narrower (8 rows: 256
+    programs at H = 2048)."""
+    block_k = 256 if fmt == "dense" else 512
+    return {"BLOCK_N": 16 if kernel == "moe_gemv_up" else 8, "BLOCK_K": block_k,
+            "UNROLL": -(-k // block_k) <= 16, "num_warps": 4, "num_stages": 1}
+
+
+@functools.cache
+def _config(kernel: str, n: int, k: int, fmt: str, dtype: torch.dtype, t: int
+            ) -> dict[str, Any]:
+    key = f"n{n}:k{k}:{fmt}:{dtype_name(dtype)}:t{t}"
+    return get_config(kernel, key, default_config(kernel, t, k, fmt))
+
+
+def moe_gemv_config(kernel: str, num_tokens: int, w: ExpertWeights, dtype: torch.dtype
+                    ) -> dict[str, Any]:
+    """The launch configuration of `kernel` for `num_tokens` tokens (bucketed 1, 2, 4, 8)."""
+    t = 1 << max(0, num_tokens - 1).bit_length()
+    return _config(kernel, w.n, w.k, w.fmt, dtype, t)
+
+
+def _format_args(w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int],
+                                            torch.Tensor | None, tuple[int, int]]:
+    weight = w.weight.view(torch.uint8) if w.fmt == "fp8" else w.weight
+    if weight.stride(2) != 1:
+        raise ValueError("the MoE GEMV needs expert weights with unit stride along K")
+    scale = w.scale if w.scale is not None else weight
+    strides = (scale.stride(0), scale.stride(1), scale.stride(-1)) if w.scale is not None \
+        else (0, 0, 0)
+    return weight, scale, strides, w.bias, w.block() or (1, 1)
+
+
+def fused_moe_gemv(
+    x: torch.Tensor,  # [T, K], 1 <= T <= MAX_TOKENS
+    w13: ExpertWeights,  # [E, 2I, K]: gate then up
+    w2: ExpertWeights,  # [E, K, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    activation: str = "silu",
+    limit: float | None = None,
+    expert_map: torch.Tensor | None = None,  # [E_global] -> local index or -1
+    configs: tuple[dict[str, Any], dict[str, Any]] | None = None,  # (up, down) overrides
+) -> torch.Tensor:  # [T, K] in x's dtype
+    """fused_moe_ref's contract in two launches (module docstring)."""
+    t, top_k = topk_ids.shape
+    if not 1 <= t <= MAX_TOKENS:
+        raise ValueError(f"the MoE GEMV takes 1..{MAX_TOKENS} tokens, got {t}")
+    hidden, inter = x.shape[1], w13.n // 2
+    if configs is None:
+        configs = (moe_gemv_config(KERNELS[0], t, w13, x.dtype),
+                   moe_gemv_config(KERNELS[1], t, w2, x.dtype))
+    up, down = configs
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    route = topk_weights.contiguous()
+    emap = expert_map if expert_map is not None else ids
+    h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    for kernel, w, cfg, a, y, n, k in ((_up_kernel, w13, up, x, h, inter, hidden),
+                                       (_down_kernel, w2, down, h, out, hidden, inter)):
+        weight, scale, s_strides, bias, blk = _format_args(w)
+        block_k = _block_k(k, w, cfg["BLOCK_K"])
+        rows = t * top_k if kernel is _up_kernel else t
+        grid = (rows, triton.cdiv(n, cfg["BLOCK_N"]))
+        kernel[grid](
+            a, weight, scale, bias if bias is not None else weight, ids, emap, route, y,
+            weight.stride(0), weight.stride(1), *s_strides,
+            bias.stride(0) if bias is not None else 0,
+            N=n, K=k, TOP_K=top_k, FMT=FMTS[w.fmt],
+            CHANNEL_SCALE=w.fmt == "fp8" and w.block() is None,
+            SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=bias is not None,
+            HAS_MAP=expert_map is not None, SWIGLU=activation == "swiglu_oai",
+            LIMIT=float(limit) if limit is not None else 0.0, HAS_LIMIT=limit is not None,
+            ALPHA=SWIGLU_ALPHA, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+            NUM_STAGES=cfg["num_stages"], UNROLL=bool(cfg.get("UNROLL", True)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out
+
+
+if triton is not None:
+    from skyline.ops.moe_triton import _e2m1_to_f32, _e8m0_to_f32
+
+    @triton.jit
+    def _expert(ids_ptr, map_ptr, p, HAS_MAP: tl.constexpr):
+        # pair p's expert among this rank's (-1: another rank's)
+        e = tl.load(ids_ptr + p).to(tl.int32)
+        if HAS_MAP:
+            e = tl.load(map_ptr + e).to(tl.int32)
+        return e
+
+    @triton.jit
+    def _acc_zeros(FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        if FMT == 2:
+            return tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        return tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+
+    @triton.jit
+    def _acc_sum(acc, FMT: tl.constexpr):  # -> [BLOCK_N]
+        if FMT == 2:
+            return tl.sum(tl.sum(acc, axis=2), axis=1)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _rows_dot(acc, a_row, a_ok, w_rows, s_rows, n, n_ok, k0, K: tl.constexpr,
+                  stride_wn, stride_sn, stride_sk, FMT: tl.constexpr,
+                  CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # acc fp32 += W[n, tile] * a[tile], elementwise: [BLOCK_N, BLOCK_K], or for MXFP4
+        # [BLOCK_N, BLOCK_K / 32, 16] (scale groups of 16 bytes); W's rows at w_rows (the
+        # expert's first row), scales at s_rows; a read where a_ok. a's values are loaded
+        # spread over the whole tile, in W's layout (L1 hits; no layout conversion of W).
+        if FMT == 2:
+            g = tl.arange(0, BLOCK_K // 32)
+            i = tl.arange(0, 16)
+            kj = k0 + g[:, None] * 32 + 2 * i[None, :]  # [G, 16]: the low nibble's element
+            j_ok = (kj < K)[None, :, :]
+            byte = tl.load(w_rows + n[:, None, None] * stride_wn + (kj // 2)[None, :, :],
+                           mask=n_ok[:, None, None] & j_ok, other=0)  # [BLOCK_N, G, 16]
+            gk = k0 // 32 + g
+            scale = _e8m0_to_f32(tl.load(s_rows + n[:, None] * stride_sn
+                                         + gk[None, :] * stride_sk,
+                                         mask=n_ok[:, None] & (gk * 32 < K)[None, :],
+                                         other=0))  # [BLOCK_N, G]
+            zero = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.int32)
+            a_even = tl.load(a_row + kj[None, :, :] + zero, mask=j_ok & a_ok, other=0.0)
+            a_odd = tl.load(a_row + kj[None, :, :] + 1 + zero, mask=j_ok & a_ok, other=0.0)
+            lo = _e2m1_to_f32(byte & 0x0F)
+            hi = _e2m1_to_f32(byte >> 4)
+            acc += (lo * a_even.to(tl.float32) + hi * a_odd.to(tl.float32)) * scale[:, :, None]
+        else:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            mask = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + n[:, None] * stride_wn + kk[None, :], mask=mask, other=0)
+            if FMT == 1:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if not CHANNEL_SCALE:  # the tile lies in one scale block per row
+                    w = w * tl.load(s_rows + (n // SCALE_BN) * stride_sn
+                                    + (k0 // SCALE_BK) * stride_sk, mask=n_ok,
+                                    other=0.0)[:, None]
+            else:
+                w = w.to(tl.float32)
+            zero = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+            a = tl.load(a_row + kk[None, :] + zero, mask=k_ok[None, :] & a_ok, other=0.0)
+            acc += w * a.to(tl.float32)
+        return acc
+
+    @triton.jit
+    def _up_kernel(
+        x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, map_ptr, route_ptr, h_ptr,
+        stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
+        N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, FMT: tl.constexpr,
+        CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SWIGLU: tl.constexpr,
+        LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+        UNROLL: tl.constexpr,
+    ):
+        # h[p, n] = act(gate, up) for n in this program's BLOCK_N of the I = N columns:
+        # gate = W[e, n] . x[t], up = W[e, N + n] . x[t], e = pair p's expert, t = p // TOP_K.
+        p = tl.program_id(0)
+        e = _expert(ids_ptr, map_ptr, p, HAS_MAP)
+        if e < 0:  # another rank's expert: h's row is never read
+            return
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        x_row = x_ptr + (p // TOP_K).to(tl.int64) * K
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        s_e = s_ptr + e.to(tl.int64) * stride_se
+        w_up = w_e + N * stride_wn
+        s_up = s_e + (N // SCALE_BN) * stride_sn  # SCALE_BN divides N (1 unless fp8 blocks)
+        acc_g = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
+        acc_u = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
+        x_ok = p >= 0  # always: x's row is the token's
+        if UNROLL:  # every K tile's loads independent in straight-line code
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+                acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+        else:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+                acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
+                                  stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
+                                  BLOCK_N, BLOCK_K)
+        gate = _acc_sum(acc_g, FMT)
+        up = _acc_sum(acc_u, FMT)
+        if CHANNEL_SCALE:
+            gate *= tl.load(s_e + n * stride_sn, mask=n_ok, other=0.0)
+            up *= tl.load(s_up + n * stride_sn, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            b_e = b_ptr + e.to(tl.int64) * stride_be
+            gate += tl.load(b_e + n, mask=n_ok, other=0.0).to(tl.float32)
+            up += tl.load(b_e + N + n, mask=n_ok, other=0.0).to(tl.float32)
+        if SWIGLU:  # gpt-oss: gate * sigmoid(1.702 gate) * (up + 1), clamped at LIMIT
+            if HAS_LIMIT:
+                gate = tl.minimum(gate, LIMIT)
+                up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+            act = gate * tl.sigmoid(gate * ALPHA) * (up + 1.0)
+        else:
+            act = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + p.to(tl.int64) * N + n, act.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _down_kernel(
+        h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, map_ptr, route_ptr, out_ptr,
+        stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
+        N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, FMT: tl.constexpr,
+        CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SWIGLU: tl.constexpr,
+        LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+        UNROLL: tl.constexpr,
+    ):
+        # out[t, n] = sum_j route[t, j] * (W[e_j, n] . h[t * TOP_K + j] + b[e_j, n]) over this
+        # program's BLOCK_N of the H = N columns; pairs of other ranks' experts load nothing.
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            p = t * TOP_K + j
+            e = _expert(ids_ptr, map_ptr, p, HAS_MAP)
+            held = e >= 0
+            e_ok = tl.maximum(e, 0).to(tl.int64)
+            rows_ok = n_ok & held
+            w_e = w_ptr + e_ok * stride_we
+            s_e = s_ptr + e_ok * stride_se
+            h_row = h_ptr + p.to(tl.int64) * K
+            acc = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
+            if UNROLL:  # the k experts' tiles too: nothing orders their loads
+                for k0 in tl.static_range(0, K, BLOCK_K):
+                    acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
+                                    stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
+                                    SCALE_BK, BLOCK_N, BLOCK_K)
+            else:
+                for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                    acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
+                                    stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
+                                    SCALE_BK, BLOCK_N, BLOCK_K)
+            y = _acc_sum(acc, FMT)
+            if CHANNEL_SCALE:
+                y *= tl.load(s_e + n * stride_sn, mask=rows_ok, other=0.0)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + e_ok * stride_be + n, mask=rows_ok, other=0.0).to(
+                    tl.float32)
+            # h's rows of other ranks' pairs were never written: their products are masked
+            # to zero above, and their weight is zeroed here (0 * garbage could be NaN)
+            w_route = tl.load(route_ptr + p).to(tl.float32)
+            total += tl.where(rows_ok, y * w_route, 0.0)
+        tl.store(out_ptr + t.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty),
+                 mask=n_ok)
