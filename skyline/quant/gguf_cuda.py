@@ -95,7 +95,7 @@ def _make_segments(layer: LinearLayer) -> bool:
             return start
         j = sum(1 for *_, seg in segments if seg[0] == "int")
         runs = [(getattr(layer, f"gguf_w{i}"), types[i]) for i in pending]
-        q, sc, z, bits, group = _int_layout_runs(runs)
+        q, sc, z, bits, group = int_layout_runs(runs)
         for name, t in zip(("q", "s", "z"), (q, sc, z), strict=True):
             layer.register_buffer(f"gguf_{name}{j}", t)
         segments.append((start, start + q.shape[0], ("int", j, bits, group)))
@@ -154,10 +154,10 @@ def int_layout(
     types = [int(t) for t in layer.gguf_types]
     if not all(t in AFFINE_GROUP for t in types):
         return None
-    return _int_layout_runs([(getattr(layer, f"gguf_w{i}"), t) for i, t in enumerate(types)])
+    return int_layout_runs([(getattr(layer, f"gguf_w{i}"), t) for i, t in enumerate(types)])
 
 
-def _int_layout_runs(
+def int_layout_runs(
     runs: list[tuple[torch.Tensor, int]],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """int_layout of runs (raw blocks, ggml type) of integer-code types, stacked."""
