@@ -3,6 +3,7 @@ Q6_K and Q5_K) against the copy bandwidth measured in the same run and against t
 replace, at Llama-3.1-8B's Linear shapes and 1, 2, 4 rows of x.
 
   python bench/kernels/gemv_fp4_gguf_speed.py --out $OUT/gemv-fp4-gguf-h200.json
+  python bench/kernels/gemv_fp4_gguf_speed.py --sweep --out $OUT/gemv-fp4-gguf-sweep-h200.json
   python bench/kernels/gemv_fp4_gguf_speed.py --smoke   # seconds, on the CPU (interpreter)
 
 Formats (bf16 x), each timed as bench/kernels/tune_gemv.py times (one CUDA graph of
@@ -16,13 +17,18 @@ back-to-back calls over weight copies that L2 cannot hold):
   per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight).
 Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
 scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
-speedup over the path it replaces.
+speedup over the path it replaces. With --sweep, each new GEMV is also timed over a small grid
+of launch configurations (BLOCK_N, SPLIT_K, FMA or DOT, num_warps; each checked against the
+reference first) and the fastest is reported beside the default's time: the data for a tuning
+table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+import time
 
 from skyline.bench.tuners import interpret_for_smoke
 
@@ -42,7 +48,16 @@ from skyline.bench.tuners import (  # noqa: E402
 )
 from skyline.ops.fp4 import dequantize_nvfp4  # noqa: E402
 from skyline.ops.gemv import gemv  # noqa: E402
-from skyline.ops.gemv_block import gguf_gemv, nvfp4_gemv  # noqa: E402
+from skyline.ops.gemv_block import (  # noqa: E402
+    NVFP4,
+    Q5_K,
+    Q6_K,
+    block_gemv_config,
+    gguf_gemv,
+    gguf_gemv_ref,
+    nvfp4_gemv,
+    nvfp4_gemv_ref,
+)
 from skyline.ops.gemv_quant import int_gemv  # noqa: E402
 from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
 from skyline.quant.gguf_cuda import int_layout_runs  # noqa: E402
@@ -79,19 +94,62 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...]):
+FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
+
+
+def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | None = None):
     if fmt == "bf16":
         return lambda: gemv(x, a[0])
     if fmt == "nvfp4":
-        return lambda: nvfp4_gemv(x, *a)
+        return lambda: nvfp4_gemv(x, *a, config=config)
     if fmt == "nvfp4_dequant":
         k = x.shape[-1]
         return lambda: F.linear(x, dequantize_nvfp4(*a)[:, :k].to(x.dtype))
     if fmt in ("q6_k", "q5_k"):
         qtype = Q.Q6_K if fmt == "q6_k" else Q.Q5_K
-        return lambda: gguf_gemv(x, a[0], qtype)
+        return lambda: gguf_gemv(x, a[0], qtype, config=config)
     group = int(a[3])
     return lambda: int_gemv(x, a[0], a[1], a[2], 8, group)
+
+
+def grid(m: int) -> list[dict]:
+    """The launch configurations --sweep tries at m rows."""
+    out = []
+    for dot, block_n, split_k, warps in itertools.product(
+            (False, True) if m > 1 else (False,), (4, 8, 16, 32, 64), (1, 2, 4, 8), (4, 8)):
+        if dot and block_n < 16 or not dot and block_n * m > 64:
+            continue
+        out.append({"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": dot,
+                    "num_warps": warps, "num_stages": 2 if dot else 1})
+    return out
+
+
+def sweep(fmt: str, x: torch.Tensor, sets: list[tuple[torch.Tensor, ...]], calls: int,
+          deadline: float) -> dict:
+    """The fastest configuration of the grid that matches the reference, and its time."""
+    a = sets[0]
+    if fmt == "nvfp4":
+        ref = nvfp4_gemv_ref(x, *a).float()
+    else:
+        ref = gguf_gemv_ref(x, a[0], Q.Q6_K if fmt == "q6_k" else Q.Q5_K).float()
+    tol = 2e-2 * ref.abs().max().item()
+    best: dict = {"config": None, "us": float("inf"), "tried": 0, "failed": 0}
+    for cfg in grid(x.shape[0]):
+        if time.monotonic() > deadline:
+            best["budget"] = True
+            break
+        best["tried"] += 1
+        try:
+            got = call(fmt, x, a, cfg)().float()
+            if not torch.allclose(got, ref, rtol=2e-2, atol=tol):
+                raise ValueError("does not match the reference")
+            t = time_calls([call(fmt, x, s, cfg) for s in sets], calls)
+        except Exception:  # a configuration that cannot compile or run is skipped
+            best["failed"] += 1
+            continue
+        if t * 1e6 < best["us"]:
+            best.update(config=cfg, us=t * 1e6)
+    return best
 
 
 def main() -> None:
@@ -99,6 +157,10 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time a grid of launch configurations per new GEMV")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="--sweep stops trying configurations after this many seconds")
     ap.add_argument("--smoke", action="store_true",
                     help="one tiny shape, on the CPU without a GPU")
     args = ap.parse_args()
@@ -111,6 +173,7 @@ def main() -> None:
     rotate = 0 if dev.out_dir else ROTATE_BYTES
     bw = device_bandwidth(dev)
     rows = []
+    deadline = time.monotonic() + args.budget_s
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"{'shape':8} {'m':>2} {'format':14} {'us':>8} {'MB':>7} {'frac':>6} {'speedup':>7}")
     for shape, (n, k) in shapes.items():
@@ -131,6 +194,16 @@ def main() -> None:
                                 "bits_per_weight": size * 8 / n / k,
                                 "fraction_of_copy_bw": size / t / bw,
                                 "replaces": REPLACES.get(fmt), "speedup_vs_replaced": None})
+                if args.sweep and fmt in FMT_IDS:
+                    best = sweep(fmt, x, sets, calls, deadline)
+                    best["default"] = block_gemv_config(FMT_IDS[fmt], m, n, k, x.device)
+                    if best["config"] is None:  # none ran
+                        best.update(us=None, fraction_of_copy_bw=None)
+                    else:
+                        best["fraction_of_copy_bw"] = size / (best["us"] * 1e-6) / bw
+                    entries[-1]["sweep"] = best
+                    print(f"  sweep {fmt} m{m}: best {best['us']} us "
+                          f"({best['fraction_of_copy_bw']}) {best['config']}", flush=True)
                 del fns, sets
             for e in entries:
                 if e["replaces"]:
