@@ -7,10 +7,10 @@ and Q5_K (5.5 bits: 176 bytes per 256), as stored.
   rounded to x's dtype: exact for NVFP4, whose e2m1 * e4m3 products have 6 significant bits;
   GGUF tiles add their rounding error as a second bf16/fp16 operand, weights to ~16 bits).
   Split-K with gemv.py's last-arriver reduction. No host syncs: CUDA-graph safe.
-- `block_dequantize`: the float weights [N, K] written into a given buffer (larger batches:
-  `block_linear` dequantizes into one scratch buffer per device and dtype, reused by every layer
-  and sized to the largest, then F.linear: no allocation per call, memory one layer in x's
-  dtype).
+- `nvfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written into a given buffer.
+  Larger batches (`nvfp4_linear` / `gguf_linear`) dequantize up to SCRATCH_BYTES of whole rows
+  at a time into one scratch buffer per device and dtype, reused by every layer, and multiply
+  each chunk: no allocation the size of a weight per call, 32 MiB of memory in all.
 
 The references (`*_ref`) dequantize with ops/fp4.py and ops/dequant.py, then multiply in
 float32. Launch configurations come from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k",
@@ -20,6 +20,7 @@ float32. Launch configurations come from the tuning tables (kernels "gemv_nvfp4"
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -207,13 +208,17 @@ def _dequantize(fmt: int, w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor
     return out
 
 
+# Larger batches dequantize at most this many bytes of weights at a time (whole rows) into the
+# scratch buffer, then multiply: the buffer stays small (and may still sit in L2 when the matmul
+# reads it) however large the layer (an LM head of 128k rows would take 1 GB in bf16).
+SCRATCH_BYTES = 32 << 20
 _SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [n, k] buffer of `dtype` shared by every layer on `device` (one stream runs them one
-    after another), grown to the largest layer seen. Grown only outside a CUDA-graph capture:
-    a capture that meets a larger layer than the eager runs did gets a buffer of its own."""
+    after another), grown to the largest request. Grown only outside a CUDA-graph capture: a
+    capture that asks for more than the eager runs did gets a buffer of its own."""
     key = (device, dtype)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < n * k:
@@ -224,20 +229,49 @@ def scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> 
     return buf[: n * k].view(n, k)
 
 
+def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None,
+                    dequantize: Callable[[int, int, torch.Tensor], torch.Tensor],
+                    chunk_bytes: int) -> torch.Tensor:
+    """F.linear over a weight [n, K] that `dequantize(start, stop, out)` writes row by row into
+    out [stop - start, K]: chunks of whole rows of at most chunk_bytes in x's dtype (and at
+    least 16 rows), each through the scratch buffer and one matmul."""
+    k = x.shape[-1]
+    step = max(16, chunk_bytes // max(1, k * x.element_size()) // 16 * 16)
+    if step >= n:
+        w = dequantize(0, n, scratch_weight(n, k, x.dtype, x.device))
+        return F.linear(x, w, bias)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        w = dequantize(start, stop, scratch_weight(stop - start, k, x.dtype, x.device))
+        y[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
+    return y
+
+
 def nvfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 tensor_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                 tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 chunk_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
     """F.linear's contract over NVFP4 weights on CUDA: block_gemv for decode-sized batches,
-    else the weights dequantized into the scratch buffer and one matmul."""
+    else the weights dequantized chunk by chunk into the scratch buffer, each chunk one
+    matmul."""
     if block_gemv_ok(x):
         return nvfp4_gemv(x, qweight, scales, tensor_scale, bias)
-    w = scratch_weight(qweight.shape[0], x.shape[-1], x.dtype, x.device)
-    return F.linear(x, nvfp4_dequantize(qweight, scales, tensor_scale, w), bias)
+    ts = tensor_scale.reshape(-1)
+
+    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        return nvfp4_dequantize(qweight[start:stop], scales[start:stop], ts[start:stop], out)
+
+    return _chunked_linear(x, qweight.shape[0], bias, dequantize, chunk_bytes)
 
 
 def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
+                ) -> torch.Tensor:
     """F.linear's contract over Q6_K / Q5_K raw blocks on CUDA, as nvfp4_linear."""
     if block_gemv_ok(x):
         return gguf_gemv(x, data, qtype, bias)
-    w = scratch_weight(data.shape[0], x.shape[-1], x.dtype, x.device)
-    return F.linear(x, gguf_dequantize(data, qtype, w), bias)
+
+    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        return gguf_dequantize(data[start:stop], qtype, out)
+
+    return _chunked_linear(x, data.shape[0], bias, dequantize, chunk_bytes)

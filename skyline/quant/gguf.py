@@ -26,9 +26,9 @@ model's Linears in bfloat16: 63 + 203 MiB, against 405 MiB dequantized to float3
 
 On CUDA, a layer's first call makes its serving form. Runs of Q6_K and Q5_K keep their raw
 blocks (6.56 and 5.5 bits a weight): decode-sized batches run the block GEMV of
-ops/gemv_block.py on the super-blocks as stored, larger ones dequantize them into one scratch
-buffer shared by every layer (ops/gemv_block.scratch_weight: the largest such run in the
-activations' dtype, 235 MB for a Q6_K gate_up of Llama-3.1-8B in bfloat16) and run one matmul.
+ops/gemv_block.py on the super-blocks as stored, larger ones dequantize them 32 MiB of rows at a
+time into one scratch buffer shared by every layer (ops/gemv_block.SCRATCH_BYTES: 32 MiB per
+device and dtype in all) and run a matmul per chunk.
 The other runs become the group-wise integer layout of ops/int_matmul.py (every block type with
 integer codes: W = (q - zero) * scale per group, the zero a float32 so that any affine map of
 the file is kept; 4-bit codes when all of those runs are Q4_0 / Q4_1 / Q4_K, groups of 32, else

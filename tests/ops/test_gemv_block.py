@@ -121,6 +121,19 @@ def test_nvfp4_dequantize_matches_the_format():
     torch.testing.assert_close(nvfp4_dequantize(q, s, ts, out), want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 16 * 512 * 4 * 2, 1 << 30])
+def test_linear_dequantizes_in_chunks_of_rows(chunk_bytes):
+    # More rows than the GEMV takes: the weights go through the scratch buffer in chunks of
+    # 16 rows (smallest), 32 rows (a last chunk of 5) or whole, each chunk one matmul.
+    x, b = operands(12, 37, 512, torch.float32, seed=2, bias=True)
+    q, s, ts = nvfp4_weights(37, 512, seed=2)
+    check(nvfp4_linear(x, q, s, ts, b, chunk_bytes=chunk_bytes), nvfp4_gemv_ref(x, q, s, ts, b))
+    for qtype in (Q.Q6_K, Q.Q5_K):
+        data = gguf_weights(qtype, 37, 512, seed=2)
+        check(gguf_linear(x, data, qtype, b, chunk_bytes=chunk_bytes),
+              gguf_gemv_ref(x, data, qtype, b))
+
+
 def test_default_configs_are_valid_launches():
     for fmt in (NVFP4, Q6_K, Q5_K):
         for m in (1, 2, 4, 8):
