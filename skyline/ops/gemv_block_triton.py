@@ -141,22 +141,34 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_fma(x_ptr, w_ptr, s_ptr, rows, n_ok, offs_m, m_ok, k0, K, stride_xm, stride_wn,
-                   stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+        # EVEN_K: every tile lies inside K, so the masks are per row alone and constant along
+        # a row's bytes, which lets the loads be vectors
         G: tl.constexpr = BLOCK_K // 16
         g = tl.arange(0, G)
         j = tl.arange(0, 8)
         col = k0 + g[:, None] * 16 + j[None, :] * 2  # [G, 8]: the even element of byte j
-        byte = tl.load(w_ptr + rows[:, None, None] * stride_wn + (col // 2)[None, :, :],
-                       mask=n_ok[:, None, None] & (col < K)[None, :, :], other=0)
+        w_mask = n_ok[:, None, None]
+        s_mask = n_ok[:, None]
+        xe_mask = m_ok[:, None, None]
+        xo_mask = xe_mask
+        if not EVEN_K:
+            w_mask = w_mask & (col < K)[None, :, :]
+            s_mask = s_mask & ((k0 + g * 16) < K)[None, :]
+            xe_mask = xe_mask & (col < K)[None, :, :]
+            xo_mask = xo_mask & (col + 1 < K)[None, :, :]
+        byte_at = k0 // 2 + g[:, None] * 8 + j[None, :]  # contiguous along j: vector loads
+        byte = tl.load(w_ptr + rows[:, None, None] * stride_wn + byte_at[None, :, :],
+                       mask=w_mask, other=0)
         scale = tl.load(s_ptr + rows[:, None] * stride_sn + k0 // 16 + g[None, :],
-                        mask=n_ok[:, None] & ((k0 + g * 16) < K)[None, :],
-                        other=0.0).to(tl.float32) * 16384.0  # [BN, G]
+                        mask=s_mask, other=0.0).to(tl.float32) * 16384.0  # [BN, G]
         c = byte.to(tl.uint16)
         lo = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
         x_at = x_ptr + offs_m[:, None, None] * stride_xm + col[None, :, :]
-        xe = tl.load(x_at, mask=m_ok[:, None, None] & (col < K)[None, :, :], other=0.0)
-        xo = tl.load(x_at + 1, mask=m_ok[:, None, None] & (col + 1 < K)[None, :, :], other=0.0)
+        xe = tl.load(x_at, mask=xe_mask, other=0.0)
+        xo = tl.load(x_at + 1, mask=xo_mask, other=0.0)
         part = tl.sum(lo[:, None, :, :] * xe.to(tl.float32)[None, :, :, :]
                       + hi[:, None, :, :] * xo.to(tl.float32)[None, :, :, :], axis=3)
         return part * scale[:, None, :]
@@ -246,7 +258,7 @@ if triton is not None:
         x_ptr, w_ptr, h_ptr, s_ptr, ts_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
         M, N, K, k_iters, num_splits, stride_xm, stride_wn, stride_sn,
         FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-        USE_DOT: tl.constexpr, W_LO: tl.constexpr, IEEE: tl.constexpr,
+        USE_DOT: tl.constexpr, W_LO: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
     ):
@@ -283,7 +295,7 @@ if triton is not None:
                 mk = m_mask & ((offs_m * 0 + k0) < K)
                 if FORMAT == 0:
                     acc += _nvfp4_fma(x_ptr, w_ptr, s_ptr, rows, n_mask, offs_m, m_mask, k0, K,
-                                      stride_xm, stride_wn, stride_sn, BLOCK_N, BLOCK_K)
+                                      stride_xm, stride_wn, stride_sn, BLOCK_N, BLOCK_K, EVEN_K)
                 elif FORMAT == 1:
                     acc += _q6_k_fma(x_ptr, w_ptr, h_ptr, rows, ok, offs_m, mk, k0,
                                      stride_xm, stride_wn, BLOCK_N, BLOCK_M)
