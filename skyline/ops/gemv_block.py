@@ -72,10 +72,11 @@ def _linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def default_config(fmt: int, m: int, n: int, k: int, num_sms: int = 132) -> dict:
-    """A launch configuration for shapes without a tuned entry: FMA for one or two rows,
-    tensor cores above; tiles of 256 columns (GGUF: one super-block), split K until about four
-    programs per SM, keeping at least four K tiles per split."""
-    use_dot = m > 2
+    """A launch configuration for shapes without a tuned entry: FMA for one row (NVFP4: two),
+    tensor cores above (bench/kernels/gemv_block_ptx_count.py: GGUF's FMA tiles at two rows take
+    1.3-2.2x the instructions of a DOT tile); tiles of 256 columns (GGUF: one super-block), split
+    K until about four programs per SM, keeping at least four K tiles per split."""
+    use_dot = m > (2 if fmt == NVFP4 else 1)
     block_k = SUPER
     block_n = 32 if use_dot else (8 if m == 1 else 4)
     split_k = 1
