@@ -3,7 +3,8 @@
 
 E2M1 codes: bit 3 is the sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. Two
 codes per byte, element 2j in the low nibble. MXFP4 (OCP Microscaling v1.0): blocks of 32
-elements, one E8M0 scale per block, 2^(e - 127) (e = 255 is NaN).
+elements, one E8M0 scale per block, 2^(e - 127) (e = 255 is NaN). NVFP4: blocks of 16, an E4M3
+scale per block and a float32 scale per tensor (per row in a merged layer).
 """
 
 from __future__ import annotations
@@ -41,3 +42,14 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     rows = packed.shape[0]
     vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 32)
     return (vals * e8m0_to_float(scales).unsqueeze(-1)).reshape(rows, -1)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
+) -> torch.Tensor:
+    """NVFP4 codes uint8 [R, Kp / 2], E4M3 block scales [R, Kp / 16] and tensor_scale [1] or
+    per row [R] -> float32 [R, Kp]."""
+    rows = packed.shape[0]
+    vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 16)
+    step = scales.float() * tensor_scale.float().reshape(-1, 1)  # [R, B]
+    return (vals * step.unsqueeze(-1)).reshape(rows, -1)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 
 from skyline.ops import cpu_int4
-from skyline.ops.fp4 import decode_e2m1, dequantize_mxfp4, e8m0_to_float
+from skyline.ops.fp4 import decode_e2m1, dequantize_mxfp4, dequantize_nvfp4, e8m0_to_float
+from skyline.ops.gemv_block import nvfp4_linear
 from skyline.ops.int_matmul import dequantize_int_ref
+from skyline.ops.triton_utils import triton
 from skyline.quant.base import (
     QuantLinearMethod,
     dense_linear,
@@ -32,7 +34,8 @@ from skyline.quant.base import (
 )
 from skyline.quant.method import LinearLayer
 
-__all__ = ["decode_e2m1", "dequantize_mxfp4", "e8m0_to_float", "quantize_mxfp4", "quantize_nvfp4"]
+__all__ = ["decode_e2m1", "dequantize_mxfp4", "dequantize_nvfp4", "e8m0_to_float", "quantize_mxfp4",
+           "quantize_nvfp4"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring magnitudes; a tie rounds to the even code, i.e. up when the
@@ -77,16 +80,6 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     safe = torch.where(step > 0, step, torch.ones_like(step)).unsqueeze(-1)
     codes = torch.where(step.unsqueeze(-1) > 0, encode_e2m1(wb / safe), 0).to(torch.uint8)
     return pack_nibbles(codes.reshape(rows, -1)), block_q, tensor_scale.reshape(1).float()
-
-
-def dequantize_nvfp4(
-    packed: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
-) -> torch.Tensor:
-    """Inverse of quantize_nvfp4: float32 [R, Kp]; tensor_scale is [1] or per row [R]."""
-    rows = packed.shape[0]
-    vals = decode_e2m1(unpack_nibbles(packed)).reshape(rows, -1, 16)
-    step = scales.float() * tensor_scale.float().reshape(-1, 1)  # [R, B]
-    return (vals * step.unsqueeze(-1)).reshape(rows, -1)
 
 
 class Mxfp4LinearMethod(QuantLinearMethod):
@@ -191,7 +184,13 @@ class Nvfp4LinearMethod(QuantLinearMethod):
             return dense_weight(layer)
         return super().dequantized_weight(layer)
 
+    # On CUDA the packed tensors are read as they are (4.5 bits a weight, ops/gemv_block.py):
+    # decode-sized batches by the block GEMV, larger ones dequantized 32 MiB of rows at a time
+    # into one scratch buffer shared by all layers, a dense matmul per chunk.
+
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
             return dense_linear(layer, x)
+        if x.is_cuda and triton is not None:
+            return nvfp4_linear(x, layer.qweight, layer.scales, layer.tensor_scale, layer.bias)
         return super().apply(layer, x)

@@ -24,13 +24,19 @@ many streams, where the int4 kernel's time grows with the rows and a dense produ
 does). The raw blocks are dropped; memory is the planes plus the dense copy (the default
 model's Linears in bfloat16: 63 + 203 MiB, against 405 MiB dequantized to float32).
 
-On CUDA, a layer's first call turns its blocks into the group-wise integer layout of
-ops/int_matmul.py (every block type with integer codes: W = (q - zero) * scale per group, the
-zero a float32 so that any affine map of the file is kept; 4-bit codes when all of the layer's
-types are Q4_0 / Q4_1 / Q4_K, groups of 32, else 8-bit codes in groups of 32 or 16) and drops
-the raw blocks: decode-sized batches run the quantized GEMV of ops/gemv_quant.py, larger ones
-the Triton dequant-matmul. That is 6 bits a weight for the 4-bit types and 10-12 for the
-others (the file's 4.5-8.5), against 16 dense; float types (F16, BF16, F32) go dense once."""
+On CUDA, a layer's first call makes its serving form. Runs of Q6_K and Q5_K keep their raw
+blocks (6.56 and 5.5 bits a weight): decode-sized batches run the block GEMV of
+ops/gemv_block.py on the super-blocks as stored, larger ones dequantize them 32 MiB of rows at a
+time into one scratch buffer shared by every layer (ops/gemv_block.SCRATCH_BYTES: 32 MiB per
+device and dtype in all) and run a matmul per chunk.
+The other runs become the group-wise integer layout of ops/int_matmul.py (every block type with
+integer codes: W = (q - zero) * scale per group, the zero a float32 so that any affine map of
+the file is kept; 4-bit codes when all of those runs are Q4_0 / Q4_1 / Q4_K, groups of 32, else
+8-bit codes in groups of 32 or 16) and drop their raw blocks: decode-sized batches run the
+quantized GEMV of ops/gemv_quant.py, larger ones the Triton dequant-matmul. That is 6 bits a
+weight for the 4-bit types and 10-12 for Q5_0, Q5_1, Q8_0, Q2_K and Q3_K (the file's 2.6-8.5),
+against 16 dense; float types (F16, BF16, F32) go dense once. A layer of mixed runs (Q4_K_M's
+attn_v in Q6_K beside Q4_K q and k) runs each part on its own kernel and joins the outputs."""
 
 from __future__ import annotations
 
@@ -45,15 +51,9 @@ from torch import nn
 from skyline import envs
 from skyline.config import ConfigError
 from skyline.ops import cpu_int4, cpu_linear, cpu_plan
-from skyline.ops.dequant import (
-    AFFINE_GROUP,
-    GGML_TYPES,
-    INT4_GROUP_TYPES,
-    affine_groups,
-    dequantize_ref,
-)
-from skyline.ops.int_matmul import dequantize_int_ref
-from skyline.quant.base import int_codes_linear, pack_nibbles
+from skyline.ops.dequant import AFFINE_GROUP, GGML_TYPES, INT4_GROUP_TYPES, affine_groups
+from skyline.quant.gguf_cuda import _cuda_ready, _int_apply, cuda_weight, dequantize_blocks
+from skyline.quant.gguf_cuda import int_layout as int_layout
 from skyline.quant.method import LinearLayer
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
@@ -110,15 +110,13 @@ class GGUFLinearMethod:
             return (cpu_linear.unpack(dense) if dense.is_mkldnn else dense).float()
         if getattr(layer, "cpu_planes", None) is not None:
             return cpu_int4.planes_weight(layer.cpu_planes)
-        if hasattr(layer, "gguf_qweight"):
-            w = dequantize_int_ref(layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
-                                   *layer.gguf_bits_group)
-            return w[:, : layer.in_features]
+        if (w := cuda_weight(layer)) is not None:
+            return w
         if getattr(layer, "gguf_int4", None) is not None:
             return cpu_int4.planes_weight(layer.gguf_int4)
         if hasattr(layer, "gguf_dense"):
             return layer.gguf_dense.float()
-        return _dequantize_blocks(layer)
+        return dequantize_blocks(layer)
 
     def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """The layout a CPU engine serves with (loader.prepack_for_cpu; tools that read or save
@@ -142,7 +140,7 @@ class GGUFLinearMethod:
         layer.cpu_dense = None
         dense_bytes = layer.out_features * layer.in_features * dtype.itemsize
         if layer.cpu_planes is None or _room_for(dense_bytes):
-            dense = _dequantize_blocks(layer).to(dtype)
+            dense = dequantize_blocks(layer).to(dtype)
             layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
         else:  # every batch on the planes: slower prefill, but it fits
             layer.cpu_plane_rows = 2**62
@@ -176,8 +174,6 @@ class GGUFLinearMethod:
         if hasattr(layer, "cpu_plane_rows"):
             return _serve_cpu(layer, x)
         if x.is_cuda and _cuda_ready(layer, x.dtype):
-            if not hasattr(layer, "gguf_qweight"):
-                return F.linear(x, layer.gguf_dense, layer.bias)
             return _int_apply(layer, x)
         if x.device.type == "cpu" and _cpu_ready(layer, build=x.dtype == torch.bfloat16):
             if layer.gguf_int4 is None:
@@ -214,12 +210,6 @@ def _room_for(nbytes: int) -> bool:
         return True
 
 
-def _dequantize_blocks(layer: LinearLayer) -> torch.Tensor:
-    ws = [dequantize_ref(getattr(layer, f"gguf_w{i}"), qtype)
-          for i, qtype in enumerate(layer.gguf_types)]
-    return ws[0] if len(ws) == 1 else torch.cat(ws)
-
-
 def _cpu_ready(layer: LinearLayer, build: bool) -> bool:
     """Whether the layer has its CPU bfloat16 form: the int4 kernel's packed weights
     (`gguf_int4`) or, for other block types, dense bfloat16 weights (`gguf_dense`). With
@@ -229,60 +219,10 @@ def _cpu_ready(layer: LinearLayer, build: bool) -> bool:
             return False
         layer.gguf_int4 = _pack_int4(layer) if cpu_int4.has_kernel() else None
         if layer.gguf_int4 is None:
-            layer.register_buffer("gguf_dense", _dequantize_blocks(layer).to(torch.bfloat16))
+            layer.register_buffer("gguf_dense", dequantize_blocks(layer).to(torch.bfloat16))
         for i in range(len(layer.gguf_types)):
             delattr(layer, f"gguf_w{i}")
     return True
-
-
-def _cuda_ready(layer: LinearLayer, dtype: torch.dtype) -> bool:
-    """Makes the layer's CUDA form at its first call (an eager one: the engine's profiling run
-    comes before any graph capture): the integer layout (`gguf_qweight`, `gguf_scales`,
-    `gguf_zeros`, `gguf_bits_group`), or dense weights in `dtype` for float types; the raw
-    blocks are dropped."""
-    if not (hasattr(layer, "gguf_qweight") or hasattr(layer, "gguf_dense")):
-        layout = int_layout(layer)
-        if layout is None:
-            layer.register_buffer("gguf_dense", _dequantize_blocks(layer).to(dtype))
-        else:
-            for name, t in zip(("gguf_qweight", "gguf_scales", "gguf_zeros"), layout[:3],
-                               strict=True):
-                layer.register_buffer(name, t)
-            layer.gguf_bits_group = layout[3:]
-        for i in range(len(layer.gguf_types)):
-            delattr(layer, f"gguf_w{i}")
-    return True
-
-
-def _int_apply(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
-    return int_codes_linear(x, layer.gguf_qweight, layer.gguf_scales, layer.gguf_zeros,
-                            *layer.gguf_bits_group, bias=layer.bias)
-
-
-def int_layout(
-    layer: LinearLayer,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None:
-    """The layer's blocks as (qweight, scales, zeros, bits, group) in ops/int_matmul.py's
-    layout with float32 zeros, the same weights (W = q * s + o = (q - z) * s, z = -o / s);
-    None if a run is not a type of integer codes. Runs of different group sizes share the
-    smaller group (a group of 32 repeats its scale and zero over two of 16)."""
-    types = [int(t) for t in layer.gguf_types]
-    if not all(t in AFFINE_GROUP for t in types):
-        return None
-    parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t) for i, t in enumerate(types)]
-    group = min(p[3] for p in parts)
-    bits = 4 if all(t in INT4_GROUP_TYPES for t in types) else 8
-    q = torch.cat([p[0] for p in parts])
-    s = torch.cat([p[1].repeat_interleave(p[3] // group, 1) for p in parts])
-    o = torch.cat([p[2].repeat_interleave(p[3] // group, 1) for p in parts])
-    # A group whose scale is 0 holds the constant o: codes 0, scale 1, zero -o.
-    flat = s == 0
-    z = torch.where(flat, -o, -o / torch.where(flat, torch.ones_like(s), s))
-    s = torch.where(flat, torch.ones_like(s), s)
-    q = torch.where(flat.repeat_interleave(group, 1), torch.zeros_like(q), q)
-    if bits == 4:
-        q = pack_nibbles(q)
-    return q.contiguous(), s.contiguous(), z.contiguous(), bits, group
 
 
 def _pack_int4(layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:

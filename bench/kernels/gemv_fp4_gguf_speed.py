@@ -1,0 +1,226 @@
+"""Decode GEMVs of block-scaled weights read at their own bits (ops/gemv_block.py: NVFP4, GGUF
+Q6_K and Q5_K) against the copy bandwidth measured in the same run and against the paths they
+replace, at Llama-3.1-8B's Linear shapes and 1, 2, 4 rows of x.
+
+  python bench/kernels/gemv_fp4_gguf_speed.py --out $OUT/gemv-fp4-gguf-h200.json
+  python bench/kernels/gemv_fp4_gguf_speed.py --sweep --out $OUT/gemv-fp4-gguf-sweep-h200.json
+  python bench/kernels/gemv_fp4_gguf_speed.py --smoke   # seconds, on the CPU (interpreter)
+
+Formats (bf16 x), each timed as bench/kernels/tune_gemv.py times (one CUDA graph of
+back-to-back calls over weight copies that L2 cannot hold):
+- bf16: the dense GEMV (ops/gemv.py), for scale;
+- nvfp4: the block GEMV on the packed tensors (4.5 bits a weight); nvfp4_dequant: what
+  Nvfp4LinearMethod ran on CUDA before, the whole weight dequantized at every call, then
+  F.linear;
+- q6_k / q5_k: the block GEMV on the raw super-blocks (6.56 / 5.5 bits); q6_k_int8 /
+  q5_k_int8: what a GGUF layer ran before, the blocks as 8-bit codes with float32 scale and zero
+  per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight).
+Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
+scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
+speedup over the path it replaces. With --sweep, each new GEMV is also timed over a small grid
+of launch configurations (BLOCK_N, SPLIT_K, FMA or DOT, num_warps; each checked against the
+reference first) and the fastest is reported beside the default's time: the data for a tuning
+table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+from skyline.bench.tuners import interpret_for_smoke
+
+interpret_for_smoke(sys.argv)  # before Triton loads
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from skyline.bench.gguf_blocks import random_blocks  # noqa: E402
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.bench.tuners import (  # noqa: E402
+    ROTATE_BYTES,
+    device_bandwidth,
+    time_calls,
+    tune_device,
+)
+from skyline.ops.fp4 import dequantize_nvfp4  # noqa: E402
+from skyline.ops.gemv import gemv  # noqa: E402
+from skyline.ops.gemv_block import (  # noqa: E402
+    NVFP4,
+    Q5_K,
+    Q6_K,
+    block_gemv_config,
+    gguf_gemv,
+    gguf_gemv_ref,
+    nvfp4_gemv,
+    nvfp4_gemv_ref,
+)
+from skyline.ops.gemv_quant import int_gemv  # noqa: E402
+from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
+from skyline.quant.gguf_cuda import int_layout_runs  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
+ROWS = (1, 2, 4)
+REPLACES = {"nvfp4": "nvfp4_dequant", "q6_k": "q6_k_int8", "q5_k": "q5_k_int8"}
+
+
+def nbytes(ts: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def copies(args: tuple[torch.Tensor, ...], rotate: int) -> list[tuple[torch.Tensor, ...]]:
+    """args and clones of it adding up to `rotate` bytes (L2 cannot serve them)."""
+    n = max(1, -(-rotate // nbytes(args)))
+    return [args] + [tuple(t.clone() for t in args) for _ in range(n - 1)]
+
+
+def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each format's tensors of one random [n, k] weight."""
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    w = torch.randn(n, k, device=dev) * 0.02
+    out["bf16"] = (w.to(torch.bfloat16),)
+    q, s, ts = quantize_nvfp4(w)
+    out["nvfp4"] = (q, s, ts.expand(n).contiguous())
+    del w
+    for name, qtype in (("q6_k", Q.Q6_K), ("q5_k", Q.Q5_K)):
+        data = random_blocks(qtype, n, k, seed=n + k, scale=1e-3).to(dev)
+        out[name] = (data,)
+        codes, scales, zeros, _, group = int_layout_runs([(data, int(qtype))])
+        out[f"{name}_int8"] = (codes, scales, zeros, torch.tensor(group))
+    return out
+
+
+FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
+
+
+def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | None = None):
+    if fmt == "bf16":
+        return lambda: gemv(x, a[0])
+    if fmt == "nvfp4":
+        return lambda: nvfp4_gemv(x, *a, config=config)
+    if fmt == "nvfp4_dequant":
+        k = x.shape[-1]
+        return lambda: F.linear(x, dequantize_nvfp4(*a)[:, :k].to(x.dtype))
+    if fmt in ("q6_k", "q5_k"):
+        qtype = Q.Q6_K if fmt == "q6_k" else Q.Q5_K
+        return lambda: gguf_gemv(x, a[0], qtype, config=config)
+    group = int(a[3])
+    return lambda: int_gemv(x, a[0], a[1], a[2], 8, group)
+
+
+def grid(m: int) -> list[dict]:
+    """The launch configurations --sweep tries at m rows."""
+    out = []
+    for dot, block_n, split_k, warps in itertools.product(
+            (False, True) if m > 1 else (False,), (4, 8, 16, 32, 64), (1, 2, 4, 8), (4, 8)):
+        if dot and block_n < 16 or not dot and block_n * m > 64:
+            continue
+        out.append({"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": dot,
+                    "num_warps": warps, "num_stages": 2 if dot else 1})
+    return out
+
+
+def sweep(fmt: str, x: torch.Tensor, sets: list[tuple[torch.Tensor, ...]], calls: int,
+          deadline: float) -> dict:
+    """The fastest configuration of the grid that matches the reference, and its time."""
+    a = sets[0]
+    if fmt == "nvfp4":
+        ref = nvfp4_gemv_ref(x, *a).float()
+    else:
+        ref = gguf_gemv_ref(x, a[0], Q.Q6_K if fmt == "q6_k" else Q.Q5_K).float()
+    tol = 2e-2 * ref.abs().max().item()
+    best: dict = {"config": None, "us": float("inf"), "tried": 0, "failed": 0}
+    for cfg in grid(x.shape[0]):
+        if time.monotonic() > deadline:
+            best["budget"] = True
+            break
+        best["tried"] += 1
+        try:
+            got = call(fmt, x, a, cfg)().float()
+            if not torch.allclose(got, ref, rtol=2e-2, atol=tol):
+                raise ValueError("does not match the reference")
+            t = time_calls([call(fmt, x, s, cfg) for s in sets], calls)
+        except Exception:  # a configuration that cannot compile or run is skipped
+            best["failed"] += 1
+            continue
+        if t * 1e6 < best["us"]:
+            best.update(config=cfg, us=t * 1e6)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time a grid of launch configurations per new GEMV")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="--sweep stops trying configurations after this many seconds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one tiny shape, on the CPU without a GPU")
+    args = ap.parse_args()
+    dev = tune_device("gemv_fp4_gguf_speed", args.smoke)
+    torch.manual_seed(0)
+    # the interpreter takes fp16 where the GPU runs bf16
+    dtype = torch.bfloat16 if dev.device.type == "cuda" else torch.float16
+    shapes = {"smoke": (24, 512)} if dev.out_dir else {s: SHAPES[s] for s in args.shapes}
+    rows_list = [1, 2] if dev.out_dir else args.rows
+    rotate = 0 if dev.out_dir else ROTATE_BYTES
+    bw = device_bandwidth(dev)
+    rows = []
+    deadline = time.monotonic() + args.budget_s
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{'shape':8} {'m':>2} {'format':14} {'us':>8} {'MB':>7} {'frac':>6} {'speedup':>7}")
+    for shape, (n, k) in shapes.items():
+        formats = weights(n, k, dev.device)
+        for m in rows_list:
+            x = torch.randn(m, k, device=dev.device, dtype=dtype)
+            times, entries = {}, []
+            for fmt in ("bf16", "nvfp4", "nvfp4_dequant", "q6_k", "q6_k_int8", "q5_k",
+                        "q5_k_int8"):
+                stored = formats["nvfp4" if fmt == "nvfp4_dequant" else fmt]
+                size = nbytes(stored[:3])
+                sets = copies(stored, rotate)
+                fns = [call(fmt, x, a) for a in sets]
+                calls = 1 if dev.out_dir else max(len(fns), 20 if "dequant" in fmt else 200)
+                t = times[fmt] = time_calls(fns, calls)
+                entries.append({"shape": shape, "n": n, "k": k, "m": m, "format": fmt,
+                                "us": t * 1e6, "bytes": size,
+                                "bits_per_weight": size * 8 / n / k,
+                                "fraction_of_copy_bw": size / t / bw,
+                                "replaces": REPLACES.get(fmt), "speedup_vs_replaced": None})
+                if args.sweep and fmt in FMT_IDS:
+                    best = sweep(fmt, x, sets, calls, deadline)
+                    best["default"] = block_gemv_config(FMT_IDS[fmt], m, n, k, x.device)
+                    if best["config"] is None:  # none ran
+                        best.update(us=None, fraction_of_copy_bw=None)
+                    else:
+                        best["fraction_of_copy_bw"] = size / (best["us"] * 1e-6) / bw
+                    entries[-1]["sweep"] = best
+                    print(f"  sweep {fmt} m{m}: best {best['us']} us "
+                          f"({best['fraction_of_copy_bw']}) {best['config']}", flush=True)
+                del fns, sets
+            for e in entries:
+                if e["replaces"]:
+                    e["speedup_vs_replaced"] = times[e["replaces"]] / times[e["format"]]
+                speedup = e["speedup_vs_replaced"]
+                print(f"{shape:8} {m:2} {e['format']:14} {e['us']:8.2f} {e['bytes'] / 1e6:7.2f} "
+                      f"{e['fraction_of_copy_bw']:6.3f} "
+                      f"{'' if speedup is None else f'{speedup:7.2f}'}", flush=True)
+            rows.extend(entries)
+        del formats
+        if dev.device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = dev.path("gemv-fp4-gguf-smoke.json") if dev.out_dir else args.out
+    if out:
+        save_json({"machine": machine_info(dev.device.type), "copy_bandwidth_Bps": bw,
+                   "rows": rows}, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Block-scaled weights read at their own bits on CUDA: NVFP4 (4.5 bits a weight: E2M1 codes,
+an E4M3 scale per 16, a float32 scale per tensor) and GGUF Q6_K (6.56 bits: 210 bytes per 256)
+and Q5_K (5.5 bits: 176 bytes per 256), as stored.
+
+- `block_gemv`: y = x W^T (+ b) for 1..8 rows of x (decode), the stored bytes decoded in
+  registers (gemv_block_triton.py); FMA for one or two rows, tensor cores above (the weight tile
+  rounded to x's dtype: exact for NVFP4, whose e2m1 * e4m3 products have 6 significant bits;
+  GGUF tiles add their rounding error as a second bf16/fp16 operand, weights to ~16 bits).
+  Split-K with gemv.py's last-arriver reduction. No host syncs: CUDA-graph safe.
+- `nvfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written into a given buffer.
+  Larger batches (`nvfp4_linear` / `gguf_linear`) dequantize up to SCRATCH_BYTES of whole rows
+  at a time into one scratch buffer per device and dtype, reused by every layer, and multiply
+  each chunk: no allocation the size of a weight per call, 32 MiB of memory in all.
+
+The references (`*_ref`) dequantize with ops/fp4.py and ops/dequant.py, then multiply in
+float32. Launch configurations come from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k",
+"gemv_q5_k") over `default_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from skyline.ops import gemv_block_triton as kernels
+from skyline.ops.dequant import dequantize_ref
+from skyline.ops.fp4 import dequantize_nvfp4
+from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
+from skyline.ops.triton_utils import interpreted, triton
+from skyline.ops.tuning import get_config
+
+NVFP4, Q6_K, Q5_K = 0, 1, 2  # FORMAT
+FORMAT_NAMES = {NVFP4: "nvfp4", Q6_K: "q6_k", Q5_K: "q5_k"}
+GGUF_FORMATS = {14: Q6_K, 13: Q5_K}  # ggml type id -> FORMAT
+_BLOCK_BYTES = {Q6_K: 210, Q5_K: 176}  # bytes per super-block of 256
+SUPER = 256
+_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def block_gemv_ok(x: torch.Tensor) -> bool:
+    """Whether block_gemv serves x: CUDA, bf16/fp16, 1..MAX_ROWS rows."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    return (triton is not None and x.is_cuda and x.dtype in _ACT_DTYPES
+            and 1 <= m <= MAX_ROWS)
+
+
+def nvfp4_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   tensor_scale: torch.Tensor, bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """x [..., K] times NVFP4 weights (ops/fp4.dequantize_nvfp4's layout, tensor_scale [N])
+    -> [..., N] in x's dtype, float32 products."""
+    w = dequantize_nvfp4(qweight, scales, tensor_scale)[:, : x.shape[-1]]
+    return _linear_ref(x, w, bias)
+
+
+def gguf_gemv_ref(x: torch.Tensor, data: torch.Tensor, qtype: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times a GGUF tensor's raw blocks [N, bytes_per_row] -> [..., N] in x's
+    dtype, float32 products."""
+    return _linear_ref(x, dequantize_ref(data, qtype), bias)
+
+
+def _linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def default_config(fmt: int, m: int, n: int, k: int, num_sms: int = 132) -> dict:
+    """A launch configuration for shapes without a tuned entry: FMA for one row (NVFP4: two),
+    tensor cores above (bench/kernels/gemv_block_ptx_count.py: GGUF's FMA tiles at two rows take
+    1.3-2.2x the instructions of a DOT tile); tiles of 256 columns (GGUF: one super-block), split
+    K until about four programs per SM, keeping at least four K tiles per split."""
+    use_dot = m > (2 if fmt == NVFP4 else 1)
+    block_k = SUPER
+    block_n = 32 if use_dot else (8 if m == 1 else 4)
+    split_k = 1
+    while (_cdiv(n, block_n) * split_k < 4 * num_sms
+           and k // (2 * split_k) >= 4 * block_k and split_k < 16):
+        split_k *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": use_dot,
+            "num_warps": 4, "num_stages": 2 if use_dot else 1}
+
+
+@functools.cache
+def block_gemv_config(fmt: int, m: int, n: int, k: int, device: torch.device) -> dict:
+    """The tuned configuration on `device` if there is one, else default_config (cached)."""
+    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 132)
+    m = row_bucket(m)
+    return get_config(f"gemv_{FORMAT_NAMES[fmt]}", f"{n}x{k}:m{m}",
+                      default_config(fmt, m, n, k, num_sms))
+
+
+def nvfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (1..MAX_ROWS rows) times NVFP4 weights: codes uint8 [N, Kp / 2], E4M3 scales
+    [N, Kp / 16], float32 tensor_scale [N] (Kp >= K a multiple of 16) -> [..., N] in x's
+    dtype."""
+    n, k = qweight.shape[0], x.shape[-1]
+    if (qweight.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn
+            or scales.shape != (n, qweight.shape[1] // 8) or qweight.shape[1] % 8
+            or qweight.shape[1] * 2 < k or tensor_scale.numel() != n):
+        raise ValueError(f"nvfp4_gemv: qweight {qweight.dtype} {tuple(qweight.shape)}, scales "
+                         f"{scales.dtype} {tuple(scales.shape)}, tensor_scale "
+                         f"{tuple(tensor_scale.shape)} are not NVFP4 weights for K = {k}")
+    return _launch(NVFP4, x, qweight.contiguous(), scales.contiguous(),
+                   tensor_scale.reshape(-1).float().contiguous(), n, k, bias, config)
+
+
+def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int,
+              bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (1..MAX_ROWS rows) times a Q6_K / Q5_K tensor's raw blocks uint8
+    [N, K / 256 * block_bytes] -> [..., N] in x's dtype."""
+    fmt = _gguf_format(data, qtype, x.shape[-1])
+    data = data.contiguous()
+    return _launch(fmt, x, data, data, data, data.shape[0], x.shape[-1], bias, config)
+
+
+def _gguf_format(data: torch.Tensor, qtype: int, k: int) -> int:
+    fmt = GGUF_FORMATS.get(int(qtype))
+    if fmt is None:
+        raise ValueError(f"gguf_gemv: ggml type {int(qtype)} is not Q6_K or Q5_K")
+    if (data.dtype != torch.uint8 or data.dim() != 2 or k % SUPER
+            or data.shape[1] != k // SUPER * _BLOCK_BYTES[fmt]):
+        raise ValueError(f"gguf_gemv: {data.dtype} {tuple(data.shape)} are not "
+                         f"{FORMAT_NAMES[fmt].upper()} blocks of {k} columns")
+    return fmt
+
+
+def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+            tensor_scale: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+            config: dict | None) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("the block GEMV needs triton; use the *_ref functions")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"block gemv: bias {tuple(bias.shape)} does not match {n} outputs")
+    x2 = gemv_rows(x, k, "block gemv")
+    m = x2.shape[0]
+    cfg = config if config is not None else block_gemv_config(fmt, m, n, k, x.device)
+    block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
+    use_dot = bool(cfg["USE_DOT"])
+    _check_tile(fmt, block_n, block_k, use_dot, cfg)
+    num_tiles = _cdiv(n, block_n)
+    split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
+                                               f"block gemv config {cfg}")
+    block_m = 16 if use_dot else row_bucket(m)
+    k_iters = _cdiv(_cdiv(k, split_k), block_k)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if partial is None:
+        partial, counters = y, y
+    kernels.gemv_block_kernel[(num_tiles, split_k)](
+        x2, w, w.view(torch.float16) if fmt != NVFP4 else w, scales, tensor_scale,
+        bias if bias is not None else tensor_scale, y, partial, counters,
+        m, n, k, k_iters, split_k, x2.stride(0), w.stride(0), scales.stride(0),
+        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1, USE_DOT=use_dot,
+        W_LO=fmt != NVFP4, IEEE=x.dtype == torch.float32, EVEN_K=k % (split_k * block_k) == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
+        STATIC_ITERS=k_iters if interpreted() else 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _check_tile(fmt: int, block_n: int, block_k: int, use_dot: bool, cfg: dict) -> None:
+    if fmt != NVFP4 and block_k != SUPER:
+        raise ValueError(f"block gemv config {cfg}: GGUF tiles are one super-block, "
+                         f"BLOCK_K {SUPER}")
+    if fmt == NVFP4 and (block_k < 16 or block_k & (block_k - 1)):
+        raise ValueError(f"block gemv config {cfg}: NVFP4 needs BLOCK_K a power of two >= 16")
+    if use_dot and block_n < 16:
+        raise ValueError(f"block gemv config {cfg}: USE_DOT needs BLOCK_N >= 16")
+
+
+def nvfp4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """NVFP4 weights into out [N, K] (any float dtype, unit stride along K): dequantize_nvfp4's
+    values (rounded to out's dtype)."""
+    return _dequantize(NVFP4, qweight.contiguous(), qweight, scales.contiguous(),
+                       tensor_scale.reshape(-1).float().contiguous(), out)
+
+
+def gguf_dequantize(data: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
+    """A Q6_K / Q5_K tensor's raw blocks into out [N, K] (unit stride along K): dequantize_ref's
+    values (rounded to out's dtype)."""
+    fmt = _gguf_format(data, qtype, out.shape[1])
+    data = data.contiguous()
+    return _dequantize(fmt, data, data.view(torch.float16), data, data, out)
+
+
+def _dequantize(fmt: int, w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor,
+                tensor_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("the block dequantizer needs triton; use the references")
+    n, k = out.shape
+    if out.stride(1) != 1 or w.shape[0] != n:
+        raise ValueError(f"block dequantize: out {tuple(out.shape)} against {w.shape[0]} rows")
+    block_n = 16
+    kernels.dequant_block_kernel[(_cdiv(n, block_n), _cdiv(k, SUPER))](
+        w, h, scales, tensor_scale, out, n, k, w.stride(0), scales.stride(0), out.stride(0),
+        FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=SUPER, num_warps=4,
+    )
+    return out
+
+
+# Larger batches dequantize at most this many bytes of weights at a time (whole rows) into the
+# scratch buffer, then multiply: the buffer stays small (and may still sit in L2 when the matmul
+# reads it) however large the layer (an LM head of 128k rows would take 1 GB in bf16).
+SCRATCH_BYTES = 32 << 20
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [n, k] buffer of `dtype` shared by every layer on `device` (one stream runs them one
+    after another), grown to the largest request. Grown only outside a CUDA-graph capture: a
+    capture that asks for more than the eager runs did gets a buffer of its own."""
+    key = (device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n * k:
+        fresh = torch.empty(n * k, dtype=dtype, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return fresh.view(n, k)
+        buf = _SCRATCH[key] = fresh
+    return buf[: n * k].view(n, k)
+
+
+def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None,
+                    dequantize: Callable[[int, int, torch.Tensor], torch.Tensor],
+                    chunk_bytes: int) -> torch.Tensor:
+    """F.linear over a weight [n, K] that `dequantize(start, stop, out)` writes row by row into
+    out [stop - start, K]: chunks of whole rows of at most chunk_bytes in x's dtype (and at
+    least 16 rows), each through the scratch buffer and one matmul."""
+    k = x.shape[-1]
+    step = max(16, chunk_bytes // max(1, k * x.element_size()) // 16 * 16)
+    if step >= n:
+        w = dequantize(0, n, scratch_weight(n, k, x.dtype, x.device))
+        return F.linear(x, w, bias)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        w = dequantize(start, stop, scratch_weight(stop - start, k, x.dtype, x.device))
+        y[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
+    return y
+
+
+def nvfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 chunk_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+    """F.linear's contract over NVFP4 weights on CUDA: block_gemv for decode-sized batches,
+    else the weights dequantized chunk by chunk into the scratch buffer, each chunk one
+    matmul."""
+    if block_gemv_ok(x):
+        return nvfp4_gemv(x, qweight, scales, tensor_scale, bias)
+    ts = tensor_scale.reshape(-1)
+
+    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        return nvfp4_dequantize(qweight[start:stop], scales[start:stop], ts[start:stop], out)
+
+    return _chunked_linear(x, qweight.shape[0], bias, dequantize, chunk_bytes)
+
+
+def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int,
+                bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
+                ) -> torch.Tensor:
+    """F.linear's contract over Q6_K / Q5_K raw blocks on CUDA, as nvfp4_linear."""
+    if block_gemv_ok(x):
+        return gguf_gemv(x, data, qtype, bias)
+
+    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        return gguf_dequantize(data[start:stop], qtype, out)
+
+    return _chunked_linear(x, data.shape[0], bias, dequantize, chunk_bytes)

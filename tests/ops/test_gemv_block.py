@@ -1,0 +1,198 @@
+"""The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, GGUF Q6_K and Q5_K read as
+stored) against their references: rows 1..8, odd N, K not a multiple of the tile (NVFP4),
+FMA and tensor-core modes, split-K on and off, bias; the dequantizer exact (GGUF) against
+ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16 activations).
+
+Every stored tensor sits at the start of a larger buffer whose tail is 0xFF bytes (NaN scales),
+and NVFP4's padding columns past K hold random codes: a program that reads past a tensor, or
+gives padding a nonzero weight, fails the comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+triton = pytest.importorskip("triton")
+
+from skyline.bench.gguf_blocks import random_blocks  # noqa: E402
+from skyline.ops.dequant import dequantize_ref  # noqa: E402
+from skyline.ops.fp4 import dequantize_nvfp4  # noqa: E402
+from skyline.ops.gemv_block import (  # noqa: E402
+    NVFP4,
+    Q5_K,
+    Q6_K,
+    block_gemv_ok,
+    default_config,
+    gguf_dequantize,
+    gguf_gemv,
+    gguf_gemv_ref,
+    gguf_linear,
+    nvfp4_dequantize,
+    nvfp4_gemv,
+    nvfp4_gemv_ref,
+    nvfp4_linear,
+)
+from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+cuda = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+
+
+def guarded(t: torch.Tensor) -> torch.Tensor:
+    """t (on DEV) at the start of a buffer 4096 bytes longer whose tail is 0xFF."""
+    raw = t.contiguous().view(torch.uint8).reshape(-1)
+    buf = torch.full((raw.numel() + 4096,), 255, dtype=torch.uint8, device=DEV)
+    buf[: raw.numel()].copy_(raw)
+    return buf[: raw.numel()].view(t.dtype).view(t.shape)
+
+
+def nvfp4_weights(n: int, k: int, seed: int):
+    """(codes, scales, tensor_scale [N]) of random weights, guarded, random codes past K."""
+    g = torch.Generator().manual_seed(seed)
+    q, s, ts = quantize_nvfp4(torch.randn(n, k, generator=g) / k**0.5)
+    codes = torch.stack([q & 15, q >> 4], -1).flatten(-2)
+    codes[:, k:] = torch.randint(0, 16, (n, codes.shape[1] - k), generator=g, dtype=torch.uint8)
+    q = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    # a merged layer holds one tensor scale per row (each shard its own)
+    ts = ts.expand(n) * torch.linspace(0.5, 2.0, n)
+    return guarded(q.to(DEV)), guarded(s.to(DEV)), guarded(ts.contiguous().to(DEV))
+
+
+def gguf_weights(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
+    return guarded(random_blocks(qtype, n, k, seed).to(DEV))
+
+
+def cfg(block_n: int, block_k: int, split_k: int, dot: bool) -> dict:
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": dot,
+            "num_warps": 4, "num_stages": 1}
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    return x, b
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    rtol, atol = TOL[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    scale = max(1.0, ref.float().abs().max().item())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k,dot", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 7, 200, True), (2, 33, 64, False),
+                                        (5, 17, 200, False), (8, 16, 72, True)])
+def test_nvfp4_gemv_matches_reference(dtype, split_k, dot, m, n, k, bias):
+    q, s, ts = nvfp4_weights(n, k, seed=m * n + k)
+    x, b = operands(m, n, k, dtype, seed=k, bias=bias)
+    out = nvfp4_gemv(x, q, s, ts, b, config=cfg(16, 64, split_k, dot))
+    check(out, nvfp4_gemv_ref(x, q, s, ts, b))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,split_k,dot,bias", [(1, 5, 1, False, True), (2, 17, 2, False, False),
+                                                  (4, 17, 3, True, True), (8, 9, 1, True, False)])
+def test_gguf_gemv_matches_reference(qtype, dtype, m, n, split_k, dot, bias):
+    # K = 768: three super-blocks, so three splits leave one empty tile past K for split 2... 3
+    data = gguf_weights(qtype, n, 768, seed=n)
+    x, b = operands(m, n, 768, dtype, seed=m, bias=bias)
+    out = gguf_gemv(x, data, qtype, b, config=cfg(16 if dot else 4, 256, split_k, dot))
+    check(out, gguf_gemv_ref(x, data, qtype, b))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
+def test_gguf_dequantize_is_exact(qtype):
+    data = gguf_weights(qtype, 19, 512, seed=3)
+    out = torch.full((19, 512), float("nan"), device=DEV)
+    assert torch.equal(gguf_dequantize(data, qtype, out), dequantize_ref(data, qtype))
+
+
+def test_nvfp4_dequantize_matches_the_format():
+    q, s, ts = nvfp4_weights(21, 200, seed=5)
+    out = torch.full((21, 200), float("nan"), device=DEV)
+    want = dequantize_nvfp4(q, s, ts)[:, :200]
+    torch.testing.assert_close(nvfp4_dequantize(q, s, ts, out), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 16 * 512 * 4 * 2, 1 << 30])
+def test_linear_dequantizes_in_chunks_of_rows(chunk_bytes):
+    # More rows than the GEMV takes: the weights go through the scratch buffer in chunks of
+    # 16 rows (smallest), 32 rows (a last chunk of 5) or whole, each chunk one matmul.
+    x, b = operands(12, 37, 512, torch.float32, seed=2, bias=True)
+    q, s, ts = nvfp4_weights(37, 512, seed=2)
+    check(nvfp4_linear(x, q, s, ts, b, chunk_bytes=chunk_bytes), nvfp4_gemv_ref(x, q, s, ts, b))
+    for qtype in (Q.Q6_K, Q.Q5_K):
+        data = gguf_weights(qtype, 37, 512, seed=2)
+        check(gguf_linear(x, data, qtype, b, chunk_bytes=chunk_bytes),
+              gguf_gemv_ref(x, data, qtype, b))
+
+
+def test_default_configs_are_valid_launches():
+    for fmt in (NVFP4, Q6_K, Q5_K):
+        for m in (1, 2, 4, 8):
+            c = default_config(fmt, m, 4096, 4096)
+            assert c["BLOCK_K"] == 256 and c["USE_DOT"] == (m > (2 if fmt == NVFP4 else 1))
+            assert c["BLOCK_N"] >= (16 if c["USE_DOT"] else 1)
+            assert 4096 // c["SPLIT_K"] >= 4 * c["BLOCK_K"]
+
+
+def test_bad_inputs_say_what_is_wrong():
+    q, s, ts = nvfp4_weights(4, 64, seed=0)
+    x = torch.randn(1, 64, device=DEV)
+    with pytest.raises(ValueError, match="not NVFP4 weights"):
+        nvfp4_gemv(x, q, s.view(torch.uint8), ts)
+    with pytest.raises(ValueError, match="not Q6_K or Q5_K"):
+        gguf_gemv(torch.randn(1, 256, device=DEV), random_blocks(Q.Q4_K, 2, 256, 0), Q.Q4_K)
+    with pytest.raises(ValueError, match="not Q6_K blocks of 512 columns"):
+        gguf_gemv(torch.randn(1, 512, device=DEV), gguf_weights(Q.Q6_K, 2, 256, 0), Q.Q6_K)
+    with pytest.raises(ValueError, match="1..8 rows"):
+        nvfp4_gemv(torch.randn(9, 64, device=DEV), q, s, ts)
+    with pytest.raises(ValueError, match="GGUF tiles are one super-block"):
+        gguf_gemv(torch.randn(1, 256, device=DEV), gguf_weights(Q.Q5_K, 2, 256, 0), Q.Q5_K,
+                  config=cfg(4, 128, 1, False))
+
+
+def test_gemv_is_only_taken_on_cuda_for_16_bit_decode_batches():
+    assert not block_gemv_ok(torch.randn(1, 64, dtype=torch.float16))  # CPU
+    if DEV == "cuda":
+        assert block_gemv_ok(torch.randn(8, 64, dtype=torch.bfloat16, device=DEV))
+        assert not block_gemv_ok(torch.randn(9, 64, dtype=torch.bfloat16, device=DEV))
+        assert not block_gemv_ok(torch.randn(2, 64, device=DEV))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 40])
+def test_linear_paths_on_cuda_match_the_references(rows):
+    # default configurations (split K, both modes) at a real-ish shape; 40 rows: the scratch
+    # buffer and one matmul
+    q, s, ts = nvfp4_weights(1000, 2048, seed=rows)
+    x, b = operands(rows, 1000, 2048, torch.bfloat16, seed=rows, bias=True)
+    check(nvfp4_linear(x, q, s, ts, b), nvfp4_gemv_ref(x, q, s, ts, b))
+    for qtype in (Q.Q6_K, Q.Q5_K):
+        data = gguf_weights(qtype, 1000, 2048, seed=rows)
+        check(gguf_linear(x, data, qtype, b), gguf_gemv_ref(x, data, qtype, b))
+
+
+@pytest.mark.cuda
+@cuda
+def test_gemvs_replay_in_a_cuda_graph():
+    q, s, ts = nvfp4_weights(4096, 4096, seed=1)
+    data = gguf_weights(Q.Q6_K, 4096, 4096, seed=1)
+    x = torch.randn(2, 4096, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):  # warm: compile, and the split-K counters exist before the capture
+        nvfp4_gemv(x, q, s, ts), gguf_gemv(x, data, Q.Q6_K)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y1, y2 = nvfp4_gemv(x, q, s, ts), gguf_gemv(x, data, Q.Q6_K)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    check(y1, nvfp4_gemv_ref(x, q, s, ts))
+    check(y2, gguf_gemv_ref(x, data, Q.Q6_K))
