@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "deploy": {"engine", "server", "router", "config", "envs", "progress", "types"},
     # `skyline tune`: runs its workload through the engine's public API and times the kernels
     # (ops) with the bench's timing and floors; writes the user's tables through ops/tuning.py
-    "tune": {"engine", "bench", "ops", "config", "types"},
+    "tune": {"engine", "bench", "ops", "config", "envs", "types"},
 }
 ANYTHING = {"cli", "cli_args", "__init__"}
 # router may use the server's protocol module only

@@ -20,7 +20,7 @@ FAMILIES: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
     "gemv_quant": ("matmul", None, ("gemv_quant_kernel", "gemv_int_fma_kernel",
                                     "gemv_int4_a8_kernel", "quantize_x_words_kernel")),
     "moe": ("matmul", None, ("grouped_matmul_kernel",)),
-    "attention": ("attention", None, ("paged_decode_kernel", "combine_splits_kernel",
+    "attention": ("attention", "attention", ("paged_decode_kernel", "combine_splits_kernel",
                                       "paged_prefill_kernel", "scaled_dot_product",
                                       "flash_attention", "aten::bmm", "aten::baddbmm",
                                       "aten::_softmax", "aten::_safe_softmax")),
@@ -53,7 +53,7 @@ def tuner_of(family: str, device_type: str) -> str | None:
     tuner = FAMILIES[family][1] if family in FAMILIES else None
     if tuner == "cpu_linear":
         return tuner if device_type == "cpu" else None  # cuBLAS has no knobs of ours
-    return tuner if device_type == "cuda" else None
+    return tuner if device_type == "cuda" else None  # Triton kernels: a GPU's only
 
 
 def by_family(kernels: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -1,10 +1,12 @@
 """`skyline tune`: measure, rank, tune, re-measure, keep or revert, report (the package's
-docstring says how). Writes this user's kernel cache (ops/tuning.py) and a JSON report."""
+docstring says how). Writes this user's kernel cache (ops/tuning.py) and a JSON report.
+
+Every measurement is a fresh engine in a process of its own (fresh.py), which reads the tables
+as they are on disk; this process measures the device's peaks and runs the kernel tuners."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import platform
 import sys
 import time
@@ -13,16 +15,17 @@ from typing import Any
 
 import torch
 
+from skyline import envs
 from skyline.bench.floor import copy_bandwidth, matmul_peak
 from skyline.bench.offline import machine_info, save_json
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
 from skyline.engine.create import resolve_device
-from skyline.engine.frontend.llm import LLM
 from skyline.ops import tuning
 from skyline.tune import rank as ranking
+from skyline.tune.fresh import Fresh, measure_fresh
 from skyline.tune.loop import CacheFile, LoopSpec, Tuner, ranking_table, run_rounds
-from skyline.tune.workload import Measurement, Workload, measure
+from skyline.tune.workload import Measurement, Workload
 
 
 @dataclass(frozen=True)
@@ -53,74 +56,77 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
     cache = CacheFile(tuning.user_config_path(device), device)
     cache.check()  # one sentence now, not after minutes of measuring
     peak, bandwidth = _peaks(where)
-    llm = LLM(**dataclasses.asdict(args))
-    arch, dtype = llm.config.model.arch, llm.config.model.dtype
-    work = wl.work(llm.query("model_cost"))
     print(f"{device}: matmul peak {peak / 1e12:.3g} TFLOP/s, copy bandwidth "
-          f"{bandwidth / 1e12:.3g} TB/s (measured now); tuned configs go to "
-          f"{tuning.user_config_path(device)}", flush=True)
+          f"{bandwidth / 1e12:.3g} TB/s (measured now); tuned configs go to {cache.path}",
+          flush=True)
+    seeds = iter(range(1 << 30))
+
+    def fresh() -> Fresh:
+        f = measure_fresh(args, wl, next(seeds), envs.ENV.kernel_cache_dir)
+        m = f.measurement
+        print(f"end to end {m.total_s:.4g} s ({_phases(m)})", flush=True)
+        return f
+
+    first = fresh()
+    work = wl.work(first.cost)
 
     def ranked(m: Measurement) -> list[dict[str, Any]]:
         phases = {p: ranking.by_family(k) for p, k in m.kernels.items()}
         return ranking.rank(phases, work, peak, bandwidth, device_type)
 
-    first = measure(llm, wl, profile=True)
-    _close(llm)
-    del llm  # its memory before the next engine's
-    rank_first = ranked(first)
-    print(f"end to end {first.total_s:.4g} s ({_phases(first)})\n{ranking_table(rank_first)}",
-          flush=True)
-    seed = iter(range(1, 1 << 30))
-
     def remeasure() -> tuple[Measurement, list[dict[str, Any]]]:
-        fresh = LLM(**dataclasses.asdict(args))  # reads the cache as it is now
-        try:
-            m = measure(fresh, wl, profile=True, seed=next(seed))
-        finally:
-            _close(fresh)
-        print(f"end to end {m.total_s:.4g} s ({_phases(m)})", flush=True)
+        m = fresh().measurement
         return m, ranked(m)
 
+    rank_first = ranked(first.measurement)
+    print(ranking_table(rank_first), flush=True)
     meta = {"date": _date(), "command": spec.command, "torch": torch.__version__,
             "triton": _triton_version()}
-    rounds = run_rounds(spec.loop, first, rank_first, remeasure,
-                        _tuners(device_type, arch, dtype, wl, spec.smoke), cache, meta)
+    rounds = run_rounds(spec.loop, first.measurement, rank_first, remeasure,
+                        _tuners(device_type, first, wl, spec.smoke), cache, meta)
     kept = [r for r in rounds if r["kept"]]
-    final = kept[-1]["e2e_s_after"] if kept else first.total_s
+    e2e = first.measurement.total_s
+    final = kept[-1]["e2e_s_after"] if kept else e2e
     report = {
         "benchmark": "tune", "date": meta["date"], "command": spec.command, "device": device,
-        "model": args.model, "machine": {**machine_info(where),
-                                         "processor": platform.processor(),
+        "model": args.model, "machine": {**machine_info(where), "processor": platform.processor(),
                                          "triton": meta["triton"]},
         "matmul_peak_TFLOPs": peak / 1e12, "copy_bandwidth_TBps": bandwidth / 1e12,
         "workload": dataclasses.asdict(wl), "loop": dataclasses.asdict(spec.loop),
-        "phase_s": first.phase_s, "e2e_s": first.total_s, "e2e_s_final": final,
-        "speedup": first.total_s / final, "ranking": rank_first, "rounds": rounds,
-        "cache_file": str(tuning.user_config_path(device)),
-        "cache": tuning.tables(device), "wall_s": time.time() - t0,
+        "phase_s": first.measurement.phase_s, "e2e_s": e2e, "e2e_s_final": final,
+        "speedup": e2e / final, "ranking": rank_first, "rounds": rounds,
+        "cache_file": str(cache.path), "cache": tuning.tables(device),
+        "wall_s": time.time() - t0,
     }
-    print(f"end to end {first.total_s:.4g} s -> {final:.4g} s "
-          f"({first.total_s / final:.3f}x); {len(kept)} of {len(rounds)} rounds kept")
+    print(f"end to end {e2e:.4g} s -> {final:.4g} s ({e2e / final:.3f}x); {len(kept)} of "
+          f"{len(rounds)} rounds kept")
     save_json(report, spec.out)
     return report
 
 
-def _tuners(device_type: str, arch: Any, dtype: str, wl: Workload, smoke: bool
-            ) -> dict[str, Tuner]:
+def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool) -> dict[str, Tuner]:
     if device_type == "cpu":
         from skyline.tune.cpu import tune_cpu
 
-        return {"cpu_linear": lambda row, left: tune_cpu(arch, wl.batch, left, smoke)}
+        return {"cpu_linear": lambda row, left: tune_cpu(first.arch, wl.batch, left, smoke)}
+
+    from skyline.bench.tuners import tune_device
 
     def gemv(row: dict[str, Any], left: float) -> dict[str, dict[str, dict[str, Any]]]:
-        from skyline.bench.tuners import tune_device
         from skyline.tune.gemv import tune_model
 
         rows = [1] + ([wl.batch] if wl.batch > 1 else [])
-        torch_dtype = getattr(torch, dtype)
-        return tune_model(arch, rows, left, tune_device("skyline tune", smoke), torch_dtype)
+        return tune_model(first.arch, rows, left, tune_device("skyline tune", smoke),
+                          getattr(torch, first.dtype))
 
-    return {"gemv": gemv}
+    def attention(row: dict[str, Any], left: float) -> dict[str, dict[str, dict[str, Any]]]:
+        from skyline.tune.attention import tune_model
+
+        return tune_model(first.arch, first.kv_cache_dtype, first.block_size,
+                          sorted({1, wl.batch}), [wl.context], left,
+                          tune_device("skyline tune", smoke), prefill_len=wl.prefill_len)
+
+    return {"gemv": gemv, "attention": attention}
 
 
 def _peaks(where: str) -> tuple[float, float]:
@@ -129,14 +135,6 @@ def _peaks(where: str) -> tuple[float, float]:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return peak, bandwidth
-
-
-def _close(llm: LLM) -> None:
-    llm.shutdown()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _phases(m: Measurement) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from skyline.model.cost import ModelCost
+from skyline.engine.cost import ModelCost
 from skyline.tune import rank
 
 COST = ModelCost(linear_params=1000, head_params=100, weight_bytes=2200,
