@@ -89,9 +89,10 @@ def int4_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int
 
 
 def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+             threads: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The CPU plan's entry for this machine: {"int4_rows", "threads"} measured now, for the
-    plan's family (the key of the table)."""
+    plan's family (the key of the table); `threads` given (--threads): that count, not
+    tuned."""
     plan = cpu_plan.plan()
     shapes = model_linears(arch)
     min_s = 0.005 if smoke else max(0.02, min(0.2, budget_s / 60))
@@ -101,7 +102,7 @@ def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
     # runs it above int4_rows, at each candidate count
     cores = os.cpu_count() or 1
     current = torch.get_num_threads()
-    counts = sorted({1, max(1, cores // 2), cores, current})
+    counts = [threads] if threads else sorted({1, max(1, cores // 2), cores, current})
     copies = _copies(shapes, plan.dtype.itemsize)  # the same layers for both kernels
     dense = dense_pass(shapes, plan.dtype, copies)
     runs = [dense(1), dense(min(batch, 64))]
@@ -112,10 +113,11 @@ def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
             by_threads[t] = sum(_seconds(run, min_s) for run in runs)
     finally:
         torch.set_num_threads(current)
-    out["threads"] = min(by_threads, key=by_threads.__getitem__)
+    if not threads:  # --threads wins over the plan's count: nothing to store
+        out["threads"] = min(by_threads, key=by_threads.__getitem__)
     log("  threads: " + ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in by_threads.items()))
     if plan.int4_rows > 0 and cpu_int4.has_kernel():
-        torch.set_num_threads(out["threads"])
+        torch.set_num_threads(min(by_threads, key=by_threads.__getitem__))
         try:
             i4 = int4_pass(shapes, plan.dtype, copies)
             wins = 0

@@ -62,6 +62,8 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
     seeds = iter(range(1 << 30))
 
     def fresh() -> Fresh:
+        if on_gpu:
+            torch.cuda.empty_cache()  # what the tuners held, for the measuring engine
         f = measure_fresh(args, wl, next(seeds), envs.ENV.kernel_cache_dir)
         m = f.measurement
         print(f"end to end {m.total_s:.4g} s ({_phases(m)})", flush=True)
@@ -83,7 +85,7 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
     meta = {"date": _date(), "command": spec.command, "torch": torch.__version__,
             "triton": _triton_version()}
     rounds = run_rounds(spec.loop, first.measurement, rank_first, remeasure,
-                        _tuners(device_type, first, wl, spec.smoke), cache, meta)
+                        _tuners(device_type, first, wl, spec.smoke, args.threads), cache, meta)
     kept = [r for r in rounds if r["kept"]]
     e2e = first.measurement.total_s
     final = kept[-1]["e2e_s_after"] if kept else e2e
@@ -104,11 +106,13 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
     return report
 
 
-def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool) -> dict[str, Tuner]:
+def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool, threads: int | None
+            ) -> dict[str, Tuner]:
     if device_type == "cpu":
         from skyline.tune.cpu import tune_cpu
 
-        return {"cpu_linear": lambda row, left: tune_cpu(first.arch, wl.batch, left, smoke)}
+        return {"cpu_linear": lambda row, left: tune_cpu(first.arch, wl.batch, left, smoke,
+                                                         threads)}
 
     from skyline.bench.tuners import tune_device
 
