@@ -47,9 +47,13 @@ def measure_fresh(args: EngineArgs, wl: Workload, seed: int, cache_dir: str,
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps({"args": dataclasses.asdict(args),
                                    "workload": dataclasses.asdict(wl), "seed": seed}))
-        env = {**os.environ, "SKYLINE_KERNEL_CACHE": cache_dir}
+        root = str(Path(__file__).resolve().parents[2])  # this skyline, wherever it runs from
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "SKYLINE_KERNEL_CACHE": cache_dir, "PYTHONPATH": path}
         proc = subprocess.run([sys.executable, "-m", "skyline.tune.fresh", str(req), str(res)],
                               env=env, capture_output=True, text=True, timeout=timeout_s)
+        if res.exists() and "error" in (out := json.loads(res.read_text())):
+            raise ValueError(out["error"])  # a user's error (a flag, memory): its sentence
         if proc.returncode != 0 or not res.exists():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
             raise RuntimeError("the measuring engine failed (exit code "
@@ -67,7 +71,11 @@ def _child(request: str, result: str) -> None:
 
     req = json.loads(Path(request).read_text())
     args = EngineArgs(**req["args"])
-    llm = LLM(**dataclasses.asdict(args))
+    try:
+        llm = LLM(**dataclasses.asdict(args))
+    except ValueError as e:  # ConfigError among them: one sentence for the parent to show
+        Path(result).write_text(json.dumps({"error": str(e)}))
+        sys.exit(1)
     try:
         m = measure(llm, Workload(**req["workload"]), profile=True, seed=req["seed"])
         cfg = llm.config

@@ -83,3 +83,13 @@ def test_parallel_flags_are_refused():
     with pytest.raises(SystemExit) as e:
         cli.main([*small(""), "--tensor-parallel-size", "2"])
     assert "measures one device" in str(e.value.code)
+
+
+def test_an_engine_error_in_the_measuring_process_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv("SKYLINE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(envs, "ENV", envs.Env.read())
+    with pytest.raises(SystemExit) as e:
+        cli.main([*small(""), "--block-size", "3"])
+    msg = str(e.value.code)
+    assert msg.startswith("skyline: error: --block-size must be a power of two")
+    assert "\n" not in msg
