@@ -103,11 +103,18 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
 
 
 def _cmd_tune(ns: argparse.Namespace) -> None:
+    from skyline.engine.create import resolve_device
     from skyline.tune.loop import LoopSpec
     from skyline.tune.run import TuneSpec, run_tune
     from skyline.tune.workload import Workload
 
     extra = {}
+    sizes = {"batch": 32, "context": 1024, "prefill_len": 2048, "decode_steps": 32}
+    if not ns.smoke and not resolve_device(ns.device).startswith("cuda"):
+        sizes = {"batch": 8, "context": 256, "prefill_len": 512, "decode_steps": 16}
+    for name, default in sizes.items():  # what the flags left out, for this device
+        if getattr(ns, name) is None:
+            setattr(ns, name, default)
     if ns.smoke:
         import tempfile
 

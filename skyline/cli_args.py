@@ -236,8 +236,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
-    """`skyline tune`: its loop and the workload it measures (defaults: a GPU's; a CPU's are
-    smaller where the flag is left out)."""
+    """`skyline tune`: its loop and the workload it measures (a CPU's defaults are smaller)."""
     g = p.add_argument_group("tune")
     g.add_argument("--budget-s", type=float_in(0, lo_open=True), default=300.0,
                    help="seconds of tuning and re-measuring, after the first measurement")
@@ -246,14 +245,18 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-gain", type=float_in(0, 1), default=0.01,
                    help="a round's tables are kept if end to end gets faster by more than "
                         "this fraction")
-    g.add_argument("--batch", type=POSITIVE, default=32,
-                   help="sequences decoding at once in the batched decode phase")
-    g.add_argument("--context", type=POSITIVE, default=1024,
-                   help="their context (prompt tokens) as they decode")
-    g.add_argument("--prefill-len", type=POSITIVE, default=2048,
-                   help="tokens of the prompt whose prefill is measured")
-    g.add_argument("--decode-steps", type=POSITIVE, default=32,
-                   help="decode steps timed in each decode phase")
+    g.add_argument("--batch", type=POSITIVE, default=None,
+                   help="sequences decoding at once in the batched decode phase (default: 32 "
+                        "on a GPU, 8 on a CPU)")
+    g.add_argument("--context", type=POSITIVE, default=None,
+                   help="their context (prompt tokens) as they decode (default: 1024 on a "
+                        "GPU, 256 on a CPU)")
+    g.add_argument("--prefill-len", type=POSITIVE, default=None,
+                   help="tokens of the prompt whose prefill is measured (default: 2048 on a "
+                        "GPU, 512 on a CPU)")
+    g.add_argument("--decode-steps", type=POSITIVE, default=None,
+                   help="decode steps timed in each decode phase (default: 32 on a GPU, 16 "
+                        "on a CPU)")
     g.add_argument("--reps", type=POSITIVE, default=3,
                    help="each phase's time is the median of this many runs")
     g.add_argument("--out", default=None, help="JSON report (default: none)")
