@@ -92,7 +92,8 @@ def run_rounds(spec: LoopSpec, first: Measurement, ranked: list[dict[str, Any]],
         log(f"round {i}: tuning {target['family']} ({target['share']:.0%} of the profiled "
             f"time, {_frac(target['floor_fraction'])} of its floor), {left:.0f} s left")
         saved = cache.snapshot()
-        configs = tuners[target["tuner"]](target, left)
+        # half of what is left: the re-measure and later rounds need the rest
+        configs = tuners[target["tuner"]](target, left / 2)
         if not configs:
             log(f"round {i}: the {target['tuner']} tuner found nothing to change")
             rounds.append(_record(i, target, None, before, None, kept=False,
