@@ -242,9 +242,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of tuning and re-measuring, after the first measurement")
     g.add_argument("--rounds", type=POSITIVE, default=3,
                    help="families tuned at most, the one losing the most time first")
-    g.add_argument("--min-gain", type=float_in(0, 1), default=0.01,
-                   help="a round's tables are kept if end to end gets faster by more than "
-                        "this fraction")
+    g.add_argument("--min-gain", type=float_in(0, 1), default=0.02,
+                   help="a round's tables are kept if the phases its kernels run in get "
+                        "faster by more than this fraction")
     g.add_argument("--batch", type=POSITIVE, default=None,
                    help="sequences decoding at once in the batched decode phase (default: 32 "
                         "on a GPU, 8 on a CPU)")

@@ -1,6 +1,7 @@
 """Rounds of the tune loop: the worst family with a tuner is tuned, its winners written to this
 user's kernel cache, the workload re-measured end to end, and the new table kept only if the
-workload got faster (else the cache file is restored as it was).
+phases the family runs in got faster by more than `min_gain` (else the cache file is restored
+as it was).
 
 The loop is given its measurements and tuners as functions, so that it is the same on a GPU
 and a CPU, and tests can inject the figures.
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from skyline.ops import tuning
+from skyline.tune.rank import family_of
 from skyline.tune.workload import Measurement
 
 # A tuner: (the family's ranking row, seconds it may take) -> {kernel: {key: config}} to write.
@@ -101,15 +103,29 @@ def run_rounds(spec: LoopSpec, first: Measurement, ranked: list[dict[str, Any]],
             continue
         cache.write(configs, {**meta, "round": i, "family": target["family"]})
         after, rank_after = measure()
-        kept = after.total_s < before.total_s * (1 - spec.min_gain)
+        # judged on the phases whose profile the family's kernels are in: a table cannot change
+        # the others, whose run-to-run noise would only blur the verdict
+        phases = phases_of(before, target["family"])
+        t_before = sum(before.phase_s[p] for p in phases)
+        t_after = sum(after.phase_s[p] for p in phases)
+        kept = t_after < t_before * (1 - spec.min_gain)
         if not kept:
             cache.restore(saved)
         row_after = next((r for r in rank_after if r["family"] == target["family"]), None)
-        rounds.append(_record(i, target, row_after, before, after, kept, configs=configs))
+        rounds.append({**_record(i, target, row_after, before, after, kept, configs=configs),
+                       "judged_on": phases, "judged_s_before": t_before,
+                       "judged_s_after": t_after})
         log(table([rounds[-1]]))
         if kept:
             before, rank_before = after, rank_after
     return rounds
+
+
+def phases_of(m: Measurement, family: str) -> list[str]:
+    """The phases of `m` whose profile holds a kernel of `family` (every phase when none
+    does, or nothing was profiled)."""
+    ran = [p for p, ks in m.kernels.items() if any(family_of(k["name"]) == family for k in ks)]
+    return [p for p in m.phase_s if p in ran] or list(m.phase_s)
 
 
 def _record(i: int, target: dict[str, Any], after_row: dict[str, Any] | None,
@@ -131,16 +147,21 @@ def _frac(x: float | None) -> str:
 
 def table(rounds: list[dict[str, Any]]) -> str:
     """One line per round: family, time share, floor fraction and end-to-end seconds before
-    and after, kept or reverted."""
+    and after, the phases the verdict was on (their seconds before and after), kept or
+    reverted."""
     head = (f"{'round':>5}  {'family':<12} {'share':>6}  {'floor before':>12} "
-            f"{'after':>6}  {'e2e before':>10} {'after':>9}  result")
+            f"{'after':>6}  {'e2e before':>10} {'after':>9}  {'judged on':<36} result")
     lines = [head]
     for r in rounds:
         after = "-" if r["e2e_s_after"] is None else f"{r['e2e_s_after']:.4g}s"
+        judged = "-"
+        if r.get("judged_on"):
+            judged = (f"{'+'.join(r['judged_on'])} {r['judged_s_before'] * 1e3:.4g}->"
+                      f"{r['judged_s_after'] * 1e3:.4g}ms")
         lines.append(
             f"{r['round']:>5}  {r['family']:<12} {r['share']:>6.1%}  "
             f"{_frac(r['floor_fraction_before']):>12} {_frac(r['floor_fraction_after']):>6}  "
-            f"{r['e2e_s_before']:>9.4g}s {after:>9}  "
+            f"{r['e2e_s_before']:>9.4g}s {after:>9}  {judged:<36} "
             f"{'kept' if r['kept'] else (r['note'] or 'reverted')}")
     return "\n".join(lines)
 

@@ -6,6 +6,7 @@ with torch.profiler (device kernels on a GPU, CPU ops on a CPU), in the engine's
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -78,31 +79,40 @@ def measure(llm: LLM, wl: Workload, profile: bool, seed: int = 0) -> Measurement
         lo = min(1000, vocab // 4)
         return [rng.randrange(lo, vocab) for _ in range(n)]
 
-    runs: dict[str, Callable[[], float]] = {
-        "prefill": lambda: _prefill(llm, prompt(wl.prefill_len), sync),
-        "decode_1": lambda: _decode(llm, [prompt(16)], wl.decode_steps, sync),
-        "decode_batch": lambda: _decode(llm, [prompt(wl.context) for _ in range(wl.batch)],
-                                        wl.decode_steps, sync),
+    # each run times (and a profiled run profiles) only its window: a decode phase's prefill
+    # steps stay outside it
+    runs: dict[str, Callable[[Window], float]] = {
+        "prefill": lambda w: _prefill(llm, prompt(wl.prefill_len), sync, w),
+        "decode_1": lambda w: _decode(llm, [prompt(16)], wl.decode_steps, sync, w),
+        "decode_batch": lambda w: _decode(llm, [prompt(wl.context) for _ in range(wl.batch)],
+                                          wl.decode_steps, sync, w),
     }
     phase_s, kernels = {}, {}
     for name, run in runs.items():
-        run()  # warm-up (first calls compile, pack and capture)
-        phase_s[name] = statistics.median(run() for _ in range(wl.reps))
+        run(contextlib.nullcontext)  # warm-up (first calls compile, pack and capture)
+        phase_s[name] = statistics.median(run(contextlib.nullcontext) for _ in range(wl.reps))
         if profile:
-            kernels[name] = _profiled(run, gpu)
+            prof = _profiler(gpu)
+            run(lambda p=prof: p)
+            kernels[name] = _kernels(prof, gpu)
     return Measurement(phase_s, kernels)
 
 
-def _prefill(llm: LLM, prompt: list[int], sync: Callable[[], None]) -> float:
+Window = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _prefill(llm: LLM, prompt: list[int], sync: Callable[[], None], window: Window) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     sync()
-    t = time.perf_counter()
-    llm.generate([prompt], params)
-    sync()
-    return time.perf_counter() - t
+    with window():
+        t = time.perf_counter()
+        llm.generate([prompt], params)
+        sync()
+        return time.perf_counter() - t
 
 
-def _decode(llm: LLM, prompts: list[list[int]], steps: int, sync: Callable[[], None]) -> float:
+def _decode(llm: LLM, prompts: list[list[int]], steps: int, sync: Callable[[], None],
+            window: Window) -> float:
     """Seconds of `steps` decode steps of all `prompts` at once, their prefill not counted."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
@@ -111,11 +121,12 @@ def _decode(llm: LLM, prompts: list[list[int]], steps: int, sync: Callable[[], N
                                    for r in sched.running):
         llm.step(final_only=True)
     sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        llm.step(final_only=True)
-    sync()
-    dt = time.perf_counter() - t
+    with window():
+        t = time.perf_counter()
+        for _ in range(steps):
+            llm.step(final_only=True)
+        sync()
+        dt = time.perf_counter() - t
     for rid in ids:
         llm.abort(rid)
     while sched.num_waiting or sched.running:
@@ -123,13 +134,15 @@ def _decode(llm: LLM, prompts: list[list[int]], steps: int, sync: Callable[[], N
     return dt
 
 
-def _profiled(run: Callable[[], float], gpu: bool) -> list[dict[str, Any]]:
-    """[{"name", "s"}] of one run: device kernels' time on a GPU, ops' own CPU time on a CPU."""
+def _profiler(gpu: bool) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=activities) as prof:
-        run()
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []))
+
+
+def _kernels(prof: Any, gpu: bool) -> list[dict[str, Any]]:
+    """[{"name", "s"}] of a profiled window: device kernels' time on a GPU, ops' own CPU time
+    on a CPU."""
     out = []
     for ev in prof.key_averages():
         if gpu:

@@ -25,8 +25,8 @@ def cache(tmp_path, monkeypatch):
     tuning.reload()
 
 
-def m(total: float) -> Measurement:
-    return Measurement({"decode_1": total}, {})
+def m(total: float, prefill: float = 0.0, kernels: dict | None = None) -> Measurement:
+    return Measurement({"prefill": prefill, "decode_1": total}, kernels or {})
 
 
 def row(family: str, tuner: str | None, lost: float) -> dict:
@@ -93,3 +93,20 @@ def test_nothing_to_tune_or_no_budget_stops(cache):
     rounds = run_rounds(LoopSpec(1, 60, 0.0), m(1.0), [row("gemv", "gemv", 1.0)], None,
                         {"gemv": lambda t, left: {}}, cache, {}, log=lambda s: None)
     assert rounds[0]["note"] == "nothing to change" and not cache.path.exists()
+
+
+def test_judged_on_the_phases_the_family_runs_in(cache):
+    # the GEMV runs in batch-1 decode only: a prefill that got faster by noise does not keep
+    # its table, and a decode that got faster keeps it whatever the prefill did
+    profile = {"prefill": [{"name": "nvjet_gemm", "s": 1.0}],
+               "decode_1": [{"name": "_gemv_kernel", "s": 1.0}]}
+    before = m(1.0, prefill=5.0, kernels=profile)
+    gemv = {"gemv": lambda t, left: {"gemv": {"k": {"X": 1}}}}
+    [r] = run_rounds(LoopSpec(1, 60, 0.01), before, [row("gemv", "gemv", 1.0)],
+                     lambda: (m(1.0, prefill=4.0), []), gemv, cache, {}, log=lambda s: None)
+    assert r["kept"] is False and r["judged_on"] == ["decode_1"]
+    assert r["e2e_s_after"] < r["e2e_s_before"]
+    [r] = run_rounds(LoopSpec(1, 60, 0.01), before, [row("gemv", "gemv", 1.0)],
+                     lambda: (m(0.9, prefill=5.2), []), gemv, cache, {}, log=lambda s: None)
+    assert r["kept"] is True and r["judged_s_after"] == 0.9
+    assert "decode_1 1000->900ms" in table([r])
