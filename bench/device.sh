@@ -54,6 +54,10 @@
 #                  for Qwen3-30B-A3B (bf16, fp8) and gpt-oss-20b (MXFP4) experts at 1..8 tokens,
 #                  within BUDGET (240) s
 #   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
+#   tune           `skyline tune` on MODEL (the self-optimizing loop: profile, rank families by
+#                  time lost against their floor, tune the worst, keep what wins end to end)
+#                  --budget-s $TUNE_BUDGET (240) $TUNE_ARGS -> $OUT/tune-h200.json; the tables
+#                  it kept in its kernel cache -> $OUT/tuned-<device>.json (TUNE_TIMEOUT 540)
 #                  Tuning stages run under `timeout $TUNE_TIMEOUT` (300 s; TESTS_TIMEOUT caps the
 #                  tests stage). They write skyline/ops/configs/ in place, so later stages of the
 #                  same call use the new tables, and copy them to $OUT and to $CFG_DIR
@@ -264,6 +268,17 @@ stage_tune_kernels() {
   keep_configs h200.json
 }
 
+stage_tune() {
+  local cache=/tmp/kernel-cache$TAG
+  rm -rf "$cache"
+  SKYLINE_KERNEL_CACHE=$cache limit "${TUNE_TIMEOUT:-540}" python3 -m skyline.cli tune \
+    --model "$M" --load-format dummy --budget-s "${TUNE_BUDGET:-240}" ${TUNE_ARGS:-} \
+    --out "$OUT/tune-h200$TAG.json"
+  local rc=$?
+  for f in "$cache"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/tuned-$(basename "$f")"; done
+  return $rc
+}
+
 stage_configs() {
   cp "$CFG_DIR"/*.json "$CONFIGS/" && ls "$CONFIGS"
 }
@@ -356,7 +371,7 @@ print("results in", res)
 EOF
 }
 
-SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code'}
+SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code|round|end to end'}
 for stage in ${STAGES:-decode}; do
   declare -F "stage_${stage//-/_}" >/dev/null && continue
   echo "unknown stage: $stage (see the top of bench/device.sh)"; exit 2

@@ -19,6 +19,7 @@ from skyline.cli_args import (  # noqa: F401  (engine_args: used by bench script
     add_quiet,
     add_router_args,
     add_sampling_args,
+    add_tune_args,
     engine_args,
     float_in,
     host,
@@ -99,6 +100,41 @@ def _cmd_frontier(ns: argparse.Namespace) -> None:
                         num_gpus=ns.num_gpus, percentile=ns.percentile,
                         startup_timeout=ns.startup_timeout, ports=ns.port)
     run_frontier(spec, load, workload, slos, parse_flags, dry_run=ns.dry_run)
+
+
+def _cmd_tune(ns: argparse.Namespace) -> None:
+    from skyline.engine.create import resolve_device
+    from skyline.tune.loop import LoopSpec
+    from skyline.tune.run import TuneSpec, run_tune
+    from skyline.tune.workload import Workload
+
+    extra = {}
+    sizes = {"batch": 32, "context": 1024, "prefill_len": 2048, "decode_steps": 32}
+    if not ns.smoke and not resolve_device(ns.device).startswith("cuda"):
+        sizes = {"batch": 8, "context": 256, "prefill_len": 512, "decode_steps": 16}
+    for name, default in sizes.items():  # what the flags left out, for this device
+        if getattr(ns, name) is None:
+            setattr(ns, name, default)
+    if ns.smoke:
+        import tempfile
+
+        from skyline import envs
+        from skyline.bench.smoke import tiny_model
+
+        # A tiny random model on the CPU, a workload of a few steps and a cache of its own (the
+        # user's is left alone): the loop's code in seconds, its figures meaningless.
+        envs.ENV = dataclasses.replace(
+            envs.ENV, kernel_cache_dir=tempfile.mkdtemp(prefix="skyline-tune-smoke-"))
+        ns.model, ns.load_format, ns.device = tiny_model(), "dummy", "cpu"
+        ns.batch, ns.context, ns.prefill_len, ns.decode_steps, ns.reps = 4, 16, 32, 4, 1
+        ns.rounds, ns.budget_s = 1, min(ns.budget_s, 30.0)
+        extra = {"kv_cache_memory": "64MiB"}
+    spec = TuneSpec(
+        workload=Workload(prefill_len=ns.prefill_len, batch=ns.batch, context=ns.context,
+                          decode_steps=ns.decode_steps, reps=ns.reps),
+        loop=LoopSpec(rounds=ns.rounds, budget_s=ns.budget_s, min_gain=ns.min_gain),
+        out=ns.out, smoke=ns.smoke, command="skyline " + " ".join(ns.argv))
+    run_tune(engine_args(ns, **extra), spec)
 
 
 def _cmd_quantize(ns: argparse.Namespace) -> None:
@@ -519,6 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_args(b)
     add_quiet(b)
     b.set_defaults(func=_cmd_bench_serve)
+
+    p = sub.add_parser("tune", help="tune kernels for this device: profile a workload, tune "
+                                    "the family that loses the most time, keep what wins")
+    add_tune_args(p)
+    add_engine_args(p)
+    add_quiet(p)
+    p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("frontier", help="sweep engine settings x load levels; Pareto report")
     p.add_argument("--grid", action="append", metavar="FLAG=V1,V2",

@@ -235,6 +235,36 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_parallel_args(p)
 
 
+def add_tune_args(p: argparse.ArgumentParser) -> None:
+    """`skyline tune`: its loop and the workload it measures (a CPU's defaults are smaller)."""
+    g = p.add_argument_group("tune")
+    g.add_argument("--budget-s", type=float_in(0, lo_open=True), default=300.0,
+                   help="seconds of tuning and re-measuring, after the first measurement")
+    g.add_argument("--rounds", type=POSITIVE, default=3,
+                   help="families tuned at most, the one losing the most time first")
+    g.add_argument("--min-gain", type=float_in(0, 1), default=0.02,
+                   help="a round's tables are kept if the phases its kernels run in get "
+                        "faster by more than this fraction")
+    g.add_argument("--batch", type=POSITIVE, default=None,
+                   help="sequences decoding at once in the batched decode phase (default: 32 "
+                        "on a GPU, 8 on a CPU)")
+    g.add_argument("--context", type=POSITIVE, default=None,
+                   help="their context (prompt tokens) as they decode (default: 1024 on a "
+                        "GPU, 256 on a CPU)")
+    g.add_argument("--prefill-len", type=POSITIVE, default=None,
+                   help="tokens of the prompt whose prefill is measured (default: 2048 on a "
+                        "GPU, 512 on a CPU)")
+    g.add_argument("--decode-steps", type=POSITIVE, default=None,
+                   help="decode steps timed in each decode phase (default: 32 on a GPU, 16 "
+                        "on a CPU)")
+    g.add_argument("--reps", type=POSITIVE, default=3,
+                   help="each phase's time is the median of this many runs")
+    g.add_argument("--out", default=None, help="JSON report (default: none)")
+    g.add_argument("--smoke", action="store_true",
+                   help="a tiny random model on the CPU, a few steps, a temporary cache: the "
+                        "loop's code in seconds (CI)")
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallel")
     g.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,

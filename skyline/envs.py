@@ -46,6 +46,10 @@ class Env:
     api_key: str | None
     # OPENAI_API_KEY: the key `skyline bench serve` sends when --api-key is not given.
     openai_api_key: str | None
+    # SKYLINE_KERNEL_CACHE: the folder of this user's tuned kernel configs (`skyline tune`),
+    # read after the shipped tables of skyline/ops/configs/ (default
+    # $XDG_CACHE_HOME/skyline/kernels, else ~/.cache/skyline/kernels).
+    kernel_cache_dir: str
 
     @classmethod
     def read(cls) -> Env:
@@ -56,6 +60,10 @@ class Env:
             gguf_cpu_planes=_int("SKYLINE_GGUF_CPU_PLANES", 2),
             api_key=os.environ.get("SKYLINE_API_KEY") or None,
             openai_api_key=os.environ.get("OPENAI_API_KEY") or None,
+            kernel_cache_dir=os.environ.get("SKYLINE_KERNEL_CACHE") or os.path.join(
+                os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                 ".cache"),
+                "skyline", "kernels"),
         )
 
 

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
+
+# Tests never read (or write) this user's tuned kernel configs (`skyline tune`): an empty
+# cache of their own, set before skyline's settings (skyline/envs.py) are read.
+os.environ["SKYLINE_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="skyline-kernel-cache-")
 
 # Without a GPU, Triton kernels run in Triton's interpreter (small shapes only), so every
 # kernel's shape-sweep test also runs on CPU machines. Must be set before triton is imported.

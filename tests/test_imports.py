@@ -39,13 +39,16 @@ ALLOWED: dict[str, set[str]] = {
     "tools": {"engine", "config", "configs", "envs", "progress", "types"},
     "bench": {"engine", "config", "configs", "envs", "progress", "types"},
     "deploy": {"engine", "server", "router", "config", "envs", "progress", "types"},
+    # `skyline tune`: runs its workload through the engine's public API and times the kernels
+    # (ops) with the bench's timing and floors; writes the user's tables through ops/tuning.py
+    "tune": {"engine", "bench", "ops", "config", "envs", "types"},
 }
 ANYTHING = {"cli", "cli_args", "__init__"}
 # router may use the server's protocol module only
 ONLY_MODULES = {("router", "server"): {"skyline.server.protocol"}}
 # Code above the engine, and the attributes that reach through it into the worker's objects
 # (`llm.engine.executor.runner.model`): the engine's executor, the worker's runner.
-ABOVE_ENGINE = ["skyline/tools", "skyline/bench", "skyline/deploy", "bench"]
+ABOVE_ENGINE = ["skyline/tools", "skyline/bench", "skyline/deploy", "skyline/tune", "bench"]
 REACH_THROUGH = ("executor", "runner")
 
 

@@ -309,6 +309,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
     dtype = _resolve_dtype(args.dtype, device, arch.torch_dtype, fmt, quant.method)
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif device == "cpu" and (threads := cpu_plan.plan().threads):
+        torch.set_num_threads(threads)  # measured on this CPU by `skyline tune`
     auto_len = args.max_model_len is None
     max_len = args.max_model_len or arch.max_position_embeddings
     if max_len > arch.max_position_embeddings:

@@ -23,6 +23,10 @@ activations (oneDNN / fbgemm / `torch._int_mm`: 1.5-4x faster than these) are no
 exposes them with one activation scale per row or tensor only, and rounding SmolLM2's
 activations per row costs a KL of 0.057 against the GGUF weights (top-1 agreement 0.88), thirty
 times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL 0.005).
+
+`skyline tune` measures these choices on the user's own CPU and stores what won end to end in
+the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields
+override the table below (`int4_rows`, `int4_wide_rows`, `threads`, `dtype`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skyline.ops import cpu_linear
+from skyline.ops import cpu_linear, tuning
 
 FAMILIES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
 
@@ -56,6 +60,7 @@ class CpuPlan:
     dtype: torch.dtype  # activations, KV cache and dense weights
     int4_rows: int  # batches of at most this many rows run 4-bit codes on the int4 kernel
     int4_wide_rows: int  # the same for 5- to 8-bit codes (two planes); 0: always dense
+    threads: int | None = None  # torch's threads when --threads is not given (None: torch's)
 
     @property
     def gguf_packed(self) -> bool:
@@ -110,12 +115,41 @@ _PLANS = {
 }
 
 
+KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def plan_for(caps: CpuCaps) -> CpuPlan:
     fam = family(caps)
     dtype, rows, wide = _PLANS[fam]
+    tuned = tuning.get_config(KERNEL, fam, {}, device=tuning.cpu_device_name())
+    threads = None
+    if tuned:
+        dtype, rows, wide, threads = _tuned(tuned, dtype, rows, wide)
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         rows = wide = 0
-    return CpuPlan(fam, dtype, rows, wide)
+    return CpuPlan(fam, dtype, rows, wide, threads)
+
+
+def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int
+           ) -> tuple[torch.dtype, int, int, int | None]:
+    # a stored plan (skyline tune) over the family's defaults, checked
+    def count(name: str, default: int | None) -> int | None:
+        v = tuned.get(name, default)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise tuning.KernelConfigError(
+                f"the tuned CPU plan's {name} is {v!r}, not a whole number >= 0; delete "
+                f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` "
+                "again")
+        return v
+    name = tuned.get("dtype")
+    if name is not None and name not in DTYPES:
+        raise tuning.KernelConfigError(
+            f"the tuned CPU plan's dtype is {name!r}, not one of {', '.join(DTYPES)}; delete "
+            f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` again")
+    threads = count("threads", None)
+    return (DTYPES[name] if name else dtype, count("int4_rows", rows) or 0,
+            count("int4_wide_rows", wide) or 0, threads or None)
 
 
 def plan() -> CpuPlan:

@@ -1,0 +1,136 @@
+"""The CPU's tuner: what the CPU plan (ops/cpu_plan.py) guesses from the CPU's flags, measured on
+this machine with the model's own Linear shapes: up to how many rows the int4 kernel beats the
+dense product (`int4_rows`, for 4-bit codes), and the thread count of the decode step's products.
+No new numerics: the same kernels the plan already chooses between, the same dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from skyline.ops import cpu_int4, cpu_linear, cpu_plan
+from skyline.tune.workload import model_linears
+
+ROWS = (1, 2, 4, 8, 16, 32)
+GROUP = 32  # a GGUF Q4 block
+
+
+def _seconds(fn: Callable[[], Any], min_s: float) -> float:
+    """Median seconds of `fn` over runs adding up to about `min_s` (at least 3), after one."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t, 1e-7)
+    reps = max(3, min(200, int(min_s / once)))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _copies(shapes: list[tuple[int, int]], bytes_per_weight: float) -> int:
+    # enough copies of the layer that the weights stream from memory (64 MiB, past any L3
+    # share a decode step's working set has), as in a step of a many-layer model
+    layer = sum(n * k for n, k in shapes) * bytes_per_weight
+    return max(1, min(32, int((64 << 20) // max(layer, 1))))
+
+
+def dense_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int
+               ) -> Callable[[int], Callable]:
+    """rows -> a pass over `copies` copies of the layer's dense products (oneDNN-packed where
+    it can)."""
+    ws = []
+    for _ in range(copies):
+        for n, k in shapes:
+            w = (torch.randn(n, k) * 0.02).to(dtype)
+            ws.append(cpu_linear.pack(w) if cpu_linear.can_pack(w) else w)
+
+    def at(rows: int) -> Callable:
+        xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+
+        def run() -> None:
+            for w in ws:
+                x = xs[w.shape[1]]
+                if w.is_mkldnn:
+                    cpu_linear.packed_linear(x, w)
+                else:
+                    torch.nn.functional.linear(x, w)
+        return run
+    return at
+
+
+def int4_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int
+              ) -> Callable[[int], Callable]:
+    """rows -> a pass over `copies` copies of the layer's products on the int4 kernel (one
+    plane: 4-bit codes)."""
+    ws = []
+    for _ in range(copies):
+        for n, k in shapes:
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            scale = torch.rand(n, k // GROUP) * 1e-2 + 1e-3
+            planes = cpu_int4.pack_planes(codes, scale, torch.zeros_like(scale), GROUP, False)
+            if planes is None:
+                raise ValueError(f"the int4 kernel cannot take a {n}x{k} weight")
+            ws.append(planes)
+
+    def at(rows: int) -> Callable:
+        xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+        return lambda: [cpu_int4.planes_linear(xs[k], p) for p, (_, k) in
+                        zip(ws, shapes * copies, strict=True)]
+    return at
+
+
+def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
+             threads: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The CPU plan's entry for this machine: {"int4_rows", "threads"} measured now, for the
+    plan's family (the key of the table); `threads` given (--threads): that count, not
+    tuned."""
+    plan = cpu_plan.plan()
+    shapes = model_linears(arch)
+    min_s = 0.005 if smoke else max(0.02, min(0.2, budget_s / 60))
+    rows = [r for r in ROWS if r <= (4 if smoke else 32)]
+    out: dict[str, Any] = {}
+    # threads first: the product of a decode step (batch 1 and the batch), dense as the plan
+    # runs it above int4_rows, at each candidate count
+    cores = os.cpu_count() or 1
+    current = torch.get_num_threads()
+    counts = [threads] if threads else sorted({1, max(1, cores // 2), cores, current})
+    copies = _copies(shapes, plan.dtype.itemsize)  # the same layers for both kernels
+    dense = dense_pass(shapes, plan.dtype, copies)
+    runs = [dense(1), dense(min(batch, 64))]
+    by_threads = {}
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            by_threads[t] = sum(_seconds(run, min_s) for run in runs)
+    finally:
+        torch.set_num_threads(current)
+    if not threads:  # --threads wins over the plan's count: nothing to store
+        out["threads"] = min(by_threads, key=by_threads.__getitem__)
+    log("  threads: " + ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in by_threads.items()))
+    if plan.int4_rows > 0 and cpu_int4.has_kernel():
+        torch.set_num_threads(min(by_threads, key=by_threads.__getitem__))
+        try:
+            i4 = int4_pass(shapes, plan.dtype, copies)
+            wins = 0
+            for r in rows:
+                t_int4, t_dense = _seconds(i4(r), min_s), _seconds(dense(r), min_s)
+                log(f"  rows {r}: int4 {t_int4 * 1e3:.2f} ms, dense {t_dense * 1e3:.2f} ms")
+                if t_int4 > t_dense:
+                    break
+                wins = r
+        except ValueError as e:  # shapes the int4 kernel cannot take: keep the plan's rows
+            log(f"  int4 kernel not measured: {e}")
+            wins = plan.int4_rows
+        finally:
+            torch.set_num_threads(current)
+        out["int4_rows"] = wins
+    return {cpu_plan.KERNEL: {plan.family: out}}
