@@ -1,7 +1,7 @@
 """`skyline serve --api-server-count N`: N API processes in front of one engine core.
 
-One API process tops out near 10k streamed tokens/s (HTTP, SSE encoding and detokenization hold
-its one event loop), below what the engine produces at hundreds of streams on a GPU. With N, the
+One API process (HTTP, SSE encoding and detokenization on one event loop) can deliver fewer
+streamed tokens than the engine produces at hundreds of streams on a GPU. With N, the
 parent process binds the listening socket once and hands it to N spawned API processes, each
 its own FastAPI/uvicorn app, tokenizer, detokenizer and event loop. The parent binds the port
 before anything starts, N times with SO_REUSEPORT (Linux >= 3.9), and hands one socket to each
