@@ -259,17 +259,27 @@ class ApiServers:
                 c.proc.join(5)
 
 
+def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` sockets listening on host:port with SO_REUSEPORT; where the kernel refuses that
+    (a sandbox's network stack may), one socket that every API process accepts on."""
+    first = bind_socket(host, port, reuse_port=True)
+    port = first.getsockname()[1]  # --port 0: the free one the first bind took
+    socks = [first]
+    try:
+        socks += [bind_socket(host, port, reuse_port=True) for _ in range(count - 1)]
+    except OSError as e:
+        log.warning("cannot bind port %d %d times (%s); the %d API processes share one "
+                    "listening socket", port, count, e, count)
+        for s in socks[1:]:
+            s.close()
+        socks = [first] * count
+    return socks
+
+
 def serve_many(engine_args: Any, count: int, host: str, port: int, options: ServeOptions,
                policy: RestartPolicy) -> None:
     """`serve` with `count` API processes; raises as `serve` does."""
-    socks = [bind_socket(host, port, reuse_port=True)]
-    try:
-        port = socks[0].getsockname()[1]  # --port 0: the free one the first bind took
-        socks += [bind_socket(host, port, reuse_port=True) for _ in range(count - 1)]
-    except BaseException:
-        for s in socks:
-            s.close()
-        raise
+    socks = listening_sockets(host, port, count)
     metrics_dir = tempfile.mkdtemp(prefix="skyline-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir
     servers = None
@@ -281,7 +291,7 @@ def serve_many(engine_args: Any, count: int, host: str, port: int, options: Serv
             servers.kill_children()
             servers.engine.shutdown(10.0)
         os.environ.pop(MULTIPROC_ENV, None)
-        for s in socks:
+        for s in set(socks):
             s.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     if servers.start_error is not None:

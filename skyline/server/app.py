@@ -178,7 +178,10 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        except (AttributeError, OSError):  # not on this system: a second bind will fail
+            pass
     try:
         sock.bind((host, port))
     except OSError as e:
