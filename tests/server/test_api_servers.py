@@ -26,8 +26,14 @@ LONG = {"prompt": "Tell me a long story.", "max_tokens": 200, "ignore_eos": True
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory("--api-server-count", "2", "--max-model-len", str(MAX_MODEL_LEN),
-                          "--dtype", "float32")
+    s = server_factory("--api-server-count", "2", "--max-model-len", str(MAX_MODEL_LEN),
+                       "--dtype", "float32")
+    # /health answered from the first API process up; the banner comes once both are
+    deadline = time.monotonic() + 60
+    while "2 API processes: pids" not in s.log():
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.2)
+    return s
 
 
 def _pids(server) -> tuple[int, list[int]]:

@@ -120,7 +120,7 @@ def test_serve_ceiling_smoke(tmp_path: str) -> None:
 
 def test_served_vs_offline_smoke(tmp_path: str) -> None:
     out = _smoke("served_vs_offline.py", tmp_path)
-    path = next(line for line in out.splitlines() if line.startswith("wrote "))[len("wrote "):]
+    path = [line for line in out.splitlines() if line.startswith("wrote ")][-1][len("wrote "):]
     with open(path) as f:
         result = json.load(f)
     # one offline run, then served with one API process and with two
