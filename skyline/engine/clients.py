@@ -27,7 +27,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from skyline.engine.process import EngineProcess, pack, unpack
+from skyline.engine.codec import pack, unpack
+from skyline.engine.process import EngineProcess
 from skyline.engine.supervisor import EngineDeadError, EngineSupervisor, RestartPolicy, _Link
 
 log = logging.getLogger(__name__)

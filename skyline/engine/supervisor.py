@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from skyline.engine.process import EngineProcess, EngineStartError, pack, unpack
+from skyline.engine.codec import pack, unpack
+from skyline.engine.process import EngineProcess, EngineStartError
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,8 @@ from typing import Any
 import pytest
 import zmq
 
-from skyline.engine.process import (
-    _EngineLoop,
-    _QueueTimes,
-    pack,
-    request_to_dict,
-    step_output_from_list,
-    unpack,
-)
+from skyline.engine.codec import pack, request_to_dict, step_output_from_list, unpack
+from skyline.engine.process import _EngineLoop, _QueueTimes
 from skyline.types import Request, SamplingParams, StepOutput
 
 

@@ -16,10 +16,10 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from skyline.engine.codec import request_to_dict, step_output_from_list
 from skyline.engine.frontend.output import OutputProcessor, child_params, merge_deltas
 from skyline.engine.frontend.structured import check_structured, constrained
 from skyline.engine.frontend.tokenizer import Tokenizer
-from skyline.engine.process import request_to_dict, step_output_from_list
 from skyline.engine.supervisor import EngineDeadError, EngineSupervisor, RestartPolicy
 from skyline.types import Request, RequestOutput, SamplingParams, is_valid_unicode
 
