@@ -161,6 +161,7 @@ class _EngineLoop:
         elif kind == "hello":  # a (new) API process at this index: drop its predecessor's work
             client = self._client(msg, 1)
             self._abort([rid for rid, c in self.owners.items() if c == client])
+            self.num_adds[client] = 0  # it counts its own adds from 0
         elif kind == "call":
             client = self._client(msg, 4)
             _, call_id, method, args = msg[:4]

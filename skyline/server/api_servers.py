@@ -73,6 +73,8 @@ def run_api_server(index: int, sock: socket.socket, control: multiprocessing.con
     """Entry point of API process `index` (spawned): tells the parent ("ready", pid, tool
     format) or ("error", one sentence), then serves until SIGTERM."""
     _exit_with_parent()
+    # A terminal's Ctrl-C reaches the whole process group: the parent forwards it as SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level,
                         format=f"%(levelname)s %(name)s [api {index}]: %(message)s")
     from skyline.engine.frontend.async_llm import AsyncLLM
@@ -237,7 +239,7 @@ class ApiServers:
             children = [self._spawn(i) for i in range(self.count)]
             answers = await asyncio.gather(*(c.ready for c in children))
             errors = [a[1] for a in answers if a[0] == "error"]
-            if errors:
+            if errors and not self.stopping:  # (stopped while starting: no error)
                 self.start_error = errors[0]
                 self.stop()
             else:

@@ -87,7 +87,7 @@ def test_outputs_go_to_the_process_that_sent_the_request(two_clients):
     # A new process 1 says hello: what process 1 left running is aborted, process 0's is not.
     loop.handle(["hello", 1])
     assert "a1:s" not in core.running and "a0:r" in core.running
-    assert set(loop.owners) == {"a0:r"}
+    assert set(loop.owners) == {"a0:r"} and loop.num_adds == [1, 0]
     # An abort from any process, through the socket
     inp.send(pack(("abort", ["a0:r"])))
     loop.drain(block=True)
