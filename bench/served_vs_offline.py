@@ -22,11 +22,13 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 from skyline.bench.dummy_model import tiny_model_dir, write_model_dir
 from skyline.bench.frontier import start_server, stop_server
@@ -64,9 +66,19 @@ def served(model: str, flags: list[str], ns: argparse.Namespace, work: str,
         work_spec = WorkloadSpec(name="random", input_len=str(ns.input_len),
                                  output_len=str(ns.output_len))
         results, seconds = LoadProcesses(load, work_spec, ns.processes).wait()
+        by_process = requests_by_api_server(url)
     finally:
         stop_server(proc)
-    return summarize(results, seconds)
+    return {**summarize(results, seconds), "requests_by_api_server": by_process}
+
+
+def requests_by_api_server(url: str) -> dict[str, float]:
+    """How many requests each API process took (skyline:api_server_requests_total), so that an
+    uneven spread over them shows; empty with one."""
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'skyline:api_server_requests_total\{api_server="(\d+)"[^}]*\} (\S+)', text)}
 
 
 def main() -> None:
@@ -105,7 +117,8 @@ def main() -> None:
             "api_server_count": n, "served_output_tok_s": srv["output_throughput"],
             "served_over_offline": ratio,
             "ttft_p50_ms": srv["ttft_ms"]["median"], "ttft_p99_ms": srv["ttft_ms"]["p99"],
-            "failed": srv["failed"], "served": srv,
+            "failed": srv["failed"], "requests_by_api_server": srv["requests_by_api_server"],
+            "served": srv,
         })
         print(f"== served vs offline at {ns.concurrency} users, {n} API process(es): offline "
               f"{off['output_tokens_per_s']:.0f} tok/s, served "

@@ -69,14 +69,16 @@ def _exit_with_parent() -> None:
 
 def run_api_server(index: int, sock: socket.socket, control: multiprocessing.connection.Connection,
                    ipc_dir: str, state: dict[str, Any], options: ServeOptions,
-                   metrics_dir: str, log_level: int) -> None:
+                   metrics_dir: str, log_levels: dict[str, int]) -> None:
     """Entry point of API process `index` (spawned): tells the parent ("ready", pid, tool
     format) or ("error", one sentence), then serves until SIGTERM."""
     _exit_with_parent()
     # A terminal's Ctrl-C reaches the whole process group: the parent forwards it as SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level,
+    logging.basicConfig(level=log_levels.get("", logging.WARNING),
                         format=f"%(levelname)s %(name)s [api {index}]: %(message)s")
+    for name, level in log_levels.items():
+        logging.getLogger(name).setLevel(level)
     from skyline.engine.frontend.async_llm import AsyncLLM
 
     servers: list[Any] = []
@@ -107,6 +109,13 @@ def run_api_server(index: int, sock: socket.socket, control: multiprocessing.con
 
 
 # ---------------------------------------------------------------------------------- parent
+
+
+def _log_levels() -> dict[str, int]:
+    """The levels the command set up here (the root's, and request ids logged at INFO), for
+    an API process to log as one process would."""
+    return {name: logging.getLogger(name).getEffectiveLevel()
+            for name in ("", "skyline", "skyline.server", "skyline.router", "skyline.progress")}
 
 
 @dataclass
@@ -146,8 +155,7 @@ class ApiServers:
         proc = ctx.Process(
             target=run_api_server, name=f"skyline-api-{index}",
             args=(index, self.socks[index], theirs, self.engine.ipc_dir, self.engine.state(),
-                  self.options, self.metrics_dir,
-                  logging.getLogger("skyline").getEffectiveLevel()))
+                  self.options, self.metrics_dir, _log_levels()))
         proc.start()
         theirs.close()
         loop = asyncio.get_running_loop()
