@@ -92,3 +92,16 @@ def test_outputs_go_to_the_process_that_sent_the_request(two_clients):
     inp.send(pack(("abort", ["a0:r"])))
     loop.drain(block=True)
     assert "a0:r" not in core.running and loop.owners == {}
+
+
+def test_each_process_prefixes_the_ids_it_sends_the_core() -> None:
+    from skyline.engine.frontend.output import OutputProcessor
+
+    # the same client request id in two API processes: two engine requests
+    a, b = OutputProcessor(None, "a0:"), OutputProcessor(None, "a1:")
+    params = SamplingParams(max_tokens=2, n=2)
+    assert a.add_request("cmpl-1", None, [1], params) == ["a0:cmpl-1#0", "a0:cmpl-1#1"]
+    assert b.add_request("cmpl-1", None, [1], params) == ["a1:cmpl-1#0", "a1:cmpl-1#1"]
+    out, _ = b.process([StepOutput("a1:cmpl-1#1", [5], finish_reason="length")])
+    assert out[0].request_id == "cmpl-1" and out[0].outputs[1].token_ids == [5]
+    assert OutputProcessor(None).add_request("r", None, [1], SamplingParams()) == ["r"]
