@@ -34,7 +34,8 @@
 #                  --speculative-method $SPEC_METHOD (none)
 #   served         the API process's streamed-token ceiling on this host's CPU
 #                  (bench/serve_ceiling.py), then served against offline at SERVED_C (256)
-#                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py)
+#                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py),
+#                  once per API server count in API_SERVERS ("1 4": serve --api-server-count)
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
 #                  machine's CPU (bench/host_overhead.py)
 #   parallel       bench/parallel_gpu.py on GPUS GPUs (default: all visible) for PAR_STAGES
@@ -217,13 +218,14 @@ stage_served() {
   # The API process's ceiling on this host's CPU (a near-free tiny engine, 64 and 256 streams),
   # then served against offline on the GPU at SERVED_C users (256), SERVED_PROCS client
   # processes (8), SERVED_N requests (1024) of SERVED_IN -> SERVED_OUT tokens (128 -> 256),
-  # engine flags SERVED_FLAGS (none; e.g. "--kv-cache-dtype fp8")
+  # engine flags SERVED_FLAGS (none; e.g. "--kv-cache-dtype fp8"), for each API server count
+  # in API_SERVERS ("1 4")
   CUDA_VISIBLE_DEVICES='' python3 bench/serve_ceiling.py --processes 8 \
     --out-dir "$OUT" --tag "h200-host$TAG"
   python3 bench/served_vs_offline.py --model "$M" --concurrency "${SERVED_C:-256}" \
     --processes "${SERVED_PROCS:-8}" --num-requests "${SERVED_N:-1024}" \
     --input-len "${SERVED_IN:-128}" --output-len "${SERVED_OUT:-256}" \
-    --flags "${SERVED_FLAGS:-}" \
+    --flags "${SERVED_FLAGS:-}" --api-servers ${API_SERVERS:-1 4} \
     --out "$OUT/served-vs-offline-h200-$M-c${SERVED_C:-256}$TAG.json"
 }
 

@@ -1,14 +1,18 @@
 """Served against offline at the same concurrency: the same engine flags, the same N random
 prompts of fixed lengths, C sequences at a time, first through `LLM.generate` (`skyline bench
 offline`), then through `skyline serve` streaming to C users spread over several load-generator
-processes (one Python client saturates near 9k tok/s). The goal (issue 31): served output
-tokens/s >= 0.95 of offline, TTFT p50 <= 150 ms and p99 <= 1 s.
+processes (one Python client saturates near 9k tok/s), once per API server count
+(`serve --api-server-count`, --api-servers 1 4: one offline run, then a served run with one API
+process and one with four). The goal (issue 31): served output tokens/s >= 0.95 of offline,
+TTFT p50 <= 150 ms and p99 <= 1 s.
 
 The model directory is the shipped config with the synthetic word-level tokenizer
 (skyline/bench/dummy_model.py), so that the server detokenizes and streams real text.
 
-    python bench/served_vs_offline.py --model llama-3.1-8b --concurrency 256 --processes 8
-    python bench/served_vs_offline.py --smoke        # the tiny model on the CPU, 8 streams
+    python bench/served_vs_offline.py --model llama-3.1-8b --concurrency 256 --processes 8 \
+        --api-servers 1 4
+    python bench/served_vs_offline.py --smoke        # the tiny model on the CPU, 8 streams,
+                                                     # 1 and 2 API processes
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 
 from skyline.bench.dummy_model import tiny_model_dir, write_model_dir
 from skyline.bench.frontier import start_server, stop_server
@@ -41,18 +48,37 @@ def offline(model: str, flags: list[str], ns: argparse.Namespace, work: str) -> 
         return json.load(f)["skyline"]
 
 
-def served(model: str, flags: list[str], ns: argparse.Namespace, work: str) -> dict:
-    proc, url = start_server(["--model", model, *flags], os.path.join(work, "server.log"),
-                             ns.timeout)
+def served(model: str, flags: list[str], ns: argparse.Namespace, work: str,
+           api_servers: int) -> dict:
+    log = os.path.join(work, f"server-{api_servers}.log")
+    proc, url = start_server(["--model", model, "--api-server-count", str(api_servers), *flags],
+                             log, ns.timeout)
     try:
+        # /health answers from the first API process up; the banner follows all of them
+        deadline = time.monotonic() + ns.timeout
+        while api_servers > 1 and time.monotonic() < deadline:
+            with open(log, errors="replace") as f:
+                if "API processes: pids" in f.read():
+                    break
+            time.sleep(0.2)
         load = LoadSpec(base_url=url, concurrency=ns.concurrency, num_requests=ns.num_requests,
                         timeout=ns.timeout, setup_timeout=ns.timeout)
         work_spec = WorkloadSpec(name="random", input_len=str(ns.input_len),
                                  output_len=str(ns.output_len))
         results, seconds = LoadProcesses(load, work_spec, ns.processes).wait()
+        by_process = requests_by_api_server(url)
     finally:
         stop_server(proc)
-    return summarize(results, seconds)
+    return {**summarize(results, seconds), "requests_by_api_server": by_process}
+
+
+def requests_by_api_server(url: str) -> dict[str, float]:
+    """How many requests each API process took (skyline:api_server_requests_total), so that an
+    uneven spread over them shows; empty with one."""
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'skyline:api_server_requests_total\{api_server="(\d+)"[^}]*\} (\S+)', text)}
 
 
 def main() -> None:
@@ -63,6 +89,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--processes", type=int, default=8, help="load-generator processes")
+    ap.add_argument("--api-servers", type=int, nargs="+", default=[1],
+                    help="API server counts to serve with, one served run each")
     ap.add_argument("--flags", default="", help="more engine flags for both runs")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per phase, at most")
     ap.add_argument("--out", default=None, help="JSON file (default: under bench/results/serve)")
@@ -74,14 +102,30 @@ def main() -> None:
     if ns.smoke:
         ns.concurrency, ns.num_requests, ns.input_len, ns.output_len = 8, 16, 16, 16
         ns.processes = 2
+        ns.api_servers = [1, 2]
         model = tiny_model_dir(work)
         flags = ["--load-format", "dummy", "--max-num-seqs", "8", "--device", "cpu",
                  "--threads", "1", "--max-model-len", "256", "--kv-cache-memory", "64MiB"]
     else:
         model = write_model_dir(ns.model, os.path.join(work, "model"))
     off = offline(model, flags, ns, work)
-    srv = served(model, flags, ns, work)
-    ratio = srv["output_throughput"] / off["output_tokens_per_s"]
+    runs = []
+    for n in ns.api_servers:
+        srv = served(model, flags, ns, work, n)
+        ratio = srv["output_throughput"] / off["output_tokens_per_s"]
+        runs.append({
+            "api_server_count": n, "served_output_tok_s": srv["output_throughput"],
+            "served_over_offline": ratio,
+            "ttft_p50_ms": srv["ttft_ms"]["median"], "ttft_p99_ms": srv["ttft_ms"]["p99"],
+            "failed": srv["failed"], "requests_by_api_server": srv["requests_by_api_server"],
+            "served": srv,
+        })
+        print(f"== served vs offline at {ns.concurrency} users, {n} API process(es): offline "
+              f"{off['output_tokens_per_s']:.0f} tok/s, served "
+              f"{srv['output_throughput']:.0f} tok/s = {ratio:.3f} of offline; TTFT p50 "
+              f"{runs[-1]['ttft_p50_ms']:.0f} ms, p99 {runs[-1]['ttft_p99_ms']:.0f} ms; "
+              f"{srv['failed']} failed", flush=True)
+    best = max(runs, key=lambda r: r["served_over_offline"])
     out = {
         "benchmark": "served_vs_offline",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -92,15 +136,13 @@ def main() -> None:
         "input_len": ns.input_len, "output_len": ns.output_len,
         "client_processes": ns.processes, "http_stack": http_stack(),
         "offline_output_tok_s": off["output_tokens_per_s"],
-        "served_output_tok_s": srv["output_throughput"],
-        "served_over_offline": ratio,
-        "ttft_p50_ms": srv["ttft_ms"]["median"], "ttft_p99_ms": srv["ttft_ms"]["p99"],
-        "failed": srv["failed"], "offline": off, "served": srv,
+        # the best API server count's figures, then every count's
+        "api_server_count": best["api_server_count"],
+        "served_output_tok_s": best["served_output_tok_s"],
+        "served_over_offline": best["served_over_offline"],
+        "ttft_p50_ms": best["ttft_p50_ms"], "ttft_p99_ms": best["ttft_p99_ms"],
+        "failed": sum(r["failed"] for r in runs), "offline": off, "runs": runs,
     }
-    print(f"== served vs offline at {ns.concurrency} users: offline "
-          f"{off['output_tokens_per_s']:.0f} tok/s, served "
-          f"{srv['output_throughput']:.0f} tok/s = {ratio:.3f} of offline; TTFT p50 "
-          f"{out['ttft_p50_ms']:.0f} ms, p99 {out['ttft_p99_ms']:.0f} ms; {srv['failed']} failed")
     path = ns.out or (os.path.join(work, "smoke.json") if ns.smoke else
                       f"bench/results/serve/served-vs-offline-{ns.model}-c{ns.concurrency}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

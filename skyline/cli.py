@@ -338,6 +338,9 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
         ns.model = ns.model_tag
     api_key = _serve_api_key(ns.api_key, ns.api_key_file, envs.ENV.api_key)
     if ns.replicas != 1 or ns.ray:
+        if ns.api_server_count != 1:
+            raise ConfigError("--api-server-count works with one replica; leave it out with "
+                              "--replicas or --ray (the router spreads requests over replicas)")
         return _serve_fleet(ns, api_key)
     if ns.kv_events_port == 0:
         ns.kv_events_host = "127.0.0.1" if ns.host in ("127.0.0.1", "localhost") else ns.host
@@ -366,7 +369,8 @@ def _cmd_serve(ns: argparse.Namespace) -> None:
               shutdown_timeout=ns.shutdown_timeout, log_level=ns.uvicorn_log_level,
               restart=RestartPolicy(max_restarts=ns.max_engine_restarts),
               max_waiting=ns.max_waiting, chat_template=chat_template,
-              parse_workers=ns.parse_workers, tool_call_parser=ns.tool_call_parser)
+              parse_workers=ns.parse_workers, tool_call_parser=ns.tool_call_parser,
+              api_server_count=ns.api_server_count)
     except (EngineStartError, EngineDeadError, OSError) as e:
         sys.exit(f"skyline: error: {e}")
 
@@ -470,6 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to parse a request, render its chat template and tokenize it")
     g.add_argument("--body-timeout", type=float_in(0, lo_open=True), default=30.0,
                    help="seconds for a request body to arrive (then 408)")
+    p.add_argument("--api-server-count", type=POSITIVE, default=1,
+                   help="API processes (HTTP, tokenization, detokenization) in front of the one "
+                        "engine core, all on --port: more when one cannot keep up with the "
+                        "engine's streams (hundreds of users on a GPU)")
     p.add_argument("--parse-workers", type=NON_NEGATIVE, default=2,
                    help="processes that parse large request bodies off the event loop")
     p.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,

@@ -23,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from skyline.engine.process import pack
+from skyline.engine.codec import pack
 from skyline.types import KVEventBatch, KVSnapshot
 
 TOPIC = b"kv"

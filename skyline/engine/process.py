@@ -5,8 +5,16 @@ The API process binds two ZMQ sockets and spawns `run_engine_core`, which connec
                         | ("shutdown",)
   output (core -> API): ("out", step_outputs, stats, queue_times) | ("add_error", id, message)
                         | ("result", call_id, value) | ("dead", message)
-Every message is msgpack; the dataclasses travel through the explicit helpers below, not pickle.
+Every message is msgpack; the dataclasses travel through engine/codec.py's helpers, not pickle.
 Startup goes over a multiprocessing pipe: ("ready", info) or ("error", one sentence).
+
+Several API processes (`serve --api-server-count N`, engine/clients.py): each binds its own
+input and output socket and the core connects to all of them (its one PULL socket fair-queues
+the inputs; one PUSH socket per API process). An API process's "add" and "call" carry its
+client index as a last element, and ("hello", client) opens each of its connections (the core
+aborts whatever it still runs for that index: a replaced API process's requests). The core
+sends each request's outputs, add errors and call results to its owner only, batched per
+client per step; stats go to every client, each with its own `num_adds`.
 
 The loop blocks on the input socket while idle; with work it drains the input without waiting,
 runs one step and pushes the outputs. The process exits when its parent dies. With
@@ -16,7 +24,6 @@ each step and answers snapshot requests between steps.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -26,61 +33,11 @@ import time
 import traceback
 from typing import Any
 
-import msgpack
-
-from skyline.types import Request, SamplingParams, StepOutput, TokenLogprobs
+from skyline.engine.codec import pack, request_from_dict, step_output_to_list, unpack
+from skyline.types import StepOutput
 from skyline.worker.executor.rank import exit_with_parent
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------- codec
-
-
-def pack(msg: Any) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def params_to_dict(p: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-
-
-def params_from_dict(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**d)
-
-
-def request_to_dict(r: Request) -> dict[str, Any]:
-    return {"id": r.request_id, "prompt": r.prompt_token_ids,
-            "params": params_to_dict(r.sampling_params), "eos": list(r.eos_token_ids)}
-
-
-def request_from_dict(d: dict[str, Any]) -> Request:
-    return Request(d["id"], d["prompt"], params_from_dict(d["params"]),
-                   eos_token_ids=tuple(d["eos"]))
-
-
-def _logprobs_to_list(lps: list[TokenLogprobs] | None) -> list[Any] | None:
-    return None if lps is None else [[t.token_ids, t.logprobs, t.sampled_rank] for t in lps]
-
-
-def _logprobs_from_list(v: list[Any] | None) -> list[TokenLogprobs] | None:
-    return None if v is None else [TokenLogprobs(a, b, c) for a, b, c in v]
-
-
-def step_output_to_list(o: StepOutput) -> list[Any]:
-    return [o.request_id, o.new_token_ids, _logprobs_to_list(o.new_logprobs), o.finish_reason,
-            o.stop_reason, o.num_prompt_tokens, o.num_cached_tokens,
-            _logprobs_to_list(o.prompt_logprobs)]
-
-
-def step_output_from_list(v: list[Any]) -> StepOutput:
-    rid, ids, lps, finish, stop, num_prompt, num_cached, prompt_lps = v
-    return StepOutput(rid, ids, _logprobs_from_list(lps), finish, stop, num_prompt, num_cached,
-                      _logprobs_from_list(prompt_lps))
-
 
 # ---------------------------------------------------------------------------------- child
 
@@ -105,8 +62,8 @@ class _QueueTimes:
 
 
 class _EngineLoop:
-    def __init__(self, core: Any, queue_times: _QueueTimes, in_addr: str,
-                 out_addr: str, events: Any = None) -> None:
+    def __init__(self, core: Any, queue_times: _QueueTimes, in_addrs: list[str],
+                 out_addrs: list[str], events: Any = None) -> None:
         import zmq
 
         self.core = core
@@ -114,35 +71,76 @@ class _EngineLoop:
         self.events = events  # a KVEventPublisher, or None
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)
-        self.inp.connect(in_addr)
+        for addr in in_addrs:
+            self.inp.connect(addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inp, zmq.POLLIN)
         if events is not None:
             self.poller.register(events.snapshots, zmq.POLLIN)
-        self.out = self.ctx.socket(zmq.PUSH)
-        self.out.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
-        self.out.setsockopt(zmq.LINGER, 5000)
-        self.out.connect(out_addr)
-        self.num_adds = 0  # lets the frontend count requests in flight to us
+        self.outs = []  # one per client (API process), by client index
+        for addr in out_addrs:
+            out = self.ctx.socket(zmq.PUSH)
+            out.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow reader
+            out.setsockopt(zmq.LINGER, 5000)
+            out.connect(addr)
+            self.outs.append(out)
+        # requests added by each client, which lets the frontend count requests in flight to us
+        self.num_adds = [0] * len(self.outs)
+        # several clients: which one owns each request (its outputs go there only)
+        self.owners: dict[str, int] = {}
         self.running = True
         self.stats_dirty = True
 
-    def send(self, msg: Any) -> None:
-        self.out.send(pack(msg))
+    def send(self, msg: Any, client: int = 0) -> None:
+        self.outs[client].send(pack(msg))
 
     def stats(self) -> dict[str, Any]:
         s = dict(self.core.stats())
         s["max_model_len"] = self.core.max_model_len
-        s["num_adds"] = self.num_adds
+        s["num_adds"] = self.num_adds[0]
         pool = self.core.scheduler.kv_manager.block_pool
         s["num_used_blocks"] = pool.num_blocks - pool.num_free_blocks  # 0 when idle
         return s
+
+    def send_outputs(self, outputs: list[StepOutput], stats: dict[str, Any]) -> None:
+        """One "out" message per client per step: its requests' outputs and queue times, and
+        the engine's stats (every client reads them at scrape and for its waiting bound)."""
+        queue_times = self.queue_times.take()
+        if len(self.outs) == 1:
+            self.send(("out", [step_output_to_list(o) for o in outputs], stats, queue_times))
+            return
+        owners = self.owners
+        per_client: list[list[Any]] = [[] for _ in self.outs]
+        for o in outputs:
+            client = owners.get(o.request_id, 0)
+            if o.finish_reason is not None:
+                owners.pop(o.request_id, None)
+            per_client[client].append(step_output_to_list(o))
+        times: list[dict[str, float]] = [{} for _ in self.outs]
+        for rid, seconds in queue_times.items():
+            times[owners.get(rid, 0)][rid] = seconds
+        for client, outs in enumerate(per_client):
+            self.send(("out", outs, {**stats, "num_adds": self.num_adds[client]},
+                       times[client]), client)
+
+    def _client(self, msg: list[Any], size: int) -> int:
+        """The client index a message of `size` fields carries last (0 when it carries none);
+        an index out of range (a bug) is client 0's."""
+        client = msg[size] if len(msg) > size else 0
+        return client if isinstance(client, int) and 0 <= client < len(self.outs) else 0
+
+    def _abort(self, ids: list[str]) -> None:
+        self.core.abort_requests(ids)
+        for rid in ids:
+            self.queue_times.arrivals.pop(rid, None)
+            self.owners.pop(rid, None)
 
     def handle(self, msg: list[Any]) -> None:
         kind = msg[0]
         self.stats_dirty = True
         if kind == "add":
-            self.num_adds += 1
+            client = self._client(msg, 2)
+            self.num_adds[client] += 1
             rid = str(msg[1].get("id")) if isinstance(msg[1], dict) else "?"
             try:
                 req = request_from_dict(msg[1])
@@ -153,22 +151,27 @@ class _EngineLoop:
             except Exception as e:  # a bad request must not take the engine down
                 if not isinstance(e, ValueError):
                     log.exception("request %s could not be added", rid)
-                self.send(("add_error", rid, str(e)))
+                self.send(("add_error", rid, str(e)), client)
                 return
             self.queue_times.arrivals[req.request_id] = req.arrival_time
+            if len(self.outs) > 1:
+                self.owners[req.request_id] = client
         elif kind == "abort":
-            self.core.abort_requests(msg[1])
-            for rid in msg[1]:
-                self.queue_times.arrivals.pop(rid, None)
+            self._abort(msg[1])
+        elif kind == "hello":  # a (new) API process at this index: drop its predecessor's work
+            client = self._client(msg, 1)
+            self._abort([rid for rid, c in self.owners.items() if c == client])
+            self.num_adds[client] = 0  # it counts its own adds from 0
         elif kind == "call":
-            _, call_id, method, args = msg
+            client = self._client(msg, 4)
+            _, call_id, method, args = msg[:4]
             if method == "stats":
-                value: Any = self.stats()
+                value: Any = {**self.stats(), "num_adds": self.num_adds[client]}
             elif method == "reset_prefix_cache":
                 value = self.core.scheduler.reset_prefix_cache()
             else:
                 value = None
-            self.send(("result", call_id, value))
+            self.send(("result", call_id, value), client)
         elif kind == "shutdown":
             self.running = False
 
@@ -204,26 +207,30 @@ class _EngineLoop:
             if not self.core.has_unfinished():
                 if self.stats_dirty:  # e.g. everything was aborted: report the freed cache
                     stats = self.stats()
-                    self.send(("out", [], stats, {}))
+                    self.send_outputs([], stats)
                     self.publish_events(stats)
                     self.stats_dirty = False
                 continue
             outputs = self.core.step()
             stats = self.stats()
-            self.send(("out", [step_output_to_list(o) for o in outputs], stats,
-                       self.queue_times.take()))
+            self.send_outputs(outputs, stats)
             self.publish_events(stats)
             self.stats_dirty = False
 
+    def broadcast(self, msg: Any) -> None:
+        for client in range(len(self.outs)):
+            self.send(msg, client)
+
     def close(self) -> None:
         self.inp.close(linger=0)
-        self.out.close()
+        for out in self.outs:
+            out.close()
         self.ctx.term()
         if self.events is not None:
             self.events.close()
 
 
-def run_engine_core(args: Any, in_addr: str, out_addr: str,
+def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
                     conn: multiprocessing.connection.Connection, log_level: int,
                     progress_level: int = logging.WARNING) -> None:
     """Entry point of the engine-core process (spawned); `progress_level`: the parent's
@@ -277,7 +284,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         "pid": os.getpid(),
         **core.executor.describe(),
     }
-    loop = _EngineLoop(core, queue_times, in_addr, out_addr, events)
+    loop = _EngineLoop(core, queue_times, in_addrs, out_addrs, events)
     tune_gc()
     conn.send(("ready", info))
     conn.close()
@@ -285,7 +292,7 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str,
         loop.run()
     except Exception as e:
         traceback.print_exc()
-        loop.send(("dead", f"the engine failed: {type(e).__name__}: {e}"))
+        loop.broadcast(("dead", f"the engine failed: {type(e).__name__}: {e}"))
         loop.close()
         core.shutdown()
         os._exit(1)
@@ -301,15 +308,21 @@ class EngineStartError(RuntimeError):
 
 
 class EngineProcess:
-    """Spawns the engine core and waits for it to be ready; `info` describes what it serves."""
+    """Spawns the engine core and waits for it to be ready; `info` describes what it serves.
+    `in_addr` / `out_addr`: the API process's sockets, or lists of them (several API processes:
+    the outputs of client i go to out_addr[i]; the inputs may have more, e.g. a control
+    socket)."""
 
-    def __init__(self, args: Any, in_addr: str, out_addr: str,
+    def __init__(self, args: Any, in_addr: str | list[str], out_addr: str | list[str],
                  startup_timeout: float | None = None) -> None:
+        in_addrs = [in_addr] if isinstance(in_addr, str) else list(in_addr)
+        out_addrs = [out_addr] if isinstance(out_addr, str) else list(out_addr)
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=run_engine_core, name="skyline-engine",
-            args=(args, in_addr, out_addr, send, logging.getLogger("skyline").getEffectiveLevel(),
+            args=(args, in_addrs, out_addrs, send,
+                  logging.getLogger("skyline").getEffectiveLevel(),
                   logging.getLogger("skyline.progress").getEffectiveLevel()),
         )
         self.proc.start()

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from skyline.engine.process import EngineProcess, EngineStartError, pack, unpack
+from skyline.engine.codec import pack, unpack
+from skyline.engine.process import EngineProcess, EngineStartError
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,15 @@ class _Link:
     gen: int
     proc: EngineProcess | None
     inp: zmq.Socket
-    out: zmq.asyncio.Socket
+    out: zmq.asyncio.Socket | None  # None where the API processes own the output sockets
     task: asyncio.Task[None] | None = None
     down: bool = False
+    watched: bool = False
 
     def close(self) -> None:
         self.inp.close(linger=0)
-        self.out.close(linger=0)
+        if self.out is not None:
+            self.out.close(linger=0)
 
 
 async def in_daemon_thread(fn: Callable[[], T]) -> T:
@@ -131,7 +134,7 @@ class EngineSupervisor:
 
     def start(self) -> None:
         """Begin reading the engine's outputs (needs a running event loop). Idempotent."""
-        if self.link.task is None and not self.link.down and not self._closed:
+        if not self.link.watched and not self.link.down and not self._closed:
             self._watch(self.link)
 
     def send(self, msg: Any) -> None:
@@ -179,7 +182,9 @@ class EngineSupervisor:
         assert link.proc is not None
         # The sentinel is readable the moment the process exits, however it exits (kill -9).
         loop.add_reader(link.proc.proc.sentinel, self._exited, link)
-        link.task = loop.create_task(self._read(link))
+        link.watched = True
+        if link.out is not None:
+            link.task = loop.create_task(self._read(link))
 
     def _stop_watch(self, link: _Link) -> None:
         if link.proc is not None:
@@ -189,6 +194,7 @@ class EngineSupervisor:
             link.task.cancel()
 
     async def _read(self, link: _Link) -> None:
+        assert link.out is not None
         while True:
             msg = unpack(await link.out.recv())
             if msg[0] == "dead":

@@ -3,7 +3,8 @@
 `skyline serve` binds the port, starts the engine-core process, prints what it serves and runs
 uvicorn. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up
 to --shutdown-timeout seconds, ends the rest with an error each (an SSE error event and [DONE]
-for streams), then stops the engine.
+for streams), then stops the engine. With --api-server-count N, N API processes run this app in
+front of one engine core (server/api_servers.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -64,11 +66,14 @@ CUT_GRACE_S = 5.0  # after cutting requests at the drain timeout, for their erro
 def build_app(llm: AsyncLLM, *, api_key: str | None = None,
               limits: RequestLimits | None = None,
               parse_workers: int = DEFAULT_PARSE_WORKERS,
-              tool_call_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", api_server: int | None = None,
+              multiprocess_dir: str | None = None) -> FastAPI:
     """`tool_call_parser`: a format of tool_parsers.PARSERS, "none", or "auto" (guessed from
-    the chat template)."""
+    the chat template). `api_server`: this process's index among several API processes, which
+    share their metrics through `multiprocess_dir`."""
     limits = (limits or RequestLimits()).resolved(llm.max_model_len)
-    metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts)
+    metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts,
+                      api_server=api_server, multiprocess_dir=multiprocess_dir)
     template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
     state = ServerState(llm, llm.model_name, metrics, limits,
                         tool_format=resolve_tool_format(tool_call_parser, template))
@@ -85,7 +90,8 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
         await state.parse_pool.close()
         state.threads.shutdown(wait=False, cancel_futures=True)
         llm.shutdown()
-        print("skyline: server stopped", file=sys.stderr, flush=True)
+        if api_server is None:  # else the parent says it, once
+            print("skyline: server stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="skyline", version="0.1.0", lifespan=lifespan, docs_url=None,
                   redoc_url=None)
@@ -165,10 +171,17 @@ def _openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port; `reuse_port`: one of several on the same port
+    (SO_REUSEPORT: the kernel spreads new connections over them)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        except (AttributeError, OSError):  # not on this system: a second bind will fail
+            pass
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -185,13 +198,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def banner(llm: AsyncLLM, host: str, port: int, tool_format: str | None = None) -> str:
-    i = llm.info
+def banner(i: dict[str, Any], host: str, port: int, tool_format: str | None = None,
+           api_pids: list[int] | None = None) -> str:
+    """What `serve` prints once it serves; `i`: the engine's info; `api_pids`: several API
+    processes' (default: this one)."""
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     weights = i.get("weights_gib")
+    api = (f"API process: pid {os.getpid()}" if api_pids is None else
+           f"{len(api_pids)} API processes: pids {', '.join(map(str, api_pids))}")
     lines = [
-        f"skyline: serving {llm.model_name} ({i['model_path']}) at {where}/v1",
-        f"  device {i['device']}, dtype {i['dtype']}, context {llm.max_model_len} tokens, "
+        f"skyline: serving {i['model_name']} ({i['model_path']}) at {where}/v1",
+        f"  device {i['device']}, dtype {i['dtype']}, context {i['max_model_len']} tokens, "
         f"loaded in {i.get('load_seconds', 0):.1f}s"
         + (f", weights {weights:.2f} GiB" if weights else "")
         + (f" ({i['host_experts_gib']:.2f} GiB of experts in host memory)"
@@ -199,7 +216,7 @@ def banner(llm: AsyncLLM, host: str, port: int, tool_format: str | None = None) 
         f"  KV cache {i.get('kv_cache_gib', 0):.2f} GiB: {i.get('num_blocks', 0)} blocks of "
         f"{i['block_size']} tokens ({i.get('kv_cache_tokens', 0)} tokens), "
         f"up to {i['max_num_seqs']} running requests",
-        f"  engine core: pid {i['pid']}; API process: pid {os.getpid()}",
+        f"  engine core: pid {i['pid']}; {api}",
     ]
     if tool_format is not None:
         lines.append(f"  tool calls: the {tool_format} format")
@@ -211,17 +228,23 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout: float = 30.0, log_level: str = "info",
           restart: RestartPolicy | None = None, max_waiting: int | None = None,
           chat_template: str | None = None,
-          parse_workers: int = DEFAULT_PARSE_WORKERS, tool_call_parser: str = "auto") -> None:
+          parse_workers: int = DEFAULT_PARSE_WORKERS, tool_call_parser: str = "auto",
+          api_server_count: int = 1) -> None:
     """Run the server until SIGTERM / Ctrl-C. Raises OSError / EngineStartError with one
     sentence when it cannot start, EngineDeadError when the engine failed more often than
     `restart` allows."""
-    import uvicorn
+    options = ServeOptions(api_key=api_key, limits=limits, shutdown_timeout=shutdown_timeout,
+                           log_level=log_level, max_waiting=max_waiting,
+                           chat_template=chat_template, parse_workers=parse_workers,
+                           tool_call_parser=tool_call_parser)
+    if api_server_count > 1:
+        from skyline.server.api_servers import serve_many
 
-    from skyline.server.lifecycle import DrainingServer, JSONErrorProtocol, escape_log_controls
-
+        return serve_many(engine_args, api_server_count, host, port, options,
+                          restart or RestartPolicy())
     sock = bind_socket(host, port)
     fatal: list[str] = []
-    servers: list[uvicorn.Server] = []
+    servers: list[Any] = []
 
     def on_fatal(reason: str) -> None:
         # The engine will not come back: stop serving (in-flight requests end with errors)
@@ -237,31 +260,62 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
         sock.close()
         raise
     try:
-        app = build_app(llm, api_key=api_key, limits=limits, parse_workers=parse_workers,
-                        tool_call_parser=tool_call_parser)
-        state: ServerState = app.state.skyline
+        def announce(fmt: str | None) -> None:
+            print(banner(llm.info, host, sock.getsockname()[1], fmt), flush=True)
 
-        def drain() -> None:
-            # SIGTERM: no new requests; those still running after the timeout are cut with an
-            # error each (uvicorn's own timeout, a little later, would drop them mid-response).
-            state.shutting_down = True
-            asyncio.get_running_loop().call_later(shutdown_timeout, llm.cut_all,
-                                                  "the server shut down before this request "
-                                                  "finished; retry it on another replica")
-
-        fmt = state.tool_format.name if state.tool_format is not None else None
-        print(banner(llm, host, sock.getsockname()[1], fmt), flush=True)
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,
-                                http=JSONErrorProtocol)
-        escape_log_controls()
-        # This process streams every request's outputs: the engine's garbage-collector
-        # settings keep full collections (a pause of every stream) rare here too.
-        tune_gc()
-        servers.append(DrainingServer(config, drain))
-        servers[0].run(sockets=[sock])
+        run_app(llm, sock, options, servers, announce)
     finally:
         llm.shutdown()  # already done by the lifespan unless uvicorn failed
         sock.close()
     if fatal:
         raise EngineDeadError(f"{fatal[0]}; the server stopped")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `serve` passes to each API process's app."""
+
+    api_key: str | None = None
+    limits: RequestLimits | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+    max_waiting: int | None = None
+    chat_template: str | None = None
+    parse_workers: int = DEFAULT_PARSE_WORKERS
+    tool_call_parser: str = "auto"
+
+
+def run_app(llm: AsyncLLM, sock: socket.socket, options: ServeOptions, servers: list[Any],
+            announce: Callable[[str | None], None], api_server: int | None = None,
+            multiprocess_dir: str | None = None) -> None:
+    """Serve the app over `llm` on the listening `sock` until SIGTERM (or Ctrl-C, unless this
+    is one of several API processes: their parent forwards it as SIGTERM); the uvicorn server
+    is appended to `servers`, and `announce(tool format)` called once the app is built."""
+    import uvicorn
+
+    from skyline.server.lifecycle import DrainingServer, JSONErrorProtocol, escape_log_controls
+
+    o = options
+    app = build_app(llm, api_key=o.api_key, limits=o.limits, parse_workers=o.parse_workers,
+                    tool_call_parser=o.tool_call_parser, api_server=api_server,
+                    multiprocess_dir=multiprocess_dir)
+    state: ServerState = app.state.skyline
+
+    def drain() -> None:
+        # SIGTERM: no new requests; those still running after the timeout are cut with an
+        # error each (uvicorn's own timeout, a little later, would drop them mid-response).
+        state.shutting_down = True
+        asyncio.get_running_loop().call_later(o.shutdown_timeout, llm.cut_all,
+                                              "the server shut down before this request "
+                                              "finished; retry it on another replica")
+
+    announce(state.tool_format.name if state.tool_format is not None else None)
+    config = uvicorn.Config(app, log_level=o.log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=o.shutdown_timeout + CUT_GRACE_S,
+                            http=JSONErrorProtocol)
+    escape_log_controls()
+    # This process streams every request's outputs: the engine's garbage-collector
+    # settings keep full collections (a pause of every stream) rare here too.
+    tune_gc()
+    servers.append(DrainingServer(config, drain, ignore_sigint=api_server is not None))
+    servers[-1].run(sockets=[sock])

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import re
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -63,9 +64,14 @@ class DrainingServer(uvicorn.Server):
     taking requests, then cut what still runs after the drain timeout, so that cut requests end
     with errors the app writes, before uvicorn's own timeout cancels their tasks)."""
 
-    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None],
+                 ignore_sigint: bool = False) -> None:
+        """`ignore_sigint`: one of several API processes, which a terminal's Ctrl-C reaches
+        with their parent; the parent forwards it as one SIGTERM (a second signal would make
+        uvicorn skip the graceful drain)."""
         super().__init__(config)
         self.on_drain = on_drain
+        self.ignore_sigint = ignore_sigint
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -74,6 +80,8 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.ignore_sigint and sig == signal.SIGINT:
+            return
         if not self._draining and self._loop is not None:
             self._draining = True
             self._loop.call_soon_threadsafe(self.on_drain)

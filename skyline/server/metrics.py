@@ -4,6 +4,12 @@
 Request latencies are observed here, in the API process, as the client sees them; engine state
 (running / waiting, KV usage, prefix-cache counters, preemptions) is read from the engine core's
 latest stats at scrape time.
+
+With several API processes (`serve --api-server-count N`), the request metrics are
+prometheus_client's multiprocess mode: each process writes its counters and histograms to files
+in one directory and every /metrics sums all of them, so a scrape that lands on any process
+sees the whole server (series labelled by process would show only the one scraped).
+`skyline:api_server_requests_total{api_server="i"}` counts the requests each one took.
 """
 
 from __future__ import annotations
@@ -147,7 +153,10 @@ class _EngineCollector(Collector):
 
 class Metrics:
     def __init__(self, model: str, engine_stats: Callable[[], dict[str, Any]],
-                 engine_restarts: Callable[[], int] = lambda: 0) -> None:
+                 engine_restarts: Callable[[], int] = lambda: 0,
+                 api_server: int | None = None, multiprocess_dir: str | None = None) -> None:
+        """`api_server`: this process's index among several; `multiprocess_dir`: theirs
+        (PROMETHEUS_MULTIPROC_DIR, set before prometheus_client was imported)."""
         disable_created_metrics()  # no *_created series, as vLLM
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
@@ -177,12 +186,26 @@ class Metrics:
         # stream is measurable at hundreds of streams).
         self.itl_series = self.itl.labels(model)
         self.gen_tokens_series = self.gen_tokens.labels(model)
-        r.register(_EngineCollector(model, engine_stats, engine_restarts))
+        self.api_server_series = None
+        if api_server is not None:
+            self.api_server_series = Counter(
+                "skyline:api_server_requests", "Requests each API process took.",
+                ["model_name", "api_server"], registry=r).labels(model, str(api_server))
+        engine = _EngineCollector(model, engine_stats, engine_restarts)
+        self.exposed = r  # what /metrics renders
+        if multiprocess_dir is not None:
+            from prometheus_client import multiprocess
+
+            self.exposed = CollectorRegistry(auto_describe=True)
+            multiprocess.MultiProcessCollector(self.exposed, path=multiprocess_dir)
+        self.exposed.register(engine)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
     def tracker(self, num_prompt_tokens: int) -> RequestTracker:
+        if self.api_server_series is not None:
+            self.api_server_series.inc()
         return RequestTracker(self, num_prompt_tokens)
 
 

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 import torch
 
+from skyline.engine.codec import params_from_dict, params_to_dict
 from skyline.engine.frontend.output import child_params
-from skyline.engine.process import params_from_dict, params_to_dict
 from skyline.types import SamplingParams
 from skyline.worker.sampler import SamplingRow, sample
 

@@ -120,4 +120,11 @@ def test_serve_ceiling_smoke(tmp_path: str) -> None:
 
 def test_served_vs_offline_smoke(tmp_path: str) -> None:
     out = _smoke("served_vs_offline.py", tmp_path)
-    assert "of offline" in out and "0 failed" in out
+    path = [line for line in out.splitlines() if line.startswith("wrote ")][-1][len("wrote "):]
+    with open(path) as f:
+        result = json.load(f)
+    # one offline run, then served with one API process and with two
+    assert [r["api_server_count"] for r in result["runs"]] == [1, 2], out
+    assert result["failed"] == 0 and result["offline_output_tok_s"] > 0, out
+    for r in result["runs"]:
+        assert r["served_output_tok_s"] > 0 and r["served"]["completed"] == 16, r

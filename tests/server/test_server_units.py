@@ -8,18 +8,18 @@ import json
 import pytest
 import torch
 
-from skyline.engine.frontend.structured import (
-    StructuredOutputs,
-    check_structured,
-    make_ll_tokenizer,
-)
-from skyline.engine.process import (
+from skyline.engine.codec import (
     pack,
     request_from_dict,
     request_to_dict,
     step_output_from_list,
     step_output_to_list,
     unpack,
+)
+from skyline.engine.frontend.structured import (
+    StructuredOutputs,
+    check_structured,
+    make_ll_tokenizer,
 )
 from skyline.types import (
     CachedRequestData,

@@ -16,10 +16,10 @@ import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from skyline.engine.codec import request_to_dict, step_output_from_list
 from skyline.engine.frontend.output import OutputProcessor, child_params, merge_deltas
 from skyline.engine.frontend.structured import check_structured, constrained
 from skyline.engine.frontend.tokenizer import Tokenizer
-from skyline.engine.process import request_to_dict, step_output_from_list
 from skyline.engine.supervisor import EngineDeadError, EngineSupervisor, RestartPolicy
 from skyline.types import Request, RequestOutput, SamplingParams, is_valid_unicode
 
@@ -97,14 +97,21 @@ class AsyncLLM:
     def __init__(self, args: Any, startup_timeout: float | None = None,
                  restart: RestartPolicy | None = None,
                  on_fatal: Callable[[str], None] = lambda reason: None,
-                 max_waiting: int | None = None, chat_template: str | None = None) -> None:
+                 max_waiting: int | None = None, chat_template: str | None = None,
+                 link: Callable[..., Any] | None = None, id_prefix: str = "") -> None:
         """`max_waiting`: requests that may wait for a place in the running batch before new
         ones get EngineOverloadedError (None or negative: the engine args' value if positive,
         else WAITING_PER_SEQ x max_num_seqs; 0: no limit). `chat_template`: the operator's
-        template, instead of the model's."""
-        self.engine = EngineSupervisor(args, startup_timeout, restart or RestartPolicy(),
-                                       on_message=self._handle, on_death=self._on_death,
-                                       on_restart=self._on_restart, on_fatal=on_fatal)
+        template, instead of the model's. `link`: instead of starting an engine core from
+        `args`, connect to a shared one: called with the callbacks, it returns an object with
+        EngineSupervisor's interface (engine/clients.py's EngineClient). `id_prefix`: put before
+        every id this process sends the core (API processes sharing a core must not collide)."""
+        callbacks = {"on_message": self._handle, "on_death": self._on_death,
+                     "on_restart": self._on_restart, "on_fatal": on_fatal}
+        self.engine: Any = (EngineSupervisor(args, startup_timeout, restart or RestartPolicy(),
+                                             **callbacks)
+                            if link is None else link(**callbacks))
+        self.id_prefix = id_prefix
         info = self.engine.info
         self.model_name: str = info["model_name"]
         self.max_model_len: int = info["max_model_len"]
@@ -123,7 +130,7 @@ class AsyncLLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
             eos = self.tokenizer.eos_token_ids
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, id_prefix)
         self.stats: dict[str, Any] = {}  # the core's latest counters (pushed every step)
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._queue_times: dict[str, float] = {}
@@ -312,7 +319,7 @@ class AsyncLLM:
         """The engine died: every request in flight fails now (their streams report it), and
         nothing of them is kept for the engine that replaces it."""
         self._fail_all(EngineDeadError(reason))
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, self.id_prefix)
         self._queue_times.clear()
         self.stats = {}
         self._num_adds = 0

@@ -71,15 +71,17 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, id_prefix: str = "") -> None:
+        """`id_prefix`: before each engine-core request id (see AsyncLLM)."""
         self.tokenizer = tokenizer
+        self.id_prefix = id_prefix
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> list[str]:
         """Register a request; returns the engine-core request ids of its children."""
-        ids = child_ids(request_id, params.n)
+        ids = [self.id_prefix + cid for cid in child_ids(request_id, params.n)]
         children = {}
         for i, cid in enumerate(ids):
             detok = None
