@@ -179,15 +179,21 @@ if triton is not None:
 
     @triton.jit
     def _acc_zeros(FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One return: the compiler checks every return statement of a function against the
+        # others, a branch on a constexpr included (the interpreter does not).
         if FMT == 2:
-            return tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
-        return tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        return acc
 
     @triton.jit
     def _acc_sum(acc, FMT: tl.constexpr):  # -> [BLOCK_N]
         if FMT == 2:
-            return tl.sum(tl.sum(acc, axis=2), axis=1)
-        return tl.sum(acc, axis=1)
+            out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        else:
+            out = tl.sum(acc, axis=1)
+        return out
 
     @triton.jit
     def _rows_dot(acc, a_row, a_ok, w_rows, s_rows, n, n_ok, k0, K: tl.constexpr,
