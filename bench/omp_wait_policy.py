@@ -4,9 +4,9 @@ on an idle machine and on one where a busy process competes for a core.
 OpenMP worker threads spin after each parallel region by default; when another process needs a
 core, the spinning threads and the thread doing the work take turns on it, and a decode step of
 hundreds of small parallel regions slows many times over. PASSIVE makes idle workers sleep.
-The skyline command sets PASSIVE unless the environment says otherwise (skyline/cli.py); this
-script measures both. Each measurement is a fresh process (the policy is read when OpenMP
-loads).
+The skyline command sets PASSIVE unless the environment says otherwise
+(skyline/cli/__init__.py); this script measures both. Each measurement is a fresh process (the
+policy is read when OpenMP loads).
 
     python bench/omp_wait_policy.py --threads 2 \
         --out bench/results/cpu/omp-wait-policy-cpu-smollm2.json

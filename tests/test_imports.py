@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "skyline"
 
-# package -> the packages it may import (besides itself). cli, cli_args and skyline/__init__
+# package -> the packages it may import (besides itself). cli and skyline/__init__
 # may import anything.
 BELOW_ENGINE = ("worker", "sched", "cache", "model", "quant", "parallel", "ops", "config",
                 "configs", "envs", "progress", "types")
@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     # (ops) with the bench's timing and floors; writes the user's tables through ops/tuning.py
     "tune": {"engine", "bench", "ops", "config", "envs", "types"},
 }
-ANYTHING = {"cli", "cli_args", "__init__"}
+ANYTHING = {"cli", "__init__"}
 # router may use the server's protocol module only
 ONLY_MODULES = {("router", "server"): {"skyline.server.protocol"}}
 # Code above the engine, and the attributes that reach through it into the worker's objects

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from skyline import cli
-from skyline.cli_args import strip_flags
+from skyline.cli.args import strip_flags
 from skyline.config import ConfigError
 
 

@@ -119,17 +119,17 @@ def test_parse_pool_kills_a_worker_past_its_time_and_replaces_it():
 
 
 def test_api_key_from_a_file_the_flag_or_the_environment(tmp_path, capsys):
-    from skyline.cli import _serve_api_key
+    from skyline.cli import serve_api_key
     from skyline.config import ConfigError
 
     key = tmp_path / "key"
     key.write_text("s3cret\n")
-    assert _serve_api_key("flag", str(key), "env") == "s3cret"
-    assert _serve_api_key(None, None, "env") == "env"
+    assert serve_api_key("flag", str(key), "env") == "s3cret"
+    assert serve_api_key(None, None, "env") == "env"
     assert capsys.readouterr().err == ""
-    assert _serve_api_key("flag", None, "env") == "flag"
+    assert serve_api_key("flag", None, "env") == "flag"
     assert "visible" in capsys.readouterr().err  # --api-key shows in ps: the CLI says so
-    assert _serve_api_key(None, None, None) is None
+    assert serve_api_key(None, None, None) is None
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ConfigError, match="empty"):
-        _serve_api_key(None, str(tmp_path / "empty"), None)
+        serve_api_key(None, str(tmp_path / "empty"), None)

@@ -1,0 +1,5 @@
+"""`python -m skyline.cli ...`: the `skyline` command."""
+
+from skyline.cli import main
+
+main()
