@@ -53,10 +53,23 @@ def machine_info(device: str) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"host": platform.node(), "cpu_count": os.cpu_count(),
+                            "cpu": _cpu_model(), "cpu_isa": torch.backends.cpu.get_cpu_capability(),
                             "torch": torch.__version__, "python": platform.python_version()}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), so that a CPU figure names its CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def median_call_s(fn: Any, min_s: float = 0.3) -> float:
