@@ -1,6 +1,6 @@
 """Threads of a CPU server: `skyline serve` on the default model at several concurrency levels,
 with one engine thread, with all of them, and with all of them but small steps on one thread
-(the engine's default, `CPU_SERIAL_TOKENS` in skyline/worker/runner.py).
+(the engine's default, `CPU_SERIAL_TOKENS` in skyline/worker/runner/launch.py).
 
     python bench/cpu_serve_threads.py [--threads 2] [--concurrency 1,2,4,8,16]
         [--flags "--dtype bfloat16 --quantization gguf"] [--out bench/results/cpu/F.json]
