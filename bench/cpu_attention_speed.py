@@ -1,6 +1,6 @@
-"""CPU attention paths of `skyline/ops/attention.py` against torch's SDPA, for the default
-model's heads (9 query / 3 kv heads, head_dim 64): one query over a context (a decode) in
-bfloat16 and float32, and a few queries with a causal mask over a longer context (a
+"""CPU attention paths of `skyline/ops/attention.py` and attention_ref.py against torch's SDPA,
+for the default model's heads (9 query / 3 kv heads, head_dim 64): one query over a context (a
+decode) in bfloat16 and float32, and a few queries with a causal mask over a longer context (a
 verification's drafts, `_attend_small`) against masked SDPA.
 
   python bench/cpu_attention_speed.py --threads 2 \
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from skyline.bench.offline import median_call_s
-from skyline.ops.attention import _attend_small
+from skyline.ops.attention_ref import _attend_small
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 SCALE = DIM**-0.5

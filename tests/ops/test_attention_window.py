@@ -163,14 +163,15 @@ def test_bf16_kernels_gpt_oss_shape(window):
 @pytest.mark.parametrize("sinks", [False, True])
 def test_reference_in_query_chunks(monkeypatch, sinks):
     """attend_ref bounds the scores it holds by running queries in chunks: same result."""
-    from skyline.ops import attention
+    from skyline.ops import attention_ref
 
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(4, 50, 16, generator=g), torch.randn(2, 50, 16, generator=g),
                torch.randn(2, 50, 16, generator=g))
     s = torch.randn(4, generator=g) if sinks else None
-    mask = attention.causal_mask(0, 50, 7, "cpu")
-    whole = [attention.attend_ref(q, k, v, m, 0.25, s, causal=True) for m in (None, mask)]
-    monkeypatch.setattr(attention, "ATTEND_CHUNK", 4 * 50 * 7)  # 7 queries a chunk
+    mask = attention_ref.causal_mask(0, 50, 7, "cpu")
+    whole = [attention_ref.attend_ref(q, k, v, m, 0.25, s, causal=True) for m in (None, mask)]
+    monkeypatch.setattr(attention_ref, "ATTEND_CHUNK", 4 * 50 * 7)  # 7 queries a chunk
     for m, want in zip((None, mask), whole, strict=True):
-        assert (attention.attend_ref(q, k, v, m, 0.25, s, causal=True) - want).abs().max() < 1e-5
+        got = attention_ref.attend_ref(q, k, v, m, 0.25, s, causal=True)
+        assert (got - want).abs().max() < 1e-5

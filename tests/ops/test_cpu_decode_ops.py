@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyline.ops.attention import _decode_ref, paged_attention, paged_attention_ref
+from skyline.ops.attention import paged_attention, paged_attention_ref
+from skyline.ops.attention_ref import _decode_ref
 from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
 from skyline.ops.kv_quant import FP8_DTYPE
 from skyline.ops.kv_write import write_kv, write_kv_ref
