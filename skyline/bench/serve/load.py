@@ -1,22 +1,12 @@
-"""`skyline bench serve`: a streaming load generator for any OpenAI-compatible endpoint.
-
-Load is fixed concurrency (N users, each sending its next request when the last one ends),
-Poisson arrivals at a request rate, or both (arrivals capped at N in flight). A run ends after
-`num_requests` requests or `duration` seconds, whichever comes first; requests in flight then
-have `grace` seconds to finish. Nothing waits without bound on the server: the set-up requests
-(model id, token-id probe, warm-up) have `setup_timeout` seconds, and at the hard deadline
-(duration + grace) the requests still running are cut, recorded as failed, and the run reports
-what it has. `heartbeat` prints a progress line every so many seconds (a stalled server shows).
-"""
+"""The load of `skyline bench serve`: fixed concurrency, Poisson arrivals or both, bounded by a
+request count or a duration with a grace and a hard deadline (the package's docstring); the
+set-up before the clock starts; the load split over client processes (`LoadProcesses`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import datetime
-import json
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -25,8 +15,8 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from skyline.bench.metrics import RequestResult, format_table, summarize
-from skyline.bench.server_stats import cache_delta, format_cache, scrape
+from skyline.bench.metrics import RequestResult
+from skyline.bench.serve.client import _Client
 from skyline.bench.workloads import Conversation, Turn, WorkloadSpec, iter_conversations
 
 # Workloads whose prompts are made token-exact on the completions endpoint.
@@ -54,150 +44,6 @@ class LoadSpec:
     grace: float = 60.0  # seconds requests in flight at the duration may take to finish
     setup_timeout: float = 600.0  # seconds for the model id, token-id probe and warm-up
     heartbeat: float = 0.0  # seconds between progress lines on stdout (0: none)
-
-
-class _Client:
-    def __init__(self, load: LoadSpec, session: aiohttp.ClientSession) -> None:
-        self.load, self.session = load, session
-        self.url = load.base_url.rstrip("/")
-        self.headers = {"Content-Type": "application/json"}
-        if load.api_key:
-            self.headers["Authorization"] = f"Bearer {load.api_key}"
-        self.model = load.model or ""
-        self.token_ids_ok = False
-
-    async def resolve_model(self) -> None:
-        if self.model:
-            return
-        async with self.session.get(f"{self.url}/models", headers=self.headers) as r:
-            if r.status != 200:
-                raise ConnectionError(f"GET {self.url}/models answered {r.status}; pass --model")
-            self.model = (await r.json())["data"][0]["id"]
-
-    async def tokenize(self, text: str) -> list[int] | None:
-        """Token ids from the server's /tokenize (vLLM and skyline read `prompt`, llama.cpp's
-        llama-server reads `content`), or None if it has none."""
-        root = self.url[:-3] if self.url.endswith("/v1") else self.url
-        body = {"model": self.model, "prompt": text, "content": text,
-                "add_special_tokens": False}
-        try:
-            async with self.session.post(f"{root}/tokenize", json=body,
-                                         headers=self.headers) as r:
-                return (await r.json())["tokens"] if r.status == 200 else None
-        except (aiohttp.ClientError, KeyError, ValueError):
-            return None
-
-    async def probe_token_ids(self, text: str) -> None:
-        """Whether the completions endpoint takes token-id prompts (then prompts are exact)."""
-        ids = await self.tokenize(text) if self.load.endpoint == "completions" else None
-        if ids:
-            res = await self.send(Conversation([Turn(ids[:8], 1, 8)]), 0, [], 0.0)
-            self.token_ids_ok = res.success
-
-    async def exact(self, turn: Turn) -> Turn:
-        """The turn with a prompt of exactly input_len token ids, when the server allows."""
-        if not self.token_ids_ok or isinstance(turn.prompt, list):
-            return turn
-        ids = await self.tokenize(turn.prompt)
-        if not ids:
-            return turn
-        ids = (ids * (turn.input_len // len(ids) + 1))[: turn.input_len]
-        return Turn(ids, turn.max_tokens, turn.input_len)
-
-    def body(self, conv: Conversation, turn_idx: int, replies: list[str]) -> tuple[str, dict]:
-        turn = conv.turns[turn_idx]
-        body: dict[str, Any] = {
-            "model": self.model, "max_tokens": turn.max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": self.load.temperature,
-        }
-        if self.load.ignore_eos:
-            body["ignore_eos"] = True  # vLLM/skyline extension: exact output lengths
-            body["min_tokens"] = turn.max_tokens
-        if self.load.endpoint == "chat":
-            msgs = list(conv.messages or [])
-            if not msgs:
-                if conv.system:
-                    msgs.append({"role": "system", "content": conv.system})
-                for t, reply in zip(conv.turns[:turn_idx], replies, strict=True):
-                    msgs += [{"role": "user", "content": _text(t.prompt)},
-                             {"role": "assistant", "content": reply}]
-                msgs.append({"role": "user", "content": _text(turn.prompt)})
-            body["messages"] = msgs
-            return f"{self.url}/chat/completions", body
-        if isinstance(turn.prompt, list) and turn_idx == 0 and not conv.system:
-            body["prompt"] = turn.prompt
-        else:
-            parts = [conv.system + "\n\n"] if conv.system else []
-            for t, reply in zip(conv.turns[:turn_idx], replies, strict=True):
-                parts.append(f"User: {_text(t.prompt)}\nAssistant: {reply}\n")
-            parts.append(f"User: {_text(turn.prompt)}\nAssistant:" if len(conv.turns) > 1
-                         else _text(turn.prompt))
-            body["prompt"] = "".join(parts)
-        return f"{self.url}/completions", body
-
-    async def _post(self, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        """POST, sent again once when a kept-alive connection proves closed before any answer
-        (llama.cpp's llama-server closes it after each streamed response while advertising
-        keep-alive; the request never reached the server)."""
-        try:
-            return await self.session.post(url, json=body, headers=self.headers)
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-            return await self.session.post(url, json=body, headers=self.headers)
-
-    async def send(self, conv: Conversation, turn_idx: int, replies: list[str],
-                   t_bench: float, res: RequestResult | None = None) -> RequestResult:
-        """One streamed request, filled into `res` (a new result if None); the reply text is
-        appended to `replies`."""
-        url, body = self.body(conv, turn_idx, replies)
-        if res is None:
-            res = RequestResult(input_len=conv.turns[turn_idx].input_len)
-        res.input_len = conv.turns[turn_idx].input_len
-        chunks: list[str] = []
-        usage: dict[str, Any] | None = None
-        t0 = time.perf_counter()
-        res.start = t0 - t_bench
-        last = t0
-        try:
-            async with await self._post(url, body) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                async for raw in r.content:
-                    line = raw.decode("utf-8", "replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    msg = json.loads(data)
-                    if "error" in msg:
-                        raise RuntimeError(str(msg["error"])[:200])
-                    usage = msg.get("usage") or usage
-                    for c in msg.get("choices") or []:
-                        text = c.get("text") if "text" in c else (c.get("delta") or {}).get(
-                            "content")
-                        if text:
-                            now = time.perf_counter()
-                            if not chunks:
-                                res.ttft = now - t0
-                            else:
-                                res.itl.append(now - last)
-                            last = now
-                            chunks.append(text)
-            res.e2e = time.perf_counter() - t0
-            res.output_len = usage["completion_tokens"] if usage else len(chunks)
-            if usage and usage.get("prompt_tokens"):
-                res.input_len = usage["prompt_tokens"]
-                res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
-                    "cached_tokens") or 0
-        except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
-            res.success, res.error = False, f"{type(e).__name__}: {e}"[:300]
-            res.e2e = time.perf_counter() - t0
-        replies.append("".join(chunks))
-        return res
-
-
-def _text(prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
 
 
 async def _setup(client: _Client, load: LoadSpec, workload: WorkloadSpec) -> None:
@@ -363,42 +209,6 @@ def run_load(load: LoadSpec, workload: WorkloadSpec) -> tuple[list[RequestResult
         raise ValueError(f"cannot reach {load.base_url} ({e}); is the server running?") from None
 
 
-def run_serve_bench(load: LoadSpec, workload: WorkloadSpec, slos: dict[str, float] | None = None,
-                    output: str | None = None, print_table: bool = True) -> dict[str, Any]:
-    """Run the load, print a table, optionally write JSON; returns the result dict."""
-    before = scrape(load.base_url, load.api_key)
-    results, duration, exact, model = run_load(load, workload)
-    summary = summarize(results, duration, slos)
-    cache = cache_delta(before, scrape(load.base_url, load.api_key))
-    if cache is not None:
-        summary["server_cache"] = cache
-    out = {
-        "benchmark": "serve",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "base_url": load.base_url, "model": model, "endpoint": load.endpoint,
-        "load": {k: v for k, v in dataclasses.asdict(load).items() if k != "api_key"},
-        "workload": dataclasses.asdict(workload),
-        "token_exact_prompts": exact,
-        "cut_requests": sum(r.error == CUT for r in results),
-        "summary": summary,
-        "requests": [{"start": r.start, "input_len": r.input_len, "output_len": r.output_len,
-                      "cached_tokens": r.cached_tokens, "ttft": r.ttft, "e2e": r.e2e,
-                      "success": r.success, "error": r.error}
-                     for r in results],
-    }
-    if print_table:
-        print(format_table(summary))
-        if cache is not None:
-            print(format_cache(cache))
-    if output:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        with open(output, "w") as f:
-            json.dump(out, f, indent=1)
-        if print_table:
-            print(f"wrote {output}")
-    return out
-
-
 def _load_process(job: tuple[LoadSpec, WorkloadSpec]) -> tuple[list[RequestResult], float]:
     results, seconds, _, _ = run_load(*job)
     return results, seconds
@@ -434,10 +244,3 @@ class LoadProcesses:
             self._pool.join()
         return [r for rs, _ in outs for r in rs], max(s for _, s in outs)
 
-
-def http_stack() -> str:
-    """What uvicorn serves with here: its C event loop and HTTP parser when installed."""
-    import importlib.util
-
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    return f"{loop} + {'httptools' if importlib.util.find_spec('httptools') else 'h11'}"
