@@ -3,7 +3,7 @@
 With async scheduling (the default on CUDA) the loop runs one step ahead: it schedules and
 launches step n+1, then updates the scheduler with step n, whose tokens arrive while the device
 runs n+1. The host's work per step (scheduling, input preparation, detokenizing, the server)
-then overlaps the device's instead of adding to it. See sched/scheduler.py for what the
+then overlaps the device's instead of adding to it. See sched/scheduler/ for what the
 scheduler does meanwhile, and worker/runner/ for how the tokens flow on the device.
 
 Each step is timed for the speculation gate (sched/spec/gate.py): from its scheduling, or from the
