@@ -1,5 +1,5 @@
 """Engine configuration: frozen dataclasses. "auto" values are resolved before freezing
-(see `engine/create.py`); validation raises `ConfigError` with one sentence saying what to do.
+(see `engine/create/`); validation raises `ConfigError` with one sentence saying what to do.
 arch.py: the model's architecture (config.json); quant.py: quantization formats; engine.py:
 the engine's settings, joined in `EngineConfig`."""
 

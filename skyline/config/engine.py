@@ -107,7 +107,7 @@ class SpecConfig:
     # eagle: directory of the head (`skyline train-speculator`); draft: the draft model's path
     model: str | None = None
     # draft: the draft model (a smaller model with the target's tokenizer), resolved from
-    # `model` by engine/create.py; or, with `draft_layers` N > 0 and no draft model, the target's
+    # `model` by engine/create/; or, with `draft_layers` N > 0 and no draft model, the target's
     # own first N layers, final norm and LM head (weights shared, own KV cache)
     draft: ModelConfig | None = None
     draft_layers: int = 0
@@ -153,7 +153,7 @@ EXECUTORS = ("uni", "mp")
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over processes (worker/executor/, parallel/). `stages`: one
-    (device, first layer, end layer) per pipeline stage, resolved by engine/create.py from
+    (device, first layer, end layer) per pipeline stage, resolved by engine/create/parallel.py from
     --pipeline-parallel-size or --placement; each stage runs `tensor_parallel_size` ranks.
     `executor` "uni" runs the one rank in the engine's process, "mp" every rank in a process of
     its own. Across hosts, ranks meet at `distributed_init` (tcp://HOST:PORT: the engine's

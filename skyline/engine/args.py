@@ -1,5 +1,5 @@
 """EngineArgs: every engine knob a user can set, as given (no torch here: the CLI and the HTTP
-front end build it before any model code loads). `engine/create.py` resolves it."""
+front end build it before any model code loads). `engine/create/` resolves it."""
 
 from __future__ import annotations
 

@@ -136,7 +136,7 @@ class AllToAllPlacement(GroupPlacement):
     routing weights and sums each token's k rows; an all-gather then gives every member all
     T rows again. Collectives run in the same order on every member whatever the counts, so
     uneven and empty shares cannot deadlock; the counts cross to the host (one sync a layer,
-    so CUDA graphs cannot capture it: engine/create.py runs such engines eagerly)."""
+    so CUDA graphs cannot capture it: engine/create/ runs such engines eagerly)."""
 
     def owners(self, device: torch.device) -> torch.Tensor:
         """[num_experts] int64: the member holding each expert."""

@@ -11,7 +11,8 @@ import pytest
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
 from skyline.engine.core import EngineCore
-from skyline.engine.create import _resolve_max_num_seqs, create_engine_config
+from skyline.engine.create import create_engine_config
+from skyline.engine.create.resolve import _resolve_max_num_seqs
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, auto_max_num_seqs, bucket_sizes
 
 

@@ -182,7 +182,7 @@ def _start(config: Any, where: RankAddress, store: Any) -> Any:
                                       stage.end)
     if stage.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(stage.device))
-        if pc.threads or not pc.n_cpu_moe:  # one host thread, as engine/create.py's
+        if pc.threads or not pc.n_cpu_moe:  # one host thread, as engine/create/assemble.py's
             torch.set_num_threads(pc.threads or 1)
     else:  # the host's cores shared by its CPU ranks
         torch.set_num_threads(pc.threads or max(1, (os.cpu_count() or 1) // where.local_ranks))
