@@ -1,8 +1,8 @@
-"""Triton kernels of the paged attention (ops/attention.py holds their PyTorch references and
-launchers): decode (one query token per sequence, GQA-aware, optionally split over the
-context) with its split combine, and prefill/extend. K/V stream in BLOCK_N-token tiles through a
-software-pipelined `tl.range` loop when compiled (PIPELINE), a `while` loop in Triton's
-interpreter."""
+"""Triton kernels of the paged attention (ops/attention_ref.py holds their PyTorch references,
+ops/attention.py their launchers): decode (one query token per sequence, GQA-aware, optionally
+split over the context) with its split combine, and prefill/extend. K/V stream in BLOCK_N-token
+tiles through a software-pipelined `tl.range` loop when compiled (PIPELINE), a `while` loop in
+Triton's interpreter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decode attention on the CPU in a handful of torch operations (reference: attention.py's
+"""Decode attention on the CPU in a handful of torch operations (reference: attention_ref.py's
 _decode_ref, which this must match).
 
 A CPU decode step of a small model is bound by how many operations Python dispatches, not by
