@@ -105,3 +105,16 @@ def test_each_process_prefixes_the_ids_it_sends_the_core() -> None:
     out, _ = b.process([StepOutput("a1:cmpl-1#1", [5], finish_reason="length")])
     assert out[0].request_id == "cmpl-1" and out[0].outputs[1].token_ids == [5]
     assert OutputProcessor(None).add_request("r", None, [1], SamplingParams()) == ["r"]
+
+
+def test_a_request_done_in_its_first_step_reports_its_queue_time_to_its_process(two_clients):
+    """The queue time of a request scheduled and finished in one step (max_tokens=1, or an
+    abort by a stop string) went to process 0: its owner was forgotten before it was looked
+    up, so process 1's queue-time metric missed every such request."""
+    loop, core, outs, inp = two_clients
+    loop.handle(list(_add("a1:q", [1, 2], 1)))
+    loop.queue_times.seconds["a1:q"] = 0.25  # scheduled in this step
+    loop.send_outputs([StepOutput("a1:q", [5], finish_reason="length")], loop.stats())
+    got = [_recv(s) for s in outs]
+    assert got[1][3] == {"a1:q": 0.25} and got[0][3] == {}
+    assert loop.owners == {}
