@@ -7,6 +7,7 @@ as they are on disk; this process measures the device's peaks and runs the kerne
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import sys
 import time
@@ -48,6 +49,7 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
         raise ConfigError("skyline tune measures one device; leave out --tensor-parallel-size, "
                           "--pipeline-parallel-size and --placement (each rank reads the tables "
                           "tuned for its own device)")
+    check_out(spec.out)  # one sentence now, not after minutes of measuring
     args = dataclasses.replace(args, max_model_len=args.max_model_len or wl.max_model_len)
     where = resolve_device(args.device)
     on_gpu = where.startswith("cuda")
@@ -104,6 +106,25 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
           f"{len(rounds)} rounds kept")
     save_json(report, spec.out)
     return report
+
+
+def check_out(path: str | None) -> None:
+    """Raise ConfigError if the report cannot be written to `path` (left as it was)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a folder; give a file name, e.g. "
+                          f"{os.path.join(path, 'tune.json')}")
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to --out {path} ({e.strerror or e}); give "
+                          "a path in a folder you can write") from None
 
 
 def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool, threads: int | None
