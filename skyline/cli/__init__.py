@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=int_in(1, MAX_API_SERVERS), default=1,
                    help="API processes (HTTP, tokenization, detokenization) in front of the one "
                         "engine core, all on --port: more when one cannot keep up with the "
-                        "engine's streams (hundreds of users on a GPU)")
+                        "engine's streams (hundreds of users on a GPU); at most "
+                        f"{MAX_API_SERVERS}")
     p.add_argument("--parse-workers", type=NON_NEGATIVE, default=2,
                    help="processes that parse large request bodies off the event loop")
     p.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,
