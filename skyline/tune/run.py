@@ -21,7 +21,7 @@ from skyline.bench.floor import copy_bandwidth, matmul_peak
 from skyline.bench.offline import machine_info, save_json
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
-from skyline.engine.create import resolve_device
+from skyline.engine.create import create_engine_config, resolve_device
 from skyline.ops import tuning
 from skyline.tune import rank as ranking
 from skyline.tune.fresh import Fresh, measure_fresh
@@ -50,6 +50,7 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
                           "--pipeline-parallel-size and --placement (each rank reads the tables "
                           "tuned for its own device)")
     check_out(spec.out)  # one sentence now, not after minutes of measuring
+    check_workload(args, wl)
     args = dataclasses.replace(args, max_model_len=args.max_model_len or wl.max_model_len)
     where = resolve_device(args.device)
     on_gpu = where.startswith("cuda")
@@ -106,6 +107,23 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
           f"{len(rounds)} rounds kept")
     save_json(report, spec.out)
     return report
+
+
+def check_workload(args: EngineArgs, wl: Workload) -> None:
+    """Raise ConfigError if the workload cannot run as asked (a context of 10^8 tokens built
+    its prompts for minutes; a batch beyond --max-num-seqs would time waves, not a batch)."""
+    config, _ = create_engine_config(args)
+    limit = args.max_model_len or config.model.arch.max_position_embeddings
+    if wl.max_model_len > limit:
+        raise ConfigError(
+            f"--prefill-len {wl.prefill_len} / --context {wl.context} with --decode-steps "
+            f"{wl.decode_steps} need {wl.max_model_len} tokens of context, and "
+            f"{'--max-model-len' if args.max_model_len else 'the model'} allows {limit}; "
+            "lower them")
+    if wl.batch > config.scheduler.max_num_seqs:
+        raise ConfigError(f"--batch {wl.batch} is more sequences than the engine runs at once "
+                          f"(--max-num-seqs {config.scheduler.max_num_seqs}); lower --batch or "
+                          "raise --max-num-seqs")
 
 
 def check_out(path: str | None) -> None:

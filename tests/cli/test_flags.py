@@ -145,14 +145,34 @@ def test_moe_flags_on_a_dense_model_are_refused_not_ignored(kw, line):
     assert line in str(e.value) and "\n" not in str(e.value)
 
 
-def test_tune_refuses_an_unwritable_out_before_measuring(tmp_path):
+def _tune_spec(out=None, **workload):
     from skyline.tune.loop import LoopSpec
-    from skyline.tune.run import TuneSpec, run_tune
+    from skyline.tune.run import TuneSpec
     from skyline.tune.workload import Workload
 
+    wl = {"prefill_len": 8, "batch": 1, "context": 8, "decode_steps": 1, "reps": 1, **workload}
+    return TuneSpec(Workload(**wl), LoopSpec(rounds=1, budget_s=1.0, min_gain=0.0), out, True,
+                    "tune")
+
+
+@pytest.mark.parametrize("args, workload, line", [
+    ({}, {"context": 10**8}, "need 100000017 tokens of context, and the model allows 8192"),
+    ({"max_model_len": 64}, {"prefill_len": 100}, "and --max-model-len allows 64; lower them"),
+    ({}, {"batch": 100000}, "--batch 100000 is more sequences than the engine runs at once"),
+])
+def test_tune_refuses_a_workload_that_cannot_run_before_measuring(args, workload, line):
+    """A context of 10^8 built its prompts for minutes before anything was measured."""
+    from skyline.tune.run import run_tune
+
+    with pytest.raises(ConfigError, match=line):
+        run_tune(EngineArgs(device="cpu", **args), _tune_spec(**workload))
+
+
+def test_tune_refuses_an_unwritable_out_before_measuring(tmp_path):
+    from skyline.tune.run import run_tune
+
     def spec(out):
-        return TuneSpec(Workload(prefill_len=8, batch=1, context=8, decode_steps=1, reps=1),
-                        LoopSpec(rounds=1, budget_s=1.0, min_gain=0.0), out, True, "tune")
+        return _tune_spec(out)
 
     blocker = tmp_path / "file"
     blocker.write_text("")
