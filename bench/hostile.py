@@ -412,13 +412,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="default: 1 smoke, 6 full")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None, help=f"JSON (default: {RESULT}, full mode only)")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="API processes of the server this script starts (serve's flag)")
     ns = ap.parse_args()
+    flags = SERVE_FLAGS + (["--api-server-count", str(ns.api_server_count)]
+                           if ns.api_server_count != 1 else [])
     load_before = os.getloadavg()[0]  # the CPU machine is shared: latencies depend on it
     server = None
     if ns.base_url:
         target = Target.from_url(ns.base_url, ns.api_key)
     else:
-        server = OwnServer(SERVE_FLAGS)
+        server = OwnServer(flags)
         target = server.target
     try:
         result = run(target, server, ns.rounds or (1 if ns.smoke else 6), ns.smoke, ns.seed)
@@ -428,8 +432,9 @@ def main() -> None:
     five = {k: v for k, v in result["statuses"].items() if k.startswith("5") and k != "503"}
     result["unexpected_5xx"] = sum(five.values())
     record = {
-        "command": "python bench/hostile.py" + (" --smoke" if ns.smoke else ""),
-        "serve_flags": SERVE_FLAGS if server is not None else None,
+        "command": "python bench/hostile.py" + (" --smoke" if ns.smoke else "")
+        + (f" --api-server-count {ns.api_server_count}" if ns.api_server_count != 1 else ""),
+        "serve_flags": flags if server is not None else None,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "date": datetime.date.today().isoformat(),
         "seed": ns.seed,

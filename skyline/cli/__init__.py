@@ -42,6 +42,10 @@ from skyline.cli.values import (
 from skyline.config import ConfigError
 from skyline.server.tool_parsers import PARSERS
 
+# Each API process holds a tokenizer and an event loop and one engine core feeds them all: past
+# a few the core is the limit (BENCHMARKS.md), and 10000 would fork-bomb the machine
+MAX_API_SERVERS = 64
+
 __all__ = ["build_parser", "engine_args", "main", "serve_api_key"]
 
 
@@ -119,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to parse a request, render its chat template and tokenize it")
     g.add_argument("--body-timeout", type=float_in(0, lo_open=True), default=30.0,
                    help="seconds for a request body to arrive (then 408)")
-    p.add_argument("--api-server-count", type=POSITIVE, default=1,
+    p.add_argument("--api-server-count", type=int_in(1, MAX_API_SERVERS), default=1,
                    help="API processes (HTTP, tokenization, detokenization) in front of the one "
                         "engine core, all on --port: more when one cannot keep up with the "
-                        "engine's streams (hundreds of users on a GPU)")
+                        "engine's streams (hundreds of users on a GPU); at most "
+                        f"{MAX_API_SERVERS}")
     p.add_argument("--parse-workers", type=NON_NEGATIVE, default=2,
                    help="processes that parse large request bodies off the event loop")
     p.add_argument("--shutdown-timeout", type=float_in(0), default=30.0,

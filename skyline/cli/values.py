@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import ipaddress
+import math
 import re
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -78,6 +79,8 @@ def float_in(lo: float, hi: float | None = None, lo_open: bool = False) -> Calla
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if value in (math.inf, -math.inf):  # a budget or timeout of inf would never end
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         low_ok = value > lo if lo_open else value >= lo
         if not low_ok or (hi is not None and value > hi) or value != value:
             left = "(" if lo_open else "["

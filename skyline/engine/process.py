@@ -110,15 +110,16 @@ class _EngineLoop:
             self.send(("out", [step_output_to_list(o) for o in outputs], stats, queue_times))
             return
         owners = self.owners
+        # queue times first: a request scheduled and finished in this step still has its owner
+        times: list[dict[str, float]] = [{} for _ in self.outs]
+        for rid, seconds in queue_times.items():
+            times[owners.get(rid, 0)][rid] = seconds
         per_client: list[list[Any]] = [[] for _ in self.outs]
         for o in outputs:
             client = owners.get(o.request_id, 0)
             if o.finish_reason is not None:
                 owners.pop(o.request_id, None)
             per_client[client].append(step_output_to_list(o))
-        times: list[dict[str, float]] = [{} for _ in self.outs]
-        for rid, seconds in queue_times.items():
-            times[owners.get(rid, 0)][rid] = seconds
         for client, outs in enumerate(per_client):
             self.send(("out", outs, {**stats, "num_adds": self.num_adds[client]},
                        times[client]), client)

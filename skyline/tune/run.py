@@ -7,6 +7,7 @@ as they are on disk; this process measures the device's peaks and runs the kerne
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import sys
 import time
@@ -20,7 +21,7 @@ from skyline.bench.floor import copy_bandwidth, matmul_peak
 from skyline.bench.offline import machine_info, save_json
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
-from skyline.engine.create import resolve_device
+from skyline.engine.create import create_engine_config, resolve_device
 from skyline.ops import tuning
 from skyline.tune import rank as ranking
 from skyline.tune.fresh import Fresh, measure_fresh
@@ -48,6 +49,8 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
         raise ConfigError("skyline tune measures one device; leave out --tensor-parallel-size, "
                           "--pipeline-parallel-size and --placement (each rank reads the tables "
                           "tuned for its own device)")
+    check_out(spec.out)  # one sentence now, not after minutes of measuring
+    check_workload(args, wl)
     args = dataclasses.replace(args, max_model_len=args.max_model_len or wl.max_model_len)
     where = resolve_device(args.device)
     on_gpu = where.startswith("cuda")
@@ -104,6 +107,42 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
           f"{len(rounds)} rounds kept")
     save_json(report, spec.out)
     return report
+
+
+def check_workload(args: EngineArgs, wl: Workload) -> None:
+    """Raise ConfigError if the workload cannot run as asked (a context of 10^8 tokens built
+    its prompts for minutes; a batch beyond --max-num-seqs would time waves, not a batch)."""
+    config, _ = create_engine_config(args)
+    limit = args.max_model_len or config.model.arch.max_position_embeddings
+    if wl.max_model_len > limit:
+        raise ConfigError(
+            f"--prefill-len {wl.prefill_len} / --context {wl.context} with --decode-steps "
+            f"{wl.decode_steps} need {wl.max_model_len} tokens of context, and "
+            f"{'--max-model-len' if args.max_model_len else 'the model'} allows {limit}; "
+            "lower them")
+    if wl.batch > config.scheduler.max_num_seqs:
+        raise ConfigError(f"--batch {wl.batch} is more sequences than the engine runs at once "
+                          f"(--max-num-seqs {config.scheduler.max_num_seqs}); lower --batch or "
+                          "raise --max-num-seqs")
+
+
+def check_out(path: str | None) -> None:
+    """Raise ConfigError if the report cannot be written to `path` (left as it was)."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a folder; give a file name, e.g. "
+                          f"{os.path.join(path, 'tune.json')}")
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise ConfigError(f"cannot write the report to --out {path} ({e.strerror or e}); give "
+                          "a path in a folder you can write") from None
 
 
 def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool, threads: int | None

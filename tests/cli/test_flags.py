@@ -70,6 +70,18 @@ def test_every_command_takes_quiet():
     ("serve -tp 0", "--tensor-parallel-size must be at least 1, got 0"),
     ("serve --distributed-timeout 0", "--distributed-timeout must be"),
     ("worker --distributed-init tcp://h:1 --node-rank 0", "--node-rank must be at least 1"),
+    ("serve --api-server-count 0", "--api-server-count must be in 1..64, got 0"),
+    ("serve --api-server-count -1", "--api-server-count must be in 1..64, got -1"),
+    ("serve --api-server-count abc", "--api-server-count must be a whole number, got 'abc'"),
+    ("serve --api-server-count 10000", "--api-server-count must be in 1..64, got 10000"),
+    ("serve --n-cpu-moe -1", "--n-cpu-moe must be at least 0, got -1"),
+    ("tune --budget-s 0", "skyline tune: error: --budget-s must be above 0, got 0"),
+    ("tune --budget-s -3", "--budget-s must be above 0, got -3"),
+    ("tune --budget-s nan", "--budget-s must be above 0, got nan"),
+    ("tune --budget-s inf", "--budget-s must be a finite number, got inf"),
+    ("serve --shutdown-timeout inf", "--shutdown-timeout must be a finite number, got inf"),
+    ("tune --rounds 0", "--rounds must be at least 1, got 0"),
+    ("tune --rounds x", "--rounds must be a whole number, got 'x'"),
 ])
 def test_bad_value_is_one_line(argv, line, capsys):
     with pytest.raises(SystemExit) as e:
@@ -119,3 +131,53 @@ def test_unknown_flag_is_reported_by_its_command_with_the_closest_flag(capsys):
         build_parser().parse_args(["bench", "offline", "--zzz"])
     assert capsys.readouterr().err.startswith(
         "skyline bench offline: error: unrecognized arguments: --zzz (see")
+
+
+@pytest.mark.parametrize("kw, line", [
+    (dict(expert_parallel=True), "--expert-parallel places the experts of a mixture-of-experts "
+                                 "model, and SmolLM2"),
+    (dict(expert_parallel=True, tensor_parallel_size=2), "has none; drop --expert-parallel"),
+    (dict(n_cpu_moe=999), "--n-cpu-moe 999 places the experts of a mixture-of-experts model"),
+])
+def test_moe_flags_on_a_dense_model_are_refused_not_ignored(kw, line):
+    with pytest.raises(ConfigError) as e:
+        create_engine_config(EngineArgs(device="cpu", **kw))
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def _tune_spec(out=None, **workload):
+    from skyline.tune.loop import LoopSpec
+    from skyline.tune.run import TuneSpec
+    from skyline.tune.workload import Workload
+
+    wl = {"prefill_len": 8, "batch": 1, "context": 8, "decode_steps": 1, "reps": 1, **workload}
+    return TuneSpec(Workload(**wl), LoopSpec(rounds=1, budget_s=1.0, min_gain=0.0), out, True,
+                    "tune")
+
+
+@pytest.mark.parametrize("args, workload, line", [
+    ({}, {"context": 10**8}, "need 100000017 tokens of context, and the model allows 8192"),
+    ({"max_model_len": 64}, {"prefill_len": 100}, "and --max-model-len allows 64; lower them"),
+    ({}, {"batch": 100000}, "--batch 100000 is more sequences than the engine runs at once"),
+])
+def test_tune_refuses_a_workload_that_cannot_run_before_measuring(args, workload, line):
+    """A context of 10^8 built its prompts for minutes before anything was measured."""
+    from skyline.tune.run import run_tune
+
+    with pytest.raises(ConfigError, match=line):
+        run_tune(EngineArgs(device="cpu", **args), _tune_spec(**workload))
+
+
+def test_tune_refuses_an_unwritable_out_before_measuring(tmp_path):
+    from skyline.tune.run import run_tune
+
+    def spec(out):
+        return _tune_spec(out)
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for out, line in [(str(blocker / "r.json"), "cannot write the report to --out"),
+                      (str(tmp_path), "is a folder; give a file name")]:
+        with pytest.raises(ConfigError, match=line):  # before any engine starts: milliseconds
+            run_tune(EngineArgs(device="cpu"), spec(out))
+    assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -105,3 +105,55 @@ def test_each_process_prefixes_the_ids_it_sends_the_core() -> None:
     out, _ = b.process([StepOutput("a1:cmpl-1#1", [5], finish_reason="length")])
     assert out[0].request_id == "cmpl-1" and out[0].outputs[1].token_ids == [5]
     assert OutputProcessor(None).add_request("r", None, [1], SamplingParams()) == ["r"]
+
+
+def test_a_request_done_in_its_first_step_reports_its_queue_time_to_its_process(two_clients):
+    """The queue time of a request scheduled and finished in one step (max_tokens=1, or an
+    abort by a stop string) went to process 0: its owner was forgotten before it was looked
+    up, so process 1's queue-time metric missed every such request."""
+    loop, core, outs, inp = two_clients
+    loop.handle(list(_add("a1:q", [1, 2], 1)))
+    loop.queue_times.seconds["a1:q"] = 0.25  # scheduled in this step
+    loop.send_outputs([StepOutput("a1:q", [5], finish_reason="length")], loop.stats())
+    got = [_recv(s) for s in outs]
+    assert got[1][3] == {"a1:q": 0.25} and got[0][3] == {}
+    assert loop.owners == {}
+
+
+def test_a_replaced_api_process_does_not_take_its_predecessors_call_results(tmp_path):
+    """The core queues what it sends a killed API process and delivers it to the process
+    started at the same index (zmq keeps the connecting side's pipe): a call result meant for
+    the predecessor answered the successor's call of the same id (both counted from 0)."""
+    import asyncio
+
+    from skyline.engine.frontend.async_llm import AsyncLLM
+
+    info = {"model_name": "m", "model_path": str(tmp_path), "load_format": "dummy",
+            "max_model_len": 64, "vocab_size": 100, "eos_token_ids": [1], "max_num_seqs": 4}
+
+    class Link:
+        def __init__(self, **callbacks: Any) -> None:
+            self.info, self.dead, self.num_restarts, self.sent = info, None, 0, []
+
+        def start(self) -> None:
+            pass
+
+        def send(self, msg: Any) -> None:
+            self.sent.append(msg)
+
+        def shutdown(self, timeout: float = 0.0) -> None:
+            pass
+
+    async def main() -> None:
+        old, new = (AsyncLLM(None, link=Link, id_prefix="a1:") for _ in range(2))
+        stale = asyncio.ensure_future(old.call("stats"))
+        mine = asyncio.ensure_future(new.call("stats"))
+        await asyncio.sleep(0)
+        new._handle(["result", old.engine.sent[-1][1], {"from": "old"}])
+        await asyncio.sleep(0)
+        assert not mine.done()
+        new._handle(["result", new.engine.sent[-1][1], {"from": "new"}])
+        assert await mine == {"from": "new"}
+        stale.cancel()
+
+    asyncio.run(main())

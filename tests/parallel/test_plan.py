@@ -170,6 +170,7 @@ def test_parallel_settings_are_checked_before_any_process_starts(tmp_path):
         (dict(tensor_parallel_size=4, expert_parallel=True), "3 experts cannot be shared"),
         (dict(tensor_parallel_size=4), r"experts' intermediate size \(30\) is not divisible"),
         (dict(tensor_parallel_size=2, n_cpu_moe=1), "--n-cpu-moe runs with one rank per"),
+        (dict(expert_parallel=True), "--tensor-parallel-size is 1; set it to 2 or more"),
     ]:
         with pytest.raises(ConfigError, match=match):
             config(**kw)

@@ -1,7 +1,8 @@
 """`skyline serve --api-server-count 2`: two API processes in front of one engine core (default
 model, float32): concurrent requests through the openai client give offline's greedy text and
-land on both processes, a disconnect frees its KV blocks, a killed engine core or API process
-is replaced, SIGTERM stops every process. One server for the module (each costs seconds)."""
+land on both processes, a disconnect frees its KV blocks, hostile traffic gets only 4xx, a
+killed engine core or API process is replaced, SIGTERM stops every process. One server for the
+module (each costs seconds)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -112,6 +115,21 @@ def test_disconnects_free_their_blocks(server, model):
         conn.close()
     m = server.wait_idle(20)
     assert m["skyline:num_requests_running"] == 0 and m["skyline:kv_cache_used_blocks"] == 0
+
+
+def test_hostile_traffic_leaves_both_processes_up(server):
+    """bench/hostile.py's smoke mix (fuzzed bodies, overflowing values, a big body, a burst,
+    malformed HTTP, clients leaving mid-stream) spread over both API processes: only 4xx, no
+    leaked block, /health answered throughout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "hostile.py"), "--smoke",
+                        "--base-url", f"http://127.0.0.1:{server.port}"],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    record = json.loads(r.stdout)
+    assert record["unexpected_5xx"] == 0 and record["leaked_kv_blocks"] == 0
+    assert record["health"]["statuses"] == {"200": record["health"]["probes"]}
+    assert len(_per_process(server)) == 2  # both took requests
 
 
 def _post(server, body: dict, out: list) -> None:

@@ -83,6 +83,15 @@ def _resolve_parallel(args: EngineArgs, model: ModelConfig, cache: CacheConfig, 
     tp = args.tensor_parallel_size
     world = tp * len(stages)
     arch = model.arch
+    # A flag that would do nothing is refused: the user expects it to change the placement
+    if (args.expert_parallel or args.n_cpu_moe) and not arch.num_experts:
+        flag = "--expert-parallel" if args.expert_parallel else f"--n-cpu-moe {args.n_cpu_moe}"
+        raise ConfigError(f"{flag} places the experts of a mixture-of-experts model, and "
+                          f"{model.name} has none; drop {flag.split()[0]}")
+    if args.expert_parallel and tp == 1:
+        raise ConfigError("--expert-parallel shares the experts among a stage's tensor-parallel "
+                          "ranks, and --tensor-parallel-size is 1; set it to 2 or more, or drop "
+                          "--expert-parallel")
     expert_parallel = args.expert_parallel and tp > 1 and bool(arch.num_experts)
     for r in range(tp if tp > 1 else 0):
         head_shard(arch.num_heads, arch.num_kv_heads, tp, r)

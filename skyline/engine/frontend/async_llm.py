@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -135,7 +136,9 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._queue_times: dict[str, float] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
+        # From a random start: the core queues what it sends a killed API process and hands
+        # it to the one started at its index, whose own calls must not take those answers
+        self._call_ids = itertools.count(secrets.randbits(48))
         self._num_adds = 0
 
     @property
