@@ -114,7 +114,8 @@ def cmd_tune(ns: argparse.Namespace) -> None:
     spec = TuneSpec(
         workload=Workload(prefill_len=ns.prefill_len, batch=ns.batch, context=ns.context,
                           decode_steps=ns.decode_steps, reps=ns.reps),
-        loop=LoopSpec(rounds=ns.rounds, budget_s=ns.budget_s, min_gain=ns.min_gain),
+        loop=LoopSpec(rounds=ns.rounds, budget_s=ns.budget_s, min_gain=ns.min_gain,
+                      any_loss=ns.smoke),
         out=ns.out, smoke=ns.smoke, command="skyline " + " ".join(ns.argv))
     run_tune(engine_args(ns, **extra), spec)
 

@@ -28,6 +28,9 @@ class LoopSpec:
     rounds: int
     budget_s: float  # tuning and re-measuring stop starting new work past this
     min_gain: float  # a round is kept if end to end improves by more than this fraction
+    # --smoke: the first family with a tuner is tuned even when its measured time is within its
+    # floor (on a busy CPU the floor, measured then, can pass the time), so every step runs
+    any_loss: bool = False
 
 
 class CacheFile:
@@ -83,7 +86,8 @@ def run_rounds(spec: LoopSpec, first: Measurement, ranked: list[dict[str, Any]],
     for i in range(1, spec.rounds + 1):
         left = spec.budget_s - (time.monotonic() - t0)
         target = next((r for r in rank_before if r["tuner"] in tuners
-                       and r["family"] not in tried and r["lost_s"] > 0), None)
+                       and r["family"] not in tried and (r["lost_s"] > 0 or spec.any_loss)),
+                      None)
         if target is None:
             log(f"round {i}: no family left with a tuner and time to gain")
             break
