@@ -103,6 +103,14 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
     peaks = _measure_peaks(args) if floor else None
     trace = StepTrace()
     llm = LLM(**dataclasses.asdict(args), observers=[trace])
+    try:
+        return _run(llm, trace, peaks, num_prompts, input_len, output_len, output)
+    finally:
+        llm.shutdown()  # its processes and memory, before a next engine in this process
+
+
+def _run(llm: LLM, trace: StepTrace, peaks: Any, num_prompts: int, input_len: int,
+         output_len: int, output: str | None) -> dict[str, Any]:
     trace.wait_clock = lambda: llm.query("device_wait_seconds")
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)

@@ -165,6 +165,8 @@ class MultiProcExecutor(Executor):
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=pc.timeout_s))
         self.ctx = zmq.Context()
+        # every socket's default: closing (or collecting) them never waits on unsent messages
+        self.ctx.setsockopt(zmq.LINGER, 0)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pull = self.ctx.socket(zmq.PULL)
