@@ -35,7 +35,7 @@ from typing import Any
 
 from skyline.engine.codec import pack, request_from_dict, step_output_to_list, unpack
 from skyline.types import StepOutput
-from skyline.worker.executor.rank import exit_with_parent
+from skyline.worker.executor.rank import exit_with_parent  # also the API processes'
 
 log = logging.getLogger(__name__)
 

@@ -35,13 +35,12 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from skyline.engine.clients import EngineClient, SharedEngineSupervisor
-from skyline.engine.process import EngineStartError
+from skyline.engine.process import EngineStartError, exit_with_parent
 from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.app import CUT_GRACE_S, ServeOptions, banner, bind_socket, run_app
 
@@ -55,24 +54,12 @@ STOP_GRACE_S = 10.0  # beyond the drain, for an API process to exit before it is
 # ---------------------------------------------------------------------------------- child
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def run_api_server(index: int, sock: socket.socket, control: multiprocessing.connection.Connection,
                    ipc_dir: str, state: dict[str, Any], options: ServeOptions,
                    metrics_dir: str, log_levels: dict[str, int]) -> None:
     """Entry point of API process `index` (spawned): tells the parent ("ready", pid, tool
     format) or ("error", one sentence), then serves until SIGTERM."""
-    _exit_with_parent()
+    exit_with_parent()
     # A terminal's Ctrl-C reaches the whole process group: the parent forwards it as SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_levels.get("", logging.WARNING),
