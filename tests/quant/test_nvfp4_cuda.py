@@ -55,4 +55,7 @@ def test_cuda_apply_reads_the_packed_tensors(rows):
     assert hasattr(layer, "qweight")  # nothing repacked or dequantized and kept
     if rows <= 8:  # the GEMV allocates its output and nothing the size of the weight
         assert torch.cuda.memory_allocated() - before < 256 * 512
-    torch.testing.assert_close(y.float(), F.linear(x.float(), want), rtol=2e-2, atol=2e-2)
+    # above 8 rows the weight is dequantized to bfloat16 and multiplied there: compare with
+    # the bf16-rounded weight, within a bf16 GEMM's rounding (K = 512)
+    ref = F.linear(x.float(), want if rows <= 8 else want.bfloat16().float())
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 if rows <= 8 else 4e-2)
