@@ -136,7 +136,7 @@ def test_gpu_and_cpu_stages(llama):
     try:
         got = run_cases(llm)
         # seeded draws come from the generator of the device that samples (the last stage's,
-        # the CPU here), so they equal the GPU's only in distribution: compared apart
+        # the CPU here), so they equal the GPU's only in distribution, not draw for draw
         assert {k: v for k, v in got.items() if k != "seeded"} == {
             k: v for k, v in want.items() if k != "seeded"}
         assert len(got["seeded"]) == len(want["seeded"])
