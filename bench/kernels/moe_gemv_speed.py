@@ -69,17 +69,24 @@ def expert_bytes(w13: Any, w2: Any) -> int:
                for w in (w13, w2))
 
 
-def candidates(kernel: str, base: dict[str, Any], smoke: bool) -> list[dict[str, Any]]:
+def candidates(kernel: str, base: dict[str, Any], fmt: str, smoke: bool
+               ) -> list[dict[str, Any]]:
     """A few tiles around the default: rows per program, K tile, warps (the default first;
     two in all for a smoke run)."""
     out = [base]
     rows = (8, 16, 32) if kernel == "moe_gemv_up" else (4, 8, 16)
-    for bn in rows:
-        for bk in (base["BLOCK_K"], 2 * base["BLOCK_K"]):
-            for warps in (2, 4, 8):
-                cfg = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
-                if cfg not in out:
-                    out.append(cfg)
+    # MXFP4's tiles are 3-D ([rows, K / 32, 16] bytes, x spread over each): narrower K tiles
+    # and a rolled loop keep its registers in bounds
+    tiles = (128, 256, base["BLOCK_K"]) if fmt == "mxfp4" else (base["BLOCK_K"],
+                                                                 2 * base["BLOCK_K"])
+    for bk in tiles:
+        for unroll in (True, False) if fmt == "mxfp4" else (base.get("UNROLL", True),):
+            for bn in rows:
+                for warps in (2, 4, 8):
+                    cfg = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+                           "UNROLL": unroll}
+                    if cfg not in out:
+                        out.append(cfg)
     return out[:2] if smoke else out
 
 
@@ -97,6 +104,8 @@ def main() -> None:
     ap.add_argument("--configs-out", default=None,
                     help="tuning table (default skyline/ops/configs/moe-gemv-<gpu>.json)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="--tune: stop tuning after")
+    ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES),
+                    help="the models whose experts are timed")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     from skyline.ops.moe import fused_moe_ref, fused_moe_triton
@@ -112,7 +121,8 @@ def main() -> None:
     copy_bw = tuners.device_bandwidth(dev)
     t0 = time.time()
     rows, table = [], {k: {} for k in KERNELS}
-    for model, fmt in CASES[::2] if smoke else CASES:  # smoke: dense and MXFP4
+    cases = [c for c in CASES if c[0] in a.models]
+    for model, fmt in cases[::2] if smoke else cases:  # smoke: dense and MXFP4
         e, h, i, k, act, bias = SHAPES[model]
         if smoke:
             e, h, i = 8, 64, 32
@@ -144,7 +154,7 @@ def main() -> None:
             if a.tune and time.time() - t0 < a.budget_s:
                 for j, kn in enumerate(KERNELS):
                     timed = []
-                    for cfg in candidates(kn, best[j], smoke):
+                    for cfg in candidates(kn, best[j], fmt, smoke):
                         configs = tuple(cfg if jj == j else best[jj] for jj in range(2))
                         try:
                             got = fused_moe_gemv(x, w13, w2, *routes[0], act, limit,
