@@ -36,6 +36,7 @@ from skyline.engine.supervisor import (
     _Link,
     failure_message,
     read_engine,
+    send_nowait,
 )
 
 log = logging.getLogger(__name__)
@@ -150,10 +151,7 @@ class EngineClient:
         if msg[0] in ("add", "call"):
             msg = (*msg, self.client)
         assert self.inp is not None
-        try:
-            self.inp.send(pack(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError("the engine core is not connected; retry shortly") from None
+        send_nowait(self.inp, msg)
 
     def ask(self, msg: Any) -> None:
         """A message to the parent (("ready", ...), ("restart", gen, reason), ...)."""

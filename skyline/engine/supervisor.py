@@ -102,6 +102,15 @@ class _Link:
             self.out.close(linger=0)
 
 
+def send_nowait(sock: zmq.Socket, msg: Any) -> None:
+    """`msg` to the engine core on a PUSH socket with no send limit, which queues it at once;
+    EngineDeadError while no core is connected (the send would wait for one)."""
+    try:
+        sock.send(pack(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        raise EngineDeadError("the engine core is not connected; retry shortly") from None
+
+
 async def read_engine(sock: zmq.asyncio.Socket, on_message: Callable[[list[Any]], None],
                       on_failure: Callable[[str], None]) -> None:
     """Hand each message of one engine generation to `on_message` until the engine says it is
@@ -192,10 +201,7 @@ class EngineSupervisor:
         it is down (a PUSH socket with no peer would block)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        try:
-            self.link.inp.send(pack(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError("the engine core is not connected; retry shortly") from None
+        send_nowait(self.link.inp, msg)
 
     def shutdown(self, timeout: float) -> None:
         """Stop the engine (no restart) and release the sockets. Idempotent."""

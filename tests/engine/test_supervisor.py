@@ -7,12 +7,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 
 from skyline.engine import supervisor
 from skyline.engine.codec import pack
-from skyline.engine.supervisor import RestartPolicy, RestartWindow, exit_description, read_engine
+from skyline.engine.supervisor import (
+    EngineDeadError,
+    RestartPolicy,
+    RestartWindow,
+    exit_description,
+    read_engine,
+    send_nowait,
+)
 
 
 def test_restart_window_backs_off_then_gives_up_and_forgets_old_failures(monkeypatch):
@@ -79,3 +87,22 @@ def test_read_engine_stops_at_a_message_the_front_end_fails_on(tmp_path):
     failures = _read(tmp_path, [("out", 1), ("out", 2), ("out", 3)], on_message)
     assert seen == [["out", 1], ["out", 2]]
     assert failures == ["the server failed to process the engine's outputs ('no such request')"]
+
+
+def test_send_nowait_raises_while_no_core_is_connected(tmp_path):
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.bind(f"ipc://{tmp_path}/in")
+    try:
+        with pytest.raises(EngineDeadError, match="not connected"):
+            send_nowait(push, ("add", 1))
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(f"ipc://{tmp_path}/in")
+        assert push.poll(5000, zmq.POLLOUT)
+        send_nowait(push, ("add", 1))
+        assert pull.poll(5000) and pull.recv() == pack(("add", 1))
+        pull.close(linger=0)
+    finally:
+        push.close(linger=0)
+        ctx.term()
