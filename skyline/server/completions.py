@@ -37,7 +37,7 @@ from skyline.server.serving import (
     stream_error,
     stream_usage,
 )
-from skyline.types import SamplingParams, TokenLogprobs
+from skyline.types import RequestOutput, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("skyline.server")
 
@@ -100,6 +100,12 @@ class _Batch:
             return text
         tok = self.state.llm.tokenizer  # ids passed check_prompt: at most a context's worth
         return tok.decode(ids, skip_special_tokens=False) if tok else ""
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        """An output of prompt `i`'s request (adding its choices is the caller's part)."""
+        self.trackers[i].observe(out)
+        self.num_cached[i] = out.num_cached_tokens
+        self.prompt_lps[i] = self.prompt_lps[i] or out.prompt_logprobs
 
     def usage(self) -> Usage:
         return make_usage(self.num_prompt, self.choices, sum(self.num_cached))
@@ -169,9 +175,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
 
     async def collect() -> bool:
         async for i, out in merged(batch.streams):
-            batch.trackers[i].observe(out)
-            batch.num_cached[i] = out.num_cached_tokens
-            batch.prompt_lps[i] = batch.prompt_lps[i] or out.prompt_logprobs
+            batch.observe(i, out)
             for c in out.outputs:
                 batch.choices[i * req.n + c.index].add(c)
         return True
@@ -208,9 +212,7 @@ async def _stream(batch: _Batch) -> AsyncIterator[str]:
     sent = [False] * len(batch.choices)
     try:
         async for i, out in merged(batch.streams):
-            batch.trackers[i].observe(out)
-            batch.num_cached[i] = out.num_cached_tokens
-            batch.prompt_lps[i] = batch.prompt_lps[i] or out.prompt_logprobs
+            batch.observe(i, out)
             items = []
             for c in out.outputs:
                 j = i * req.n + c.index
