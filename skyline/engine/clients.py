@@ -27,9 +27,17 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from skyline.engine.codec import pack, unpack
+from skyline.engine.codec import pack
 from skyline.engine.process import EngineProcess
-from skyline.engine.supervisor import EngineDeadError, EngineSupervisor, RestartPolicy, _Link
+from skyline.engine.supervisor import (
+    EngineDeadError,
+    EngineSupervisor,
+    RestartPolicy,
+    _Link,
+    failure_message,
+    read_engine,
+    send_nowait,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +46,6 @@ HELLO_TIMEOUT_S = 5.0  # for the core to connect to a new generation's sockets
 
 def client_addr(ipc_dir: str, kind: str, gen: int, client: int | str) -> str:
     return f"ipc://{ipc_dir}/{kind}-{gen}-{client}"
-
-
-def failure_message(reason: str) -> str:
-    """What requests and /health say while the engine restarts (EngineSupervisor's words)."""
-    return f"the engine failed and is restarting ({reason}); retry in a few seconds"
 
 
 class SharedEngineSupervisor(EngineSupervisor):
@@ -148,10 +151,7 @@ class EngineClient:
         if msg[0] in ("add", "call"):
             msg = (*msg, self.client)
         assert self.inp is not None
-        try:
-            self.inp.send(pack(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError("the engine core is not connected; retry shortly") from None
+        send_nowait(self.inp, msg)
 
     def ask(self, msg: Any) -> None:
         """A message to the parent (("ready", ...), ("restart", gen, reason), ...)."""
@@ -203,20 +203,8 @@ class EngineClient:
 
     def _read_from(self, gen: int) -> None:
         assert self.out is not None
-        self._task = asyncio.get_running_loop().create_task(self._read(gen, self.out))
-
-    async def _read(self, gen: int, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            msg = unpack(await sock.recv())
-            if msg[0] == "dead":
-                self._lost(gen, msg[1])
-                return
-            try:
-                self.on_message(msg)
-            except Exception as e:  # a bug in the front end: start afresh, loudly
-                log.exception("processing the engine's outputs failed")
-                self._lost(gen, f"the server failed to process the engine's outputs ({e})")
-                return
+        self._task = asyncio.get_running_loop().create_task(
+            read_engine(self.out, self.on_message, lambda reason: self._lost(gen, reason)))
 
     def _lost(self, gen: int, reason: str) -> None:
         """Generation `gen` failed as only this process saw: fail what is in flight now, and

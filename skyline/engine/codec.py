@@ -6,17 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import msgpack
-
 from skyline.types import Request, SamplingParams, StepOutput, TokenLogprobs
 
-
-def pack(msg: Any) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+# The same msgpack settings as the engine's messages to its ranks (bytes stay bytes, str stays
+# str, any map key): one definition.
+from skyline.worker.executor.codec import pack as pack
+from skyline.worker.executor.codec import unpack as unpack
 
 
 def params_to_dict(p: SamplingParams) -> dict[str, Any]:

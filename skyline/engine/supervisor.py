@@ -51,6 +51,39 @@ class RestartPolicy:
         return min(self.backoff_first_s * 2 ** max(num_recent - 1, 0), self.backoff_max_s)
 
 
+class RestartWindow:
+    """The failures a RestartPolicy counts: those of its last `window_s`. The engine core's
+    supervisor and the parent of several API processes (server/api_servers.py) each keep one."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._times: collections.deque[float] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def failed(self) -> float | None:
+        """Count a failure now: the wait before restarting, or None past the policy's limit
+        (give up)."""
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.policy.window_s:
+            self._times.popleft()
+        self._times.append(now)
+        if len(self._times) > self.policy.max_restarts:
+            return None
+        return self.policy.delay(len(self._times))
+
+
+def failure_message(reason: str) -> str:
+    """What requests and /health say while the engine restarts."""
+    return f"the engine failed and is restarting ({reason}); retry in a few seconds"
+
+
+def exit_description(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+
+
 @dataclass
 class _Link:
     """One engine generation: its process and the sockets that talk to it."""
@@ -67,6 +100,32 @@ class _Link:
         self.inp.close(linger=0)
         if self.out is not None:
             self.out.close(linger=0)
+
+
+def send_nowait(sock: zmq.Socket, msg: Any) -> None:
+    """`msg` to the engine core on a PUSH socket with no send limit, which queues it at once;
+    EngineDeadError while no core is connected (the send would wait for one)."""
+    try:
+        sock.send(pack(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        raise EngineDeadError("the engine core is not connected; retry shortly") from None
+
+
+async def read_engine(sock: zmq.asyncio.Socket, on_message: Callable[[list[Any]], None],
+                      on_failure: Callable[[str], None]) -> None:
+    """Hand each message of one engine generation to `on_message` until the engine says it is
+    dead or the front end fails on one; then call `on_failure(reason)` once and return."""
+    while True:
+        msg = unpack(await sock.recv())
+        if msg[0] == "dead":
+            on_failure(msg[1])
+            return
+        try:
+            on_message(msg)
+        except Exception as e:  # a bug in the front end: start afresh, loudly
+            log.exception("processing the engine's outputs failed")
+            on_failure(f"the server failed to process the engine's outputs ({e})")
+            return
 
 
 async def in_daemon_thread(fn: Callable[[], T]) -> T:
@@ -113,7 +172,7 @@ class EngineSupervisor:
         self.failed = False  # the restart limit was reached: no engine will come back
         self.num_restarts = 0
         self.restarting = False
-        self._crashes: collections.deque[float] = collections.deque()
+        self._crashes = RestartWindow(policy)
         self._closed = False
         self._restart_task: asyncio.Task[None] | None = None
         self._pending: _Link | None = None  # the generation being started
@@ -142,10 +201,7 @@ class EngineSupervisor:
         it is down (a PUSH socket with no peer would block)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        try:
-            self.link.inp.send(pack(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineDeadError("the engine core is not connected; retry shortly") from None
+        send_nowait(self.link.inp, msg)
 
     def shutdown(self, timeout: float) -> None:
         """Stop the engine (no restart) and release the sockets. Idempotent."""
@@ -195,30 +251,19 @@ class EngineSupervisor:
 
     async def _read(self, link: _Link) -> None:
         assert link.out is not None
-        while True:
-            msg = unpack(await link.out.recv())
-            if msg[0] == "dead":
-                self._died(link, msg[1])
-                return
-            try:
-                self.on_message(msg)
-            except Exception as e:  # a bug in the front end: start afresh, loudly
-                log.exception("processing the engine's outputs failed")
-                self._died(link, f"the server failed to process the engine's outputs ({e})")
-                return
+        await read_engine(link.out, self.on_message, lambda reason: self._died(link, reason))
 
     def _exited(self, link: _Link) -> None:
         assert link.proc is not None
         link.proc.proc.join(1)  # it has exited: this only reaps it, for the exit code
-        code = link.proc.proc.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        how = exit_description(link.proc.proc.exitcode)
         self._died(link, f"the engine process exited unexpectedly ({how})")
 
     def _died(self, link: _Link, reason: str) -> None:
         if link.down or link is not self.link or self._closed:
             return
         link.down = True
-        self.dead = f"the engine failed and is restarting ({reason}); retry in a few seconds"
+        self.dead = failure_message(reason)
         log.error("engine core (pid %s) died: %s", self.pid, reason)
         self._stop_watch(link)
         self.on_death(self.dead)
@@ -231,14 +276,10 @@ class EngineSupervisor:
                 await in_daemon_thread(old.proc.kill)  # reap it (it may still be exiting)
             old.close()
             while not self._closed:
-                now = time.monotonic()
-                while self._crashes and now - self._crashes[0] > self.policy.window_s:
-                    self._crashes.popleft()
-                self._crashes.append(now)
-                if len(self._crashes) > self.policy.max_restarts:
+                delay = self._crashes.failed()
+                if delay is None:
                     self._give_up()
                     return
-                delay = self.policy.delay(len(self._crashes))
                 log.warning("restarting the engine core in %.1fs (restart %d of at most %d in "
                             "%.0f minutes)", delay, len(self._crashes), self.policy.max_restarts,
                             self.policy.window_s / 60)

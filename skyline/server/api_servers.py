@@ -24,7 +24,6 @@ and exits, then the engine core stops; every child exits with the parent if it d
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import multiprocessing
@@ -35,13 +34,17 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from skyline.engine.clients import EngineClient, SharedEngineSupervisor
 from skyline.engine.process import EngineStartError, exit_with_parent
-from skyline.engine.supervisor import EngineDeadError, RestartPolicy
+from skyline.engine.supervisor import (
+    EngineDeadError,
+    RestartPolicy,
+    RestartWindow,
+    exit_description,
+)
 from skyline.server.app import CUT_GRACE_S, ServeOptions, banner, bind_socket, run_app
 
 log = logging.getLogger("skyline.server")
@@ -125,7 +128,7 @@ class ApiServers:
         self.stopping = False
         self.fatal: list[str] = []
         self.start_error: str | None = None
-        self.crashes: collections.deque[float] = collections.deque()
+        self.crashes = RestartWindow(policy)
         self._all_exited: asyncio.Event | None = None
         self.engine = SharedEngineSupervisor(engine_args, None, policy, count, self.notify,
                                              on_fatal=self._on_fatal)
@@ -179,18 +182,13 @@ class ApiServers:
                 assert self._all_exited is not None
                 self._all_exited.set()
             return
-        code = child.proc.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        now = time.monotonic()
-        while self.crashes and now - self.crashes[0] > self.policy.window_s:
-            self.crashes.popleft()
-        self.crashes.append(now)
-        if len(self.crashes) > self.policy.max_restarts:
+        how = exit_description(child.proc.exitcode)
+        delay = self.crashes.failed()
+        if delay is None:
             self._on_fatal(f"API processes exited unexpectedly {len(self.crashes)} times in "
                            f"{self.policy.window_s / 60:.0f} minutes (the last: API process "
                            f"{child.index}, {how}); not restarting them again")
             return
-        delay = self.policy.delay(len(self.crashes))
         log.error("API process %d (pid %s) exited unexpectedly (%s); starting it again in %.1fs",
                   child.index, child.proc.pid, how, delay)
         loop.call_later(delay, self._respawn, child.index)

@@ -22,7 +22,6 @@ from skyline.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
-    PromptTokensDetails,
     Usage,
     random_id,
 )
@@ -33,14 +32,16 @@ from skyline.server.serving import (
     ServerState,
     TextChunks,
     chat_logprobs,
+    collect_whole,
     encode_text,
-    http_error,
+    log_finished,
+    make_usage,
     merged,
     prompt_logprobs_body,
     sse,
     start_request,
     stream_error,
-    until_disconnect,
+    stream_usage,
 )
 from skyline.server.tools import (
     StreamedChoice,
@@ -80,12 +81,6 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]],
     return text, encode_text(tok, text, add_special_tokens=False)
 
 
-def _usage(num_prompt: int, num_generated: int, num_cached: int) -> Usage:
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                 total_tokens=num_prompt + num_generated,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
-
-
 @dataclass
 class ChatRun:
     """A chat request, queued: its id, tool plan, prompt and output stream."""
@@ -106,7 +101,7 @@ class ChatRun:
         self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
 
     def usage(self) -> Usage:
-        return _usage(self.num_prompt, sum(c.num_tokens for c in self.choices), self.num_cached)
+        return make_usage(self.num_prompt, self.choices, self.num_cached)
 
 
 async def start_chat(state: ServerState, req: ChatCompletionRequest,
@@ -156,17 +151,13 @@ async def collect_chat(raw: Request, run: ChatRun) -> bool:
                 run.choices[c.index].add(c)
         return True
 
-    try:
-        done = await until_disconnect(raw, collect(), lambda: None)
-    except Exception as e:
-        raise http_error(e) from None
-    finally:
+    def done() -> None:
         run.stream.close()
         run.tracker.finish([c.finish_reason for c in run.choices])
-    if done is None:
-        log.info("%s: client disconnected; aborted", run.rid)
+
+    if not await collect_whole(raw, run.rid, collect(), done):
         return False
-    _log_done(run)
+    log_finished(run.rid, run.choices, run.tracker.arrival)
     return True
 
 
@@ -194,12 +185,6 @@ async def create_chat_completion(state: ServerState, raw: Request) -> Response:
     return JSONResponse(body.model_dump(), headers=headers)
 
 
-def _log_done(run: ChatRun) -> None:
-    reasons = ",".join(str(c.finish_reason) for c in run.choices)
-    log.info("%s: finished (%s), %d tokens generated in %.2fs", run.rid, reasons,
-             sum(c.num_tokens for c in run.choices), time.monotonic() - run.tracker.arrival)
-
-
 async def stream_deltas(state: ServerState, run: ChatRun
                         ) -> AsyncIterator[list[tuple[int, DeltaMessage, str | None, Any]]]:
     """A streamed chat's deltas as they come: per output, (choice index, delta, finish
@@ -224,7 +209,7 @@ async def stream_deltas(state: ServerState, run: ChatRun
                     items.append((c.index, delta, reason, c))
             if items:
                 yield items
-        _log_done(run)
+        log_finished(run.rid, run.choices, run.tracker.arrival)
     finally:
         run.stream.close()
         run.tracker.finish([c.finish_reason for c in run.choices])
@@ -234,9 +219,7 @@ async def stream_deltas(state: ServerState, run: ChatRun
 
 async def _stream(state: ServerState, run: ChatRun) -> AsyncIterator[str]:
     req, created = run.req, int(time.time())
-    opts = req.stream_options
-    include_usage = opts is not None and opts.include_usage
-    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+    include_usage, continuous = stream_usage(req.stream_options)
 
     def chunk(items: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=run.rid, created=created, model=state.model_name,

@@ -15,7 +15,6 @@ from skyline.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    PromptTokensDetails,
     Usage,
     random_id,
 )
@@ -25,18 +24,20 @@ from skyline.server.serving import (
     Choice,
     ServerState,
     TextChunks,
+    collect_whole,
     completion_logprobs,
     echo_logprobs,
     encode_text,
-    http_error,
+    log_finished,
+    make_usage,
     merged,
     prompt_logprobs_body,
     sse,
     start_request,
     stream_error,
-    until_disconnect,
+    stream_usage,
 )
-from skyline.types import SamplingParams, TokenLogprobs
+from skyline.types import RequestOutput, SamplingParams, TokenLogprobs
 
 log = logging.getLogger("skyline.server")
 
@@ -100,11 +101,14 @@ class _Batch:
         tok = self.state.llm.tokenizer  # ids passed check_prompt: at most a context's worth
         return tok.decode(ids, skip_special_tokens=False) if tok else ""
 
+    def observe(self, i: int, out: RequestOutput) -> None:
+        """An output of prompt `i`'s request (adding its choices is the caller's part)."""
+        self.trackers[i].observe(out)
+        self.num_cached[i] = out.num_cached_tokens
+        self.prompt_lps[i] = self.prompt_lps[i] or out.prompt_logprobs
+
     def usage(self) -> Usage:
-        gen = sum(c.num_tokens for c in self.choices)
-        return Usage(prompt_tokens=self.num_prompt, completion_tokens=gen,
-                     total_tokens=self.num_prompt + gen,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.num_cached)))
+        return make_usage(self.num_prompt, self.choices, sum(self.num_cached))
 
     def finish(self) -> None:
         for i, t in enumerate(self.trackers):
@@ -112,10 +116,7 @@ class _Batch:
             t.finish([c.finish_reason for c in self.choices[i * n:(i + 1) * n]])
 
     def log_done(self) -> None:
-        reasons = ",".join(str(c.finish_reason) for c in self.choices)
-        gen = sum(c.num_tokens for c in self.choices)
-        log.info("%s: finished (%s), %d tokens generated in %.2fs", self.rid, reasons, gen,
-                 time.monotonic() - self.trackers[0].arrival)
+        log_finished(self.rid, self.choices, self.trackers[0].arrival)
 
     def offset(self, index: int, choice: Choice) -> int:
         return len(self.echo[index // self.req.n]) + len(choice.text)
@@ -174,23 +175,17 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
 
     async def collect() -> bool:
         async for i, out in merged(batch.streams):
-            batch.trackers[i].observe(out)
-            batch.num_cached[i] = out.num_cached_tokens
-            batch.prompt_lps[i] = batch.prompt_lps[i] or out.prompt_logprobs
+            batch.observe(i, out)
             for c in out.outputs:
                 batch.choices[i * req.n + c.index].add(c)
         return True
 
-    try:
-        done = await until_disconnect(raw, collect(), lambda: None)
-    except Exception as e:
-        raise http_error(e) from None
-    finally:
+    def done() -> None:
         for s in batch.streams:
             s.close()
         batch.finish()
-    if done is None:
-        log.info("%s: client disconnected; aborted", rid)
+
+    if not await collect_whole(raw, rid, collect(), done):
         return Response(status_code=499)
     batch.log_done()
     choices = [batch.choice(j, c, c.text, c.logprobs, len(batch.echo[j // req.n]), True)
@@ -203,9 +198,7 @@ async def create_completion(state: ServerState, raw: Request) -> Response:
 async def _stream(batch: _Batch) -> AsyncIterator[str]:
     req, state = batch.req, batch.state
     created = int(time.time())
-    opts = req.stream_options
-    include_usage = opts is not None and opts.include_usage
-    continuous = include_usage and opts is not None and opts.continuous_usage_stats
+    include_usage, continuous = stream_usage(req.stream_options)
 
     def chunk(items: list[CompletionChoice], usage: Usage | None = None) -> str:
         return sse(CompletionResponse(id=batch.rid, created=created, model=state.model_name,
@@ -219,9 +212,7 @@ async def _stream(batch: _Batch) -> AsyncIterator[str]:
     sent = [False] * len(batch.choices)
     try:
         async for i, out in merged(batch.streams):
-            batch.trackers[i].observe(out)
-            batch.num_cached[i] = out.num_cached_tokens
-            batch.prompt_lps[i] = batch.prompt_lps[i] or out.prompt_logprobs
+            batch.observe(i, out)
             items = []
             for c in out.outputs:
                 j = i * req.n + c.index

@@ -32,7 +32,10 @@ from skyline.server.protocol import (
     CompletionLogprobs,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
+    StreamOptions,
     TopLogprob,
+    Usage,
 )
 from skyline.server.tool_parsers.base import ToolFormat
 from skyline.types import RequestOutput, SamplingParams, TokenLogprobs, is_valid_unicode
@@ -348,3 +351,40 @@ class Choice:
             self.logprobs.extend(c.logprobs)
         if c.finish_reason is not None:
             self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+def make_usage(num_prompt: int, choices: list[Choice], num_cached: int) -> Usage:
+    """A response's usage: `num_prompt` prompt tokens (`num_cached` of them from the prefix
+    cache) and every choice's generated tokens."""
+    num_generated = sum(c.num_tokens for c in choices)
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                 total_tokens=num_prompt + num_generated,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+
+
+def stream_usage(opts: StreamOptions | None) -> tuple[bool, bool]:
+    """(a last chunk with the usage, the usage in every chunk) as stream_options asks."""
+    include_usage = opts is not None and opts.include_usage
+    return include_usage, include_usage and opts is not None and opts.continuous_usage_stats
+
+
+def log_finished(rid: str, choices: list[Choice], arrival: float) -> None:
+    reasons = ",".join(str(c.finish_reason) for c in choices)
+    log.info("%s: finished (%s), %d tokens generated in %.2fs", rid, reasons,
+             sum(c.num_tokens for c in choices), time.monotonic() - arrival)
+
+
+async def collect_whole(raw: Request, rid: str, work: Awaitable[object],
+                        done: Callable[[], None]) -> bool:
+    """Run `work` (gathering a non-streamed response's outputs), then `done()` whatever
+    happened; False if the client left first (its requests are then aborted)."""
+    try:
+        result = await until_disconnect(raw, work, lambda: None)
+    except Exception as e:
+        raise http_error(e) from None
+    finally:
+        done()
+    if result is None:
+        log.info("%s: client disconnected; aborted", rid)
+        return False
+    return True

@@ -5,12 +5,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,7 @@ import pytest
 
 STARTUP_TIMEOUT = 180.0
 CLIENT_TIMEOUT = 120.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -76,6 +79,62 @@ class Server:
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.2)
+
+    def engine_pid(self) -> int:
+        """The live engine core's pid, as the log last gave it (at startup or a restart)."""
+        return int(re.findall(r"engine core(?:: pid| restarted \(pid) (\d+)", self.log())[-1])
+
+    def post(self, body: dict, out: list, timeout: float = 60.0) -> None:
+        """POST `body` to /v1/completions on a connection of its own; append (status, the
+        whole body) to `out`."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            out.append((resp.status, resp.read()))
+        finally:
+            conn.close()
+
+    def cut_under_load(self, body: dict, num: int, running: int, cut: Callable[[], None],
+                       word: str, join_timeout: float = 60.0) -> None:
+        """`num` requests of `body` (every other one streamed) from threads; once `running`
+        of them run, `cut()` (kill the engine, SIGTERM the server): each must end with a 503
+        error whose message has `word` (a stream: an error event, then [DONE])."""
+        results: list = []
+        threads = [threading.Thread(target=self.post, args=({**body, "stream": i % 2 == 0},
+                                                            results)) for i in range(num)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while self.metrics()["skyline:num_requests_running"] < running:
+            assert time.monotonic() < deadline, "the requests never ran"
+            time.sleep(0.1)
+        cut()
+        for t in threads:
+            t.join(join_timeout)
+        assert len(results) == num
+        for status, raw in results:
+            if status == 200:
+                events = [e for e in raw.decode().split("\n\n") if e]
+                assert events[-1] == "data: [DONE]", events[-3:]
+                err = json.loads(events[-2][len("data: "):])["error"]
+            else:
+                assert status == 503, raw
+                err = json.loads(raw)["error"]
+            assert err["code"] == 503 and word in err["message"], err
+
+    def hostile_smoke(self) -> dict[str, Any]:
+        """bench/hostile.py's smoke mix against this server: its record, checked for no
+        unexpected 5xx, no leaked KV block and /health answered throughout."""
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "hostile.py"),
+                            "--smoke", "--base-url", f"http://127.0.0.1:{self.port}"],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        record = json.loads(r.stdout)
+        assert record["unexpected_5xx"] == 0 and record["leaked_kv_blocks"] == 0
+        assert record["health"]["statuses"] == {"200": record["health"]["probes"]}
+        return record
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

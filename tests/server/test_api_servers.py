@@ -12,9 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import openai
@@ -44,10 +41,6 @@ def _pids(server) -> tuple[int, list[int]]:
     m = re.search(r"engine core: pid (\d+); 2 API processes: pids (\d+), (\d+)", server.log())
     assert m is not None, server.log()
     return int(m.group(1)), [int(m.group(2)), int(m.group(3))]
-
-
-def _engine_pid(server) -> int:
-    return int(re.findall(r"engine core(?:: pid| restarted \(pid) (\d+)", server.log())[-1])
 
 
 def _per_process(server) -> dict[str, float]:
@@ -121,51 +114,14 @@ def test_hostile_traffic_leaves_both_processes_up(server):
     """bench/hostile.py's smoke mix (fuzzed bodies, overflowing values, a big body, a burst,
     malformed HTTP, clients leaving mid-stream) spread over both API processes: only 4xx, no
     leaked block, /health answered throughout."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "hostile.py"), "--smoke",
-                        "--base-url", f"http://127.0.0.1:{server.port}"],
-                       capture_output=True, text=True, timeout=120, cwd=root)
-    assert r.returncode == 0, r.stderr[-2000:]
-    record = json.loads(r.stdout)
-    assert record["unexpected_5xx"] == 0 and record["leaked_kv_blocks"] == 0
-    assert record["health"]["statuses"] == {"200": record["health"]["probes"]}
+    server.hostile_smoke()
     assert len(_per_process(server)) == 2  # both took requests
 
 
-def _post(server, body: dict, out: list) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out.append((resp.status, resp.read()))
-    finally:
-        conn.close()
-
-
 def test_a_killed_engine_core_fails_requests_cleanly_and_comes_back(server):
-    results: list = []
-    threads = [threading.Thread(target=_post, args=(server, {**LONG, "stream": i % 2 == 0},
-                                                    results)) for i in range(6)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while server.metrics()["skyline:num_requests_running"] < 6:
-        assert time.monotonic() < deadline, "the requests never ran"
-        time.sleep(0.1)
-    os.kill(_engine_pid(server), signal.SIGKILL)
-    for t in threads:
-        t.join(60)
-    assert len(results) == 6
-    for status, body in results:  # each with the single API process's error body
-        if status == 200:  # a stream: an error event, then [DONE]
-            events = [e for e in body.decode().split("\n\n") if e]
-            assert events[-1] == "data: [DONE]", events[-3:]
-            err = json.loads(events[-2][len("data: "):])["error"]
-        else:
-            assert status == 503, body
-            err = json.loads(body)["error"]
-        assert err["code"] == 503 and "restarting" in err["message"], err
+    # each request with the single API process's error body
+    server.cut_under_load(LONG, 6, 6, lambda: os.kill(server.engine_pid(), signal.SIGKILL),
+                          "restarting")
     deadline = time.monotonic() + 90
     while server.request("GET", "/health", timeout=10)[0] != 200:
         assert time.monotonic() < deadline, "the engine never came back"
@@ -192,7 +148,7 @@ def test_a_killed_api_process_is_replaced(server):
 
 
 def test_sigterm_stops_every_process(server):
-    engine = _engine_pid(server)
+    engine = server.engine_pid()
     api = [int(p) for p in re.findall(r"API process \d+ started again \(pid (\d+)\)",
                                       server.log())] + _pids(server)[1][:1]
     assert server.stop(signal.SIGTERM) == 0, server.log()

@@ -9,16 +9,13 @@ SIGTERM whose cut requests each end with an error."""
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import importlib.util
 import json
 import os
 import random
-import re
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -319,14 +316,7 @@ def test_health_does_not_stall_behind_10_mb_bodies(server):
 
 
 def test_bench_smoke_mode(server):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "hostile.py"), "--smoke",
-                        "--base-url", f"http://127.0.0.1:{server.port}"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    record = json.loads(r.stdout)
-    assert record["unexpected_5xx"] == 0 and record["leaked_kv_blocks"] == 0
-    assert record["requests_sent"] > 30 and record["health"]["statuses"] == {
-        "200": record["health"]["probes"]}
+    assert server.hostile_smoke()["requests_sent"] > 30
 
 
 def test_nothing_leaked_and_still_serving(server):
@@ -345,49 +335,14 @@ def test_nothing_leaked_and_still_serving(server):
 LONG = {"prompt": "Tell me a long story.", "max_tokens": 100, "ignore_eos": True}
 
 
-def _engine_pid(server) -> int:
-    return int(re.findall(r"engine core(?:: pid| restarted \(pid) (\d+)", server.log())[-1])
-
-
-def _post(server, body: dict, out: list, timeout: float = 60) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out.append((resp.status, resp.read()))
-    finally:
-        conn.close()
-
-
-def _check_cut(results: list, word: str) -> None:
-    for status, body in results:
-        if status == 200:  # a stream: an error event, then [DONE]
-            events = [e for e in body.decode().split("\n\n") if e]
-            assert events[-1] == "data: [DONE]", events[-3:]
-            err = json.loads(events[-2][len("data: "):])["error"]
-            assert err["code"] == 503 and word in err["message"], err
-        else:
-            assert status == 503, body
-            assert word in json.loads(body)["error"]["message"]
-
-
 def test_kill_the_engine_mid_load_and_recover(server):
-    results: list = []
-    threads = [threading.Thread(target=_post, args=(server, {**LONG, "stream": i % 2 == 0},
-                                                    results)) for i in range(6)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while server.metrics()["skyline:num_requests_running"] < 1:
-        assert time.monotonic() < deadline, "nothing started running"
-        time.sleep(0.1)
-    killed_at = time.monotonic()
-    os.kill(_engine_pid(server), signal.SIGKILL)
-    for t in threads:
-        t.join(60)
-    assert len(results) == 6
-    _check_cut(results, "restarting")
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(server.engine_pid(), signal.SIGKILL)
+
+    server.cut_under_load(LONG, 6, 1, kill, "restarting")
     # /health: 503 while the new engine starts, then 200 by itself
     saw_503 = False
     while True:
@@ -396,7 +351,7 @@ def test_kill_the_engine_mid_load_and_recover(server):
         if status == 200:
             break
         assert status == 503
-        assert time.monotonic() - killed_at < 90, "the engine never came back"
+        assert time.monotonic() - killed_at[0] < 90, "the engine never came back"
         time.sleep(0.1)
     assert saw_503
     status, _, raw = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
@@ -409,18 +364,6 @@ def test_kill_the_engine_mid_load_and_recover(server):
 
 
 def test_sigterm_cuts_what_outlives_the_drain_with_errors(server):
-    results: list = []
-    threads = [threading.Thread(target=_post, args=(server, {**LONG, "stream": i % 2 == 0},
-                                                    results)) for i in range(2)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while server.metrics()["skyline:num_requests_running"] < 2:
-        assert time.monotonic() < deadline, "the requests never ran"
-        time.sleep(0.1)
-    server.proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(30)
-    assert len(results) == 2
-    _check_cut(results, "shut down")
+    server.cut_under_load(LONG, 2, 2, lambda: server.proc.send_signal(signal.SIGTERM),
+                          "shut down", join_timeout=30)
     server.proc.wait(30)
