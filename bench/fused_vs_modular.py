@@ -210,9 +210,10 @@ def kernel_ops(arch: ModelArch, device: str, rows: int, wts: dict[str, torch.Ten
         "silu": (lambda: silu_and_mul(gate_up), None),
         "qkv": (lambda: gemv_or_linear(x, wts["wqkv"]),
                 lambda: [gemv_or_linear(x, wts[n]) for n in ("wq", "wk", "wv")]),
-        "gate_up": (lambda: gemv_or_linear(x, wts["wgu"]),
-                    lambda: [gemv_or_linear(x, wts[n]) for n in ("wg", "wu")]),
     }
+    if not arch.num_experts:  # (an MoE's experts stack gate/up in their own kernels)
+        ops["gate_up"] = (lambda: gemv_or_linear(x, wts["wgu"]),
+                          lambda: [gemv_or_linear(x, wts[n]) for n in ("wg", "wu")])
     if arch.qk_norm:
         ops["qk_norm"] = (lambda: qk_norm_rotary(pos, q, k, rope, qn, qn, 1e-6, kv=kv), None)
     if rows <= 256:  # only the rows that sample take the argmax

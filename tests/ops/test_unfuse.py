@@ -161,3 +161,24 @@ def test_pdl_off_under_its_name(monkeypatch):
 
     unfusing(monkeypatch, "pdl")
     assert not use_pdl(torch.device("cuda"))
+
+
+@CUDA
+@pytest.mark.cuda
+def test_an_engine_unfused_generates_the_same_tokens(monkeypatch):
+    # Every fusion in its modular form, switched on a running engine (CUDA graphs captured
+    # again): the same greedy tokens as fused, in float32
+    from skyline.bench.smoke import tiny_model
+    from skyline.engine.frontend.llm import LLM
+    from skyline.types import SamplingParams
+
+    monkeypatch.setattr(envs, "ENV", envs.ENV)  # restored afterwards
+    llm = LLM(tiny_model(), load_format="dummy", max_model_len=256, max_num_seqs=4)
+    prompts = [[5, 9, 30, 7, 100, 3], [11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.query("unfuse", list(envs.FUSIONS), [1, 2, 4]) > 0  # graphs captured again
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
+    finally:
+        llm.shutdown()
