@@ -69,12 +69,21 @@ def sync(device: str) -> None:
 # -- end to end ---------------------------------------------------------------------------
 
 
-def decode_ms(llm: LLM, device: str, rows: int, context: int, steps: int, rounds: int) -> float:
+def decode_tokens(rows: int, context: int, steps: int, rounds: int, step_tokens: int) -> int:
+    """Tokens each decode row may make: the timed steps and the warm-up, and the steps the
+    first rows decode while the last ones are still in prefill (`step_tokens` a step), so that
+    no row finishes before the timing does."""
+    return 3 + steps * rounds + -(-rows * context // step_tokens) + 4
+
+
+def decode_ms(llm: LLM, device: str, rows: int, context: int, steps: int, rounds: int,
+              step_tokens: int) -> float:
     """Milliseconds of one decode step of `rows` requests at about `context` tokens each: the
     best of `rounds` runs of `steps` steps (the same prompts every time: after the first run
     their prefill comes from the prefix cache)."""
     vocab = llm.config.model.arch.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=3 + steps * rounds + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=decode_tokens(rows, context, steps, rounds, step_tokens))
     rids = [llm.add_request(p, params) for p in random_prompts(rows, context, vocab, seed=rows)]
     sched = llm.engine.scheduler
     while sched.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
@@ -90,6 +99,8 @@ def decode_ms(llm: LLM, device: str, rows: int, context: int, steps: int, rounds
             llm.step(final_only=True)
         sync(device)
         best = min(best, (time.perf_counter() - t0) / steps)
+    if len(sched.running) != rows:  # (a row finished or was preempted: smaller steps timed)
+        print(f"warning: {len(sched.running)} of {rows} decode rows left after the timing")
     for rid in rids:
         llm.abort(rid)
     while llm.engine.has_unfinished():
@@ -134,7 +145,7 @@ def step_floors(cost: Any, batches: list[int], context: int, prefill: int, bw: f
 
 
 def measure_steps(llm: LLM, device: str, a: argparse.Namespace, seed: int) -> dict[str, float]:
-    out = {f"decode{b}": decode_ms(llm, device, b, a.context, a.steps, a.rounds)
+    out = {f"decode{b}": decode_ms(llm, device, b, a.context, a.steps, a.rounds, a.prefill_len)
            for b in a.batches}
     out[f"prefill{a.prefill_len}"] = prefill_ms(llm, device, a.prefill_len, a.rounds, seed)
     return out
@@ -311,7 +322,8 @@ def main() -> None:
     bw, peak = copy_bandwidth(torch.device(device)), matmul_peak(torch.device(device))
     t_start = time.perf_counter()
     llm = LLM(a.model, load_format=a.load_format, quantization=a.quantization, device=device,
-              max_model_len=max(a.prefill_len, a.context + 3 + a.steps * a.rounds + 2) + 64,
+              max_model_len=max(a.prefill_len, a.context + decode_tokens(
+                  max(a.batches), a.context, a.steps, a.rounds, a.prefill_len)) + 64,
               max_num_seqs=max(a.batches), max_num_batched_tokens=a.prefill_len, **extra)
     arch = llm.config.model.arch
     names = a.fusions if a.fusions is not None else fusions_of(arch, a.quantization)
