@@ -310,6 +310,10 @@ def main() -> None:
                     help="a tiny random model, tiny shapes, on the CPU without a GPU")
     a = ap.parse_args()
     device = bench_device("fused_vs_modular", a.smoke)
+    try:  # a name that is not a fusion: one sentence before any run
+        envs.parse_unfuse(",".join(a.fusions or []))
+    except ValueError as e:
+        raise SystemExit(str(e).replace("SKYLINE_UNFUSE", "--fusions")) from None
     extra: dict[str, Any] = {}
     if a.smoke:
         a.model, a.batches, a.context, a.prefill_len = tiny_model(), list(SMOKE_BATCHES), 16, 64
@@ -327,7 +331,6 @@ def main() -> None:
               max_num_seqs=max(a.batches), max_num_batched_tokens=a.prefill_len, **extra)
     arch = llm.config.model.arch
     names = a.fusions if a.fusions is not None else fusions_of(arch, a.quantization)
-    envs.parse_unfuse(",".join(names))  # an unknown name: one sentence before any run
     floors = step_floors(llm.query("model_cost"), a.batches, a.context, a.prefill_len, bw, peak)
     fused = [measure_steps(llm, device, a, seed=100)]
     modular, capture_s = {}, {}
