@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import tempfile
@@ -324,6 +325,8 @@ def main() -> None:
                                   f"{os.path.basename(a.model.rstrip('/'))}.json")
     # the device's rates first, before the engine takes its memory
     bw, peak = copy_bandwidth(torch.device(device)), matmul_peak(torch.device(device))
+    if device == "cuda":
+        torch.cuda.empty_cache()  # their buffers back before the engine sizes its KV cache
     t_start = time.perf_counter()
     llm = LLM(a.model, load_format=a.load_format, quantization=a.quantization, device=device,
               max_model_len=max(a.prefill_len, a.context + decode_tokens(
@@ -344,6 +347,7 @@ def main() -> None:
     engine_s = time.perf_counter() - t_start
     llm.shutdown()
     del llm
+    gc.collect()
     # fused: the better of the runs before and after; noise: how far apart they were
     best = {s: min(run[s] for run in fused) for s in floors}
     noise = {s: abs(fused[0][s] - fused[1][s]) / best[s] for s in floors}
