@@ -193,9 +193,9 @@ class Linear(nn.Module):
         layer's W4A8 decode GEMV; None as it is. The GEMV then skips quantizing it. Always None
         under SKYLINE_UNFUSE=act_quant (the modular form, to measure the fusion: the GEMV
         quantizes its input itself)."""
-        wants = getattr(self.linear_method, "input_quant", None)
         if "act_quant" in envs.ENV.unfuse:
             return None
+        wants = getattr(self.linear_method, "input_quant", None)
         return wants(self, x) if wants is not None else None
 
     def cpu_decode_product(self) -> tuple[Any, int] | None:
