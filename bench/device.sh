@@ -25,6 +25,12 @@
 #                  none/auto), MAX_SEQS (1024) running, each max-num-batched-tokens in BATCHED
 #                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
 #   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
+#   fused          every fusion of the CUDA path against its modular form (SKYLINE_UNFUSE,
+#                  bench/fused_vs_modular.py, ~3 min): decode steps of 1, 64 and 256 rows and
+#                  an 8,192-token prefill in one engine (CUDA graphs) against their floors,
+#                  then the kernels alone and the merged QKV / gate-up against their parts;
+#                  verdict keep/drop at 2%. FUSED_QUANT (none): a --quantization (fp8 or int4
+#                  also measures act_quant); FUSED_ARGS passes more (e.g. "--fusions norm silu")
 #   long           one LONG_LEN-token prompt (200000) in chunks of 8,192 against the compute
 #                  floor, then warm from host RAM (against KV bytes / host-to-device bandwidth)
 #                  and from disk (against KV bytes / disk read rate), for each KV dtype in
@@ -191,6 +197,12 @@ stage_offline() {
 stage_prefill() {
   python3 bench/prefill_mfu.py --model "$M" --prompt-len 8192 \
     --out "$OUT/prefill-mfu-h200-$M$TAG.json"
+}
+
+stage_fused() {
+  local q=${FUSED_QUANT:-none}
+  python3 bench/fused_vs_modular.py --model "$M" --quantization "$q" ${FUSED_ARGS:-} \
+    --out "$OUT/fused-vs-modular-h200-$M-w$q$TAG.json"
 }
 
 stage_long() {
@@ -373,7 +385,7 @@ print("results in", res)
 EOF
 }
 
-SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code|round|end to end'}
+SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code|round|end to end|(keep|drop|tie)$|verdicts'}
 for stage in ${STAGES:-decode}; do
   declare -F "stage_${stage//-/_}" >/dev/null && continue
   echo "unknown stage: $stage (see the top of bench/device.sh)"; exit 2

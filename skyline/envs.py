@@ -1,7 +1,8 @@
 """Every environment variable skyline reads, typed, read once.
 
-`ENV` is read when this module is first imported and never changes afterwards; code reads
-`envs.ENV.<name>`, never `os.environ`. Tests that need another value replace `envs.ENV`
+`ENV` is read when this module is first imported and never changes afterwards (except in a
+benchmark's engine: the query "unfuse" of worker/queries.py swaps `unfuse` between runs); code
+reads `envs.ENV.<name>`, never `os.environ`. Tests that need another value replace `envs.ENV`
 (`monkeypatch.setattr(envs, "ENV", envs.Env.read())` after setting the variable).
 """
 
@@ -29,6 +30,35 @@ def _int(name: str, default: int) -> int:
                          ) from None
 
 
+# The fusions of the CUDA path that SKYLINE_UNFUSE can replace by their modular forms (two or
+# more launches: torch ops or the unfused kernels), to measure what each fusion buys
+# (bench/fused_vs_modular.py). Each name's form lives beside its fused kernel:
+#   norm       residual add + RMSNorm (ops/norm.py): torch's add, then the plain RMSNorm kernel
+#   rope_kv    rotary + KV-cache write (ops/rotary.py): the rotary kernel, then write_kv's
+#   qk_norm    Qwen3's per-head q/k RMSNorm + rotary (ops/rotary.py): the RMSNorm kernel first
+#   silu       SiLU-and-mul (ops/activation.py): F.silu(gate) * up
+#   act_quant  activations quantized by their producer (norm, SiLU, attention's combine) for
+#              a W8A8 / W4A8 GEMV (model/layers/linear.py): the GEMV quantizes them itself
+#   moe_route  MoE softmax + top-k in one launch (ops/moe_route.py): torch's softmax and topk
+#   moe_gemv   the MoE decode GEMVs with SwiGLU and routing weights in them (ops/moe.py): the
+#              grouped GEMMs, a separate activation and top-k sum
+#   argmax     greedy sampling's argmax kernel (ops/argmax.py): torch.argmax
+#   pdl        programmatic dependent launch (ops/pdl.py; as SKYLINE_PDL=0)
+FUSIONS = ("norm", "rope_kv", "qk_norm", "silu", "act_quant", "moe_route", "moe_gemv", "argmax",
+           "pdl")
+
+
+def parse_unfuse(value: str) -> frozenset[str]:
+    """A comma list of FUSIONS names ("" or "none": none) as a set; an unknown name is refused
+    in one sentence that lists the known ones."""
+    names = {n.strip() for n in value.split(",")} - {"", "none"}
+    unknown = sorted(names - set(FUSIONS))
+    if unknown:
+        raise ValueError(f"SKYLINE_UNFUSE names unknown fusions {', '.join(unknown)}; the known "
+                         f"ones are {', '.join(FUSIONS)}")
+    return frozenset(names)
+
+
 @dataclass(frozen=True)
 class Env:
     # TRITON_INTERPRET=1: Triton kernels run in Triton's CPU interpreter (kernel tests without
@@ -50,6 +80,10 @@ class Env:
     # read after the shipped tables of skyline/ops/configs/ (default
     # $XDG_CACHE_HOME/skyline/kernels, else ~/.cache/skyline/kernels).
     kernel_cache_dir: str
+    # SKYLINE_UNFUSE: FUSIONS (above) that run in their modular form, e.g. "norm,silu"; default
+    # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
+    # "unfuse"), so code reads it at each call, not once.
+    unfuse: frozenset[str] = frozenset()
 
     @classmethod
     def read(cls) -> Env:
@@ -64,6 +98,7 @@ class Env:
                 os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
                                                                  ".cache"),
                 "skyline", "kernels"),
+            unfuse=parse_unfuse(os.environ.get("SKYLINE_UNFUSE", "")),
         )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from skyline import envs
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
@@ -29,13 +30,17 @@ def silu_and_mul(x: torch.Tensor, config: dict[str, Any] | None = None,
                  quant: str | None = None) -> torch.Tensor | Fp8Rows | Int8Chunks:
     """silu_and_mul_ref's contract; on CUDA one Triton launch for x [num_tokens, 2 * d]. With
     `quant` the result comes quantized: "fp8" as Fp8Rows with one scale per row and FP8_BLOCK
-    columns, "int8" as Int8Chunks."""
+    columns, "int8" as Int8Chunks (except under SKYLINE_UNFUSE=silu, which returns it plain)."""
     if not (x.is_cuda and triton is not None and x.dim() == 2 and x.stride(-1) == 1
             and x.shape[0] > 0 and x.shape[1] % 2 == 0):
         y = silu_and_mul_ref(x)
         if quant is None:
             return y
         return fp8_rows_ref(y, FP8_BLOCK) if quant == "fp8" else int8_chunks_ref(y)
+    if "silu" in envs.ENV.unfuse:
+        # the modular form (to measure the fusion): torch's SiLU, then its multiply; the
+        # Linear this feeds quantizes the plain result itself
+        return silu_and_mul_ref(x)
     if quant == "fp8":
         return silu_and_mul_fp8_triton(x)
     if quant == "int8":

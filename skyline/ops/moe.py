@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from skyline import envs
 from skyline.ops.activation import silu_and_mul
 from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.triton_utils import interpreted, triton
@@ -277,7 +278,8 @@ def fused_moe(
     if x.is_cuda and triton is not None:
         from skyline.ops import moe_gemv
 
-        if moe_gemv.gemv_ok(x, w13, w2):
+        # SKYLINE_UNFUSE=moe_gemv: the grouped GEMMs at every size (to measure the fusion)
+        if moe_gemv.gemv_ok(x, w13, w2) and "moe_gemv" not in envs.ENV.unfuse:
             return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, activation,
                                            limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from skyline import envs
 from skyline.ops.triton_utils import tl, triton
 
 SCORINGS = ("softmax", "softmax_renorm", "topk_softmax")
@@ -38,7 +39,8 @@ def route(logits: torch.Tensor, top_k: int, scoring: str
     if scoring not in SCORINGS:
         raise ValueError(f"unknown router scoring {scoring!r}; expected one of {SCORINGS}")
     if (triton is None or not logits.is_cuda or logits.dim() != 2 or logits.shape[0] == 0
-            or not top_k <= logits.shape[1] <= MAX_EXPERTS):
+            or not top_k <= logits.shape[1] <= MAX_EXPERTS
+            or "moe_route" in envs.ENV.unfuse):  # (the modular form, to measure the fusion)
         return route_ref(logits, top_k, scoring)
     return route_triton(logits, top_k, scoring)
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from skyline import envs
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
@@ -106,7 +107,20 @@ def fused_add_rms_norm(
     if not (_use_triton(x) and same and x.dim() == 2):
         normed, residual = fused_add_rms_norm_ref(x, residual, weight, eps)
         return quantized_ref(normed, quant), residual
+    if "norm" in envs.ENV.unfuse:
+        return fused_add_rms_norm_unfused(x, residual, weight, eps, quant)
     return fused_add_rms_norm_triton(x, residual, weight, eps, config, quant)
+
+
+def fused_add_rms_norm_unfused(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    quant: str | None = None,
+) -> tuple[torch.Tensor | Fp8Rows | Int8Chunks, torch.Tensor]:
+    """The modular form of fused_add_rms_norm_triton (SKYLINE_UNFUSE=norm, to measure the
+    fusion): torch's add, then the plain RMSNorm kernel (quantizing as asked); two launches,
+    new tensors. The add rounds to the model dtype once, as the fused kernel's."""
+    residual = x + residual
+    return rms_norm_triton(residual, weight, eps, quant=quant), residual
 
 
 def _few_cpu_rows(x: torch.Tensor) -> bool:

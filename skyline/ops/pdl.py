@@ -11,7 +11,7 @@ still reads; the call also signals its own successor, keeping exactly one launch
 
 Launches without the attribute (torch ops, cuBLAS) keep their full-grid ordering, and a PDL
 launch after one of them waits for its completion as usual, so the two kinds mix safely, also
-in a captured CUDA graph. `SKYLINE_PDL=0` turns it off.
+in a captured CUDA graph. `SKYLINE_PDL=0` (or SKYLINE_UNFUSE=pdl) turns it off.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with PDL (NVIDIA, compute capability >= 9)."""
-    return device.type == "cuda" and _enabled(device.index)
+    """Whether kernels on `device` are launched with PDL (NVIDIA, compute capability >= 9;
+    not under SKYLINE_UNFUSE=pdl)."""
+    return device.type == "cuda" and "pdl" not in envs.ENV.unfuse and _enabled(device.index)
 
 
 @functools.cache

@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from skyline import envs
 from skyline.ops.kv_quant import FP8_MAX, inverse_scale, is_fp8
-from skyline.ops.kv_write import KVWrite, write_kv
-from skyline.ops.norm import rms_norm_ref
+from skyline.ops.kv_write import KVWrite, write_kv, write_kv_triton
+from skyline.ops.norm import rms_norm_ref, rms_norm_triton
 from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.triton_utils import tl, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
@@ -101,6 +102,8 @@ def rotary_embedding(
     if not _use_triton(positions, q, k, cos_sin_cache, kv):
         q, k = rotary_embedding_ref(positions, q, k, cos_sin_cache)
         return _write(q, k, kv)
+    if kv is not None and "rope_kv" in envs.ENV.unfuse:
+        return rotary_unfused(positions, q, k, cos_sin_cache, kv=kv)
     return rotary_triton(positions, q, k, cos_sin_cache, config=config, kv=kv)
 
 
@@ -122,7 +125,30 @@ def qk_norm_rotary(
     if not (same and _use_triton(positions, q, k, cos_sin_cache, kv)):
         q, k = qk_norm_rotary_ref(positions, q, k, cos_sin_cache, q_weight, k_weight, eps)
         return _write(q, k, kv)
+    if "qk_norm" in envs.ENV.unfuse or (kv is not None and "rope_kv" in envs.ENV.unfuse):
+        return rotary_unfused(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv,
+                              envs.ENV.unfuse)
     return rotary_triton(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, config, kv)
+
+
+def rotary_unfused(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+    eps: float = 0.0, kv: KVWrite | None = None,
+    unfuse: frozenset[str] = frozenset({"qk_norm", "rope_kv"}),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modular forms of rotary_triton (SKYLINE_UNFUSE, to measure each fusion): with
+    "qk_norm" in `unfuse` and weights given, the RMSNorm kernel norms q and k into new tensors
+    first (a launch each); with "rope_kv" and `kv`, write_kv's kernel stores k and v after the
+    rotary kernel; what stays fused runs in the rotary kernel. Returns q and k, as it does."""
+    if q_weight is not None and k_weight is not None and "qk_norm" in unfuse:
+        q, k = rms_norm_triton(q, q_weight, eps), rms_norm_triton(k, k_weight, eps)
+        q_weight = k_weight = None
+    fused_kv = kv if "rope_kv" not in unfuse else None
+    q, k = rotary_triton(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv=fused_kv)
+    if kv is not None and fused_kv is None:
+        write_kv_triton(k, kv.v, kv.kv_cache, kv.slot_mapping, kv.k_scale, kv.v_scale)
+    return q, k
 
 
 def _use_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

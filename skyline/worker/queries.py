@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from skyline import envs
 from skyline.config import QuantConfig, TrainArgs
 from skyline.model.checkpoint import write_checkpoint
 from skyline.model.cost import ModelCost
@@ -230,6 +231,23 @@ def repeat_drafts(r: ModelRunner) -> None:
     r.proposer.propose = lambda rids, token_ids, depth: [[t[-1]] * depth for t in token_ids]
 
 
+def unfuse(r: ModelRunner, names: list[str], graph_batches: list[int] | None = None) -> float:
+    """The fusions `names` (envs.FUSIONS) run in their modular forms from now on, on every
+    rank, and the CUDA graphs are captured again with them (only decode batches of
+    `graph_batches` sizes when given: fewer graphs, quicker to capture); the seconds the capture
+    took (bench/fused_vs_modular.py). The engine must have no step in flight."""
+    envs.ENV = dataclasses.replace(envs.ENV, unfuse=envs.parse_unfuse(",".join(names)))
+    if r.graphs is None:
+        return 0.0
+    t0 = time.perf_counter()
+    r.graphs.graphs.clear()  # the old graphs and their memory pool go first
+    if graph_batches is not None:
+        r.graphs.shapes = [(bs, 1) for bs in sorted(set(graph_batches))]
+    torch.cuda.empty_cache()
+    r.graphs.capture()
+    return time.perf_counter() - t0
+
+
 def cpu_step_seconds(r: ModelRunner) -> dict[str, float]:
     """Seconds a CPU engine's steps spent since this probe's first call, which starts timing
     them, by part: "linears" (the int4 kernel's products: the layers' Linears), "forward"
@@ -286,6 +304,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "repeat_drafts": repeat_drafts,
     "host_seconds": host_seconds,
     "cpu_step_seconds": cpu_step_seconds,
+    "unfuse": unfuse,
     "kv_connector_info": kv_connector_info,
 }
 # The tools' queries: their algorithms take the whole model in one process.

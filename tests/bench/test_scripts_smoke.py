@@ -18,6 +18,7 @@ TESTS = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*BENCH.glob("*.py"), *(BENCH / "kernels").glob("*.py")])
 OWN_TEST = {
     "fleet.py": "bench/test_fleet_bench.py",
+    "fused_vs_modular.py": "bench/test_fused_bench.py",
     "kv_tiers.py": "bench/test_kv_bench.py",
     "long_prompt.py": "bench/test_kv_bench.py",
     "moe.py": "bench/test_moe_bench.py",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from skyline import envs
 from skyline.config import ConfigError
 from skyline.parallel.groups import Group, ParallelLayout
 from skyline.parallel.shard import even_shard, head_shard
@@ -189,7 +190,11 @@ class Linear(nn.Module):
         """How the kernel about to make x (a norm, an activation) should hand it over: "fp8",
         quantized per row (ops/fp8_quant.Fp8Rows), for an fp8 layer's decode GEMV on a GPU with
         fp8 units; "int8", rounded per 32 columns (ops/gemv_int_a8.Int8Chunks), for an INT4
-        layer's W4A8 decode GEMV; None as it is. The GEMV then skips quantizing it."""
+        layer's W4A8 decode GEMV; None as it is. The GEMV then skips quantizing it. Always None
+        under SKYLINE_UNFUSE=act_quant (the modular form, to measure the fusion: the GEMV
+        quantizes its input itself)."""
+        if "act_quant" in envs.ENV.unfuse:
+            return None
         wants = getattr(self.linear_method, "input_quant", None)
         return wants(self, x) if wants is not None else None
 
