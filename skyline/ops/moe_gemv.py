@@ -82,15 +82,19 @@ def _block_k(k: int, w: ExpertWeights, want: int) -> int:
 
 def default_config(kernel: str, num_tokens: int, k: int, fmt: str) -> dict[str, Any]:
     """Without a tuned entry. Tiles of 512 bytes of each weight row per K step in every format
-    (bf16: 256 columns; fp8, MXFP4: 512); K loops of up to 16 tiles are unrolled, so a
+    (bf16: 256 columns; fp8, MXFP4: 512); K loops of up to 16 tiles are unrolled (not
+    MXFP4's, which spill unrolled), so a
     program issues its tiles' loads back to back (its only way to keep several in flight:
     at one token there are few programs per SM). `up` at one token: each of the k pairs x
     (I / 16) programs reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB);
     `down` loops over the token's k experts, so its tiles are narrower (8 rows: 256
     programs at H = 2048)."""
     block_k = 256 if fmt == "dense" else 512
+    # MXFP4's 3-D tiles (x spread over each) unrolled spill: 8 KB a thread for gpt-oss's up
+    # (ptxas for sm_90); rolled, 226 registers and none spilled
+    unroll = fmt != "mxfp4" and -(-k // block_k) <= 16
     return {"BLOCK_N": 16 if kernel == "moe_gemv_up" else 8, "BLOCK_K": block_k,
-            "UNROLL": -(-k // block_k) <= 16, "num_warps": 4, "num_stages": 1}
+            "UNROLL": unroll, "num_warps": 4, "num_stages": 1}
 
 
 @functools.cache
