@@ -59,7 +59,7 @@
 #                  shape, rows 1 2 4 8); e.g. TUNE_GEMV_ARGS="--models llama-3.1-8b --rows 1"
 #   tune-moe       bench/kernels/moe_gemv_speed.py --tune: the MoE decode GEMVs' launch configs
 #                  for Qwen3-30B-A3B (bf16, fp8) and gpt-oss-20b (MXFP4) experts at 1..8 tokens,
-#                  within BUDGET (240) s
+#                  within BUDGET (240) s; MOE_GEMV_ARGS adds flags (e.g. "--models gpt-oss-20b")
 #   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
 #   tune           `skyline tune` on MODEL (the self-optimizing loop: profile, rank families by
 #                  time lost against their floor, tune the worst, keep what wins end to end)
@@ -272,7 +272,7 @@ stage_tune_gemv() {
 
 stage_tune_moe() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_gemv_speed.py --tune \
-    --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-h200$TAG.json"
+    --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-h200$TAG.json" ${MOE_GEMV_ARGS:-}
   keep_configs moe-gemv-h200.json
 }
 
