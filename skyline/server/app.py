@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ from skyline.server.responses.route import create_response
 from skyline.server.serving import ServerState
 from skyline.server.tokenize import detokenize, tokenize
 from skyline.server.tools import resolve_tool_format
+from skyline.types.startup import format_phases, process_seconds
 
 log = logging.getLogger("skyline.server")
 
@@ -67,10 +70,12 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
               limits: RequestLimits | None = None,
               parse_workers: int = DEFAULT_PARSE_WORKERS,
               tool_call_parser: str = "auto", api_server: int | None = None,
-              multiprocess_dir: str | None = None) -> FastAPI:
+              multiprocess_dir: str | None = None,
+              on_ready: Callable[[], None] | None = None) -> FastAPI:
     """`tool_call_parser`: a format of tool_parsers.PARSERS, "none", or "auto" (guessed from
     the chat template). `api_server`: this process's index among several API processes, which
-    share their metrics through `multiprocess_dir`."""
+    share their metrics through `multiprocess_dir`. `on_ready`: called once the app has
+    started, just before the server accepts connections."""
     limits = (limits or RequestLimits()).resolved(llm.max_model_len)
     metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts,
                       api_server=api_server, multiprocess_dir=multiprocess_dir)
@@ -83,6 +88,8 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
         llm.engine.start()  # watch the engine from now on, not from the first request
         state.parse_pool = ParsePool(parse_workers, limits)
         await state.parse_pool.start()
+        if on_ready is not None:
+            on_ready()
         yield
         # uvicorn has drained (or cancelled) the in-flight requests: stop the engine now, as
         # uvicorn re-raises SIGTERM once this returns.
@@ -253,12 +260,15 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
         for s in servers:
             s.should_exit = True
 
+    before = process_seconds()  # the interpreter's start, the CLI's imports and arguments
     try:
         llm = AsyncLLM(engine_args, restart=restart, on_fatal=on_fatal, max_waiting=max_waiting,
                        chat_template=chat_template)
     except BaseException:
         sock.close()
         raise
+    if before is not None:
+        llm.startup.seconds = {"api_imports": before, **llm.startup.seconds}
     try:
         def announce(fmt: str | None) -> None:
             print(banner(llm.info, host, sock.getsockname()[1], fmt), flush=True)
@@ -291,14 +301,23 @@ def run_app(llm: AsyncLLM, sock: socket.socket, options: ServeOptions, servers: 
     """Serve the app over `llm` on the listening `sock` until SIGTERM (or Ctrl-C, unless this
     is one of several API processes: their parent forwards it as SIGTERM); the uvicorn server
     is appended to `servers`, and `announce(tool format)` called once the app is built."""
+    t0 = time.perf_counter()
     import uvicorn
 
     from skyline.server.lifecycle import DrainingServer, JSONErrorProtocol, escape_log_controls
 
+    def ready() -> None:
+        # The start-up record, complete: the engine process's phases, this process's
+        # (bench/fast_start.py reads this line).
+        llm.startup.add("api_server", time.perf_counter() - t0)
+        phases = llm.startup.seconds
+        log.info("started in %.1f s: %s", sum(phases.values()), format_phases(phases))
+        log.info("start-up phases %s", json.dumps({k: round(v, 4) for k, v in phases.items()}))
+
     o = options
     app = build_app(llm, api_key=o.api_key, limits=o.limits, parse_workers=o.parse_workers,
                     tool_call_parser=o.tool_call_parser, api_server=api_server,
-                    multiprocess_dir=multiprocess_dir)
+                    multiprocess_dir=multiprocess_dir, on_ready=ready)
     state: ServerState = app.state.skyline
 
     def drain() -> None:

@@ -17,6 +17,8 @@ out.
 from __future__ import annotations
 
 import logging
+import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,6 +35,18 @@ MAX_EXTEND_TOKENS = 512
 
 # Decode graphs cover batches up to this many sequences; larger ones run eagerly.
 MAX_GRAPH_BATCH = 1024
+
+# Eager forwards of a shape before its capture: kernel selection and Triton compilation.
+NUM_WARMUPS = 2
+
+
+class GraphTime(NamedTuple):
+    """A captured shape's start-up seconds: its warm-up forward(s), then its capture."""
+
+    num_seqs: int
+    query_len: int
+    warmup_s: float
+    capture_s: float
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -100,6 +114,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_times: list[GraphTime] = []  # in capture order (most tokens first)
 
     def _meta(self, bs: int, q: int) -> AttentionMetadata:
         """The metadata a graph is captured with: its host-side lists fix the shape (q query
@@ -124,17 +139,21 @@ class CudaGraphRunner:
             self.query_start_loc[: bs + 1].copy_(torch.arange(0, bs * q + 1, q))
             meta = self._meta(bs, q)
             ids, pos = self.input_ids[: bs * q], self.positions[: bs * q]
+            t0 = time.perf_counter()
             with torch.cuda.stream(stream), forward_context(meta):
-                for _ in range(2):  # warm-up: kernel selection and Triton compilation
+                for _ in range(NUM_WARMUPS):
                     self.model(ids, pos)
             torch.cuda.current_stream().wait_stream(stream)
+            stream.synchronize()  # the warm-up's own time (the capture below syncs anyway)
+            t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), forward_context(meta):
                 out = self.model(ids, pos)
             pool = graph.pool()
             self.graphs[(bs, q)] = (graph, out)
+            torch.cuda.synchronize()
+            self.capture_times.append(GraphTime(bs, q, t1 - t0, time.perf_counter() - t1))
         self.seq_lens.fill_(1)
-        torch.cuda.synchronize()
 
     def shape_for(self, inp: StepInputs) -> tuple[int, int] | None:
         """The smallest captured shape that holds this step (fewest tokens), or None."""
