@@ -36,8 +36,14 @@ MAX_EXTEND_TOKENS = 512
 # Decode graphs cover batches up to this many sequences; larger ones run eagerly.
 MAX_GRAPH_BATCH = 1024
 
-# Eager forwards of a shape before its capture: kernel selection and Triton compilation.
-NUM_WARMUPS = 2
+# Eager forwards of a shape before its capture. One is enough: it compiles the shape's Triton
+# specializations (no compile may happen while capturing), runs each kernel's config lookup,
+# and makes cuBLAS create its handle and pick its algorithms. A second found nothing left to
+# initialize: no layer's state changes after its first call (the KV cache and its scales are
+# fixed before capture), and cuBLAS's workspace for the capture stream is allocated during
+# the capture itself, into the graph's pool, however many warm-ups ran on the side stream.
+# Each extra warm-up cost an eager forward per graph at start-up.
+NUM_WARMUPS = 1
 
 
 class GraphTime(NamedTuple):
