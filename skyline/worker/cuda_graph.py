@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
+from skyline.ops.triton_utils import CompileCount
 from skyline.worker.inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,15 @@ NUM_WARMUPS = 1
 
 
 class GraphTime(NamedTuple):
-    """A captured shape's start-up seconds: its warm-up forward(s), then its capture."""
+    """A captured shape's start-up seconds: its warm-up forward(s), then its capture; and the
+    Triton compilations of its warm-up (the kernel specializations no earlier shape had)."""
 
     num_seqs: int
     query_len: int
     warmup_s: float
     capture_s: float
+    triton_compiles: int = 0
+    triton_s: float = 0.0
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -134,7 +138,10 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, compiles: CompileCount | None = None) -> None:
+        """Capture every shape; `compiles`: the start-up's running count of Triton
+        compilations, split here by shape."""
+        compiles = compiles or CompileCount()
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -145,7 +152,7 @@ class CudaGraphRunner:
             self.query_start_loc[: bs + 1].copy_(torch.arange(0, bs * q + 1, q))
             meta = self._meta(bs, q)
             ids, pos = self.input_ids[: bs * q], self.positions[: bs * q]
-            t0 = time.perf_counter()
+            t0, n0, s0 = time.perf_counter(), compiles.num, compiles.seconds
             with torch.cuda.stream(stream), forward_context(meta):
                 for _ in range(NUM_WARMUPS):
                     self.model(ids, pos)
@@ -158,7 +165,8 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[(bs, q)] = (graph, out)
             torch.cuda.synchronize()
-            self.capture_times.append(GraphTime(bs, q, t1 - t0, time.perf_counter() - t1))
+            self.capture_times.append(GraphTime(bs, q, t1 - t0, time.perf_counter() - t1,
+                                                compiles.num - n0, compiles.seconds - s0))
         self.seq_lens.fill_(1)
 
     def shape_for(self, inp: StepInputs) -> tuple[int, int] | None:

@@ -18,7 +18,7 @@ from skyline.engine.frontend.output import OutputProcessor, child_params
 from skyline.engine.frontend.structured import check_structured, structured_outputs
 from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.types import Request, RequestOutput, SamplingParams
-from skyline.types.startup import StartupPhases, expand
+from skyline.types.startup import StartupPhases, expand, format_phases
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class LLM:
         # add up to the constructor's time; `query("describe")` has the runner's details).
         self.startup: dict[str, float] = expand(
             started.seconds, "engine", self.engine.executor.query("describe")["startup"])
+        log.info("engine started in %.1f s: %s", sum(self.startup.values()),
+                 format_phases(self.startup))
         self.config = self.engine.config
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer)

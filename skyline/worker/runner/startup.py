@@ -45,9 +45,8 @@ class RunnerStartup:
         # Seconds of each phase below (describe's "startup"), and the Triton compilations
         # (or loads from Triton's disk cache) they ran.
         self.startup = StartupPhases()
-        with count_compiles() as compiles:
+        with count_compiles() as self.triton_compiles:
             self._start(config, layout)
-        self.triton_compiles = compiles
 
     def _start(self, config: EngineConfig, layout: ParallelLayout | None) -> None:
         self.config = config
@@ -153,13 +152,15 @@ class RunnerStartup:
                 -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device, max_q,
                 None if self.layout.first else (self.arch.hidden_size, self.dtype))
-            self.graphs.capture()
+            self.graphs.capture(self.triton_compiles)
             self.graph_capture_seconds = time.perf_counter() - t0
             self.startup.add("cuda_graphs", self.graph_capture_seconds)
             times = self.graphs.capture_times
-            log.info("captured %d CUDA graphs in %.1f s (warm-up %.1f s, capture %.1f s)",
-                     len(self.graphs.graphs), self.graph_capture_seconds,
-                     sum(g.warmup_s for g in times), sum(g.capture_s for g in times))
+            log.info("captured %d CUDA graphs in %.1f s (warm-up %.1f s, of which %d Triton "
+                     "compilations %.1f s; capture %.1f s)", len(self.graphs.graphs),
+                     self.graph_capture_seconds, sum(g.warmup_s for g in times),
+                     sum(g.triton_compiles for g in times), sum(g.triton_s for g in times),
+                     sum(g.capture_s for g in times))
         # Unseeded draws start from the seed whatever start-up drew (the same stream on every
         # layout of one kind of device).
         torch.manual_seed(config.model.seed)
