@@ -42,7 +42,8 @@ from typing import Any
 from skyline.engine.clients import EngineClient, SharedEngineSupervisor
 from skyline.engine.process import EngineStartError, exit_with_parent
 from skyline.engine.supervisor import EngineDeadError, RestartPolicy
-from skyline.server.app import CUT_GRACE_S, ServeOptions, banner, bind_socket, run_app
+from skyline.server.app import CUT_GRACE_S, banner, run_app
+from skyline.server.launch import ServeOptions, bind_socket
 
 log = logging.getLogger("skyline.server")
 
