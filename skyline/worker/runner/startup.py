@@ -56,6 +56,9 @@ class RunnerStartup:
         self.dtype = DTYPES[config.model.dtype]
         self.arch = config.model.arch
         self.block_size = config.cache.block_size
+        if self.device.type == "cuda":  # the CUDA context: its own phase, off the weights' rate
+            with self.startup.phase("device_init"):
+                torch.zeros(1, device=self.device)
         t0 = time.perf_counter()
         torch.manual_seed(config.model.seed)
         if layout is None or layout.world_size == 1:  # a rank holds its own part only
