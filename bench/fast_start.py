@@ -231,6 +231,8 @@ def main() -> None:
     write_s = None
     if not os.path.isdir(a.dir) or not any(f.endswith(".safetensors") for f in os.listdir(a.dir)):
         write_s = write_checkpoint(a.model, a.dir, device)
+        if device == "cuda":  # the starts below size their KV cache from the memory left free
+            torch.cuda.empty_cache()
     if not os.path.exists(os.path.join(a.dir, "tokenizer.json")):
         write_tokenizer(a.dir)
     ckpt_gb = sum(os.path.getsize(os.path.join(a.dir, f)) for f in os.listdir(a.dir)
