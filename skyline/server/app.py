@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLM, served by uvicorn.
 
 `skyline serve` binds the port, starts the engine-core process (server/launch.py, which imports
-this module while the engine starts), prints what it serves and runs uvicorn. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up
-to --shutdown-timeout seconds, ends the rest with an error each (an SSE error event and [DONE]
-for streams), then stops the engine. With --api-server-count N, N API processes run this app in
+this module while the engine starts), prints what it serves and runs uvicorn. SIGTERM (or
+Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
+--shutdown-timeout seconds, ends the rest with an error each (an SSE error event and [DONE] for
+streams), then stops the engine. With --api-server-count N, N API processes run this app in
 front of one engine core (server/api_servers.py).
 """
 

@@ -312,8 +312,8 @@ def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
         out[key] = max(v[key] for v in values)
     out["load_seconds"] = max(v["load_seconds"] for v in values)
     # the ranks start side by side: each phase as long as its slowest rank's
-    out["startup"] = {k: max(v["startup"].get(k, 0.0) for v in values)
-                      for k in values[driver]["startup"]}
+    names = dict.fromkeys(k for v in values for k in v["startup"])  # a CPU stage has fewer
+    out["startup"] = {k: max(v["startup"].get(k, 0.0) for v in values) for k in names}
     out["ranks"] = len(values)
     return out
 
