@@ -36,8 +36,12 @@
 #                  and from disk (against KV bytes / disk read rate), for each KV dtype in
 #                  LONG_KVS (auto,fp8); the disk tier in KV_DISK (/var/tmp/skyline-kv, on a
 #                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
-#   fast-start     engine ready from a safetensors checkpoint (bench/fast_start.py), with
-#                  --speculative-method $SPEC_METHOD (none)
+#   fast-start     start-up by phase from a bf16 safetensors checkpoint (bench/fast_start.py,
+#                  written to FAST_START_DIR, /tmp/skyline-fast-start-$MODEL, unless there):
+#                  the engine built in a fresh process and `skyline serve` to its first 200
+#                  on /health, each with Triton's cache empty then filled (~2 min for an 8B
+#                  model, the 16 GB checkpoint's writing included), with --speculative-method
+#                  $SPEC_METHOD (none)
 #   served         the API process's streamed-token ceiling on this host's CPU
 #                  (bench/serve_ceiling.py), then served against offline at SERVED_C (256)
 #                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py),
@@ -223,6 +227,7 @@ stage_fast_start() {
   local s=${SPEC_METHOD:-none} name=""
   [ "$s" != none ] && name=-$s
   python3 bench/fast_start.py --model "$M" --speculative-method "$s" \
+    --dir "${FAST_START_DIR:-/tmp/skyline-fast-start-$M}" \
     --out "$OUT/fast-start-h200-$M$name$TAG.json"
 }
 

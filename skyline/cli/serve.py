@@ -130,7 +130,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
     from skyline.engine.process import EngineStartError
     from skyline.engine.supervisor import EngineDeadError, RestartPolicy
     from skyline.router.launch import free_port, free_port_pair
-    from skyline.server.app import serve
+    from skyline.server.launch import serve
     from skyline.server.limits import RequestLimits
 
     if logging.getLogger().getEffectiveLevel() > logging.INFO:

@@ -35,6 +35,7 @@ from typing import Any
 
 from skyline.engine.codec import pack, request_from_dict, step_output_to_list, unpack
 from skyline.types import StepOutput
+from skyline.types.startup import StartupPhases, expand, format_phases
 from skyline.worker.executor.rank import exit_with_parent  # also the API processes'
 
 log = logging.getLogger(__name__)
@@ -233,9 +234,15 @@ class _EngineLoop:
 
 def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
                     conn: multiprocessing.connection.Connection, log_level: int,
-                    progress_level: int = logging.WARNING) -> None:
+                    progress_level: int = logging.WARNING, spawned_at: float | None = None
+                    ) -> None:
     """Entry point of the engine-core process (spawned); `progress_level`: the parent's
-    `skyline.progress` logger's (skyline/progress.py)."""
+    `skyline.progress` logger's (skyline/progress.py); `spawned_at`: the wall-clock time the
+    parent spawned it (the start-up record's first phase)."""
+    started = StartupPhases()
+    if spawned_at is not None:  # the interpreter's start and this module's imports
+        started.add("spawn", time.time() - spawned_at)
+    t0 = time.perf_counter()
     # The parent decides when the engine stops (after draining requests on SIGTERM / Ctrl-C,
     # which a terminal or supervisor may send to the whole process group).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -249,12 +256,15 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
     from skyline.engine.frontend.llm import load_tokenizer
     from skyline.engine.frontend.structured import structured_outputs
 
+    started.add("imports", time.perf_counter() - t0)
     queue_times = _QueueTimes()
     try:
-        config, auto_len = create_engine_config(args)
+        with started.phase("config"):
+            config, auto_len = create_engine_config(args)
         structured = structured_outputs(config.model, lambda: load_tokenizer(config.model))
-        core = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
-                          observers=[queue_times])
+        with started.phase("engine"):
+            core = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
+                              observers=[queue_times])
     except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
         conn.send(("error", str(e)))
         return
@@ -262,6 +272,7 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
         traceback.print_exc()
         conn.send(("error", f"the engine failed to start ({type(e).__name__}: {e})"))
         return
+    t1 = time.perf_counter()
     cfg = core.config
     events = None
     if cfg.fleet.kv_events_port is not None:
@@ -287,6 +298,12 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
     }
     loop = _EngineLoop(core, queue_times, in_addrs, out_addrs, events)
     tune_gc()
+    # The runner's phases in place of the engine's; "engine_other": the scheduler, the
+    # executor's own work (a rank process each with several), KV events, the loop's sockets.
+    started.add("engine", time.perf_counter() - t1)
+    info["startup"] = expand(started.seconds, "engine", info.get("startup", {}))
+    log.info("engine core started in %.1f s: %s", sum(info["startup"].values()),
+             format_phases(info["startup"]))
     conn.send(("ready", info))
     conn.close()
     try:
@@ -324,7 +341,7 @@ class EngineProcess:
             target=run_engine_core, name="skyline-engine",
             args=(args, in_addrs, out_addrs, send,
                   logging.getLogger("skyline").getEffectiveLevel(),
-                  logging.getLogger("skyline.progress").getEffectiveLevel()),
+                  logging.getLogger("skyline.progress").getEffectiveLevel(), time.time()),
         )
         self.proc.start()
         send.close()

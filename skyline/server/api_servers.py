@@ -45,7 +45,8 @@ from skyline.engine.supervisor import (
     RestartWindow,
     exit_description,
 )
-from skyline.server.app import CUT_GRACE_S, ServeOptions, banner, bind_socket, run_app
+from skyline.server.app import CUT_GRACE_S, banner, run_app
+from skyline.server.launch import ServeOptions, bind_socket
 
 log = logging.getLogger("skyline.server")
 

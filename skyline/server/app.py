@@ -1,23 +1,24 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLM, served by uvicorn.
 
-`skyline serve` binds the port, starts the engine-core process, prints what it serves and runs
-uvicorn. SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up
-to --shutdown-timeout seconds, ends the rest with an error each (an SSE error event and [DONE]
-for streams), then stops the engine. With --api-server-count N, N API processes run this app in
+`skyline serve` binds the port, starts the engine-core process (server/launch.py, which imports
+this module while the engine starts), prints what it serves and runs uvicorn. SIGTERM (or
+Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
+--shutdown-timeout seconds, ends the rest with an error each (an SSE error event and [DONE] for
+streams), then stops the engine. With --api-server-count N, N API processes run this app in
 front of one engine core (server/api_servers.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
+import json
 import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,11 +29,11 @@ from pydantic.json_schema import models_json_schema
 
 from skyline.engine.frontend.async_llm import AsyncLLM
 from skyline.engine.gc_tuning import tune_gc
-from skyline.engine.supervisor import EngineDeadError, RestartPolicy
 from skyline.server.chat import create_chat_completion
 from skyline.server.completions import create_completion
 from skyline.server.errors import error_body, install_error_handlers
 from skyline.server.guard import Guard
+from skyline.server.launch import DEFAULT_PARSE_WORKERS, ServeOptions
 from skyline.server.limits import RequestLimits
 from skyline.server.metrics import CONTENT_TYPE, Metrics
 from skyline.server.parse import ParsePool
@@ -49,6 +50,7 @@ from skyline.server.responses.route import create_response
 from skyline.server.serving import ServerState
 from skyline.server.tokenize import detokenize, tokenize
 from skyline.server.tools import resolve_tool_format
+from skyline.types.startup import format_phases
 
 log = logging.getLogger("skyline.server")
 
@@ -59,7 +61,6 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
     "/v1/responses": ResponsesRequest,
 }
-DEFAULT_PARSE_WORKERS = 2
 CUT_GRACE_S = 5.0  # after cutting requests at the drain timeout, for their errors to be sent
 
 
@@ -67,10 +68,12 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
               limits: RequestLimits | None = None,
               parse_workers: int = DEFAULT_PARSE_WORKERS,
               tool_call_parser: str = "auto", api_server: int | None = None,
-              multiprocess_dir: str | None = None) -> FastAPI:
+              multiprocess_dir: str | None = None,
+              on_ready: Callable[[], None] | None = None) -> FastAPI:
     """`tool_call_parser`: a format of tool_parsers.PARSERS, "none", or "auto" (guessed from
     the chat template). `api_server`: this process's index among several API processes, which
-    share their metrics through `multiprocess_dir`."""
+    share their metrics through `multiprocess_dir`. `on_ready`: called once the app has
+    started, just before the server accepts connections."""
     limits = (limits or RequestLimits()).resolved(llm.max_model_len)
     metrics = Metrics(llm.model_name, lambda: llm.stats, lambda: llm.num_restarts,
                       api_server=api_server, multiprocess_dir=multiprocess_dir)
@@ -83,6 +86,8 @@ def build_app(llm: AsyncLLM, *, api_key: str | None = None,
         llm.engine.start()  # watch the engine from now on, not from the first request
         state.parse_pool = ParsePool(parse_workers, limits)
         await state.parse_pool.start()
+        if on_ready is not None:
+            on_ready()
         yield
         # uvicorn has drained (or cancelled) the in-flight requests: stop the engine now, as
         # uvicorn re-raises SIGTERM once this returns.
@@ -171,33 +176,6 @@ def _openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
-def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A listening socket on host:port; `reuse_port`: one of several on the same port
-    (SO_REUSEPORT: the kernel spreads new connections over them)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        except (AttributeError, OSError):  # not on this system: a second bind will fail
-            pass
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        if e.errno in (errno.EADDRINUSE, errno.EACCES):
-            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
-                          "or stop the process using it") from None
-        # Not the port: the host is no address of this machine, or its name does not resolve.
-        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); --host must be an address "
-                      "of this machine: 127.0.0.1 (this machine only) or 0.0.0.0 (every "
-                      "interface)") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def banner(i: dict[str, Any], host: str, port: int, tool_format: str | None = None,
            api_pids: list[int] | None = None) -> str:
     """What `serve` prints once it serves; `i`: the engine's info; `api_pids`: several API
@@ -223,82 +201,29 @@ def banner(i: dict[str, Any], host: str, port: int, tool_format: str | None = No
     return "\n".join(lines)
 
 
-def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, limits: RequestLimits | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info",
-          restart: RestartPolicy | None = None, max_waiting: int | None = None,
-          chat_template: str | None = None,
-          parse_workers: int = DEFAULT_PARSE_WORKERS, tool_call_parser: str = "auto",
-          api_server_count: int = 1) -> None:
-    """Run the server until SIGTERM / Ctrl-C. Raises OSError / EngineStartError with one
-    sentence when it cannot start, EngineDeadError when the engine failed more often than
-    `restart` allows."""
-    options = ServeOptions(api_key=api_key, limits=limits, shutdown_timeout=shutdown_timeout,
-                           log_level=log_level, max_waiting=max_waiting,
-                           chat_template=chat_template, parse_workers=parse_workers,
-                           tool_call_parser=tool_call_parser)
-    if api_server_count > 1:
-        from skyline.server.api_servers import serve_many
-
-        return serve_many(engine_args, api_server_count, host, port, options,
-                          restart or RestartPolicy())
-    sock = bind_socket(host, port)
-    fatal: list[str] = []
-    servers: list[Any] = []
-
-    def on_fatal(reason: str) -> None:
-        # The engine will not come back: stop serving (in-flight requests end with errors)
-        # and exit non-zero, so that whatever supervises the server restarts it.
-        fatal.append(reason)
-        for s in servers:
-            s.should_exit = True
-
-    try:
-        llm = AsyncLLM(engine_args, restart=restart, on_fatal=on_fatal, max_waiting=max_waiting,
-                       chat_template=chat_template)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        def announce(fmt: str | None) -> None:
-            print(banner(llm.info, host, sock.getsockname()[1], fmt), flush=True)
-
-        run_app(llm, sock, options, servers, announce)
-    finally:
-        llm.shutdown()  # already done by the lifespan unless uvicorn failed
-        sock.close()
-    if fatal:
-        raise EngineDeadError(f"{fatal[0]}; the server stopped")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """What `serve` passes to each API process's app."""
-
-    api_key: str | None = None
-    limits: RequestLimits | None = None
-    shutdown_timeout: float = 30.0
-    log_level: str = "info"
-    max_waiting: int | None = None
-    chat_template: str | None = None
-    parse_workers: int = DEFAULT_PARSE_WORKERS
-    tool_call_parser: str = "auto"
-
-
 def run_app(llm: AsyncLLM, sock: socket.socket, options: ServeOptions, servers: list[Any],
             announce: Callable[[str | None], None], api_server: int | None = None,
             multiprocess_dir: str | None = None) -> None:
     """Serve the app over `llm` on the listening `sock` until SIGTERM (or Ctrl-C, unless this
     is one of several API processes: their parent forwards it as SIGTERM); the uvicorn server
     is appended to `servers`, and `announce(tool format)` called once the app is built."""
+    t0 = time.perf_counter()
     import uvicorn
 
     from skyline.server.lifecycle import DrainingServer, JSONErrorProtocol, escape_log_controls
 
+    def ready() -> None:
+        # The start-up record, complete: the engine process's phases, this process's
+        # (bench/fast_start.py reads this line).
+        llm.startup.add("api_server", time.perf_counter() - t0)
+        phases = llm.startup.seconds
+        log.info("started in %.1f s: %s", sum(phases.values()), format_phases(phases))
+        log.info("start-up phases %s", json.dumps({k: round(v, 4) for k, v in phases.items()}))
+
     o = options
     app = build_app(llm, api_key=o.api_key, limits=o.limits, parse_workers=o.parse_workers,
                     tool_call_parser=o.tool_call_parser, api_server=api_server,
-                    multiprocess_dir=multiprocess_dir)
+                    multiprocess_dir=multiprocess_dir, on_ready=ready)
     state: ServerState = app.state.skyline
 
     def drain() -> None:

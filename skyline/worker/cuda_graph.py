@@ -17,11 +17,14 @@ out.
 from __future__ import annotations
 
 import logging
+import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
+from skyline.ops.triton_utils import CompileCount
 from skyline.worker.inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -33,6 +36,27 @@ MAX_EXTEND_TOKENS = 512
 
 # Decode graphs cover batches up to this many sequences; larger ones run eagerly.
 MAX_GRAPH_BATCH = 1024
+
+# Eager forwards of a shape before its capture. One is enough: it compiles the shape's Triton
+# specializations (no compile may happen while capturing), runs each kernel's config lookup,
+# and makes cuBLAS create its handle and pick its algorithms. A second found nothing left to
+# initialize: no layer's state changes after its first call (the KV cache and its scales are
+# fixed before capture), and cuBLAS's workspace for the capture stream is allocated during
+# the capture itself, into the graph's pool, however many warm-ups ran on the side stream.
+# Each extra warm-up cost an eager forward per graph at start-up.
+NUM_WARMUPS = 1
+
+
+class GraphTime(NamedTuple):
+    """A captured shape's start-up seconds: its warm-up forward(s), then its capture; and the
+    Triton compilations of its warm-up (the kernel specializations no earlier shape had)."""
+
+    num_seqs: int
+    query_len: int
+    warmup_s: float
+    capture_s: float
+    triton_compiles: int = 0
+    triton_s: float = 0.0
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -100,6 +124,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_times: list[GraphTime] = []  # in capture order (most tokens first)
 
     def _meta(self, bs: int, q: int) -> AttentionMetadata:
         """The metadata a graph is captured with: its host-side lists fix the shape (q query
@@ -113,7 +138,10 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, compiles: CompileCount | None = None) -> None:
+        """Capture every shape; `compiles`: the start-up's running count of Triton
+        compilations, split here by shape."""
+        compiles = compiles or CompileCount()
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -124,17 +152,22 @@ class CudaGraphRunner:
             self.query_start_loc[: bs + 1].copy_(torch.arange(0, bs * q + 1, q))
             meta = self._meta(bs, q)
             ids, pos = self.input_ids[: bs * q], self.positions[: bs * q]
+            t0, n0, s0 = time.perf_counter(), compiles.num, compiles.seconds
             with torch.cuda.stream(stream), forward_context(meta):
-                for _ in range(2):  # warm-up: kernel selection and Triton compilation
+                for _ in range(NUM_WARMUPS):
                     self.model(ids, pos)
             torch.cuda.current_stream().wait_stream(stream)
+            stream.synchronize()  # the warm-up's own time (the capture below syncs anyway)
+            t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), forward_context(meta):
                 out = self.model(ids, pos)
             pool = graph.pool()
             self.graphs[(bs, q)] = (graph, out)
+            torch.cuda.synchronize()
+            self.capture_times.append(GraphTime(bs, q, t1 - t0, time.perf_counter() - t1,
+                                                compiles.num - n0, compiles.seconds - s0))
         self.seq_lens.fill_(1)
-        torch.cuda.synchronize()
 
     def shape_for(self, inp: StepInputs) -> tuple[int, int] | None:
         """The smallest captured shape that holds this step (fewest tokens), or None."""

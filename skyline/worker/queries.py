@@ -66,6 +66,13 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         "num_cuda_graphs": len(r.graphs.graphs) if r.graphs is not None else 0,
         "cuda_graph_capture_seconds": getattr(r, "graph_capture_seconds", None),
         "pdl": use_pdl(r.device),  # programmatic dependent launch (SKYLINE_PDL)
+        # start-up by phase (seconds, in order: they add up to the runner's start), each
+        # graph's warm-up and capture, and the Triton compilations (or disk-cache loads)
+        "startup": dict(r.startup.seconds),
+        "cuda_graph_times": [g._asdict() for g in r.graphs.capture_times]
+        if r.graphs is not None else [],
+        "triton_compiles": r.triton_compiles.num,
+        "triton_compile_seconds": r.triton_compiles.seconds,
     }
 
 
@@ -323,6 +330,9 @@ def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
     for key in ("memory_in_use_gib", "profile_peak_gib"):  # per device: the largest
         out[key] = max(v[key] for v in values)
     out["load_seconds"] = max(v["load_seconds"] for v in values)
+    # the ranks start side by side: each phase as long as its slowest rank's
+    names = dict.fromkeys(k for v in values for k in v["startup"])  # a CPU stage has fewer
+    out["startup"] = {k: max(v["startup"].get(k, 0.0) for v in values) for k in names}
     out["ranks"] = len(values)
     return out
 

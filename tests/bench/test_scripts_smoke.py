@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 TESTS = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([*BENCH.glob("*.py"), *(BENCH / "kernels").glob("*.py")])
 OWN_TEST = {
+    "fast_start.py": "bench/test_fast_start_bench.py",
     "fleet.py": "bench/test_fleet_bench.py",
     "fused_vs_modular.py": "bench/test_fused_bench.py",
     "kv_tiers.py": "bench/test_kv_bench.py",

@@ -13,7 +13,7 @@ from skyline.cli import build_parser
 from skyline.config import ConfigError
 from skyline.engine.args import EngineArgs
 from skyline.engine.create import create_engine_config
-from skyline.server.app import bind_socket
+from skyline.server.launch import bind_socket
 
 
 def _options(parser: argparse.ArgumentParser, name: str = "skyline"):

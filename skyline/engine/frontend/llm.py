@@ -18,6 +18,7 @@ from skyline.engine.frontend.output import OutputProcessor, child_params
 from skyline.engine.frontend.structured import check_structured, structured_outputs
 from skyline.engine.frontend.tokenizer import Tokenizer
 from skyline.types import Request, RequestOutput, SamplingParams
+from skyline.types.startup import StartupPhases, expand, format_phases
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,22 @@ class LLM:
         """`kwargs` are EngineArgs; `observers` are told of every engine step
         (engine/core.py)."""
         self.args = EngineArgs(model=model, **kwargs)
-        config, auto_len = create_engine_config(self.args)
-        self.tokenizer = load_tokenizer(config.model)
+        started = StartupPhases()
+        with started.phase("config"):
+            config, auto_len = create_engine_config(self.args)
+        with started.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(config.model)
         structured = (structured_outputs(config.model, lambda: self.tokenizer)
                       if self.tokenizer is not None else None)
-        self.engine = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
-                                 observers=observers)
+        with started.phase("engine"):
+            self.engine = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
+                                     observers=observers)
+        # Seconds of this start by phase, the runner's in place of the engine's (the phases
+        # add up to the constructor's time; `query("describe")` has the runner's details).
+        self.startup: dict[str, float] = expand(
+            started.seconds, "engine", self.engine.executor.query("describe")["startup"])
+        log.info("engine started in %.1f s: %s", sum(self.startup.values()),
+                 format_phases(self.startup))
         self.config = self.engine.config
         self._ids = itertools.count()
         self.outputs = OutputProcessor(self.tokenizer)

@@ -15,7 +15,9 @@ import torch
 from skyline.config import EngineConfig
 from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
+from skyline.ops.triton_utils import count_compiles
 from skyline.parallel.groups import ParallelLayout
+from skyline.types.startup import StartupPhases
 from skyline.worker.connector import make_connector
 from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner, auto_max_num_seqs
 from skyline.worker.inputs import RequestState
@@ -40,6 +42,13 @@ class RunnerStartup:
     """The runner's state from start-up to shutdown: model, KV cache, graphs, connector."""
 
     def __init__(self, config: EngineConfig, layout: ParallelLayout | None = None) -> None:
+        # Seconds of each phase below (describe's "startup"), and the Triton compilations
+        # (or loads from Triton's disk cache) they ran.
+        self.startup = StartupPhases()
+        with count_compiles() as self.triton_compiles:
+            self._start(config, layout)
+
+    def _start(self, config: EngineConfig, layout: ParallelLayout | None) -> None:
         self.config = config
         self.layout = layout or ParallelLayout.single(config.model.arch.num_layers,
                                                       config.device, config.parallel.n_cpu_moe)
@@ -47,6 +56,9 @@ class RunnerStartup:
         self.dtype = DTYPES[config.model.dtype]
         self.arch = config.model.arch
         self.block_size = config.cache.block_size
+        if self.device.type == "cuda":  # the CUDA context: its own phase, off the weights' rate
+            with self.startup.phase("device_init"):
+                torch.zeros(1, device=self.device)
         t0 = time.perf_counter()
         torch.manual_seed(config.model.seed)
         if layout is None or layout.world_size == 1:  # a rank holds its own part only
@@ -57,13 +69,17 @@ class RunnerStartup:
         else:
             prepack_host_experts(self.model, self.dtype)  # --n-cpu-moe: the CPU's layout
         self.load_seconds = time.perf_counter() - t0
+        self.startup.add("load_weights", self.load_seconds)
         self.states: dict[str, RequestState] = {}
         self._scoring: set[str] = set()  # requests whose prompt logprobs are still to compute
         # None without speculative decoding
-        self.proposer = make_proposer(config.spec, self.model)
+        with self.startup.phase("speculator"):
+            self.proposer = make_proposer(config.spec, self.model)
         self.eos_ids: tuple[int, ...] = self.arch.eos_token_ids
-        peak = self._profile() if self.device.type == "cuda" else 0
+        with self.startup.phase("profile"):
+            peak = self._profile() if self.device.type == "cuda" else 0
         self.profile_peak_bytes = peak
+        t0 = time.perf_counter()
         # Device memory in use when the KV cache is sized (all of it counts against the
         # budget: a leftover engine's weights would show here)
         self.memory_in_use_bytes = 0
@@ -120,6 +136,7 @@ class RunnerStartup:
         self.connector = make_connector(config, self.kv_caches, scales, {
             "tp_rank": lay.tp.index, "tp_size": lay.tp.size, "pp_rank": lay.stage_index,
             "pp_size": lay.num_stages})
+        self.startup.add("kv_cache", time.perf_counter() - t0)
         self._in_flight: InFlight | None = None
         # Seconds the host has waited for sampled tokens: near zero when the host, not the
         # device, sets the pace of the steps.
@@ -138,10 +155,15 @@ class RunnerStartup:
                 -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device, max_q,
                 None if self.layout.first else (self.arch.hidden_size, self.dtype))
-            self.graphs.capture()
+            self.graphs.capture(self.triton_compiles)
             self.graph_capture_seconds = time.perf_counter() - t0
-            log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs),
-                     self.graph_capture_seconds)
+            self.startup.add("cuda_graphs", self.graph_capture_seconds)
+            times = self.graphs.capture_times
+            log.info("captured %d CUDA graphs in %.1f s (warm-up %.1f s, of which %d Triton "
+                     "compilations %.1f s; capture %.1f s)", len(self.graphs.graphs),
+                     self.graph_capture_seconds, sum(g.warmup_s for g in times),
+                     sum(g.triton_compiles for g in times), sum(g.triton_s for g in times),
+                     sum(g.capture_s for g in times))
         # Unseeded draws start from the seed whatever start-up drew (the same stream on every
         # layout of one kind of device).
         torch.manual_seed(config.model.seed)

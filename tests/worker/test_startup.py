@@ -1,0 +1,124 @@
+"""Start-up is recorded by phase (the phases add up to the whole start), and CUDA-graph capture
+warms each shape up with one eager forward, not two (bench/fast_start.py measures both)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+
+from skyline.engine.frontend.llm import LLM
+from skyline.ops import triton_utils
+from skyline.types.startup import StartupPhases, expand, format_phases, process_seconds
+from skyline.worker import cuda_graph
+from skyline.worker.cuda_graph import CudaGraphRunner, graph_shapes
+
+
+def test_llm_start_phases_add_up_to_its_time(tiny_llama):
+    path = tiny_llama()
+    t0 = time.perf_counter()
+    llm = LLM(path, device="cpu", kv_cache_memory="8MiB", max_model_len=256)
+    wall = time.perf_counter() - t0
+    try:
+        phases = llm.startup
+        assert list(phases)[:4] == ["config", "tokenizer", "load_weights", "speculator"]
+        assert {"profile", "kv_cache", "engine_other"} <= set(phases)
+        assert all(s >= 0 for s in phases.values())
+        assert phases["load_weights"] > 0
+        assert sum(phases.values()) == pytest.approx(wall, abs=0.05 + 0.05 * wall)
+        info = llm.query("describe")
+        assert info["startup"]["load_weights"] == info["load_seconds"]
+        assert info["cuda_graph_times"] == [] and info["triton_compiles"] == 0
+        assert set(info["startup"]) <= set(phases)
+    finally:
+        llm.shutdown()
+
+
+def test_phase_record_expands_a_phase_in_place():
+    p = StartupPhases()
+    p.add("spawn", 1.0)
+    with p.phase("engine"):
+        pass
+    p.add("engine", 5.0)
+    p.add("serve", 0.5)
+    out = expand(p.seconds, "engine", {"weights": 2.0, "graphs": 2.5})
+    assert list(out) == ["spawn", "weights", "graphs", "engine_other", "serve"]
+    assert out["engine_other"] == pytest.approx(0.5, abs=0.01)
+    assert sum(out.values()) == pytest.approx(p.total)
+    assert format_phases({"a": 1.234}) == "a 1.23 s"
+    age = process_seconds()
+    assert age is None or 0 < age < 3600
+
+
+def test_triton_compiles_are_counted_through_its_hooks(monkeypatch):
+    runtime = getattr(getattr(triton_utils.triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        pytest.skip("no Triton with JIT hooks here")
+    monkeypatch.setattr(triton_utils, "interpreted", lambda: False)  # as on a GPU
+    seen = []
+    runtime.jit_cache_hook = lambda **kw: seen.append(kw)  # someone else's hook: kept
+    try:
+        with triton_utils.count_compiles() as count:
+            for _ in range(3):  # what Triton's JIT calls around each compile
+                assert not runtime.jit_cache_hook(key="k")
+                runtime.jit_post_compile_hook(key="k")
+        assert count.num == 3 and count.seconds >= 0 and len(seen) == 3
+        assert runtime.jit_post_compile_hook is None  # put back as it was
+        assert runtime.jit_cache_hook is not None
+    finally:
+        runtime.jit_cache_hook = None
+
+
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Graph:
+    def pool(self) -> int:
+        return 0
+
+
+class _CountingModel:
+    """Counts forwards, and whether each ran during a capture."""
+
+    def __init__(self) -> None:
+        self.capturing = False
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.calls.append((ids.shape[0], self.capturing))
+        return torch.zeros(ids.shape[0], 4)
+
+
+def test_capture_warms_each_shape_up_once(monkeypatch):
+    model = _CountingModel()
+
+    @contextlib.contextmanager
+    def capture(graph: object, pool: object = None):
+        model.capturing = True
+        yield
+        model.capturing = False
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "Stream", _Stream)
+    monkeypatch.setattr(cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(cuda, "graph", capture)
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+    runner = CudaGraphRunner(model, 32, 4, 16, 7, torch.device("cpu"), max_query_len=2)  # type: ignore[arg-type]
+    runner.capture()
+    shapes = graph_shapes(32, 2)
+    assert len(runner.graphs) == len(shapes) == len(runner.capture_times)
+    warmups = [n for n, capturing in model.calls if not capturing]
+    captures = [n for n, capturing in model.calls if capturing]
+    assert len(captures) == len(shapes)
+    assert len(warmups) == cuda_graph.NUM_WARMUPS * len(shapes) == len(shapes)
+    assert [(g.num_seqs, g.query_len) for g in runner.capture_times] == list(runner.graphs)
+    assert all(g.warmup_s >= 0 and g.capture_s >= 0 for g in runner.capture_times)
