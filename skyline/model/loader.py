@@ -26,7 +26,6 @@ from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.partition import partition, weight_names
 from skyline.model.registry import get_model_class
-from skyline.model.staging import to_device
 from skyline.parallel.groups import ParallelLayout
 from skyline.progress import bar
 from skyline.quant import attach_quant_methods, finish_loading
@@ -156,10 +155,7 @@ def load_model(cfg: ModelConfig, device: torch.device | str,
         elif cfg.load_format == "safetensors":
             # another tool's quantized tensors repacked into skyline's layout as they stream
             tensors = bar(iter_safetensors(cfg.path, rename), desc=desc, unit=" tensors")
-            weights = translate(_renamed(tensors, rename), cfg.quant)
-            if _stage_on_device(model, cfg, device, layout):
-                weights = to_device(weights, device)
-            model.load_weights(weights)
+            model.load_weights(translate(_renamed(tensors, rename), cfg.quant))
         elif cfg.load_format == "gguf":
             from skyline.model.gguf import iter_gguf_weights
 
@@ -176,16 +172,6 @@ def load_model(cfg: ModelConfig, device: torch.device | str,
                 if isinstance(m, LMHead):
                     m.quantize_fp8()
     return model
-
-
-def _stage_on_device(model: nn.Module, cfg: ModelConfig, device: torch.device,
-                     layout: ParallelLayout) -> bool:
-    """Whether checkpoint tensors go to the device before their loaders (model/staging.py):
-    on CUDA, for one rank holding all of every tensor, whose loaders only copy (unquantized
-    weights, none kept in host memory)."""
-    return (device.type == "cuda" and layout.world_size == 1 and cfg.quant.method == "none"
-            and cfg.quant.layout is None
-            and not any(getattr(m, "weight_device", None) for m in model.modules()))
 
 
 def _renamed(weights: Iterator[tuple[str, Any]], rename: Callable[[str], str | None]
