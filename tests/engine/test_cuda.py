@@ -117,3 +117,45 @@ def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     assert same >= len(prompts) - 1
     assert llm.engine.scheduler.kv_manager.block_pool.num_free_blocks == \
         llm.engine.executor.num_blocks
+
+
+def test_cuda_mixed_step_graphs_match_eager(tiny_dir, monkeypatch):
+    """Requests arriving while others decode: most steps mix a prompt chunk with the decodes
+    and replay a mixed-step graph; greedy tokens equal the eager engine's (fp32)."""
+    from skyline.worker.cuda_graph import CudaGraphRunner
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 319) for _ in range(rng.randint(5, 90))] for _ in range(14)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    replayed = []  # the shapes the graphs replay
+    real_run = CudaGraphRunner.run
+
+    def run_and_record(self, inp, shape):
+        replayed.append(shape)
+        return real_run(self, inp, shape)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", run_and_record)
+
+    def run(**kw):
+        llm = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                  max_num_batched_tokens=64, **kw)
+        done, pending = {}, list(enumerate(prompts))
+        while pending or llm.engine.has_unfinished():
+            for _ in range(2):  # two arrivals every three steps
+                if pending:
+                    i, p = pending.pop(0)
+                    llm.add_request(p, params, request_id=str(i))
+            for _ in range(3):
+                for o in llm.step():
+                    if o.finished:
+                        done[o.request_id] = o.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(prompts))], llm
+
+    eager, _ = run(enforce_eager=True)
+    assert not replayed
+    graphs, llm = run()
+    assert llm.engine.executor.runner.graphs.num_mixed > 0
+    assert sum(s.mixed for s in replayed) >= 10
+    same = sum(a == b for a, b in zip(eager, graphs, strict=True))
+    assert same >= len(prompts) - 1

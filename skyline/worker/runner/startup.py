@@ -15,9 +15,16 @@ import torch
 from skyline.config import EngineConfig
 from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
+from skyline.ops.triton_utils import triton
 from skyline.parallel.groups import ParallelLayout
 from skyline.worker.connector import make_connector
-from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner, auto_max_num_seqs
+from skyline.worker.cuda_graph import (
+    MAX_GRAPH_BATCH,
+    CudaGraphRunner,
+    auto_max_num_seqs,
+    bucket_sizes,
+    mixed_sizes,
+)
 from skyline.worker.inputs import RequestState
 from skyline.worker.kv_cache import (
     allocate_kv_cache,
@@ -133,15 +140,18 @@ class RunnerStartup:
             t0 = time.perf_counter()
             # verification steps: each request's last token and up to k drafts
             max_q = 1 + config.spec.num_speculative_tokens if self.proposer is not None else 1
+            max_batch = min(self.max_num_seqs, MAX_GRAPH_BATCH)
+            # mixed steps need the Triton attention (the references read the host lists)
+            mixed = mixed_sizes(max(bucket_sizes(max_batch)), sc.max_num_batched_tokens) \
+                if triton is not None else []
             self.graphs = CudaGraphRunner(
-                self.model, min(self.max_num_seqs, MAX_GRAPH_BATCH),
-                -(-sc.max_model_len // self.block_size),
+                self.model, max_batch, -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device, max_q,
-                None if self.layout.first else (self.arch.hidden_size, self.dtype))
+                None if self.layout.first else (self.arch.hidden_size, self.dtype), mixed)
             self.graphs.capture()
             self.graph_capture_seconds = time.perf_counter() - t0
-            log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs),
-                     self.graph_capture_seconds)
+            log.info("captured %d CUDA graphs (%d of mixed steps) in %.1f s",
+                     len(self.graphs.graphs), self.graphs.num_mixed, self.graph_capture_seconds)
         # Unseeded draws start from the seed whatever start-up drew (the same stream on every
         # layout of one kind of device).
         torch.manual_seed(config.model.seed)
