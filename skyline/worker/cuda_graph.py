@@ -125,11 +125,12 @@ class CudaGraphRunner:
                  mixed_tokens: list[int] | tuple[int, ...] = ()) -> None:
         """`hidden_input` (hidden size, dtype): the forward takes hidden states, not token ids
         (a pipeline stage after the first). `mixed_tokens`: the token counts of the mixed
-        graphs (mixed_sizes; empty: none), each of max_batch sequences."""
+        graphs (mixed_sizes; empty: none), each of max_batch sequences (a batch size between
+        two decode graphs' still runs every mixed step in a graph)."""
         self.model = model
         self.shapes = [GraphShape(bs, bs * q, q) for bs, q in graph_shapes(max_batch,
                                                                           max_query_len)]
-        seqs = max(s.num_seqs for s in self.shapes)
+        seqs = max(max_batch, *(s.num_seqs for s in self.shapes))
         self.shapes += [GraphShape(seqs, t, 0) for t in sorted(set(mixed_tokens))]
         self.block_size = block_size
         self.scratch_slot = scratch_block * block_size

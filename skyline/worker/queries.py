@@ -43,6 +43,7 @@ from skyline.worker.connector.base import merge_info
 from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
 from skyline.worker.runner import ModelRunner
 from skyline.worker.spec.train import Sample, train_and_save
+from skyline.worker.step_probe import mixed_step_seconds
 
 ActSq = dict[str, torch.Tensor]
 
@@ -287,6 +288,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "host_seconds": host_seconds,
     "cpu_step_seconds": cpu_step_seconds,
     "kv_connector_info": kv_connector_info,
+    "mixed_step_seconds": mixed_step_seconds,
 }
 # The tools' queries: their algorithms take the whole model in one process.
 ONE_RANK = frozenset({"collect_act_sq", "quantize", "save_quantized", "search_formats",
