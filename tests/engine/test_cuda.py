@@ -88,6 +88,8 @@ def test_cuda_async_scheduling_matches_sync(tiny_dir):
 def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     """Verification steps (each request's last token and its drafts) replay the extend graphs;
     greedy tokens equal plain eager decoding (fp32) and every KV block comes back."""
+    from skyline.worker.cuda_graph import GraphShape
+
     rng = random.Random(3)
     base = [[rng.randrange(2, 319) for _ in range(rng.randint(3, 8))] for _ in range(11)]
     prompts = [b * 4 for b in base]  # repeated spans: prompt lookup has drafts to propose
@@ -99,7 +101,7 @@ def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     llm = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
               speculative_method=method, speculative_gate=False, **extra)
     graphs = llm.engine.executor.runner.graphs
-    assert graphs is not None and (1, 6) in graphs.graphs
+    assert graphs is not None and GraphShape(1, 6, 6) in graphs.graphs
     used = []
     replay = graphs.run
 
@@ -110,8 +112,8 @@ def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     monkeypatch.setattr(graphs, "run", run)
     spec = llm.generate(prompts, params)
     # padded steps: fewer sequences or tokens than the graph's shape
-    assert any(q > 1 for (_, q), _, _ in used)
-    assert any(bs * q > t and q > 1 for (bs, q), _, t in used)
+    assert any(s.query_len > 1 for s, _, _ in used)
+    assert any(s.num_tokens > t and s.query_len > 1 for s, _, t in used)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
                for a, b in zip(plain, spec, strict=True))
     assert same >= len(prompts) - 1
