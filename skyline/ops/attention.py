@@ -296,6 +296,12 @@ def _launch_prefill(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict
 # Reference: paged_attention_ref with num_decodes 0 (a one-token extend is a decode).
 
 
+# Programs of the mixed step's prefill kernel beyond one per BLOCK_M tokens: a step of up to
+# this many extends (prompt chunks beside the decodes, verifications) runs each query tile in a
+# program of its own; one of more runs some tiles in turn.
+MIXED_EXTENDS = 16
+
+
 def paged_mixed_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences' new tokens back to back
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -314,9 +320,9 @@ def paged_mixed_attention(
     only: the launches depend on num_tokens and num_seqs, never on the sequences' lengths, so
     one CUDA graph replays every step of those counts. Sequences of one query token run in
     the decode kernel (its row through query_start_loc; the tiles and KV splits of a decode
-    batch of num_seqs), the others in the prefill kernel over a flattened grid of query tiles
-    (paged_prefill_varlen_kernel: the same program per tile as paged_prefill_kernel). Rows of
-    tokens that belong to no sequence are left unwritten.
+    batch of num_seqs), the others in the prefill kernel over a flattened list of query tiles
+    numbered on the device (paged_prefill_varlen_kernel: the same program per tile as
+    paged_prefill_kernel). Rows of tokens that belong to no sequence are left unwritten.
 
     Why not every sequence through the flattened kernel: a decode there fills a tile of
     BLOCK_M x PACK rows (at least 16) with its one token's GROUP heads and reads its context
@@ -335,8 +341,10 @@ def paged_mixed_attention(
                                      kv_cache.dtype)
     _check(prefill_cfg, PREFILL_KERNEL)
     pack = _pack(prefill_cfg, num_heads, kvh)
-    # sequence i owns tiles [qsl[i] // BLOCK_M + i, qsl[i + 1] // BLOCK_M + i + 1)
-    grid = (num_tokens // prefill_cfg["BLOCK_M"] + num_seqs, num_heads // pack)
+    # E extends of T tokens have fewer than T / BLOCK_M + E tiles: one program each as far as
+    # MIXED_EXTENDS extends
+    grid = (triton.cdiv(num_tokens, prefill_cfg["BLOCK_M"]) + min(num_seqs, MIXED_EXTENDS),
+            num_heads // pack)
     _launch_prefill(prefill_kernels.paged_prefill_varlen_kernel, grid, (num_seqs,),
                     {"S_PAD": max(2, triton.next_power_of_2(num_seqs))}, q, kv_cache, out,
                     query_start_loc, seq_lens, block_tables, scale, prefill_cfg, k_scale,

@@ -176,28 +176,36 @@ if triton is not None:
         PDL: tl.constexpr, S_PAD: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
         PACK: tl.constexpr = 1, PACK_PAD: tl.constexpr = 1, SINKS: tl.constexpr = False,
     ):
-        # One program per (query tile of the flattened grid, PACK query heads): the grid is
-        # num_tokens // BLOCK_M + num_seqs tiles, whatever the sequences' lengths. Sequence i
-        # owns tiles [qsl[i] // BLOCK_M + i, qsl[i + 1] // BLOCK_M + i + 1): a strictly
-        # increasing start (so a tile has one owner, found by counting the starts at or below
-        # it over the whole query_start_loc, one vector load), and at least cdiv(q_len,
-        # BLOCK_M) tiles each; a tile past its sequence's queries exits, as do sequences of one
-        # query token (the decode kernel's) and padding sequences (none). Tiles run last first,
-        # as paged_prefill_kernel's do.
+        # Programs over a flattened list of query tiles, for PACK query heads each: the launch
+        # depends on the token and sequence counts only. Every program reads the whole
+        # query_start_loc (one vector load) and numbers the tiles of the sequences of two or
+        # more query tokens (cdiv(q_len, BLOCK_M) each; sequences of one token are the decode
+        # kernel's, padding sequences have none) by a prefix sum; it runs tiles p, p + grid,
+        # ... of them, last first (as paged_prefill_kernel's, the long tiles of a causal
+        # prefill start first). A grid of num_tokens / BLOCK_M + a few programs gives the
+        # usual step (decodes and a few prompt chunks) one tile a program, where a grid of
+        # one program a sequence would launch hundreds that exit at once.
         pdl_wait(PDL)
-        idx = tl.num_programs(0) - 1 - tl.program_id(0)
         s = tl.arange(0, S_PAD)
-        starts = tl.load(qsl_ptr + s, mask=s < num_seqs, other=0) // BLOCK_M + s
-        seq = tl.sum(((starts <= idx) & (s < num_seqs)).to(tl.int32), 0) - 1
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        tile = idx - (q_start // BLOCK_M + seq)
-        if (tile * BLOCK_M >= q_len) | (q_len == 1):
-            return
-        seq_len = tl.load(seq_lens_ptr + seq)
-        _prefill_program(
-            q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq, tl.program_id(1) * PACK, tile,
-            q_start, q_len, seq_len, scale, v_scale, window, sinks_ptr,
-            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
-            stride_oh, GROUP, HEAD_DIM, D_PAD, PAGE, BLOCK_M, BLOCK_N, IEEE, PIPELINE,
-            NUM_STAGES, F16, FP8_WORDS, PACK, PACK_PAD, SINKS)
+        live = s < num_seqs
+        starts = tl.load(qsl_ptr + s, mask=live, other=0)
+        q_lens = tl.load(qsl_ptr + s + 1, mask=live, other=0) - starts
+        tiles = tl.where(q_lens > 1, (q_lens + BLOCK_M - 1) // BLOCK_M, 0)
+        ends = tl.cumsum(tiles, 0)  # past each sequence's last tile
+        total = tl.sum(tiles, 0)
+        w = tl.program_id(0)
+        while w < total:
+            r = total - 1 - w
+            seq = tl.sum((ends <= r).to(tl.int32), 0)  # the first sequence ending past r
+            mine = s == seq
+            q_start = tl.sum(tl.where(mine, starts, 0), 0)
+            q_len = tl.sum(tl.where(mine, q_lens, 0), 0)
+            tile = r - tl.sum(tl.where(mine, ends - tiles, 0), 0)
+            seq_len = tl.load(seq_lens_ptr + seq)
+            _prefill_program(
+                q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq, tl.program_id(1) * PACK,
+                tile, q_start, q_len, seq_len, scale, v_scale, window, sinks_ptr,
+                stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
+                stride_oh, GROUP, HEAD_DIM, D_PAD, PAGE, BLOCK_M, BLOCK_N, IEEE, PIPELINE,
+                NUM_STAGES, F16, FP8_WORDS, PACK, PACK_PAD, SINKS)
+            w += tl.num_programs(0)

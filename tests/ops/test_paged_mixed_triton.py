@@ -141,6 +141,22 @@ def test_mixed_window_and_sinks(splits):
     _check(out, ref)
 
 
+def test_mixed_programs_run_tiles_in_turn(monkeypatch):
+    """More extends than the grid has programs beyond one per BLOCK_M tokens (verifications
+    of a few drafts each, beside decodes): programs run several tiles, last first."""
+    from skyline.ops import attention
+
+    monkeypatch.setattr(attention, "MIXED_EXTENDS", 1)
+    rng = random.Random(11)
+    shapes = [(1, rng.randint(5, 40)) if i % 3 == 0 else (k := rng.randint(2, 4), k + 20)
+              for i in range(14)] + [(30, 45)]
+    num_seqs, num_tokens = 16, sum(q for q, _ in shapes) + 3
+    q, cache, qsl, seq_lens, table, _ = _step(shapes, num_seqs, num_tokens, 4, 2, 16, 11)
+    out = _run(q, cache, qsl, seq_lens, table, 0.25, num_seqs, prefill_cfg=PREFILL)
+    n = qsl[-1]
+    _check(out, paged_attention_ref(q[:n].double(), cache.double(), qsl, seq_lens, table, 0.25))
+
+
 def test_mixed_padding_only():
     """A step whose every sequence is padding (as a graph's capture may be): nothing written,
     nothing read, no fault."""
