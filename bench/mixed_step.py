@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--chunks", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engine's (default decodes + 1): the sequences every mixed graph "
+                         "has, so more than the step's measures the padding sequences' cost")
     ap.add_argument("--out", default=None,
                     help="JSON path (default $OUT/mixed-step-<model>.json, else "
                          "bench/results/serve/)")
@@ -69,7 +72,10 @@ def main() -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
     budget = a.decodes + max(a.chunks)
-    llm = LLM(a.model, load_format=a.load_format, device=device, max_num_seqs=a.decodes + 1,
+    llm = LLM(a.model, load_format=a.load_format, device=device,
+              max_num_seqs=a.max_num_seqs or a.decodes + 1,
+              # room beside the KV cache for the probe's graphs of exactly each step's tokens
+              gpu_memory_utilization=0.8,
               max_num_batched_tokens=budget, max_model_len=max(a.context + 64, budget + 64))
     cost = llm.query("model_cost")
     dtype_bytes = torch.finfo(getattr(torch, llm.config.model.dtype)).bits // 8
@@ -99,7 +105,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": "python bench/mixed_step.py" + (" --smoke" if a.smoke else ""),
         "model": name, "dtype": llm.config.model.dtype, "decodes": a.decodes,
-        "context": a.context, "reps": a.reps, "matmul_peak_TFLOPs": peak / 1e12,
+        "context": a.context, "reps": a.reps, "max_num_seqs": a.max_num_seqs or a.decodes + 1,
+        "matmul_peak_TFLOPs": peak / 1e12,
         "copy_bandwidth_TBps": bw / 1e12, "num_cuda_graphs": info["num_cuda_graphs"],
         "cuda_graph_capture_seconds": info["cuda_graph_capture_seconds"], "rows": rows,
         "machine": machine_info(device),
