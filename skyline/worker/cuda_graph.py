@@ -8,10 +8,12 @@ per sequence, as far as `MAX_EXTEND_TOKENS` tokens: without them a verification 
 small model runs eagerly and costs tens of graph-replayed decode steps.
 
 Mixed steps (a prefill chunk beside the decodes, as staggered arrivals make most steps of a
-server) have graphs keyed by their padded token count alone (`mixed_sizes`), each with as many
-sequences as the largest decode graph: their attention is launched from the token and sequence
-counts only (ops/attention.paged_mixed_attention, told by AttentionMetadata.mixed), so any
-split of the tokens among the sequences replays the same graph.
+server) have graphs keyed by their padded token count alone (`mixed_sizes`), each with
+max_num_seqs sequences (at most MAX_GRAPH_BATCH): their attention is launched from the token
+and sequence counts only (ops/attention.paged_mixed_attention, told by AttentionMetadata.mixed),
+so any split of the tokens among the sequences replays the same graph. The forward reads
+nothing else of a step on the host (the Linears, MoE layers and norms run at the padded token
+count), so nothing else of the capture's layout stays in the graph.
 
 A step of n sequences and t tokens runs in the smallest captured shape that holds it. Its
 tokens stay packed as the runner laid them out (sequence i owns query_start_loc[i:i+2]);
@@ -42,8 +44,8 @@ MAX_EXTEND_TOKENS = 512
 MAX_GRAPH_BATCH = 1024
 
 # Mixed graphs cover steps of at most this many tokens. An eager forward of Llama-3.1-8B costs
-# the host ~20 ms (served mixed steps of ~400 tokens took 23-28 ms where graph-replayed decode
-# steps of 256 took ~10-13: BENCHMARKS.md, "Served on the H200 against offline"); its matrix
+# the host ~20 ms (served mixed steps of ~400 tokens took 23-28 ms where offline's graph-replayed
+# decode steps of 256 took ~10: BENCHMARKS.md, "Served on the H200 against offline"); its matrix
 # products take as long at ~1,000 tokens (16 GFLOP a token at ~700 TFLOP/s), so past that an
 # eager step is bound by the GPU and a padded graph would only add work.
 # bench/mixed_step.py measures both sides of this bound.
