@@ -103,6 +103,7 @@ def main() -> None:
         "load_weights_s": info["load_seconds"],
         "cuda_graph_capture_s": info["cuda_graph_capture_seconds"],
         "num_cuda_graphs": info["num_cuda_graphs"],
+        "num_mixed_cuda_graphs": info["num_mixed_cuda_graphs"],
         "engine_ready_s": total, "load_GBps": ckpt_gb / info["load_seconds"],
         "machine": machine_info(device),
     }

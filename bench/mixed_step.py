@@ -108,6 +108,7 @@ def main() -> None:
         "context": a.context, "reps": a.reps, "max_num_seqs": a.max_num_seqs or a.decodes + 1,
         "matmul_peak_TFLOPs": peak / 1e12,
         "copy_bandwidth_TBps": bw / 1e12, "num_cuda_graphs": info["num_cuda_graphs"],
+        "num_mixed_cuda_graphs": info["num_mixed_cuda_graphs"],
         "cuda_graph_capture_seconds": info["cuda_graph_capture_seconds"], "rows": rows,
         "machine": machine_info(device),
     }

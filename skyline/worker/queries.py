@@ -64,6 +64,8 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         "memory_in_use_gib": r.memory_in_use_bytes / 2**30,
         "profile_peak_gib": r.profile_peak_bytes / 2**30,
         "num_cuda_graphs": len(r.graphs.graphs) if r.graphs is not None else 0,
+        # of those, the mixed steps' (a prefill chunk beside the decodes)
+        "num_mixed_cuda_graphs": r.graphs.num_mixed if r.graphs is not None else 0,
         "cuda_graph_capture_seconds": getattr(r, "graph_capture_seconds", None),
         "pdl": use_pdl(r.device),  # programmatic dependent launch (SKYLINE_PDL)
     }
