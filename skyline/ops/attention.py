@@ -311,7 +311,7 @@ def paged_mixed_attention(
     scale: float,
     k_scale: float = 1.0,  # fp8 cache: the layer's K and V scales
     v_scale: float = 1.0,
-    decode_cfg: dict | None = None,  # None: decode_config for num_seqs sequences
+    decode_cfg: dict | None = None,  # None: decode_config for min(num_seqs, num_tokens)
     prefill_cfg: dict | None = None,  # None: prefill_config for a num_tokens-token query
     window: int = 0,  # sliding window (paged_attention_ref); 0: the whole context
     sinks: torch.Tensor | None = None,  # [num_heads] float32 (paged_attention_ref)
@@ -331,7 +331,12 @@ def paged_mixed_attention(
     step and a decode step, which take the decode kernel."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page, kvh, _ = kv_cache.shape
-    num_seqs = seq_lens.shape[0]
+    # Every sequence with query tokens is among the first num_tokens (each before it has one):
+    # the launches cover no more, so a graph of max_num_seqs sequences and fewer tokens does
+    # not launch a program per padding sequence.
+    num_seqs = min(seq_lens.shape[0], num_tokens)
+    seq_lens, block_tables = seq_lens[:num_seqs], block_tables[:num_seqs]
+    query_start_loc = query_start_loc[: num_seqs + 1]
     out = torch.empty_like(q)
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, k_scale=k_scale,
                            v_scale=v_scale, config=decode_cfg, out=out, window=window,

@@ -157,6 +157,16 @@ def test_mixed_programs_run_tiles_in_turn(monkeypatch):
     _check(out, paged_attention_ref(q[:n].double(), cache.double(), qsl, seq_lens, table, 0.25))
 
 
+def test_mixed_more_sequences_than_tokens():
+    """A graph of more sequences than tokens (max_num_seqs beside a small token count): the
+    launches cover the first num_tokens sequences, which hold every one with tokens."""
+    shapes = [(1, 9), (3, 12), (1, 5)]
+    q, cache, qsl, seq_lens, table, _ = _step(shapes, 32, 8, 4, 2, 16, 13)
+    out = _run(q, cache, qsl, seq_lens, table, 0.25, 32, prefill_cfg=PREFILL)
+    n = qsl[-1]
+    _check(out, paged_attention_ref(q[:n].double(), cache.double(), qsl, seq_lens, table, 0.25))
+
+
 def test_mixed_padding_only():
     """A step whose every sequence is padding (as a graph's capture may be): nothing written,
     nothing read, no fault."""
