@@ -46,6 +46,10 @@
 #                  (bench/serve_ceiling.py), then served against offline at SERVED_C (256)
 #                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py),
 #                  once per API server count in API_SERVERS ("1 4": serve --api-server-count)
+#   mixed          mixed steps: 256 decodes at a 300-token context beside a prefill chunk of 128,
+#                  512 and 2048 tokens, eager against replayed from a CUDA graph (of exactly the
+#                  step's tokens, and the engine's own padded one), each against its floor
+#                  (bench/mixed_step.py); MIXED_ARGS passes more (e.g. "--chunks 64 128 256")
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
 #                  machine's CPU (bench/host_overhead.py)
 #   parallel       bench/parallel_gpu.py on GPUS GPUs (default: all visible) for PAR_STAGES
@@ -229,6 +233,10 @@ stage_fast_start() {
   python3 bench/fast_start.py --model "$M" --speculative-method "$s" \
     --dir "${FAST_START_DIR:-/tmp/skyline-fast-start-$M}" \
     --out "$OUT/fast-start-h200-$M$name$TAG.json"
+}
+
+stage_mixed() {
+  python3 bench/mixed_step.py --model "$M" ${MIXED_ARGS:-} --out "$OUT/mixed-step-h200-$M$TAG.json"
 }
 
 stage_served() {

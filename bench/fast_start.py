@@ -122,6 +122,7 @@ def one_start(a: argparse.Namespace, device: str) -> dict[str, Any]:
     return {
         "engine_ready_s": ready, "phases_s": phases,
         "cuda_graph_times": info["cuda_graph_times"], "num_cuda_graphs": info["num_cuda_graphs"],
+        "num_mixed_cuda_graphs": info["num_mixed_cuda_graphs"],
         "cuda_graph_warmup_s": sum(g["warmup_s"] for g in info["cuda_graph_times"]),
         "cuda_graph_capture_only_s": sum(g["capture_s"] for g in info["cuda_graph_times"]),
         "triton_compiles": info["triton_compiles"],
@@ -266,6 +267,7 @@ def main() -> None:
         "load_weights_s": warm["load_weights_s"],
         "cuda_graph_capture_s": warm["cuda_graph_capture_s"],
         "num_cuda_graphs": warm["num_cuda_graphs"],
+        "num_mixed_cuda_graphs": warm["num_mixed_cuda_graphs"],
         "engine_ready_s": warm["engine_ready_s"],
         "load_GBps": ckpt_gb / warm["load_weights_s"],
         "health_s": {state: serve[state]["health_s"] for state in serve},

@@ -22,7 +22,7 @@ from skyline.bench.ptx import compile_for_sm90, inner_loop, opcode
 SIGNATURE = {"q_ptr": "*bf16", "k_ptr": None, "v_ptr": None, "out_ptr": "*bf16",
              "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "scale": "fp32", "v_scale": "fp32", "num_heads": "i32",
-             "window": "i32", "sinks_ptr": "*fp32",
+             "window": "i32", "sinks_ptr": "*fp32", "qsl_ptr": "*i32",
              "num_splits": "i32", "stride_qb": "i32", "stride_qh": "i32", "stride_kb": "i32",
              "stride_ks": "i32", "stride_kh": "i32", "stride_bt": "i32", "stride_ob": "i32",
              "stride_oh": "i32"}
@@ -37,7 +37,7 @@ def compile_decode(cache: str, block_n: int, warps: int, stages: int):
     kv, words = CACHES[cache]
     const = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, D_PAD=128, PAGE=16, BLOCK_N=block_n,
                  IEEE=False, SPLIT=True, PIPELINE=True, NUM_STAGES=stages, F16=kv != "bf16",
-                 PDL=False, FP8_WORDS=words, SINKS=False)
+                 PDL=False, FP8_WORDS=words, SINKS=False, VARLEN=False)
     sig = {**SIGNATURE, "k_ptr": f"*{kv}", "v_ptr": f"*{kv}"}
     return compile_for_sm90(kernels.paged_decode_kernel, sig, const, DIVISIBLE, warps, stages)
 

@@ -31,6 +31,10 @@ class AttentionMetadata:
     # CPU: the decodes' cache gather (ops/cpu_attention.DecodeGather), made by the first
     # attention layer of the step and read by the others
     cpu_gather: Any = None
+    # A CUDA graph of mixed steps (worker/cuda_graph.py): the host lists and num_decodes
+    # above are the capture's, not the replayed step's, so attention reads the device tensors
+    # only (ops/attention.paged_mixed_attention) and nothing else may read the lists.
+    mixed: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -1,7 +1,9 @@
 """Paged attention over the KV cache: the dispatch between the PyTorch references (CPU and
 any device; in ops/attention_ref.py, re-exported here) and the launchers of the Triton kernels
 for decode and prefill/extend (CUDA, or Triton's interpreter in tests; kernels in
-ops/attention_triton.py, launch configurations in ops/attention_config.py).
+ops/attention_triton.py and ops/attention_prefill_triton.py, launch configurations in
+ops/attention_config.py), and of both together for a mixed step whose launch depends on its
+token and sequence counts only (`paged_mixed_attention`, for CUDA graphs of mixed steps).
 
 KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V),
 in the model dtype or float8_e4m3fn. An fp8 cache holds K / k_scale and V / v_scale
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from skyline.ops import attention_prefill_triton as prefill_kernels
 from skyline.ops import attention_triton as kernels
 from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, bench)
     DECODE_KERNEL,
@@ -81,11 +84,18 @@ def paged_attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     cpu_gather: DecodeGather | None = None,  # CPU: the decodes' gather, made once per step
+    mixed: bool = False,  # the host lists are not this step's: see paged_mixed_attention
 ) -> torch.Tensor | Int8Chunks:
     """paged_attention_ref's contract; on CUDA, Triton kernels for decodes and for prefills.
     With `int8_out`, a pure decode batch whose splits are combined by a kernel (and a head
     size that is a power of two and a multiple of 32) returns [T, H * D] rounded for the W4A8
-    GEMV, as Int8Chunks, from that kernel; otherwise the plain output."""
+    GEMV, as Int8Chunks, from that kernel; otherwise the plain output. With `mixed` (a CUDA
+    graph's mixed step) only the device tensors describe the step: paged_mixed_attention."""
+    if mixed:
+        assert seq_lens_tensor is not None and query_start_loc_tensor is not None
+        return paged_mixed_attention(q, kv_cache, query_start_loc_tensor, seq_lens_tensor,
+                                     block_tables, scale, k_scale, v_scale, window=window,
+                                     sinks=sinks)
     if not (q.is_cuda and triton is not None and seq_lens_tensor is not None):
         # the CPU's few-operation decodes take full causal attention without sinks only
         if q.device.type == "cpu" and num_decodes and not window and sinks is None:
@@ -156,8 +166,13 @@ def paged_decode_attention(
     int8_out: bool = False,  # see paged_attention
     window: int = 0,  # sliding window (paged_attention_ref); 0: the whole context
     sinks: torch.Tensor | None = None,  # [num_heads] float32 (paged_attention_ref)
+    # [num_seqs + 1] int32: q and out rows are tokens, sequence i's at query_start_loc[i]; the
+    # sequences without exactly one query token are skipped (paged_mixed_attention)
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor | Int8Chunks:  # [num_seqs, num_heads, head_dim]
-    num_seqs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    varlen = query_start_loc is not None
     _, _, page, kvh, _ = kv_cache.shape
     group = num_heads // kvh
     if config is None:
@@ -183,17 +198,18 @@ def paged_decode_attention(
     kernels.paged_decode_kernel[(num_seqs, kvh, num_splits)](
         q, k, v, out, ml, acc, block_tables, seq_lens, scale * k_scale, v_scale, num_heads,
         num_splits, window or NO_WINDOW, q if sinks is None else sinks,
+        query_start_loc if varlen else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         D_PAD=d_pad, PAGE=page, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
         SPLIT=num_splits > 1, PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"],
         F16=_f16_tiles(q, k), PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim),
-        SINKS=sinks is not None and num_splits == 1,
+        SINKS=sinks is not None and num_splits == 1, VARLEN=varlen,
         num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
     )
     rounded = None
-    if int8_out and num_splits > 1 and head_dim == d_pad and head_dim % CHUNK == 0:
+    if int8_out and not varlen and num_splits > 1 and head_dim == d_pad and head_dim % CHUNK == 0:
         rounded = Int8Chunks.empty(num_seqs, num_heads * head_dim, out.dtype, q.device)
     if num_splits > 1:
         kernels.combine_splits_kernel[(num_seqs * num_heads,)](
@@ -201,8 +217,8 @@ def paged_decode_attention(
             S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
             PDL=pdl, num_seqs=num_seqs, words_ptr=rounded and rounded.words,
             floats_ptr=rounded and rounded.floats, INT8_OUT=rounded is not None,
-            INT8_MAX=INT8_MAX, sinks_ptr=sinks, SINKS=sinks is not None, num_warps=1,
-            launch_pdl=pdl,
+            INT8_MAX=INT8_MAX, sinks_ptr=sinks, SINKS=sinks is not None,
+            qsl_ptr=query_start_loc, VARLEN=varlen, num_warps=1, launch_pdl=pdl,
         )
     return out if rounded is None else rounded
 
@@ -234,24 +250,108 @@ def paged_prefill_attention(
                                 kv_cache.dtype)
     _check(config, PREFILL_KERNEL)
     out = torch.empty_like(q)
-    k, v = kv_cache[0], kv_cache[1]
-    block_m = config["BLOCK_M"]
     # PACK query heads of one kv head per program (1, or the whole group): BLOCK_M is then
     # in tokens, and the program's tile has BLOCK_M * PACK_PAD rows.
-    group = num_heads // kvh
-    pack = group if config.get("PACK", 1) > 1 else 1
-    grid = (seq_lens.shape[0], num_heads // pack, triton.cdiv(max_query_len, block_m))
+    pack = _pack(config, num_heads, kvh)
+    grid = (seq_lens.shape[0], num_heads // pack, triton.cdiv(max_query_len, config["BLOCK_M"]))
+    _launch_prefill(prefill_kernels.paged_prefill_kernel, grid, (), {}, q, kv_cache, out,
+                    query_start_loc, seq_lens, block_tables, scale, config, k_scale, v_scale,
+                    window, sinks)
+    return out
+
+
+def _pack(config: dict, num_heads: int, kvh: int) -> int:
+    return num_heads // kvh if config.get("PACK", 1) > 1 else 1
+
+
+def _launch_prefill(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict,
+                    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float, config: dict, k_scale: float,
+                    v_scale: float, window: int, sinks: torch.Tensor | None) -> None:
+    # the arguments both prefill kernels take; `args` and `constexprs` are a kernel's own
+    _, num_heads, head_dim = q.shape
+    kvh = kv_cache.shape[3]
+    pack = _pack(config, num_heads, kvh)
+    k, v = kv_cache[0], kv_cache[1]
     pdl = use_pdl(q.device)
-    kernels.paged_prefill_kernel[grid](
+    kernel[grid](
         q, k, v, out, block_tables, seq_lens, query_start_loc, scale * k_scale, v_scale,
-        window or NO_WINDOW, q if sinks is None else sinks,
+        window or NO_WINDOW, q if sinks is None else sinks, *args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=num_heads // kvh, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=page, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], IEEE=q.dtype == torch.float32,
-        PIPELINE=_pipelined(config), NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k),
-        PDL=pdl, FP8_WORDS=_fp8_words(k, head_dim), PACK=pack,
-        PACK_PAD=triton.next_power_of_2(pack), SINKS=sinks is not None,
+        PAGE=kv_cache.shape[2], BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        IEEE=q.dtype == torch.float32, PIPELINE=_pipelined(config),
+        NUM_STAGES=config["num_stages"], F16=_f16_tiles(q, k), PDL=pdl,
+        FP8_WORDS=_fp8_words(k, head_dim), PACK=pack, PACK_PAD=triton.next_power_of_2(pack),
+        SINKS=sinks is not None, **constexprs,
         num_warps=config["num_warps"], num_stages=config["num_stages"], launch_pdl=pdl,
     )
+
+
+# ----------------------------------------------------------------------------------------
+# Triton: a mixed step (decodes and extends in any order, and padding sequences of no query
+# tokens) launched from its token and sequence counts alone, as a CUDA graph replays it.
+# Reference: paged_attention_ref with num_decodes 0 (a one-token extend is a decode).
+
+
+# Programs of the mixed step's prefill kernel beyond one per BLOCK_M tokens: a step of up to
+# this many extends (prompt chunks beside the decodes, verifications) runs each query tile in a
+# program of its own; one of more runs some tiles in turn.
+MIXED_EXTENDS = 16
+
+
+def paged_mixed_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences' new tokens back to back
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, into q; padding: no tokens
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+    k_scale: float = 1.0,  # fp8 cache: the layer's K and V scales
+    v_scale: float = 1.0,
+    decode_cfg: dict | None = None,  # None: decode_config for min(num_seqs, num_tokens)
+    prefill_cfg: dict | None = None,  # None: prefill_config for a num_tokens-token query
+    window: int = 0,  # sliding window (paged_attention_ref); 0: the whole context
+    sinks: torch.Tensor | None = None,  # [num_heads] float32 (paged_attention_ref)
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """paged_attention_ref's contract for any mix of sequences, read from the device tensors
+    only: the launches depend on num_tokens and num_seqs, never on the sequences' lengths, so
+    one CUDA graph replays every step of those counts. Sequences of one query token run in
+    the decode kernel (its row through query_start_loc; the tiles and KV splits of a decode
+    batch of num_seqs), the others in the prefill kernel over a flattened list of query tiles
+    numbered on the device (paged_prefill_varlen_kernel: the same program per tile as
+    paged_prefill_kernel). Rows of tokens that belong to no sequence are left unwritten.
+
+    Why not every sequence through the flattened kernel: a decode there fills a tile of
+    BLOCK_M x PACK rows (at least 16) with its one token's GROUP heads and reads its context
+    without splits, where the decode kernel packs the GROUP heads into one 16-row tile and
+    splits short batches' contexts; a decode's numbers would also differ between a mixed
+    step and a decode step, which take the decode kernel."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page, kvh, _ = kv_cache.shape
+    # Every sequence with query tokens is among the first num_tokens (each before it has one):
+    # the launches cover no more, so a graph of max_num_seqs sequences and fewer tokens does
+    # not launch a program per padding sequence.
+    num_seqs = min(seq_lens.shape[0], num_tokens)
+    seq_lens, block_tables = seq_lens[:num_seqs], block_tables[:num_seqs]
+    query_start_loc = query_start_loc[: num_seqs + 1]
+    out = torch.empty_like(q)
+    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, k_scale=k_scale,
+                           v_scale=v_scale, config=decode_cfg, out=out, window=window,
+                           sinks=sinks, query_start_loc=query_start_loc)
+    if prefill_cfg is None:
+        prefill_cfg = prefill_config(num_tokens, num_heads, kvh, head_dim, page, q.dtype,
+                                     kv_cache.dtype)
+    _check(prefill_cfg, PREFILL_KERNEL)
+    pack = _pack(prefill_cfg, num_heads, kvh)
+    # E extends of T tokens have fewer than T / BLOCK_M + E tiles: one program each as far as
+    # MIXED_EXTENDS extends
+    grid = (triton.cdiv(num_tokens, prefill_cfg["BLOCK_M"]) + min(num_seqs, MIXED_EXTENDS),
+            num_heads // pack)
+    _launch_prefill(prefill_kernels.paged_prefill_varlen_kernel, grid, (num_seqs,),
+                    {"S_PAD": max(2, triton.next_power_of_2(num_seqs))}, q, kv_cache, out,
+                    query_start_loc, seq_lens, block_tables, scale, prefill_cfg, k_scale,
+                    v_scale, window, sinks)
     return out

@@ -1,6 +1,7 @@
 """Triton kernels of the paged attention (ops/attention_ref.py holds their PyTorch references,
 ops/attention.py their launchers): decode (one query token per sequence, GQA-aware, optionally
-split over the context) with its split combine, and prefill/extend. K/V stream in BLOCK_N-token
+split over the context) with its split combine, and the tile helpers they share with the
+prefill/extend kernels (ops/attention_prefill_triton.py). K/V stream in BLOCK_N-token
 tiles through a software-pipelined `tl.range` loop when compiled (PIPELINE), a `while` loop in
 Triton's interpreter."""
 
@@ -137,13 +138,13 @@ if triton is not None:
     @triton.jit
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
-        scale, v_scale, num_heads, num_splits, window, sinks_ptr,
+        scale, v_scale, num_heads, num_splits, window, sinks_ptr, qsl_ptr,
         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
         SPLIT: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
         F16: tl.constexpr, PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0,
-        SINKS: tl.constexpr = False,
+        SINKS: tl.constexpr = False, VARLEN: tl.constexpr = False,
     ):
         # One program per (sequence, kv head, KV split): all GROUP query heads sharing that kv
         # head read each K/V tile once. Online softmax over BLOCK_N-token tiles gathered via the
@@ -153,17 +154,26 @@ if triton is not None:
         # Only the last `window` positions are read (sliding window; a huge window reads all).
         # SINKS (unsplit): the heads' sink logits join the softmax's denominator; split, the
         # combine kernel adds them.
+        # VARLEN (a mixed step): q and out rows are tokens, sequence `seq`'s at qsl[seq], and
+        # only sequences of exactly one query token run here (the prefill kernel takes the
+        # others; padding sequences have none).
         pdl_wait(PDL)
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        if VARLEN:
+            row = tl.load(qsl_ptr + seq)
+            if tl.load(qsl_ptr + seq + 1) - row != 1:
+                return
+        else:
+            row = seq
         seq_len = tl.load(seq_lens_ptr + seq)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D_PAD)
         gmask = g < GROUP
         dmask = d < HEAD_DIM
         heads = kvh * GROUP + g
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
         q = _query_dtype(q, F16)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -203,7 +213,7 @@ if triton is not None:
             if SINKS:
                 acc, l_sum = _add_sinks(sinks_ptr, heads, gmask, m, l_sum, acc)
             out = acc / l_sum[:, None]
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
@@ -213,21 +223,28 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PDL: tl.constexpr, num_seqs=1, words_ptr=None, floats_ptr=None,
         INT8_OUT: tl.constexpr = False, INT8_MAX: tl.constexpr = 127.0, sinks_ptr=None,
-        SINKS: tl.constexpr = False,
+        SINKS: tl.constexpr = False, qsl_ptr=None, VARLEN: tl.constexpr = False,
     ):
         # One program per (sequence, head): _combine_splits_ref in one launch. INT8_OUT
         # (HEAD_DIM == D_PAD, a multiple of 32): the head's values as stored are also rounded
         # to int8 words, chunks head * HEAD_DIM / 32 .. of the sequence's [heads * HEAD_DIM]
-        # row (ops/gemv_int_a8_triton.round_row_to_words).
+        # row (ops/gemv_int_a8_triton.round_row_to_words). VARLEN: as paged_decode_kernel's
+        # (out rows are tokens; sequences without exactly one query token are skipped).
         pdl_wait(PDL)
         row = tl.program_id(0)
+        seq, head = row // num_heads, row % num_heads
+        if VARLEN:
+            out_row = tl.load(qsl_ptr + seq)
+            if tl.load(qsl_ptr + seq + 1) - out_row != 1:
+                return
+        else:
+            out_row = seq
         s = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
         smask = s < NUM_SPLITS
         base = row * NUM_SPLITS + s
         m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
         l_sum = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
-        seq, head = row // num_heads, row % num_heads
         top = tl.max(m, 0)
         if SINKS:  # one more split: max the sink, sum 1, nothing accumulated
             sink = tl.load(sinks_ptr + head).to(tl.float32)
@@ -239,141 +256,9 @@ if triton is not None:
         if SINKS:
             den += tl.exp(sink - top)
         out = tl.sum(acc * w[:, None], 0) / den
-        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
+        tl.store(out_ptr + out_row * stride_ob + head * stride_oh + d,
                  out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
         if INT8_OUT:
             round_row_to_words(out.to(out_ptr.dtype.element_ty).to(tl.float32), words_ptr,
                                floats_ptr, seq, num_seqs, num_heads * (HEAD_DIM // 32),
                                head * (HEAD_DIM // 32), HEAD_DIM // 32, INT8_MAX)
-
-    @triton.jit
-    def _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE: tl.constexpr,
-                          MASKED: tl.constexpr):
-        # _attend_tile in base 2 (`qk_scale` includes log2(e); m is in log2 units) for the
-        # prefill loop. Unmasked tiles (MASKED False: every query sees every key of the tile)
-        # skip the mask and the guard for rows that have seen nothing.
-        if IEEE:  # fp32: exact, not the tensor cores' tf32
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-        if MASKED:
-            s = tl.where(see, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        if MASKED:
-            # rows that see nothing yet keep m = -inf; shift by 0 there to avoid inf - inf
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            shift = m_new
-        p = tl.math.exp2(s - shift[:, None])
-        alpha = tl.math.exp2(m - shift)
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_sum, acc
-
-    @triton.jit
-    def _prefill_tile(q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start, end,
-                      offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt, stride_kb,
-                      stride_ks, stride_kh, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                      IEEE: tl.constexpr, FP8_WORDS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      D_PAD: tl.constexpr, MASKED: tl.constexpr):
-        # The prefill loop body: context positions [start, start + BLOCK_N) on pages `blk`.
-        # Returns the new (m, l_sum, acc) and the next tile's page ids.
-        pos = start + offs
-        valid = pos < end
-        blk_next = _page_ids(block_tables_ptr, seq, pos + BLOCK_N, end, stride_bt, PAGE)
-        k, v = _load_kv_tile(k_ptr, v_ptr, blk, kvh, pos, valid, d, dmask, stride_kb, stride_ks,
-                             stride_kh, PAGE, q.dtype, FP8_WORDS, HEAD_DIM, D_PAD)
-        # causal and within the window, [M, N]
-        see = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & (
-            q_pos[:, None] - pos[None, :] < window)
-        m, l_sum, acc = _attend_tile_exp2(q, k, v, see, m, l_sum, acc, qk_scale, IEEE, MASKED)
-        return m, l_sum, acc, blk_next
-
-    @triton.jit
-    def paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale, v_scale,
-        window, sinks_ptr,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr, F16: tl.constexpr,
-        PDL: tl.constexpr, FP8_WORDS: tl.constexpr = 0, PACK: tl.constexpr = 1,
-        PACK_PAD: tl.constexpr = 1, SINKS: tl.constexpr = False,
-    ):
-        # One program per (sequence, PACK query heads of one kv head, tile of BLOCK_M query
-        # tokens): the PACK heads' queries are the rows of one [BLOCK_M * PACK_PAD, D] tile
-        # (token-major), so each K/V tile is read once for all of them. Query j of a sequence
-        # sits at absolute position seq_len - q_len + j and sees keys up to it, and none
-        # `window` or more positions before it (a huge window: all). SINKS: each head's sink
-        # logit joins the softmax's denominator.
-        # Tiles run last first: the last tiles of a causal prefill see the most keys, so the
-        # long programs start first and the short ones fill the tail.
-        # `scale` includes the fp8 k_scale; v_scale multiplies the accumulated output.
-        pdl_wait(PDL)
-        seq = tl.program_id(0)
-        head0 = tl.program_id(1) * PACK
-        tile = tl.num_programs(2) - 1 - tl.program_id(2)
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        seq_len = tl.load(seq_lens_ptr + seq)
-        kvh = head0 // GROUP
-        r = tl.arange(0, BLOCK_M * PACK_PAD)
-        tok = tile * BLOCK_M + r // PACK_PAD  # [R] query token within the sequence's new ones
-        head = head0 + r % PACK_PAD
-        row_ok = (tok < q_len) & (r % PACK_PAD < PACK)
-        q_pos = seq_len - q_len + tok  # [R]
-        d = tl.arange(0, D_PAD)
-        dmask = d < HEAD_DIM
-        q_off = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)  # [R, D]
-        q = _query_dtype(q, F16)
-        m = tl.full([BLOCK_M * PACK_PAD], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_M * PACK_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_M * PACK_PAD, D_PAD], tl.float32)
-        offs = tl.arange(0, BLOCK_N)
-        # keys this tile can see: up to its last query's position (tiles past q_len see none),
-        # from the first its first query's window reaches
-        active = tile * BLOCK_M < q_len
-        first_q = seq_len - q_len + tile * BLOCK_M
-        end = tl.where(active, tl.minimum(seq_len, first_q + BLOCK_M), 0)
-        lo = tl.where(active, tl.maximum(first_q - window + 1, 0), 0)
-        # Keys every query of the tile sees (before its first query, within its last one's
-        # window) run without the mask: tiles [mid, full_end) of the BLOCK_N grid from lo; the
-        # others (the window's edge, the diagonal) with it. Without a window, lo = mid = 0.
-        mid = lo + tl.cdiv(tl.maximum(end - window - lo, 0), BLOCK_N) * BLOCK_N
-        full_end = mid + tl.maximum(first_q - mid, 0) // BLOCK_N * BLOCK_N
-        full_end = tl.where(active, full_end, mid)
-        qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below
-        blk = _page_ids(block_tables_ptr, seq, lo + offs, end, stride_bt, PAGE)
-        for span in tl.static_range(3):  # masked, unmasked, masked
-            if span == 0:
-                span_lo, span_hi = lo, mid
-            elif span == 1:
-                span_lo, span_hi = mid, full_end
-            else:
-                span_lo, span_hi = full_end, end
-            if PIPELINE:
-                for start in tl.range(span_lo, span_hi, BLOCK_N, num_stages=NUM_STAGES):
-                    m, l_sum, acc, blk = _prefill_tile(
-                        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start,
-                        end, offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt,
-                        stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS,
-                        HEAD_DIM, D_PAD, span != 1)
-            else:
-                start = span_lo
-                while start < span_hi:
-                    m, l_sum, acc, blk = _prefill_tile(
-                        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq, kvh, q, q_pos, blk, start,
-                        end, offs, d, dmask, m, l_sum, acc, qk_scale, window, stride_bt,
-                        stride_kb, stride_ks, stride_kh, PAGE, BLOCK_N, IEEE, FP8_WORDS,
-                        HEAD_DIM, D_PAD, span != 1)
-                    start += BLOCK_N
-        if SINKS:  # m is in log2 units here
-            acc, l_sum = _add_sinks(sinks_ptr, head, row_ok, m, l_sum, acc, True)
-        out = acc * v_scale / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        o_off = (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & dmask[None, :])

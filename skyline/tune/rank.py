@@ -21,7 +21,8 @@ FAMILIES: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
                                     "gemv_int4_a8_kernel", "quantize_x_words_kernel")),
     "moe": ("matmul", None, ("grouped_matmul_kernel",)),
     "attention": ("attention", "attention", ("paged_decode_kernel", "combine_splits_kernel",
-                                      "paged_prefill_kernel", "scaled_dot_product",
+                                      "paged_prefill_kernel", "paged_prefill_varlen_kernel",
+                                      "scaled_dot_product",
                                       "flash_attention", "aten::bmm", "aten::baddbmm",
                                       "aten::_softmax", "aten::_safe_softmax")),
     # cuBLAS / CUTLASS on a GPU; oneDNN and the int4 kernel on a CPU (the CPU plan's choice)

@@ -44,6 +44,7 @@ from skyline.worker.connector.base import merge_info
 from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
 from skyline.worker.runner import ModelRunner
 from skyline.worker.spec.train import Sample, train_and_save
+from skyline.worker.step_probe import mixed_step_seconds
 
 ActSq = dict[str, torch.Tensor]
 
@@ -64,6 +65,8 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         "memory_in_use_gib": r.memory_in_use_bytes / 2**30,
         "profile_peak_gib": r.profile_peak_bytes / 2**30,
         "num_cuda_graphs": len(r.graphs.graphs) if r.graphs is not None else 0,
+        # of those, the mixed steps' (a prefill chunk beside the decodes)
+        "num_mixed_cuda_graphs": r.graphs.num_mixed if r.graphs is not None else 0,
         "cuda_graph_capture_seconds": getattr(r, "graph_capture_seconds", None),
         "pdl": use_pdl(r.device),  # programmatic dependent launch (SKYLINE_PDL)
         # start-up by phase (seconds, in order: they add up to the runner's start), each
@@ -313,6 +316,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "cpu_step_seconds": cpu_step_seconds,
     "unfuse": unfuse,
     "kv_connector_info": kv_connector_info,
+    "mixed_step_seconds": mixed_step_seconds,
 }
 # The tools' queries: their algorithms take the whole model in one process.
 ONE_RANK = frozenset({"collect_act_sq", "quantize", "save_quantized", "search_formats",

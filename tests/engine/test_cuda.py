@@ -88,6 +88,8 @@ def test_cuda_async_scheduling_matches_sync(tiny_dir):
 def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     """Verification steps (each request's last token and its drafts) replay the extend graphs;
     greedy tokens equal plain eager decoding (fp32) and every KV block comes back."""
+    from skyline.worker.cuda_graph import GraphShape
+
     rng = random.Random(3)
     base = [[rng.randrange(2, 319) for _ in range(rng.randint(3, 8))] for _ in range(11)]
     prompts = [b * 4 for b in base]  # repeated spans: prompt lookup has drafts to propose
@@ -99,7 +101,7 @@ def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     llm = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
               speculative_method=method, speculative_gate=False, **extra)
     graphs = llm.engine.executor.runner.graphs
-    assert graphs is not None and (1, 6) in graphs.graphs
+    assert graphs is not None and GraphShape(1, 6, 6) in graphs.graphs
     used = []
     replay = graphs.run
 
@@ -110,10 +112,52 @@ def test_cuda_graphs_for_verification_steps(tiny_dir, method, monkeypatch):
     monkeypatch.setattr(graphs, "run", run)
     spec = llm.generate(prompts, params)
     # padded steps: fewer sequences or tokens than the graph's shape
-    assert any(q > 1 for (_, q), _, _ in used)
-    assert any(bs * q > t and q > 1 for (bs, q), _, t in used)
+    assert any(s.query_len > 1 for s, _, _ in used)
+    assert any(s.num_tokens > t and s.query_len > 1 for s, _, t in used)
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
                for a, b in zip(plain, spec, strict=True))
     assert same >= len(prompts) - 1
     assert llm.engine.scheduler.kv_manager.block_pool.num_free_blocks == \
         llm.engine.executor.num_blocks
+
+
+def test_cuda_mixed_step_graphs_match_eager(tiny_dir, monkeypatch):
+    """Requests arriving while others decode: most steps mix a prompt chunk with the decodes
+    and replay a mixed-step graph; greedy tokens equal the eager engine's (fp32)."""
+    from skyline.worker.cuda_graph import CudaGraphRunner
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 319) for _ in range(rng.randint(5, 90))] for _ in range(14)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    replayed = []  # the shapes the graphs replay
+    real_run = CudaGraphRunner.run
+
+    def run_and_record(self, inp, shape):
+        replayed.append(shape)
+        return real_run(self, inp, shape)
+
+    monkeypatch.setattr(CudaGraphRunner, "run", run_and_record)
+
+    def run(**kw):
+        llm = LLM(tiny_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                  max_num_batched_tokens=64, **kw)
+        done, pending = {}, list(enumerate(prompts))
+        while pending or llm.engine.has_unfinished():
+            for _ in range(2):  # two arrivals every three steps
+                if pending:
+                    i, p = pending.pop(0)
+                    llm.add_request(p, params, request_id=str(i))
+            for _ in range(3):
+                for o in llm.step():
+                    if o.finished:
+                        done[o.request_id] = o.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(prompts))], llm
+
+    eager, _ = run(enforce_eager=True)
+    assert not replayed
+    graphs, llm = run()
+    assert llm.engine.executor.runner.graphs.num_mixed > 0
+    assert sum(s.mixed for s in replayed) >= 10
+    same = sum(a == b for a, b in zip(eager, graphs, strict=True))
+    assert same >= len(prompts) - 1

@@ -153,6 +153,7 @@ class Attention(nn.Module):
                 window=self.sliding_window,
                 sinks=self.sinks,
                 cpu_gather=meta.cpu_gather,
+                mixed=meta.mixed,
             )
             if isinstance(out, Int8Chunks):
                 return out

@@ -15,11 +15,17 @@ import torch
 from skyline.config import EngineConfig
 from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
-from skyline.ops.triton_utils import count_compiles
+from skyline.ops.triton_utils import count_compiles, triton
 from skyline.parallel.groups import ParallelLayout
 from skyline.types.startup import StartupPhases
 from skyline.worker.connector import make_connector
-from skyline.worker.cuda_graph import MAX_GRAPH_BATCH, CudaGraphRunner, auto_max_num_seqs
+from skyline.worker.cuda_graph import (
+    MAX_GRAPH_BATCH,
+    CudaGraphRunner,
+    auto_max_num_seqs,
+    bucket_sizes,
+    mixed_sizes,
+)
 from skyline.worker.inputs import RequestState
 from skyline.worker.kv_cache import (
     allocate_kv_cache,
@@ -150,20 +156,23 @@ class RunnerStartup:
             t0 = time.perf_counter()
             # verification steps: each request's last token and up to k drafts
             max_q = 1 + config.spec.num_speculative_tokens if self.proposer is not None else 1
+            max_batch = min(self.max_num_seqs, MAX_GRAPH_BATCH)
+            # mixed steps need the Triton attention (the references read the host lists)
+            mixed = mixed_sizes(max(bucket_sizes(max_batch)), sc.max_num_batched_tokens) \
+                if triton is not None else []
             self.graphs = CudaGraphRunner(
-                self.model, min(self.max_num_seqs, MAX_GRAPH_BATCH),
-                -(-sc.max_model_len // self.block_size),
+                self.model, max_batch, -(-sc.max_model_len // self.block_size),
                 self.block_size, self.num_blocks, self.device, max_q,
-                None if self.layout.first else (self.arch.hidden_size, self.dtype))
+                None if self.layout.first else (self.arch.hidden_size, self.dtype), mixed)
             self.graphs.capture(self.triton_compiles)
             self.graph_capture_seconds = time.perf_counter() - t0
             self.startup.add("cuda_graphs", self.graph_capture_seconds)
             times = self.graphs.capture_times
-            log.info("captured %d CUDA graphs in %.1f s (warm-up %.1f s, of which %d Triton "
-                     "compilations %.1f s; capture %.1f s)", len(self.graphs.graphs),
-                     self.graph_capture_seconds, sum(g.warmup_s for g in times),
-                     sum(g.triton_compiles for g in times), sum(g.triton_s for g in times),
-                     sum(g.capture_s for g in times))
+            log.info("captured %d CUDA graphs (%d of mixed steps) in %.1f s (warm-up %.1f s, of "
+                     "which %d Triton compilations %.1f s; capture %.1f s)",
+                     len(self.graphs.graphs), self.graphs.num_mixed, self.graph_capture_seconds,
+                     sum(g.warmup_s for g in times), sum(g.triton_compiles for g in times),
+                     sum(g.triton_s for g in times), sum(g.capture_s for g in times))
         # Unseeded draws start from the seed whatever start-up drew (the same stream on every
         # layout of one kind of device).
         torch.manual_seed(config.model.seed)
