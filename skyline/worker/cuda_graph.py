@@ -65,6 +65,7 @@ class GraphTime(NamedTuple):
     capture_s: float
     triton_compiles: int = 0
     triton_s: float = 0.0
+    num_tokens: int = 0  # the shape's padded tokens (a mixed graph's differ from seqs x query)
 
 # Mixed graphs cover steps of at most this many tokens. An eager forward of Llama-3.1-8B costs
 # the host ~20 ms (served mixed steps of ~400 tokens took 23-28 ms where offline's graph-replayed
@@ -227,7 +228,7 @@ class CudaGraphRunner:
             self.graphs[shape] = (graph, out)
             torch.cuda.synchronize()
             self.capture_times.append(GraphTime(bs, q, t1 - t0, time.perf_counter() - t1,
-                                                compiles.num - n0, compiles.seconds - s0))
+                                                compiles.num - n0, compiles.seconds - s0, t))
         self.seq_lens.fill_(1)
 
     def shape_for(self, inp: StepInputs) -> GraphShape | None:

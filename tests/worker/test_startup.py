@@ -120,5 +120,6 @@ def test_capture_warms_each_shape_up_once(monkeypatch):
     captures = [n for n, capturing in model.calls if capturing]
     assert len(captures) == len(shapes)
     assert len(warmups) == cuda_graph.NUM_WARMUPS * len(shapes) == len(shapes)
-    assert [(g.num_seqs, g.query_len) for g in runner.capture_times] == list(runner.graphs)
+    assert [(g.num_seqs, g.num_tokens, g.query_len) for g in runner.capture_times] == [
+        tuple(s) for s in runner.graphs]
     assert all(g.warmup_s >= 0 and g.capture_s >= 0 for g in runner.capture_times)
