@@ -41,6 +41,7 @@ from skyline.quant.checkpoint import quantize_loaded
 from skyline.quant.intq import round_linear_inputs_int8
 from skyline.quant.method import iter_linears
 from skyline.worker.connector.base import merge_info
+from skyline.worker.cuda_graph import GraphShape
 from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
 from skyline.worker.runner import ModelRunner
 from skyline.worker.spec.train import Sample, train_and_save
@@ -252,7 +253,7 @@ def unfuse(r: ModelRunner, names: list[str], graph_batches: list[int] | None = N
     t0 = time.perf_counter()
     r.graphs.graphs.clear()  # the old graphs and their memory pool go first
     if graph_batches is not None:
-        r.graphs.shapes = [(bs, 1) for bs in sorted(set(graph_batches))]
+        r.graphs.shapes = [GraphShape(bs, bs, 1) for bs in sorted(set(graph_batches))]
     torch.cuda.empty_cache()
     r.graphs.capture()
     return time.perf_counter() - t0
