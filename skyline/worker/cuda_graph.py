@@ -203,6 +203,13 @@ class CudaGraphRunner:
         """Capture every shape; `compiles`: the start-up's running count of Triton
         compilations, split here by shape."""
         compiles = compiles or CompileCount()
+        # A capture after steps have run (the unfuse query captures again) finds the last
+        # step's slots and block tables in the buffers: each warm-up is an eager forward that
+        # would write its K/V into those slots (blocks the prefix cache may serve again) and
+        # read those blocks. Every slot and block goes back to the scratch block first.
+        self.slot_mapping.fill_(self.scratch_slot)
+        self.block_tables.fill_(self.scratch_block)
+        self.capture_times = []
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from skyline.engine.frontend.llm import LLM
+from skyline.model.forward_ctx import get_forward_context
 from skyline.ops import triton_utils
 from skyline.types.startup import StartupPhases, expand, format_phases, process_seconds
 from skyline.worker import cuda_graph
@@ -123,3 +124,45 @@ def test_capture_warms_each_shape_up_once(monkeypatch):
     assert [(g.num_seqs, g.num_tokens, g.query_len) for g in runner.capture_times] == [
         tuple(s) for s in runner.graphs]
     assert all(g.warmup_s >= 0 and g.capture_s >= 0 for g in runner.capture_times)
+
+
+class _SlotRecordingModel(_CountingModel):
+    """Also records the slots and block ids each forward's attention would write and read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slots: set[int] = set()
+        self.blocks: set[int] = set()
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context()
+        self.slots |= set(meta.slot_mapping.tolist())
+        self.blocks |= set(meta.block_tables.flatten().tolist())
+        return super().__call__(ids, positions)
+
+
+def test_a_second_capture_touches_only_the_scratch_block(monkeypatch):
+    # The unfuse query captures again after steps ran: the buffers still hold the last step's
+    # slots and blocks, and a warm-up forward must neither write K/V there nor read there.
+    model = _SlotRecordingModel()
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "Stream", _Stream)
+    monkeypatch.setattr(cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+    scratch = 7
+    runner = CudaGraphRunner(model, 8, 4, 16, scratch, torch.device("cpu"),  # type: ignore[arg-type]
+                             mixed_tokens=[32])
+    runner.capture()
+    num_shapes = len(runner.capture_times)
+    runner.slot_mapping[:20] = torch.arange(20)  # a step's slots and blocks, as run() leaves
+    runner.block_tables[:3, :2] = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    model.slots.clear()
+    model.blocks.clear()
+    runner.graphs.clear()
+    runner.capture()
+    assert model.blocks == {scratch}
+    assert model.slots == set(range(scratch * 16, scratch * 16 + 1))
+    assert len(runner.capture_times) == num_shapes == len(runner.graphs)  # this capture's only
