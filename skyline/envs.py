@@ -1,9 +1,10 @@
 """Every environment variable skyline reads, typed, read once.
 
 `ENV` is read when this module is first imported and never changes afterwards (except in a
-benchmark's engine: the query "unfuse" of worker/queries.py swaps `unfuse` between runs); code
-reads `envs.ENV.<name>`, never `os.environ`. Tests that need another value replace `envs.ENV`
-(`monkeypatch.setattr(envs, "ENV", envs.Env.read())` after setting the variable).
+benchmark's engine: the query "unfuse" of worker/queries.py swaps `unfuse` between runs, and
+the runner's shutdown puts it back); code reads `envs.ENV.<name>`, never `os.environ`. Tests
+that need another value replace `envs.ENV` (`monkeypatch.setattr(envs, "ENV",
+envs.Env.read())` after setting the variable).
 """
 
 from __future__ import annotations

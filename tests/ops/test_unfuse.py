@@ -55,6 +55,21 @@ def test_the_engine_query_switches_the_process(monkeypatch):
         queries.unfuse(SimpleNamespace(graphs=None), ["fused"])
 
 
+def test_an_engine_gives_the_setting_back_at_shutdown(monkeypatch, tiny_llama):
+    # The query swaps a process-wide setting: the next engine of the same process must not
+    # start with the last one's measurement still unfused.
+    from skyline.engine.frontend.llm import LLM
+
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, unfuse=frozenset({"pdl"})))
+    llm = LLM(tiny_llama(), device="cpu", kv_cache_memory="8MiB", max_model_len=128)
+    try:
+        llm.query("unfuse", ["silu", "norm"])
+        assert envs.ENV.unfuse == {"silu", "norm"}
+    finally:
+        llm.shutdown()
+    assert envs.ENV.unfuse == {"pdl"}  # as it was when the engine started
+
+
 def test_act_quant_leaves_quantizing_to_the_linear(monkeypatch):
     layer = Linear(32, 8)
     layer.linear_method = SimpleNamespace(input_quant=lambda lin, x: "int8")

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
@@ -51,6 +52,10 @@ class RunnerStartup:
         # Seconds of each phase below (describe's "startup"), and the Triton compilations
         # (or loads from Triton's disk cache) they ran.
         self.startup = StartupPhases()
+        # The fusions unfused when this runner started: the unfuse query (worker/queries.py)
+        # swaps the process-wide setting, and shutdown puts it back, so that the next engine
+        # of the same process (LLM, a benchmark's) does not inherit a measurement's setting.
+        self.unfuse_at_start = envs.ENV.unfuse
         with count_compiles() as self.triton_compiles:
             self._start(config, layout)
 
@@ -230,6 +235,8 @@ class RunnerStartup:
             self.connector.shutdown()
         self._in_flight = None
         self.graphs = None
+        if envs.ENV.unfuse != self.unfuse_at_start:
+            envs.ENV = dataclasses.replace(envs.ENV, unfuse=self.unfuse_at_start)
         if self.model is not None:
             for layer in attention_layers(self.model):
                 layer.kv_cache = None
