@@ -115,13 +115,18 @@ def serve(engine_args: Any, host: str = "127.0.0.1", port: int = 8000,
                        chat_template=chat_template)
     except BaseException:
         sock.close()
+        # No import left running in a daemon thread while the interpreter exits with the
+        # error: a thread stopped there mid-import can abort the exit (a warning it writes
+        # finds stderr's lock held at shutdown) instead of the one sentence the CLI prints.
+        importer.join()
         raise
     if before is not None:
         llm.startup.seconds = {"api_imports": before, **llm.startup.seconds}
-    importer.join()
-    from skyline.server.app import banner, run_app
-
     try:
+        # within the try: an API module that fails to import must not leave the engine up
+        importer.join()
+        from skyline.server.app import banner, run_app
+
         def announce(fmt: str | None) -> None:
             print(banner(llm.info, host, sock.getsockname()[1], fmt), flush=True)
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+
+import pytest
 
 from skyline.server import launch
 
@@ -24,6 +28,7 @@ class Engine:
     def __init__(self, *args, **kwargs):
         print(sorted(m for m in ("fastapi", "uvicorn", "skyline.server.app") if m in sys.modules))
         print([t.name for t in threading.enumerate() if t.name == "skyline-import-api"])
+        release.set()  # serve's error path waits for the imports
         raise Started
 
 launch.AsyncLLM = Engine
@@ -50,3 +55,41 @@ def test_api_modules_import_in_the_background(monkeypatch):
     launch._import_api()
     assert imported == list(launch.API_MODULES)
     assert "skyline.server.app" in launch.API_MODULES
+
+
+def test_a_failed_start_leaves_no_import_running(monkeypatch):
+    # The engine fails while the API's modules still import: serve raises only once the
+    # importing thread is done (none left mid-import while the interpreter exits).
+    def slow_import() -> None:
+        time.sleep(0.3)
+
+    class Failing:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("engine failed")
+
+    monkeypatch.setattr(launch, "_import_api", slow_import)
+    monkeypatch.setattr(launch, "AsyncLLM", Failing)
+    with pytest.raises(RuntimeError, match="engine failed"):
+        launch.serve(None, port=0)
+    assert not [t for t in threading.enumerate() if t.name == "skyline-import-api"]
+
+
+def test_an_api_import_failure_stops_the_engine(monkeypatch):
+    stopped: list[bool] = []
+
+    class Engine:
+        startup = None
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def shutdown(self) -> None:
+            stopped.append(True)
+
+    monkeypatch.setattr(launch, "_import_api", lambda: None)
+    monkeypatch.setattr(launch, "AsyncLLM", Engine)
+    monkeypatch.setattr(launch, "process_seconds", lambda: None)
+    monkeypatch.setitem(sys.modules, "skyline.server.app", None)  # its import fails
+    with pytest.raises(ImportError):
+        launch.serve(None, port=0)
+    assert stopped == [True]
