@@ -197,3 +197,27 @@ def test_an_engine_unfused_generates_the_same_tokens(monkeypatch):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
     finally:
         llm.shutdown()
+
+
+@CUDA
+@pytest.mark.cuda
+def test_capturing_again_keeps_cached_prefixes(monkeypatch):
+    # The query captures every graph again after steps ran: a cached prompt's K/V must come
+    # through it (each shape's warm-up forward once wrote into the last steps' slots, the
+    # prompt's among them: its prefill ran in a mixed graph).
+    from skyline.bench.smoke import tiny_model
+    from skyline.engine.frontend.llm import LLM
+    from skyline.types import SamplingParams
+
+    monkeypatch.setattr(envs, "ENV", envs.ENV)  # restored afterwards
+    llm = LLM(tiny_model(), load_format="dummy", max_model_len=256, max_num_seqs=4)
+    prompt = [[(7 * i) % 200 + 3 for i in range(100)]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        first = llm.generate(prompt, params)[0]
+        llm.query("unfuse", [])  # nothing unfused: the same kernels, captured again
+        again = llm.generate(prompt, params)[0]
+        assert again.num_cached_tokens > 0  # the prompt's blocks came from the prefix cache
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        llm.shutdown()
