@@ -79,8 +79,9 @@ if triton is not None:
         ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
         for r in tl.static_range(TOP_K):  # best first, as torch.topk orders them
             best = tl.max(score, axis=0)
-            # the lowest index holding the maximum
-            pick = tl.min(tl.where(score == best, e, BLOCK_E), axis=0)
+            # the lowest index holding the maximum; a row of NaN (a padding token's garbage
+            # in a CUDA graph's step) holds none: an expert that exists, never BLOCK_E
+            pick = tl.minimum(tl.min(tl.where(score == best, e, BLOCK_E), axis=0), E - 1)
             top = tl.where(j == r, best, top)
             ids = tl.where(j == r, pick, ids)
             score = tl.where(e == pick, float("-inf"), score)

@@ -52,3 +52,18 @@ def test_model_shapes_cuda(scoring):
     for t in (1, 8, 300):
         check(t, 128, 8, scoring, torch.bfloat16, "cuda")
         check(t, 32, 4, scoring, torch.bfloat16, "cuda")
+
+
+@needs_triton
+@pytest.mark.parametrize("scoring", ["softmax", "topk_softmax"])
+def test_a_non_finite_row_still_routes_to_experts_that_exist(scoring):
+    # A padding token of a CUDA graph's step (its attention rows are left unwritten) may
+    # carry NaN or inf: its expert ids must stay within the experts (an id past them would
+    # index past the MoE kernels' buffers); the other rows route as ever.
+    logits = torch.randn(4, 6)
+    logits[1, 2] = float("nan")
+    logits[2] = float("inf")
+    logits[3] = float("nan")
+    _, ids = route_triton(logits.to(DEV), 2, scoring)
+    assert ((ids >= 0) & (ids < 6)).all()
+    assert torch.equal(ids[0].cpu(), route_ref(logits[:1], 2, scoring)[1][0])
