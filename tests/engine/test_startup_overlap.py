@@ -10,7 +10,7 @@ import pytest
 
 from skyline.bench.smoke import tiny_model
 from skyline.engine.args import EngineArgs
-from skyline.engine.frontend import async_llm
+from skyline.engine.frontend import early_tokenizer
 from skyline.engine.frontend.async_llm import AsyncLLM
 
 
@@ -33,14 +33,14 @@ def loads(monkeypatch):
     """The tokenizer loads (their paths), and an event set at the first."""
     seen: list[str] = []
     started = threading.Event()
-    load = async_llm.load_tokenizer
+    load = early_tokenizer.load_tokenizer
 
     def counted(path: str, *args: Any) -> Any:
         seen.append(path)
         started.set()
         return load(path, *args)
 
-    monkeypatch.setattr(async_llm, "load_tokenizer", counted)
+    monkeypatch.setattr(early_tokenizer, "load_tokenizer", counted)
     return seen, started
 
 
