@@ -2,7 +2,8 @@
 chunk) timed eagerly, replayed from a CUDA graph of exactly its tokens, and replayed from the
 engine's own graphs (the padded mixed shape the engine would pick), on the runner's model and
 KV cache (bench/mixed_step.py). The engine must be idle: the probe writes K/V into blocks no
-request holds only while none runs."""
+request holds only while none runs, and it overwrites blocks the prefix cache may still offer,
+so an engine probed serves no more requests (a benchmark's engine, shut down after)."""
 
 from __future__ import annotations
 
