@@ -115,3 +115,25 @@ def test_rope_builds_under_another_default_device(name):
     with torch.device("meta"):
         rope = RotaryEmbedding(64, max_pos, theta, scaling)
     assert rope.cos_sin_cache.device.type == "meta"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_without_a_cache_runs_a_fused_kernel_on_cuda():
+    """The no-cache causal attention (the start-up profile's, 8,192 tokens) equals the CPU's
+    math kernel and holds no [H, T, T] score matrix: its peak is what the KV budget loses."""
+    from skyline.model.layers.attention import Attention
+
+    layer = Attention(8, 64, 0.125, 2)
+    g = torch.Generator().manual_seed(0)
+    t = 2048
+    q, k, v = (torch.randn(t, h, 64, generator=g) for h in (8, 2, 2))
+    want = layer._causal(q, k, v)
+    dev = [x.cuda().bfloat16() for x in (q, k, v)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = layer._causal(*dev)
+    peak = torch.cuda.max_memory_allocated() - base
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+    assert peak < 8 * t * t * 2 // 4  # a quarter of the bf16 scores: none held whole
