@@ -100,8 +100,15 @@ def default_config(kernel: str, num_tokens: int, k: int, fmt: str) -> dict[str, 
 @functools.cache
 def _config(kernel: str, n: int, k: int, fmt: str, dtype: torch.dtype, t: int
             ) -> dict[str, Any]:
-    key = f"n{n}:k{k}:{fmt}:{dtype_name(dtype)}:t{t}"
-    return get_config(kernel, key, default_config(kernel, t, k, fmt))
+    """The table's entry for `t` tokens, else for the nearest fewer tokens tuned (a program's
+    work, one pair's or one token's rows, is the same at any token count: only the number of
+    programs grows), else the default."""
+    default = default_config(kernel, t, k, fmt)
+    for tt in (t >> i for i in range(t.bit_length())):
+        found = get_config(kernel, f"n{n}:k{k}:{fmt}:{dtype_name(dtype)}:t{tt}", {})
+        if found:
+            return {**default, **found}
+    return default
 
 
 def moe_gemv_config(kernel: str, num_tokens: int, w: ExpertWeights, dtype: torch.dtype

@@ -5,6 +5,8 @@ interpreter on the CPU (tiny shapes: the interpreter runs each program in Python
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_fused_moe import DEV, experts, on, routing
@@ -125,3 +127,22 @@ def test_cuda_graph_capture():
     graph.replay()
     want = fused_moe_ref(x.cpu(), on(w13, "cpu"), on(w2, "cpu"), new_w, new_ids)
     assert (out.cpu() - want).norm() / want.norm() < 1e-4
+
+
+def test_a_token_count_without_an_entry_takes_the_nearest_fewer_tuned(monkeypatch):
+    """A program's work is the same at any token count: t8 without an entry takes t4's, else
+    t1's; a shape with none keeps the default."""
+    stored = {"n64:k32:mxfp4:bf16:t1": {"BLOCK_N": 8}, "n64:k32:mxfp4:bf16:t4": {"BLOCK_N": 32}}
+    monkeypatch.setattr(moe_gemv, "get_config",
+                        lambda kernel, key, default: {**default, **stored.get(key, {})})
+    moe_gemv._config.cache_clear()
+    try:
+        up = functools.partial(moe_gemv._config, "moe_gemv_up", 64, 32, "mxfp4", torch.bfloat16)
+        assert up(1)["BLOCK_N"] == 8 and up(2)["BLOCK_N"] == 8
+        assert up(4)["BLOCK_N"] == 32 and up(8)["BLOCK_N"] == 32
+        assert up(8)["num_warps"] == moe_gemv.default_config("moe_gemv_up", 8, 32,
+                                                              "mxfp4")["num_warps"]
+        other = moe_gemv._config("moe_gemv_up", 128, 32, "mxfp4", torch.bfloat16, 8)
+        assert other == moe_gemv.default_config("moe_gemv_up", 8, 32, "mxfp4")
+    finally:
+        moe_gemv._config.cache_clear()
