@@ -73,6 +73,12 @@ class Env:
     # SKYLINE_GGUF_CPU_PLANES: on a CPU in bfloat16, GGUF blocks of at most this many bits
     # above 4 run the int4 kernel as two planes (quant/gguf.py); 1 keeps them dense.
     gguf_cpu_planes: int
+    # SKYLINE_CPU_INTDOT=0: the CPU plan never builds nor runs the integer dot-product kernel
+    # (ops/cpu_intdot.py); torch's kernels serve every product.
+    cpu_intdot: bool
+    # SKYLINE_CPU_INTDOT_MARCH: the -march that kernel is built for (default "native"; tests
+    # build "haswell" and "x86-64" to check its AVX2 and scalar paths).
+    cpu_intdot_march: str
     # SKYLINE_API_KEY: the server's API key when --api-key is not given.
     api_key: str | None
     # OPENAI_API_KEY: the key `skyline bench serve` sends when --api-key is not given.
@@ -93,6 +99,8 @@ class Env:
             pdl=_flag("SKYLINE_PDL", True),
             cpu_serial_tokens=_int("SKYLINE_CPU_SERIAL_TOKENS", 4),
             gguf_cpu_planes=_int("SKYLINE_GGUF_CPU_PLANES", 2),
+            cpu_intdot=_flag("SKYLINE_CPU_INTDOT", True),
+            cpu_intdot_march=os.environ.get("SKYLINE_CPU_INTDOT_MARCH") or "native",
             api_key=os.environ.get("SKYLINE_API_KEY") or None,
             openai_api_key=os.environ.get("OPENAI_API_KEY") or None,
             kernel_cache_dir=os.environ.get("SKYLINE_KERNEL_CACHE") or os.path.join(

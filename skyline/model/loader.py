@@ -26,6 +26,7 @@ from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.partition import partition, weight_names
 from skyline.model.registry import get_model_class
+from skyline.ops import cpu_plan
 from skyline.parallel.groups import ParallelLayout
 from skyline.progress import bar
 from skyline.quant import attach_quant_methods, finish_loading
@@ -220,13 +221,17 @@ def prepack_for_cpu(model: nn.Module) -> int:
     Returns how many products were packed."""
     heads = [m for m in model.modules() if isinstance(m, LMHead)]
     dtype = heads[0].weight.dtype if heads else torch.get_default_dtype()
+    # a GGUF model's head (the file's Q8_0 or narrower) on the integer dot kernel, by the plan
+    gguf = any(getattr(getattr(m, "linear_method", None), "name", None) == "gguf"
+               for m in model.modules())
+    intdot_rows = cpu_plan.plan().intdot_rows if gguf else 0
     packed = 0
     for module in model.modules():
         if isinstance(module, Linear):
             hook = getattr(module.linear_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else prepack(module)
         elif isinstance(module, LMHead):
-            packed += module.prepack()
+            packed += module.prepack(intdot_rows)
         elif isinstance(module, FusedExperts):
             hook = getattr(module.expert_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else 0
@@ -256,6 +261,7 @@ def plain_layout(model: nn.Module) -> None:
             unpack(module)
         elif isinstance(module, LMHead):
             module.packed_weight = None
+            module.intdot_weight, module.intdot_rows = None, 0
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -16,6 +16,12 @@ ONEDNN_MAX_CPU_ISA):
 - AVX2 only: the int4 kernel's AVX2 path is slower, but one plane still beats dense float32 for
   a few rows; wider codes stay dense float32.
 
+Everywhere the integer dot-product kernel builds (ops/cpu_intdot.py: activations rounded to int8
+per 32 elements, as llama.cpp's CPU kernels), 5- to 8-bit codes and the LM head of a GGUF model
+take it for batches of up to `intdot_rows` rows: on an AVX-512 VNNI machine it runs 8-bit codes
+at twice the speed of dense bf16 for one or two rows and the Q8_0 head at 1.7x, while torch's
+int4 kernel stays faster for 4-bit codes and for more rows (bench/cpu_intdot_speed.py).
+
 Everywhere, batches above `int4_rows` (prefill, many streams) run dense oneDNN products on
 weights dequantized once at load: the int4 kernel's time grows with the rows (it unpacks the
 codes per block of rows) where a dense product's barely does. Integer dot products on int8
@@ -26,7 +32,7 @@ times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL
 
 `skyline tune` measures these choices on the user's own CPU and stores what won end to end in
 the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields
-override the table below (`int4_rows`, `int4_wide_rows`, `threads`, `dtype`).
+override the table below (`int4_rows`, `int4_wide_rows`, `intdot_rows`, `threads`, `dtype`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skyline.ops import cpu_linear, tuning
+from skyline.ops import cpu_intdot, cpu_linear, tuning
 
 FAMILIES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
 
@@ -61,11 +67,15 @@ class CpuPlan:
     int4_rows: int  # batches of at most this many rows run 4-bit codes on the int4 kernel
     int4_wide_rows: int  # the same for 5- to 8-bit codes (two planes); 0: always dense
     threads: int | None = None  # torch's threads when --threads is not given (None: torch's)
+    # batches of at most this many rows run 5- to 8-bit codes and a GGUF model's LM head on the
+    # integer dot-product kernel (ops/cpu_intdot.py); 0: never
+    intdot_rows: int = 0
 
     @property
     def gguf_packed(self) -> bool:
-        """Whether a GGUF model keeps its blocks (for the int4 kernel) by default."""
-        return self.int4_rows > 0
+        """Whether a GGUF model keeps its blocks (for the int4 or integer dot kernel) by
+        default."""
+        return self.int4_rows > 0 or self.intdot_rows > 0
 
 
 def _flag(caps: dict[str, bool], name: str, probe: str) -> bool:
@@ -113,6 +123,9 @@ _PLANS = {
     "avx2": (torch.float32, 4, 0),
     "other": (torch.float32, 0, 0),
 }
+# Rows up to which the integer dot-product kernel runs (where it builds), on every x86 family:
+# measured on AVX-512 VNNI (bench/cpu_intdot_speed.py); the AVX2 path is not yet measured.
+INTDOT_ROWS = 2
 
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
@@ -124,15 +137,18 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     dtype, rows, wide = _PLANS[fam]
     tuned = tuning.get_config(KERNEL, fam, {}, device=tuning.cpu_device_name())
     threads = None
+    intdot = INTDOT_ROWS if fam != "other" else 0
     if tuned:
-        dtype, rows, wide, threads = _tuned(tuned, dtype, rows, wide)
+        dtype, rows, wide, intdot, threads = _tuned(tuned, dtype, rows, wide, intdot)
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         rows = wide = 0
-    return CpuPlan(fam, dtype, rows, wide, threads)
+    if intdot and not cpu_intdot.available():
+        intdot = 0
+    return CpuPlan(fam, dtype, rows, wide, threads, intdot)
 
 
-def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int
-           ) -> tuple[torch.dtype, int, int, int | None]:
+def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int, intdot: int
+           ) -> tuple[torch.dtype, int, int, int, int | None]:
     # a stored plan (skyline tune) over the family's defaults, checked
     def count(name: str, default: int | None) -> int | None:
         v = tuned.get(name, default)
@@ -149,7 +165,8 @@ def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int
             f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` again")
     threads = count("threads", None)
     return (DTYPES[name] if name else dtype, count("int4_rows", rows) or 0,
-            count("int4_wide_rows", wide) or 0, threads or None)
+            count("int4_wide_rows", wide) or 0, count("intdot_rows", intdot) or 0,
+            threads or None)
 
 
 def plan() -> CpuPlan:

@@ -19,10 +19,13 @@ A CPU engine (the default for a GGUF file on a CPU whose plan runs the int4 kern
 ops/cpu_plan.py) does not take those lazy paths: `prepack_cpu` builds its serving layout at
 load, by the plan: the int4 kernel's planes where the plan runs this layer's codes on it
 (decode-sized batches: up to `int4_rows` rows, 4-bit codes; `int4_wide_rows` for 5- to 8-bit
-codes), and the weights dequantized once to the model dtype and packed for oneDNN (prefill and
-many streams, where the int4 kernel's time grows with the rows and a dense product's barely
-does). The raw blocks are dropped; memory is the planes plus the dense copy (the default
-model's Linears in bfloat16: 63 + 203 MiB, against 405 MiB dequantized to float32).
+codes) or, for 5- to 8-bit codes where the plan has `intdot_rows`, the integer dot-product
+kernel's codes (ops/cpu_intdot.py: the file's codes with an fp16 scale and offset per 16 or 32,
+activations rounded to int8 per 32 as llama.cpp does), and the weights dequantized once to the
+model dtype and packed for oneDNN (prefill and many streams, where the int4 kernel's time grows
+with the rows and a dense product's barely does). The raw blocks are dropped; memory is the
+planes plus the dense copy (the default model's Linears in bfloat16: 63 + 203 MiB, against 405
+MiB dequantized to float32).
 
 On CUDA, a layer's first call makes its serving form. Runs of Q6_K and Q5_K keep their raw
 blocks (6.56 and 5.5 bits a weight): decode-sized batches run the block GEMV of
@@ -50,7 +53,7 @@ from torch import nn
 
 from skyline import envs
 from skyline.config import ConfigError
-from skyline.ops import cpu_int4, cpu_linear, cpu_plan
+from skyline.ops import cpu_ext, cpu_int4, cpu_intdot, cpu_linear, cpu_plan
 from skyline.ops.dequant import AFFINE_GROUP, GGML_TYPES, INT4_GROUP_TYPES, affine_groups
 from skyline.quant.gguf_cuda import _cuda_ready, _int_apply, cuda_weight, dequantize_blocks
 from skyline.quant.gguf_cuda import int_layout as int_layout
@@ -110,6 +113,8 @@ class GGUFLinearMethod:
             return (cpu_linear.unpack(dense) if dense.is_mkldnn else dense).float()
         if getattr(layer, "cpu_planes", None) is not None:
             return cpu_int4.planes_weight(layer.cpu_planes)
+        if getattr(layer, "cpu_intdot", None) is not None:
+            return cpu_intdot.dequantize(layer.cpu_intdot)
         if (w := cuda_weight(layer)) is not None:
             return w
         if getattr(layer, "gguf_int4", None) is not None:
@@ -128,9 +133,15 @@ class GGUFLinearMethod:
             return False
         cpu = cpu_plan.plan()
         types = [int(t) for t in layer.gguf_types]
-        rows = cpu.int4_rows if all(t in INT4_GROUP_TYPES for t in types) else cpu.int4_wide_rows
-        layer.cpu_planes = _pack_int4(layer) if rows else None
-        layer.cpu_plane_rows = rows if layer.cpu_planes is not None else 0
+        four_bit = all(t in INT4_GROUP_TYPES for t in types)
+        layer.cpu_intdot = _pack_intdot(layer) if cpu.intdot_rows and not four_bit else None
+        if layer.cpu_intdot is not None:
+            rows, layer.cpu_planes = cpu.intdot_rows, None
+        else:
+            rows = cpu.int4_rows if four_bit else cpu.int4_wide_rows
+            layer.cpu_planes = _pack_int4(layer) if rows else None
+        # batches of at most this many rows run the planes or the integer dot kernel
+        layer.cpu_plane_rows = rows if (layer.cpu_planes, layer.cpu_intdot) != (None, None) else 0
         # the planes' group where a bfloat16 x [M, in_features] goes straight to planes_mm
         # (one plane, no padding columns, no bias), else 0
         layer.cpu_plane_group = 0
@@ -139,7 +150,7 @@ class GGUFLinearMethod:
                 layer.cpu_plane_group = cpu_int4.planes_group(layer.cpu_planes)
         layer.cpu_dense = None
         dense_bytes = layer.out_features * layer.in_features * dtype.itemsize
-        if layer.cpu_planes is None or _room_for(dense_bytes):
+        if not layer.cpu_plane_rows or _room_for(dense_bytes):
             dense = dequantize_blocks(layer).to(dtype)
             layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
         else:  # every batch on the planes: slower prefill, but it fits
@@ -152,15 +163,27 @@ class GGUFLinearMethod:
         """Bytes a one-row product reads where it is less than the layer holds: the int4
         planes of a CPU engine's layer (prepack_cpu), not its dense copy; None otherwise."""
         planes = getattr(layer, "cpu_planes", None)
-        if planes is None or layer.cpu_plane_rows < 1:
+        if getattr(layer, "cpu_plane_rows", 0) < 1:
             return None
+        if layer.cpu_intdot is not None:
+            return layer.cpu_intdot.nbytes()
         return sum(t.numel() * t.element_size() for p in planes for t in p)
 
-    def cpu_decode_product(self, layer: LinearLayer
-                           ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
-        """(product, rows): what `apply` computes for a bfloat16 x [M, in_features] of at most
-        `rows` rows, with no check on the way (a CPU engine's layer whose int4 planes take such
-        an x as it is: prepack_cpu's cpu_plane_group); None otherwise."""
+    def cpu_decode_product(self, layer: LinearLayer) -> tuple[
+            Callable[[torch.Tensor], torch.Tensor], int, cpu_ext.NativeProduct] | None:
+        """(product, rows, native): what `apply` computes for a bfloat16 x [M, in_features] of
+        at most `rows` rows, with no check on the way (a CPU engine's layer whose int4 planes
+        take such an x as it is: prepack_cpu's cpu_plane_group, or whose integer dot kernel
+        takes it), and the same product for the C++ decode step; None otherwise."""
+        if getattr(layer, "cpu_intdot", None) is not None and layer.bias is None:
+            w = layer.cpu_intdot
+
+            def intdot(x: torch.Tensor) -> torch.Tensor:
+                return cpu_intdot.intdot_mm(x.contiguous(), w)
+
+            native = cpu_ext.NativeProduct(cpu_ext.INTDOT, (w.codes, w.scale, w.offset),
+                                           w.bits, w.group)
+            return intdot, layer.cpu_plane_rows, native
         group = getattr(layer, "cpu_plane_group", 0)
         if not group:
             return None
@@ -168,7 +191,8 @@ class GGUFLinearMethod:
         def product(x: torch.Tensor) -> torch.Tensor:
             return cpu_int4.planes_mm(x, layer.cpu_planes, group)
 
-        return product, layer.cpu_plane_rows
+        native = cpu_ext.NativeProduct(cpu_ext.INT4_PLANE, tuple(layer.cpu_planes[0]), group)
+        return product, layer.cpu_plane_rows, native
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "cpu_plane_rows"):
@@ -186,6 +210,8 @@ def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
     dense weights."""
     if x.numel() <= layer.cpu_plane_rows * layer.in_features:
+        if layer.cpu_intdot is not None:
+            return cpu_intdot.intdot_linear(x, layer.cpu_intdot, layer.bias)
         return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
     dense = layer.cpu_dense
     if dense.is_mkldnn:
@@ -238,6 +264,28 @@ def _pack_int4(layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
     parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t)[:3] for i, t in enumerate(types)]
     codes, scale, offset = (torch.cat(c) for c in zip(*parts, strict=True))
     return cpu_int4.pack_planes(codes, scale, offset, INT4_GROUP, wide)
+
+
+def _pack_intdot(layer: LinearLayer) -> cpu_intdot.IntDotWeight | None:
+    """The layer's weights in the integer dot kernel's layout (ops/cpu_intdot.py): the file's
+    codes with a scale and offset per 16 elements where a run has 16-element groups (Q6_K, Q2_K,
+    Q3_K; the other runs' scales repeated), else per 32; None unless every run has integer
+    codes with an affine map per group, the rows are whole blocks, or where the kernel is not
+    built."""
+    types = [int(t) for t in layer.gguf_types]
+    if not all(t in AFFINE_GROUP for t in types):
+        return None
+    parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t) for i, t in enumerate(types)]
+    group = min(p[3] for p in parts)
+    codes, scale, offset = [], [], []
+    for q, s, o, g in parts:
+        codes.append(q)
+        scale.append(s.repeat_interleave(g // group, dim=1))
+        offset.append(o.repeat_interleave(g // group, dim=1))
+    codes_ = torch.cat(codes)
+    if codes_.shape[1] != layer.in_features:
+        return None
+    return cpu_intdot.pack(codes_, torch.cat(scale), torch.cat(offset), group)
 
 
 def _rank_slice(layer: LinearLayer, loaded: PackedGGUF, shard_id: Any,

@@ -11,7 +11,7 @@ from skyline import LLM, SamplingParams
 from skyline.config import ConfigError
 from skyline.model.forward_ctx import forward_context
 from skyline.model.layers import cpu_decode
-from skyline.ops import cpu_plan
+from skyline.ops import cpu_ext, cpu_plan
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,20 @@ def test_hidden_states_are_the_modules_bit_for_bit(llm, lens):
     prompts = [[(7 * j + 31 * i) % 4000 + 100 for j in range(n)] for i, n in enumerate(lens)]
     inp = _decode_inputs(llm, prompts)
     plan = model._cpu_decode
+    # the C++ step where skyline's CPU operations build (ops/cpu_ext.py), and the Python one
+    assert (plan.native is not None) == cpu_ext.available()
+    variants = [("modules", False), ("python", plan._replace(native=None))]
+    if plan.native is not None:
+        variants.append(("native", plan))
     out = {}
-    for name, p in (("modules", False), ("fast", plan)):
+    for name, p in variants:
         model._cpu_decode = p
         inp.attn.cpu_gather = None
         with torch.no_grad(), forward_context(inp.attn):  # rewrites the step's K/V: the same
             out[name] = model(inp.input_ids, inp.positions)
     model._cpu_decode = plan
-    assert torch.equal(out["fast"], out["modules"])
+    for name, _ in variants[1:]:
+        assert torch.equal(out[name], out["modules"]), name
 
 
 def test_greedy_tokens_are_the_modules(llm, monkeypatch):

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from skyline.bench.gguf_blocks import random_blocks
 from skyline.config import ConfigError
 from skyline.engine.create import EngineArgs, create_engine_config
-from skyline.ops import cpu_int4, cpu_linear, cpu_plan
+from skyline.ops import cpu_int4, cpu_intdot, cpu_linear, cpu_plan
 from skyline.quant.gguf import GGUFLinearMethod
 
 CAPS = {
@@ -41,7 +41,10 @@ def test_each_family_gets_its_plan(family):
     assert plan.dtype == (torch.bfloat16 if family in NATIVE_BF16 else torch.float32)
     x86 = family != "other" and cpu_int4.has_kernel()
     assert (plan.int4_rows > 0) == x86 and 0 <= plan.int4_wide_rows <= plan.int4_rows
-    assert plan.gguf_packed == (plan.int4_rows > 0)
+    # the integer dot kernel on every x86 family where it builds
+    assert plan.intdot_rows == (cpu_plan.INTDOT_ROWS if family != "other"
+                                and cpu_intdot.available() else 0)
+    assert plan.gguf_packed == (plan.int4_rows > 0 or plan.intdot_rows > 0)
 
 
 def test_a_bf16_capable_cpu_without_onednn_bf16_stays_float32():
@@ -101,10 +104,13 @@ def test_served_layout_follows_the_plan_and_matches_the_blocks(family, runs):
     assert method.prepack_cpu(layer, dtype)
     assert not hasattr(layer, "gguf_w0")  # the raw blocks are dropped
     four_bit = all(q in (Q.Q4_0, Q.Q4_1, Q.Q4_K) for q in runs)
-    want_rows = 0 if Q.Q6_K in runs else plan.int4_rows if four_bit else plan.int4_wide_rows
+    intdot = plan.intdot_rows > 0 and not four_bit  # wider codes on the integer dot kernel
+    want_rows = (plan.intdot_rows if intdot else 0 if Q.Q6_K in runs
+                 else plan.int4_rows if four_bit else plan.int4_wide_rows)
     assert layer.cpu_plane_rows == want_rows
-    assert (layer.cpu_planes is not None) == (want_rows > 0)
-    if want_rows:
+    assert (layer.cpu_planes is not None) == (want_rows > 0 and not intdot)
+    assert (layer.cpu_intdot is not None) == intdot
+    if want_rows and not intdot:
         assert len(layer.cpu_planes) == (1 if four_bit else 2)
     for rows in sorted({1, max(want_rows, 1), want_rows + 1, 17}):
         x = torch.randn(rows, 256).to(dtype)

@@ -10,6 +10,11 @@ the operations of the modules' CPU paths (ops/norm.py's rms_norm_cpu, ops/rotary
 rotary_cpu, ops/kv_write.py's write_kv, ops/cpu_attention.py's decode_attention_cpu, SwiGLU), in
 the same order on the same values, with each layer's weights and shapes bound once. Its
 results are the modules' bit for bit (tests/model/test_cpu_decode.py).
+
+Where skyline's CPU operations are built (ops/cpu_ext.py) and every product has a native form,
+the same operations run from C++ (csrc/cpu_decode.cpp's decode_layers: one call a step, the
+same ATen operations in the same order, so again bit for bit), without the interpreter between
+them.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.nn.modules import module as torch_module
 
 from skyline.model.forward_ctx import AttentionMetadata
 from skyline.model.layers.attention import cpu_gather
+from skyline.ops import cpu_ext
 from skyline.ops.cpu_attention import decode_attention_cpu
 from skyline.ops.kv_write import write_kv
 from skyline.ops.norm import rms_norm_cpu
@@ -45,32 +51,62 @@ class LayerPlan(NamedTuple):
     down: Product
 
 
+class NativeStep(NamedTuple):
+    """csrc/cpu_decode.cpp's decode_layers arguments that do not change between steps."""
+
+    norms: list[torch.Tensor]  # per layer: input_layernorm, post_attention_layernorm
+    eps: list[float]
+    weights: list[torch.Tensor]  # every product's tensors, in order
+    spec: list[int]  # per product: kind, index of its first tensor, a, b
+    heads: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim), the same every layer
+    scale: float
+
+
 class DecodePlan(NamedTuple):
     layers: tuple[LayerPlan, ...]
     rotary: Any  # layers/rotary.RotaryEmbedding, shared by the layers
     rows: int  # the most rows every product takes
     modules: tuple[nn.Module, ...]  # every module `run` stands in for (their hooks)
+    native: NativeStep | None = None  # where the C++ step runs them
 
 
 def plan(layers: nn.ModuleList, rotary: Any) -> DecodePlan | None:
     """The plan of Llama decoder layers (the caller checks that their attention and MLP are
     the plain ones), or None where a layer's Linear has no CPU decode product or its attention
     a sliding window or sinks."""
-    out, rows, modules = [], 1 << 30, [rotary]
+    out, rows, modules, natives = [], 1 << 30, [rotary], []
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
         linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
         products = [lin.cpu_decode_product() for lin in linears]
         if any(p is None for p in products) or a.attn.sliding_window or a.attn.sinks is not None:
             return None
-        rows = min(rows, *(n for _, n in products))
+        rows = min(rows, *(n for _, n, _ in products))
+        natives.append([native for _, _, native in products])
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
         out.append(LayerPlan((n1.weight, n1.eps), products[0][0], a.attn,
                              (a.attn.num_heads, a.attn.num_kv_heads, a.head_dim),
                              products[1][0], (n2.weight, n2.eps), products[2][0],
                              products[3][0]))
         modules += [layer, a, a.attn, mlp, n1, n2, *linears]
-    return DecodePlan(tuple(out), rotary, rows, tuple(modules))
+    return DecodePlan(tuple(out), rotary, rows, tuple(modules), _native(out, natives))
+
+
+def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | None:
+    """The C++ step's fixed arguments, where the operations are built and the layers share
+    their heads and attention scale (every product has a native form by construction)."""
+    heads = {lp.heads for lp in layers}
+    scales = {lp.attn.scale for lp in layers}
+    if len(heads) != 1 or len(scales) != 1 or not cpu_ext.available():
+        return None
+    norms, eps, weights, spec = [], [], [], []
+    for lp, products in zip(layers, natives, strict=True):
+        norms += [lp.norm_in[0], lp.norm_post[0]]
+        eps += [float(lp.norm_in[1]), float(lp.norm_post[1])]
+        for native in products:
+            spec += [native.kind, len(weights), native.a, native.b]
+            weights += native.tensors
+    return NativeStep(norms, eps, weights, spec, heads.pop(), float(scales.pop()))
 
 
 def usable(p: DecodePlan, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
@@ -94,6 +130,11 @@ def run(p: DecodePlan, positions: torch.Tensor, x: torch.Tensor, meta: Attention
     t = x.shape[0]
     cos2, sin2 = p.rotary._operands(positions, x.dtype)
     gather, slots = cpu_gather(meta, p.layers[0].attn.kv_cache.shape[2]), meta.slot_mapping
+    if (n := p.native) is not None:
+        return torch.ops.skyline_cpu.decode_layers(
+            x, cos2, sin2, n.norms, n.eps, n.weights, n.spec,
+            [layer.attn.kv_cache for layer in p.layers], gather.blocks, gather.max_len,
+            gather.valid, slots, *n.heads, n.scale)
     residual = None
     for layer in p.layers:
         h, kvh, d = layer.heads

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.ops import cpu_linear
+from skyline.ops import cpu_intdot, cpu_linear
 from skyline.ops.fp8_linear import fp8_linear
 from skyline.ops.fp8_quant import fake_quantize_rows_fp8, quantize_rows_fp8
 from skyline.parallel.groups import Group, ParallelLayout
@@ -92,6 +92,10 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.vocab_shard: VocabShard | None = None
         self.packed_weight: torch.Tensor | None = None
+        # a GGUF model's head on a CPU: 8-bit codes per 32 (as the file's Q8_0) for batches of
+        # at most intdot_rows rows (ops/cpu_intdot.py)
+        self.intdot_weight: cpu_intdot.IntDotWeight | None = None
+        self.intdot_rows = 0
         # --quantize-lm-head: an e4m3 copy with a float32 scale per vocabulary row
         self.register_buffer("fp8_weight", None)
         self.register_buffer("fp8_scale", None)
@@ -118,13 +122,19 @@ class LMHead(nn.Module):
             self.vocab_shard = VocabShard(self.vocab_size, layout.tp)
             self.weight = self.vocab_shard.weight(self.hidden_size)
 
-    def prepack(self) -> bool:
+    def prepack(self, intdot_rows: int = 0) -> bool:
         """On the CPU, compute through a oneDNN-packed copy of the loaded weight
         (`ops/cpu_linear.py`; the head is the largest product of a small model's step). The
         dense weight stays (the embedding and the speculators read it): one more copy of the
         head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
-        emulation would dequantize them at every step). Returns whether it packed."""
+        emulation would dequantize them at every step). With `intdot_rows` (a GGUF model, whose
+        head the file holds in 8 bits or fewer), batches of at most that many rows run an 8-bit
+        copy on the integer dot kernel, float32 logits with no rounding to recompute. Returns
+        whether it packed."""
         w = self.weight.data
+        if intdot_rows and self.fp8_weight is None and w.device.type == "cpu":
+            self.intdot_weight = cpu_intdot.quantize_weight(w)
+            self.intdot_rows = intdot_rows if self.intdot_weight is not None else 0
         if self.fp8_weight is not None:
             w = (self.fp8_weight.float() * self.fp8_scale.unsqueeze(-1)).to(w.dtype)
         if not cpu_linear.can_pack(w):
@@ -152,6 +162,8 @@ class LMHead(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
+        if self.intdot_weight is not None and hidden.shape[0] <= self.intdot_rows:
+            return cpu_intdot.intdot_mm(hidden.float().contiguous(), self.intdot_weight)
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token
                 hidden = fake_quantize_rows_fp8(hidden).to(hidden.dtype)

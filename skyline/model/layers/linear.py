@@ -198,10 +198,11 @@ class Linear(nn.Module):
         wants = getattr(self.linear_method, "input_quant", None)
         return wants(self, x) if wants is not None else None
 
-    def cpu_decode_product(self) -> tuple[Any, int] | None:
-        """(product, rows): a function computing this layer for a bfloat16 x [M, in_features]
-        of at most `rows` rows with no check on the way, where its method has one (a CPU
-        engine's int4 planes) and no collective follows; None otherwise."""
+    def cpu_decode_product(self) -> tuple[Any, int, Any] | None:
+        """(product, rows, native): a function computing this layer for a bfloat16 x
+        [M, in_features] of at most `rows` rows with no check on the way, and the same product
+        for the C++ decode step (ops/cpu_ext.NativeProduct), where its method has one (a CPU
+        engine's int4 planes or integer dot codes) and no collective follows; None otherwise."""
         get = getattr(self.linear_method, "cpu_decode_product", None)
         return get(self) if get is not None and self.reduce_group is None else None
 

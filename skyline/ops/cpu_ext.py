@@ -1,0 +1,97 @@
+"""skyline's CPU operations in C++ (ops/csrc): built once for this machine at their first use
+and loaded as the operator namespace `torch.ops.skyline_cpu`.
+
+The build is torch's cpp_extension (ninja and the C++ compiler; the ninja package is a
+dependency), for this CPU's instructions (`-march=native`; its name carries the CPU's flags and
+the sources' hash, so a shared extensions directory never hands one machine another's build),
+threaded by ATen's OpenMP, cached under torch's extensions directory (TORCH_EXTENSIONS_DIR):
+about 15 s the first time on two cores, a load after. Where it cannot build (no compiler,
+`SKYLINE_CPU_INTDOT=0`), `available()` is False and callers keep torch's own kernels.
+
+- csrc/cpu_intdot.cpp: integer dot products of quantized weights (ops/cpu_intdot.py).
+- csrc/cpu_decode.cpp: a Llama decode step's layers with no Python between operations
+  (model/layers/cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from typing import NamedTuple
+
+import torch
+
+from skyline import envs
+
+logger = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_intdot.cpp", "cpu_decode.cpp")]
+
+
+class NativeProduct(NamedTuple):
+    """A weight product the C++ decode step runs itself (csrc/cpu_decode.cpp's `product`)."""
+
+    kind: int  # INT4_PLANE or INTDOT
+    tensors: tuple[torch.Tensor, ...]  # (packed, scales_and_zeros) / (codes, scale, offset)
+    a: int  # group / bits
+    b: int = 0  # - / group
+
+
+INT4_PLANE = 0  # torch's int4 kernel, one plane (ops/cpu_int4.py)
+INTDOT = 1  # the integer dot kernel (ops/cpu_intdot.py)
+
+
+def available() -> bool:
+    """Whether the operations are built (or build now) for this machine."""
+    return _load() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+    if not envs.ENV.cpu_intdot:
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        digest = hashlib.sha256()
+        for path in [*SOURCES, os.path.join(_CSRC, "cpu_intdot.h")]:
+            with open(path, "rb") as f:
+                digest.update(f.read())
+        march = envs.ENV.cpu_intdot_march
+        digest.update(_cpu_flags().encode() + march.encode())
+        name = f"skyline_cpu_{digest.hexdigest()[:12]}"
+        cpp_extension.load(name, SOURCES, extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return name
+    except Exception as e:  # no compiler, ninja or headers: torch's kernels serve
+        logger.info("skyline's CPU operations are not built (%s); using torch's",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+def _ninja_on_path() -> None:
+    # torch runs `ninja` from PATH; the ninja package's binary sits in an environment's bin
+    # folder, which is not on PATH unless that environment is activated
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return ""

@@ -1,0 +1,135 @@
+"""Integer dot products on the CPU: GGUF-style weights (unsigned 4- or 8-bit codes with an fp16
+scale and offset per group of 16 or 32) times activations rounded to int8 per 32 elements, as
+llama.cpp's CPU kernels compute a quantized matmul.
+
+torch has no such kernel: its int4 kernel (ops/cpu_int4.py) takes bfloat16 activations and
+unpacks the codes to floats, at about half of a CPU's read rate on one row, and its int8
+products take one activation scale per row, which costs SmolLM2 a KL of 0.057. Here one
+unsigned-by-signed byte dot product (`vpdpbusd` with AVX-512 VNNI or AVX-VNNI, `vpmaddubsw` on
+AVX2) covers 32 weights, reading 4.5-5 bits a weight for 4-bit codes and 8.5-9 for 8-bit codes,
+and every row of a decode batch reuses each group it loads.
+
+The C++ is csrc/cpu_intdot.cpp, built for this machine by ops/cpu_ext.py; where it does not
+build, `available()` is False and the callers keep torch's kernels.
+
+Rounding the activations is the one approximation: y = W x^ with x^ = d * nearbyint(x / d),
+d = max|x| / 127 per 32 elements (`intdot_mm_ref`); the products are exact integers and the
+sums float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from skyline.ops import cpu_ext
+
+BLOCK = 32  # activation elements per int8 scale
+GROUPS = (16, 32)  # weight elements per scale and offset
+
+
+class IntDotWeight(NamedTuple):
+    """A weight [N, K] for intdot_mm: W = codes * scale + offset per group."""
+
+    codes: torch.Tensor  # [N, K / 2] (bits 4: element j of a group of 32 in byte j's low
+    #                      nibble, element j + 16 in its high one) or [N, K] (bits 8) uint8
+    scale: torch.Tensor  # [N, K / group] float16
+    offset: torch.Tensor  # [N, K / group] float16
+    bits: int
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 8 // self.bits
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int
+         ) -> IntDotWeight | None:
+    """codes [N, K] uint8 (0..255), scale and offset [N, K / group] float -> the kernel's layout
+    (4 bits where every code fits); None where the kernel cannot take it (K not whole blocks of
+    32, a group it lacks, or a scale or offset out of float16's range) or the kernel is not
+    built here."""
+    n, k = codes.shape
+    if not available() or group not in GROUPS or k % BLOCK or scale.shape != (n, k // group):
+        return None
+    s16, o16 = scale.to(torch.float16), offset.to(torch.float16)
+    if not (torch.isfinite(s16).all() and torch.isfinite(o16).all()):
+        return None
+    if int(codes.max()) < 16:
+        blocks = codes.reshape(n, k // BLOCK, 2, BLOCK // 2)
+        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+        return IntDotWeight(packed.contiguous(), s16.contiguous(), o16.contiguous(), 4, group)
+    return IntDotWeight(codes.to(torch.uint8).contiguous(), s16.contiguous(), o16.contiguous(),
+                        8, group)
+
+
+def quantize_weight(w: torch.Tensor) -> IntDotWeight | None:
+    """A dense weight [N, K] rounded to 8 bits per 32 elements (GGUF's Q8_0: scale max|w| / 127,
+    stored as float16; codes centred on 128); None as pack."""
+    n, k = w.shape
+    if k % BLOCK:
+        return None
+    wb = w.float().reshape(n, k // BLOCK, BLOCK)
+    s = (wb.abs().amax(-1) / 127).to(torch.float16).float()
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    q = torch.round(wb * inv[..., None]).clamp(-127, 127) + 128
+    return pack(q.reshape(n, k).to(torch.uint8), s, -128 * s, BLOCK)
+
+
+def unpack_codes(w: IntDotWeight) -> torch.Tensor:
+    """The codes [N, K] uint8 a packed weight holds."""
+    if w.bits == 8:
+        return w.codes
+    n, k = w.shape
+    b = w.codes.reshape(n, k // BLOCK, BLOCK // 2)
+    return torch.stack((b & 0x0F, b >> 4), 2).reshape(n, k)
+
+
+def dequantize(w: IntDotWeight) -> torch.Tensor:
+    """W [N, K] float32."""
+    n, k = w.shape
+    q = unpack_codes(w).float().reshape(n, -1, w.group)
+    return (q * w.scale.float()[..., None] + w.offset.float()[..., None]).reshape(n, k)
+
+
+def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> x^ float32: each 32 elements rounded to int8 steps of max|x| / 127."""
+    xb = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(x.shape)
+
+
+def intdot_mm_ref(x: torch.Tensor, w: IntDotWeight) -> torch.Tensor:
+    """The reference: x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, W x^ in float64."""
+    y = quantize_activations_ref(x).double() @ dequantize(w).double().t()
+    return y.to(x.dtype)
+
+
+def intdot_mm(x: torch.Tensor, w: IntDotWeight) -> torch.Tensor:
+    """intdot_mm_ref's contract (float32 sums) on the compiled kernel: x [M, K] contiguous."""
+    return torch.ops.skyline_cpu.intdot_mm(x, w.codes, w.scale, w.offset, w.bits, w.group)
+
+
+def intdot_linear(x: torch.Tensor, w: IntDotWeight, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x's dtype (float32 or bfloat16; others through float32)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    y = intdot_mm(x2.contiguous(), w).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def available() -> bool:
+    """Whether the kernel is built (or builds now) for this machine."""
+    return cpu_ext.available()
+
+
+def isa() -> str | None:
+    """The instruction path the build runs ("avx512_vnni", "avx_vnni", "avx2", "scalar")."""
+    return torch.ops.skyline_cpu.isa() if available() else None

@@ -1,0 +1,333 @@
+// Integer dot products of GGUF-style weights with activations rounded to 8 bits per 32 elements
+// (ops/cpu_intdot.py holds the PyTorch reference and the contract).
+//
+// W[n, k] = q[n, k] * scale[n, g] + offset[n, g], q unsigned codes (4 bits: byte j of a group
+// of 32 holds element j in its low nibble and element j + 16 in its high one, as GGUF's Q4
+// blocks; 8 bits: one byte an element), scale and offset fp16 per group of 16 or 32 elements.
+// x[m, k] ~= dx[m, b] * xq[m, k], xq int8 and dx float32 per block b of 32 elements. Then
+//   y[m, n] = sum_g scale[n, g] * dx[m, b(g)] * sum_{k in g} q xq + sum_g offset[n, g] * xs[m, g]
+// with xs[m, g] = dx[m, b(g)] * sum_{k in g} xq: one unsigned-by-signed byte dot product per
+// group (AVX-512 VNNI / AVX-VNNI `vpdpbusd`, else AVX2 `vpmaddubsw`, else scalar), weights read
+// once for all rows, output rows split across ATen's threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_intdot.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;  // activation elements per int8 scale
+constexpr int kMaxRows = 8;  // rows a weight group is reused for before it is read again
+constexpr int64_t kMaxK = 65536;  // longest row (scales of a row are converted on the stack)
+constexpr int64_t kMaxGroups = kMaxK / 16;
+
+struct Quantized {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d;    // [M, K / 32]
+  std::vector<float> sum;  // [M, K / group]: d * sum of the group's codes
+  // 4-bit codes in groups of 32, K a multiple of 64: per pair of blocks (2p, 2p + 1), the
+  // activations in the order a 32-byte load of the pair's codes holds their nibbles (the low
+  // ones: elements 0-15 of each block, then the high ones: 16-31), and the pair's two scales
+  // each repeated over the 4 lanes that sum its block
+  std::vector<int8_t> qp;  // [M, K / 64, 64]
+  std::vector<float> d4;   // [M, K / 64, 8]
+};
+
+// x rounded per 32 elements: d = max|x| / 127, q = nearbyint(x / d) (ties to even), as
+// quantize_activations_ref.
+template <typename T>
+Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group) {
+  Quantized out;
+  out.q.resize(m * k);
+  out.d.resize(m * (k / kBlock));
+  out.sum.resize(m * (k / group));
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      const T* xb = x + r * k + b * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(static_cast<float>(xb[i])));
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int8_t* qb = out.q.data() + r * k + b * kBlock;
+      for (int i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[i]) * id));
+      out.d[r * (k / kBlock) + b] = d;
+      for (int h = 0; h < kBlock / group; ++h) {
+        int s = 0;
+        for (int i = 0; i < group; ++i) s += qb[h * group + i];
+        out.sum[r * (k / group) + b * (kBlock / group) + h] = d * static_cast<float>(s);
+      }
+    }
+  }
+  return out;
+}
+
+void pair_layout(Quantized& xq, int64_t m, int64_t k) {
+  const int64_t pairs = k / 64;
+  xq.qp.resize(m * k);
+  xq.d4.resize(m * pairs * 8);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int8_t* src = xq.q.data() + r * k + p * 64;
+      int8_t* dst = xq.qp.data() + r * k + p * 64;
+      for (int i = 0; i < 16; ++i) {
+        dst[i] = src[i];            // block 2p, elements 0-15 (low nibbles)
+        dst[16 + i] = src[32 + i];  // block 2p + 1, elements 0-15
+        dst[32 + i] = src[16 + i];  // block 2p, elements 16-31 (high nibbles)
+        dst[48 + i] = src[48 + i];  // block 2p + 1, elements 16-31
+      }
+      for (int i = 0; i < 8; ++i)
+        xq.d4[(r * pairs + p) * 8 + i] = xq.d[r * (k / kBlock) + 2 * p + i / 4];
+    }
+  }
+}
+
+#if defined(__F16C__)
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+#endif
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 codes of a group as unsigned bytes in element order
+template <int BITS>
+inline __m256i load_codes(const uint8_t* p) {
+  if constexpr (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    return _mm256_set_m128i(hi, lo);
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+}
+
+// 8 int32 partial sums of u8 codes times s8 activations (4 neighbouring bytes each)
+template <int BITS>
+inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  // vpmaddubsw saturates at 2 * 255 * 127 > 32767: 8-bit codes go as two nibbles
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(w, mask), x);
+  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask), x);
+  return _mm256_add_epi32(_mm256_madd_epi16(lo, ones),
+                          _mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4));
+#endif
+}
+#endif
+
+#if defined(__AVX2__)
+// 8 int32 sums of two u8-by-s8 products (4-bit codes: no saturation on AVX2)
+inline __m256i dot2_u4s8(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  return _mm256_madd_epi16(
+      _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones);
+#endif
+}
+#endif
+
+// rows [n0, n1) of y for M (<= kMaxRows) activation rows from m_off (M a constant: the
+// accumulators stay in registers)
+template <int BITS, int GROUP, int M>
+void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* codes,
+                 const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1,
+                 float* y, int64_t ldy) {
+  const int64_t row_bytes = k * BITS / 8;
+  const int64_t groups = k / GROUP;
+  const int64_t blocks = k / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wq = codes + n * row_bytes;
+    const uint16_t* ws = scale + n * groups;
+    const uint16_t* wo = offset + n * groups;
+    float off[kMaxRows] = {0};
+    float sc[kMaxGroups];  // the row's scales in float32
+    int64_t g = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    __m256 offv[kMaxRows];
+    for (int r = 0; r < M; ++r) offv[r] = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+      const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wo + g)));
+      _mm256_storeu_ps(sc + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + g))));
+      for (int r = 0; r < M; ++r)
+        offv[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xq.sum.data() + (m_off + r) * groups + g), offv[r]);
+    }
+    for (int r = 0; r < M; ++r) off[r] = hsum(offv[r]);
+#endif
+    for (; g < groups; ++g) {
+      const float o = half_to_float(wo[g]);
+      sc[g] = half_to_float(ws[g]);
+      for (int r = 0; r < M; ++r) off[r] += o * xq.sum[(m_off + r) * groups + g];
+    }
+#if defined(__AVX2__)
+    __m256 acc[kMaxRows];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    if constexpr (BITS == 4 && GROUP == 32) {
+      if (!xq.qp.empty()) {  // two blocks a load: 64 weights, two dot products a row
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        for (; b < blocks; b += 2) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * 16));
+          const __m256i lo = _mm256_and_si256(v, mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+          const __m256 s = _mm256_set_m128(_mm_broadcast_ss(sc + b + 1), _mm_broadcast_ss(sc + b));
+          for (int r = 0; r < M; ++r) {
+            const int64_t row = m_off + r;
+            const int8_t* x = xq.qp.data() + row * k + b * 32;
+            const __m256i p = dot2_u4s8(
+                lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+                hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+            const __m256 sd = _mm256_mul_ps(s, _mm256_loadu_ps(xq.d4.data() + (row * blocks / 2 + b / 2) * 8));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sd, acc[r]);
+          }
+        }
+      }
+    }
+    for (; b < blocks; ++b) {
+      const __m256i w = load_codes<BITS>(wq + b * kBlock * BITS / 8);
+      __m256 s;
+      if constexpr (GROUP == 32) {
+        s = _mm256_broadcast_ss(sc + b);
+      } else {  // lanes 0-3 sum elements 0-15 (the first group), lanes 4-7 the second
+        s = _mm256_set_m128(_mm_broadcast_ss(sc + 2 * b + 1), _mm_broadcast_ss(sc + 2 * b));
+      }
+      for (int r = 0; r < M; ++r) {
+        const int64_t row = m_off + r;
+        const __m256i x = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xq.q.data() + row * k + b * kBlock));
+        const __m256 p = _mm256_cvtepi32_ps(dot_u8s8<BITS>(w, x));
+        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(xq.d[row * blocks + b]));
+        acc[r] = _mm256_fmadd_ps(p, sd, acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) y[r * ldy + n] = hsum(acc[r]) + off[r];
+#else
+    for (int r = 0; r < M; ++r) {
+      const int64_t row = m_off + r;
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int s = 0;
+        for (int i = 0; i < GROUP; ++i) {
+          const int64_t e = g * GROUP + i;  // element index in the row
+          int q;
+          if constexpr (BITS == 4) {
+            const int64_t b = e / kBlock, j = e % kBlock;
+            const uint8_t byte = wq[b * 16 + (j & 15)];
+            q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = wq[e];
+          }
+          s += q * xq.q[row * k + e];
+        }
+        acc += sc[g] * xq.d[row * blocks + g * GROUP / kBlock] * static_cast<float>(s);
+      }
+      y[r * ldy + n] = acc + off[r];
+    }
+#endif
+  }
+}
+
+template <int BITS, int GROUP>
+void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
+         const uint16_t* scale, const uint16_t* offset, float* y) {
+  // grain: rows of W per task, about 16 KB of codes
+  const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+      float* ym = y + m0 * n;
+      switch (std::min<int64_t>(kMaxRows, m - m0)) {
+#define ROWS(R) \
+  case R: rows_kernel<BITS, GROUP, R>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
+                              const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
+                              int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "intdot_mm: x must be a contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "intdot_mm: x must be float32 or bfloat16");
+  TORCH_CHECK(bits == 4 || bits == 8, "intdot_mm: bits must be 4 or 8");
+  TORCH_CHECK(group == 16 || group == 32, "intdot_mm: group must be 16 or 32");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(k % kBlock == 0 && k <= kMaxK, "intdot_mm: K must be a multiple of 32, at most 65536");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(1) == k * bits / 8,
+              "intdot_mm: codes must be contiguous uint8 [N, K * bits / 8]");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf &&
+                  scale.is_contiguous() && offset.is_contiguous() && scale.size(0) == n &&
+                  scale.size(1) == k / group && offset.sizes() == scale.sizes(),
+              "intdot_mm: scale and offset must be contiguous float16 [N, K / group]");
+  Quantized xq = x.scalar_type() == at::kFloat
+                     ? quantize(x.data_ptr<float>(), m, k, group)
+                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group);
+  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, m, k);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const auto* c = codes.data_ptr<uint8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  float* out = y.data_ptr<float>();
+  if (bits == 4 && group == 32) run<4, 32>(xq, m, n, k, c, s, o, out);
+  else if (bits == 4) run<4, 16>(xq, m, n, k, c, s, o, out);
+  else if (group == 32) run<8, 32>(xq, m, n, k, c, s, o, out);
+  else run<8, 16>(xq, m, n, k, c, s, o, out);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+namespace {
+
+// which path this build runs (for tests and benches)
+std::string isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512_vnni";
+#elif defined(__AVXVNNI__)
+  return "avx_vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(skyline_cpu, m) {
+  m.def("intdot_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
+  m.def("isa() -> str", isa);
+}
+
+TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("intdot_mm", skyline::intdot_mm); }

@@ -1,0 +1,202 @@
+"""The CPU integer dot-product kernel (ops/cpu_intdot.py) against its reference, its layouts,
+and the GGUF layers and LM head that run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from skyline.ops import cpu_intdot
+
+needs_kernel = pytest.mark.skipif(not cpu_intdot.available(),
+                                  reason="the integer dot kernel does not build here")
+
+
+def _weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> cpu_intdot.IntDotWeight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, 0] = (1 << bits) - 1  # the widest code, so that pack keeps `bits`
+    scale = torch.rand(n, k // group, generator=g) * 0.02
+    offset = torch.randn(n, k // group, generator=g) * 0.05
+    w = cpu_intdot.pack(codes, scale, offset, group)
+    assert w is not None and w.bits == bits and w.shape == (n, k)
+    assert torch.equal(cpu_intdot.unpack_codes(w), codes)
+    return w
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (1, 48, 576), (2, 32, 96), (3, 40, 1536),
+                                   (8, 24, 64), (9, 16, 128), (17, 8, 192)])
+def test_kernel_matches_reference(bits: int, group: int, m: int, n: int, k: int) -> None:
+    w = _weight(n, k, bits, group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0
+    y = cpu_intdot.intdot_mm(x, w)
+    ref = cpu_intdot.intdot_mm_ref(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    yb = cpu_intdot.intdot_mm(x.bfloat16(), w)  # bf16 in, rounded once on the way out
+    refb = cpu_intdot.intdot_mm_ref(x.bfloat16(), w)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), refb.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_rows_are_independent_of_the_batch() -> None:
+    # a decode row's logits do not depend on the rows beside it (chunks of 8 rows share loads)
+    w = _weight(64, 256, 4, 32)
+    x = torch.randn(11, 256)
+    full = cpu_intdot.intdot_mm(x, w)
+    for i in range(11):
+        torch.testing.assert_close(cpu_intdot.intdot_mm(x[i : i + 1].contiguous(), w),
+                                   full[i : i + 1], rtol=0, atol=0)
+
+
+def test_activation_rounding_is_per_32() -> None:
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 32] = 127.0, 0.6, 1e-3  # the second block keeps its own scale
+    xq = cpu_intdot.quantize_activations_ref(x)
+    assert xq[0, 0] == 127 and xq[0, 1] == 1 and xq[0, 32] == pytest.approx(1e-3)
+
+
+@needs_kernel
+def test_quantize_weight_is_q8_0() -> None:
+    w = torch.randn(32, 128)
+    q = cpu_intdot.quantize_weight(w)
+    assert q is not None and q.bits == 8 and q.group == 32
+    back = cpu_intdot.dequantize(q)
+    step = w.reshape(32, 4, 32).abs().amax(-1, keepdim=True) / 127
+    assert ((back - w).reshape(32, 4, 32).abs() <= step * 0.51).all()
+
+
+@needs_kernel
+def test_pack_refuses_what_the_kernel_cannot_take() -> None:
+    codes = torch.zeros(4, 48, dtype=torch.uint8)
+    assert cpu_intdot.pack(codes, torch.ones(4, 3), torch.zeros(4, 3), 16) is None  # K % 32
+    codes = torch.zeros(4, 64, dtype=torch.uint8)
+    assert cpu_intdot.pack(codes, torch.ones(4, 1), torch.zeros(4, 1), 64) is None  # group
+    big = torch.full((4, 2), 1e6)  # past float16
+    assert cpu_intdot.pack(codes, big, torch.zeros(4, 2), 32) is None
+    with pytest.raises(RuntimeError, match="contiguous"):
+        w = cpu_intdot.pack(codes, torch.ones(4, 2), torch.zeros(4, 2), 32)
+        cpu_intdot.intdot_mm(torch.zeros(64, 2).t(), w)
+
+
+_VARIANT = """
+import torch
+from skyline.ops import cpu_intdot
+assert cpu_intdot.available()
+print(cpu_intdot.isa())
+g = torch.Generator().manual_seed(0)
+for bits, group in ((4, 32), (4, 16), (8, 32), (8, 16)):
+    for m, k in ((1, 576), (5, 96)):
+        codes = torch.randint(0, 1 << bits, (24, k), generator=g, dtype=torch.uint8)
+        codes[0, 0] = (1 << bits) - 1
+        w = cpu_intdot.pack(codes, torch.rand(24, k // group, generator=g),
+                            torch.randn(24, k // group, generator=g), group)
+        x = torch.randn(m, k, generator=g)
+        ref = cpu_intdot.intdot_mm_ref(x, w)
+        torch.testing.assert_close(cpu_intdot.intdot_mm(x, w), ref, rtol=1e-5,
+                                   atol=1e-5 * ref.abs().max().item())
+"""
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("x86-64", "scalar")])
+def test_avx2_and_scalar_builds_match_the_reference(march: str, isa: str) -> None:
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86 builds")
+    env = dict(os.environ, SKYLINE_CPU_INTDOT_MARCH=march)
+    out = subprocess.run([sys.executable, "-c", _VARIANT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == isa
+
+
+def test_without_the_kernel_the_plan_keeps_torch_kernels() -> None:
+    code = ("from skyline.ops import cpu_intdot, cpu_plan; "
+            "assert not cpu_intdot.available(); print(cpu_plan.plan().intdot_rows)")
+    env = dict(os.environ, SKYLINE_CPU_INTDOT="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0"
+
+
+class _Layer(torch.nn.Module):
+    """What GGUFLinearMethod.prepack_cpu needs of a Linear after loading: runs of raw blocks."""
+
+    def __init__(self, runs: list, rows: int, cols: int) -> None:
+        super().__init__()
+        self.gguf_types = [int(q) for q, _ in runs]
+        for i, (_, data) in enumerate(runs):
+            self.register_buffer(f"gguf_w{i}", data)
+        self.bias = None
+        self.out_features, self.in_features = rows, cols
+
+
+@needs_kernel
+@pytest.mark.parametrize("runs", [["Q8_0"], ["Q5_0"], ["Q6_K"], ["Q4_K", "Q6_K"],
+                                  ["Q5_1", "Q8_0"]], ids="+".join)
+def test_gguf_layers_of_wider_codes_serve_few_rows_on_the_kernel(monkeypatch, runs):
+    from gguf import GGMLQuantizationType as Q
+
+    from skyline.bench.gguf_blocks import random_blocks
+    from skyline.ops import cpu_plan
+    from skyline.quant.gguf import GGUFLinearMethod
+
+    plan = cpu_plan.CpuPlan("avx512_bf16", torch.bfloat16, 8, 0, None, intdot_rows=2)
+    monkeypatch.setattr(cpu_plan, "plan", lambda: plan)
+    parts = [(Q[name], random_blocks(Q[name], 16, 512, 3 + i)) for i, name in enumerate(runs)]
+    layer = _Layer(parts, 16 * len(runs), 512)
+    method = GGUFLinearMethod()
+    exact = method.dequantized_weight(layer)  # from the raw blocks
+    assert method.prepack_cpu(layer, torch.bfloat16)
+    w = layer.cpu_intdot
+    assert w is not None and layer.cpu_planes is None and layer.cpu_plane_rows == 2
+    assert w.bits == 8 and w.group == (16 if "Q6_K" in runs else 32)
+    # the file's weights, within float16 rounding of K-quants' scale products
+    assert (cpu_intdot.dequantize(w) - exact).abs().max() <= 1e-3 * exact.abs().max()
+    # 8-bit codes with an fp16 scale and offset per 32 or 16: 9 or 10 bits a weight
+    assert method.decode_bytes(layer) == w.nbytes() <= 1.25 * exact.numel()
+    x = torch.randn(2, 512).bfloat16()
+    product, rows, native = method.cpu_decode_product(layer)
+    assert native.kind == 1 and native.tensors[0] is w.codes
+    assert rows == 2
+    ref = cpu_intdot.intdot_mm_ref(x.float(), w)
+    torch.testing.assert_close(product(x).float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max())
+    torch.testing.assert_close(method.apply(layer, x), product(x))
+    # more rows: the dense copy, as exact as bfloat16 allows
+    x5 = torch.randn(5, 512)
+    dense = method.apply(layer, x5.bfloat16()).float()
+    ref5 = x5.bfloat16().float() @ exact.t()
+    assert (dense - ref5).abs().max() < 2e-2 * ref5.abs().max()
+
+
+@needs_kernel
+def test_a_gguf_head_runs_the_kernel_for_few_rows():
+    from skyline.model.layers.embedding import LMHead
+    from skyline.model.loader import plain_layout
+
+    head = LMHead(256, 64)
+    head.weight.data = torch.randn(256, 64).bfloat16()
+    head.prepack(intdot_rows=2)
+    assert head.intdot_weight is not None and head.intdot_rows == 2
+    h = torch.randn(2, 64).bfloat16()
+    logits = head(h)
+    assert logits.dtype == torch.float32
+    ref = cpu_intdot.intdot_mm_ref(h.float(), head.intdot_weight)
+    torch.testing.assert_close(logits, ref.float(), rtol=1e-5, atol=1e-4)
+    exact = h.float() @ head.weight.float().t()
+    assert (logits - exact).abs().max() < 0.05 * exact.abs().max()
+    assert head(torch.randn(3, 64).bfloat16()).shape == (3, 256)  # above: the dense head
+    model = torch.nn.Sequential(head)
+    plain_layout(model)
+    assert head.intdot_weight is None
