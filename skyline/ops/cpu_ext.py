@@ -59,7 +59,7 @@ def _load() -> str | None:
 
         _ninja_on_path()
         digest = hashlib.sha256()
-        for path in [*SOURCES, os.path.join(_CSRC, "cpu_intdot.h")]:
+        for path in [*SOURCES, os.path.join(_CSRC, "skyline_cpu.h")]:
             with open(path, "rb") as f:
                 digest.update(f.read())
         march = envs.ENV.cpu_intdot_march

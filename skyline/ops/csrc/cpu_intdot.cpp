@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_intdot.h"
+#include "skyline_cpu.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
