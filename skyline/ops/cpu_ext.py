@@ -2,8 +2,9 @@
 and loaded as the operator namespace `torch.ops.skyline_cpu`.
 
 The build is torch's cpp_extension (ninja and the C++ compiler; the ninja package is a
-dependency), for this CPU's instructions (`-march=native`; its name carries the CPU's flags and
-the sources' hash, so a shared extensions directory never hands one machine another's build),
+dependency), for this CPU's instructions (`-march=native`; its name carries the CPU's flags, torch's
+version and the sources' hash, so a shared extensions directory never hands one machine or
+torch another's build),
 threaded by ATen's OpenMP, cached under torch's extensions directory (TORCH_EXTENSIONS_DIR):
 about 15 s the first time on two cores, a load after. Where it cannot build (no compiler,
 `SKYLINE_CPU_INTDOT=0`), `available()` is False and callers keep torch's own kernels.
@@ -63,8 +64,11 @@ def _load() -> str | None:
             with open(path, "rb") as f:
                 digest.update(f.read())
         march = envs.ENV.cpu_intdot_march
-        digest.update(_cpu_flags().encode() + march.encode())
+        # a build is for one CPU, one -march and one torch (its C++ ABI)
+        digest.update(_cpu_flags().encode() + march.encode() + torch.__version__.encode())
         name = f"skyline_cpu_{digest.hexdigest()[:12]}"
+        logger.info("loading skyline's CPU operations (built for this machine at first use, "
+                    "~20 s)")
         cpp_extension.load(name, SOURCES, extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return name

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "skyline_cpu.h"
@@ -157,10 +158,10 @@ inline __m256i dot2_u4s8(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 
 // rows [n0, n1) of y for M (<= kMaxRows) activation rows from m_off (M a constant: the
 // accumulators stay in registers)
-template <int BITS, int GROUP, int M>
+template <int BITS, int GROUP, int M, typename Y>
 void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* codes,
                  const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1,
-                 float* y, int64_t ldy) {
+                 Y* y, int64_t ldy) {
   const int64_t row_bytes = k * BITS / 8;
   const int64_t groups = k / GROUP;
   const int64_t blocks = k / kBlock;
@@ -228,7 +229,7 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         acc[r] = _mm256_fmadd_ps(p, sd, acc[r]);
       }
     }
-    for (int r = 0; r < M; ++r) y[r * ldy + n] = hsum(acc[r]) + off[r];
+    for (int r = 0; r < M; ++r) y[r * ldy + n] = static_cast<Y>(hsum(acc[r]) + off[r]);
 #else
     for (int r = 0; r < M; ++r) {
       const int64_t row = m_off + r;
@@ -249,23 +250,24 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         }
         acc += sc[g] * xq.d[row * blocks + g * GROUP / kBlock] * static_cast<float>(s);
       }
-      y[r * ldy + n] = acc + off[r];
+      y[r * ldy + n] = static_cast<Y>(acc + off[r]);
     }
 #endif
   }
 }
 
-template <int BITS, int GROUP>
+// y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would
+template <int BITS, int GROUP, typename Y>
 void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
-         const uint16_t* scale, const uint16_t* offset, float* y) {
+         const uint16_t* scale, const uint16_t* offset, Y* y) {
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-      float* ym = y + m0 * n;
+      Y* ym = y + m0 * n;
       switch (std::min<int64_t>(kMaxRows, m - m0)) {
 #define ROWS(R) \
-  case R: rows_kernel<BITS, GROUP, R>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); break;
+  case R: rows_kernel<BITS, GROUP, R, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
       }
@@ -296,16 +298,20 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                      ? quantize(x.data_ptr<float>(), m, k, group)
                      : quantize(x.data_ptr<at::BFloat16>(), m, k, group);
   if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, m, k);
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
-  float* out = y.data_ptr<float>();
-  if (bits == 4 && group == 32) run<4, 32>(xq, m, n, k, c, s, o, out);
-  else if (bits == 4) run<4, 16>(xq, m, n, k, c, s, o, out);
-  else if (group == 32) run<8, 32>(xq, m, n, k, c, s, o, out);
-  else run<8, 16>(xq, m, n, k, c, s, o, out);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  auto dispatch = [&](auto* out) {
+    using Y = std::remove_pointer_t<decltype(out)>;
+    if (bits == 4 && group == 32) run<4, 32, Y>(xq, m, n, k, c, s, o, out);
+    else if (bits == 4) run<4, 16, Y>(xq, m, n, k, c, s, o, out);
+    else if (group == 32) run<8, 32, Y>(xq, m, n, k, c, s, o, out);
+    else run<8, 16, Y>(xq, m, n, k, c, s, o, out);
+  };
+  if (x.scalar_type() == at::kFloat) dispatch(y.data_ptr<float>());
+  else dispatch(y.data_ptr<at::BFloat16>());
+  return y;
 }
 
 namespace {
