@@ -100,10 +100,11 @@ def skyline_decode_prefill(llm: LLM, prompt_len: int, gen_len: int) -> tuple[flo
 
 def decode_breakdown(llm: LLM, gen_len: int) -> dict[str, Any]:
     """Where a batch-1 decode step's time goes (ms per step): the layers' weight products (the
-    int4 kernel's calls), the rest of the layers (the other operations and their Python
-    dispatch), the LM head, sampling, the runner's input building and token reading, the
-    scheduler, and what is left (the engine's and the front end's outputs, detokenizing),
-    from the engine's cpu_step_seconds probe and the scheduler's calls timed here."""
+    int4 kernel's calls from Python; 0 where the C++ decode step runs the layers, whose
+    products are then in "layers_other"), the rest of the layers, the LM head, sampling, the
+    runner's input building and token reading, the scheduler, and what is left (the engine's
+    and the front end's outputs, detokenizing), from the engine's cpu_step_seconds probe and the
+    scheduler's calls timed here."""
     sched = llm.engine.scheduler
     phases = {"schedule": 0.0, "update": 0.0}
     schedule, update = sched.schedule, sched.update
@@ -264,7 +265,8 @@ def main() -> None:
         "command": "python " + shlex.join(sys.argv),
         "machine": machine_info("cpu") | {"load_avg_at_start": os.getloadavg()},
         "cpu_plan": {"family": plan.family, "dtype": str(plan.dtype).removeprefix("torch."),
-                     "int4_rows": plan.int4_rows, "int4_wide_rows": plan.int4_wide_rows},
+                     "int4_rows": plan.int4_rows, "int4_wide_rows": plan.int4_wide_rows,
+                     "intdot_rows": plan.intdot_rows},
         "threads": ns.threads, "rounds": ns.rounds,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "settings": {"prefill_prompt_tokens": ns.prompt_len, "decode_tokens": ns.gen_len,

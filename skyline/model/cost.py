@@ -70,8 +70,10 @@ class ModelCost:
 
 
 def _head_bytes(m: LMHead) -> int:
-    """What the head's product reads: the CPU's oneDNN-packed copy, else an fp8 head's values
-    and scales, else the dense weight."""
+    """What the head's one-row product reads: a GGUF model's 8-bit copy on a CPU, else the
+    CPU's oneDNN-packed copy, else an fp8 head's values and scales, else the dense weight."""
+    if m.intdot_weight is not None and m.intdot_rows >= 1:
+        return m.intdot_weight.nbytes()
     if m.packed_weight is not None:
         return m.packed_weight.numel() * m.packed_weight.element_size()
     if m.fp8_weight is not None:

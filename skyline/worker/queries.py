@@ -261,7 +261,8 @@ def unfuse(r: ModelRunner, names: list[str], graph_batches: list[int] | None = N
 
 def cpu_step_seconds(r: ModelRunner) -> dict[str, float]:
     """Seconds a CPU engine's steps spent since this probe's first call, which starts timing
-    them, by part: "linears" (the int4 kernel's products: the layers' Linears), "forward"
+    them, by part: "linears" (the int4 kernel's products called from Python: the layers'
+    Linears; none where the C++ decode step of model/layers/cpu_decode.py runs them), "forward"
     (the layers, their Linears included), "lm_head", "sample", and the runner's host phases
     (bench/cpu_vs_llamacpp.py: where a decode step's time goes)."""
     spent = getattr(r, "step_s", None)
