@@ -1,7 +1,9 @@
 """CPU attention paths of `skyline/ops/attention.py` and attention_ref.py against torch's SDPA,
 for the default model's heads (9 query / 3 kv heads, head_dim 64): one query over a context (a
-decode) in bfloat16 and float32, and a few queries with a causal mask over a longer context (a
-verification's drafts, `_attend_small`) against masked SDPA.
+decode) in bfloat16 and float32; a few queries with a causal mask over a longer context (a
+verification's drafts, `_attend_small`) against masked SDPA; and a decode over the paged bf16
+KV cache as the CPU decode step runs it, in C++ (csrc/cpu_decode.cpp's decode_attention, where
+skyline's CPU operations build) against its Python path (ops/cpu_attention.decode_attention_cpu).
 
   python bench/cpu_attention_speed.py --threads 2 \
       --out bench/results/cpu/cpu-attention-2threads.json
@@ -19,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from skyline.bench.offline import median_call_s
+from skyline.ops import cpu_ext
 from skyline.ops.attention_ref import _attend_small
+from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 SCALE = DIM**-0.5
@@ -69,6 +73,30 @@ def extend_rows(g: torch.Generator, smoke: bool) -> list[dict]:
     return rows
 
 
+def paged_rows(g: torch.Generator, smoke: bool) -> list[dict]:
+    if not cpu_ext.available():
+        print("paged decode: skyline's CPU operations do not build here; skipped")
+        return []
+    rows, bs = [], 16
+    min_s = 0.01 if smoke else 0.3
+    for ctx in (100,) if smoke else (64, 256, 1024, 4000):
+        nblk = -(-ctx // bs)
+        cache = torch.randn(2, nblk + 3, bs, KV_HEADS, DIM, generator=g).bfloat16()
+        table = torch.randperm(nblk + 3, generator=g)[:nblk].view(1, nblk).int()
+        q = torch.randn(1, HEADS + 2 * KV_HEADS, DIM, generator=g).bfloat16()[:, :HEADS]
+        gather, lens = decode_gather([ctx], table, bs), torch.tensor([ctx])
+        blocks = gather.blocks.long()
+        t_py = median_call_s(lambda q=q, c=cache, gt=gather: decode_attention_cpu(
+            q, c, gt, SCALE), min_s)
+        t_cpp = median_call_s(lambda q=q, c=cache, b=blocks, n=lens: (
+            torch.ops.skyline_cpu.decode_attention(q, c, b, n, SCALE)), min_s)
+        rows.append({"context": ctx, "python_path_us": t_py * 1e6, "cpp_us": t_cpp * 1e6,
+                     "speedup": t_py / t_cpp})
+        print(f"paged decode, context {ctx:5d}: Python path {t_py * 1e6:7.1f} us, "
+              f"C++ {t_cpp * 1e6:7.1f} us ({t_py / t_cpp:.2f}x)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -80,7 +108,8 @@ def main() -> None:
     res = {"benchmark": "CPU attention: torch SDPA vs skyline's CPU paths",
            "machine": f"{platform.machine()}, {platform.platform()}", "torch": torch.__version__,
            "threads": a.threads, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "decode": decode_rows(g, a.smoke), "extend": extend_rows(g, a.smoke)}
+           "decode": decode_rows(g, a.smoke), "extend": extend_rows(g, a.smoke),
+           "paged_decode": paged_rows(g, a.smoke)}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

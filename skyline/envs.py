@@ -68,7 +68,8 @@ class Env:
     # SKYLINE_PDL=0: no programmatic dependent launch for the Triton kernels (ops/pdl.py).
     pdl: bool
     # SKYLINE_CPU_SERIAL_TOKENS: on a CPU, a step of at most this many tokens runs on one
-    # thread (worker/runner/launch.py); 0 turns it off.
+    # thread or on all, whichever its size ran faster on lately (worker/runner/step_threads.py);
+    # 0: every step on all threads.
     cpu_serial_tokens: int
     # SKYLINE_GGUF_CPU_PLANES: on a CPU in bfloat16, GGUF blocks of at most this many bits
     # above 4 run the int4 kernel as two planes (quant/gguf.py); 1 keeps them dense.

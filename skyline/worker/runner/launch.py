@@ -23,10 +23,8 @@ from skyline.worker.spec.proposer import HiddenStateProposer
 from skyline.worker.spec.verify import sample_and_verify, verify_rows
 from skyline.worker.step import InFlight, Part, split_parts
 
-# CPU: a step of at most this many tokens runs on one thread. Its operations are too small to
-# share well, and in a server the API process needs a core for every token it streams: an
-# engine thread waiting for that core stalls each parallel region (BENCHMARKS.md, "Threads of
-# a CPU server"; SKYLINE_CPU_SERIAL_TOKENS=0 turns this off).
+# CPU: a step of at most this many tokens runs on one thread or on all of them, whichever its
+# size ran faster on lately (runner/step_threads.py); SKYLINE_CPU_SERIAL_TOKENS=0: always all.
 CPU_SERIAL_TOKENS = envs.ENV.cpu_serial_tokens
 # A step with nothing to compute (requests only wait for KV transfers) waits this long at most
 # for one to end: the loop neither spins nor keeps new requests waiting.
@@ -74,14 +72,18 @@ class ModelRunner(RunnerStartup):
                 self.connector.wait(KV_WAIT_S)  # nothing on the device to overlap with
             self._in_flight = InFlight(propose=out.propose_drafts)
             return self._finish(prev) if prev is not None else None
-        serial = (self.device.type == "cpu" and self.cpu_threads > 1
-                  and out.total_num_scheduled_tokens <= CPU_SERIAL_TOKENS)
-        if serial:  # restored below: the process's other torch work keeps its threads
-            torch.set_num_threads(1)
+        if self.device.type != "cpu":
+            return self._launch(out, prev)
+        tokens = out.total_num_scheduled_tokens
+        threads = self.step_threads.choose(tokens)
+        if threads != self.cpu_threads:  # restored below: other torch work keeps its threads
+            torch.set_num_threads(threads)
+        t2 = time.perf_counter()
         try:
             return self._launch(out, prev)
         finally:
-            if serial:
+            self.step_threads.record(tokens, threads, time.perf_counter() - t2)
+            if threads != self.cpu_threads:
                 torch.set_num_threads(self.cpu_threads)
 
     def _launch(self, out: SchedulerOutput, prev: InFlight | None) -> RunnerOutput | None:

@@ -36,6 +36,7 @@ from skyline.worker.kv_cache import (
     num_blocks_for,
 )
 from skyline.worker.memory import check_memory
+from skyline.worker.runner.step_threads import StepThreads
 from skyline.worker.spec.proposer import make_proposer
 from skyline.worker.step import InFlight
 
@@ -156,6 +157,7 @@ class RunnerStartup:
         # inputs, reading sampled tokens: bench/host_overhead.py); a few clock reads a step.
         self.host_s = {"states": 0.0, "inputs": 0.0, "read_tokens": 0.0}
         self.cpu_threads = torch.get_num_threads()  # as configured (--threads)
+        self.step_threads = StepThreads(self.cpu_threads, envs.ENV.cpu_serial_tokens)
         self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
