@@ -74,6 +74,25 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], n)
 
 
+def exact_near_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   margin: float = 8.0, limit_per_row: int = 1024) -> torch.Tensor:
+    """Logits [n, V] of an approximate head (activations rounded to int8: errors of ~1e-2 on
+    every entry) with the entries within `margin` of each row's maximum recomputed as a
+    16-bit head's near-max entries are (x [n, K] @ weight [V, K]^T in float32, in place): the
+    argmax and the probabilities that matter (e^-8 of the top's and more) are then those of
+    the exact head, as a prompt scored later by the dense head gives them. A row with more
+    than `limit_per_row` such entries is left as computed."""
+    if logits.numel() == 0:
+        return logits
+    top = logits.amax(-1, keepdim=True)
+    rows, cols = (logits >= top - margin).nonzero(as_tuple=True)
+    if rows.numel() > limit_per_row * logits.shape[0]:
+        return logits
+    exact = (x.reshape(-1, x.shape[-1])[rows].float() * weight[cols].float()).sum(-1)
+    logits[rows, cols] = exact
+    return logits
+
+
 def exact_near_max(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    limit_per_row: int = 64) -> torch.Tensor:
     """Logits [n, V] of a 16-bit head (x [n, K] @ weight [V, K]^T, float32 sums rounded to the

@@ -233,9 +233,12 @@ def test_echo_and_prompt_logprobs_score_text(server, client, model):
     lp = scored.logprobs
     assert scored.text.startswith("The capital of France is" + "".join(gen.tokens))
     assert len(lp.tokens) == len(tokens) + 1 and lp.token_logprobs[0] is None
+    # the default model serves in bfloat16 with other kernels for one row than for a prompt's
+    # rows (the CPU decode step's attention, the LM head's 8-bit copy against its bfloat16
+    # logits, rounded by up to 1/32 near 16): a few 1e-2 apart; a wrong position is further
     assert lp.token_logprobs[len(prompt):len(tokens)] == pytest.approx(gen.token_logprobs,
-                                                                        abs=1e-3)
-    assert lp.top_logprobs[len(prompt)] == pytest.approx(gen.top_logprobs[0], abs=1e-3)
+                                                                        abs=5e-2)
+    assert lp.top_logprobs[len(prompt)] == pytest.approx(gen.top_logprobs[0], abs=5e-2)
     vllm = scored.model_extra["prompt_logprobs"]
     assert len(vllm) == len(tokens) and vllm[0] is None
     for j in range(1, len(tokens)):

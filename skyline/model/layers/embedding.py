@@ -129,8 +129,9 @@ class LMHead(nn.Module):
         head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
         emulation would dequantize them at every step). With `intdot_rows` (a GGUF model, whose
         head the file holds in 8 bits or fewer), batches of at most that many rows run an 8-bit
-        copy on the integer dot kernel, float32 logits with no rounding to recompute. Returns
-        whether it packed."""
+        copy on the integer dot kernel, and the entries within 8 of each row's top are
+        recomputed from the dense weight (`cpu_linear.exact_near_top`): the sampled token and its
+        logprob are then the dense head's. Returns whether it packed."""
         w = self.weight.data
         if intdot_rows and self.fp8_weight is None and w.device.type == "cpu":
             self.intdot_weight = cpu_intdot.quantize_weight(w)
@@ -163,7 +164,8 @@ class LMHead(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The matmul runs in the model dtype (as HF's lm_head); only the result is upcast.
         if self.intdot_weight is not None and hidden.shape[0] <= self.intdot_rows:
-            return cpu_intdot.intdot_mm(hidden.float().contiguous(), self.intdot_weight)
+            logits = cpu_intdot.intdot_mm(hidden.float().contiguous(), self.intdot_weight)
+            return cpu_linear.exact_near_top(logits, hidden, self.weight.data)
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token
                 hidden = fake_quantize_rows_fp8(hidden).to(hidden.dtype)

@@ -1,4 +1,5 @@
 // Integer dot products of GGUF-style weights with activations rounded to 8 bits per 32 elements
+// twice (the second time what the first rounding left)
 // (ops/cpu_intdot.py holds the PyTorch reference and the contract).
 //
 // W[n, k] = q[n, k] * scale[n, g] + offset[n, g], q unsigned codes (4 bits: byte j of a group
@@ -45,30 +46,44 @@ struct Quantized {
   std::vector<float> d4;   // [M, K / 64, 8]
 };
 
-// x rounded per 32 elements: d = max|x| / 127, q = nearbyint(x / d) (ties to even), as
-// quantize_activations_ref.
+// One row rounded per 32 elements into virtual row `v`: d = max|x| / 127, q = nearbyint(x / d)
+// (ties to even), as quantize_activations_ref; returns nothing, writes x - q d to `residual`.
+void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int64_t v,
+                  float* residual) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int8_t* qb = out.q.data() + v * k + b * kBlock;
+    for (int i = 0; i < kBlock; ++i) {
+      qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+      residual[b * kBlock + i] = xb[i] - static_cast<float>(qb[i]) * d;
+    }
+    out.d[v * (k / kBlock) + b] = d;
+    for (int h = 0; h < kBlock / group; ++h) {
+      int s = 0;
+      for (int i = 0; i < group; ++i) s += qb[h * group + i];
+      out.sum[v * (k / group) + b * (kBlock / group) + h] = d * static_cast<float>(s);
+    }
+  }
+}
+
+// Each row of x as two virtual rows (2r: x rounded to int8 per 32; 2r + 1: what that rounding
+// left, rounded the same way), whose products the kernel adds: x's rounding error falls from
+// ~1/254 of each block's largest element to ~1/254 of that, below bfloat16's.
 template <typename T>
 Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group) {
   Quantized out;
-  out.q.resize(m * k);
-  out.d.resize(m * (k / kBlock));
-  out.sum.resize(m * (k / group));
+  out.q.resize(2 * m * k);
+  out.d.resize(2 * m * (k / kBlock));
+  out.sum.resize(2 * m * (k / group));
+  std::vector<float> row(k), first(k), second(k);
   for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < k / kBlock; ++b) {
-      const T* xb = x + r * k + b * kBlock;
-      float amax = 0.f;
-      for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(static_cast<float>(xb[i])));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* qb = out.q.data() + r * k + b * kBlock;
-      for (int i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[i]) * id));
-      out.d[r * (k / kBlock) + b] = d;
-      for (int h = 0; h < kBlock / group; ++h) {
-        int s = 0;
-        for (int i = 0; i < group; ++i) s += qb[h * group + i];
-        out.sum[r * (k / group) + b * (kBlock / group) + h] = d * static_cast<float>(s);
-      }
-    }
+    for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[r * k + i]);
+    quantize_row(row.data(), k, group, out, 2 * r, first.data());
+    quantize_row(first.data(), k, group, out, 2 * r + 1, second.data());
   }
   return out;
 }
@@ -156,8 +171,8 @@ inline __m256i dot2_u4s8(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 }
 #endif
 
-// rows [n0, n1) of y for M (<= kMaxRows) activation rows from m_off (M a constant: the
-// accumulators stay in registers)
+// rows [n0, n1) of y for M (even, <= kMaxRows) virtual activation rows from m_off, that is
+// M / 2 rows of y (M a constant: the accumulators stay in registers)
 template <int BITS, int GROUP, int M, typename Y>
 void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* codes,
                  const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1,
@@ -229,8 +244,10 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         acc[r] = _mm256_fmadd_ps(p, sd, acc[r]);
       }
     }
-    for (int r = 0; r < M; ++r) y[r * ldy + n] = static_cast<Y>(hsum(acc[r]) + off[r]);
+    for (int r = 0; r < M; r += 2)  // a row's two virtual rows add up
+      y[r / 2 * ldy + n] = static_cast<Y>(hsum(_mm256_add_ps(acc[r], acc[r + 1])) + off[r] + off[r + 1]);
 #else
+    float part[kMaxRows];
     for (int r = 0; r < M; ++r) {
       const int64_t row = m_off + r;
       float acc = 0.f;
@@ -250,8 +267,9 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         }
         acc += sc[g] * xq.d[row * blocks + g * GROUP / kBlock] * static_cast<float>(s);
       }
-      y[r * ldy + n] = static_cast<Y>(acc + off[r]);
+      part[r] = acc + off[r];
     }
+    for (int r = 0; r < M; r += 2) y[r / 2 * ldy + n] = static_cast<Y>(part[r] + part[r + 1]);
 #endif
   }
 }
@@ -263,12 +281,12 @@ void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* co
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
-      Y* ym = y + m0 * n;
+    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {  // m virtual rows, two a row of y
+      Y* ym = y + m0 / 2 * n;
       switch (std::min<int64_t>(kMaxRows, m - m0)) {
 #define ROWS(R) \
   case R: rows_kernel<BITS, GROUP, R, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        ROWS(2) ROWS(4) ROWS(6) ROWS(8)
 #undef ROWS
       }
     }
@@ -297,17 +315,17 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
   Quantized xq = x.scalar_type() == at::kFloat
                      ? quantize(x.data_ptr<float>(), m, k, group)
                      : quantize(x.data_ptr<at::BFloat16>(), m, k, group);
-  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, m, k);
+  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, 2 * m, k);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
   auto dispatch = [&](auto* out) {
     using Y = std::remove_pointer_t<decltype(out)>;
-    if (bits == 4 && group == 32) run<4, 32, Y>(xq, m, n, k, c, s, o, out);
-    else if (bits == 4) run<4, 16, Y>(xq, m, n, k, c, s, o, out);
-    else if (group == 32) run<8, 32, Y>(xq, m, n, k, c, s, o, out);
-    else run<8, 16, Y>(xq, m, n, k, c, s, o, out);
+    if (bits == 4 && group == 32) run<4, 32, Y>(xq, 2 * m, n, k, c, s, o, out);
+    else if (bits == 4) run<4, 16, Y>(xq, 2 * m, n, k, c, s, o, out);
+    else if (group == 32) run<8, 32, Y>(xq, 2 * m, n, k, c, s, o, out);
+    else run<8, 16, Y>(xq, 2 * m, n, k, c, s, o, out);
   };
   if (x.scalar_type() == at::kFloat) dispatch(y.data_ptr<float>());
   else dispatch(y.data_ptr<at::BFloat16>());
