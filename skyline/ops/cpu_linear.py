@@ -84,13 +84,7 @@ def exact_near_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     than `limit_per_row` such entries is left as computed."""
     if logits.numel() == 0:
         return logits
-    top = logits.amax(-1, keepdim=True)
-    rows, cols = (logits >= top - margin).nonzero(as_tuple=True)
-    if rows.numel() > limit_per_row * logits.shape[0]:
-        return logits
-    exact = (x.reshape(-1, x.shape[-1])[rows].float() * weight[cols].float()).sum(-1)
-    logits[rows, cols] = exact
-    return logits
+    return _recompute_near_top(logits, x, weight, margin, limit_per_row)
 
 
 def exact_near_max(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -106,11 +100,17 @@ def exact_near_max(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     close (a zero model) is left as it is. Float32 weights return logits untouched."""
     if weight.dtype == torch.float32 or logits.numel() == 0:
         return logits
+    margin = logits.amax(-1, keepdim=True).abs() * (2 * torch.finfo(weight.dtype).eps) + 1e-6
+    return _recompute_near_top(logits, x, weight, margin, limit_per_row)
+
+
+def _recompute_near_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        margin: float | torch.Tensor, limit_per_row: int) -> torch.Tensor:
+    # the entries within `margin` of their row's maximum, in float32, in place (unless a row
+    # averages more than limit_per_row of them)
     top = logits.amax(-1, keepdim=True)
-    margin = top.abs() * (2 * torch.finfo(weight.dtype).eps) + 1e-6
     rows, cols = (logits >= top - margin).nonzero(as_tuple=True)
     if rows.numel() > limit_per_row * logits.shape[0]:
         return logits
-    exact = (x.reshape(-1, x.shape[-1])[rows].float() * weight[cols].float()).sum(-1)
-    logits[rows, cols] = exact
+    logits[rows, cols] = (x.reshape(-1, x.shape[-1])[rows].float() * weight[cols].float()).sum(-1)
     return logits
