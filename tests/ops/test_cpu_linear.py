@@ -134,6 +134,31 @@ def test_exact_near_max_leaves_float32_and_degenerate_rows():
     assert torch.equal(out, flat)  # 40 equal entries per row: a zero model, left alone
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_native_near_top_is_the_reference(x_dtype):
+    """csrc's near_top_ (one call) against recompute_near_top_ref (six operations): the same
+    entries recomputed, to float32's sums in another order; a degenerate batch left alone."""
+    from skyline.ops import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip("skyline's CPU operations do not build here")
+    torch.manual_seed(2)
+    x = torch.randn(3, 96).to(x_dtype)
+    w = torch.randn(700, 96).bfloat16()
+    logits = (x.float() @ w.float().t()) + torch.randn(3, 700) * 0.5  # an approximate head
+    for margin, rel in ((8.0, 0.0), (1e-6, 2 * torch.finfo(torch.bfloat16).eps)):
+        got = logits.clone()
+        torch.ops.skyline_cpu.near_top_(got, x, w, margin, rel, 1024)
+        top = logits.amax(-1, keepdim=True)
+        want = cpu_linear.recompute_near_top_ref(logits.clone(), x, w, top.abs() * rel + margin,
+                                                 1024)
+        assert torch.equal(got != logits, want != logits) and (got != logits).any()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    flat = torch.zeros(3, 700)
+    torch.ops.skyline_cpu.near_top_(flat, x, w, 8.0, 0.0, 16)
+    assert not flat.any()
+
+
 def test_head_on_the_cpu_answers_as_float32_at_near_ties():
     head = LMHead(500, 64)
     torch.manual_seed(1)

@@ -1,10 +1,11 @@
 // A Llama decode step's layers on the CPU with no Python between operations
 // (model/layers/cpu_decode.py holds the Python form, `run`, and the contract).
 //
-// Each operation is the ATen operation `run` dispatches from Python, with the same arguments in
-// the same order, so the results are the same bit for bit; only the interpreter between them
-// is gone (a batch-1 step of a small model dispatches ~30 operations a layer, each a few
-// microseconds of Python around under a microsecond of work).
+// The weight products are the kernels the Python form calls (torch's int4 kernel, the integer
+// dot kernel); attention reads the paged cache in place; what lies between them (residual adds,
+// RMSNorm, rotary, the KV write, SiLU-and-mul) is loops over bfloat16 rows that round where the
+// Python form's ATen operations round, with float32 arithmetic in between: a batch-1 step of a
+// small model spent more time dispatching those ~20 operations a layer than computing them.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -37,13 +38,6 @@ Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t 
   const int64_t a = spec[i * kSpec + 2], b = spec[i * kSpec + 3];
   if (kind == 0) return at::_weight_int4pack_mm_for_cpu(x, w[t], a, w[t + 1]);
   return skyline::intdot_mm(x.contiguous(), w[t], w[t + 1], w[t + 2], a, b);
-}
-
-// ops/norm.py's rms_norm_cpu: LayerNorm of [x, -x], its first half times the weight
-Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
-  const int64_t d = x.size(-1);
-  const Tensor normed = at::layer_norm(at::cat({x, x.neg()}, -1), {2 * d}, {}, {}, eps);
-  return normed.slice(-1, 0, d) * weight;
 }
 
 template <typename T>
@@ -197,41 +191,161 @@ Tensor skyline::decode_attention(const Tensor& q, const Tensor& kv_cache, const 
 
 namespace {
 
-// ops/kv_write.py's write_kv of k and v, neighbouring views of one projection
-void write_kv(const Tensor& k, const Tensor& kv_cache, const Tensor& slots) {
-  const int64_t t = k.size(0), kvh = k.size(1), d = k.size(2);
-  const int64_t nb = kv_cache.size(1), bs = kv_cache.size(2);
-  const Tensor pair = k.as_strided({2, t, kvh, d}, {kvh * d, k.stride(0), k.stride(1), k.stride(2)});
-  kv_cache.view({2, nb * bs, kvh, d}).index_copy_(1, slots, pair);
+using BF16 = c10::BFloat16;
+
+// float -> bfloat16 to nearest even, as c10's conversion (NaN kept a NaN), in arithmetic the
+// compiler vectorizes
+inline BF16 bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  const uint16_t r = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return BF16(v != v ? uint16_t{0x7fc0} : r, BF16::from_bits());
 }
 
-// x [T, hidden] through every layer -> (the last MLP's output, the residual)
+// residual += x (skipped for the first layer, whose residual is x), then out = the residual's
+// RMSNorm times the weight: ops/norm.py's rms_norm_cpu rounds x / rms to bfloat16, then its
+// product with the weight
+void add_rms_norm(const BF16* x, BF16* res, bool add, const BF16* w, float eps, int64_t t,
+                  int64_t d, BF16* out) {
+  for (int64_t r = 0; r < t; ++r) {
+    BF16* rr = res + r * d;
+    if (add) {
+      const BF16* xr = x + r * d;
+      for (int64_t e = 0; e < d; ++e) rr[e] = bf16(f32(xr[e]) + f32(rr[e]));
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t e = 0; e < d; ++e) ss += f32(rr[e]) * f32(rr[e]);
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    BF16* o = out + r * d;
+    for (int64_t e = 0; e < d; ++e) o[e] = bf16(f32(bf16(f32(rr[e]) * inv)) * f32(w[e]));
+  }
+}
+
+// ops/rotary.py's rotary_cpu in place on each of the `rows` heads of d elements at `x` (q and
+// k of a token, neighbours): x * cos2 rounded, plus roll(x, d / 2) * sin2 in float32, rounded
+void rotary(BF16* x, int64_t rows, int64_t d, const BF16* cos2, const BF16* sin2) {
+  float row[512];
+  const int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    BF16* xr = x + r * d;
+    for (int64_t e = 0; e < d; ++e) row[e] = f32(xr[e]);
+    for (int64_t e = 0; e < d; ++e) {
+      const float rolled = row[e < half ? e + half : e - half];
+      xr[e] = bf16(f32(bf16(row[e] * f32(cos2[e]))) + rolled * f32(sin2[e]));
+    }
+  }
+}
+
+// ops/kv_write.py's write_kv: token i's K and V heads (neighbours at kv) into slot slots[i] of
+// a [2, NB, BS, KVH, D] cache
+void write_kv(const BF16* kv, int64_t row, int64_t t, int64_t tok, const int64_t* slots,
+              BF16* cache, int64_t v_off) {
+  for (int64_t i = 0; i < t; ++i) {
+    if (slots[i] < 0) continue;
+    std::memcpy(cache + slots[i] * tok, kv + i * row, tok * sizeof(BF16));
+    std::memcpy(cache + v_off + slots[i] * tok, kv + i * row + tok, tok * sizeof(BF16));
+  }
+}
+
+// SiLU(gate) rounded, times up, rounded: [t, 2n] -> [t, n]
+void silu_mul(const BF16* gate_up, int64_t t, int64_t n, BF16* out) {
+  for (int64_t r = 0; r < t; ++r) {
+    const BF16* g = gate_up + r * 2 * n;
+    const BF16* u = g + n;
+    for (int64_t e = 0; e < n; ++e) {
+      const float v = f32(g[e]);
+      const float z = exp_nonpositive(-std::fabs(v));  // e^-|v|: sigmoid without overflow
+      const float sig = v >= 0.f ? 1.f / (1.f + z) : z / (1.f + z);
+      out[r * n + e] = bf16(f32(bf16(v * sig)) * f32(u[e]));
+    }
+  }
+}
+
+// x [T, hidden] bfloat16 through every layer -> (the last MLP's output, the residual)
 std::tuple<Tensor, Tensor> decode_layers(
     Tensor x, const Tensor& cos2, const Tensor& sin2, at::TensorList norms, at::ArrayRef<double> eps,
     at::TensorList w, at::IntArrayRef spec, at::TensorList kv_caches, const Tensor& blocks,
     const Tensor& lens, const Tensor& slots, int64_t h, int64_t kvh, int64_t d, double scale) {
-  const int64_t t = x.size(0), layers = kv_caches.size();
+  const int64_t t = x.size(0), hidden = x.size(1), layers = kv_caches.size();
   TORCH_CHECK(norms.size() == 2 * layers && eps.size() == 2 * layers &&
                   spec.size() == 4 * kSpec * layers,
               "decode_layers: one input and one post-attention norm and four products a layer");
-  Tensor residual;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos2.scalar_type() == at::kBFloat16 &&
+                  sin2.scalar_type() == at::kBFloat16 && d <= 512,
+              "decode_layers: bfloat16 activations and rotary operands, head_dim <= 512");
+  const Tensor c2 = cos2.reshape({t, d}).contiguous(), s2 = sin2.reshape({t, d}).contiguous();
+  const Tensor sl = slots.to(at::kLong).contiguous();
+  const int64_t row = (h + 2 * kvh) * d, tok = kvh * d;
+  Tensor residual = x.contiguous().clone(), normed = at::empty_like(residual);
+  BF16* res = residual.data_ptr<BF16>();
+  BF16* nrm = normed.data_ptr<BF16>();
   for (int64_t l = 0; l < layers; ++l) {
-    residual = l == 0 ? x : x + residual;
-    const Tensor qkv = product(rms_norm(residual, norms[2 * l], eps[2 * l]), w, spec, 4 * l)
-                           .view({t, h + 2 * kvh, d});
-    const Tensor q = qkv.slice(1, 0, h), k = qkv.slice(1, h, h + kvh);
-    // rotary in place on q and k together (k still neighbours v)
-    Tensor qk = q.as_strided({t, h + kvh, d}, q.strides());
-    at::addcmul_out(qk, qk * cos2, qk.roll({d / 2}, {-1}), sin2);
-    write_kv(k, kv_caches[l], slots);
-    const Tensor o = skyline::decode_attention(q, kv_caches[l], blocks, lens, scale);
-    residual = product(o.view({t, h * d}), w, spec, 4 * l + 1) + residual;
-    const Tensor gate_up = product(rms_norm(residual, norms[2 * l + 1], eps[2 * l + 1]), w, spec,
-                                   4 * l + 2);
-    const auto halves = gate_up.chunk(2, -1);
-    x = product(at::silu(halves[0]) * halves[1], w, spec, 4 * l + 3);
+    const Tensor& cache = kv_caches[l];
+    TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == at::kBFloat16,
+                "decode_layers: a contiguous bfloat16 [2, NB, BS, KVH, D] cache a layer");
+    add_rms_norm(x.data_ptr<BF16>(), res, l > 0, norms[2 * l].data_ptr<BF16>(),
+                 static_cast<float>(eps[2 * l]), t, hidden, nrm);
+    const Tensor qkv = product(normed, w, spec, 4 * l).contiguous();
+    BF16* p = qkv.data_ptr<BF16>();
+    for (int64_t i = 0; i < t; ++i)
+      rotary(p + i * row, h + kvh, d, c2.data_ptr<BF16>() + i * d, s2.data_ptr<BF16>() + i * d);
+    write_kv(p + h * d, row, t, tok, sl.data_ptr<int64_t>(), cache.data_ptr<BF16>(),
+             cache.size(1) * cache.size(2) * tok);
+    const Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
+    const Tensor o = skyline::decode_attention(q, cache, blocks, lens, scale);
+    const Tensor attn_out = product(o.view({t, h * d}), w, spec, 4 * l + 1).contiguous();
+    add_rms_norm(attn_out.data_ptr<BF16>(), res, true, norms[2 * l + 1].data_ptr<BF16>(),
+                 static_cast<float>(eps[2 * l + 1]), t, hidden, nrm);
+    const Tensor gate_up = product(normed, w, spec, 4 * l + 2).contiguous();
+    const int64_t n = gate_up.size(1) / 2;
+    Tensor act = at::empty({t, n}, x.options());
+    silu_mul(gate_up.data_ptr<BF16>(), t, n, act.data_ptr<BF16>());
+    x = product(act, w, spec, 4 * l + 3).contiguous();
   }
   return {x, residual};
+}
+
+// ops/cpu_linear.py's recompute_near_top_ref: in each row of logits [n, V] (float32), the entries
+// within margin + |top| * rel of the row's maximum recomputed as x [n, K] . weight [V, K] in
+// float32, in place; nothing changes where the rows hold more than limit a row on average
+template <typename T, typename W>
+void near_top(float* logits, int64_t n, int64_t v, const T* x, const W* weight, int64_t k,
+              double margin, double rel, int64_t limit) {
+  std::vector<float> floor(n);
+  int64_t count = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = logits + r * v;
+    float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < v; ++j) top = std::max(top, row[j]);
+    floor[r] = top - static_cast<float>(margin + std::fabs(top) * rel);
+    for (int64_t j = 0; j < v; ++j) count += row[j] >= floor[r];
+  }
+  if (count > limit * n) return;
+  std::vector<float> xf(k);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < k; ++e) xf[e] = f32(x[r * k + e]);
+    float* row = logits + r * v;
+    for (int64_t j = 0; j < v; ++j)
+      if (row[j] >= floor[r]) row[j] = dot(xf.data(), weight + j * k, k);
+  }
+}
+
+void near_top_(Tensor& logits, const Tensor& x, const Tensor& weight, double margin, double rel,
+               int64_t limit) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat &&
+                  x.dim() == 2 && x.is_contiguous() && x.size(0) == logits.size(0) &&
+                  weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1) &&
+                  weight.size(0) == logits.size(1),
+              "near_top_: float32 logits [n, V], x [n, K], weight [V, K], all contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "near_top_x", [&] {
+    using X = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, weight.scalar_type(), "near_top_w", [&] {
+      near_top(logits.data_ptr<float>(), logits.size(0), logits.size(1), x.data_ptr<X>(),
+               weight.data_ptr<scalar_t>(), x.size(1), margin, rel, limit);
+    });
+  });
 }
 
 }  // namespace
@@ -242,9 +356,12 @@ TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
         "int h, int kvh, int d, float scale) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor blocks, Tensor lens, float scale) "
         "-> Tensor");
+  m.def("near_top_(Tensor(a!) logits, Tensor x, Tensor weight, float margin, float rel, int limit) "
+        "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) {
   m.impl("decode_layers", decode_layers);
   m.impl("decode_attention", skyline::decode_attention);
+  m.impl("near_top_", near_top_);
 }

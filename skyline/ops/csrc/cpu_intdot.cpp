@@ -53,7 +53,7 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float d = amax / 127.f;
     const float id = d > 0.f ? 1.f / d : 0.f;
     int8_t* qb = out.q.data() + v * k + b * kBlock;
