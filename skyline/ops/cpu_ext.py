@@ -64,13 +64,17 @@ def _load() -> str | None:
             with open(path, "rb") as f:
                 digest.update(f.read())
         march = envs.ENV.cpu_intdot_march
-        # a build is for one CPU, one -march and one torch (its C++ ABI)
-        digest.update(_cpu_flags().encode() + march.encode() + torch.__version__.encode())
+        # -fno-trapping-math: no operation here traps, and with it the element loops that
+        # round (floor, float -> int) vectorize; results are the same
+        cflags = ["-O3", f"-march={march}", "-fopenmp", "-fno-trapping-math"]
+        # a build is for one CPU, one set of flags and one torch (its C++ ABI)
+        digest.update(_cpu_flags().encode() + " ".join(cflags).encode()
+                      + torch.__version__.encode())
         name = f"skyline_cpu_{digest.hexdigest()[:12]}"
         logger.info("loading skyline's CPU operations (built for this machine at first use, "
                     "~20 s)")
-        cpp_extension.load(name, SOURCES, extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        cpp_extension.load(name, SOURCES, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
         return name
     except Exception as e:  # no compiler, ninja or headers: torch's kernels serve
         logger.info("skyline's CPU operations are not built (%s); using torch's",

@@ -198,8 +198,9 @@ using BF16 = c10::BFloat16;
 inline BF16 bf16(float v) {
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
-  const uint16_t r = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  return BF16(v != v ? uint16_t{0x7fc0} : r, BF16::from_bits());
+  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;  // integer compares keep the loop vector
+  return BF16(static_cast<uint16_t>(nan ? 0x7fc0u : r), BF16::from_bits());
 }
 
 // residual += x (skipped for the first layer, whose residual is x), then out = the residual's
@@ -211,6 +212,7 @@ void add_rms_norm(const BF16* x, BF16* res, bool add, const BF16* w, float eps, 
     BF16* rr = res + r * d;
     if (add) {
       const BF16* xr = x + r * d;
+#pragma omp simd
       for (int64_t e = 0; e < d; ++e) rr[e] = bf16(f32(xr[e]) + f32(rr[e]));
     }
     float ss = 0.f;
@@ -218,6 +220,7 @@ void add_rms_norm(const BF16* x, BF16* res, bool add, const BF16* w, float eps, 
     for (int64_t e = 0; e < d; ++e) ss += f32(rr[e]) * f32(rr[e]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
     BF16* o = out + r * d;
+#pragma omp simd
     for (int64_t e = 0; e < d; ++e) o[e] = bf16(f32(bf16(f32(rr[e]) * inv)) * f32(w[e]));
   }
 }
@@ -249,15 +252,16 @@ void write_kv(const BF16* kv, int64_t row, int64_t t, int64_t tok, const int64_t
 }
 
 // SiLU(gate) rounded, times up, rounded: [t, 2n] -> [t, n]
-void silu_mul(const BF16* gate_up, int64_t t, int64_t n, BF16* out) {
+void silu_mul(const BF16* __restrict gate_up, int64_t t, int64_t n, BF16* __restrict out) {
   for (int64_t r = 0; r < t; ++r) {
     const BF16* g = gate_up + r * 2 * n;
     const BF16* u = g + n;
+    BF16* o = out + r * n;
+#pragma omp simd
     for (int64_t e = 0; e < n; ++e) {
       const float v = f32(g[e]);
       const float z = exp_nonpositive(-std::fabs(v));  // e^-|v|: sigmoid without overflow
-      const float sig = v >= 0.f ? 1.f / (1.f + z) : z / (1.f + z);
-      out[r * n + e] = bf16(f32(bf16(v * sig)) * f32(u[e]));
+      o[e] = bf16(f32(bf16(v * ((v >= 0.f ? 1.f : z) / (1.f + z)))) * f32(u[e]));
     }
   }
 }
