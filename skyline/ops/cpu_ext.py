@@ -40,6 +40,8 @@ class NativeProduct(NamedTuple):
     tensors: tuple[torch.Tensor, ...]  # (packed, scales_and_zeros) / (codes, scale, offset)
     a: int  # group / bits
     b: int = 0  # - / group
+    rows: int = 2**62  # batches of more rows take `dense`
+    dense: torch.Tensor | None = None  # [out, in] in the model dtype, oneDNN-packed or plain
 
 
 INT4_PLANE = 0  # torch's int4 kernel, one plane (ops/cpu_int4.py)

@@ -182,7 +182,8 @@ class GGUFLinearMethod:
                 return cpu_intdot.intdot_mm(x.contiguous(), w)
 
             native = cpu_ext.NativeProduct(cpu_ext.INTDOT, (w.codes, w.scale, w.offset),
-                                           w.bits, w.group)
+                                           w.bits, w.group, layer.cpu_plane_rows,
+                                           layer.cpu_dense)
             return intdot, layer.cpu_plane_rows, native
         group = getattr(layer, "cpu_plane_group", 0)
         if not group:
@@ -191,7 +192,8 @@ class GGUFLinearMethod:
         def product(x: torch.Tensor) -> torch.Tensor:
             return cpu_int4.planes_mm(x, layer.cpu_planes, group)
 
-        native = cpu_ext.NativeProduct(cpu_ext.INT4_PLANE, tuple(layer.cpu_planes[0]), group)
+        native = cpu_ext.NativeProduct(cpu_ext.INT4_PLANE, tuple(layer.cpu_planes[0]), group, 0,
+                                       layer.cpu_plane_rows, layer.cpu_dense)
         return product, layer.cpu_plane_rows, native
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:

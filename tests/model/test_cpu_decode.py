@@ -42,7 +42,10 @@ def _decode_inputs(llm, prompts):
     return next(inp for inp in seen if inp.attn.num_decodes == len(prompts))
 
 
-@pytest.mark.parametrize("lens", [[1], [9], [5, 23, 17]], ids=lambda x: f"b{len(x)}")
+# b10: more sequences than the int4 kernel takes (the CPU plan's int4_rows, 8): the C++ step
+# runs the layers' dense weights, as the modules do
+@pytest.mark.parametrize("lens", [[1], [9], [5, 23, 17], [3 + 2 * i for i in range(10)]],
+                         ids=lambda x: f"b{len(x)}")
 def test_hidden_states_are_the_modules(llm, lens):
     model = llm.engine.executor.runner.model.model
     assert model._cpu_decode_plan() is not None
@@ -96,8 +99,13 @@ def test_not_usable_with_hooks_prefill_or_many_rows(llm):
     assert cpu_decode.usable(plan, x, inp.attn)
     assert not cpu_decode.usable(plan, x, None)  # no forward context
     assert not cpu_decode.usable(plan, x.float(), inp.attn)
+    python = plan._replace(native=None)
     rows = torch.zeros(plan.rows + 1, 576, dtype=torch.bfloat16)
-    assert not cpu_decode.usable(plan, rows, inp.attn)  # more rows than a product takes
+    inp.attn.num_decodes = rows.shape[0]
+    assert not cpu_decode.usable(python, rows, inp.attn)  # more rows than a product takes
+    # the C++ step takes them where every product has a dense weight
+    assert cpu_decode.usable(plan, rows, inp.attn) == (plan.native is not None)
+    inp.attn.num_decodes = 1
     handle = model.layers[3].mlp.down_proj.register_forward_pre_hook(lambda m, a: None)
     try:
         assert not cpu_decode.usable(plan, x, inp.attn)

@@ -58,9 +58,12 @@ class NativeStep(NamedTuple):
     norms: list[torch.Tensor]  # per layer: input_layernorm, post_attention_layernorm
     eps: list[float]
     weights: list[torch.Tensor]  # every product's tensors, in order
-    spec: list[int]  # per product: kind, index of its first tensor, a, b
+    # per product: kind, index of its first tensor, a, b, the most rows its kernel takes, the
+    # index of its dense weight for more rows (-1: none)
+    spec: list[int]
     heads: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim), the same every layer
     scale: float
+    rows: int  # the most rows every product takes, its dense weight included
 
 
 class DecodePlan(NamedTuple):
@@ -103,20 +106,23 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
     scales = {lp.attn.scale for lp in layers}
     if len(heads) != 1 or len(scales) != 1 or not cpu_ext.available():
         return None
-    norms, eps, weights, spec = [], [], [], []
+    norms, eps, weights, spec, rows = [], [], [], [], 1 << 62
     for lp, products in zip(layers, natives, strict=True):
         norms += [lp.norm_in[0], lp.norm_post[0]]
         eps += [float(lp.norm_in[1]), float(lp.norm_post[1])]
         for native in products:
-            spec += [native.kind, len(weights), native.a, native.b]
-            weights += native.tensors
-    return NativeStep(norms, eps, weights, spec, heads.pop(), float(scales.pop()))
+            dense = -1 if native.dense is None else len(weights) + len(native.tensors)
+            spec += [native.kind, len(weights), native.a, native.b, native.rows, dense]
+            weights += [*native.tensors, *(() if native.dense is None else (native.dense,))]
+            rows = min(rows, native.rows if native.dense is None else 1 << 62)
+    return NativeStep(norms, eps, weights, spec, heads.pop(), float(scales.pop()), rows)
 
 
 def usable(p: DecodePlan, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
     """Whether `run` computes this forward: a pure decode batch of few enough bfloat16 rows,
     the KV cache bound in that dtype (so unscaled), and no hook to call."""
-    if meta is None or meta.num_decodes != x.shape[0] or x.shape[0] > p.rows:
+    rows = p.rows if p.native is None else p.native.rows
+    if meta is None or meta.num_decodes != x.shape[0] or x.shape[0] > rows:
         return False
     cache = p.layers[0].attn.kv_cache
     if cache is None or cache.dtype != x.dtype or x.dtype != torch.bfloat16:

@@ -7,6 +7,7 @@
 // Python form's ATen operations round, with float32 arithmetic in between: a batch-1 step of a
 // small model spent more time dispatching those ~20 operations a layer than computing them.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <ATen/Dispatch.h>
@@ -30,12 +31,30 @@ namespace {
 using at::Tensor;
 
 // products: kind 0 = torch's int4 kernel, one plane (packed, scales_and_zeros; param: group);
-// kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group)
-constexpr int64_t kSpec = 4;  // ints a product takes in `spec`: kind, first tensor, a, b
+// kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group); batches of more
+// rows than the kernel takes run the dense weight (oneDNN-packed or plain), as
+// quant/gguf.py's _serve_cpu
+constexpr int64_t kSpec = 6;  // ints a product takes in `spec`: kind, first tensor, a, b,
+                              // rows, dense weight (-1: none)
+
+// cpu_linear.packed_linear: oneDNN's product with the weight packed at load
+Tensor packed_linear(const Tensor& x, const Tensor& packed) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed, c10::IValue(), c10::IValue("none"),
+                                 c10::IValue(c10::List<std::optional<c10::Scalar>>()),
+                                 c10::IValue(std::string())};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t i) {
-  const int64_t kind = spec[i * kSpec], t = spec[i * kSpec + 1];
-  const int64_t a = spec[i * kSpec + 2], b = spec[i * kSpec + 3];
+  const int64_t* s = spec.data() + i * kSpec;
+  const int64_t kind = s[0], t = s[1], a = s[2], b = s[3], rows = s[4], dense = s[5];
+  if (x.size(0) > rows) {
+    TORCH_CHECK(dense >= 0, "decode_layers: more rows than a product without a dense weight takes");
+    return w[dense].is_mkldnn() ? packed_linear(x.contiguous(), w[dense]) : at::linear(x, w[dense]);
+  }
   if (kind == 0) return at::_weight_int4pack_mm_for_cpu(x, w[t], a, w[t + 1]);
   return skyline::intdot_mm(x.contiguous(), w[t], w[t + 1], w[t + 2], a, b);
 }
@@ -369,3 +388,7 @@ TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) {
   m.impl("decode_attention", skyline::decode_attention);
   m.impl("near_top_", near_top_);
 }
+
+// the weights may include oneDNN-packed tensors (dense weights for batches of many rows), which
+// route the call by their backend
+TORCH_LIBRARY_IMPL(skyline_cpu, MkldnnCPU, m) { m.impl("decode_layers", decode_layers); }
