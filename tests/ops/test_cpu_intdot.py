@@ -73,12 +73,15 @@ def test_activation_rounding_is_per_32_and_twice() -> None:
 
 @needs_kernel
 def test_quantize_weight_is_q8_0() -> None:
-    w = torch.randn(32, 128)
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
     q = cpu_intdot.quantize_weight(w)
     assert q is not None and q.bits == 8 and q.group == 32
     back = cpu_intdot.dequantize(q)
     step = w.reshape(32, 4, 32).abs().amax(-1, keepdim=True) / 127
-    assert ((back - w).reshape(32, 4, 32).abs() <= step * 0.51).all()
+    # half a step, and a little more where the refitted scale came out below amax / 127 and
+    # the largest element's code stopped at 127
+    err = (back - w).reshape(32, 4, 32).abs()
+    assert (err <= step * 0.75).all() and err.mean() <= (step * 0.26).mean()
 
 
 @needs_kernel
