@@ -11,7 +11,8 @@ about 15 s the first time on two cores, a load after. Where it cannot build (no 
 
 - csrc/cpu_intdot.cpp: integer dot products of quantized weights (ops/cpu_intdot.py).
 - csrc/cpu_decode.cpp: a Llama decode step's layers with no Python between operations
-  (model/layers/cpu_decode.py).
+  (model/layers/cpu_decode.py), and the LM head's recomputation near each row's top
+  (ops/cpu_linear.py's exact_near_top and exact_near_max).
 """
 
 from __future__ import annotations

@@ -13,9 +13,12 @@ results are the modules' bit for bit (tests/model/test_cpu_decode.py).
 
 Where skyline's CPU operations are built (ops/cpu_ext.py) and every product has a native form,
 the step runs from C++ (csrc/cpu_decode.cpp's decode_layers: one call a step, no interpreter
-between operations): the same ATen operations in the same order, bit for bit, but for attention,
-which reads the paged cache in place (csrc's decode_attention, against decode_attention_cpu:
-float32 sums in another order, within 1e-6).
+between operations): the same products; attention read from the paged cache in place (csrc's
+decode_attention, against decode_attention_cpu: float32 sums in another order, within 1e-6);
+the operations between them as loops that round to bfloat16 where the ATen operations above
+round, float32 sums in another order (a flipped rounding grows through 30 layers to bfloat16's
+own error, tests/model/test_cpu_decode.py). A product whose dense weight it holds takes decode
+batches of any size (the dense weight past its kernel's rows, as the Linear would).
 """
 
 from __future__ import annotations
@@ -119,8 +122,9 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
 
 
 def usable(p: DecodePlan, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
-    """Whether `run` computes this forward: a pure decode batch of few enough bfloat16 rows,
-    the KV cache bound in that dtype (so unscaled), and no hook to call."""
+    """Whether `run` computes this forward: a pure decode batch of bfloat16 rows that every
+    product takes (the C++ step's dense weights take any number), the KV cache bound in that
+    dtype (so unscaled), and no hook to call."""
     rows = p.rows if p.native is None else p.native.rows
     if meta is None or meta.num_decodes != x.shape[0] or x.shape[0] > rows:
         return False
