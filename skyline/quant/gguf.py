@@ -21,11 +21,11 @@ load, by the plan: the int4 kernel's planes where the plan runs this layer's cod
 (decode-sized batches: up to `int4_rows` rows, 4-bit codes; `int4_wide_rows` for 5- to 8-bit
 codes) or, for 5- to 8-bit codes where the plan has `intdot_rows`, the integer dot-product
 kernel's codes (ops/cpu_intdot.py: the file's codes with an fp16 scale and offset per 16 or 32,
-activations rounded to int8 per 32, twice: x, then what that left), and the weights dequantized once to the
-model dtype and packed for oneDNN (prefill and many streams, where the int4 kernel's time grows
-with the rows and a dense product's barely does). The raw blocks are dropped; memory is the
-planes plus the dense copy (the default model's Linears in bfloat16: 63 + 203 MiB, against 405
-MiB dequantized to float32).
+activations rounded to int8 per 32, twice: x, then what that left), and the weights dequantized
+once to the model dtype and packed for oneDNN (prefill and many streams, where the int4
+kernel's time grows with the rows and a dense product's barely does). The raw blocks are
+dropped; memory is the planes plus the dense copy (the default model's Linears in bfloat16: 63 +
+203 MiB, against 405 MiB dequantized to float32).
 
 On CUDA, a layer's first call makes its serving form. Runs of Q6_K and Q5_K keep their raw
 blocks (6.56 and 5.5 bits a weight): decode-sized batches run the block GEMV of
