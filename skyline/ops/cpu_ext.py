@@ -6,7 +6,7 @@ dependency), for this CPU's instructions (`-march=native`; its name carries the 
 version and the sources' hash, so a shared extensions directory never hands one machine or
 torch another's build),
 threaded by ATen's OpenMP, cached under torch's extensions directory (TORCH_EXTENSIONS_DIR):
-about 15 s the first time on two cores, a load after. Where it cannot build (no compiler,
+about 20 s the first time on two cores, a load after. Where it cannot build (no compiler,
 `SKYLINE_CPU_INTDOT=0`), `available()` is False and callers keep torch's own kernels.
 
 - csrc/cpu_intdot.cpp: integer dot products of quantized weights (ops/cpu_intdot.py).
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_intdot.cpp", "cpu_decode.cpp")]
 
+ANY_ROWS = 2**62  # what a product that takes batches of any size gives as its rows
+
 
 class NativeProduct(NamedTuple):
     """A weight product the C++ decode step runs itself (csrc/cpu_decode.cpp's `product`)."""
@@ -41,7 +43,7 @@ class NativeProduct(NamedTuple):
     tensors: tuple[torch.Tensor, ...]  # (packed, scales_and_zeros) / (codes, scale, offset)
     a: int  # group / bits
     b: int = 0  # - / group
-    rows: int = 2**62  # batches of more rows take `dense`
+    rows: int = ANY_ROWS  # batches of more rows take `dense`
     dense: torch.Tensor | None = None  # [out, in] in the model dtype, oneDNN-packed or plain
 
 

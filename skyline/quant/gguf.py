@@ -154,7 +154,7 @@ class GGUFLinearMethod:
             dense = dequantize_blocks(layer).to(dtype)
             layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
         else:  # every batch on the planes: slower prefill, but it fits
-            layer.cpu_plane_rows = 2**62
+            layer.cpu_plane_rows = cpu_ext.ANY_ROWS
         for i in range(len(layer.gguf_types)):
             delattr(layer, f"gguf_w{i}")
         return True

@@ -57,6 +57,9 @@ def test_hidden_states_are_the_modules(llm, lens):
     variants = [("modules", False), ("python", plan._replace(native=None))]
     if plan.native is not None:
         variants.append(("native", plan))
+        # the C++ step takes this batch (else the comparison below would be the modules')
+        x = model.embed_tokens(inp.input_ids)
+        assert cpu_decode.usable(plan, x, inp.attn)
     out = {}
     for name, p in variants:
         model._cpu_decode = p

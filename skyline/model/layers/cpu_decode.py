@@ -109,7 +109,7 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
     scales = {lp.attn.scale for lp in layers}
     if len(heads) != 1 or len(scales) != 1 or not cpu_ext.available():
         return None
-    norms, eps, weights, spec, rows = [], [], [], [], 1 << 62
+    norms, eps, weights, spec, rows = [], [], [], [], cpu_ext.ANY_ROWS
     for lp, products in zip(layers, natives, strict=True):
         norms += [lp.norm_in[0], lp.norm_post[0]]
         eps += [float(lp.norm_in[1]), float(lp.norm_post[1])]
@@ -117,7 +117,7 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
             dense = -1 if native.dense is None else len(weights) + len(native.tensors)
             spec += [native.kind, len(weights), native.a, native.b, native.rows, dense]
             weights += [*native.tensors, *(() if native.dense is None else (native.dense,))]
-            rows = min(rows, native.rows if native.dense is None else 1 << 62)
+            rows = min(rows, native.rows if native.dense is None else cpu_ext.ANY_ROWS)
     return NativeStep(norms, eps, weights, spec, heads.pop(), float(scales.pop()), rows)
 
 
@@ -143,14 +143,15 @@ def run(p: DecodePlan, positions: torch.Tensor, x: torch.Tensor, meta: Attention
     residual), as LlamaDecoderLayer's forwards return them."""
     t = x.shape[0]
     cos2, sin2 = p.rotary._operands(positions, x.dtype)
-    gather, slots = cpu_gather(meta, p.layers[0].attn.kv_cache.shape[2]), meta.slot_mapping
-    if (n := p.native) is not None:
+    slots = meta.slot_mapping
+    if (n := p.native) is not None:  # the block tables as they are: no gather to build
         lens = meta.seq_lens_tensor
         lens = torch.tensor(meta.seq_lens[:t]) if lens is None else lens[:t]
         return torch.ops.skyline_cpu.decode_layers(
             x, cos2, sin2, n.norms, n.eps, n.weights, n.spec,
-            [layer.attn.kv_cache for layer in p.layers], gather.blocks.long(), lens.long(),
-            slots, *n.heads, n.scale)
+            [layer.attn.kv_cache for layer in p.layers], meta.block_tables[:t].long(),
+            lens.long(), slots, *n.heads, n.scale)
+    gather = cpu_gather(meta, p.layers[0].attn.kv_cache.shape[2])
     residual = None
     for layer in p.layers:
         h, kvh, d = layer.heads

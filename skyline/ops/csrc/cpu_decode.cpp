@@ -300,7 +300,7 @@ std::tuple<Tensor, Tensor> decode_layers(
   const Tensor c2 = cos2.reshape({t, d}).contiguous(), s2 = sin2.reshape({t, d}).contiguous();
   const Tensor sl = slots.to(at::kLong).contiguous();
   const int64_t row = (h + 2 * kvh) * d, tok = kvh * d;
-  Tensor residual = x.contiguous().clone(), normed = at::empty_like(residual);
+  Tensor residual = x.clone(at::MemoryFormat::Contiguous), normed = at::empty_like(residual);
   BF16* res = residual.data_ptr<BF16>();
   BF16* nrm = normed.data_ptr<BF16>();
   for (int64_t l = 0; l < layers; ++l) {

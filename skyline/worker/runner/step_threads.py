@@ -57,5 +57,5 @@ class StepThreads:
         size.seconds[threads] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
     def summary(self) -> dict[int, dict[int, float]]:
-        """Tokens -> {threads: average seconds} (for `describe` and benchmarks)."""
+        """Tokens -> {threads: average seconds}: what it has measured."""
         return {t: dict(s.seconds) for t, s in sorted(self._sizes.items())}
