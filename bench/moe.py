@@ -175,7 +175,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000, help="offline")
     ap.add_argument("--input-len", type=int, default=1000, help="offline")
     ap.add_argument("--output-len", type=int, default=1000, help="offline")
-    ap.add_argument("--max-num-seqs", type=int, default=1024, help="offline")
+    ap.add_argument("--max-num-seqs", type=lambda v: v if v == "auto" else int(v),
+                    default="auto", help="offline: N, or auto (from the KV cache's size)")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--n-cpu-moe", type=int, nargs="+", default=None, metavar="N",

@@ -74,15 +74,15 @@ def candidates(kernel: str, base: dict[str, Any], fmt: str, smoke: bool
     """A few tiles around the default: rows per program, K tile, warps (the default first;
     two in all for a smoke run)."""
     out = [base]
-    rows = (8, 16, 32) if kernel == "moe_gemv_up" else (4, 8, 16)
-    # MXFP4's tiles are 3-D ([rows, K / 32, 16] bytes, x spread over each): narrower K tiles
-    # and a rolled loop keep its registers in bounds
-    tiles = (128, 256, base["BLOCK_K"]) if fmt == "mxfp4" else (base["BLOCK_K"],
-                                                                 2 * base["BLOCK_K"])
+    mx = fmt == "mxfp4"
+    rows = ((8, 16) if mx else (8, 16, 32)) if kernel == "moe_gemv_up" else \
+        ((4, 8) if mx else (4, 8, 16))
+    # MXFP4: K tiles up to 1,024 (512 bytes a row), the loop rolled or unrolled
+    tiles = (256, 512, 1024) if mx else (base["BLOCK_K"], 2 * base["BLOCK_K"])
     for bk in tiles:
-        for unroll in (True, False) if fmt == "mxfp4" else (base.get("UNROLL", True),):
+        for unroll in (True, False) if mx else (base.get("UNROLL", True),):
             for bn in rows:
-                for warps in (2, 4, 8):
+                for warps in (4, 8) if mx else (2, 4, 8):
                     cfg = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
                            "UNROLL": unroll}
                     if cfg not in out:

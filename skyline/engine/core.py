@@ -119,10 +119,14 @@ class EngineCore:
         """One step: schedule, execute, update. With async scheduling, see `_step_overlapped`."""
         if self.async_scheduling:
             return self._step_overlapped()
+        outputs: list[StepOutput] = []
+        if self._in_flight is not None:  # async scheduling was switched off meanwhile
+            outputs += self._update(*self._in_flight, self.executor.collect())
+            self._in_flight = None
         t = time.monotonic()
         out = self.scheduler.schedule()
         res = self.executor.execute(out)
-        return self._update(out, t, res)
+        return outputs + self._update(out, t, res)
 
     def _step_overlapped(self) -> list[StepOutput]:
         """Schedule and launch step n+1, then update the scheduler with step n, whose tokens

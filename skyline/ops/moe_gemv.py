@@ -178,7 +178,7 @@ def fused_moe_gemv(
 
 
 if triton is not None:
-    from skyline.ops.moe_triton import _e2m1_to_f32, _e8m0_to_f32
+    from skyline.ops.moe_triton import _e8m0_to_f32
 
     @triton.jit
     def _expert(ids_ptr, map_ptr, p, HAS_MAP: tl.constexpr):
@@ -192,47 +192,56 @@ if triton is not None:
     def _acc_zeros(FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One return: the compiler checks every return statement of a function against the
         # others, a branch on a constexpr included (the interpreter does not).
-        if FMT == 2:
-            acc = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.float32)
+        if FMT == 2:  # one partial sum per row and scale group
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         return acc
 
     @triton.jit
-    def _acc_sum(acc, FMT: tl.constexpr):  # -> [BLOCK_N]
-        if FMT == 2:
-            out = tl.sum(tl.sum(acc, axis=2), axis=1)
-        else:
-            out = tl.sum(acc, axis=1)
-        return out
+    def _acc_sum(acc):  # -> [BLOCK_N]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _e2m1_to_f32_scaled(code):
+        # uint8 E2M1 codes (< 16) -> their value times 2^-14, through fp16's bits: the sign
+        # to bit 15, the two exponent bits to the exponent's low two, the mantissa bit to
+        # the mantissa's top (code 1, 0.5, lands on fp16's subnormal 2^-15). Five integer
+        # operations where building fp32's bits (moe_triton's _e2m1_to_f32) takes ~12.
+        c = code.to(tl.int16)
+        bits = ((c & 8) << 12) | ((c & 7) << 9)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _rows_dot(acc, a_row, a_ok, w_rows, s_rows, n, n_ok, k0, K: tl.constexpr,
                   stride_wn, stride_sn, stride_sk, FMT: tl.constexpr,
                   CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # acc fp32 += W[n, tile] * a[tile], elementwise: [BLOCK_N, BLOCK_K], or for MXFP4
-        # [BLOCK_N, BLOCK_K / 32, 16] (scale groups of 16 bytes); W's rows at w_rows (the
-        # expert's first row), scales at s_rows; a read where a_ok. a's values are loaded
-        # spread over the whole tile, in W's layout (L1 hits; no layout conversion of W).
+        # acc fp32 += W[n, tile] * a[tile]: elementwise [BLOCK_N, BLOCK_K] (FMAs reduced over
+        # K at the end), or for MXFP4 one sum per row and scale group [BLOCK_N, BLOCK_K / 32]
+        # (each group's 16 bytes reduced in registers, then times its scale). W's rows at
+        # w_rows (the expert's first row), scales at s_rows; a read where a_ok. Dense and fp8
+        # load a spread over the whole tile, in W's layout (L1 hits; no layout conversion of
+        # W); MXFP4 loads the tile's BLOCK_K values of a once, contiguous, and splits them
+        # into the even (low nibbles') and odd (high nibbles') columns in registers.
         if FMT == 2:
             g = tl.arange(0, BLOCK_K // 32)
-            i = tl.arange(0, 16)
-            kj = k0 + g[:, None] * 32 + 2 * i[None, :]  # [G, 16]: the low nibble's element
-            j_ok = (kj < K)[None, :, :]
-            byte = tl.load(w_rows + n[:, None, None] * stride_wn + (kj // 2)[None, :, :],
-                           mask=n_ok[:, None, None] & j_ok, other=0)  # [BLOCK_N, G, 16]
+            kb = k0 // 2 + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [G, 16] bytes
+            byte = tl.load(w_rows + n[:, None, None] * stride_wn + kb[None, :, :],
+                           mask=n_ok[:, None, None] & (kb * 2 < K)[None, :, :],
+                           other=0)  # [BLOCK_N, G, 16]
             gk = k0 // 32 + g
             scale = _e8m0_to_f32(tl.load(s_rows + n[:, None] * stride_sn
                                          + gk[None, :] * stride_sk,
                                          mask=n_ok[:, None] & (gk * 32 < K)[None, :],
                                          other=0))  # [BLOCK_N, G]
-            zero = tl.zeros((BLOCK_N, BLOCK_K // 32, 16), dtype=tl.int32)
-            a_even = tl.load(a_row + kj[None, :, :] + zero, mask=j_ok & a_ok, other=0.0)
-            a_odd = tl.load(a_row + kj[None, :, :] + 1 + zero, mask=j_ok & a_ok, other=0.0)
-            lo = _e2m1_to_f32(byte & 0x0F)
-            hi = _e2m1_to_f32(byte >> 4)
-            acc += (lo * a_even.to(tl.float32) + hi * a_odd.to(tl.float32)) * scale[:, :, None]
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_row + kk, mask=(kk < K) & a_ok, other=0.0).to(tl.float32)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_K // 32, 16, 2)))  # [G, 16] each
+            lo = _e2m1_to_f32_scaled(byte & 0x0F)
+            hi = _e2m1_to_f32_scaled(byte >> 4)
+            dot = tl.sum(lo * a_even[None, :, :] + hi * a_odd[None, :, :], axis=2)
+            acc += dot * (scale * 16384.0)  # 2^14: the decode's 2^-14 undone
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
@@ -294,8 +303,8 @@ if triton is not None:
                 acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
                                   stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
                                   BLOCK_N, BLOCK_K)
-        gate = _acc_sum(acc_g, FMT)
-        up = _acc_sum(acc_u, FMT)
+        gate = _acc_sum(acc_g)
+        up = _acc_sum(acc_u)
         if CHANNEL_SCALE:
             gate *= tl.load(s_e + n * stride_sn, mask=n_ok, other=0.0)
             up *= tl.load(s_up + n * stride_sn, mask=n_ok, other=0.0)
@@ -349,7 +358,7 @@ if triton is not None:
                     acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
                                     stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
                                     SCALE_BK, BLOCK_N, BLOCK_K)
-            y = _acc_sum(acc, FMT)
+            y = _acc_sum(acc)
             if CHANNEL_SCALE:
                 y *= tl.load(s_e + n * stride_sn, mask=rows_ok, other=0.0)
             if HAS_BIAS:

@@ -149,7 +149,8 @@ def test_bad_requests(tiny_model):
 
 def test_async_scheduling_same_outputs(tiny_model):
     """Scheduling step n+1 before step n's tokens are read changes nothing a client sees:
-    tokens, logprobs, finish reasons, with penalties, seeds, stops, chunking and preemption."""
+    tokens, logprobs, finish reasons, with penalties, seeds, stops, chunking and preemption,
+    nor does switching it off with a step in flight (as bench/profile_step.py does)."""
     path, _ = tiny_model
     prompts = _prompts(12, seed=6)
     stop_tok = _run(path, [prompts[0]])[0][4]
@@ -162,13 +163,17 @@ def test_async_scheduling_same_outputs(tiny_model):
     ]
     reqs = [(p, params[i % len(params)]) for i, p in enumerate(prompts)]
 
-    def run(mode: str, **kw):
+    def run(mode: str, switch_off_after: int | None = None, **kw):
         llm = LLM(path, device="cpu", dtype="float32", async_scheduling=mode, **kw)
         assert llm.engine.async_scheduling == (mode == "on")
         for p, sp in reqs:
             llm.add_request(p, sp)
-        done = {}
+        done, steps = {}, 0
         while llm.engine.has_unfinished():
+            if steps == switch_off_after:  # a step in flight: the next plain step collects it
+                assert llm.engine._in_flight is not None
+                llm.engine.async_scheduling = False
+            steps += 1
             for o in llm.step():
                 if o.finished:
                     done[o.request_id] = o.outputs[0]
@@ -184,6 +189,7 @@ def test_async_scheduling_same_outputs(tiny_model):
     assert {r[1] for r in ref} == {"stop", "length"}
     assert run("on") == ref
     assert run("on", max_num_batched_tokens=5) == ref  # chunked prefill mixed with decodes
+    assert run("on", switch_off_after=4) == ref  # async scheduling switched off mid-run
     tiny = dict(num_blocks=16, block_size=4, max_model_len=64)  # preemption by recompute
     assert run("on", **tiny) == run("off", **tiny) == ref
 
