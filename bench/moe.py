@@ -21,7 +21,7 @@ memory's. An N with which the model does not fit records the engine's sentence i
 
 Models are shipped config names (dummy weights): qwen3-30b-a3b in bf16, gpt-oss-20b with its
 experts in MXFP4 as the checkpoint ships them.
-JSON: <out-dir>/{decode,offline}-<model>-<device>.json, <out-dir>/kernel-<device>.json;
+JSON: <out-dir>/{decode,offline}-<model>-<device>.json, <out-dir>/{kernel,grouped}-<device>.json;
 decode-<model>-<device>-cpu-moe-<N>.json
 """
 
@@ -155,13 +155,15 @@ def offline_summary(name: str, res: dict[str, Any]) -> None:
 
 
 def kernel(out: Path, smoke: bool) -> None:
-    """The MoE MLP alone at 1..8 tokens (its own process: its weights are gone before an
-    engine sizes its cache)."""
-    script = Path(__file__).resolve().parent / "kernels" / "moe_gemv_speed.py"
-    path = out / f"kernel-{'smoke' if smoke else 'cuda'}.json"
-    cmd = [sys.executable, str(script), "--out", str(path)] + (["--smoke", "--tune"] if smoke
-                                                               else [])
-    subprocess.run(cmd, check=True)
+    """The MoE MLP alone (its own processes: their weights are gone before an engine sizes its
+    cache): the decode GEMVs at 1..8 tokens against the grouped GEMMs, and the grouped GEMMs
+    at prefill sizes against their floor."""
+    tag = "smoke" if smoke else "cuda"
+    for name, report in (("moe_gemv_speed.py", f"kernel-{tag}.json"),
+                         ("moe_grouped_speed.py", f"grouped-{tag}.json")):
+        script = Path(__file__).resolve().parent / "kernels" / name
+        cmd = [sys.executable, str(script), "--out", str(out / report)]
+        subprocess.run(cmd + (["--smoke", "--tune"] if smoke else []), check=True)
 
 
 def main() -> None:

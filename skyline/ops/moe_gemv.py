@@ -178,7 +178,7 @@ def fused_moe_gemv(
 
 
 if triton is not None:
-    from skyline.ops.moe_triton import _e8m0_to_f32
+    from skyline.ops.moe_triton import _e2m1_to_f32_scaled, _e8m0_to_f32
 
     @triton.jit
     def _expert(ids_ptr, map_ptr, p, HAS_MAP: tl.constexpr):
@@ -201,16 +201,6 @@ if triton is not None:
     @triton.jit
     def _acc_sum(acc):  # -> [BLOCK_N]
         return tl.sum(acc, axis=1)
-
-    @triton.jit
-    def _e2m1_to_f32_scaled(code):
-        # uint8 E2M1 codes (< 16) -> their value times 2^-14, through fp16's bits: the sign
-        # to bit 15, the two exponent bits to the exponent's low two, the mantissa bit to
-        # the mantissa's top (code 1, 0.5, lands on fp16's subnormal 2^-15). Five integer
-        # operations where building fp32's bits (moe_triton's _e2m1_to_f32) takes ~12.
-        c = code.to(tl.int16)
-        bits = ((c & 8) << 12) | ((c & 7) << 9)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _rows_dot(acc, a_row, a_ok, w_rows, s_rows, n, n_ok, k0, K: tl.constexpr,

@@ -1,6 +1,6 @@
 """bench/moe.py --smoke: every stage for both MoE models, shrunk, on the CPU (the kernel stage
-runs bench/kernels/moe_gemv_speed.py --smoke, in Triton's interpreter where triton is
-installed)."""
+runs bench/kernels/moe_gemv_speed.py and moe_grouped_speed.py --smoke --tune, in Triton's
+interpreter where triton is installed)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,16 @@ def test_moe_bench_smoke(tmp_path):
     try:
         import triton  # noqa: F401
     except ImportError:
-        assert not kernel.exists()
+        assert not kernel.exists() and not (tmp_path / "grouped-smoke.json").exists()
     else:
         rows = json.loads(kernel.read_text())["rows"]
         assert {r["fmt"] for r in rows} == {"dense", "mxfp4"}
         assert all(r["gemv_us"] > 0 and r["grouped_us"] > 0 and r["tuned_us"] > 0 for r in rows)
+        grouped = json.loads((tmp_path / "grouped-smoke.json").read_text())
+        assert {(r["model"], r["fmt"]) for r in grouped["rows"]} == {
+            ("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense")}
+        assert all(r["ms"] > 0 and r["floor_ms"] > 0 and r["tuned_ms"] > 0
+                   and r["tuned"]["BLOCK_M"] for r in grouped["rows"])
     for model in ("qwen3-30b-a3b", "gpt-oss-20b"):
         dec = json.loads((tmp_path / f"decode-{model}-smoke.json").read_text())
         assert dec["decode_tok_s"] > 0 and dec["roofline_tok_s"] > 0

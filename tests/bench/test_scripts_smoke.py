@@ -24,6 +24,7 @@ OWN_TEST = {
     "long_prompt.py": "bench/test_kv_bench.py",
     "moe.py": "bench/test_moe_bench.py",
     "moe_gemv_speed.py": "bench/test_moe_bench.py",
+    "moe_grouped_speed.py": "bench/test_moe_bench.py",
     "parallel_overhead.py": "bench/test_parallel_bench.py",
     "serve_ceiling.py": "server/test_served_speed.py",
     "served_vs_offline.py": "server/test_served_speed.py",

@@ -1,0 +1,165 @@
+"""The MoE MLP at prefill and large-batch sizes on this GPU: ops/moe.py's grouped GEMMs
+(fused_moe_triton: the pairs sorted by expert, the gate/up GEMM, the activation, the down GEMM
+with the routing weights, the top-k sum) for gpt-oss-20b's experts in MXFP4, the same shape in
+bf16 (what the 4-bit format should at least match once the product is compute-bound) and
+Qwen3-30B-A3B's in bf16, at 256, 1,024 and 4,096 tokens: time per call against the floor of
+the call, the larger of its FLOPs over the bf16 matmul peak and the distinct experts' bytes
+over the copy bandwidth, both measured in the same run.
+
+With --tune, candidate launch configurations (rows, columns and K per tile, warps, pipeline
+stages) are checked against the reference and timed, and the fastest written to the tuning
+table (skyline/ops/configs/moe-<gpu>.json, kernel "fused_moe", keyed by the gate/up shape, the
+format, the dtype and the pair count's bucket).
+
+  python bench/kernels/moe_grouped_speed.py --out bench/results/kernels/moe-grouped-h200.json
+  python bench/kernels/moe_grouped_speed.py --tune --budget-s 300
+  python bench/kernels/moe_grouped_speed.py --smoke      # CPU, Triton's interpreter, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from typing import Any
+
+from skyline.bench.tuners import interpret_for_smoke
+
+interpret_for_smoke(sys.argv)  # before Triton loads
+
+import torch  # noqa: E402
+
+from skyline.bench import tuners  # noqa: E402
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.ops.moe import KERNEL, fused_moe_ref, fused_moe_triton, moe_config  # noqa: E402
+from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
+
+SHAPES = {  # experts, hidden, intermediate, top-k, activation, bias
+    "qwen3-30b-a3b": (128, 2048, 768, 8, "silu", False),
+    "gpt-oss-20b": (32, 2880, 2880, 4, "swiglu_oai", True),
+}
+CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
+
+
+def candidates(base: dict[str, Any], smoke: bool) -> list[dict[str, Any]]:
+    """The current configuration first, then tiles of 32-128 rows, 64-128 columns and K tiles
+    of 64-128, 4 or 8 warps, 2-4 stages (two in all for a smoke run)."""
+    out = [base]
+    for bm, bn, bk, warps, stages in itertools.product((64, 128, 32, 16), (128, 64), (64, 128),
+                                                       (4, 8), (3, 2, 4)):
+        cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+               "num_stages": stages}
+        if cfg not in out:
+            out.append(cfg)
+    return out[:2] if smoke else out
+
+
+def time_moe(x: torch.Tensor, w13: Any, w2: Any, routes: list[Any], act: str,
+             limit: float | None, calls: int, config: dict[str, Any] | None) -> float:
+    """Seconds per call of the grouped-GEMM MoE under `config` (None: the table's), the calls
+    cycling over `routes` in one CUDA graph."""
+    fns = [lambda r=r: fused_moe_triton(x, w13, w2, *r, act, limit, config=config)
+           for r in routes]
+    return tuners.time_calls(fns, calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON report (written after every row)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
+    ap.add_argument("--cases", nargs="+", default=[f"{m}:{f}" for m, f in CASES],
+                    help="model:format pairs")
+    ap.add_argument("--tune", action="store_true", help="time candidates, write the table")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="--tune: stop tuning after")
+    ap.add_argument("--configs-out", default=None,
+                    help="tuning table (default skyline/ops/configs/moe-<gpu>.json)")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    from skyline.bench.floor import matmul_peak
+    from skyline.ops.triton_utils import triton
+
+    if triton is None:
+        print("skipped: the MoE kernels need triton (on the CPU for Triton's interpreter)")
+        return
+    dev = tuners.tune_device("moe_grouped_speed", a.smoke)
+    device, smoke = dev.device, dev.device.type != "cuda"
+    dtype = torch.float32 if smoke else torch.bfloat16
+    copy_bw = tuners.device_bandwidth(dev)
+    peak = matmul_peak(device)
+    print(f"bf16 matmul peak {peak / 1e12:.0f} TFLOP/s, copy {copy_bw / 1e12:.2f} TB/s")
+    t0 = time.time()
+    res: dict[str, Any] = {
+        "benchmark": "moe_grouped_speed", "device": dev.name, "machine": machine_info(
+            device.type), "command": "python " + " ".join(sys.argv),
+        "peak_TFLOPs": peak / 1e12, "copy_bandwidth_TBps": copy_bw / 1e12, "rows": []}
+    table: dict[str, Any] = {}
+    cases = [tuple(c.split(":")) for c in a.cases]
+    for model, fmt in cases[:2] if smoke else cases:
+        e, h, i, k, act, bias = SHAPES[model]
+        if smoke:
+            e, h, i = 8, 64, 32
+        w13, w2 = tuners.random_experts(e, h, i, fmt, bias, device, dtype)
+        per_expert = sum(w.weight[0].numel() * w.weight.element_size()
+                         + (0 if w.scale is None else w.scale[0].numel() * w.scale.element_size())
+                         for w in (w13, w2))
+        limit = 7.0 if act == "swiglu_oai" else None
+        for t in ((16,) if smoke else a.tokens):
+            g = torch.Generator().manual_seed(t)
+            routes = [torch.topk(torch.randn(t, e, generator=g).softmax(-1), k) for _ in range(2)]
+            routes = [(w.to(device), ids.to(device)) for w, ids in routes]
+            x = torch.randn(t, h, device=device, dtype=dtype)
+            distinct = sum(r[1].unique().numel() for r in routes) / len(routes)
+            flops = 6 * t * k * h * i
+            floor_s = max(flops / peak, distinct * per_expert / copy_bw)
+            want = fused_moe_ref(x, w13, w2, *routes[0], act, limit).float()
+            case = (x, w13, w2, routes, act, limit, 1 if smoke else 4)
+
+            config = moe_config(t * k, w13, dtype)
+            s = time_moe(*case, None)
+            row: dict[str, Any] = {
+                "model": model, "fmt": fmt, "tokens": t, "pairs": t * k, "config": config,
+                "ms": s * 1e3, "TFLOPs": flops / s / 1e12, "floor_ms": floor_s * 1e3,
+                "fraction_of_floor": floor_s / s}
+            if a.tune and time.time() - t0 < a.budget_s:
+                timed_cfgs = []
+                for cfg in candidates(config, smoke):
+                    try:
+                        got = fused_moe_triton(x, w13, w2, *routes[0], act, limit,
+                                               config=cfg).float()
+                        err = ((got - want).norm() / want.norm()).item()
+                        if not err < 2e-2:
+                            raise AssertionError(f"relative error {err:.3g}")
+                        timed_cfgs.append((time_moe(*case, cfg), cfg))
+                    except Exception as ex:  # a configuration this GPU cannot run
+                        print(f"  {cfg}: {type(ex).__name__}: {ex}"[:300])
+                    if time.time() - t0 > a.budget_s:
+                        break
+                best_s, best = min(timed_cfgs, key=lambda sc: sc[0])
+                key = f"n{w13.n}:k{w13.k}:{fmt}:{dtype_name(dtype)}:t{token_bucket(t * k)}"
+                table[key] = best
+                row |= {"tuned": best, "tuned_ms": best_s * 1e3,
+                        "tuned_TFLOPs": flops / best_s / 1e12,
+                        "tuned_fraction_of_floor": floor_s / best_s}
+            res["rows"].append(row)
+            tuned = (f", tuned {row['tuned_ms']:.3f} ms ({row['tuned_fraction_of_floor']:.2f})"
+                     if "tuned_ms" in row else "")
+            print(f"{model:14} {fmt:6} T={t:5}: {row['ms']:8.3f} ms, {row['TFLOPs']:6.1f} "
+                  f"TFLOP/s, floor {row['floor_ms']:.3f} ms ({row['fraction_of_floor']:.2f})"
+                  f"{tuned}", flush=True)
+            res["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+            save_json(res, a.out)
+        del w13, w2
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if table:
+        path = dev.path(str(CONFIG_DIR / f"moe-{dev.slug}.json"), a.configs_out)
+        write_configs(path, dev.name, {KERNEL: table},
+                      meta={"date": res["date"], "command": res["command"],
+                            "torch": torch.__version__, "triton": tuners.triton_version()})
+        print(f"wrote {path}")
+        tuners.copy_to_out(path)
+
+
+if __name__ == "__main__":
+    main()
