@@ -68,6 +68,10 @@
 #   tune-moe       bench/kernels/moe_gemv_speed.py --tune: the MoE decode GEMVs' launch configs
 #                  for Qwen3-30B-A3B (bf16, fp8) and gpt-oss-20b (MXFP4) experts at 1..8 tokens,
 #                  within BUDGET (240) s; MOE_GEMV_ARGS adds flags (e.g. "--models gpt-oss-20b")
+#   tune-moe-grouped bench/kernels/moe_grouped_speed.py --tune: the MoE grouped GEMMs' launch
+#                  configs at 256, 1,024 and 4,096 tokens (gpt-oss-20b MXFP4 and bf16,
+#                  Qwen3-30B-A3B bf16) against their floor, within BUDGET (240) s;
+#                  MOE_GROUPED_ARGS adds flags (e.g. "--cases gpt-oss-20b:mxfp4")
 #   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
 #   tune           `skyline tune` on MODEL (the self-optimizing loop: profile, rank families by
 #                  time lost against their floor, tune the worst, keep what wins end to end)
@@ -287,6 +291,12 @@ stage_tune_moe() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_gemv_speed.py --tune \
     --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-h200$TAG.json" ${MOE_GEMV_ARGS:-}
   keep_configs moe-gemv-h200.json
+}
+
+stage_tune_moe_grouped() {
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_grouped_speed.py --tune \
+    --budget-s "${BUDGET:-240}" --out "$OUT/moe-grouped-tune-h200$TAG.json" ${MOE_GROUPED_ARGS:-}
+  keep_configs moe-h200.json
 }
 
 stage_tune_kernels() {

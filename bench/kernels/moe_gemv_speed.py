@@ -40,6 +40,29 @@ SHAPES = {  # experts, hidden, intermediate, top-k, activation, bias
 CASES = (("qwen3-30b-a3b", "dense"), ("qwen3-30b-a3b", "fp8"), ("gpt-oss-20b", "mxfp4"))
 
 
+def make(e: int, h: int, i: int, fmt: str, bias: bool, device: torch.device,
+         dtype: torch.dtype) -> list[Any]:
+    from skyline.ops.fp8_quant import quantize_rows_fp8
+    from skyline.ops.moe import ExpertWeights
+    from skyline.quant.fp4 import quantize_mxfp4
+
+    out = []
+    for n, k in ((2 * i, h), (h, i)):
+        w = torch.randn(e * n, k, device=device, dtype=dtype) * 0.02
+        b = torch.randn(e, n, device=device, dtype=dtype) * 0.01 if bias else None
+        if fmt == "dense":
+            out.append(ExpertWeights(w.view(e, n, k), bias=b))
+        elif fmt == "fp8":
+            q, s = quantize_rows_fp8(w)
+            out.append(ExpertWeights(q.view(e, n, k), s.view(e, n), b, "fp8"))
+        else:
+            codes, scales = quantize_mxfp4(w)
+            out.append(ExpertWeights(codes.view(e, n, k // 2), scales.view(e, n, k // 32), b,
+                                     "mxfp4"))
+        del w
+    return out
+
+
 def expert_bytes(w13: Any, w2: Any) -> int:
     return sum(w.weight[0].numel() * w.weight.element_size()
                + (0 if w.scale is None else w.scale[0].numel() * w.scale.element_size())
@@ -103,7 +126,7 @@ def main() -> None:
         e, h, i, k, act, bias = SHAPES[model]
         if smoke:
             e, h, i = 8, 64, 32
-        w13, w2 = tuners.random_experts(e, h, i, fmt, bias, device, dtype)
+        w13, w2 = make(e, h, i, fmt, bias, device, dtype)
         per_expert = expert_bytes(w13, w2)
         limit = 7.0 if act == "swiglu_oai" else None
         for t in ((1,) if smoke else (1, 2, 4, 8)):

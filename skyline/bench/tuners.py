@@ -1,6 +1,5 @@
 """What the kernel tuners and probes of bench/kernels/ share: the device they tune on, GPU time
-per call from CUDA graphs, the Linear shapes of the shipped configs, random quantized weights
-and MoE experts.
+per call from CUDA graphs, the Linear shapes of the shipped configs, random quantized weights.
 
 `--smoke` (every tuner has it) runs a tuner on the CPU, its Triton kernels in Triton's
 interpreter (TRITON_INTERPRET=1, set by the script before Triton loads) on tiny shapes: each
@@ -160,31 +159,6 @@ def random_quant_weights(fmt: str, n: int, k: int, group: int, device: torch.dev
     scales = torch.rand(n, groups, device=device) * 2e-3 + 1e-4
     zeros = torch.randint(0, 2**bits, (n, groups), dtype=torch.uint8, device=device)
     return (codes, scales, zeros), codes.numel() + scales.numel() * 5
-
-
-def random_experts(e: int, h: int, i: int, fmt: str, bias: bool, device: torch.device,
-                   dtype: torch.dtype) -> list[Any]:
-    """Random MoE experts in `fmt` ("dense", "fp8" per output channel, "mxfp4"): the
-    ExpertWeights of gate/up [e, 2i, h] and down [e, h, i] (biases with `bias`), ~0.02 apart."""
-    from skyline.ops.fp8_quant import quantize_rows_fp8
-    from skyline.ops.moe import ExpertWeights
-    from skyline.quant.fp4 import quantize_mxfp4
-
-    out = []
-    for n, k in ((2 * i, h), (h, i)):
-        w = torch.randn(e * n, k, device=device, dtype=dtype) * 0.02
-        b = torch.randn(e, n, device=device, dtype=dtype) * 0.01 if bias else None
-        if fmt == "dense":
-            out.append(ExpertWeights(w.view(e, n, k), bias=b))
-        elif fmt == "fp8":
-            q, s = quantize_rows_fp8(w)
-            out.append(ExpertWeights(q.view(e, n, k), s.view(e, n), b, "fp8"))
-        else:
-            codes, scales = quantize_mxfp4(w)
-            out.append(ExpertWeights(codes.view(e, n, k // 2), scales.view(e, n, k // 32), b,
-                                     "mxfp4"))
-        del w
-    return out
 
 
 def copy_to_out(path: str) -> None:
