@@ -37,9 +37,15 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     lq, n = q.shape[-2], k.shape[-2]
     heads = q[..., 0, 0].numel()  # batch x heads
     if sinks is None and (mask is None or heads * lq * n <= ATTEND_CHUNK):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              is_causal=causal and mask is None,
-                                              enable_gqa=q.shape[-3] != k.shape[-3])
+        # with a batch dimension: torch's fused kernels (the CPU's flash kernel included) take
+        # 4-D inputs only, 3-D ones fall back to the math kernel, which holds every score (on
+        # the CPU 2.6x slower at 512 tokens, 4.5x at 1,024: bench/cpu_attention_speed.py)
+        batched = q.dim() == 3
+        o = F.scaled_dot_product_attention(*(t[None] if batched else t for t in (q, k, v)),
+                                           attn_mask=mask, scale=scale,
+                                           is_causal=causal and mask is None,
+                                           enable_gqa=q.shape[-3] != k.shape[-3])
+        return o[0] if batched else o
     if q.shape[-3] != k.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
@@ -132,7 +138,7 @@ def _extend_ref(
         # query j sits at absolute position seq_len - q_len + j and sees keys up to it (and,
         # with a window, none `window` or more positions before it)
         mask = causal_mask(seq_len - q_len, seq_len, window, q.device)  # [q_len, n]
-        if q.device.type == "cpu" and q_len <= SMALL_EXTEND:
+        if sinks is not None and q.device.type == "cpu" and q_len <= SMALL_EXTEND:
             o = _attend_small(qi, k, v, mask, scale, sinks)
         else:
             o = attend_ref(qi, k, v, mask, scale, sinks)
@@ -149,9 +155,9 @@ def causal_mask(first: int, seq_len: int, window: int, device: torch.device | st
     return mask & (qpos - kpos < window) if window else mask
 
 
-# Queries of an extend (a verification's drafts, a short chunk) up to which the CPU takes
-# _attend_small: torch's CPU attention with a mask costs 2-8x these few matmuls at 3-9
-# queries, 1.1x at 64 (bench/cpu_attention_speed.py).
+# Queries of an extend with sinks (which torch's attention does not take) up to which the CPU
+# takes _attend_small, a few matmuls, rather than attend_ref's chunks. Without sinks torch's
+# flash kernel wins at every size from one query (bench/cpu_attention_speed.py).
 SMALL_EXTEND = 64
 
 

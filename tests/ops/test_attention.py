@@ -145,8 +145,8 @@ def test_write_kv_ref_places_tokens_at_slots():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_of_one_length_and_long_extends(dtype):
-    # decodes with equal contexts take the unmasked path; an extend of more than SMALL_EXTEND
-    # queries takes torch's masked attention, shorter ones the small-extend matmuls
+    # decodes with equal contexts take the unmasked path; extends, of more than SMALL_EXTEND
+    # queries or fewer, torch's masked attention (the small-extend matmuls serve sinks only)
     _run_case([(12, 1), (12, 1), (12, 1)], 8, 2, 16, 4, seed=7, dtype=dtype)
     _run_case([(11, 1)], 6, 3, 32, 8, seed=8, dtype=dtype)
     _run_case([(10, SMALL_EXTEND + 6), (30, SMALL_EXTEND), (5, 3)], 8, 2, 16, 16, seed=9,
