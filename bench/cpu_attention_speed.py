@@ -1,9 +1,12 @@
 """CPU attention paths of `skyline/ops/attention.py` and attention_ref.py against torch's SDPA,
 for the default model's heads (9 query / 3 kv heads, head_dim 64): one query over a context (a
-decode) in bfloat16 and float32; a few queries with a causal mask over a longer context (a
-verification's drafts, `_attend_small`) against masked SDPA; and a decode over the paged bf16
-KV cache as the CPU decode step runs it, in C++ (csrc/cpu_decode.cpp's decode_attention, where
-skyline's CPU operations build) against its Python path (ops/cpu_attention.decode_attention_cpu).
+decode) in bfloat16 and float32; a causal prefill and a few queries with a causal mask over a
+longer context (an extend: a chunk, a prefix hit, a verification's drafts), each as skyline
+calls SDPA (4-D inputs: torch's flash kernel) against 3-D inputs (torch's math kernel, which
+holds every score) and `_attend_small`'s matmuls (the path of extends with sinks); and a
+decode over the paged bf16 KV cache as the CPU decode step runs it, in C++
+(csrc/cpu_decode.cpp's decode_attention, where skyline's CPU operations build) against its
+Python path (ops/cpu_attention.decode_attention_cpu).
 
   python bench/cpu_attention_speed.py --threads 2 \
       --out bench/results/cpu/cpu-attention-2threads.json
@@ -13,6 +16,7 @@ skyline's CPU operations build) against its Python path (ops/cpu_attention.decod
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -50,26 +54,38 @@ def decode_rows(g: torch.Generator, smoke: bool) -> list[dict]:
     return rows
 
 
+def _sdpa(q, k, v, mask, batched: bool):
+    """torch's attention as attend_ref calls it (`batched`: with a batch dimension) or on the
+    3-D tensors themselves."""
+    args = (t[None] if batched else t for t in (q, k, v))
+    return F.scaled_dot_product_attention(*args, attn_mask=mask, scale=SCALE,
+                                          is_causal=mask is None, enable_gqa=True)
+
+
 def extend_rows(g: torch.Generator, smoke: bool) -> list[dict]:
+    """Prefills (causal, no mask: `queries` == `context`) and extends (a mask) in bfloat16."""
     rows = []
     min_s = 0.01 if smoke else 0.3
-    for q_len, ctx in ((3, 300),) if smoke else ((3, 300), (9, 1000), (9, 4000), (64, 1000)):
-        q = torch.randn(HEADS, q_len, DIM, generator=g)
-        k = torch.randn(KV_HEADS, ctx, DIM, generator=g)
-        v = torch.randn(KV_HEADS, ctx, DIM, generator=g)
-        mask = torch.arange(ctx - q_len, ctx)[:, None] >= torch.arange(ctx)[None, :]
-        t_sdpa = median_call_s(lambda q=q, k=k, v=v, m=mask: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=m, scale=SCALE, enable_gqa=True), min_s)
-        t_small = median_call_s(lambda q=q, k=k, v=v, m=mask: _attend_small(q, k, v, m, SCALE),
-                                min_s)
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE,
-                                             enable_gqa=True)
-        err = (_attend_small(q, k, v, mask, SCALE) - ref).abs().max().item()
-        rows.append({"queries": q_len, "context": ctx, "sdpa_masked_us": t_sdpa * 1e6,
-                     "attend_small_us": t_small * 1e6, "speedup": t_sdpa / t_small,
-                     "max_abs_diff": err})
-        print(f"extend, {q_len:2d} queries over {ctx:5d}: masked SDPA {t_sdpa * 1e6:7.1f} us, "
-              f"_attend_small {t_small * 1e6:7.1f} us ({t_sdpa / t_small:.2f}x)", flush=True)
+    cases = ((3, 300), (64, 64)) if smoke else (
+        (64, 64), (512, 512), (1024, 1024), (3, 300), (9, 1000), (64, 1000), (512, 1024))
+    for q_len, ctx in cases:
+        q = torch.randn(HEADS, q_len, DIM, generator=g).bfloat16()
+        k = torch.randn(KV_HEADS, ctx, DIM, generator=g).bfloat16()
+        v = torch.randn(KV_HEADS, ctx, DIM, generator=g).bfloat16()
+        causal = torch.arange(ctx - q_len, ctx)[:, None] >= torch.arange(ctx)[None, :]
+        mask = None if q_len == ctx else causal
+        t = {name: median_call_s(functools.partial(_sdpa, q, k, v, mask, b), min_s)
+             for name, b in (("4d", True), ("3d", False))}
+        t_small = median_call_s(functools.partial(_attend_small, q, k, v, causal, SCALE), min_s)
+        ref = _sdpa(q.float(), k.float(), v.float(), mask, False)
+        err = (_sdpa(q, k, v, mask, True)[0].float() - ref).abs().max().item()
+        rows.append({"queries": q_len, "context": ctx, "sdpa_4d_us": t["4d"] * 1e6,
+                     "sdpa_3d_us": t["3d"] * 1e6, "attend_small_us": t_small * 1e6,
+                     "speedup_4d_over_3d": t["3d"] / t["4d"], "max_abs_diff_4d": err})
+        kind = "prefill" if mask is None else "extend"
+        print(f"{kind:7}, {q_len:4d} queries over {ctx:5d}: SDPA 4-D {t['4d'] * 1e6:8.1f} us, "
+              f"3-D {t['3d'] * 1e6:8.1f} us ({t['3d'] / t['4d']:.2f}x), _attend_small "
+              f"{t_small * 1e6:8.1f} us", flush=True)
     return rows
 
 
