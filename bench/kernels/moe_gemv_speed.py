@@ -97,6 +97,28 @@ def time_op(op: Any, x: torch.Tensor, w13: Any, w2: Any, routes: list[Any], act:
     return tuners.time_calls(fns, calls)
 
 
+def fastest(op: Any, case: tuple, want: torch.Tensor, options: Any, deadline: float
+            ) -> tuple[float, Any]:
+    """The fastest of `options`, pairs (tag, keyword arguments of `op`), as (seconds per call,
+    tag): each checked against `want` first (relative error below 2e-2), then timed as time_op
+    times `case`; one this GPU cannot run, or that misses, is reported and left out; none is
+    tried after `deadline` (time.time()) but the first."""
+    x, w13, w2, routes, act, limit, _ = case
+    timed = []
+    for tag, kw in options:
+        try:
+            got = op(x, w13, w2, *routes[0], act, limit, **kw).float()
+            err = ((got - want).norm() / want.norm()).item()
+            if not err < 2e-2:
+                raise AssertionError(f"relative error {err:.3g}")
+            timed.append((time_op(op, *case, **kw), tag))
+        except Exception as ex:  # a configuration this GPU cannot run
+            print(f"  {op.__name__} {tag}: {type(ex).__name__}: {ex}"[:300])
+        if time.time() > deadline:
+            break
+    return min(timed, key=lambda st: st[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON report")
@@ -153,21 +175,10 @@ def main() -> None:
                                                                        strict=True)]
             if a.tune and time.time() - t0 < a.budget_s:
                 for j, kn in enumerate(KERNELS):
-                    timed = []
-                    for cfg in candidates(kn, best[j], fmt, smoke):
-                        configs = tuple(cfg if jj == j else best[jj] for jj in range(2))
-                        try:
-                            got = fused_moe_gemv(x, w13, w2, *routes[0], act, limit,
-                                                 configs=configs).float()
-                            err = ((got - want).norm() / want.norm()).item()
-                            if not err < 2e-2:
-                                raise AssertionError(f"relative error {err:.3g}")
-                            timed.append((time_op(fused_moe_gemv, *case, configs=configs), cfg))
-                        except Exception as ex:  # a config this GPU cannot run
-                            print(f"  {kn} {cfg}: {type(ex).__name__}: {ex}"[:300])
-                        if time.time() - t0 > a.budget_s:
-                            break
-                    best[j] = min(timed, key=lambda tc: tc[0])[1]
+                    options = ((cfg, {"configs": tuple(cfg if jj == j else best[jj]
+                                                       for jj in range(2))})
+                               for cfg in candidates(kn, best[j], fmt, smoke))
+                    best[j] = fastest(fused_moe_gemv, case, want, options, t0 + a.budget_s)[1]
                     w = (w13, w2)[j]
                     key = f"n{w.n}:k{w.k}:{w.fmt}:{dtype_name(dtype)}:t{t}"
                     table[kn][key] = best[j]

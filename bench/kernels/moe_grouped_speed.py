@@ -30,18 +30,14 @@ interpret_for_smoke(sys.argv)  # before Triton loads
 
 import torch  # noqa: E402
 
-# this script's folder is on sys.path: the experts as the decode GEMVs' script makes them
-from moe_gemv_speed import expert_bytes, make  # noqa: E402
+# this script's folder is on sys.path: the decode GEMVs' script's shapes, experts and timing
+from moe_gemv_speed import SHAPES, expert_bytes, fastest, make, time_op  # noqa: E402
 
 from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
 from skyline.ops.moe import KERNEL, fused_moe_ref, fused_moe_triton, moe_config  # noqa: E402
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
-SHAPES = {  # experts, hidden, intermediate, top-k, activation, bias
-    "qwen3-30b-a3b": (128, 2048, 768, 8, "silu", False),
-    "gpt-oss-20b": (32, 2880, 2880, 4, "swiglu_oai", True),
-}
 CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
 
 
@@ -56,15 +52,6 @@ def candidates(base: dict[str, Any], smoke: bool) -> list[dict[str, Any]]:
         if cfg not in out:
             out.append(cfg)
     return out[:2] if smoke else out
-
-
-def time_moe(x: torch.Tensor, w13: Any, w2: Any, routes: list[Any], act: str,
-             limit: float | None, calls: int, config: dict[str, Any] | None) -> float:
-    """Seconds per call of the grouped-GEMM MoE under `config` (None: the table's), the calls
-    cycling over `routes` in one CUDA graph."""
-    fns = [lambda r=r: fused_moe_triton(x, w13, w2, *r, act, limit, config=config)
-           for r in routes]
-    return tuners.time_calls(fns, calls)
 
 
 def main() -> None:
@@ -117,7 +104,7 @@ def main() -> None:
             case = (x, w13, w2, routes, act, limit, 1 if smoke else 4)
 
             config = moe_config(t * k, w13, dtype)
-            s = time_moe(*case, None)
+            s = time_op(fused_moe_triton, *case)
             row: dict[str, Any] = {
                 "model": model, "fmt": fmt, "tokens": t, "pairs": t * k, "config": config,
                 "ms": s * 1e3, "TFLOPs": flops / s / 1e12, "floor_ms": floor_s * 1e3,
@@ -125,20 +112,8 @@ def main() -> None:
             if a.tune:  # each (case, token count) its share of the budget
                 tokens = 1 if smoke else len(a.tokens)
                 deadline = time.time() + a.budget_s / (len(cases) * tokens)
-                timed_cfgs = []
-                for cfg in candidates(config, smoke):
-                    try:
-                        got = fused_moe_triton(x, w13, w2, *routes[0], act, limit,
-                                               config=cfg).float()
-                        err = ((got - want).norm() / want.norm()).item()
-                        if not err < 2e-2:
-                            raise AssertionError(f"relative error {err:.3g}")
-                        timed_cfgs.append((time_moe(*case, cfg), cfg))
-                    except Exception as ex:  # a configuration this GPU cannot run
-                        print(f"  {cfg}: {type(ex).__name__}: {ex}"[:300])
-                    if time.time() > deadline:
-                        break
-                best_s, best = min(timed_cfgs, key=lambda sc: sc[0])
+                options = ((cfg, {"config": cfg}) for cfg in candidates(config, smoke))
+                best_s, best = fastest(fused_moe_triton, case, want, options, deadline)
                 key = f"n{w13.n}:k{w13.k}:{fmt}:{dtype_name(dtype)}:t{token_bucket(t * k)}"
                 table[key] = best
                 row |= {"tuned": best, "tuned_ms": best_s * 1e3,

@@ -199,10 +199,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _acc_sum(acc):  # -> [BLOCK_N]
-        return tl.sum(acc, axis=1)
-
-    @triton.jit
     def _rows_dot(acc, a_row, a_ok, w_rows, s_rows, n, n_ok, k0, K: tl.constexpr,
                   stride_wn, stride_sn, stride_sk, FMT: tl.constexpr,
                   CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
@@ -293,8 +289,8 @@ if triton is not None:
                 acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
                                   stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
                                   BLOCK_N, BLOCK_K)
-        gate = _acc_sum(acc_g)
-        up = _acc_sum(acc_u)
+        gate = tl.sum(acc_g, axis=1)
+        up = tl.sum(acc_u, axis=1)
         if CHANNEL_SCALE:
             gate *= tl.load(s_e + n * stride_sn, mask=n_ok, other=0.0)
             up *= tl.load(s_up + n * stride_sn, mask=n_ok, other=0.0)
@@ -348,7 +344,7 @@ if triton is not None:
                     acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
                                     stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
                                     SCALE_BK, BLOCK_N, BLOCK_K)
-            y = _acc_sum(acc)
+            y = tl.sum(acc, axis=1)
             if CHANNEL_SCALE:
                 y *= tl.load(s_e + n * stride_sn, mask=rows_ok, other=0.0)
             if HAS_BIAS:
