@@ -60,7 +60,9 @@ def server(server_factory, tmp_path_factory):
         "--max-waiting", str(MAX_WAITING), "--body-timeout", "2", "--prepare-timeout", "5",
         "--max-stop", "4", "--max-stop-chars", "50", "--max-n", "16", "--max-tools", "2",
         "--max-schema-bytes", "2000", "--max-prompt-chars", "200000", "--max-logprobs", "5",
-        "--shutdown-timeout", "1")
+        # a drain far shorter than LONG's 100 tokens (two streams make ~100-200 tok/s each
+        # here): the SIGTERM test's requests outlive it however fast the machine runs them
+        "--shutdown-timeout", "0.2")
 
 
 def _ask(text: str) -> list[dict]:
