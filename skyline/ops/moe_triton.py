@@ -27,26 +27,31 @@ if triton is not None:
     @triton.jit
     def _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk, s_base, n, n_ok,
                 stride_sn, stride_sk, K, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
-                SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_K: tl.constexpr,
-                IEEE: tl.constexpr):
+                SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         # acc [BLOCK_M, BLOCK_N] += a[a_rows, k0:k0 + BLOCK_K] @ W_e[n, k0:k0 + BLOCK_K]^T
         if FMT == 2:
             # bytes j of the tile hold elements 2j (low nibble) and 2j + 1 (high): two dots,
-            # over a's even and odd columns
+            # over a's even and odd columns (a's tile loaded contiguous, split in registers);
+            # one scale per 16 bytes of a column, loaded once and spread over them
             j = tl.arange(0, BLOCK_K // 2)
-            kj = k0 + 2 * j
-            w_mask = (kj < K)[:, None] & n_ok[None, :]
+            w_mask = (k0 + 2 * j < K)[:, None] & n_ok[None, :]
             byte = tl.load(w_base + (k0 // 2 + j)[:, None] * stride_wk, mask=w_mask,
                            other=0)  # [BLOCK_K / 2, BLOCK_N]
+            g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             scale = _e8m0_to_f32(tl.load(s_base + n[None, :] * stride_sn
-                                         + (kj // 32)[:, None] * stride_sk, mask=w_mask,
+                                         + g[:, None] * stride_sk,
+                                         mask=(g * 32 < K)[:, None] & n_ok[None, :],
                                          other=0)) * 16384.0  # 2^14: see the decode
-            a_even = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :],
-                             mask=row_ok[:, None] & (kj < K)[None, :], other=0.0)
-            a_odd = tl.load(a_ptr + a_rows[:, None] * stride_am + kj[None, :] + 1,
-                            mask=row_ok[:, None] & (kj + 1 < K)[None, :], other=0.0)
-            w_lo = (_e2m1_to_f32_scaled(byte & 0x0F) * scale).to(a_even.dtype)
-            w_hi = (_e2m1_to_f32_scaled(byte >> 4) * scale).to(a_even.dtype)
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :],
+                                               (BLOCK_K // 32, 16, BLOCK_N)),
+                               (BLOCK_K // 2, BLOCK_N))
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
+                        mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            w_lo = (_e2m1_to_f32_scaled(byte & 0x0F) * scale).to(a.dtype)
+            w_hi = (_e2m1_to_f32_scaled(byte >> 4) * scale).to(a.dtype)
             if IEEE:
                 acc += tl.dot(a_even, w_lo, input_precision="ieee")
                 acc += tl.dot(a_odd, w_hi, input_precision="ieee")
@@ -108,13 +113,15 @@ if triton is not None:
             for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
                 acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
                               s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
-                              SCALE_BN, SCALE_BK, BLOCK_K, IEEE)
+                              SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
+                              IEEE)
         else:
             k0 = 0
             while k0 < K:
                 acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
                               s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
-                              SCALE_BN, SCALE_BK, BLOCK_K, IEEE)
+                              SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
+                              IEEE)
                 k0 += BLOCK_K
         if CHANNEL_SCALE:
             acc = acc * tl.load(s_base + n * stride_sn, mask=n_ok, other=0.0)[None, :]
