@@ -187,3 +187,21 @@ def test_bf16_model_shapes(fmt, t):
     got = fused_moe(x.bfloat16().cuda(), on(bf(w13), "cuda"), on(bf(w2), "cuda"),
                     weights.cuda(), ids.cuda()).float().cpu()
     assert (got - want).norm() / want.norm() < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [5, 300])
+def test_mxfp4_gpt_oss_shapes(t):
+    """gpt-oss-20b's expert shapes (32 experts, 2880 -> 2880, top 4; K not a multiple of 64)
+    in MXFP4 with a bf16 input, with the tuned H200 table's largest tile."""
+    w13, w2 = experts(32, 2880, 2880, "mxfp4", bias=True)
+    weights, ids = routing(t, 32, 4, t)
+    x = torch.randn(t, 2880, generator=torch.Generator().manual_seed(t)).bfloat16()
+    b16 = lambda w: ExpertWeights(w.weight, w.scale, w.bias.bfloat16(), w.fmt)  # noqa: E731
+    want = fused_moe_ref(x, b16(w13), b16(w2), weights, ids, "swiglu_oai", 7.0).float()
+    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+    got = fused_moe_triton(x.cuda(), on(b16(w13), "cuda"), on(b16(w2), "cuda"),
+                           weights.cuda(), ids.cuda(), "swiglu_oai", 7.0,
+                           config=config).float().cpu()
+    assert (got - want).norm() / want.norm() < 2e-2
