@@ -1,5 +1,5 @@
-"""`import skyline` changes nothing in the process; the CLI sets OpenMP's wait policy before
-torch loads, unless the user set one."""
+"""`import skyline` changes nothing in the process; the CLI sets OpenMP's wait policy (passive
+after a short spin) before torch loads, unless the user set one."""
 
 from __future__ import annotations
 
@@ -8,21 +8,27 @@ import subprocess
 import sys
 
 _PROBE = ("import os, sys, skyline.cli; assert 'torch' not in sys.modules; skyline.cli."
-          "_omp_wait_passive(); print(os.environ.get('OMP_WAIT_POLICY'))")
+          "_omp_wait_policy(); print(os.environ.get('OMP_WAIT_POLICY'), "
+          "os.environ.get('GOMP_SPINCOUNT'))")
 
 
-def _run(probe: str, env_value: str | None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def _run(probe: str, env_value: str | None, spin: str | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if env_value is not None:
         env["OMP_WAIT_POLICY"] = env_value
+    if spin is not None:
+        env["GOMP_SPINCOUNT"] = spin
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, check=True)
     return out.stdout.strip()
 
 
 def test_cli_sets_passive_before_torch_loads_and_user_value_wins() -> None:
-    assert _run(_PROBE, None) == "PASSIVE"
-    assert _run(_PROBE, "ACTIVE") == "ACTIVE"
+    from skyline.cli import OMP_SPIN
+
+    assert _run(_PROBE, None) == f"PASSIVE {OMP_SPIN}"
+    assert _run(_PROBE, "ACTIVE") == "ACTIVE None"  # the user's policy, its own spin
+    assert _run(_PROBE, None, "0") == "None 0"
 
 
 def test_import_sets_nothing_and_loads_no_torch() -> None:

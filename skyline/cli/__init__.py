@@ -310,16 +310,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _omp_wait_passive() -> None:
-    """Idle OpenMP workers sleep instead of spinning: spinning workers make CPU decode several
-    times slower whenever another process wants a core, at a cost of ~15% on a quiet machine
-    (bench/omp_wait_policy.py). OpenMP reads this once, when torch loads it, so the CLI sets it
-    before anything imports torch; spawned engine processes inherit it. A user's value wins."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OMP_SPIN = "2000"  # GNU OpenMP's spin iterations before an idle worker sleeps (a few us)
+
+
+def _omp_wait_policy() -> None:
+    """Idle OpenMP workers spin briefly, then sleep: spinning workers (OpenMP's default) make
+    CPU decode several times slower whenever another process wants a core, and workers that
+    sleep at once (PASSIVE alone) are woken for each of a step's hundreds of parallel regions,
+    which costs 16 streams a fifth of their speed (bench/omp_wait_policy.py). OpenMP reads
+    this once, when torch loads it, so the CLI sets it before anything imports torch; spawned
+    engine processes inherit it. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = OMP_SPIN
 
 
 def main(argv: list[str] | None = None) -> None:
-    _omp_wait_passive()
+    _omp_wait_policy()
     argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
     ns.argv = argv
