@@ -128,6 +128,49 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
   for (; e < d; ++e) acc[e] += p * f32(v[e]);
 }
 
+#if defined(__AVX512F__)
+// 64-element heads with G <= 4 query heads a KV head (the default model's 9 / 3): each cached
+// token's K and V rows loaded and widened once for all G heads, the queries and the values' sums
+// held in registers; the same operations in the same order as dot and axpy, so the same sums
+template <int G, typename T, typename Token>
+void scores_d64(const float* qf, Token token, int64_t len, float* scores, int64_t stride) {
+  __m512 q[G][4];
+  for (int i = 0; i < G; ++i)
+    for (int e = 0; e < 4; ++e) q[i][e] = _mm512_loadu_ps(qf + i * 64 + e * 16);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = token(t);
+    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+    for (int i = 0; i < G; ++i) {
+      __m512 a = _mm512_fmadd_ps(q[i][0], k0, _mm512_setzero_ps());
+      a = _mm512_fmadd_ps(q[i][1], k1, a);
+      a = _mm512_fmadd_ps(q[i][2], k2, a);
+      a = _mm512_fmadd_ps(q[i][3], k3, a);
+      scores[i * stride + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <int G, typename T, typename Token>
+void values_d64(Token token, int64_t len, const float* scores, int64_t stride, float* out) {
+  __m512 acc[G][4];
+  for (int i = 0; i < G; ++i)
+    for (int e = 0; e < 4; ++e) acc[i][e] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = token(t);
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+    for (int i = 0; i < G; ++i) {
+      const __m512 p = _mm512_set1_ps(scores[i * stride + t]);
+      acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int e = 0; e < 4; ++e) _mm512_storeu_ps(out + i * 64 + e * 16, acc[i][e]);
+}
+#endif
+
 // One query token per sequence over its paged context, softmax in float32, read straight from
 // the cache (ops/cpu_attention.py's decode_attention_cpu is the reference): for each sequence
 // and KV head, the query heads that share it score every cached token, then sum the values.
@@ -157,9 +200,25 @@ void attention_kernel(const T* q, int64_t q_row, const T* cache, const int64_t* 
       };
       for (int64_t i = 0; i < g; ++i)
         for (int64_t e = 0; e < d; ++e) qf[i * d + e] = f32(q[s * q_row + (j * g + i) * d + e]) * scale;
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = token(t) + j * d;
-        for (int64_t i = 0; i < g; ++i) scores[i * longest + t] = dot(qf.data() + i * d, k, d);
+      auto key = [&](int64_t t) { return token(t) + j * d; };
+      auto value = [&](int64_t t) { return token(t) + v_off + j * d; };
+      bool fast = false;
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<T, double>) {
+        fast = d == 64 && g <= 4;
+        switch (fast ? g : 0) {
+#define G_CASE(G) case G: scores_d64<G, T>(qf.data(), key, len, scores.data(), longest); break;
+          G_CASE(1) G_CASE(2) G_CASE(3) G_CASE(4)
+#undef G_CASE
+          default: break;
+        }
+      }
+#endif
+      if (!fast) {
+        for (int64_t t = 0; t < len; ++t) {
+          const T* k = key(t);
+          for (int64_t i = 0; i < g; ++i) scores[i * longest + t] = dot(qf.data() + i * d, k, d);
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < g; ++i) {
@@ -172,10 +231,20 @@ void attention_kernel(const T* q, int64_t q_row, const T* cache, const int64_t* 
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
       }
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = token(t) + v_off + j * d;
-        for (int64_t i = 0; i < g; ++i) {
-          axpy(scores[i * longest + t], v, acc.data() + i * d, d);
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<T, double>) {
+        switch (fast ? g : 0) {
+#define G_CASE(G) case G: values_d64<G, T>(value, len, scores.data(), longest, acc.data()); break;
+          G_CASE(1) G_CASE(2) G_CASE(3) G_CASE(4)
+#undef G_CASE
+          default: break;
+        }
+      }
+#endif
+      if (!fast) {
+        for (int64_t t = 0; t < len; ++t) {
+          const T* v = value(t);
+          for (int64_t i = 0; i < g; ++i) axpy(scores[i * longest + t], v, acc.data() + i * d, d);
         }
       }
       for (int64_t i = 0; i < g; ++i)
