@@ -128,17 +128,32 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
   for (; e < d; ++e) acc[e] += p * f32(v[e]);
 }
 
+// each of g rows of scores (stride apart, len long) to its softmax, in place
+inline void softmax_rows(float* scores, int64_t g, int64_t stride, int64_t len) {
+  for (int64_t i = 0; i < g; ++i) {
+    float* sc = scores + i * stride;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) top = std::max(top, sc[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) sum += (sc[t] = exp_nonpositive(sc[t] - top));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
+  }
+}
+
 #if defined(__AVX512F__)
 // 64-element heads with G <= 4 query heads a KV head (the default model's 9 / 3): each cached
 // token's K and V rows loaded and widened once for all G heads, the queries and the values' sums
 // held in registers; the same operations in the same order as dot and axpy, so the same sums
-template <int G, typename T, typename Token>
-void scores_d64(const float* qf, Token token, int64_t len, float* scores, int64_t stride) {
+template <int G, typename T, typename Key, typename Value>
+void attend_d64(const float* qf, Key key, Value value, int64_t len, float* scores,
+                int64_t stride, float* out) {
   __m512 q[G][4];
   for (int i = 0; i < G; ++i)
     for (int e = 0; e < 4; ++e) q[i][e] = _mm512_loadu_ps(qf + i * 64 + e * 16);
   for (int64_t t = 0; t < len; ++t) {
-    const T* k = token(t);
+    const T* k = key(t);
     const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
     for (int i = 0; i < G; ++i) {
       __m512 a = _mm512_fmadd_ps(q[i][0], k0, _mm512_setzero_ps());
@@ -148,15 +163,12 @@ void scores_d64(const float* qf, Token token, int64_t len, float* scores, int64_
       scores[i * stride + t] = _mm512_reduce_add_ps(a);
     }
   }
-}
-
-template <int G, typename T, typename Token>
-void values_d64(Token token, int64_t len, const float* scores, int64_t stride, float* out) {
+  softmax_rows(scores, G, stride, len);
   __m512 acc[G][4];
   for (int i = 0; i < G; ++i)
     for (int e = 0; e < 4; ++e) acc[i][e] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const T* v = token(t);
+    const T* v = value(t);
     const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
     for (int i = 0; i < G; ++i) {
       const __m512 p = _mm512_set1_ps(scores[i * stride + t]);
@@ -207,7 +219,8 @@ void attention_kernel(const T* q, int64_t q_row, const T* cache, const int64_t* 
       if constexpr (!std::is_same_v<T, double>) {
         fast = d == 64 && g <= 4;
         switch (fast ? g : 0) {
-#define G_CASE(G) case G: scores_d64<G, T>(qf.data(), key, len, scores.data(), longest); break;
+#define G_CASE(G) \
+  case G: attend_d64<G, T>(qf.data(), key, value, len, scores.data(), longest, acc.data()); break;
           G_CASE(1) G_CASE(2) G_CASE(3) G_CASE(4)
 #undef G_CASE
           default: break;
@@ -219,29 +232,8 @@ void attention_kernel(const T* q, int64_t q_row, const T* cache, const int64_t* 
           const T* k = key(t);
           for (int64_t i = 0; i < g; ++i) scores[i * longest + t] = dot(qf.data() + i * d, k, d);
         }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t i = 0; i < g; ++i) {
-        float* sc = scores.data() + i * longest;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) top = std::max(top, sc[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) sum += (sc[t] = exp_nonpositive(sc[t] - top));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
-      }
-#if defined(__AVX512F__)
-      if constexpr (!std::is_same_v<T, double>) {
-        switch (fast ? g : 0) {
-#define G_CASE(G) case G: values_d64<G, T>(value, len, scores.data(), longest, acc.data()); break;
-          G_CASE(1) G_CASE(2) G_CASE(3) G_CASE(4)
-#undef G_CASE
-          default: break;
-        }
-      }
-#endif
-      if (!fast) {
+        softmax_rows(scores.data(), g, longest, len);
+        std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t t = 0; t < len; ++t) {
           const T* v = value(t);
           for (int64_t i = 0; i < g; ++i) axpy(scores[i * longest + t], v, acc.data() + i * d, d);
