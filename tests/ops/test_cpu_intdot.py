@@ -219,11 +219,15 @@ def test_a_gguf_head_runs_the_kernel_for_few_rows():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1], [37], [5, 64, 17]], ids=str)
-def test_native_decode_attention_matches_the_reference(dtype, lens):
+# (query heads, KV heads, block size): the 64-element path for 1-4 query heads a KV head, with
+# 16-token score blocks in each cache block (16, 32) or none (8); 6 a KV head: the generic loops
+@pytest.mark.parametrize("h,kvh,bs", [(9, 3, 16), (12, 3, 32), (4, 4, 8), (6, 3, 16), (12, 2, 16)],
+                         ids=str)
+def test_native_decode_attention_matches_the_reference(dtype, lens, h, kvh, bs):
     from skyline.ops.cpu_attention import decode_attention_cpu, decode_gather
 
     g = torch.Generator().manual_seed(len(lens))
-    h, kvh, d, bs, nb = 9, 3, 64, 16, 24
+    d, nb = 64, 24
     cache = torch.randn(2, nb, bs, kvh, d, generator=g).to(dtype)
     per_seq = -(-max(lens) // bs)
     tables = torch.randperm(nb, generator=g)[: len(lens) * per_seq].view(len(lens), per_seq)

@@ -133,7 +133,8 @@ inline void softmax_rows(float* scores, int64_t g, int64_t stride, int64_t len) 
   for (int64_t i = 0; i < g; ++i) {
     float* sc = scores + i * stride;
     float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) top = std::max(top, sc[t]);
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < len; ++t) top = sc[t] > top ? sc[t] : top;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) sum += (sc[t] = exp_nonpositive(sc[t] - top));
@@ -143,43 +144,108 @@ inline void softmax_rows(float* scores, int64_t g, int64_t stride, int64_t len) 
 }
 
 #if defined(__AVX512F__)
+// a . b over 64 elements as 16 lanes (four products' lanes summed in this order)
+inline __m512 dot64_lanes(const __m512* a, __m512 b0, __m512 b1, __m512 b2, __m512 b3) {
+  __m512 s = _mm512_fmadd_ps(a[0], b0, _mm512_setzero_ps());
+  s = _mm512_fmadd_ps(a[1], b1, s);
+  s = _mm512_fmadd_ps(a[2], b2, s);
+  return _mm512_fmadd_ps(a[3], b3, s);
+}
+
+// The lane sums of 16 vectors as one, in _mm512_reduce_add_ps's order (128-bit quarters 0 + 2
+// and 1 + 3, those two, then lanes 0 + 2 and 1 + 3 of the quarter, those two): pairs[j] holds
+// vectors 2j and 2j + 1 after the first step (their quarters' sums, 0 + 2 and 1 + 3, side by
+// side). Summing one vector alone costs a shuffle and an add per halving; summed together
+// each shuffle serves several vectors.
+inline __m512 pair_quarters(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+
+inline __m512 sum_lanes16(const __m512* pairs) {
+  __m512 four[4];  // quarter k of four[j]: vector 4j + k's four partial sums
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = pairs[2 * j], b = pairs[2 * j + 1];
+    four[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  // within each quarter k: lanes 0 + 2 and 1 + 3 of vectors k and 4 + k, then of 8 + k, 12 + k
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_ps(four[0], four[1], 0x44),
+                                  _mm512_shuffle_ps(four[0], four[1], 0xEE));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_ps(four[2], four[3], 0x44),
+                                  _mm512_shuffle_ps(four[2], four[3], 0xEE));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(lo, hi, 0x88), _mm512_shuffle_ps(lo, hi, 0xDD));
+  // lane 4k + l holds vector k + 4l's sum
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, s);
+}
+
+// One sequence's cached rows of one KV head, block by block: block `blk` of its table holds
+// tokens blk * bs ... (blk + 1) * bs - 1, token i of it K at k + (table[blk] * bs + i) * tok (V
+// likewise), rows of 64 elements
+template <typename T>
+struct PagedRows {
+  const T* k;
+  const T* v;
+  const int64_t* table;
+  int64_t bs, tok;
+  const T* k_block(int64_t blk) const { return k + table[blk] * bs * tok; }
+  const T* v_block(int64_t blk) const { return v + table[blk] * bs * tok; }
+};
+
 // 64-element heads with G <= 4 query heads a KV head (the default model's 9 / 3): each cached
 // token's K and V rows loaded and widened once for all G heads, the queries and the values' sums
-// held in registers; the same operations in the same order as dot and axpy, so the same sums
-template <int G, typename T, typename Key, typename Value>
-void attend_d64(const float* qf, Key key, Value value, int64_t len, float* scores,
+// held in registers, the scores of 16 tokens summed together (sum_lanes16), the cache walked a
+// block at a time; the same operations in the same order as dot and axpy, so the same sums
+template <int G, typename T>
+void attend_d64(const float* qf, const PagedRows<T>& rows, int64_t len, float* scores,
                 int64_t stride, float* out) {
   __m512 q[G][4];
   for (int i = 0; i < G; ++i)
     for (int e = 0; e < 4; ++e) q[i][e] = _mm512_loadu_ps(qf + i * 64 + e * 16);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = key(t);
-    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
-    for (int i = 0; i < G; ++i) {
-      __m512 a = _mm512_fmadd_ps(q[i][0], k0, _mm512_setzero_ps());
-      a = _mm512_fmadd_ps(q[i][1], k1, a);
-      a = _mm512_fmadd_ps(q[i][2], k2, a);
-      a = _mm512_fmadd_ps(q[i][3], k3, a);
-      scores[i * stride + t] = _mm512_reduce_add_ps(a);
+  const int64_t bs = rows.bs, tok = rows.tok;
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* kb = rows.k_block(blk);
+    const int64_t n = std::min(bs, len - t0);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {  // 16 tokens' scores a head at a time
+      __m512 pairs[G][8];
+      for (int j = 0; j < 8; ++j) {
+        const T* ka = kb + (i + 2 * j) * tok;
+        const T* kc = ka + tok;
+        const __m512 a0 = load16(ka), a1 = load16(ka + 16), a2 = load16(ka + 32), a3 = load16(ka + 48);
+        const __m512 c0 = load16(kc), c1 = load16(kc + 16), c2 = load16(kc + 32), c3 = load16(kc + 48);
+        for (int h = 0; h < G; ++h)
+          pairs[h][j] = pair_quarters(dot64_lanes(q[h], a0, a1, a2, a3), dot64_lanes(q[h], c0, c1, c2, c3));
+      }
+      for (int h = 0; h < G; ++h) _mm512_storeu_ps(scores + h * stride + t0 + i, sum_lanes16(pairs[h]));
+    }
+    for (; i < n; ++i) {
+      const T* k = kb + i * tok;
+      const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+      for (int h = 0; h < G; ++h)
+        scores[h * stride + t0 + i] = _mm512_reduce_add_ps(dot64_lanes(q[h], k0, k1, k2, k3));
     }
   }
   softmax_rows(scores, G, stride, len);
   __m512 acc[G][4];
-  for (int i = 0; i < G; ++i)
-    for (int e = 0; e < 4; ++e) acc[i][e] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = value(t);
-    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
-    for (int i = 0; i < G; ++i) {
-      const __m512 p = _mm512_set1_ps(scores[i * stride + t]);
-      acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);
-      acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);
+  for (int h = 0; h < G; ++h)
+    for (int e = 0; e < 4; ++e) acc[h][e] = _mm512_setzero_ps();
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* vb = rows.v_block(blk);
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = vb + i * tok;
+      const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+      for (int h = 0; h < G; ++h) {
+        const __m512 p = _mm512_set1_ps(scores[h * stride + t0 + i]);
+        acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
+        acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
+        acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
+        acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
+      }
     }
   }
-  for (int i = 0; i < G; ++i)
-    for (int e = 0; e < 4; ++e) _mm512_storeu_ps(out + i * 64 + e * 16, acc[i][e]);
+  for (int h = 0; h < G; ++h)
+    for (int e = 0; e < 4; ++e) _mm512_storeu_ps(out + h * 64 + e * 16, acc[h][e]);
 }
 #endif
 
@@ -218,9 +284,10 @@ void attention_kernel(const T* q, int64_t q_row, const T* cache, const int64_t* 
 #if defined(__AVX512F__)
       if constexpr (!std::is_same_v<T, double>) {
         fast = d == 64 && g <= 4;
+        const PagedRows<T> rows{cache + j * d, cache + v_off + j * d, table, bs, tok};
         switch (fast ? g : 0) {
 #define G_CASE(G) \
-  case G: attend_d64<G, T>(qf.data(), key, value, len, scores.data(), longest, acc.data()); break;
+  case G: attend_d64<G, T>(qf.data(), rows, len, scores.data(), longest, acc.data()); break;
           G_CASE(1) G_CASE(2) G_CASE(3) G_CASE(4)
 #undef G_CASE
           default: break;
@@ -313,10 +380,13 @@ void rotary(BF16* x, int64_t rows, int64_t d, const BF16* cos2, const BF16* sin2
   for (int64_t r = 0; r < rows; ++r) {
     BF16* xr = x + r * d;
     for (int64_t e = 0; e < d; ++e) row[e] = f32(xr[e]);
-    for (int64_t e = 0; e < d; ++e) {
-      const float rolled = row[e < half ? e + half : e - half];
-      xr[e] = bf16(f32(bf16(row[e] * f32(cos2[e]))) + rolled * f32(sin2[e]));
-    }
+    // the two halves apart (rolled: the other half), so that each loop vectorizes
+#pragma omp simd
+    for (int64_t e = 0; e < half; ++e)
+      xr[e] = bf16(f32(bf16(row[e] * f32(cos2[e]))) + row[e + half] * f32(sin2[e]));
+#pragma omp simd
+    for (int64_t e = half; e < d; ++e)
+      xr[e] = bf16(f32(bf16(row[e] * f32(cos2[e]))) + row[e - half] * f32(sin2[e]));
   }
 }
 
@@ -332,18 +402,21 @@ void write_kv(const BF16* kv, int64_t row, int64_t t, int64_t tok, const int64_t
 }
 
 // SiLU(gate) rounded, times up, rounded: [t, 2n] -> [t, n]
+// (rows split across threads where there are several thousand elements each)
 void silu_mul(const BF16* __restrict gate_up, int64_t t, int64_t n, BF16* __restrict out) {
-  for (int64_t r = 0; r < t; ++r) {
-    const BF16* g = gate_up + r * 2 * n;
-    const BF16* u = g + n;
-    BF16* o = out + r * n;
+  at::parallel_for(0, t, std::max<int64_t>(1, 8192 / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const BF16* g = gate_up + r * 2 * n;
+      const BF16* u = g + n;
+      BF16* o = out + r * n;
 #pragma omp simd
-    for (int64_t e = 0; e < n; ++e) {
-      const float v = f32(g[e]);
-      const float z = exp_nonpositive(-std::fabs(v));  // e^-|v|: sigmoid without overflow
-      o[e] = bf16(f32(bf16(v * ((v >= 0.f ? 1.f : z) / (1.f + z)))) * f32(u[e]));
+      for (int64_t e = 0; e < n; ++e) {
+        const float v = f32(g[e]);
+        const float z = exp_nonpositive(-std::fabs(v));  // e^-|v|: sigmoid without overflow
+        o[e] = bf16(f32(bf16(v * ((v >= 0.f ? 1.f : z) / (1.f + z)))) * f32(u[e]));
+      }
     }
-  }
+  });
 }
 
 // x [T, hidden] bfloat16 through every layer -> (the last MLP's output, the residual)
@@ -397,23 +470,33 @@ template <typename T, typename W>
 void near_top(float* logits, int64_t n, int64_t v, const T* x, const W* weight, int64_t k,
               double margin, double rel, int64_t limit) {
   std::vector<float> floor(n);
-  int64_t count = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = logits + r * v;
-    float top = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> count(n);
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {  // rows apart: each a scan of V
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = logits + r * v;
+      float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
-    for (int64_t j = 0; j < v; ++j) top = std::max(top, row[j]);
-    floor[r] = top - static_cast<float>(margin + std::fabs(top) * rel);
-    for (int64_t j = 0; j < v; ++j) count += row[j] >= floor[r];
-  }
-  if (count > limit * n) return;
-  std::vector<float> xf(k);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t e = 0; e < k; ++e) xf[e] = f32(x[r * k + e]);
-    float* row = logits + r * v;
-    for (int64_t j = 0; j < v; ++j)
-      if (row[j] >= floor[r]) row[j] = dot(xf.data(), weight + j * k, k);
-  }
+      for (int64_t j = 0; j < v; ++j) top = row[j] > top ? row[j] : top;
+      const float f = top - static_cast<float>(margin + std::fabs(top) * rel);
+      int64_t c = 0;
+#pragma omp simd reduction(+ : c)
+      for (int64_t j = 0; j < v; ++j) c += row[j] >= f;
+      floor[r] = f;
+      count[r] = c;
+    }
+  });
+  int64_t total = 0;
+  for (int64_t c : count) total += c;
+  if (total > limit * n) return;
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> xf(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t e = 0; e < k; ++e) xf[e] = f32(x[r * k + e]);
+      float* row = logits + r * v;
+      for (int64_t j = 0; j < v; ++j)
+        if (row[j] >= floor[r]) row[j] = dot(xf.data(), weight + j * k, k);
+    }
+  });
 }
 
 void near_top_(Tensor& logits, const Tensor& x, const Tensor& weight, double margin, double rel,
