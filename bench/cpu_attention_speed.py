@@ -6,7 +6,7 @@ calls SDPA (4-D inputs: torch's flash kernel) against 3-D inputs (torch's math k
 holds every score) and `_attend_small`'s matmuls (the path of extends with sinks); and a
 decode over the paged bf16 KV cache as the CPU decode step runs it, in C++
 (csrc/cpu_decode.cpp's decode_attention, where skyline's CPU operations build) against its
-Python path (ops/cpu_attention.decode_attention_cpu).
+Python path (ops/cpu_attention.decode_attention_cpu), for one sequence and for a batch of 16.
 
   python bench/cpu_attention_speed.py --threads 2 \
       --out bench/results/cpu/cpu-attention-2threads.json
@@ -95,21 +95,27 @@ def paged_rows(g: torch.Generator, smoke: bool) -> list[dict]:
         return []
     rows, bs = [], 16
     min_s = 0.01 if smoke else 0.3
-    for ctx in (100,) if smoke else (64, 256, 1024, 4000):
+    # (sequences, cached tokens each): one sequence, and a decode batch of 16 (16 streams)
+    cases = [(1, 100), (2, 100)] if smoke else [
+        (1, 64), (1, 256), (1, 1024), (1, 4000), (16, 128), (16, 400)]
+    for n, ctx in cases:
         nblk = -(-ctx // bs)
-        cache = torch.randn(2, nblk + 3, bs, KV_HEADS, DIM, generator=g).bfloat16()
-        table = torch.randperm(nblk + 3, generator=g)[:nblk].view(1, nblk).int()
-        q = torch.randn(1, HEADS + 2 * KV_HEADS, DIM, generator=g).bfloat16()[:, :HEADS]
-        gather, lens = decode_gather([ctx], table, bs), torch.tensor([ctx])
+        cache = torch.randn(2, n * nblk + 3, bs, KV_HEADS, DIM, generator=g).bfloat16()
+        table = torch.randperm(n * nblk + 3, generator=g)[: n * nblk].view(n, nblk).int()
+        q = torch.randn(n, HEADS + 2 * KV_HEADS, DIM, generator=g).bfloat16()[:, :HEADS]
+        gather, lens = decode_gather([ctx] * n, table, bs), torch.tensor([ctx] * n)
         blocks = gather.blocks.long()
         t_py = median_call_s(lambda q=q, c=cache, gt=gather: decode_attention_cpu(
             q, c, gt, SCALE), min_s)
         t_cpp = median_call_s(lambda q=q, c=cache, b=blocks, n=lens: (
             torch.ops.skyline_cpu.decode_attention(q, c, b, n, SCALE)), min_s)
-        rows.append({"context": ctx, "python_path_us": t_py * 1e6, "cpp_us": t_cpp * 1e6,
-                     "speedup": t_py / t_cpp})
-        print(f"paged decode, context {ctx:5d}: Python path {t_py * 1e6:7.1f} us, "
-              f"C++ {t_cpp * 1e6:7.1f} us ({t_py / t_cpp:.2f}x)", flush=True)
+        kv_bytes = n * ctx * 2 * KV_HEADS * DIM * 2  # K and V rows read, bf16
+        rows.append({"sequences": n, "context": ctx, "python_path_us": t_py * 1e6,
+                     "cpp_us": t_cpp * 1e6, "speedup": t_py / t_cpp,
+                     "cpp_kv_gbs": kv_bytes / t_cpp / 1e9})
+        print(f"paged decode, {n:2d} x context {ctx:5d}: Python path {t_py * 1e6:7.1f} us, "
+              f"C++ {t_cpp * 1e6:7.1f} us ({t_py / t_cpp:.2f}x; KV read at "
+              f"{kv_bytes / t_cpp / 1e9:.1f} GB/s)", flush=True)
     return rows
 
 
