@@ -116,6 +116,34 @@ def paged_rows(g: torch.Generator, smoke: bool) -> list[dict]:
         print(f"paged decode, {n:2d} x context {ctx:5d}: Python path {t_py * 1e6:7.1f} us, "
               f"C++ {t_cpp * 1e6:7.1f} us ({t_py / t_cpp:.2f}x; KV read at "
               f"{kv_bytes / t_cpp / 1e9:.1f} GB/s)", flush=True)
+    return rows + cold_rows(g, smoke)
+
+
+def cold_rows(g: torch.Generator, smoke: bool) -> list[dict]:
+    """A decode step's attention as the engine meets it: one call a layer for 30 layers, each
+    layer's cache read once a step (the other layers' weights evict it in between), a
+    sequence's blocks consecutive (freshly allocated) or scattered (a cache in use)."""
+    rows, bs, layers = [], 16, 2 if smoke else 30
+    nb = 64 if smoke else 4000  # blocks a layer: 49 MB of bf16 cache, 1.5 GB in all
+    for n, ctx in [(2, 100)] if smoke else [(16, 128), (16, 400), (1, 2000)]:
+        nblk = -(-ctx // bs)
+        caches = [torch.randn(2, nb, bs, KV_HEADS, DIM, generator=g).bfloat16()
+                  for _ in range(layers)]
+        q = torch.randn(n, HEADS, DIM, generator=g).bfloat16()
+        lens = torch.tensor([ctx] * n)
+        for layout in ("consecutive", "scattered"):
+            ids = (torch.arange(n * nblk) if layout == "consecutive"
+                   else torch.randperm(nb, generator=g)[: n * nblk])
+            blocks = decode_gather([ctx] * n, ids.view(n, nblk).int(), bs).blocks.long()
+            t = median_call_s(lambda q=q, b=blocks, n_=lens, cs=caches: [
+                torch.ops.skyline_cpu.decode_attention(q, c, b, n_, SCALE) for c in cs],
+                0.01 if smoke else 0.5)
+            kv_bytes = layers * n * ctx * 2 * KV_HEADS * DIM * 2
+            rows.append({"sequences": n, "context": ctx, "layers": layers, "blocks": layout,
+                         "step_ms": t * 1e3, "kv_gbs": kv_bytes / t / 1e9})
+            print(f"decode step's attention, {layers} layers, {n:2d} x context {ctx:5d}, "
+                  f"{layout:11s} blocks: {t * 1e3:6.2f} ms (KV read at {kv_bytes / t / 1e9:.1f} "
+                  "GB/s)", flush=True)
     return rows
 
 

@@ -191,6 +191,17 @@ struct PagedRows {
   const T* v_block(int64_t blk) const { return v + table[blk] * bs * tok; }
 };
 
+// the cache lines of n rows of 64 elements, `stride` elements apart, requested ahead of use:
+// a block's rows lie wherever the allocator put it, past what a hardware prefetcher predicts,
+// and a decode step reads each layer's cache after the other layers' weights have left it cold
+template <int HINT, typename T>
+inline void prefetch_rows(const T* p, int64_t n, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t b = 0; b < 64 * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + i * stride) + b,
+                   static_cast<decltype(_MM_HINT_T0)>(HINT));
+}
+
 // 64-element heads with G <= 4 query heads a KV head (the default model's 9 / 3): each cached
 // token's K and V rows loaded and widened once for all G heads, the queries and the values' sums
 // held in registers, the scores of 16 tokens summed together (sum_lanes16), the cache walked a
@@ -202,9 +213,15 @@ void attend_d64(const float* qf, const PagedRows<T>& rows, int64_t len, float* s
   for (int i = 0; i < G; ++i)
     for (int e = 0; e < 4; ++e) q[i][e] = _mm512_loadu_ps(qf + i * 64 + e * 16);
   const int64_t bs = rows.bs, tok = rows.tok;
+  // K two blocks ahead of its scores; V into L2 during the scores, then a block ahead of its sums
+  for (int64_t b = 0; b < 2 && b * bs < len; ++b)
+    prefetch_rows<_MM_HINT_T0>(rows.k_block(b), std::min(bs, len - b * bs), tok);
   for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
     const T* kb = rows.k_block(blk);
     const int64_t n = std::min(bs, len - t0);
+    if (t0 + 2 * bs < len)
+      prefetch_rows<_MM_HINT_T0>(rows.k_block(blk + 2), std::min(bs, len - t0 - 2 * bs), tok);
+    prefetch_rows<_MM_HINT_T1>(rows.v_block(blk), n, tok);  // for the values' pass
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {  // 16 tokens' scores a head at a time
       __m512 pairs[G][8];
@@ -232,6 +249,7 @@ void attend_d64(const float* qf, const PagedRows<T>& rows, int64_t len, float* s
   for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
     const T* vb = rows.v_block(blk);
     const int64_t n = std::min(bs, len - t0);
+    if (t0 + bs < len) prefetch_rows<_MM_HINT_T0>(rows.v_block(blk + 1), std::min(bs, len - t0 - bs), tok);
     for (int64_t i = 0; i < n; ++i) {
       const T* v = vb + i * tok;
       const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
