@@ -44,7 +44,7 @@ from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
-from skyline.bench.step_trace import timed
+from skyline.engine.step_trace import timed
 from skyline.bench.workloads import WorkloadSpec
 from skyline.engine.create import resolve_model_path
 from skyline.ops import cpu_plan

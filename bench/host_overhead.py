@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.bench.step_trace import timed
+from skyline.engine.step_trace import timed
 from skyline.engine.core import fewer_collections
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from skyline.bench.offline import random_prompts, save_json
 from skyline.bench.smoke import tiny_model
-from skyline.bench.step_trace import timed
+from skyline.engine.step_trace import timed
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams
 

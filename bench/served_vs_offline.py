@@ -45,14 +45,22 @@ def offline(model: str, flags: list[str], ns: argparse.Namespace, work: str) -> 
            "--output-len", str(ns.output_len), "--output", path, *flags]
     subprocess.run(cmd, check=True, timeout=ns.timeout)
     with open(path) as f:
-        return json.load(f)["skyline"]
+        res = json.load(f)
+    return {**res["skyline"], "steps": res.get("steps")}
 
 
 def served(model: str, flags: list[str], ns: argparse.Namespace, work: str,
            api_servers: int) -> dict:
     log = os.path.join(work, f"server-{api_servers}.log")
-    proc, url = start_server(["--model", model, "--api-server-count", str(api_servers), *flags],
-                             log, ns.timeout)
+    # the engine's steps (engine/step_trace.py), written when it stops: their shapes and
+    # seconds beside the offline run's
+    trace = os.path.join(work, f"steps-{api_servers}.json")
+    os.environ["SKYLINE_STEP_TRACE"] = trace
+    try:
+        proc, url = start_server(["--model", model, "--api-server-count", str(api_servers),
+                                  *flags], log, ns.timeout)
+    finally:
+        del os.environ["SKYLINE_STEP_TRACE"]
     try:
         # /health answers from the first API process up; the banner follows all of them
         deadline = time.monotonic() + ns.timeout
@@ -69,7 +77,22 @@ def served(model: str, flags: list[str], ns: argparse.Namespace, work: str,
         by_process = requests_by_api_server(url)
     finally:
         stop_server(proc)
-    return {**summarize(results, seconds), "requests_by_api_server": by_process}
+    steps = None
+    if os.path.exists(trace):
+        with open(trace) as f:
+            steps = json.load(f)
+    return {**summarize(results, seconds), "requests_by_api_server": by_process, "steps": steps}
+
+
+def step_line(steps: dict | None) -> str:
+    """A trace's steps in a few figures (engine/step_trace.py's summary)."""
+    if not steps or not steps.get("steps"):
+        return "no step trace"
+    n, s = steps["steps"], steps["seconds"]
+    tokens = steps["mixed_prefill_tokens"] + steps["mixed_decode_tokens"] + steps["decode_tokens"]
+    return (f"{n} steps, {1e3 * s / n:.1f} ms and {tokens / n:.0f} tokens a step; mixed "
+            f"{steps['mixed_steps']} ({100 * steps['mixed_share']:.0f}% of the time, host "
+            f"waiting on the device {100 * steps['mixed_wait_share']:.0f}% of it)")
 
 
 def requests_by_api_server(url: str) -> dict[str, float]:
@@ -125,6 +148,8 @@ def main() -> None:
               f"{srv['output_throughput']:.0f} tok/s = {ratio:.3f} of offline; TTFT p50 "
               f"{runs[-1]['ttft_p50_ms']:.0f} ms, p99 {runs[-1]['ttft_p99_ms']:.0f} ms; "
               f"{srv['failed']} failed", flush=True)
+        print(f"   steps offline: {step_line(off.get('steps'))}\n   steps served:  "
+              f"{step_line(srv.get('steps'))}", flush=True)
     best = max(runs, key=lambda r: r["served_over_offline"])
     out = {
         "benchmark": "served_vs_offline",

@@ -88,6 +88,10 @@ class Env:
     # read after the shipped tables of skyline/ops/configs/ (default
     # $XDG_CACHE_HOME/skyline/kernels, else ~/.cache/skyline/kernels).
     kernel_cache_dir: str
+    # SKYLINE_STEP_TRACE: a file: the engine-core process of `skyline serve` records every
+    # step's shape and seconds (engine/step_trace.py) and writes their summary there, as JSON,
+    # when it stops (bench/served_vs_offline.py); default none.
+    step_trace: str | None = None
     # SKYLINE_UNFUSE: FUSIONS (above) that run in their modular form, e.g. "norm,silu"; default
     # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
     # "unfuse"), so code reads it at each call, not once.
@@ -108,6 +112,7 @@ class Env:
                 os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
                                                                  ".cache"),
                 "skyline", "kernels"),
+            step_trace=os.environ.get("SKYLINE_STEP_TRACE") or None,
             unfuse=parse_unfuse(os.environ.get("SKYLINE_UNFUSE", "")),
         )
 

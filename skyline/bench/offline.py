@@ -11,7 +11,7 @@ import random
 import time
 from typing import Any
 
-from skyline.bench.step_trace import StepTrace
+from skyline.engine.step_trace import StepTrace
 from skyline.engine.args import EngineArgs
 from skyline.engine.frontend.llm import LLM
 from skyline.types import SamplingParams

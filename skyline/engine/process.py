@@ -258,13 +258,14 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
 
     started.add("imports", time.perf_counter() - t0)
     queue_times = _QueueTimes()
+    trace = _step_trace()
     try:
         with started.phase("config"):
             config, auto_len = create_engine_config(args)
         structured = structured_outputs(config.model, lambda: load_tokenizer(config.model))
         with started.phase("engine"):
             core = EngineCore(config, max_model_len_auto=auto_len, structured=structured,
-                              observers=[queue_times])
+                              observers=[queue_times] + ([trace] if trace else []))
     except (ConfigError, ValueError, FileNotFoundError, MemoryError) as e:
         conn.send(("error", str(e)))
         return
@@ -306,6 +307,9 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
              format_phases(info["startup"]))
     conn.send(("ready", info))
     conn.close()
+    if trace is not None:
+        trace.wait_clock = lambda: core.executor.query("device_wait_seconds")
+        trace.reset()
     try:
         loop.run()
     except Exception as e:
@@ -315,7 +319,33 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
         core.shutdown()
         os._exit(1)
     loop.close()
+    if trace is not None:
+        _write_step_trace(trace)
     core.shutdown()
+
+
+def _step_trace() -> Any:
+    """SKYLINE_STEP_TRACE set: an observer of every step (engine/step_trace.py), for a served
+    run's step shapes beside an offline run's (bench/served_vs_offline.py)."""
+    from skyline import envs
+
+    if not envs.ENV.step_trace:
+        return None
+    from skyline.engine.step_trace import StepTrace
+
+    return StepTrace()
+
+
+def _write_step_trace(trace: Any) -> None:
+    import json
+
+    from skyline import envs
+
+    try:
+        with open(envs.ENV.step_trace, "w") as f:
+            json.dump(trace.summary(), f, indent=1)
+    except OSError as e:
+        log.warning("the step trace could not be written to %s: %s", envs.ENV.step_trace, e)
 
 
 # ---------------------------------------------------------------------------------- parent

@@ -128,3 +128,8 @@ def test_served_vs_offline_smoke(tmp_path: str) -> None:
     assert result["failed"] == 0 and result["offline_output_tok_s"] > 0, out
     for r in result["runs"]:
         assert r["served_output_tok_s"] > 0 and r["served"]["completed"] == 16, r
+        # the served engine's steps (SKYLINE_STEP_TRACE): each request's tokens after its
+        # first came from decode rows
+        steps = r["served"]["steps"]
+        assert steps["mixed_decode_tokens"] + steps["decode_tokens"] >= 16 * 15, steps
+    assert result["offline"]["steps"]["steps"] > 0

@@ -1,4 +1,5 @@
-"""Where an offline run's time goes: every engine step's shape and seconds, and a summary.
+"""Where a run's time goes: every engine step's shape and seconds, and a summary (an offline
+run's, bench/offline.py; a served engine's with SKYLINE_STEP_TRACE, engine/process.py).
 
 A step is a *decode step* when each of its requests is scheduled one token (its last sampled
 token); otherwise it carries prefill (a prompt chunk, or a preempted request's recompute) and
