@@ -71,6 +71,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     # logits [n, vocab], modified in place; only rows that ask for penalties pay for them.
     vocab = logits.shape[1]
     dev = logits.device
+    masked: tuple[list[int], list[int]] = ([], [])  # (row, token) of min_tokens' stop tokens
     for i, r in enumerate(rows):
         p = r.params
         repetition, counts_based, min_tokens = _penalties(r)
@@ -89,7 +90,13 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
         if min_tokens:
-            logits[i, to_device(list(r.stop_ids), torch.long, dev)] = _MASK
+            masked[0].extend([i] * len(r.stop_ids))
+            masked[1].extend(r.stop_ids)
+    if masked[0]:
+        # every row's in one indexed write: a copy and a launch a row cost a served step of
+        # 256 requests with min_tokens (as benchmark clients send with ignore_eos) ~10 ms
+        idx = to_device(masked, torch.long, dev)
+        logits[idx[0], idx[1]] = _MASK
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
