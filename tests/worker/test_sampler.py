@@ -105,6 +105,51 @@ def test_penalties():
     assert sample(logits, [row])[0] == [1]
 
 
+def _penalized_row_by_row(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Reference: each row's penalties alone, in the order repetition, counts, min_tokens."""
+    out = logits.clone()
+    for i, r in enumerate(rows):
+        p, x = r.params, out[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros_like(x, dtype=torch.bool)
+            seen[r.prompt_token_ids + r.output_token_ids] = True
+            x = torch.where(seen, torch.where(x > 0, x / p.repetition_penalty,
+                                              x * p.repetition_penalty), x)
+        if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+            counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=len(x)).float()
+            x = x - p.frequency_penalty * counts
+            x = x - p.presence_penalty * (counts > 0).float()
+        if p.min_tokens and len(r.output_token_ids) < p.min_tokens and r.stop_ids:
+            x = x.clone()
+            x[list(r.stop_ids)] = -math.inf
+        out[i] = x
+    return out
+
+
+def test_penalties_of_a_batch_match_each_row_alone():
+    from skyline.worker.sampler import _apply_penalties
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    rows = []
+    for i in range(12):
+        kw = {"temperature": 0.0}
+        if i % 2:
+            kw["repetition_penalty"] = 1.0 + 0.1 * i
+        if i % 3 == 0:
+            kw["frequency_penalty"], kw["presence_penalty"] = 0.25 * i, 0.5
+        if i % 4 == 1:
+            kw["min_tokens"] = 5
+        prompt = torch.randint(0, vocab, (i + 1,), generator=g).tolist()
+        output = torch.randint(0, vocab, (i % 6,), generator=g).tolist()
+        rows.append(SamplingRow(SamplingParams(**kw), prompt, output, (0, 7)))
+    logits = torch.randn(len(rows), vocab, generator=g)
+    got = logits.clone()
+    _apply_penalties(got, rows)
+    assert torch.equal(got, _penalized_row_by_row(logits, rows))
+    assert not torch.equal(got, logits)
+
+
 def test_min_tokens_masks_stop_ids():
     logits = torch.tensor([[5.0, 1.0, 0.0]])
     row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2), [], [], (0,))
