@@ -44,9 +44,9 @@ from skyline.bench.frontier import start_server, stop_server
 from skyline.bench.metrics import summarize
 from skyline.bench.offline import machine_info, save_json
 from skyline.bench.serve import LoadSpec, run_load
-from skyline.engine.step_trace import timed
 from skyline.bench.workloads import WorkloadSpec
 from skyline.engine.create import resolve_model_path
+from skyline.engine.step_trace import timed
 from skyline.ops import cpu_plan
 
 QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}  # made from the default model

@@ -31,9 +31,9 @@ from collections import defaultdict
 from typing import Any
 
 from skyline.bench.offline import machine_info, save_json
-from skyline.engine.step_trace import timed
 from skyline.engine.core import fewer_collections
 from skyline.engine.frontend.llm import LLM
+from skyline.engine.step_trace import timed
 from skyline.types import SamplingParams
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,

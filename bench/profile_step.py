@@ -19,8 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from skyline.bench.offline import random_prompts, save_json
 from skyline.bench.smoke import tiny_model
-from skyline.engine.step_trace import timed
 from skyline.engine.frontend.llm import LLM
+from skyline.engine.step_trace import timed
 from skyline.types import SamplingParams
 
 

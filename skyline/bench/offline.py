@@ -11,9 +11,9 @@ import random
 import time
 from typing import Any
 
-from skyline.engine.step_trace import StepTrace
 from skyline.engine.args import EngineArgs
 from skyline.engine.frontend.llm import LLM
+from skyline.engine.step_trace import StepTrace
 from skyline.types import SamplingParams
 
 
