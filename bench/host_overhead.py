@@ -10,6 +10,7 @@ with the engine's (`fewer_collections`, as `LLM.generate` and the engine process
 `--profile` adds a cProfile of the timed steps.
 
     python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/host/X.json
+    python bench/host_overhead.py --batch 256 --min-tokens  # min_tokens as served clients send
     python bench/host_overhead.py --smoke   # 16 requests, a few steps
 """
 
@@ -64,7 +65,7 @@ class GcPauses:
 
 
 def measure(batch: int, context: int, steps: int, engine_gc: bool,
-            profile: str | None) -> dict[str, Any]:
+            profile: str | None, min_tokens: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(TINY, f)
@@ -78,7 +79,10 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
                   kv_cache_memory=batch * (-(-max_len // 16) + 1) * block_bytes)
     llm.query("zero_forward")  # what remains of a step is the host's work
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)  # to max_len
+    # to max_len; with min_tokens, as a served benchmark's clients send with ignore_eos (the
+    # sampler masks every request's stop tokens at every step)
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
+                            min_tokens=max_len if min_tokens else 0)
     for i in range(batch):
         llm.add_request([1000 + (i * 7 + j) % 1000 for j in range(context)], params)
     sched = engine.scheduler
@@ -111,7 +115,7 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
         phases[name] = host[runner_phase] - host_before[runner_phase]
     assert len(sched.running) == batch, "every request must decode through the timed steps"
     ms = {k: 1e3 * v / steps for k, v in sorted(phases.items())}
-    return {"batch": batch, "context": context, "steps": steps,
+    return {"batch": batch, "context": context, "steps": steps, "min_tokens": min_tokens,
             "gc": "engine" if engine_gc else "default",
             "step_ms": 1e3 * wall / steps, "us_per_request": 1e6 * wall / steps / batch,
             "phases_ms": ms, "gc_collections": pauses.count,
@@ -137,6 +141,8 @@ def main() -> None:
     ap.add_argument("--profile", help="write a cProfile of the largest batch's steps here")
     ap.add_argument("--out")
     ap.add_argument("--smoke", action="store_true", help="16 requests of 64 tokens, 4 steps")
+    ap.add_argument("--min-tokens", action="store_true",
+                    help="requests also ask for min_tokens (a served benchmark's clients do)")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.context, args.steps, args.out = [16], 64, 4, None
@@ -144,7 +150,7 @@ def main() -> None:
     for b in args.batch:
         for engine_gc in (False, True):
             prof = args.profile if b == max(args.batch) and engine_gc else None
-            row = measure(b, args.context, args.steps, engine_gc, prof)
+            row = measure(b, args.context, args.steps, engine_gc, prof, args.min_tokens)
             rows.append(row)
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
             print(f"batch {b:5d} context {args.context} gc {row['gc']:>7}: {row['step_ms']:6.2f} "
