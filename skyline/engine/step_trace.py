@@ -11,6 +11,8 @@ the host's own work (scheduling, input building, an eager forward) sets the pace
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +70,16 @@ class StepTrace:
                 prefill += n
         waited, self._waited = self._waited, self.wait_clock()
         self.rows.append((decode, prefill, context, seconds, self._waited - waited))
+
+    def write(self, path: str) -> None:
+        """The summary to `path` as JSON (a served engine's, SKYLINE_STEP_TRACE); a path that
+        cannot be written is logged, not raised: the engine is stopping."""
+        try:
+            with open(path, "w") as f:
+                json.dump(self.summary(), f, indent=1)
+        except OSError as e:
+            logging.getLogger(__name__).warning("the step trace could not be written to %s: %s",
+                                                path, e)
 
     def summary(self) -> dict[str, Any]:
         """Seconds in mixed and decode steps, and decode steps by batch size (seconds, steps,

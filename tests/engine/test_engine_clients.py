@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from skyline.engine.codec import pack, request_to_dict, step_output_from_list, unpack
-from skyline.engine.process import _EngineLoop, _QueueTimes
+from skyline.engine.loop import EngineLoop, QueueTimes
 from skyline.types import Request, SamplingParams, StepOutput
 
 
@@ -57,7 +57,7 @@ def two_clients(tmp_path):
     inp = ctx.socket(zmq.PUSH)
     inp.bind(f"ipc://{tmp_path}/in")
     core = _FakeCore()
-    loop = _EngineLoop(core, _QueueTimes(), [f"ipc://{tmp_path}/in"],
+    loop = EngineLoop(core, QueueTimes(), [f"ipc://{tmp_path}/in"],
                        [f"ipc://{tmp_path}/out-{i}" for i in range(2)])
     yield loop, core, outs, inp
     loop.close()
