@@ -248,9 +248,11 @@ stage_served() {
   # then served against offline on the GPU at SERVED_C users (256), SERVED_PROCS client
   # processes (8), SERVED_N requests (1024) of SERVED_IN -> SERVED_OUT tokens (128 -> 256),
   # engine flags SERVED_FLAGS (none; e.g. "--kv-cache-dtype fp8"), for each API server count
-  # in API_SERVERS ("1 4")
-  CUDA_VISIBLE_DEVICES='' python3 bench/serve_ceiling.py --processes 8 \
-    --out-dir "$OUT" --tag "h200-host$TAG"
+  # in API_SERVERS ("1 4"); SERVED_CEILING=0 skips the ceiling
+  if [ "${SERVED_CEILING:-1}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES='' python3 bench/serve_ceiling.py --processes 8 \
+      --out-dir "$OUT" --tag "h200-host$TAG"
+  fi
   python3 bench/served_vs_offline.py --model "$M" --concurrency "${SERVED_C:-256}" \
     --processes "${SERVED_PROCS:-8}" --num-requests "${SERVED_N:-1024}" \
     --input-len "${SERVED_IN:-128}" --output-len "${SERVED_OUT:-256}" \

@@ -92,7 +92,10 @@ def step_line(steps: dict | None) -> str:
     tokens = steps["mixed_prefill_tokens"] + steps["mixed_decode_tokens"] + steps["decode_tokens"]
     return (f"{n} steps, {1e3 * s / n:.1f} ms and {tokens / n:.0f} tokens a step; mixed "
             f"{steps['mixed_steps']} ({100 * steps['mixed_share']:.0f}% of the time, host "
-            f"waiting on the device {100 * steps['mixed_wait_share']:.0f}% of it)")
+            f"waiting on the device {100 * steps['mixed_wait_share']:.0f}% of it); "
+            f"{steps.get('compiles', 0)} Triton compilations "
+            f"({steps.get('compile_seconds', 0.0):.1f} s), slowest step "
+            f"{max((r['ms'] for r in steps.get('slowest_steps', [])), default=0.0):.0f} ms")
 
 
 def requests_by_api_server(url: str) -> dict[str, float]:

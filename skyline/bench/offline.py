@@ -111,7 +111,7 @@ def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: 
 
 def _run(llm: LLM, trace: StepTrace, peaks: Any, num_prompts: int, input_len: int,
          output_len: int, output: str | None) -> dict[str, Any]:
-    trace.wait_clock = lambda: llm.query("device_wait_seconds")
+    trace.clock = lambda: llm.query("step_clocks")
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
     res = measure(llm, prompts, output_len, trace)
@@ -148,7 +148,13 @@ def _run(llm: LLM, trace: StepTrace, peaks: Any, num_prompts: int, input_len: in
               f"{eng['prefix_cache_query_tokens']} prompt tokens")
     st = result["steps"]
     print(f"steps: {st['mixed_steps']} with prefill {st['mixed_seconds']:.1f} s, "
-          f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s")
+          f"{st['decode_steps']} decode-only {st['decode_seconds']:.1f} s; "
+          f"{st['compiles']} Triton compilations in the run ({st['compile_seconds']:.1f} s)")
+    if st["compiled_kernels"]:
+        print(f"  compiled: {st['compiled_kernels']}")
+    for r in st["slowest_steps"][:3]:
+        print(f"  slowest: {r['ms']:.1f} ms ({r['decode']} decodes, {r['prefill']} prefill "
+              f"tokens, {r['compiles']} compilations)")
     for b in st["decode_by_batch"]:
         print(f"  decode {b['batch']:>9} seqs: {b['steps']:5d} steps, {b['mean_step_ms']:7.2f} "
               f"ms/step, context {b['mean_context']:6.0f}, host waits {b['wait_share']:.2f}")

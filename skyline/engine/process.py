@@ -121,7 +121,7 @@ def run_engine_core(args: Any, in_addrs: list[str], out_addrs: list[str],
     conn.send(("ready", info))
     conn.close()
     if trace is not None:
-        trace.wait_clock = lambda: core.executor.query("device_wait_seconds")
+        trace.clock = lambda: core.executor.query("step_clocks")
         trace.reset()
     try:
         loop.run()

@@ -6,7 +6,9 @@ token); otherwise it carries prefill (a prompt chunk, or a preempted request's r
 is a *mixed step*. The context of a step is the number of KV positions its attention reads:
 for each request, the tokens cached before the step plus those it schedules. The wait of a
 step is how long the host blocked on the device for sampled tokens meanwhile: near zero when
-the host's own work (scheduling, input building, an eager forward) sets the pace.
+the host's own work (scheduling, input building, an eager forward) sets the pace. A step that
+compiled Triton kernels (a shape no warm-up or CUDA graph capture reached) shows with them:
+the summary names them, and the slowest steps.
 """
 
 from __future__ import annotations
@@ -36,21 +38,31 @@ def timed(phases: dict[str, float], name: str, fn: Callable[..., Any]) -> Callab
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 768, 1024, 1 << 30)
 
 
-class StepTrace:
-    """Collects (decode rows, prefill tokens, context tokens, seconds, wait seconds) per step
-    of an engine it observes (engine/core.py, `StepObserver`) between `reset` and `stop`;
-    `wait_clock` returns the host's total seconds of waiting for the device so far."""
+def no_clocks() -> dict[str, Any]:
+    return {"wait_s": 0.0, "compiles": 0, "compile_s": 0.0, "kernels": {}}
 
-    def __init__(self, wait_clock: Callable[[], float] = lambda: 0.0) -> None:
-        self.wait_clock = wait_clock
-        self.rows: list[tuple[int, int, int, float, float]] = []
+
+# The slowest steps the summary lists.
+NUM_SLOWEST = 8
+
+
+class StepTrace:
+    """Collects (decode rows, prefill tokens, context tokens, seconds, wait seconds,
+    compilations, compile seconds) per step of an engine it observes (engine/core.py,
+    `StepObserver`) between `reset` and `stop`. `clock` returns the runner's running totals
+    (worker/queries.py `step_clocks`): the host's seconds of waiting for the device, and the
+    Triton compilations since start-up with their seconds and kernels."""
+
+    def __init__(self, clock: Callable[[], dict[str, Any]] = no_clocks) -> None:
+        self.clock = clock
+        self.rows: list[tuple[int, int, int, float, float, int, float]] = []
         self.recording = False
-        self._waited = 0.0
+        self._first = self._last = no_clocks()
 
     def reset(self) -> None:
         """Forget the steps seen so far (a warm-up's) and record from now on."""
         self.rows = []
-        self._waited = self.wait_clock()
+        self._first = self._last = self.clock()
         self.recording = True
 
     def stop(self) -> None:
@@ -68,8 +80,10 @@ class StepTrace:
                 decode += 1
             else:
                 prefill += n
-        waited, self._waited = self._waited, self.wait_clock()
-        self.rows.append((decode, prefill, context, seconds, self._waited - waited))
+        last, self._last = self._last, self.clock()
+        self.rows.append((decode, prefill, context, seconds, self._last["wait_s"] - last["wait_s"],
+                          self._last["compiles"] - last["compiles"],
+                          self._last["compile_s"] - last["compile_s"]))
 
     def write(self, path: str) -> None:
         """The summary to `path` as JSON (a served engine's, SKYLINE_STEP_TRACE); a path that
@@ -104,6 +118,9 @@ class StepTrace:
                 })
             lo = hi
         ms = sum(r[3] for r in mixed)
+        first, last = self._first["kernels"], self._last["kernels"]
+        compiled = {k: n - first.get(k, 0) for k, n in last.items() if n > first.get(k, 0)}
+        slowest = sorted(self.rows, key=lambda r: -r[3])[:NUM_SLOWEST]
         return {
             "steps": len(self.rows),
             "seconds": total,
@@ -117,4 +134,10 @@ class StepTrace:
             "decode_seconds": total - ms,
             "decode_tokens": sum(r[0] for r in dec),
             "decode_by_batch": by_batch,
+            "compiles": sum(r[5] for r in self.rows),
+            "compile_seconds": sum(r[6] for r in self.rows),
+            "compiled_kernels": compiled,
+            "slowest_steps": [{"decode": r[0], "prefill": r[1], "context": r[2],
+                               "ms": 1e3 * r[3], "wait_ms": 1e3 * r[4], "compiles": r[5],
+                               "compile_ms": 1e3 * r[6]} for r in slowest],
         }

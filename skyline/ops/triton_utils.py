@@ -5,9 +5,10 @@ dispatchers run their PyTorch references."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from skyline import envs
@@ -28,25 +29,40 @@ def interpreted() -> bool:
 
 @dataclass
 class CompileCount:
-    """Triton kernels compiled while a block ran, and the seconds their compilation took. A
-    kernel found in Triton's disk cache counts too (its compile is then a load): with a warm
-    cache the seconds shrink, not the number."""
+    """Triton kernels compiled while a block ran, the seconds their compilation took, and how
+    many of each kernel (by name). A kernel found in Triton's disk cache counts too (its
+    compile is then a load): with a warm cache the seconds shrink, not the number."""
 
     num: int = 0
     seconds: float = 0.0
+    kernels: Counter[str] = field(default_factory=Counter)
+
+    def since(self, start: CompileCount) -> CompileCount:
+        """The compilations after `start` (a copy of this count taken earlier)."""
+        return CompileCount(self.num - start.num, self.seconds - start.seconds,
+                            self.kernels - start.kernels)
+
+    def copy(self) -> CompileCount:
+        return CompileCount(self.num, self.seconds, Counter(self.kernels))
 
 
-@contextmanager
-def count_compiles() -> Iterator[CompileCount]:
-    """Count the Triton compilations of the block (start-up's record of them) through Triton's
-    JIT hooks, chained to any already set. Counts nothing without Triton, under its interpreter
-    or with a Triton that has no such hooks (before 3.4)."""
-    count = CompileCount()
+# Every compilation of this process once `count_compiles` first ran (`compiled_so_far`), and
+# the counts of the blocks running now.
+_TOTAL = CompileCount()
+_ACTIVE: list[CompileCount] = []
+
+
+def _hooks_installed() -> bool:
+    """Chain this module's hooks to Triton's JIT hooks (once: again only if someone replaced
+    them since); False where there are none to chain to (no Triton, its interpreter, or a
+    Triton before 3.4)."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None or not hasattr(runtime, "jit_post_compile_hook") or interpreted():
-        yield count
-        return
-    prev_pre, prev_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        return False
+    hooks = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+    if all(getattr(h, "skyline_counts", False) for h in hooks):
+        return True
+    prev_pre, prev_post = (None if getattr(h, "skyline_counts", False) else h for h in hooks)
     started: list[float] = []
 
     def pre(**kwargs: Any) -> Any:
@@ -54,13 +70,37 @@ def count_compiles() -> Iterator[CompileCount]:
         return prev_pre(**kwargs) if prev_pre is not None else None
 
     def post(**kwargs: Any) -> Any:
-        if started:  # one compile at a time in this thread: the latest start is its own
-            count.seconds += time.perf_counter() - started.pop()
-        count.num += 1
+        # one compile at a time in this thread: the latest start is its own
+        dt = time.perf_counter() - started.pop() if started else 0.0
+        name = str(getattr(kwargs.get("fn"), "name", None) or kwargs.get("key", "?"))
+        for count in (_TOTAL, *_ACTIVE):
+            count.num += 1
+            count.seconds += dt
+            count.kernels[name] += 1
         return prev_post(**kwargs) if prev_post is not None else None
 
+    pre.skyline_counts = post.skyline_counts = True  # type: ignore[attr-defined]
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = pre, post
+    return True
+
+
+def compiled_so_far() -> CompileCount:
+    """The process's Triton compilations since its first `count_compiles` (a runner's
+    start-up): a step that compiles shows as the difference of two copies."""
+    return _TOTAL.copy()
+
+
+@contextmanager
+def count_compiles() -> Iterator[CompileCount]:
+    """Count the Triton compilations of the block (start-up's record of them) through Triton's
+    JIT hooks, chained to any set before. Counts nothing without Triton, under its interpreter
+    or with a Triton that has no such hooks (before 3.4)."""
+    count = CompileCount()
+    if not _hooks_installed():
+        yield count
+        return
+    _ACTIVE.append(count)
     try:
         yield count
     finally:
-        runtime.jit_cache_hook, runtime.jit_post_compile_hook = prev_pre, prev_post
+        _ACTIVE.remove(count)

@@ -34,6 +34,7 @@ from skyline.model.loader import plain_layout
 from skyline.model.weights import held_bytes
 from skyline.ops import cpu_int4
 from skyline.ops.pdl import use_pdl
+from skyline.ops.triton_utils import compiled_so_far
 from skyline.quant import report
 from skyline.quant.assignment import parse_formats, to_quant_config
 from skyline.quant.calibrate import collect_act_sq as _collect_act_sq
@@ -138,10 +139,14 @@ def hidden_states(r: ModelRunner, sequences: list[list[int]]) -> list[torch.Tens
     return out
 
 
-def device_wait_seconds(r: ModelRunner) -> float:
-    """Seconds the host has waited for sampled tokens so far (near zero when the host, not
-    the device, sets the pace of the steps)."""
-    return r.device_wait_s
+def step_clocks(r: ModelRunner) -> dict[str, Any]:
+    """For a step trace (engine/step_trace.py): the seconds the host has waited for sampled
+    tokens so far (near zero when the host, not the device, sets the pace of the steps), and
+    the Triton compilations since start-up (their number, seconds and kernels by name: a
+    step's shape that no warm-up or capture reached)."""
+    c = compiled_so_far().since(r.compiles_at_start)
+    return {"wait_s": r.device_wait_s, "compiles": c.num, "compile_s": c.seconds,
+            "kernels": dict(c.kernels)}
 
 
 def linear_bytes(r: ModelRunner) -> int:
@@ -302,7 +307,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "score": score,
     "kv_scales": kv_scales,
     "hidden_states": hidden_states,
-    "device_wait_seconds": device_wait_seconds,
+    "step_clocks": step_clocks,
     "model_cost": model_cost,
     "linear_bytes": linear_bytes,
     "collect_act_sq": collect_act_sq,

@@ -59,17 +59,34 @@ def test_triton_compiles_are_counted_through_its_hooks(monkeypatch):
         pytest.skip("no Triton with JIT hooks here")
     monkeypatch.setattr(triton_utils, "interpreted", lambda: False)  # as on a GPU
     seen = []
+    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
     runtime.jit_cache_hook = lambda **kw: seen.append(kw)  # someone else's hook: kept
+    runtime.jit_post_compile_hook = None
+
+    class Fn:
+        name = "kernel_a"
+
+    def compile_one(name: str = "kernel_a") -> None:  # what Triton's JIT calls around one
+        assert not runtime.jit_cache_hook(key="k")
+        runtime.jit_post_compile_hook(key=name, fn=Fn() if name == "kernel_a" else None)
+
     try:
-        with triton_utils.count_compiles() as count:
-            for _ in range(3):  # what Triton's JIT calls around each compile
-                assert not runtime.jit_cache_hook(key="k")
-                runtime.jit_post_compile_hook(key="k")
-        assert count.num == 3 and count.seconds >= 0 and len(seen) == 3
-        assert runtime.jit_post_compile_hook is None  # put back as it was
-        assert runtime.jit_cache_hook is not None
+        start = triton_utils.compiled_so_far()
+        with triton_utils.count_compiles() as outer:
+            compile_one()
+            with triton_utils.count_compiles() as inner:
+                compile_one()
+                compile_one("kernel_b")
+        compile_one()  # after the blocks: the process's count only
+        assert (outer.num, inner.num) == (3, 2) and outer.seconds >= 0 and len(seen) == 4
+        assert dict(inner.kernels) == {"kernel_a": 1, "kernel_b": 1}
+        run = triton_utils.compiled_so_far().since(start)
+        assert run.num == 4 and dict(run.kernels) == {"kernel_a": 3, "kernel_b": 1}
+        with triton_utils.count_compiles():  # installed once: no second link in the chain
+            compile_one()
+        assert len(seen) == 5
     finally:
-        runtime.jit_cache_hook = None
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
 class _Stream:

@@ -16,7 +16,7 @@ from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
-from skyline.ops.triton_utils import count_compiles, triton
+from skyline.ops.triton_utils import compiled_so_far, count_compiles, triton
 from skyline.parallel.groups import ParallelLayout
 from skyline.types.startup import StartupPhases
 from skyline.worker.connector import make_connector
@@ -59,6 +59,8 @@ class RunnerStartup:
         self.unfuse_at_start = envs.ENV.unfuse
         with count_compiles() as self.triton_compiles:
             self._start(config, layout)
+        # what steps compile from here on (a shape no warm-up reached): the step trace's
+        self.compiles_at_start = compiled_so_far()
 
     def _start(self, config: EngineConfig, layout: ParallelLayout | None) -> None:
         self.config = config
