@@ -50,6 +50,9 @@ class CompileCount:
 # the counts of the blocks running now.
 _TOTAL = CompileCount()
 _ACTIVE: list[CompileCount] = []
+# (kernel, Triton's description of the compiled specialization: each argument's type, its
+# divisibility by 16 or value 1, the constexprs) of every compilation counted, in order
+_SPECS: list[tuple[str, str]] = []
 
 
 def _hooks_installed() -> bool:
@@ -73,6 +76,7 @@ def _hooks_installed() -> bool:
         # one compile at a time in this thread: the latest start is its own
         dt = time.perf_counter() - started.pop() if started else 0.0
         name = str(getattr(kwargs.get("fn"), "name", None) or kwargs.get("key", "?"))
+        _SPECS.append((name, str(kwargs.get("repr", ""))))
         for count in (_TOTAL, *_ACTIVE):
             count.num += 1
             count.seconds += dt
@@ -88,6 +92,12 @@ def compiled_so_far() -> CompileCount:
     """The process's Triton compilations since its first `count_compiles` (a runner's
     start-up): a step that compiles shows as the difference of two copies."""
     return _TOTAL.copy()
+
+
+def compiled_specs() -> list[tuple[str, str]]:
+    """(kernel, specialization) of each compilation `compiled_so_far` counts, in order: what
+    made a kernel compile again shows in how its arguments differ from an earlier one."""
+    return list(_SPECS)
 
 
 @contextmanager

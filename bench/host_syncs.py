@@ -1,0 +1,157 @@
+"""Where a step waits for the device, by sampling parameters (CUDA).
+
+With async scheduling the host builds step N+1 while the device runs step N, and waits only to
+read step N's tokens. An operation inside a step that waits for the device (a `.item()`, a
+copy to pageable memory, a boolean mask's `nonzero`) serialises the two: the step then takes
+the host's time plus the device's, and the trace shows the host never waiting for tokens
+(it already did). This runs one engine in this process on N prompts for each set of
+sampling parameters (as served clients send them), with PyTorch's sync debug mode on for the
+timed run, and reports for each set the decode steps' ms, the host's share of waiting for
+tokens, and every synchronising call by its source line.
+
+    python bench/host_syncs.py --model llama-3.1-8b --num-prompts 256 \\
+        --out bench/results/host/host-syncs-h200-llama-3.1-8b.json
+    python bench/host_syncs.py --smoke   # the tiny model; on the CPU nothing synchronises
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import sys
+import time
+import warnings
+from collections import Counter
+from typing import Any
+
+import torch
+
+from skyline.bench.offline import machine_info, random_prompts, save_json
+from skyline.engine.frontend.llm import LLM
+from skyline.engine.step_trace import StepTrace
+from skyline.ops.triton_utils import compiled_specs
+from skyline.types import SamplingParams
+
+# name -> sampling parameters besides max_tokens and ignore_eos
+PARAM_SETS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "min_tokens": {"temperature": 0.0, "min_tokens": -1},  # -1: max_tokens (served clients')
+    "penalties": {"temperature": 0.0, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+                  "frequency_penalty": 0.5},
+    "top_p_top_k": {"temperature": 0.8, "top_p": 0.9, "top_k": 50},
+    "seeded": {"temperature": 1.0, "seed": 7},
+    "logprobs": {"temperature": 0.0, "logprobs": 5},
+    "logit_bias": {"temperature": 0.0, "logit_bias": {100: 2.0, 200: -2.0}},
+}
+
+
+def _where(w: warnings.WarningMessage) -> str:
+    return f"{w.filename.rsplit('skyline/', 1)[-1]}:{w.lineno}"
+
+
+def _args(spec: str) -> list[str]:
+    """The arguments of a specialization's description: "name[options](a: *bf16, n: i32)"."""
+    return spec[spec.find("](") + 2 : -1].split(", ")
+
+
+def why_compiled(spec: str, earlier: list[str]) -> str:
+    """Where a compilation's arguments differ from the closest earlier one of the kernel (the
+    options first, when they differ)."""
+    if not earlier:
+        return "first of its kernel"
+    new = _args(spec)
+
+    def diff(old: str) -> list[str]:
+        o = _args(old)
+        out = [f"{a} (was {b.split(': ', 1)[-1]})" for a, b in zip(new, o, strict=False)
+               if a != b]
+        if spec.split("](")[0] != old.split("](")[0]:
+            out.insert(0, spec.split("](")[0].split("[", 1)[-1])
+        return out
+
+    return "; ".join(min((diff(o) for o in earlier), key=len)) or "same arguments"
+
+
+def run_set(llm: LLM, trace: StepTrace, name: str, prompts: list[list[int]],
+            output_len: int) -> dict[str, Any]:
+    extra = dict(PARAM_SETS[name])
+    if extra.get("min_tokens") == -1:
+        extra["min_tokens"] = output_len
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **extra)
+    warm = dataclasses.replace(params, max_tokens=4, min_tokens=min(params.min_tokens, 4))
+    llm.generate(prompts[:2], warm)  # this set's warm-up
+    cuda = llm.config.device.startswith("cuda")
+    trace.reset()
+    specs_before = len(compiled_specs())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        t0 = time.perf_counter()
+        try:
+            llm.generate(prompts, params)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        dt = time.perf_counter() - t0
+    trace.stop()
+    syncs = Counter(_where(w) for w in seen if "synchroniz" in str(w.message))
+    specs = compiled_specs()
+    compiled = [{"kernel": k, "why": why_compiled(spec, [o for n, o in specs[:i] if n == k])}
+                for i, (k, spec) in enumerate(specs) if i >= specs_before]
+    st = trace.summary()
+    big = max(st["decode_by_batch"], key=lambda b: b["steps"], default=None)
+    row = {"params": name, "sampling": extra, "elapsed_s": dt,
+           "output_tok_s": len(prompts) * output_len / dt, "syncs": dict(syncs),
+           "decode_steps": st["decode_steps"],
+           "decode_step_ms": big["mean_step_ms"] if big else None,
+           "decode_batch": big["mean_batch"] if big else None,
+           "wait_share": big["wait_share"] if big else None, "compiled": compiled}
+    print(f"{name:>12}: {row['output_tok_s']:9.1f} tok/s, decode "
+          f"{row['decode_step_ms'] or 0:6.2f} ms/step at {row['decode_batch'] or 0:.0f} seqs, "
+          f"host waits {row['wait_share'] or 0:.2f}; {sum(syncs.values())} synchronising calls"
+          + "".join(f"\n{'':>14}{n:6d} x {where}" for where, n in syncs.most_common(8))
+          + "".join(f"\n{'':>14}compiled {c['kernel']}: {c['why']}" for c in compiled))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="shipped config name (dummy weights)")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--sets", nargs="+", default=list(PARAM_SETS), choices=list(PARAM_SETS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="the default model, 8 short prompts")
+    a = ap.parse_args()
+    if a.smoke:
+        a.model, a.num_prompts, a.input_len, a.output_len = None, 8, 16, 8
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine: dict[str, Any] = {"device": device}
+    if a.model:
+        engine |= {"model": a.model, "load_format": "dummy"}
+    if device == "cpu":
+        print("no CUDA device: nothing can synchronise; the sets run for their speed only",
+              file=sys.stderr)
+    trace = StepTrace()
+    llm = LLM(**engine, max_num_seqs=max(a.num_prompts, 1), observers=[trace])
+    try:
+        trace.clock = lambda: llm.query("step_clocks")
+        prompts = random_prompts(a.num_prompts, a.input_len, llm.config.model.arch.vocab_size)
+        rows = [run_set(llm, trace, name, prompts, a.output_len) for name in a.sets]
+    finally:
+        llm.shutdown()
+    save_json({
+        "benchmark": "host_syncs",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "model": llm.config.model.name, "device": device, "num_prompts": a.num_prompts,
+        "input_len": a.input_len, "output_len": a.output_len,
+        "machine": machine_info(device), "rows": rows,
+    }, a.out)
+
+
+if __name__ == "__main__":
+    main()
