@@ -17,8 +17,10 @@ tokens, and every synchronising call by its source line.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import datetime
+import pstats
 import sys
 import time
 import warnings
@@ -50,31 +52,28 @@ def _where(w: warnings.WarningMessage) -> str:
     return f"{w.filename.rsplit('skyline/', 1)[-1]}:{w.lineno}"
 
 
-def _args(spec: str) -> list[str]:
-    """The arguments of a specialization's description: "name[options](a: *bf16, n: i32)"."""
-    return spec[spec.find("](") + 2 : -1].split(", ")
-
-
-def why_compiled(spec: str, earlier: list[str]) -> str:
-    """Where a compilation's arguments differ from the closest earlier one of the kernel (the
-    options first, when they differ)."""
+def why_compiled(spec: dict[str, str], earlier: list[dict[str, str]]) -> str:
+    """Where a compilation's specialization (ops/triton_utils.compiled_specs) differs from the
+    closest earlier one of the same kernel."""
     if not earlier:
         return "first of its kernel"
-    new = _args(spec)
 
-    def diff(old: str) -> list[str]:
-        o = _args(old)
-        out = [f"{a} (was {b.split(': ', 1)[-1]})" for a, b in zip(new, o, strict=False)
-               if a != b]
-        if spec.split("](")[0] != old.split("](")[0]:
-            out.insert(0, spec.split("](")[0].split("[", 1)[-1])
-        return out
+    def diff(old: dict[str, str]) -> list[str]:
+        return [f"{k} {old.get(k)} -> {v}" for k, v in spec.items() if old.get(k) != v]
 
-    return "; ".join(min((diff(o) for o in earlier), key=len)) or "same arguments"
+    return "; ".join(min((diff(o) for o in earlier), key=len)) or "the same specialization"
+
+
+def top_functions(prof: cProfile.Profile, n: int = 12) -> list[dict[str, Any]]:
+    """The host's n costliest functions of a profile, by their own seconds."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [{"function": f"{f.rsplit('skyline/', 1)[-1]}:{line}({fn})", "calls": nc,
+             "own_s": tt, "total_s": ct} for (f, line, fn), (_, nc, tt, ct, _) in rows]
 
 
 def run_set(llm: LLM, trace: StepTrace, name: str, prompts: list[list[int]],
-            output_len: int) -> dict[str, Any]:
+            output_len: int, profile: bool = False) -> dict[str, Any]:
     extra = dict(PARAM_SETS[name])
     if extra.get("min_tokens") == -1:
         extra["min_tokens"] = output_len
@@ -88,10 +87,15 @@ def run_set(llm: LLM, trace: StepTrace, name: str, prompts: list[list[int]],
         warnings.simplefilter("always")
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
+        prof = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
         try:
+            if prof is not None:
+                prof.enable()
             llm.generate(prompts, params)
         finally:
+            if prof is not None:
+                prof.disable()
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
         dt = time.perf_counter() - t0
@@ -108,11 +112,15 @@ def run_set(llm: LLM, trace: StepTrace, name: str, prompts: list[list[int]],
            "decode_step_ms": big["mean_step_ms"] if big else None,
            "decode_batch": big["mean_batch"] if big else None,
            "wait_share": big["wait_share"] if big else None, "compiled": compiled}
+    if prof is not None:
+        row["host_profile"] = top_functions(prof)
     print(f"{name:>12}: {row['output_tok_s']:9.1f} tok/s, decode "
           f"{row['decode_step_ms'] or 0:6.2f} ms/step at {row['decode_batch'] or 0:.0f} seqs, "
           f"host waits {row['wait_share'] or 0:.2f}; {sum(syncs.values())} synchronising calls"
           + "".join(f"\n{'':>14}{n:6d} x {where}" for where, n in syncs.most_common(8))
-          + "".join(f"\n{'':>14}compiled {c['kernel']}: {c['why']}" for c in compiled))
+          + "".join(f"\n{'':>14}compiled {c['kernel']}: {c['why']}" for c in compiled)
+          + "".join(f"\n{'':>14}{f['own_s']:7.3f} s own, {f['calls']:7d} calls: {f['function']}"
+                    for f in row.get("host_profile", [])))
     return row
 
 
@@ -123,11 +131,14 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--sets", nargs="+", default=list(PARAM_SETS), choices=list(PARAM_SETS))
+    ap.add_argument("--profile", nargs="*", default=[], choices=list(PARAM_SETS),
+                    help="sets whose timed run the host's profiler watches (cProfile)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="the default model, 8 short prompts")
     a = ap.parse_args()
     if a.smoke:
         a.model, a.num_prompts, a.input_len, a.output_len = None, 8, 16, 8
+        a.profile = a.profile or ["penalties"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine: dict[str, Any] = {"device": device}
     if a.model:
@@ -140,7 +151,8 @@ def main() -> None:
     try:
         trace.clock = lambda: llm.query("step_clocks")
         prompts = random_prompts(a.num_prompts, a.input_len, llm.config.model.arch.vocab_size)
-        rows = [run_set(llm, trace, name, prompts, a.output_len) for name in a.sets]
+        rows = [run_set(llm, trace, name, prompts, a.output_len, name in a.profile)
+                for name in a.sets]
     finally:
         llm.shutdown()
     save_json({

@@ -4,6 +4,7 @@ dispatchers run their PyTorch references."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -50,9 +51,26 @@ class CompileCount:
 # the counts of the blocks running now.
 _TOTAL = CompileCount()
 _ACTIVE: list[CompileCount] = []
-# (kernel, Triton's description of the compiled specialization: each argument's type, its
-# divisibility by 16 or value 1, the constexprs) of every compilation counted, in order
-_SPECS: list[tuple[str, str]] = []
+# (kernel, its specialization: `_specialization`) of every compilation counted, in order
+_SPECS: list[tuple[str, dict[str, str]]] = []
+
+
+def _specialization(compile_args: dict[str, Any]) -> dict[str, str]:
+    """What Triton compiled a kernel for, argument by argument (type, constexpr value, the
+    attributes it specialized on: divisibility by 16, or the value 1) and its launch options,
+    from the JSON its JIT hook gets; empty where the hook gives none."""
+    try:
+        obj = json.loads(compile_args["specialization_data"])
+        names = list(obj["signature"])
+        out = {n: str(t) for n, t in obj["signature"].items()}
+        for key, val in zip(obj["constant_keys"], obj["constant_vals"], strict=True):
+            out[names[key[0]]] = f"{val}"
+        for key, val in zip(obj["attrs_keys"], obj["attrs_vals"], strict=True):
+            out[names[key[0]]] += " " + json.dumps(val)
+        out |= {o: str(obj["options"].get(o)) for o in ("num_warps", "num_stages", "num_ctas")}
+        return out
+    except (KeyError, IndexError, TypeError, ValueError):
+        return {}
 
 
 def _hooks_installed() -> bool:
@@ -76,7 +94,7 @@ def _hooks_installed() -> bool:
         # one compile at a time in this thread: the latest start is its own
         dt = time.perf_counter() - started.pop() if started else 0.0
         name = str(getattr(kwargs.get("fn"), "name", None) or kwargs.get("key", "?"))
-        _SPECS.append((name, str(kwargs.get("repr", ""))))
+        _SPECS.append((name, _specialization(kwargs.get("compile") or {})))
         for count in (_TOTAL, *_ACTIVE):
             count.num += 1
             count.seconds += dt
@@ -94,7 +112,7 @@ def compiled_so_far() -> CompileCount:
     return _TOTAL.copy()
 
 
-def compiled_specs() -> list[tuple[str, str]]:
+def compiled_specs() -> list[tuple[str, dict[str, str]]]:
     """(kernel, specialization) of each compilation `compiled_so_far` counts, in order: what
     made a kernel compile again shows in how its arguments differ from an earlier one."""
     return list(_SPECS)

@@ -39,6 +39,14 @@ class SamplingRow:
         # the biases' token ids and values on the device, made at the first step that needs
         # them (a row lives as long as its request)
         self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prompt_ids: np.ndarray | None = None
+
+    def prompt_ids(self) -> np.ndarray:
+        """The prompt's token ids as an array, made once (the repetition penalty's, each
+        step)."""
+        if self._prompt_ids is None:
+            self._prompt_ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_ids
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -86,15 +94,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             masked[0].extend([i] * len(r.stop_ids))
             masked[1].extend(r.stop_ids)
     if repetition:
-        seen = _scatter_ids(logits, [rows[i].prompt_token_ids + rows[i].output_token_ids
-                                     for i in repetition]) > 0
+        seen = _scatter_ids(logits, [np.concatenate((rows[i].prompt_ids(), np.asarray(
+            rows[i].output_token_ids, dtype=np.int64))) for i in repetition]) > 0
         idx = to_device(repetition, torch.long, dev)
         vals = logits[idx]
         pen = to_device([rows[i].params.repetition_penalty for i in repetition], logits.dtype,
                         dev)[:, None]
         logits[idx] = torch.where(seen, torch.where(vals > 0, vals / pen, vals * pen), vals)
     if counts_based:
-        counts = _scatter_ids(logits, [rows[i].output_token_ids for i in counts_based])
+        counts = _scatter_ids(logits, [np.asarray(rows[i].output_token_ids, dtype=np.int64)
+                                       for i in counts_based])
         idx = to_device(counts_based, torch.long, dev)
         freq, pres = to_device([[rows[i].params.frequency_penalty for i in counts_based],
                                 [rows[i].params.presence_penalty for i in counts_based]],
@@ -103,17 +112,20 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[idx] = vals - pres * (counts > 0).to(logits.dtype)
     if masked[0]:
         idx = to_device(masked, torch.long, dev)
-        logits[idx[0], idx[1]] = _MASK
+        # the value made on the device: a Python float would be copied from pageable memory,
+        # and that copy waits for the device (bench/host_syncs.py)
+        logits.index_put_((idx[0], idx[1]), logits.new_full((), _MASK))
 
 
-def _scatter_ids(logits: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
-    """[len(ids), vocab] in logits' dtype: how often each token occurs in each list."""
-    rows = [j for j, row in enumerate(ids) for _ in row]
-    flat = [t for row in ids for t in row]
-    idx = to_device([rows, flat], torch.long, logits.device)
+def _scatter_ids(logits: torch.Tensor, ids: list[np.ndarray]) -> torch.Tensor:
+    """[len(ids), vocab] in logits' dtype: how often each token occurs in each array."""
+    lens = np.fromiter(map(len, ids), np.int64, len(ids))
+    idx = np.empty((2, int(lens.sum())), dtype=np.int64)  # (row, token) of each occurrence
+    idx[0] = np.repeat(np.arange(len(ids)), lens)
+    np.concatenate(ids, out=idx[1])
+    idx_dev = to_device(idx, torch.long, logits.device)
     counts = torch.zeros(len(ids), logits.shape[1], dtype=logits.dtype, device=logits.device)
-    counts.index_put_((idx[0], idx[1]), torch.ones(len(flat), dtype=logits.dtype,
-                                                   device=logits.device), accumulate=True)
+    counts.index_put_((idx_dev[0], idx_dev[1]), logits.new_ones(idx.shape[1]), accumulate=True)
     return counts
 
 

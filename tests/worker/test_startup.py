@@ -183,3 +183,19 @@ def test_a_second_capture_touches_only_the_scratch_block(monkeypatch):
     assert model.blocks == {scratch}
     assert model.slots == set(range(scratch * 16, scratch * 16 + 1))
     assert len(runner.capture_times) == num_shapes == len(runner.graphs)  # this capture's only
+
+
+def test_a_compilation_is_described_argument_by_argument():
+    jit = pytest.importorskip("triton.runtime.jit")
+    serialize = getattr(jit, "serialize_specialization_data", None)
+    if serialize is None:
+        pytest.skip("a Triton without serialize_specialization_data")
+    options = type("Options", (), {})()
+    options.__dict__.update(num_warps=4, num_stages=3, num_ctas=1)
+    signature = {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"}
+    data = serialize("k", signature, {(2,): 64}, {(1,): [["tt.divisibility", 16]]}, options,
+                     "key")
+    spec = triton_utils._specialization({"specialization_data": data})
+    assert spec == {"x_ptr": "*bf16", "n": 'i32 [["tt.divisibility", 16]]', "BLOCK": "64",
+                    "num_warps": "4", "num_stages": "3", "num_ctas": "1"}
+    assert triton_utils._specialization({}) == {}
