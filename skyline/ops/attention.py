@@ -213,7 +213,7 @@ def paged_decode_attention(
         rounded = Int8Chunks.empty(num_seqs, num_heads * head_dim, out.dtype, q.device)
     if num_splits > 1:
         kernels.combine_splits_kernel[(num_seqs * num_heads,)](
-            ml, acc, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            ml, acc, out, num_heads, out.stride(0), out.stride(1), num_splits=num_splits,
             S_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
             PDL=pdl, num_seqs=num_seqs, words_ptr=rounded and rounded.words,
             floats_ptr=rounded and rounded.floats, INT8_OUT=rounded is not None,

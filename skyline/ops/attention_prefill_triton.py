@@ -138,7 +138,8 @@ if triton is not None:
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & dmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "qsl_ptr"])
     def paged_prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale, v_scale,
         window, sinks_ptr,
@@ -165,7 +166,8 @@ if triton is not None:
             stride_oh, GROUP, HEAD_DIM, D_PAD, PAGE, BLOCK_M, BLOCK_N, IEEE, PIPELINE,
             NUM_STAGES, F16, FP8_WORDS, PACK, PACK_PAD, SINKS)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt", "num_seqs"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "qsl_ptr"])
     def paged_prefill_varlen_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, scale, v_scale,
         window, sinks_ptr, num_seqs,

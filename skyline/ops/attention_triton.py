@@ -135,7 +135,8 @@ if triton is not None:
         alpha = tl.exp(m - top)
         return acc * alpha[:, None], l_sum * alpha + tl.exp(sink - top)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits", "stride_bt"],
+                do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "qsl_ptr"])
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr, block_tables_ptr, seq_lens_ptr,
         scale, v_scale, num_heads, num_splits, window, sinks_ptr, qsl_ptr,
@@ -217,10 +218,10 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits", "num_seqs"], do_not_specialize_on_alignment=["qsl_ptr"])
     def combine_splits_kernel(
         ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
-        NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        num_splits, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PDL: tl.constexpr, num_seqs=1, words_ptr=None, floats_ptr=None,
         INT8_OUT: tl.constexpr = False, INT8_MAX: tl.constexpr = 127.0, sinks_ptr=None,
         SINKS: tl.constexpr = False, qsl_ptr=None, VARLEN: tl.constexpr = False,
@@ -241,8 +242,8 @@ if triton is not None:
             out_row = seq
         s = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
-        smask = s < NUM_SPLITS
-        base = row * NUM_SPLITS + s
+        smask = s < num_splits
+        base = row * num_splits + s
         m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
         l_sum = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
         top = tl.max(m, 0)

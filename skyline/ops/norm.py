@@ -233,7 +233,7 @@ if triton is not None:
     from skyline.ops.fp8_quant import quantize_rows_in_registers
     from skyline.ops.gemv_int_a8_triton import round_row_to_words
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_rows"])
     def _rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, eps, num_rows, num_heads, d,
         stride_xt, stride_xh, stride_rt, stride_ot, stride_oh,

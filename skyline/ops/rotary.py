@@ -259,7 +259,7 @@ if triton is not None:
         tl.store(p1 + HALF, r2, mask=mask)
         return r1, r2, h, j, mask
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
     def _rotary_kernel(
         pos_ptr, q_ptr, k_ptr, cache_ptr, qw_ptr, kw_ptr, eps, num_heads, num_kv_heads,
         num_q_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,

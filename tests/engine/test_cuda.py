@@ -161,3 +161,22 @@ def test_cuda_mixed_step_graphs_match_eager(tiny_dir, monkeypatch):
     assert sum(s.mixed for s in replayed) >= 10
     same = sum(a == b for a, b in zip(eager, graphs, strict=True))
     assert same >= len(prompts) - 1
+
+
+def test_no_step_compiles_a_kernel_after_start_up(tiny_dir):
+    # Start-up compiles every bucket's variant (CUDA graphs' warm-ups, then
+    # worker/runner/warm.py for eager steps): prompts of every length, alone and beside
+    # decodes of every batch size, compile nothing more (a compilation holds its step's
+    # requests for up to seconds).
+    llm = LLM(tiny_dir, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+              max_num_batched_tokens=1024, max_num_seqs=64, max_model_len=1024)
+    assert llm.query("step_clocks")["compiles"] == 0
+    rng = random.Random(3)
+    lengths = [1, 2, 3, 5, 15, 17, 63, 65, 255, 257, 700, 1000]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for batch in (1, 3, 7, 20, 63):
+        prompts = [[rng.randrange(2, 319) for _ in range(rng.choice(lengths))]
+                   for _ in range(batch)]
+        llm.generate(prompts, params)
+    clocks = llm.query("step_clocks")
+    assert clocks["compiles"] == 0, clocks["kernels"]

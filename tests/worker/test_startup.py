@@ -199,3 +199,20 @@ def test_a_compilation_is_described_argument_by_argument():
     assert spec == {"x_ptr": "*bf16", "n": 'i32 [["tt.divisibility", 16]]', "BLOCK": "64",
                     "num_warps": "4", "num_stages": "3", "num_ctas": "1"}
     assert triton_utils._specialization({}) == {}
+
+
+@pytest.mark.parametrize("budget,seqs,max_len", [(8192, 256, 131072), (2048, 1024, 4096),
+                                                 (512, 4, 300), (1024, 1, 2048)])
+def test_eager_warm_up_reaches_every_bucket_a_step_can(budget, seqs, max_len):
+    from skyline.ops.attention_config import batch_bucket
+    from skyline.ops.tuning import token_bucket
+    from skyline.worker.runner.warm import SHORT_PREFILL, warm_shapes
+
+    shapes = warm_shapes(budget, seqs, max_len)
+    assert all(d + q <= budget and q <= max_len and d < seqs for d, q in shapes)
+    warmed_q = {token_bucket(q) for _, q in shapes}
+    for q in range(2, min(budget, max_len) + 1):  # every prefill chunk's token bucket
+        assert token_bucket(q) in warmed_q, q
+    warmed_d = {batch_bucket(d) for d, _ in shapes if d}
+    for d in range(1, min(seqs, budget - SHORT_PREFILL + 1)):  # decodes beside a prefill
+        assert batch_bucket(d) in warmed_d, d

@@ -37,6 +37,7 @@ from skyline.worker.kv_cache import (
 )
 from skyline.worker.memory import check_memory
 from skyline.worker.runner.step_threads import StepThreads
+from skyline.worker.runner.warm import warm_eager_steps
 from skyline.worker.spec.proposer import make_proposer
 from skyline.worker.step import InFlight
 
@@ -182,6 +183,9 @@ class RunnerStartup:
                      len(self.graphs.graphs), self.graphs.num_mixed, self.graph_capture_seconds,
                      sum(g.warmup_s for g in times), sum(g.triton_compiles for g in times),
                      sum(g.triton_s for g in times), sum(g.capture_s for g in times))
+        if self.device.type == "cuda" and triton is not None:
+            with self.startup.phase("eager_warmup"):
+                warm_eager_steps(self)
         # Unseeded draws start from the seed whatever start-up drew (the same stream on every
         # layout of one kind of device).
         torch.manual_seed(config.model.seed)
