@@ -218,7 +218,8 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
 
 
-    @triton.jit(do_not_specialize=["num_splits", "num_seqs"], do_not_specialize_on_alignment=["qsl_ptr"])
+    @triton.jit(do_not_specialize=["num_splits", "num_seqs"],
+                do_not_specialize_on_alignment=["qsl_ptr"])
     def combine_splits_kernel(
         ml_ptr, acc_ptr, out_ptr, num_heads, stride_ob, stride_oh,
         num_splits, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
