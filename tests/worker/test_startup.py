@@ -201,18 +201,31 @@ def test_a_compilation_is_described_argument_by_argument():
     assert triton_utils._specialization({}) == {}
 
 
-@pytest.mark.parametrize("budget,seqs,max_len", [(8192, 256, 131072), (2048, 1024, 4096),
-                                                 (512, 4, 300), (1024, 1, 2048)])
+@pytest.mark.parametrize("budget,seqs,max_len", [(8192, 256, 131072), (8192, 1024, 2048),
+                                                 (2048, 1024, 4096), (512, 4, 300),
+                                                 (1024, 1, 2048), (8192, 8, 1000)])
 def test_eager_warm_up_reaches_every_bucket_a_step_can(budget, seqs, max_len):
     from skyline.ops.attention_config import batch_bucket
     from skyline.ops.tuning import token_bucket
-    from skyline.worker.runner.warm import SHORT_PREFILL, warm_shapes
+    from skyline.worker.runner.warm import SHORT_PREFILL, _meta, warm_shapes
 
     shapes = warm_shapes(budget, seqs, max_len)
-    assert all(d + q <= budget and q <= max_len and d < seqs for d, q in shapes)
-    warmed_q = {token_bucket(q) for _, q in shapes}
-    for q in range(2, min(budget, max_len) + 1):  # every prefill chunk's token bucket
+    for d, lens in shapes:
+        assert d + sum(lens) <= budget and max(lens) <= max_len and d + len(lens) <= seqs
+    # a step's total tokens (the norms', the Linears'), as far as its sequences can hold
+    warmed_t = {token_bucket(d + sum(lens)) for d, lens in shapes}
+    for t in range(2, min(budget, seqs * max_len) + 1):
+        assert token_bucket(t) in warmed_t, t
+    # a prompt chunk's tokens (prefill attention's)
+    warmed_q = {token_bucket(q) for _, lens in shapes for q in lens}
+    for q in range(2, min(budget, max_len) + 1):
         assert token_bucket(q) in warmed_q, q
+    # decodes beside a prompt (the decode kernel's batch buckets)
     warmed_d = {batch_bucket(d) for d, _ in shapes if d}
-    for d in range(1, min(seqs, budget - SHORT_PREFILL + 1)):  # decodes beside a prefill
+    for d in range(1, min(seqs, budget - SHORT_PREFILL + 1)):
         assert batch_bucket(d) in warmed_d, d
+    meta, positions = _meta(3, [5, 2], 16, 7, torch.device("cpu"))
+    assert meta.query_start_loc == [0, 1, 2, 3, 8, 10] and meta.seq_lens == [16] * 3 + [5, 2]
+    assert positions.tolist() == [15, 15, 15, 0, 1, 2, 3, 4, 0, 1]
+    assert meta.block_tables.shape == (5, 1) and int(meta.block_tables.max()) == 7
+    assert set(meta.slot_mapping.tolist()) == {7 * 16}

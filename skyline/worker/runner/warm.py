@@ -7,7 +7,7 @@ the requests of that step wait for it (a served run's TTFT p99 went from 0.7 to 
 cold cache; an offline run of 1,024 short prompts spent 2.8-6.7 of its ~20 s compiling:
 bench/host_syncs.py names each compilation). CUDA graphs' warm-ups compile the shapes they
 capture; `warm_eager_steps` runs one eager forward for each bucket the other steps reach:
-a prefill of each token bucket up to the step budget, and each decode batch bucket beside a
+prefills of each token bucket up to the step budget, and each decode batch bucket beside a
 short prefill (the mixed steps of a server).
 """
 
@@ -32,32 +32,39 @@ log = logging.getLogger("skyline.worker.runner")
 SHORT_PREFILL = 4
 
 
-def warm_shapes(max_tokens: int, max_seqs: int, max_model_len: int) -> list[tuple[int, int]]:
-    """(decodes, prefill tokens) of the warm-up steps: one prefill of each token bucket's
-    largest count within the step budget (and the budget itself), then 1, 2, 4, ... decodes
-    (the decode kernel's batch buckets) beside SHORT_PREFILL tokens of prefill."""
-    top = min(max_tokens, max_model_len)
-    prefills = sorted({min(b, top) for b in TOKEN_BUCKETS if b > 1} | {top})
-    shapes = [(0, q) for q in prefills if q > 1]
+def warm_shapes(max_tokens: int, max_seqs: int,
+                max_model_len: int) -> list[tuple[int, list[int]]]:
+    """(decodes, prefill lengths) of the warm-up steps. First prefill-only steps of each token
+    bucket's largest count within what a step holds, and of that itself (the norms' and
+    Linears' buckets), as prompts of at most max_model_len tokens each (so prefill attention
+    sees each per-sequence bucket up to there); then 1, 2, 4, ... decodes (the decode kernel's
+    batch buckets) beside a prompt of SHORT_PREFILL tokens."""
+    shapes: list[tuple[int, list[int]]] = []
+    top = min(max_tokens, max_seqs * max_model_len)  # the most tokens a step can hold
+    for total in sorted({min(b, top) for b in TOKEN_BUCKETS if b > 1} | {top}):
+        full, rest = divmod(total, max_model_len)
+        if total > 1:
+            shapes.append((0, [max_model_len] * full + ([rest] if rest else [])))
     d = 1
     while d <= max_seqs - 1 and d + SHORT_PREFILL <= max_tokens:
-        shapes.append((d, SHORT_PREFILL))
+        shapes.append((d, [SHORT_PREFILL]))
         d *= 2
     return shapes
 
 
-def _meta(decodes: int, prefill: int, block_size: int, scratch_block: int,
+def _meta(decodes: int, prefills: list[int], block_size: int, scratch_block: int,
           device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-    """A step of `decodes` one-token sequences (a block of context each) and one prefill of
-    `prefill` tokens, every position in the scratch block (no pool block is touched); and
+    """A step of `decodes` one-token sequences (a block of context each) and prompts of
+    `prefills` tokens, every position in the scratch block (no pool block is touched); and
     its positions."""
-    seq_lens = [block_size] * decodes + [prefill]
-    loc = list(range(decodes + 1)) + [decodes + prefill]
+    seq_lens = [block_size] * decodes + prefills
+    loc = list(range(decodes + 1))
+    for q in prefills:
+        loc.append(loc[-1] + q)
     width = max(-(-n // block_size) for n in seq_lens)
-    n = decodes + prefill
-    positions = [block_size - 1] * decodes + list(range(prefill))
+    positions = [block_size - 1] * decodes + [p for q in prefills for p in range(q)]
     meta = AttentionMetadata(
-        slot_mapping=torch.full((n,), scratch_block * block_size, dtype=torch.int64,
+        slot_mapping=torch.full((loc[-1],), scratch_block * block_size, dtype=torch.int64,
                                 device=device),
         query_start_loc=loc, seq_lens=seq_lens,
         block_tables=torch.full((len(seq_lens), width), scratch_block, dtype=torch.int32,
@@ -76,13 +83,13 @@ def warm_eager_steps(r: RunnerStartup) -> float:
     sc = r.config.scheduler
     t0 = time.perf_counter()
     shapes = warm_shapes(sc.max_num_batched_tokens, r.max_num_seqs, sc.max_model_len)
-    for decodes, prefill in shapes:
-        meta, positions = _meta(decodes, prefill, r.block_size, r.num_blocks, r.device)
-        ids = torch.randint(0, r.arch.vocab_size, (decodes + prefill,), device=r.device)
+    for decodes, prefills in shapes:
+        meta, positions = _meta(decodes, prefills, r.block_size, r.num_blocks, r.device)
+        ids = torch.randint(0, r.arch.vocab_size, (positions.shape[0],), device=r.device)
         with forward_context(meta):
             hidden = r.model(r._stage_input(ids), positions)
-        if r.layout.last:
-            logits = r.model.compute_logits(hidden[list(range(decodes)) + [-1]])
+        if r.layout.last:  # a logits row per sequence, as a step samples
+            logits = r.model.compute_logits(hidden[[n - 1 for n in meta.query_start_loc[1:]]])
             if logits is not None:
                 argmax(logits.float())
     torch.cuda.synchronize(r.device)
