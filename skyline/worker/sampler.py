@@ -39,14 +39,33 @@ class SamplingRow:
         # the biases' token ids and values on the device, made at the first step that needs
         # them (a row lives as long as its request)
         self.bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._prompt_ids: np.ndarray | None = None
+        # prompt then output ids, as far as the penalties have read them, in a buffer that
+        # grows: a step appends its new outputs instead of converting the whole history
+        self._ids = np.empty(0, dtype=np.int64)
+        self._num_ids = 0
 
-    def prompt_ids(self) -> np.ndarray:
-        """The prompt's token ids as an array, made once (the repetition penalty's, each
-        step)."""
-        if self._prompt_ids is None:
-            self._prompt_ids = np.asarray(self.prompt_token_ids, dtype=np.int64)
-        return self._prompt_ids
+    def history_ids(self) -> np.ndarray:
+        """The prompt's token ids, then the outputs', as an array (the penalties', each step):
+        only outputs new since the last call are converted."""
+        p, out = len(self.prompt_token_ids), self.output_token_ids
+        n = p + len(out)
+        if self._num_ids == 0 or n < self._num_ids or (
+                self._num_ids > p and self._ids[self._num_ids - 1] != out[self._num_ids - p - 1]):
+            self._num_ids = 0  # first call, or outputs rewritten: start again
+        if n > len(self._ids):
+            grown = np.empty(max(n, 2 * len(self._ids), 64), dtype=np.int64)
+            grown[: self._num_ids] = self._ids[: self._num_ids]
+            self._ids = grown
+        if self._num_ids < p:
+            self._ids[:p] = self.prompt_token_ids
+            self._num_ids = p
+        if self._num_ids < n:
+            self._ids[self._num_ids : n] = out[self._num_ids - p :]
+            self._num_ids = n
+        return self._ids[:n]
+
+    def output_ids(self) -> np.ndarray:
+        return self.history_ids()[len(self.prompt_token_ids) :]
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -94,16 +113,14 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             masked[0].extend([i] * len(r.stop_ids))
             masked[1].extend(r.stop_ids)
     if repetition:
-        seen = _scatter_ids(logits, [np.concatenate((rows[i].prompt_ids(), np.asarray(
-            rows[i].output_token_ids, dtype=np.int64))) for i in repetition]) > 0
+        seen = _scatter_ids(logits, [rows[i].history_ids() for i in repetition]) > 0
         idx = to_device(repetition, torch.long, dev)
         vals = logits[idx]
         pen = to_device([rows[i].params.repetition_penalty for i in repetition], logits.dtype,
                         dev)[:, None]
         logits[idx] = torch.where(seen, torch.where(vals > 0, vals / pen, vals * pen), vals)
     if counts_based:
-        counts = _scatter_ids(logits, [np.asarray(rows[i].output_token_ids, dtype=np.int64)
-                                       for i in counts_based])
+        counts = _scatter_ids(logits, [rows[i].output_ids() for i in counts_based])
         idx = to_device(counts_based, torch.long, dev)
         freq, pres = to_device([[rows[i].params.frequency_penalty for i in counts_based],
                                 [rows[i].params.presence_penalty for i in counts_based]],

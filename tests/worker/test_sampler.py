@@ -189,3 +189,18 @@ def test_logit_bias_bounds():
         SamplingParams(logit_bias={-1: 1.0}).validate()
     with pytest.raises(ValueError, match="between -100 and 100"):
         SamplingParams(logit_bias={1: float("nan")}).validate()
+
+
+def test_history_ids_follow_the_outputs_as_they_grow():
+    from skyline.worker.sampler import SamplingRow
+
+    out: list[int] = []
+    row = SamplingRow(SamplingParams(repetition_penalty=1.2), [5, 6, 7], out, ())
+    assert row.history_ids().tolist() == [5, 6, 7] and row.output_ids().tolist() == []
+    for t in range(100):  # past the buffer's first size
+        out.append(t)
+        assert row.history_ids().tolist() == [5, 6, 7, *range(t + 1)]
+    out[-1] = 1000  # rewritten in place: read again
+    assert row.output_ids().tolist() == [*range(99), 1000]
+    del out[50:]
+    assert row.output_ids().tolist() == list(range(50))
