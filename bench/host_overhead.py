@@ -11,6 +11,7 @@ with the engine's (`fewer_collections`, as `LLM.generate` and the engine process
 
     python bench/host_overhead.py --batch 256 1024 --context 1500 --out bench/results/host/X.json
     python bench/host_overhead.py --batch 256 --min-tokens  # min_tokens as served clients send
+    python bench/host_overhead.py --batch 256 --penalties   # repetition, presence, frequency
     python bench/host_overhead.py --smoke   # 16 requests, a few steps
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import datetime
 import gc
 import json
@@ -65,7 +67,8 @@ class GcPauses:
 
 
 def measure(batch: int, context: int, steps: int, engine_gc: bool,
-            profile: str | None, min_tokens: bool = False) -> dict[str, Any]:
+            profile: str | None, min_tokens: bool = False,
+            penalties: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(TINY, f)
@@ -83,6 +86,9 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
     # sampler masks every request's stop tokens at every step)
     params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True,
                             min_tokens=max_len if min_tokens else 0)
+    if penalties:  # each applied to every row's prompt and outputs at every step
+        params = dataclasses.replace(params, repetition_penalty=1.1, presence_penalty=0.5,
+                                     frequency_penalty=0.5)
     for i in range(batch):
         llm.add_request([1000 + (i * 7 + j) % 1000 for j in range(context)], params)
     sched = engine.scheduler
@@ -116,6 +122,7 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
     assert len(sched.running) == batch, "every request must decode through the timed steps"
     ms = {k: 1e3 * v / steps for k, v in sorted(phases.items())}
     return {"batch": batch, "context": context, "steps": steps, "min_tokens": min_tokens,
+            "penalties": penalties,
             "gc": "engine" if engine_gc else "default",
             "step_ms": 1e3 * wall / steps, "us_per_request": 1e6 * wall / steps / batch,
             "phases_ms": ms, "gc_collections": pauses.count,
@@ -123,8 +130,11 @@ def measure(batch: int, context: int, steps: int, engine_gc: bool,
 
 
 def engine_revision() -> str:
-    """The commit of the engine measured (+ "-dirty" with uncommitted changes)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """The commit of the engine measured, the checkout `skyline` is imported from (+ "-dirty"
+    with uncommitted changes)."""
+    import skyline
+
+    here = os.path.dirname(os.path.abspath(skyline.__file__))
     try:
         rev = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=here,
                              capture_output=True, text=True, check=True).stdout.strip()
@@ -143,6 +153,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="16 requests of 64 tokens, 4 steps")
     ap.add_argument("--min-tokens", action="store_true",
                     help="requests also ask for min_tokens (a served benchmark's clients do)")
+    ap.add_argument("--penalties", action="store_true",
+                    help="requests also ask for repetition, presence and frequency penalties")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.context, args.steps, args.out = [16], 64, 4, None
@@ -150,7 +162,8 @@ def main() -> None:
     for b in args.batch:
         for engine_gc in (False, True):
             prof = args.profile if b == max(args.batch) and engine_gc else None
-            row = measure(b, args.context, args.steps, engine_gc, prof, args.min_tokens)
+            row = measure(b, args.context, args.steps, engine_gc, prof, args.min_tokens,
+                          args.penalties)
             rows.append(row)
             parts = ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items())
             print(f"batch {b:5d} context {args.context} gc {row['gc']:>7}: {row['step_ms']:6.2f} "
