@@ -11,6 +11,8 @@ tokens, and every synchronising call by its source line.
 
     python bench/host_syncs.py --model llama-3.1-8b --num-prompts 256 \\
         --out bench/results/host/host-syncs-h200-llama-3.1-8b.json
+    python bench/host_syncs.py --num-prompts 16 --input-len 64 --output-len 64 --text \
+        --sets greedy top_p top_p_top_k   # the default model on the CPU: the sampling's cost
     python bench/host_syncs.py --smoke   # the tiny model; on the CPU nothing synchronises
 """
 
@@ -41,6 +43,7 @@ PARAM_SETS: dict[str, dict[str, Any]] = {
     "min_tokens": {"temperature": 0.0, "min_tokens": -1},  # -1: max_tokens (served clients')
     "penalties": {"temperature": 0.0, "repetition_penalty": 1.1, "presence_penalty": 0.5,
                   "frequency_penalty": 0.5},
+    "top_p": {"temperature": 0.8, "top_p": 0.95},
     "top_p_top_k": {"temperature": 0.8, "top_p": 0.9, "top_k": 50},
     "seeded": {"temperature": 1.0, "seed": 7},
     "logprobs": {"temperature": 0.0, "logprobs": 5},
@@ -50,6 +53,21 @@ PARAM_SETS: dict[str, dict[str, Any]] = {
 
 def _where(w: warnings.WarningMessage) -> str:
     return f"{w.filename.rsplit('skyline/', 1)[-1]}:{w.lineno}"
+
+
+TEXT = ("The river rose through the night, and by morning the old bridge stood alone in the "
+        "water. People came down from the hills to look at it, and the children asked why it had "
+        "not fallen. The engineer who built it had died long ago, but her notes were kept in the "
+        "library, and they explained how each stone was cut to lean on the next. ")
+
+
+def text_prompts(llm: LLM, num: int, length: int) -> list[list[int]]:
+    """`num` prompts of `length` tokens of English text, each starting at its own word."""
+    if llm.tokenizer is None:
+        raise SystemExit("--text needs a model with a tokenizer")
+    ids = llm.tokenizer.encode(TEXT * (1 + length // 40), add_special_tokens=False)
+    ids = ids * (1 + (length + num) // len(ids))
+    return [ids[i : i + length] for i in range(num)]
 
 
 def why_compiled(spec: dict[str, str], earlier: list[dict[str, str]]) -> str:
@@ -133,6 +151,9 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=list(PARAM_SETS), choices=list(PARAM_SETS))
     ap.add_argument("--profile", nargs="*", default=[], choices=list(PARAM_SETS),
                     help="sets whose timed run the host's profiler watches (cProfile)")
+    ap.add_argument("--text", action="store_true",
+                    help="prompts of English text (a model's distributions after text are "
+                         "peaked, after random tokens flat: what top-p keeps differs)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="the default model, 8 short prompts")
     a = ap.parse_args()
@@ -150,7 +171,8 @@ def main() -> None:
     llm = LLM(**engine, max_num_seqs=max(a.num_prompts, 1), observers=[trace])
     try:
         trace.clock = lambda: llm.query("step_clocks")
-        prompts = random_prompts(a.num_prompts, a.input_len, llm.config.model.arch.vocab_size)
+        prompts = (text_prompts(llm, a.num_prompts, a.input_len) if a.text else
+                   random_prompts(a.num_prompts, a.input_len, llm.config.model.arch.vocab_size))
         rows = [run_set(llm, trace, name, prompts, a.output_len, name in a.profile)
                 for name in a.sets]
     finally:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from skyline.types import SamplingParams
+from skyline.worker import sampler
 from skyline.worker.sampler import SamplingRow, sample
 
 
@@ -45,9 +46,12 @@ def _expected_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     dict(temperature=1.3, top_p=0.8),
     dict(temperature=1.0, min_p=0.1),
     dict(temperature=0.9, top_k=6, top_p=0.9),
+    dict(temperature=0.9, top_k=3, top_p=0.95, min_p=0.05),
 ])
-def test_sampling_distribution_matches(kw):
+@pytest.mark.parametrize("candidates", [1024, 4])  # the full sort; the best 4 logits first
+def test_sampling_distribution_matches(kw, candidates, monkeypatch):
     """Chi-square goodness of fit of 20k draws against the filtered softmax."""
+    monkeypatch.setattr(sampler, "TOP_CANDIDATES", candidates)
     torch.manual_seed(0)
     vocab = 12
     logits = torch.randn(vocab) * 1.5
@@ -204,3 +208,49 @@ def test_history_ids_follow_the_outputs_as_they_grow():
     assert row.output_ids().tolist() == [*range(99), 1000]
     del out[50:]
     assert row.output_ids().tolist() == list(range(50))
+
+
+def _rows(kws: list[dict], seed_base: int | None = None) -> list[SamplingRow]:
+    return [SamplingRow(SamplingParams(**kw, seed=None if seed_base is None else seed_base + i),
+                        [0], [], ()) for i, kw in enumerate(kws)]
+
+
+ROW_PARAMS = [dict(temperature=0.7, top_k=40), dict(temperature=1.0, top_p=0.9),
+              dict(temperature=1.3, top_k=300, top_p=0.5), dict(temperature=0.5, top_p=0.99),
+              dict(temperature=1.0, top_k=1)]
+
+
+def test_candidates_keep_what_the_full_sort_keeps():
+    torch.manual_seed(4)
+    logits = torch.randn(len(ROW_PARAMS), 5000, dtype=torch.float64) * 4
+    rows = _rows(ROW_PARAMS)
+    scaled = sampler._scale(logits, rows)
+    full = sampler._top_k_top_p(scaled, rows)
+    vals, ids = sampler._candidates(scaled, rows)
+    back = torch.full_like(full, -math.inf).scatter_(1, ids, vals)
+    assert torch.equal(back.isinf(), full.isinf())
+    kept = ~full.isinf()
+    torch.testing.assert_close(back[kept], full[kept])
+    # a nucleus wider than the candidates: the full sort
+    flat = _rows([dict(temperature=50.0, top_p=0.99)])
+    assert sampler._candidates(sampler._scale(logits[:1], flat), flat) is None
+    # ... and that row sorts everything for a while before it tries the candidates again
+    peaked = sampler._scale(logits[:1] * 100, flat)
+    for left in range(sampler.WIDE_NUCLEUS_SKIP - 1, -1, -1):
+        assert sampler._candidates(peaked, flat) is None and flat[0].wide_nucleus == left
+    assert sampler._candidates(peaked, flat) is not None
+    # a row that keeps everything: the full sort
+    assert sampler._candidates(scaled, rows + _rows([dict(temperature=1.0)])) is None
+
+
+def test_seeded_rows_draw_the_same_token_from_candidates(monkeypatch):
+    torch.manual_seed(5)
+    logits = torch.randn(len(ROW_PARAMS), 3000) * 3
+    for step in range(20):
+        rows = _rows(ROW_PARAMS, seed_base=100 * step)
+        assert sampler._candidates(sampler._scale(logits, rows), rows) is not None
+        got = sample(logits, rows)[0]
+        monkeypatch.setattr(sampler, "TOP_CANDIDATES", 1 << 20)  # the full sort
+        want = sample(logits, rows)[0]
+        monkeypatch.undo()
+        assert got == want
