@@ -22,7 +22,9 @@ import argparse
 import cProfile
 import dataclasses
 import datetime
+import os
 import pstats
+import subprocess
 import sys
 import time
 import warnings
@@ -68,6 +70,19 @@ def text_prompts(llm: LLM, num: int, length: int) -> list[list[int]]:
     ids = llm.tokenizer.encode(TEXT * (1 + length // 40), add_special_tokens=False)
     ids = ids * (1 + (length + num) // len(ids))
     return [ids[i : i + length] for i in range(num)]
+
+
+def engine_revision() -> str:
+    """The commit of the checkout `skyline` is imported from (+ "-dirty")."""
+    import skyline
+
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(skyline.__file__))
+                              ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def why_compiled(spec: dict[str, str], earlier: list[dict[str, str]]) -> str:
@@ -183,7 +198,7 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "model": llm.config.model.name, "device": device, "num_prompts": a.num_prompts,
         "input_len": a.input_len, "output_len": a.output_len,
-        "machine": machine_info(device), "rows": rows,
+        "engine_revision": engine_revision(), "machine": machine_info(device), "rows": rows,
     }, a.out)
 
 
