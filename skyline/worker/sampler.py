@@ -223,7 +223,9 @@ def _candidates(logits: torch.Tensor,
     drop = torch.arange(m, device=dev)[None, :] >= k[:, None]
     # each row's probabilities as the full sort's: over its top-k, or over the vocabulary
     lim = to_device(limited, torch.bool, dev)
-    norm = torch.where(lim, vals.masked_fill(drop, _MASK).logsumexp(-1), logits.logsumexp(-1))
+    norm = vals.masked_fill(drop, _MASK).logsumexp(-1)
+    if not all(limited):
+        norm = torch.where(lim, norm, logits.logsumexp(-1))
     probs = (vals - norm[:, None]).exp().masked_fill(drop, 0.0)
     p = to_device(top_p, probs.dtype, dev)
     if not all(limited):  # a nucleus may reach past the candidates (read on the CPU: no wait)
