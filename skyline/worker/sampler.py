@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from skyline.ops.argmax import argmax
+from skyline.ops.nucleus import nucleus_draw
 from skyline.types import SamplingParams, TokenLogprobs
 
 _MASK = float("-inf")
@@ -247,10 +248,22 @@ def _min_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs * (probs >= mp[:, None] * probs.max(-1, keepdim=True).values)
 
 
+def _nucleus_only(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+    """Whether a GPU step's rows take top-p alone (no top-k below the vocabulary, no min-p),
+    some below 1: ops/nucleus.py draws them without sorting the vocabulary."""
+    vocab = logits.shape[1]
+    return (logits.is_cuda and any(r.params.top_p < 1.0 for r in rows)
+            and all((r.params.top_k <= 0 or r.params.top_k >= vocab) and r.params.min_p <= 0
+                    for r in rows))
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then a draw: [n] token ids."""
     logits = _scale(logits, rows)
     cand = _candidates(logits, rows)
+    if cand is None and _nucleus_only(logits, rows):
+        top_p = to_device([r.params.top_p for r in rows], logits.dtype, logits.device)
+        return nucleus_draw(logits, top_p, _noise(logits, rows))
     if cand is None:
         return _draw(_min_p(_top_k_top_p(logits, rows).softmax(-1), rows), rows)
     vals, ids = cand
@@ -278,28 +291,34 @@ def apply_token_masks(logits: torch.Tensor, masks: list[bytes | None]) -> None:
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow], ids: torch.Tensor | None = None,
           vocab: int = 0) -> torch.Tensor:
-    """A draw from each row of probs [n, c] (unnormalized): the column of argmax(p / E). With
-    `ids` (the token of each column, `_candidates`) a seeded row's noise is still drawn for the
-    whole vocabulary and read at its tokens, so that its draw does not depend on how many
-    candidates the batch around it took."""
-    noise = torch.empty_like(probs)
+    """A draw from each row of probs [n, c] (unnormalized): the column of argmax(p / E)."""
+    return (probs / _noise(probs, rows, ids, vocab)).argmax(-1)
+
+
+def _noise(like: torch.Tensor, rows: list[SamplingRow], ids: torch.Tensor | None = None,
+           vocab: int = 0) -> torch.Tensor:
+    """E ~ Exp(1) for each element of `like` [n, c]. With `ids` (the token of each column,
+    `_candidates`) a seeded row's noise is still drawn for the whole vocabulary and read at
+    its tokens, so that its draw does not depend on how many candidates the batch around it
+    took."""
+    noise = torch.empty_like(like)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
     if len(unseeded) == len(rows):
         noise.exponential_()
     elif unseeded:
-        noise[to_device(unseeded, torch.long, probs.device)] = torch.empty(
-            (len(unseeded), probs.shape[1]), device=probs.device, dtype=probs.dtype
+        noise[to_device(unseeded, torch.long, like.device)] = torch.empty(
+            (len(unseeded), like.shape[1]), device=like.device, dtype=like.dtype
         ).exponential_()
     for i, r in enumerate(rows):
         if r.params.seed is not None:
-            g = torch.Generator(device=probs.device)
+            g = torch.Generator(device=like.device)
             g.manual_seed(_seed_for(r.params.seed, len(r.output_token_ids)))
             if ids is None:
                 noise[i].exponential_(generator=g)
             else:
-                full = torch.empty(vocab, device=probs.device, dtype=probs.dtype)
+                full = torch.empty(vocab, device=like.device, dtype=like.dtype)
                 noise[i] = full.exponential_(generator=g)[ids[i]]
-    return (probs / noise).argmax(-1)
+    return noise
 
 
 @dataclass

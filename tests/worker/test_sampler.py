@@ -254,3 +254,70 @@ def test_seeded_rows_draw_the_same_token_from_candidates(monkeypatch):
         want = sample(logits, rows)[0]
         monkeypatch.undo()
         assert got == want
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _kernel_path(monkeypatch):
+    """The nucleus kernel as a GPU step takes it (without a GPU, in Triton's interpreter)."""
+    pytest.importorskip("triton")
+    if DEV == "cuda":
+        return
+    from skyline.ops.nucleus import nucleus_draw_triton
+
+    real = sampler._nucleus_only
+    monkeypatch.setattr(sampler, "_nucleus_only",
+                        lambda logits, rows: real(_AsCuda(logits), rows))
+    monkeypatch.setattr(sampler, "nucleus_draw", nucleus_draw_triton)
+
+
+class _AsCuda:
+    """A CPU tensor that `_nucleus_only` takes for a GPU one."""
+
+    is_cuda = True
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape = t.shape
+
+
+NUCLEUS_ROWS = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.5, top_p=0.99),
+                dict(temperature=1.3, top_p=0.3, top_k=100_000), dict(temperature=0.8)]
+
+
+def test_nucleus_kernel_draws_the_sorted_path_tokens(monkeypatch):
+    """Seeded rows: the kernel's token is the sort's, step after step; a top-k or min-p row
+    keeps the sort."""
+    torch.manual_seed(6)
+    logits = (torch.randn(len(NUCLEUS_ROWS), 3000) * 3).to(DEV)
+    for step in range(8):
+        rows = _rows(NUCLEUS_ROWS, seed_base=100 * step)
+        monkeypatch.setattr(sampler, "TOP_CANDIDATES", 1 << 20)  # no candidates: the sort
+        monkeypatch.setattr(sampler, "_nucleus_only", lambda logits, rows: False)
+        want = sample(logits, rows)[0]
+        monkeypatch.undo()
+        _kernel_path(monkeypatch)
+        assert sampler._nucleus_only(logits, rows)
+        assert sample(logits, rows)[0] == want
+        monkeypatch.undo()
+    _kernel_path(monkeypatch)
+    assert not sampler._nucleus_only(logits, _rows(NUCLEUS_ROWS + [dict(top_k=50)]))
+    assert not sampler._nucleus_only(logits, _rows(NUCLEUS_ROWS + [dict(min_p=0.1)]))
+    assert not sampler._nucleus_only(logits, _rows([dict(temperature=1.0)]))
+
+
+def test_nucleus_kernel_distribution(monkeypatch):
+    _kernel_path(monkeypatch)
+    torch.manual_seed(0)
+    vocab, n = 12, 3000
+    logits = torch.randn(vocab) * 1.5
+    params = SamplingParams(temperature=1.3, top_p=0.8)
+    rows = [SamplingRow(params, [0], [], ()) for _ in range(n)]
+    tokens, _ = sample(logits.repeat(n, 1).to(DEV), rows)
+    counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+    exp = _expected_probs(logits, params) * n
+    assert counts[exp == 0].sum() == 0, "sampled a token the nucleus excludes"
+    nz = exp > 0
+    chi2 = (((counts[nz] - exp[nz]) ** 2) / exp[nz]).sum().item()
+    dof = int(nz.sum()) - 1
+    assert chi2 < dof + 4.5 * math.sqrt(2 * max(dof, 1)) + 10, (chi2, dof)
