@@ -50,7 +50,19 @@ PARAM_SETS: dict[str, dict[str, Any]] = {
     "seeded": {"temperature": 1.0, "seed": 7},
     "logprobs": {"temperature": 0.0, "logprobs": 5},
     "logit_bias": {"temperature": 0.0, "logit_bias": {100: 2.0, 200: -2.0}},
+    "mixed": {},  # requests that differ: MIXED in turn
 }
+MIXED = ("greedy", "top_p", "top_p_top_k", "seeded")
+
+
+def _params(name: str, output_len: int) -> tuple[list[SamplingParams], Any]:
+    """The set's parameters, one per prompt in turn, and what the JSON records of them."""
+    if name == "mixed":
+        return [_params(m, output_len)[0][0] for m in MIXED], list(MIXED)
+    extra = dict(PARAM_SETS[name])
+    if extra.get("min_tokens") == -1:
+        extra["min_tokens"] = output_len
+    return [SamplingParams(max_tokens=output_len, ignore_eos=True, **extra)], extra
 
 
 def _where(w: warnings.WarningMessage) -> str:
@@ -107,12 +119,11 @@ def top_functions(prof: cProfile.Profile, n: int = 12) -> list[dict[str, Any]]:
 
 def run_set(llm: LLM, trace: StepTrace, name: str, prompts: list[list[int]],
             output_len: int, profile: bool = False) -> dict[str, Any]:
-    extra = dict(PARAM_SETS[name])
-    if extra.get("min_tokens") == -1:
-        extra["min_tokens"] = output_len
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **extra)
-    warm = dataclasses.replace(params, max_tokens=4, min_tokens=min(params.min_tokens, 4))
-    llm.generate(prompts[:2], warm)  # this set's warm-up
+    kinds, extra = _params(name, output_len)
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    warm = [dataclasses.replace(p, max_tokens=4, min_tokens=min(p.min_tokens, 4))
+            for p in params[:len(kinds) + 1]]
+    llm.generate(prompts[:len(warm)], warm)  # this set's warm-up
     cuda = llm.config.device.startswith("cuda")
     trace.reset()
     specs_before = len(compiled_specs())

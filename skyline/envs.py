@@ -44,9 +44,10 @@ def _int(name: str, default: int) -> int:
 #   moe_gemv   the MoE decode GEMVs with SwiGLU and routing weights in them (ops/moe.py): the
 #              grouped GEMMs, a separate activation and top-k sum
 #   argmax     greedy sampling's argmax kernel (ops/argmax.py): torch.argmax
+#   nucleus    top-p draws without a sort (ops/nucleus.py): the sorted vocabulary
 #   pdl        programmatic dependent launch (ops/pdl.py; as SKYLINE_PDL=0)
 FUSIONS = ("norm", "rope_kv", "qk_norm", "silu", "act_quant", "moe_route", "moe_gemv", "argmax",
-           "pdl")
+           "nucleus", "pdl")
 
 
 def parse_unfuse(value: str) -> frozenset[str]:

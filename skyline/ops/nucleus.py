@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from skyline import envs
 from skyline.ops.triton_utils import tl, triton
 
 BLOCK = 4096  # elements of a row per loop iteration
@@ -46,7 +47,8 @@ def nucleus_draw(logits: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
                  ) -> torch.Tensor:
     """nucleus_draw_ref's contract; one Triton launch for CUDA rows."""
     if (triton is None or not logits.is_cuda or logits.dim() != 2 or logits.shape[0] == 0
-            or logits.stride(-1) != 1 or noise.stride(-1) != 1):
+            or logits.stride(-1) != 1 or noise.stride(-1) != 1
+            or "nucleus" in envs.ENV.unfuse):  # (the modular form: the sort)
         return nucleus_draw_ref(logits, top_p, noise)
     return nucleus_draw_triton(logits, top_p, noise)
 

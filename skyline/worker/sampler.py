@@ -248,22 +248,53 @@ def _min_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return probs * (probs >= mp[:, None] * probs.max(-1, keepdim=True).values)
 
 
-def _nucleus_only(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-    """Whether a GPU step's rows take top-p alone (no top-k below the vocabulary, no min-p),
-    some below 1: ops/nucleus.py draws them without sorting the vocabulary."""
-    vocab = logits.shape[1]
-    return (logits.is_cuda and any(r.params.top_p < 1.0 for r in rows)
-            and all((r.params.top_k <= 0 or r.params.top_k >= vocab) and r.params.min_p <= 0
-                    for r in rows))
+def _nucleus_row(r: SamplingRow, vocab: int) -> bool:
+    """Whether a row takes top-p alone (no top-k below the vocabulary, no min-p), below 1:
+    ops/nucleus.py draws it on a GPU without sorting the vocabulary."""
+    p = r.params
+    return p.top_p < 1.0 and (p.top_k <= 0 or p.top_k >= vocab) and p.min_p <= 0
+
+
+def _kind(r: SamplingRow, vocab: int) -> int:
+    """A GPU step's rows by how they are drawn: 0 among their best TOP_CANDIDATES logits
+    (their top-k lies there), 1 by the nucleus kernel, 2 over the sorted vocabulary (min-p,
+    a wider top-k) or the whole one (temperature alone)."""
+    if 0 < r.params.top_k <= TOP_CANDIDATES < vocab:
+        return 0
+    return 1 if _nucleus_row(r, vocab) else 2
+
+
+def _by_kind(logits: torch.Tensor) -> bool:
+    """Whether rows are drawn by `_kind`: on a GPU (the CPU checks a nucleus against the
+    candidates, where reading the check costs no wait)."""
+    return logits.is_cuda
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then a draw: [n] token ids."""
+    """Temperature, top-k, top-p, min-p, then a draw: [n] token ids. On a GPU, rows that are
+    drawn in different ways (`_kind`) are drawn apart, each group its own way."""
     logits = _scale(logits, rows)
-    cand = _candidates(logits, rows)
-    if cand is None and _nucleus_only(logits, rows):
+    vocab = logits.shape[1]
+    if not _by_kind(logits):
+        return _sample_group(logits, rows, 2)
+    kinds = [_kind(r, vocab) for r in rows]
+    if len(set(kinds)) == 1:
+        return _sample_group(logits, rows, kinds[0])
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    for kind in sorted(set(kinds)):
+        idx = [i for i, k in enumerate(kinds) if k == kind]
+        at = to_device(idx, torch.long, logits.device)
+        tokens[at] = _sample_group(logits[at], [rows[i] for i in idx], kind)
+    return tokens
+
+
+def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: int) -> torch.Tensor:
+    """`_sample_random` of rows of one `_kind` (on the CPU, 2 for all: candidates where they
+    hold every row's kept tokens), logits scaled."""
+    if kind == 1:
         top_p = to_device([r.params.top_p for r in rows], logits.dtype, logits.device)
         return nucleus_draw(logits, top_p, _noise(logits, rows))
+    cand = _candidates(logits, rows)
     if cand is None:
         return _draw(_min_p(_top_k_top_p(logits, rows).softmax(-1), rows), rows)
     vals, ids = cand

@@ -141,22 +141,26 @@ CUDA = pytest.mark.skipif(DEV == "cpu", reason="the dispatch under SKYLINE_UNFUS
 
 @CUDA
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["norm", "silu", "argmax", "moe_route"])
+@pytest.mark.parametrize("name", ["norm", "silu", "argmax", "nucleus", "moe_route"])
 def test_dispatch_takes_the_modular_form_with_the_same_result(monkeypatch, name):
     from skyline.ops.activation import silu_and_mul
     from skyline.ops.argmax import argmax
     from skyline.ops.moe_route import route
     from skyline.ops.norm import fused_add_rms_norm
+    from skyline.ops.nucleus import nucleus_draw
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 4096, generator=g).to(DEV, torch.bfloat16)
     res = torch.randn(64, 4096, generator=g).to(DEV, torch.bfloat16)
     w = torch.rand(4096, generator=g).to(DEV, torch.bfloat16) + 0.5
+    logits = torch.randn(64, 4096, generator=g).to(DEV) * 4  # float32: no ties
+    noise = torch.empty(64, 4096).exponential_(generator=g).to(DEV)
     calls = {
         "norm": lambda: fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5),
         "silu": lambda: silu_and_mul(x),
         "argmax": lambda: argmax(x.float()),
-        "moe_route": lambda: route(x[:, :128].float(), 8, "softmax_renorm"),
+        "nucleus": lambda: nucleus_draw(logits, torch.full((64,), 0.9, device=DEV), noise),
+        "moe_route": lambda: route(logits[:, :128], 8, "softmax_renorm"),  # no tied scores
     }
     fused = calls[name]()
     unfusing(monkeypatch, name)

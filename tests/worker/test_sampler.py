@@ -260,50 +260,39 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _kernel_path(monkeypatch):
-    """The nucleus kernel as a GPU step takes it (without a GPU, in Triton's interpreter)."""
+    """Rows drawn by kind, the nucleus kernel among them, as on a GPU step (without a GPU, the
+    kernel in Triton's interpreter)."""
     pytest.importorskip("triton")
     if DEV == "cuda":
         return
     from skyline.ops.nucleus import nucleus_draw_triton
 
-    real = sampler._nucleus_only
-    monkeypatch.setattr(sampler, "_nucleus_only",
-                        lambda logits, rows: real(_AsCuda(logits), rows))
+    monkeypatch.setattr(sampler, "_by_kind", lambda logits: True)
     monkeypatch.setattr(sampler, "nucleus_draw", nucleus_draw_triton)
 
 
-class _AsCuda:
-    """A CPU tensor that `_nucleus_only` takes for a GPU one."""
-
-    is_cuda = True
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape = t.shape
+MIXED_ROWS = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.5, top_p=0.99),
+              dict(temperature=1.3, top_p=0.3, top_k=100_000), dict(temperature=0.8),
+              dict(temperature=0.7, top_k=40), dict(temperature=1.0, top_k=300, top_p=0.5),
+              dict(temperature=1.0, top_p=0.8, min_p=0.05), dict(temperature=0.9, top_p=0.7)]
 
 
-NUCLEUS_ROWS = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.5, top_p=0.99),
-                dict(temperature=1.3, top_p=0.3, top_k=100_000), dict(temperature=0.8)]
-
-
-def test_nucleus_kernel_draws_the_sorted_path_tokens(monkeypatch):
-    """Seeded rows: the kernel's token is the sort's, step after step; a top-k or min-p row
-    keeps the sort."""
+def test_rows_drawn_by_kind_draw_the_full_sort_tokens(monkeypatch):
+    """Seeded rows: drawn by kind (top-k among candidates, top-p alone by the nucleus kernel,
+    the rest sorted), each row's token is the full sort's, step after step."""
     torch.manual_seed(6)
-    logits = (torch.randn(len(NUCLEUS_ROWS), 3000) * 3).to(DEV)
+    logits = (torch.randn(len(MIXED_ROWS), 3000) * 3).to(DEV)
+    vocab = logits.shape[1]
+    assert [sampler._kind(r, vocab) for r in _rows(MIXED_ROWS)] == [1, 1, 1, 2, 0, 0, 2, 1]
     for step in range(8):
-        rows = _rows(NUCLEUS_ROWS, seed_base=100 * step)
+        rows = _rows(MIXED_ROWS, seed_base=100 * step)
         monkeypatch.setattr(sampler, "TOP_CANDIDATES", 1 << 20)  # no candidates: the sort
-        monkeypatch.setattr(sampler, "_nucleus_only", lambda logits, rows: False)
+        monkeypatch.setattr(sampler, "_by_kind", lambda logits: False)
         want = sample(logits, rows)[0]
         monkeypatch.undo()
         _kernel_path(monkeypatch)
-        assert sampler._nucleus_only(logits, rows)
         assert sample(logits, rows)[0] == want
         monkeypatch.undo()
-    _kernel_path(monkeypatch)
-    assert not sampler._nucleus_only(logits, _rows(NUCLEUS_ROWS + [dict(top_k=50)]))
-    assert not sampler._nucleus_only(logits, _rows(NUCLEUS_ROWS + [dict(min_p=0.1)]))
-    assert not sampler._nucleus_only(logits, _rows([dict(temperature=1.0)]))
 
 
 def test_nucleus_kernel_distribution(monkeypatch):
