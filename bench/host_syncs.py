@@ -47,6 +47,7 @@ PARAM_SETS: dict[str, dict[str, Any]] = {
                   "frequency_penalty": 0.5},
     "top_p": {"temperature": 0.8, "top_p": 0.95},
     "top_p_top_k": {"temperature": 0.8, "top_p": 0.9, "top_k": 50},
+    "min_p": {"temperature": 0.8, "min_p": 0.05},
     "seeded": {"temperature": 1.0, "seed": 7},
     "logprobs": {"temperature": 0.0, "logprobs": 5},
     "logit_bias": {"temperature": 0.0, "logit_bias": {100: 2.0, 200: -2.0}},

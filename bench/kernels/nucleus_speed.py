@@ -28,6 +28,7 @@ from skyline.ops.nucleus import nucleus_draw_ref, nucleus_draw_triton  # noqa: E
 
 VOCABS = {"llama-3.1-8b": 128256, "qwen3-8b": 151936}
 SIGMAS = {"peaked": 4.0, "flat": 1.0}
+SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
 
 
 def seconds(fn, reps: int) -> float:
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--vocabs", nargs="+", default=list(VOCABS), choices=list(VOCABS))
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the kernel's (block, warps) choices at 256 and 1,024 rows")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
     args = ap.parse_args()
@@ -84,11 +87,24 @@ def main() -> None:
                       f"sort {ref * 1e6:8.1f} us ({ref / kernel:5.1f}x), floor "
                       f"{floor * 1e6:7.1f} us ({kernel / floor:4.1f}x), same tokens {same}",
                       flush=True)
+    sweep = []
+    if args.sweep:
+        vocab = next(iter(vocabs.values()))
+        for rows in ([2] if args.smoke else [256, 1024]):
+            logits = torch.randn(rows, vocab, device=dev.device, generator=gen) * 4.0
+            noise = torch.empty_like(logits).exponential_(generator=gen)
+            top_p = torch.full((rows,), args.top_p, device=dev.device)
+            for block, warps in SWEEP:
+                t = seconds(lambda b=block, w=warps, c=(logits, top_p, noise):
+                            nucleus_draw_triton(*c, block=b, num_warps=w), args.reps)
+                sweep.append({"rows": rows, "block": block, "num_warps": warps, "kernel_s": t})
+                print(f"sweep {rows:5d} rows block {block:5d} warps {warps:2d}: "
+                      f"{t * 1e6:8.1f} us", flush=True)
     result = {"benchmark": "nucleus_speed",
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": dev.name, "torch": torch.__version__,
               "command": "python bench/kernels/nucleus_speed.py " + " ".join(sys.argv[1:]),
-              "copy_bandwidth_Bps": bw, "cases": cases}
+              "copy_bandwidth_Bps": bw, "cases": cases, "sweep": sweep}
     if not all(c["same_tokens"] for c in cases):
         print("the kernel drew other tokens than the reference in some case", flush=True)
     out = dev.path("bench/results/kernels/nucleus-h200.json", args.out)

@@ -249,16 +249,16 @@ def _min_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _nucleus_row(r: SamplingRow, vocab: int) -> bool:
-    """Whether a row takes top-p alone (no top-k below the vocabulary, no min-p), below 1:
+    """Whether a row takes top-p below 1 or min-p, and no top-k below the vocabulary:
     ops/nucleus.py draws it on a GPU without sorting the vocabulary."""
     p = r.params
-    return p.top_p < 1.0 and (p.top_k <= 0 or p.top_k >= vocab) and p.min_p <= 0
+    return (p.top_p < 1.0 or p.min_p > 0) and (p.top_k <= 0 or p.top_k >= vocab)
 
 
 def _kind(r: SamplingRow, vocab: int) -> int:
     """A GPU step's rows by how they are drawn: 0 among their best TOP_CANDIDATES logits
-    (their top-k lies there), 1 by the nucleus kernel, 2 over the sorted vocabulary (min-p,
-    a wider top-k) or the whole one (temperature alone)."""
+    (their top-k lies there), 1 by the nucleus kernel (top-p, min-p), 2 over the sorted
+    vocabulary (a wider top-k) or the whole one (temperature alone)."""
     if 0 < r.params.top_k <= TOP_CANDIDATES < vocab:
         return 0
     return 1 if _nucleus_row(r, vocab) else 2
@@ -292,8 +292,11 @@ def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: int) -> t
     """`_sample_random` of rows of one `_kind` (on the CPU, 2 for all: candidates where they
     hold every row's kept tokens), logits scaled."""
     if kind == 1:
-        top_p = to_device([r.params.top_p for r in rows], logits.dtype, logits.device)
-        return nucleus_draw(logits, top_p, _noise(logits, rows))
+        dev = logits.device
+        top_p = to_device([r.params.top_p for r in rows], logits.dtype, dev)
+        min_p = [r.params.min_p for r in rows]
+        return nucleus_draw(logits, top_p, _noise(logits, rows),
+                            to_device(min_p, logits.dtype, dev) if any(min_p) else None)
     cand = _candidates(logits, rows)
     if cand is None:
         return _draw(_min_p(_top_k_top_p(logits, rows).softmax(-1), rows), rows)

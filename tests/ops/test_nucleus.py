@@ -1,7 +1,7 @@
 """The nucleus draw kernel against its sorting reference: the same token for the same noise,
-over rows whose first race lands past the nucleus (many rounds), ragged vocabularies, masked
-tokens, top_p 1 and a row of -inf; and its draws against the nucleus' distribution (Triton's
-interpreter on CPU, the GPU where there is one)."""
+over rows whose first race lands past the nucleus or below min-p's floor (many rounds), ragged
+vocabularies, masked tokens, top_p 1 and a row of -inf; and its draws against the kept
+tokens' distribution (Triton's interpreter on CPU, the GPU where there is one)."""
 
 from __future__ import annotations
 
@@ -23,11 +23,16 @@ def _case(rows: int, vocab: int, seed: int, scale: float = 3.0):
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 7), (4, 1000), (2, 4097), (2, 9000)])
-def test_matches_reference(rows, vocab):
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_matches_reference(rows, vocab, with_min_p):
     for seed in range(3):
         logits, top_p, noise = _case(rows, vocab, seed * 101 + vocab)
-        assert torch.equal(ops.nucleus_draw_triton(logits, top_p, noise),
-                           ops.nucleus_draw_ref(logits, top_p, noise))
+        min_p = None
+        if with_min_p:  # some rows without (0), some with a floor that binds
+            min_p = (torch.arange(rows, device=DEV) % 3) * 0.1
+            top_p[0] = 1.0  # min-p alone
+        assert torch.equal(ops.nucleus_draw_triton(logits, top_p, noise, min_p),
+                           ops.nucleus_draw_ref(logits, top_p, noise, min_p))
 
 
 def test_many_rounds():
@@ -40,6 +45,17 @@ def test_many_rounds():
     assert torch.equal(ops.nucleus_draw_triton(logits, top_p, noise), want)
     # the winners differ from the race over the whole row: rounds past the first were taken
     assert (want != (logits.softmax(-1) / noise).argmax(-1)).float().mean() > 0.5
+
+
+def test_min_p_floor_rounds():
+    # flat rows, a floor that leaves few tokens: the first race mostly lands below it
+    rows, vocab = 16, 3000
+    logits, _, noise = _case(rows, vocab, 8, scale=1.0)
+    top_p = torch.full((rows,), 0.95, device=DEV)
+    min_p = torch.full((rows,), 0.5, device=DEV)
+    want = ops.nucleus_draw_ref(logits, top_p, noise, min_p)
+    assert torch.equal(ops.nucleus_draw_triton(logits, top_p, noise, min_p), want)
+    assert (want != ops.nucleus_draw_ref(logits, top_p, noise)).float().mean() > 0.5
 
 
 def test_top_p_one_masked_and_empty_rows():
@@ -71,3 +87,12 @@ def test_draws_follow_the_nucleus():
     expect = probs[:4].double() / probs[:4].sum() * n
     chi2 = ((counts[:4] - expect) ** 2 / expect).sum().item()
     assert chi2 < 16.3  # 3 degrees of freedom, p = 0.001
+    # min-p 0.45 of the largest (0.30 * 0.45 = 0.135): of the nucleus 0.12 drops
+    got = ops.nucleus_draw_triton(logits.expand(n, -1).contiguous().to(DEV),
+                                  torch.full((n,), top_p, device=DEV), noise.to(DEV),
+                                  torch.full((n,), 0.45, device=DEV)).cpu()
+    counts = torch.bincount(got, minlength=probs.numel()).double()
+    assert counts[3:].sum() == 0
+    expect = probs[:3].double() / probs[:3].sum() * n
+    chi2 = ((counts[:3] - expect) ** 2 / expect).sum().item()
+    assert chi2 < 13.8  # 2 degrees of freedom, p = 0.001

@@ -278,12 +278,12 @@ MIXED_ROWS = [dict(temperature=1.0, top_p=0.9), dict(temperature=0.5, top_p=0.99
 
 
 def test_rows_drawn_by_kind_draw_the_full_sort_tokens(monkeypatch):
-    """Seeded rows: drawn by kind (top-k among candidates, top-p alone by the nucleus kernel,
-    the rest sorted), each row's token is the full sort's, step after step."""
+    """Seeded rows: drawn by kind (top-k among candidates, top-p and min-p by the nucleus
+    kernel, the rest sorted), each row's token is the full sort's, step after step."""
     torch.manual_seed(6)
     logits = (torch.randn(len(MIXED_ROWS), 3000) * 3).to(DEV)
     vocab = logits.shape[1]
-    assert [sampler._kind(r, vocab) for r in _rows(MIXED_ROWS)] == [1, 1, 1, 2, 0, 0, 2, 1]
+    assert [sampler._kind(r, vocab) for r in _rows(MIXED_ROWS)] == [1, 1, 1, 2, 0, 0, 1, 1]
     for step in range(8):
         rows = _rows(MIXED_ROWS, seed_base=100 * step)
         monkeypatch.setattr(sampler, "TOP_CANDIDATES", 1 << 20)  # no candidates: the sort
