@@ -51,12 +51,49 @@ def nucleus_draw_ref(logits: torch.Tensor, top_p: torch.Tensor, noise: torch.Ten
 
 def nucleus_draw(logits: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,
                  min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """nucleus_draw_ref's contract; one Triton launch for CUDA rows."""
-    if (triton is None or not logits.is_cuda or logits.dim() != 2 or logits.shape[0] == 0
-            or logits.stride(-1) != 1 or noise.stride(-1) != 1
-            or "nucleus" in envs.ENV.unfuse):  # (the modular form: the sort)
+    """nucleus_draw_ref's contract; one Triton launch for CUDA rows, the kernel's rounds in
+    torch ops on the CPU."""
+    if "nucleus" in envs.ENV.unfuse or logits.dim() != 2 or logits.shape[0] == 0:
+        return nucleus_draw_ref(logits, top_p, noise, min_p)  # (the modular form: the sort)
+    if logits.device.type == "cpu":
+        return nucleus_draw_rounds(logits, top_p, noise, min_p)
+    if (triton is None or not logits.is_cuda or logits.stride(-1) != 1
+            or noise.stride(-1) != 1):
         return nucleus_draw_ref(logits, top_p, noise, min_p)
     return nucleus_draw_triton(logits, top_p, noise, min_p)
+
+
+def nucleus_draw_rounds(logits: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,
+                        min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's rounds in torch ops, for the CPU, where reading which rows are done
+    costs no wait: each round races the rows not yet done over their tokens above the pivot
+    and at or above the floor. A 16-row step of a 49k vocabulary: a few passes over the rows,
+    where the sort costs tens of milliseconds on two cores."""
+    x = logits.float()
+    key = x - noise.float().log()
+    m = x.max(-1, keepdim=True).values
+    ex = (x - m).exp()
+    need = top_p.to(x.dtype) * ex.sum(-1)
+    floor = torch.full_like(need, float("-inf"))
+    if min_p is not None:  # p >= min_p * p_max: x >= m + log(min_p)
+        mp = min_p.to(x.dtype)
+        floor = torch.where(mp > 0, m[:, 0] + mp.clamp_min(1e-30).log(), floor)
+    out = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    rows = torch.arange(x.shape[0], device=x.device)
+    piv = torch.full_like(need, float("-inf"))
+    while rows.numel():
+        xr = x[rows]
+        ok = (xr > piv[:, None]) & (xr >= floor[:, None])
+        sel = torch.where(ok, key[rows], float("-inf")).argmax(-1)
+        xs = xr.gather(1, sel[:, None])
+        above = torch.where(xr > xs, ex[rows], 0.0).sum(-1)
+        past = above >= need
+        out[rows] = sel
+        todo = past | (xs[:, 0] < floor)
+        todo &= m[rows, 0] > float("-inf")  # (a row of -inf keeps index 0)
+        piv = torch.where(past, xs[:, 0], piv)[todo]
+        need, floor, rows = need[todo], floor[todo], rows[todo]
+    return out
 
 
 def nucleus_draw_triton(logits: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,

@@ -168,8 +168,9 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 # there) sorts only each row's best TOP_CANDIDATES logits and draws among them: a full sort
 # and a draw over the vocabulary cost a 16-row CPU step of the default model 34 of its 41 ms.
 TOP_CANDIDATES = 1024
-# Steps a row whose nucleus reached past the candidates sorts the whole vocabulary again before
-# it tries them (a flat distribution tends to stay flat: each try costs a top-k for nothing).
+# Steps a row whose nucleus reached past the candidates is drawn over the whole vocabulary
+# again before it tries them (a flat distribution tends to stay flat: each try costs a top-k
+# for nothing).
 WIDE_NUCLEUS_SKIP = 16
 
 
@@ -296,17 +297,24 @@ def _sample_group(logits: torch.Tensor, rows: list[SamplingRow], kind: int) -> t
     """`_sample_random` of rows of one `_kind` (on the CPU, 2 for all: candidates where they
     hold every row's kept tokens), logits scaled."""
     if kind == 1:
-        dev = logits.device
-        top_p = to_device([r.params.top_p for r in rows], logits.dtype, dev)
-        min_p = [r.params.min_p for r in rows]
-        return nucleus_draw(logits, top_p, _noise(logits, rows),
-                            to_device(min_p, logits.dtype, dev) if any(min_p) else None)
+        return _nucleus(logits, rows)
     cand = _candidates(logits, rows)
+    if cand is None and all(_nucleus_row(r, logits.shape[1]) for r in rows):
+        return _nucleus(logits, rows)  # a CPU step's nucleus past the candidates
     if cand is None:
         return _draw(_min_p(_top_k_top_p(logits, rows).softmax(-1), rows), rows)
     vals, ids = cand
     pick = _draw(_min_p(vals.softmax(-1), rows), rows, ids, logits.shape[1])
     return ids.gather(1, pick[:, None])[:, 0]
+
+
+def _nucleus(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows of top-p or min-p without top-k, drawn without sorting (ops/nucleus.py)."""
+    dev = logits.device
+    top_p = to_device([r.params.top_p for r in rows], logits.dtype, dev)
+    min_p = [r.params.min_p for r in rows]
+    return nucleus_draw(logits, top_p, _noise(logits, rows),
+                        to_device(min_p, logits.dtype, dev) if any(min_p) else None)
 
 
 def apply_token_masks(logits: torch.Tensor, masks: list[bytes | None]) -> None:

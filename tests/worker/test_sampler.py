@@ -310,3 +310,23 @@ def test_nucleus_kernel_distribution(monkeypatch):
     chi2 = (((counts[nz] - exp[nz]) ** 2) / exp[nz]).sum().item()
     dof = int(nz.sum()) - 1
     assert chi2 < dof + 4.5 * math.sqrt(2 * max(dof, 1)) + 10, (chi2, dof)
+
+
+def test_cpu_nucleus_past_the_candidates_is_drawn_without_a_sort(monkeypatch):
+    """On the CPU a nucleus wider than the candidates takes the kernel's rounds in torch ops:
+    seeded rows draw the full sort's tokens."""
+    torch.manual_seed(7)
+    logits = torch.randn(4, 5000) * 0.5  # flat: every nucleus reaches past 1,024 tokens
+    kws = [dict(temperature=1.0, top_p=0.9), dict(temperature=1.2, top_p=0.5),
+           dict(temperature=0.9, min_p=0.02), dict(temperature=1.0, top_p=0.95, min_p=0.1)]
+    calls = []
+    real = sampler.nucleus_draw
+    monkeypatch.setattr(sampler, "nucleus_draw", lambda *a: calls.append(1) or real(*a))
+    for step in range(4):
+        rows = _rows(kws, seed_base=10 * step)
+        got = sample(logits, rows)[0]
+        with monkeypatch.context() as m:
+            m.setattr(sampler, "_nucleus_row", lambda r, vocab: False)  # the full sort
+            want = sample(logits, rows)[0]
+        assert got == want
+    assert len(calls) == 4
