@@ -350,21 +350,31 @@ def _noise(like: torch.Tensor, rows: list[SamplingRow], ids: torch.Tensor | None
     noise = torch.empty_like(like)
     unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
     if len(unseeded) == len(rows):
-        noise.exponential_()
+        _exponential(noise)
     elif unseeded:
-        noise[to_device(unseeded, torch.long, like.device)] = torch.empty(
-            (len(unseeded), like.shape[1]), device=like.device, dtype=like.dtype
-        ).exponential_()
+        noise[to_device(unseeded, torch.long, like.device)] = _exponential(torch.empty(
+            (len(unseeded), like.shape[1]), device=like.device, dtype=like.dtype))
     for i, r in enumerate(rows):
         if r.params.seed is not None:
             g = torch.Generator(device=like.device)
             g.manual_seed(_seed_for(r.params.seed, len(r.output_token_ids)))
             if ids is None:
-                noise[i].exponential_(generator=g)
+                _exponential(noise[i], g)  # in place
             else:
                 full = torch.empty(vocab, device=like.device, dtype=like.dtype)
-                noise[i] = full.exponential_(generator=g)[ids[i]]
+                noise[i] = _exponential(full, g)[ids[i]]
     return noise
+
+
+def _exponential(t: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """t filled with Exp(1) draws, and returned. On the CPU as -log(U): torch's exponential_
+    there takes ~14 ns an element, a sixth of that for a uniform and a log (10.6 -> 1.7 ms
+    for 16 rows of 49k; a U of exactly 0, one in 2^24, gives an infinite E: a token that
+    cannot win)."""
+    if t.device.type != "cpu":
+        return t.exponential_(generator=generator)
+    torch.rand(t.shape, generator=generator, dtype=t.dtype, out=t)
+    return t.log_().neg_()
 
 
 @dataclass
