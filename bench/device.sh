@@ -52,6 +52,10 @@
 #                  (bench/mixed_step.py); MIXED_ARGS passes more (e.g. "--chunks 64 128 256")
 #   host           the engine's host work per decode step at 256 and 1,024 requests on this
 #                  machine's CPU (bench/host_overhead.py)
+#   sampling       the nucleus kernel against the sort (bench/kernels/nucleus_speed.py), then
+#                  decode steps at 256 sequences per set of sampling parameters with the
+#                  synchronising calls (bench/host_syncs.py), and its top-p / min-p / mixed sets
+#                  with SKYLINE_UNFUSE=nucleus (sorted)
 #   parallel       bench/parallel_gpu.py on GPUS GPUs (default: all visible) for PAR_STAGES
 #                  (decode offline pp): batch-1 decode at TP=GPUS against GPUS GPUs' roofline,
 #                  1000 x (1000, 1000) at TP=GPUS against TP=1, and PP=GPUS against TP=GPUS;
@@ -265,6 +269,15 @@ stage_host() {
     --steps 60 --out "$OUT/host-overhead-h200-ctx1500$TAG.json"
 }
 
+stage_sampling() {
+  python3 bench/kernels/nucleus_speed.py --out "$OUT/nucleus-h200$TAG.json"
+  python3 bench/host_syncs.py --model "$M" --num-prompts 256 --input-len 128 --output-len 128 \
+    --out "$OUT/host-syncs-h200-$M$TAG.json"
+  SKYLINE_UNFUSE=nucleus python3 bench/host_syncs.py --model "$M" --num-prompts 256 \
+    --input-len 128 --output-len 128 --sets greedy top_p min_p mixed \
+    --out "$OUT/host-syncs-h200-$M-unfuse-nucleus$TAG.json"
+}
+
 stage_parallel() {
   python3 bench/parallel_gpu.py --gpus "${GPUS:-$(nvidia-smi -L | wc -l)}" --model "$M" \
     --stages ${PAR_STAGES:-decode offline pp} ${PAR_ARGS:-} --out-dir "$OUT"
@@ -410,7 +423,7 @@ print("results in", res)
 EOF
 }
 
-SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code|round|end to end|(keep|drop|tie)$|verdicts'}
+SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code|round|end to end|(keep|drop|tie)$|verdicts|ms/step'}
 for stage in ${STAGES:-decode}; do
   declare -F "stage_${stage//-/_}" >/dev/null && continue
   echo "unknown stage: $stage (see the top of bench/device.sh)"; exit 2
