@@ -1,7 +1,7 @@
 """Top-p (nucleus) and min-p draws without sorting the vocabulary: PyTorch reference and a
 Triton kernel (CUDA).
 
-A draw is the exponential race of the sampler (worker/sampler.py): the token of
+A draw is the exponential race of the sampler (worker/sampler/draw.py): the token of
 argmax(p / E) over the tokens a row keeps, E ~ Exp(1) given per token. A row keeps its nucleus
 (the smallest set of its best tokens whose mass reaches top_p), and of it, with min_p, those
 whose probability is at least min_p times the largest. The reference sorts the row: on the H200

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from skyline.types import SamplingParams
-from skyline.worker import sampler
 from skyline.worker.sampler import SamplingRow, sample
+from skyline.worker.sampler import draw as sampler
 
 
 def _row(**kw) -> SamplingRow:
@@ -131,7 +131,7 @@ def _penalized_row_by_row(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
 
 
 def test_penalties_of_a_batch_match_each_row_alone():
-    from skyline.worker.sampler import _apply_penalties
+    from skyline.worker.sampler.logits import apply_penalties
 
     g = torch.Generator().manual_seed(0)
     vocab = 50
@@ -149,7 +149,7 @@ def test_penalties_of_a_batch_match_each_row_alone():
         rows.append(SamplingRow(SamplingParams(**kw), prompt, output, (0, 7)))
     logits = torch.randn(len(rows), vocab, generator=g)
     got = logits.clone()
-    _apply_penalties(got, rows)
+    apply_penalties(got, rows)
     assert torch.equal(got, _penalized_row_by_row(logits, rows))
     assert not torch.equal(got, logits)
 
