@@ -42,7 +42,8 @@ def offline(model: str, flags: list[str], ns: argparse.Namespace, work: str) -> 
     path = os.path.join(work, "offline.json")
     cmd = [sys.executable, "-m", "skyline.cli", "bench", "offline", "--model", model,
            "--num-prompts", str(ns.num_requests), "--input-len", str(ns.input_len),
-           "--output-len", str(ns.output_len), "--output", path, *flags]
+           "--output-len", str(ns.output_len), "--temperature", str(ns.temperature),
+           "--top-p", str(ns.top_p), "--output", path, *flags]
     subprocess.run(cmd, check=True, timeout=ns.timeout)
     with open(path) as f:
         res = json.load(f)
@@ -70,7 +71,8 @@ def served(model: str, flags: list[str], ns: argparse.Namespace, work: str,
                     break
             time.sleep(0.2)
         load = LoadSpec(base_url=url, concurrency=ns.concurrency, num_requests=ns.num_requests,
-                        timeout=ns.timeout, setup_timeout=ns.timeout)
+                        timeout=ns.timeout, setup_timeout=ns.timeout,
+                        temperature=ns.temperature, top_p=ns.top_p)
         work_spec = WorkloadSpec(name="random", input_len=str(ns.input_len),
                                  output_len=str(ns.output_len))
         results, seconds = LoadProcesses(load, work_spec, ns.processes).wait()
@@ -118,6 +120,8 @@ def main() -> None:
     ap.add_argument("--api-servers", type=int, nargs="+", default=[1],
                     help="API server counts to serve with, one served run each")
     ap.add_argument("--flags", default="", help="more engine flags for both runs")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's nucleus")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per phase, at most")
     ap.add_argument("--out", default=None, help="JSON file (default: under bench/results/serve)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, 8 streams")
@@ -162,6 +166,7 @@ def main() -> None:
         "model": "tiny" if ns.smoke else ns.model, "flags": flags,
         "concurrency": ns.concurrency, "num_requests": ns.num_requests,
         "input_len": ns.input_len, "output_len": ns.output_len,
+        "sampling": {"temperature": ns.temperature, "top_p": ns.top_p},
         "client_processes": ns.processes, "http_stack": http_stack(),
         "offline_output_tok_s": off["output_tokens_per_s"],
         # the best API server count's figures, then every count's

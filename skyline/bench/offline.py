@@ -25,10 +25,12 @@ def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[lis
 
 
 def measure(llm: LLM, prompts: list[list[int]], output_len: int,
-            trace: StepTrace | None = None) -> dict[str, Any]:
+            trace: StepTrace | None = None, sampling: dict[str, float] | None = None
+            ) -> dict[str, Any]:
     """Times one `generate` of all prompts after a short warm-up; `trace`, if given, sees
-    every step of the timed run."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    every step of the timed run. `sampling`: SamplingParams fields (default greedy)."""
+    params = SamplingParams(**{"temperature": 0.0, **(sampling or {})},
+                            max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], dataclasses.replace(params, max_tokens=4))  # warm-up
     if trace is not None:
         trace.reset()
@@ -97,30 +99,34 @@ def save_json(result: dict[str, Any], path: str | None) -> None:
 
 
 def run_offline(args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
-                output: str | None, floor: bool = False) -> dict[str, Any]:
+                output: str | None, floor: bool = False,
+                sampling: dict[str, float] | None = None) -> dict[str, Any]:
     """`floor`: measure the device's matmul peak and copy bandwidth first (before the engine
-    takes its memory) and report the run against the floor they set (bench/floor.py)."""
+    takes its memory) and report the run against the floor they set (bench/floor.py).
+    `sampling`: SamplingParams fields of every request (default greedy)."""
     peaks = _measure_peaks(args) if floor else None
     trace = StepTrace()
     llm = LLM(**dataclasses.asdict(args), observers=[trace])
     try:
-        return _run(llm, trace, peaks, num_prompts, input_len, output_len, output)
+        return _run(llm, trace, peaks, num_prompts, input_len, output_len, output, sampling)
     finally:
         llm.shutdown()  # its processes and memory, before a next engine in this process
 
 
 def _run(llm: LLM, trace: StepTrace, peaks: Any, num_prompts: int, input_len: int,
-         output_len: int, output: str | None) -> dict[str, Any]:
+         output_len: int, output: str | None, sampling: dict[str, float] | None
+         ) -> dict[str, Any]:
     trace.clock = lambda: llm.query("step_clocks")
     cfg = llm.config
     prompts = random_prompts(num_prompts, input_len, cfg.model.arch.vocab_size, cfg.model.seed)
-    res = measure(llm, prompts, output_len, trace)
+    res = measure(llm, prompts, output_len, trace, sampling)
     result = {
         "benchmark": "offline",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": cfg.model.name,
         "load_format": cfg.model.load_format,
         "dtype": cfg.model.dtype,
+        "sampling": sampling or {"temperature": 0.0},
         "device": cfg.device,
         "num_prompts": num_prompts,
         "input_len": input_len,

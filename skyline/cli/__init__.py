@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--floor", action="store_true",
                    help="measure the device's matmul peak and copy bandwidth first and report "
                         "the run against the floor they set")
+    b.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy")
+    b.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0,
+                   help="nucleus of each draw (1: the whole vocabulary)")
     add_engine_args(b)
     add_quiet(b)
     b.set_defaults(func=cmd_bench_offline)
@@ -208,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None, help="model name (default: the server's first)")
     b.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
     b.add_argument("--temperature", type=float_in(0), default=0.0, help="0: greedy")
+    b.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0,
+                   help="nucleus of each draw (1: the whole vocabulary)")
     b.add_argument("--output", default=None, help="JSON file for the results (default: none)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_load_args(b)

@@ -42,7 +42,7 @@ def cmd_bench_offline(ns: argparse.Namespace) -> None:
     from skyline.bench.offline import run_offline
 
     run_offline(engine_args(ns), ns.num_prompts, ns.input_len, ns.output_len, ns.output,
-                floor=ns.floor)
+                floor=ns.floor, sampling={"temperature": ns.temperature, "top_p": ns.top_p})
 
 
 def cmd_bench_serve(ns: argparse.Namespace) -> None:
@@ -53,6 +53,7 @@ def cmd_bench_serve(ns: argparse.Namespace) -> None:
     load, workload, slos = load_specs(ns)
     load = dc.replace(load, base_url=ns.base_url, model=ns.model, concurrency=ns.concurrency,
                       request_rate=ns.request_rate, temperature=ns.temperature,
+                      top_p=ns.top_p,
                       api_key=ns.api_key or os.environ.get("OPENAI_API_KEY"),
                       progress=not (ns.no_progress or ns.quiet))
     run_serve_bench(load, workload, slos, ns.output)

@@ -55,3 +55,14 @@ def test_unreachable_server_is_one_sentence() -> None:
     load = LoadSpec(base_url="http://127.0.0.1:9/v1", num_requests=1, progress=False)
     with pytest.raises(ValueError, match="cannot reach"):
         run_serve_bench(load, WorkloadSpec(), {}, print_table=False)
+
+
+def test_sampling_parameters_reach_the_request_body() -> None:
+    from skyline.bench.serve.client import _Client
+    from skyline.bench.workloads import Conversation, Turn
+
+    conv = Conversation([Turn([1, 2, 3], 4, 3)])
+    _, body = _Client(LoadSpec(model="m", temperature=0.8, top_p=0.9), None).body(conv, 0, [])
+    assert (body["temperature"], body["top_p"], body["prompt"]) == (0.8, 0.9, [1, 2, 3])
+    _, body = _Client(LoadSpec(model="m"), None).body(conv, 0, [])
+    assert body["temperature"] == 0.0 and "top_p" not in body

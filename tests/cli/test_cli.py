@@ -26,9 +26,11 @@ def test_generate_and_chat():
 def test_bench_offline_writes_json(tmp_path):
     out = tmp_path / "r.json"
     r = _skyline("bench", "offline", "--num-prompts", "3", "--input-len", "8", "--output-len",
-                 "4", "--max-model-len", "64", "--output", str(out), "--floor")
+                 "4", "--max-model-len", "64", "--output", str(out), "--floor",
+                 "--temperature", "0.8", "--top-p", "0.9")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
+    assert res["sampling"] == {"temperature": 0.8, "top_p": 0.9}
     assert res["skyline"]["num_output_tokens"] == 12 and res["skyline"]["output_tokens_per_s"] > 0
     # The floor, from the default model's layers: 30 layers of q, k, v, o (576 wide, 3 KV heads
     # of 64) and a 1536-wide MLP; the tied head 49152 x 576; K and V of 3 x 64 per layer.

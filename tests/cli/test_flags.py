@@ -67,6 +67,8 @@ def test_every_command_takes_quiet():
     ("generate hi --load-format foo", "--load-format: invalid choice: 'foo'"),
     ("generate hi --top-p 0", "--top-p must be in (0, 1], got 0"),
     ("bench offline --num-prompts 0", "--num-prompts must be at least 1, got 0"),
+    ("bench offline --top-p 0", "--top-p must be in (0, 1], got 0"),
+    ("bench serve --top-p 1.5", "--top-p must be in (0, 1], got 1.5"),
     ("serve -tp 0", "--tensor-parallel-size must be at least 1, got 0"),
     ("serve --distributed-timeout 0", "--distributed-timeout must be"),
     ("worker --distributed-init tcp://h:1 --node-rank 0", "--node-rank must be at least 1"),

@@ -72,6 +72,8 @@ class _Client:
             "model": self.model, "max_tokens": turn.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": self.load.temperature,
         }
+        if self.load.top_p < 1.0:
+            body["top_p"] = self.load.top_p
         if self.load.ignore_eos:
             body["ignore_eos"] = True  # vLLM/skyline extension: exact output lengths
             body["min_tokens"] = turn.max_tokens

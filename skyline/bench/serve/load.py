@@ -36,6 +36,7 @@ class LoadSpec:
     duration: float | None = None  # seconds
     ignore_eos: bool = True
     temperature: float = 0.0
+    top_p: float = 1.0  # sent when below 1
     api_key: str | None = None
     timeout: float = 6 * 3600.0
     warmup: int = 1  # rounds of warm-up requests, each as wide as `concurrency`
