@@ -1,5 +1,5 @@
-"""Top-p (nucleus) and min-p draws without sorting the vocabulary: PyTorch reference and a
-Triton kernel (CUDA).
+"""Top-p (nucleus) and min-p draws without sorting the vocabulary: PyTorch reference, a Triton
+kernel (CUDA), and the kernel's rounds in torch ops (the CPU).
 
 A draw is the exponential race of the sampler (worker/sampler/draw.py): the token of
 argmax(p / E) over the tokens a row keeps, E ~ Exp(1) given per token. A row keeps its nucleus
@@ -22,6 +22,8 @@ Ties: the reference keeps tied logits by the sort's order, the kernel compares w
 strictly above; the two differ only when the nucleus' edge falls inside a run of equal logits
 (and min-p's floor, compared as logits here and as probabilities there, within a rounding).
 """
+
+from __future__ import annotations
 
 import torch
 
