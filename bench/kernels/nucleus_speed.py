@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 
 from skyline.bench.tuners import interpret_for_smoke
 
@@ -24,30 +23,12 @@ interpret_for_smoke(sys.argv)  # before Triton loads
 import torch  # noqa: E402
 
 from skyline.bench import tuners  # noqa: E402
+from skyline.bench.floor import median_seconds  # noqa: E402
 from skyline.ops.nucleus import nucleus_draw_ref, nucleus_draw_triton  # noqa: E402
 
 VOCABS = {"llama-3.1-8b": 128256, "qwen3-8b": 151936}
 SIGMAS = {"peaked": 4.0, "flat": 1.0}
 SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
-
-
-def seconds(fn, reps: int) -> float:
-    """Median seconds of `reps` calls after two warm ones (events on a GPU)."""
-    fn(), fn()
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -76,8 +57,9 @@ def main() -> None:
                 top_p = torch.full((rows,), args.top_p, device=dev.device)
                 call = (logits, top_p, noise)
                 same = torch.equal(nucleus_draw_triton(*call), nucleus_draw_ref(*call))
-                kernel = seconds(lambda c=call: nucleus_draw_triton(*c), args.reps)
-                ref = seconds(lambda c=call: nucleus_draw_ref(*c), args.reps)
+                kernel = median_seconds(lambda c=call: nucleus_draw_triton(*c), dev.device,
+                                        args.reps)
+                ref = median_seconds(lambda c=call: nucleus_draw_ref(*c), dev.device, args.reps)
                 floor = 2 * logits.numel() * 4 / bw
                 cases.append({"vocab": name, "vocab_size": vocab, "rows": rows, "shape": shape,
                               "sigma": sigma, "top_p": args.top_p, "kernel_s": kernel,
@@ -95,8 +77,9 @@ def main() -> None:
             noise = torch.empty_like(logits).exponential_(generator=gen)
             top_p = torch.full((rows,), args.top_p, device=dev.device)
             for block, warps in SWEEP:
-                t = seconds(lambda b=block, w=warps, c=(logits, top_p, noise):
-                            nucleus_draw_triton(*c, block=b, num_warps=w), args.reps)
+                t = median_seconds(lambda b=block, w=warps, c=(logits, top_p, noise):
+                                   nucleus_draw_triton(*c, block=b, num_warps=w),
+                                   dev.device, args.reps)
                 sweep.append({"rows": rows, "block": block, "num_warps": warps, "kernel_s": t})
                 print(f"sweep {rows:5d} rows block {block:5d} warps {warps:2d}: "
                       f"{t * 1e6:8.1f} us", flush=True)

@@ -66,8 +66,9 @@ def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len:
     }
 
 
-def _timed(fn: Any, device: torch.device, reps: int) -> float:
-    """Median seconds of `fn` after three warm-up calls."""
+def median_seconds(fn: Any, device: torch.device, reps: int) -> float:
+    """Median seconds of `reps` calls of `fn` on `device` (CUDA events on a GPU) after three
+    warm-up calls."""
     for _ in range(3):
         fn()
     times = []
@@ -92,7 +93,7 @@ def copy_bandwidth(device: torch.device, elements: int | None = None) -> float:
     n = elements or (2**30 if device.type == "cuda" else 2**25)
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    return 2 * n * 2 / _timed(lambda: y.copy_(x), device, 20)
+    return 2 * n * 2 / median_seconds(lambda: y.copy_(x), device, 20)
 
 
 def host_read_bandwidth(threads: int | None = None, nbytes: int = 1 << 28) -> float:
@@ -102,7 +103,7 @@ def host_read_bandwidth(threads: int | None = None, nbytes: int = 1 << 28) -> fl
     torch.set_num_threads(threads or prev)
     try:
         x = torch.ones(nbytes // 4)
-        return nbytes / _timed(x.sum, torch.device("cpu"), 5)
+        return nbytes / median_seconds(x.sum, torch.device("cpu"), 5)
     finally:
         torch.set_num_threads(prev)
 
@@ -113,7 +114,7 @@ def matmul_peak(device: torch.device, fp8: bool = False) -> float:
     if device.type != "cuda":
         a = torch.randn(1024, 1024)
         b = torch.randn(1024, 1024)
-        return 2 * 1024**3 / _timed(lambda: a @ b, device, 10)
+        return 2 * 1024**3 / median_seconds(lambda: a @ b, device, 10)
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -124,7 +125,7 @@ def matmul_peak(device: torch.device, fp8: bool = False) -> float:
         sb = torch.ones(1, n, device=device)
         fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,  # noqa: E731
                                       out_dtype=torch.bfloat16)
-    return 2 * n**3 / _timed(fn, device, 10)
+    return 2 * n**3 / median_seconds(fn, device, 10)
 
 
 def host_to_device_bandwidth(device: torch.device) -> float:
@@ -133,7 +134,7 @@ def host_to_device_bandwidth(device: torch.device) -> float:
     n = 2**30 if device.type == "cuda" else 2**26
     src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
     dst = torch.empty(n, dtype=torch.uint8, device=device)
-    return n / _timed(lambda: dst.copy_(src, non_blocking=True), device, 10)
+    return n / median_seconds(lambda: dst.copy_(src, non_blocking=True), device, 10)
 
 
 def drop_page_cache(paths: list[str]) -> None:
