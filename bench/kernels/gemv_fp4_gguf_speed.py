@@ -14,7 +14,9 @@ back-to-back calls over weight copies that L2 cannot hold):
   F.linear;
 - q6_k / q5_k: the block GEMV on the raw super-blocks (6.56 / 5.5 bits); q6_k_int8 /
   q5_k_int8: what a GGUF layer ran before, the blocks as 8-bit codes with float32 scale and zero
-  per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight).
+  per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight);
+- at 1 and 2 rows, nvfp4_fma / q6_k_fma / q5_k_fma: the block GEMV's FMA mode (x as it is, the
+  codes as floats), which the integer mode (x rounded to int8, `dp4a`) replaced as the default.
 Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
 scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
 speedup over the path it replaces. With --sweep, each new GEMV is also timed over a small grid
@@ -66,6 +68,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 ROWS = (1, 2, 4)
 REPLACES = {"nvfp4": "nvfp4_dequant", "q6_k": "q6_k_int8", "q5_k": "q5_k_int8"}
+FMA_ROWS = 2  # the FMA mode is timed beside the default up to this many rows
 
 
 def nbytes(ts: tuple[torch.Tensor, ...]) -> int:
@@ -97,7 +100,26 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
 FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
 
 
+def fma_config(x: torch.Tensor, a: tuple[torch.Tensor, ...]) -> dict:
+    """The FMA mode's default configuration before the integer mode: tiles of 8 rows (1 row
+    of x; else 4) and one super-block, 4 warps, K split until four programs per SM, keeping at
+    least four tiles per split."""
+    m, n, k = x.shape[0], a[0].shape[0], x.shape[-1]
+    block_n = 8 if m == 1 else 4
+    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
+               if x.is_cuda else 132)
+    split_k = 1
+    while (-(-n // block_n) * split_k < 4 * num_sms and k // (2 * split_k) >= 4 * 256
+           and split_k < 16):
+        split_k *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": False,
+            "A8": False, "num_warps": 4, "num_stages": 1}
+
+
 def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | None = None):
+    if fmt.endswith("_fma"):
+        base = fmt[: -len("_fma")]
+        return call(base, x, a, fma_config(x, a))
     if fmt == "bf16":
         return lambda: gemv(x, a[0])
     if fmt == "nvfp4":
@@ -112,33 +134,42 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
     return lambda: int_gemv(x, a[0], a[1], a[2], 8, group)
 
 
-def grid(m: int) -> list[dict]:
-    """The launch configurations --sweep tries at m rows."""
+def grid(m: int, modes: list[str]) -> list[dict]:
+    """The launch configurations --sweep tries at m rows in the given modes."""
     out = []
-    for dot, block_n, split_k, warps in itertools.product(
-            (False, True) if m > 1 else (False,), (4, 8, 16, 32, 64), (1, 2, 4, 8), (4, 8)):
-        if dot and block_n < 16 or not dot and block_n * m > 64:
-            continue
-        out.append({"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": dot,
-                    "num_warps": warps, "num_stages": 2 if dot else 1})
+    for mode in modes:
+        if mode == "a8":
+            tiles = itertools.product((256, 512, 1024), (4, 8), (1, 2, 4), (1, 2))
+        else:
+            tiles = itertools.product((256,), (4, 8, 16, 32, 64), (1, 2, 4, 8), (4, 8))
+        for block_k, block_n, split_k, warps in tiles:
+            if mode == "dot" and block_n < 16 or mode == "fma" and block_n * m > 64:
+                continue
+            out.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+                        "USE_DOT": mode == "dot", "A8": mode == "a8", "num_warps": warps,
+                        "num_stages": 2 if mode == "dot" else 1})
     return out
 
 
 def sweep(fmt: str, x: torch.Tensor, sets: list[tuple[torch.Tensor, ...]], calls: int,
-          deadline: float) -> dict:
+          deadline: float, modes: list[str]) -> dict:
     """The fastest configuration of the grid that matches the reference, and its time."""
     a = sets[0]
-    if fmt == "nvfp4":
-        ref = nvfp4_gemv_ref(x, *a).float()
-    else:
-        ref = gguf_gemv_ref(x, a[0], Q.Q6_K if fmt == "q6_k" else Q.Q5_K).float()
-    tol = 2e-2 * ref.abs().max().item()
+    refs = {}
+    for a8 in (False, True):
+        if fmt == "nvfp4":
+            refs[a8] = nvfp4_gemv_ref(x, *a, a8=a8).float()
+        else:
+            refs[a8] = gguf_gemv_ref(x, a[0], Q.Q6_K if fmt == "q6_k" else Q.Q5_K,
+                                     a8=a8).float()
     best: dict = {"config": None, "us": float("inf"), "tried": 0, "failed": 0}
-    for cfg in grid(x.shape[0]):
+    for cfg in grid(x.shape[0], modes):
         if time.monotonic() > deadline:
             best["budget"] = True
             break
         best["tried"] += 1
+        ref = refs[cfg["A8"]]
+        tol = 2e-2 * ref.abs().max().item()
         try:
             got = call(fmt, x, a, cfg)().float()
             if not torch.allclose(got, ref, rtol=2e-2, atol=tol):
@@ -160,7 +191,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="also time a grid of launch configurations per new GEMV")
     ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="--sweep stops trying configurations after this many seconds")
+                    help="--sweep's time, shared evenly by every shape, rows and format")
+    ap.add_argument("--modes", nargs="+", default=["a8", "fma", "dot"],
+                    choices=["a8", "fma", "dot"], help="the modes --sweep tries")
     ap.add_argument("--smoke", action="store_true",
                     help="one tiny shape, on the CPU without a GPU")
     args = ap.parse_args()
@@ -173,7 +206,7 @@ def main() -> None:
     rotate = 0 if dev.out_dir else ROTATE_BYTES
     bw = device_bandwidth(dev)
     rows = []
-    deadline = time.monotonic() + args.budget_s
+    per_sweep = args.budget_s / (len(shapes) * len(rows_list) * len(FMT_IDS))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"{'shape':8} {'m':>2} {'format':14} {'us':>8} {'MB':>7} {'frac':>6} {'speedup':>7}")
     for shape, (n, k) in shapes.items():
@@ -181,21 +214,29 @@ def main() -> None:
         for m in rows_list:
             x = torch.randn(m, k, device=dev.device, dtype=dtype)
             times, entries = {}, []
-            for fmt in ("bf16", "nvfp4", "nvfp4_dequant", "q6_k", "q6_k_int8", "q5_k",
-                        "q5_k_int8"):
-                stored = formats["nvfp4" if fmt == "nvfp4_dequant" else fmt]
+            fmts = ["bf16", "nvfp4", "nvfp4_dequant", "q6_k", "q6_k_int8", "q5_k", "q5_k_int8"]
+            if m <= FMA_ROWS:
+                fmts += ["nvfp4_fma", "q6_k_fma", "q5_k_fma"]
+            for fmt in fmts:
+                stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_fma"))
+                                 else fmt]
                 size = nbytes(stored[:3])
                 sets = copies(stored, rotate)
                 fns = [call(fmt, x, a) for a in sets]
                 calls = 1 if dev.out_dir else max(len(fns), 20 if "dequant" in fmt else 200)
                 t = times[fmt] = time_calls(fns, calls)
                 entries.append({"shape": shape, "n": n, "k": k, "m": m, "format": fmt,
+                                "config": (fma_config(x, stored)
+                                           if fmt.endswith("_fma") else
+                                           block_gemv_config(FMT_IDS[fmt], m, n, k, x.device)
+                                           if fmt in FMT_IDS else None),
                                 "us": t * 1e6, "bytes": size,
                                 "bits_per_weight": size * 8 / n / k,
                                 "fraction_of_copy_bw": size / t / bw,
                                 "replaces": REPLACES.get(fmt), "speedup_vs_replaced": None})
                 if args.sweep and fmt in FMT_IDS:
-                    best = sweep(fmt, x, sets, calls, deadline)
+                    best = sweep(fmt, x, sets, calls, time.monotonic() + per_sweep,
+                                 args.modes)
                     best["default"] = block_gemv_config(FMT_IDS[fmt], m, n, k, x.device)
                     if best["config"] is None:  # none ran
                         best.update(us=None, fraction_of_copy_bw=None)
@@ -208,6 +249,8 @@ def main() -> None:
             for e in entries:
                 if e["replaces"]:
                     e["speedup_vs_replaced"] = times[e["replaces"]] / times[e["format"]]
+                if f"{e['format']}_fma" in times:
+                    e["speedup_vs_fma"] = times[f"{e['format']}_fma"] / times[e["format"]]
                 speedup = e["speedup_vs_replaced"]
                 print(f"{shape:8} {m:2} {e['format']:14} {e['us']:8.2f} {e['bytes'] / 1e6:7.2f} "
                       f"{e['fraction_of_copy_bw']:6.3f} "

@@ -3,18 +3,22 @@ an E4M3 scale per 16, a float32 scale per tensor) and GGUF Q6_K (6.56 bits: 210 
 and Q5_K (5.5 bits: 176 bytes per 256), as stored.
 
 - `block_gemv`: y = x W^T (+ b) for 1..8 rows of x (decode), the stored bytes decoded in
-  registers (gemv_block_triton.py); FMA for one or two rows, tensor cores above (the weight tile
-  rounded to x's dtype: exact for NVFP4, whose e2m1 * e4m3 products have 6 significant bits;
-  GGUF tiles add their rounding error as a second bf16/fp16 operand, weights to ~16 bits).
-  Split-K with gemv.py's last-arriver reduction. No host syncs: CUDA-graph safe.
+  registers. Three modes: integer (A8, the default for one or two rows: x rounded to int8 per
+  32 columns as llama.cpp's q8_1, each word of codes against x's by `dp4a`,
+  gemv_block_a8_triton.py), FMA (x as it is, codes as floats) and tensor cores (the default
+  above two rows: the weight tile rounded to x's dtype, exact for NVFP4, whose e2m1 * e4m3
+  products have 6 significant bits; GGUF tiles add their rounding error as a second bf16/fp16
+  operand, weights to ~16 bits), the latter two in gemv_block_triton.py. Split-K with
+  gemv.py's last-arriver reduction. No host syncs: CUDA-graph safe.
 - `nvfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written into a given buffer.
   Larger batches (`nvfp4_linear` / `gguf_linear`) dequantize up to SCRATCH_BYTES of whole rows
   at a time into one scratch buffer per device and dtype, reused by every layer, and multiply
   each chunk: no allocation the size of a weight per call, 32 MiB of memory in all.
 
 The references (`*_ref`) dequantize with ops/fp4.py and ops/dequant.py, then multiply in
-float32. Launch configurations come from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k",
-"gemv_q5_k") over `default_config`.
+float32 (with `a8`, x rounded first as the integer mode rounds it). Launch configurations come
+from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k", "gemv_q5_k") over
+`default_config`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from skyline.ops import gemv_block_a8_triton as a8_kernels
 from skyline.ops import gemv_block_triton as kernels
 from skyline.ops.dequant import dequantize_ref
 from skyline.ops.fp4 import dequantize_nvfp4
 from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
+from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, quantize_chunks_int8_ref
+from skyline.ops.pdl import use_pdl
 from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import get_config
 
@@ -49,42 +56,56 @@ def block_gemv_ok(x: torch.Tensor) -> bool:
 
 
 def nvfp4_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   tensor_scale: torch.Tensor, bias: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   a8: bool = False) -> torch.Tensor:
     """x [..., K] times NVFP4 weights (ops/fp4.dequantize_nvfp4's layout, tensor_scale [N])
-    -> [..., N] in x's dtype, float32 products."""
+    -> [..., N] in x's dtype, float32 products; with a8, x rounded as the integer mode does."""
     w = dequantize_nvfp4(qweight, scales, tensor_scale)[:, : x.shape[-1]]
-    return _linear_ref(x, w, bias)
+    return _linear_ref(x, w, bias, a8)
 
 
 def gguf_gemv_ref(x: torch.Tensor, data: torch.Tensor, qtype: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, a8: bool = False) -> torch.Tensor:
     """x [..., K] times a GGUF tensor's raw blocks [N, bytes_per_row] -> [..., N] in x's
-    dtype, float32 products."""
-    return _linear_ref(x, dequantize_ref(data, qtype), bias)
+    dtype, float32 products; with a8, x rounded as the integer mode does."""
+    return _linear_ref(x, dequantize_ref(data, qtype), bias, a8)
 
 
-def _linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = x.float() @ w.t()
+def rounded_x_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the integer mode sees it, float32: int8 codes per 32 columns times their
+    chunk's scale (gemv_int_a8.quantize_chunks_int8_ref)."""
+    k = x.shape[-1]
+    q, sx = quantize_chunks_int8_ref(x.reshape(-1, k))
+    xr = q.float() * sx.repeat_interleave(CHUNK, dim=1)[:, :k]
+    return xr.reshape(x.shape)
+
+
+def _linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                a8: bool = False) -> torch.Tensor:
+    y = (rounded_x_ref(x) if a8 else x.float()) @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
 
 
 def default_config(fmt: int, m: int, n: int, k: int, num_sms: int = 132) -> dict:
-    """A launch configuration for shapes without a tuned entry: FMA for one row (NVFP4: two),
-    tensor cores above (bench/kernels/gemv_block_ptx_count.py: GGUF's FMA tiles at two rows take
-    1.3-2.2x the instructions of a DOT tile); tiles of 256 columns (GGUF: one super-block), split
-    K until about four programs per SM, keeping at least four K tiles per split."""
-    use_dot = m > (2 if fmt == NVFP4 else 1)
-    block_k = SUPER
-    block_n = 32 if use_dot else (8 if m == 1 else 4)
+    """A launch configuration for shapes without a tuned entry: the integer mode for one or two
+    rows, tensor cores above (tiles of 256 columns: GGUF's one super-block); K split while
+    there are few programs per SM, keeping at least four K tiles per split."""
+    a8 = m <= 2
+    if a8:
+        # one-warp programs of 4 rows and two super-blocks a tile, K split until about 16
+        # programs per SM, at least two tiles each (bench/kernels/gemv_fp4_gguf_speed.py
+        # --sweep)
+        block_n, block_k, warps, per_sm, tiles = 4, 2 * SUPER, 1, 16, 2
+    else:
+        block_n, block_k, warps, per_sm, tiles = 32, SUPER, 4, 4, 4
     split_k = 1
-    while (_cdiv(n, block_n) * split_k < 4 * num_sms
-           and k // (2 * split_k) >= 4 * block_k and split_k < 16):
+    while (_cdiv(n, block_n) * split_k < per_sm * num_sms
+           and k // (2 * split_k) >= tiles * block_k and split_k < 16):
         split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": use_dot,
-            "num_warps": 4, "num_stages": 2 if use_dot else 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": not a8,
+            "A8": a8, "num_warps": warps, "num_stages": 1 if a8 else 2}
 
 
 @functools.cache
@@ -145,11 +166,16 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     m = x2.shape[0]
     cfg = config if config is not None else block_gemv_config(fmt, m, n, k, x.device)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    use_dot = bool(cfg["USE_DOT"])
-    _check_tile(fmt, block_n, block_k, use_dot, cfg)
+    a8 = bool(cfg.get("A8", False))
+    use_dot = bool(cfg["USE_DOT"]) and not a8
+    _check_tile(fmt, block_n, block_k, use_dot, a8, cfg)
     num_tiles = _cdiv(n, block_n)
     split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
                                                f"block gemv config {cfg}")
+    if a8:
+        y = _launch_a8(fmt, x2, w, scales, tensor_scale, n, k, bias, cfg, num_tiles, split_k,
+                       partial, counters)
+        return y.reshape(*x.shape[:-1], n)
     block_m = 16 if use_dot else row_bucket(m)
     k_iters = _cdiv(_cdiv(k, split_k), block_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -169,14 +195,62 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     return y.reshape(*x.shape[:-1], n)
 
 
-def _check_tile(fmt: int, block_n: int, block_k: int, use_dot: bool, cfg: dict) -> None:
-    if fmt != NVFP4 and block_k != SUPER:
+def round_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (int32 words [M, 8 KC] of four consecutive int8
+    codes, float32 [M, KC, 2]: each chunk of 32 columns' scale and scale times its sum of
+    codes), KC = cdiv(K, 32), columns past K 0: quantize_chunks_int8_ref's values, one launch."""
+    m, k = x.shape
+    kc = _cdiv(k, CHUNK)
+    xq = torch.empty(m, kc * 8, dtype=torch.int32, device=x.device)
+    xf = torch.empty(m, kc, 2, dtype=torch.float32, device=x.device)
+    xq_chunks = 16
+    pdl = use_pdl(x.device)
+    a8_kernels.quantize_x_q8_kernel[(m, _cdiv(kc, xq_chunks))](
+        x, xq, xf, m, k, kc, x.stride(0), XQ=xq_chunks, INT8_MAX=INT8_MAX, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
+    return xq, xf
+
+
+def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+               tensor_scale: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+               cfg: dict, num_tiles: int, split_k: int, partial: torch.Tensor | None,
+               counters: torch.Tensor | None) -> torch.Tensor:
+    m, dev = x2.shape[0], x2.device
+    xq, xf = round_x_q8(x2)
+    # NVFP4 reads its codes to the stored width Kp; GGUF tiles are super-blocks of K
+    kp = w.shape[1] * 2 if fmt == NVFP4 else k
+    k_iters = _cdiv(_cdiv(kp, split_k), cfg["BLOCK_K"])
+    y = torch.empty(m, n, dtype=x2.dtype, device=dev)
+    if partial is None:
+        partial, counters = y, y
+    interp = interpreted()
+    pdl = use_pdl(dev)
+    w32 = w.view(torch.int32) if fmt != Q6_K else w  # Q6_K rows need not be whole words
+    a8_kernels.gemv_block_a8_kernel[(num_tiles, split_k)](
+        xq, xf, w, w.view(torch.int16), w32, scales, tensor_scale,
+        bias if bias is not None else xf, y, partial, counters,
+        m, n, kp, _cdiv(k, CHUNK), k_iters, split_k, w.stride(0), scales.stride(0),
+        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=row_bucket(m),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
+        STATIC_ITERS=k_iters if interp else 0,
+        ASM=not interp and dev.type == "cuda" and not torch.version.hip, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+    )
+    return y
+
+
+def _check_tile(fmt: int, block_n: int, block_k: int, use_dot: bool, a8: bool,
+                cfg: dict) -> None:
+    if fmt != NVFP4 and (block_k != SUPER if not a8 else block_k % SUPER
+                         or block_k & (block_k - 1)):
         raise ValueError(f"block gemv config {cfg}: GGUF tiles are one super-block, "
-                         f"BLOCK_K {SUPER}")
+                         f"BLOCK_K {SUPER} (A8: a power of two of them)")
     if fmt == NVFP4 and (block_k < 16 or block_k & (block_k - 1)):
         raise ValueError(f"block gemv config {cfg}: NVFP4 needs BLOCK_K a power of two >= 16")
     if use_dot and block_n < 16:
         raise ValueError(f"block gemv config {cfg}: USE_DOT needs BLOCK_N >= 16")
+    if a8 and block_k < CHUNK:
+        raise ValueError(f"block gemv config {cfg}: A8 needs BLOCK_K >= {CHUNK}")
 
 
 def nvfp4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,

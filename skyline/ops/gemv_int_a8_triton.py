@@ -39,7 +39,7 @@ if triton is not None:
             return acc
 
     @triton.jit
-    def _round_half_away(v):
+    def round_half_away(v):
         return (v + tl.where(v < 0, -0.5, 0.5)).to(tl.int32)  # the conversion truncates
 
     @triton.jit
@@ -54,8 +54,8 @@ if triton is not None:
         offs_j = tl.arange(0, 4)
         amax = tl.max(tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), axis=2), axis=1)
         sx, inv = absmax_scales(amax, INT8_MAX)  # [XQ]
-        qe = _round_half_away(xe * inv[:, None, None])
-        qo = _round_half_away(xo * inv[:, None, None])
+        qe = round_half_away(xe * inv[:, None, None])
+        qo = round_half_away(xo * inv[:, None, None])
         shifts = (tl.arange(0, 4) * 8)[None, None, :]
         xa = tl.sum((qe & 0xFF) << shifts, axis=2)  # [XQ, 4] words
         xb = tl.sum((qo & 0xFF) << shifts, axis=2)

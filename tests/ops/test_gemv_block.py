@@ -1,6 +1,7 @@
 """The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, GGUF Q6_K and Q5_K read as
 stored) against their references: rows 1..8, odd N, K not a multiple of the tile (NVFP4),
-FMA and tensor-core modes, split-K on and off, bias; the dequantizer exact (GGUF) against
+FMA, tensor-core and integer (x rounded to int8, against the reference that rounds x the same
+way) modes, split-K on and off, bias; the dequantizer exact (GGUF) against
 ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16 activations).
 
 Every stored tensor sits at the start of a larger buffer whose tail is 0xFF bytes (NaN scales),
@@ -65,9 +66,9 @@ def gguf_weights(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
     return guarded(random_blocks(qtype, n, k, seed).to(DEV))
 
 
-def cfg(block_n: int, block_k: int, split_k: int, dot: bool) -> dict:
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": dot,
-            "num_warps": 4, "num_stages": 1}
+def cfg(block_n: int, block_k: int, split_k: int, mode: str) -> dict:
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
+            "USE_DOT": mode == "dot", "A8": mode == "a8", "num_warps": 4, "num_stages": 1}
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
@@ -85,26 +86,34 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k,dot", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("split_k,mode", [(1, "fma"), (3, "fma"), (3, "dot"), (1, "a8"),
+                                          (3, "a8")])
 @pytest.mark.parametrize("m,n,k,bias", [(1, 7, 200, True), (2, 33, 64, False),
                                         (5, 17, 200, False), (8, 16, 72, True)])
-def test_nvfp4_gemv_matches_reference(dtype, split_k, dot, m, n, k, bias):
+def test_nvfp4_gemv_matches_reference(dtype, split_k, mode, m, n, k, bias):
     q, s, ts = nvfp4_weights(n, k, seed=m * n + k)
     x, b = operands(m, n, k, dtype, seed=k, bias=bias)
-    out = nvfp4_gemv(x, q, s, ts, b, config=cfg(16, 64, split_k, dot))
-    check(out, nvfp4_gemv_ref(x, q, s, ts, b))
+    out = nvfp4_gemv(x, q, s, ts, b, config=cfg(16, 64, split_k, mode))
+    check(out, nvfp4_gemv_ref(x, q, s, ts, b, a8=mode == "a8"))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,split_k,dot,bias", [(1, 5, 1, False, True), (2, 17, 2, False, False),
-                                                  (4, 17, 3, True, True), (8, 9, 1, True, False)])
-def test_gguf_gemv_matches_reference(qtype, dtype, m, n, split_k, dot, bias):
+@pytest.mark.parametrize("m,n,split_k,mode,bias", [
+    (1, 5, 1, "fma", True), (2, 17, 2, "fma", False), (4, 17, 3, "dot", True),
+    (8, 9, 1, "dot", False), (1, 5, 1, "a8", True), (2, 17, 3, "a8", False),
+    (4, 9, 2, "a8", True), (1, 6, 1, "a8_512", False), (2, 5, 2, "a8_1024", True)])
+def test_gguf_gemv_matches_reference(qtype, dtype, m, n, split_k, mode, bias):
     # K = 768: three super-blocks, so three splits leave one empty tile past K for split 2... 3
+    # (Q6_K rows of 630 bytes: every other super-block starts off a 4-byte boundary)
     data = gguf_weights(qtype, n, 768, seed=n)
     x, b = operands(m, n, 768, dtype, seed=m, bias=bias)
-    out = gguf_gemv(x, data, qtype, b, config=cfg(16 if dot else 4, 256, split_k, dot))
-    check(out, gguf_gemv_ref(x, data, qtype, b))
+    # a8_512 / a8_1024: tiles of two / four super-blocks (the last tile partly past K)
+    block_k = int(mode[3:]) if mode.startswith("a8_") else 256
+    mode = mode[:2] if mode.startswith("a8_") else mode
+    out = gguf_gemv(x, data, qtype, b,
+                    config=cfg(16 if mode == "dot" else 4, block_k, split_k, mode))
+    check(out, gguf_gemv_ref(x, data, qtype, b, a8=mode == "a8"))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
@@ -138,9 +147,9 @@ def test_default_configs_are_valid_launches():
     for fmt in (NVFP4, Q6_K, Q5_K):
         for m in (1, 2, 4, 8):
             c = default_config(fmt, m, 4096, 4096)
-            assert c["BLOCK_K"] == 256 and c["USE_DOT"] == (m > (2 if fmt == NVFP4 else 1))
+            assert c["BLOCK_K"] % 256 == 0 and c["USE_DOT"] == (m > 2) and c["A8"] == (m <= 2)
             assert c["BLOCK_N"] >= (16 if c["USE_DOT"] else 1)
-            assert 4096 // c["SPLIT_K"] >= 4 * c["BLOCK_K"]
+            assert 4096 // c["SPLIT_K"] >= (2 if c["A8"] else 4) * c["BLOCK_K"]
 
 
 def test_bad_inputs_say_what_is_wrong():
@@ -156,7 +165,9 @@ def test_bad_inputs_say_what_is_wrong():
         nvfp4_gemv(torch.randn(9, 64, device=DEV), q, s, ts)
     with pytest.raises(ValueError, match="GGUF tiles are one super-block"):
         gguf_gemv(torch.randn(1, 256, device=DEV), gguf_weights(Q.Q5_K, 2, 256, 0), Q.Q5_K,
-                  config=cfg(4, 128, 1, False))
+                  config=cfg(4, 128, 1, "fma"))
+    with pytest.raises(ValueError, match="A8 needs BLOCK_K >= 32"):
+        nvfp4_gemv(x, q, s, ts, config=cfg(4, 16, 1, "a8"))
 
 
 def test_gemv_is_only_taken_on_cuda_for_16_bit_decode_batches():
@@ -171,14 +182,15 @@ def test_gemv_is_only_taken_on_cuda_for_16_bit_decode_batches():
 @cuda
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 40])
 def test_linear_paths_on_cuda_match_the_references(rows):
-    # default configurations (split K, both modes) at a real-ish shape; 40 rows: the scratch
-    # buffer and one matmul
+    # default configurations (split K; integer mode for 1 and 2 rows, tensor cores above) at a
+    # real-ish shape; 40 rows: the scratch buffer and one matmul
+    a8 = rows <= 2
     q, s, ts = nvfp4_weights(1000, 2048, seed=rows)
     x, b = operands(rows, 1000, 2048, torch.bfloat16, seed=rows, bias=True)
-    check(nvfp4_linear(x, q, s, ts, b), nvfp4_gemv_ref(x, q, s, ts, b))
+    check(nvfp4_linear(x, q, s, ts, b), nvfp4_gemv_ref(x, q, s, ts, b, a8=a8))
     for qtype in (Q.Q6_K, Q.Q5_K):
         data = gguf_weights(qtype, 1000, 2048, seed=rows)
-        check(gguf_linear(x, data, qtype, b), gguf_gemv_ref(x, data, qtype, b))
+        check(gguf_linear(x, data, qtype, b), gguf_gemv_ref(x, data, qtype, b, a8=a8))
 
 
 @pytest.mark.cuda
@@ -194,5 +206,5 @@ def test_gemvs_replay_in_a_cuda_graph():
         y1, y2 = nvfp4_gemv(x, q, s, ts), gguf_gemv(x, data, Q.Q6_K)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    check(y1, nvfp4_gemv_ref(x, q, s, ts))
-    check(y2, gguf_gemv_ref(x, data, Q.Q6_K))
+    check(y1, nvfp4_gemv_ref(x, q, s, ts, a8=True))
+    check(y2, gguf_gemv_ref(x, data, Q.Q6_K, a8=True))
