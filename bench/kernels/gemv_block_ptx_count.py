@@ -49,11 +49,11 @@ def loop_ptx(fmt: int, mode: str, block_n: int, block_m: int, warps: int) -> lis
 
     if mode == "a8":
         sig = dict(A8_SIGNATURE)
-        if fmt == 0:
-            sig |= {"s_ptr": "*fp8e4nv", "ts_ptr": "*fp32"}
+        if fmt == 0:  # x as int64s of eight columns
+            sig |= {"xq_ptr": "*i64", "s_ptr": "*fp8e4nv", "ts_ptr": "*fp32"}
         # a GGUF row of Q6_K blocks is not a multiple of 16 bytes
         divisible = A8_DIVISIBLE + (["stride_w", "KP"] if fmt != 1 else [])
-        const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, BLOCK_M=block_m,
+        const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, EVEN_K=True, BLOCK_M=block_m,
                      BLOCK_N=block_n, BLOCK_K=256, NUM_STAGES=1, STATIC_ITERS=0, ASM=True,
                      PDL=False)
         compiled = compile_for_sm90(a8_kernels.gemv_block_a8_kernel, sig, const, divisible,

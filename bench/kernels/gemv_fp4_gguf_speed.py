@@ -15,8 +15,9 @@ back-to-back calls over weight copies that L2 cannot hold):
 - q6_k / q5_k: the block GEMV on the raw super-blocks (6.56 / 5.5 bits); q6_k_int8 /
   q5_k_int8: what a GGUF layer ran before, the blocks as 8-bit codes with float32 scale and zero
   per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight);
-- at 1 and 2 rows, nvfp4_fma / q6_k_fma / q5_k_fma: the block GEMV's FMA mode (x as it is, the
-  codes as floats), which the integer mode (x rounded to int8, `dp4a`) replaced as the default.
+- nvfp4_before / q6_k_before / q5_k_before: the block GEMV's default configuration before the
+  integer mode (x rounded to int8, `dp4a`) replaced it up to 4 rows: FMA (x as it is, the codes
+  as floats) at 1 row (NVFP4: 2), tensor cores above.
 Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
 scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
 speedup over the path it replaces. With --sweep, each new GEMV is also timed over a small grid
@@ -68,7 +69,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 ROWS = (1, 2, 4)
 REPLACES = {"nvfp4": "nvfp4_dequant", "q6_k": "q6_k_int8", "q5_k": "q5_k_int8"}
-FMA_ROWS = 2  # the FMA mode is timed beside the default up to this many rows
+BEFORE_ROWS = 4  # the defaults before the integer mode are timed beside it up to this many rows
 
 
 def nbytes(ts: tuple[torch.Tensor, ...]) -> int:
@@ -100,26 +101,28 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
 FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
 
 
-def fma_config(x: torch.Tensor, a: tuple[torch.Tensor, ...]) -> dict:
-    """The FMA mode's default configuration before the integer mode: tiles of 8 rows (1 row
-    of x; else 4) and one super-block, 4 warps, K split until four programs per SM, keeping at
-    least four tiles per split."""
+def before_config(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...]) -> dict:
+    """The default configuration before the integer mode: FMA for one row (NVFP4: two), tensor
+    cores above; tiles of one super-block (256 columns), 8 rows (FMA at 1 row; 4 at 2; 32 on
+    tensor cores), 4 warps; K split until four programs per SM, keeping at least four tiles per
+    split."""
     m, n, k = x.shape[0], a[0].shape[0], x.shape[-1]
-    block_n = 8 if m == 1 else 4
+    use_dot = m > (2 if fmt == "nvfp4" else 1)
+    block_n = 32 if use_dot else (8 if m == 1 else 4)
     num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
                if x.is_cuda else 132)
     split_k = 1
     while (-(-n // block_n) * split_k < 4 * num_sms and k // (2 * split_k) >= 4 * 256
            and split_k < 16):
         split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": False,
-            "A8": False, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": use_dot,
+            "A8": False, "num_warps": 4, "num_stages": 2 if use_dot else 1}
 
 
 def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | None = None):
-    if fmt.endswith("_fma"):
-        base = fmt[: -len("_fma")]
-        return call(base, x, a, fma_config(x, a))
+    if fmt.endswith("_before"):
+        base = fmt[: -len("_before")]
+        return call(base, x, a, before_config(base, x, a))
     if fmt == "bf16":
         return lambda: gemv(x, a[0])
     if fmt == "nvfp4":
@@ -215,10 +218,10 @@ def main() -> None:
             x = torch.randn(m, k, device=dev.device, dtype=dtype)
             times, entries = {}, []
             fmts = ["bf16", "nvfp4", "nvfp4_dequant", "q6_k", "q6_k_int8", "q5_k", "q5_k_int8"]
-            if m <= FMA_ROWS:
-                fmts += ["nvfp4_fma", "q6_k_fma", "q5_k_fma"]
+            if m <= BEFORE_ROWS:
+                fmts += ["nvfp4_before", "q6_k_before", "q5_k_before"]
             for fmt in fmts:
-                stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_fma"))
+                stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_before"))
                                  else fmt]
                 size = nbytes(stored[:3])
                 sets = copies(stored, rotate)
@@ -226,8 +229,8 @@ def main() -> None:
                 calls = 1 if dev.out_dir else max(len(fns), 20 if "dequant" in fmt else 200)
                 t = times[fmt] = time_calls(fns, calls)
                 entries.append({"shape": shape, "n": n, "k": k, "m": m, "format": fmt,
-                                "config": (fma_config(x, stored)
-                                           if fmt.endswith("_fma") else
+                                "config": (before_config(fmt[:-7], x, stored)
+                                           if fmt.endswith("_before") else
                                            block_gemv_config(FMT_IDS[fmt], m, n, k, x.device)
                                            if fmt in FMT_IDS else None),
                                 "us": t * 1e6, "bytes": size,
@@ -249,8 +252,8 @@ def main() -> None:
             for e in entries:
                 if e["replaces"]:
                     e["speedup_vs_replaced"] = times[e["replaces"]] / times[e["format"]]
-                if f"{e['format']}_fma" in times:
-                    e["speedup_vs_fma"] = times[f"{e['format']}_fma"] / times[e["format"]]
+                if f"{e['format']}_before" in times:
+                    e["speedup_vs_before"] = times[f"{e['format']}_before"] / times[e["format"]]
                 speedup = e["speedup_vs_replaced"]
                 print(f"{shape:8} {m:2} {e['format']:14} {e['us']:8.2f} {e['bytes'] / 1e6:7.2f} "
                       f"{e['fraction_of_copy_bw']:6.3f} "

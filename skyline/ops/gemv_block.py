@@ -3,10 +3,10 @@ an E4M3 scale per 16, a float32 scale per tensor) and GGUF Q6_K (6.56 bits: 210 
 and Q5_K (5.5 bits: 176 bytes per 256), as stored.
 
 - `block_gemv`: y = x W^T (+ b) for 1..8 rows of x (decode), the stored bytes decoded in
-  registers. Three modes: integer (A8, the default for one or two rows: x rounded to int8 per
-  32 columns as llama.cpp's q8_1, each word of codes against x's by `dp4a`,
+  registers. Three modes: integer (A8, the default up to four rows, Q6_K two: x rounded to
+  int8 per 32 columns as llama.cpp's q8_1, each word of codes against x's by `dp4a`,
   gemv_block_a8_triton.py), FMA (x as it is, codes as floats) and tensor cores (the default
-  above two rows: the weight tile rounded to x's dtype, exact for NVFP4, whose e2m1 * e4m3
+  above four rows: the weight tile rounded to x's dtype, exact for NVFP4, whose e2m1 * e4m3
   products have 6 significant bits; GGUF tiles add their rounding error as a second bf16/fp16
   operand, weights to ~16 bits), the latter two in gemv_block_triton.py. Split-K with
   gemv.py's last-arriver reduction. No host syncs: CUDA-graph safe.
@@ -89,10 +89,11 @@ def _linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 
 def default_config(fmt: int, m: int, n: int, k: int, num_sms: int = 132) -> dict:
-    """A launch configuration for shapes without a tuned entry: the integer mode for one or two
-    rows, tensor cores above (tiles of 256 columns: GGUF's one super-block); K split while
-    there are few programs per SM, keeping at least four K tiles per split."""
-    a8 = m <= 2
+    """A launch configuration for shapes without a tuned entry: the integer mode up to four
+    rows (Q6_K: two, its 16-bit loads repeat per row of x), tensor cores above (tiles of 256
+    columns: GGUF's one super-block); K split while there are few programs per SM, keeping at
+    least four K tiles per split."""
+    a8 = m <= (2 if fmt == Q6_K else 4)
     if a8:
         # one-warp programs of 4 rows and two super-blocks a tile, K split until about 16
         # programs per SM, at least two tiles each (bench/kernels/gemv_fp4_gguf_speed.py
@@ -226,11 +227,14 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
     interp = interpreted()
     pdl = use_pdl(dev)
     w32 = w.view(torch.int32) if fmt != Q6_K else w  # Q6_K rows need not be whole words
+    kc = _cdiv(k, CHUNK)
     a8_kernels.gemv_block_a8_kernel[(num_tiles, split_k)](
-        xq, xf, w, w.view(torch.int16), w32, scales, tensor_scale,
+        xq.view(torch.int64) if fmt == NVFP4 else xq, xf, w, w.view(torch.int16), w32, scales,
+        tensor_scale,
         bias if bias is not None else xf, y, partial, counters,
-        m, n, kp, _cdiv(k, CHUNK), k_iters, split_k, w.stride(0), scales.stride(0),
-        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1, BLOCK_M=row_bucket(m),
+        m, n, kp, kc, k_iters, split_k, w.stride(0), scales.stride(0),
+        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        EVEN_K=kp % (split_k * cfg["BLOCK_K"]) == 0 and kp <= kc * CHUNK, BLOCK_M=row_bucket(m),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interp else 0,
         ASM=not interp and dev.type == "cuda" and not torch.version.hip, PDL=pdl,

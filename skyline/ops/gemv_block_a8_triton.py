@@ -48,9 +48,13 @@ if triton is not None:
     # One word of eight NVFP4 codes against two words of x (its columns 0-3, 4-7): the doubled
     # E2M1 values of each half by two byte permutes (magnitudes 0-3 | 4-7 and their negatives),
     # a third picks the negative where the code's sign bit is set.
+    # One word of eight NVFP4 codes against the int64 of x over the same eight columns: the
+    # doubled E2M1 values of each 16-bit half by two byte permutes (magnitudes 0-3 | 4-7 and
+    # their negatives), a third picks the negative where the code's sign bit is set.
     _NVFP4_DOT = tl.constexpr("""
     {
-    .reg .b32 tp0, tp1, tn0, tn1, m, s, pos, neg, v, h;
+    .reg .b32 tp0, tp1, tn0, tn1, m, s, pos, neg, v, h, x0, x1;
+    mov.b64 {x0, x1}, $2;
     mov.b32 tp0, 0x03020100;
     mov.b32 tp1, 0x0C080604;
     mov.b32 tn0, 0xFDFEFF00;
@@ -62,7 +66,7 @@ if triton is not None:
     and.b32 s, s, 0x4444;
     or.b32 s, s, 0x3210;
     prmt.b32 v, pos, neg, s;
-    dp4a.s32.s32 $0, v, $2, 0;
+    dp4a.s32.s32 $0, v, x0, 0;
     shr.b32 h, $1, 16;
     and.b32 m, h, 0x7777;
     prmt.b32 pos, tp0, tp1, m;
@@ -71,7 +75,7 @@ if triton is not None:
     and.b32 s, s, 0x4444;
     or.b32 s, s, 0x3210;
     prmt.b32 v, pos, neg, s;
-    dp4a.s32.s32 $0, v, $3, $0;
+    dp4a.s32.s32 $0, v, x1, $0;
     }
     """)
 
@@ -83,14 +87,15 @@ if triton is not None:
         return tl.where(c >= 8, -v, v)
 
     @triton.jit
-    def _nvfp4_dot(w, x0, x1, ASM: tl.constexpr):
+    def _nvfp4_dot(w, x, ASM: tl.constexpr):
+        # w int32 (eight codes), x int64 (eight int8 columns) -> their dot product, int32
         if ASM:
-            return tl.inline_asm_elementwise(_NVFP4_DOT, "=r,r,r,r", [w, x0, x1],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_NVFP4_DOT, "=r,r,l", [w, x], dtype=tl.int32,
+                                             is_pure=True, pack=1)
         else:
-            acc = tl.zeros_like(w + x0)
+            acc = tl.zeros_like(w)
             for i in tl.static_range(8):
-                xb = (x0 << (24 - 8 * i)) >> 24 if i < 4 else (x1 << (56 - 8 * i)) >> 24
+                xb = ((x << (56 - 8 * i)) >> 56).to(tl.int32)
                 acc += _e2m1_doubled((w >> (4 * i)) & 0xF) * xb
             return acc
 
@@ -118,136 +123,142 @@ if triton is not None:
         tl.store(xf_ptr + (m * KC + chunks) * 2 + 1, v, mask=ok)
 
     @triton.jit
-    def _word16(w16_ptr, at, ok):
+    def _load(ptr, ok, EVEN: tl.constexpr):
+        # ptr's values; unless EVEN, 0 where ok is false
+        if EVEN:
+            return tl.load(ptr)
+        else:
+            return tl.load(ptr, mask=ok, other=0.0)
+
+    @triton.jit
+    def _word16(w16_ptr, at, ok, EVEN: tl.constexpr):
         # the int32 word of the 2-byte aligned bytes at int16 index `at`
-        lo = tl.load(w16_ptr + at, mask=ok, other=0).to(tl.int32) & 0xFFFF
-        hi = tl.load(w16_ptr + at + 1, mask=ok, other=0).to(tl.int32)
+        lo = _load(w16_ptr + at, ok, EVEN).to(tl.int32) & 0xFFFF
+        hi = _load(w16_ptr + at + 1, ok, EVEN).to(tl.int32)
         return lo | (hi << 16)
 
     @triton.jit
-    def _q6_k_a8(xq_ptr, xf_ptr, w8_ptr, w16_ptr, rows, ok, offs_m, m_ok, blk, KC, stride_w,
-                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
-        # one super-block of each of [BLOCK_N] rows -> [BLOCK_N, BLOCK_M, 4] float32 partials
+    def _q6_k_a8(xq_ptr, xf_ptr, w8_ptr, w16_ptr, rows, ok, offs_m, blk, KC, stride_w, acc,
+                 ASM: tl.constexpr, EVEN: tl.constexpr):
+        # acc [2, BLOCK_N, BLOCK_M, 8] float32 (half, row, row of x, word lane) plus one
+        # super-block of each row; every load at acc's shape, as _q5_k_a8's. The 16-bit loads
+        # of the weights take a layout of one element a thread, x's words one of two: each
+        # code word moves to x's layout and its product back (shuffles within the warp), which
+        # measured faster than loading x by halves too.
         base = rows * stride_w + blk * 210  # [BN] bytes, even
-        h = tl.arange(0, 2)[:, None, None]
-        t = tl.arange(0, 2)[None, :, None]
-        u = tl.arange(0, 4)[None, None, :]
-        w = t * 4 + u  # [1, 2, 4]: word lane, columns 4w.. of each 32
-        b16 = (base // 2)[:, None, None, None]
-        ok4 = ok[:, None, None, None]
-        a_w = _word16(w16_ptr, b16 + (h * 32 + w * 2)[None], ok4)  # [BN, 2, 2, 4]
-        b_w = _word16(w16_ptr, b16 + (h * 32 + 16 + w * 2)[None], ok4)
-        h_w = _word16(w16_ptr, b16 + (64 + h * 16 + w * 2)[None], ok4)
-        d = tl.load(w16_ptr + base // 2 + 104, mask=ok, other=0).to(tl.float16, bitcast=True)
-        sc_at = w8_ptr + base[:, None, None] + 192 + (tl.arange(0, 2)[:, None] * 8
-                                                      + tl.arange(0, 2)[None, :])[None]
-        chunk = blk * 8 + tl.arange(0, 2) * 4  # [2]: the chunk of (h, s 0)
-        x_at = (xq_ptr + (offs_m[:, None, None, None] * KC + chunk[None, :, None, None]) * 8
-                + w[None])  # [BM, 2, 2, 4]
-        f_at = xf_ptr + (offs_m[:, None] * KC + chunk[None, :]) * 2  # [BM, 2]
-        m4 = m_ok[:, None, None, None]
-        acc = tl.zeros((BLOCK_N, BLOCK_M, 2, 2), dtype=tl.float32)
+        h = tl.arange(0, 2)[:, None, None, None]
+        w = tl.arange(0, 8)[None, None, None, :]
+        b16 = (base // 2)[None, :, None, None]
+        m4 = offs_m[None, None, :, None]
+        zero = b16 * 0 + m4 * 0 + h * 0 + w * 0  # [2, BN, BM, 8]
+        a_w = _word16(w16_ptr, zero + b16 + h * 32 + w * 2, ok, EVEN)
+        b_w = _word16(w16_ptr, zero + b16 + h * 32 + 16 + w * 2, ok, EVEN)
+        h_w = _word16(w16_ptr, zero + b16 + 64 + h * 16 + w * 2, ok, EVEN)
+        d = _load(w16_ptr + b16 + 104, ok, EVEN).to(tl.float16, bitcast=True).to(tl.float32)
+        sc_at = w8_ptr + base[None, :, None, None] + 192 + h * 8 + w // 4  # [2, BN, 1, 8]
+        chunk = blk * 8 + h * 4  # the chunk of (h, s 0)
+        x_at = xq_ptr + zero + (m4 * KC + chunk) * 8 + w
+        f_at = xf_ptr + (m4 * KC + chunk) * 2  # [2, 1, BM, 1]
         for s in tl.static_range(4):
             src = a_w if s % 2 == 0 else b_w
             q = ((src >> (4 * (s // 2))) & 0x0F0F0F0F) | (((h_w >> (2 * s)) & 0x03030303) << 4)
-            xw = tl.load(x_at + 8 * s, mask=m4, other=0)  # [BM, 2, 2, 4]
-            dot = tl.sum(dp4a(q[:, None], xw[None], tl.zeros_like(xw)[None], ASM), axis=4)
-            off = tl.sum(dp4a(tl.full(xw.shape, 0x20202020, tl.int32), xw, tl.zeros_like(xw),
-                              ASM), axis=3)  # [BM, 2, 2]: 32 x sum(x_q) a group
-            sx = tl.load(f_at + 2 * s, mask=m_ok[:, None], other=0.0)  # [BM, 2]
-            sc = tl.load(sc_at + 2 * s, mask=ok[:, None, None], other=0).to(tl.int8,
-                                                                              bitcast=True)
-            dl = d.to(tl.float32)[:, None, None] * sc.to(tl.float32)  # [BN, 2, 2]
-            acc += (dl[:, None] * sx[None, :, :, None]) * (dot - off[None]).to(tl.float32)
-        return tl.reshape(acc, (BLOCK_N, BLOCK_M, 4))
+            xw = _load(x_at + 8 * s, ok, EVEN)
+            dot = dp4a(q, xw, zero, ASM) - dp4a(zero + 0x20202020, xw, zero, ASM)
+            sx = _load(f_at + 2 * s, ok, EVEN)
+            sc = _load(sc_at + 2 * s, ok, EVEN).to(tl.int8, bitcast=True).to(tl.float32)
+            acc += (d * sc * sx) * dot.to(tl.float32)
+        return acc
 
     @triton.jit
-    def _q5_k_a8(xq_ptr, xf_ptr, w8_ptr, w16_ptr, w32_ptr, rows, ok, offs_m, m_ok, blk, KC,
-                 stride_w, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):
-        # one super-block of each of [BLOCK_N] rows -> [BLOCK_N, BLOCK_M, 4] float32 partials
+    def _q5_k_a8(xq_ptr, xf_ptr, w16_ptr, w32_ptr, rows, ok, offs_m, blk, KC, stride_w, acc,
+                 ASM: tl.constexpr, EVEN: tl.constexpr):
+        # acc [4, BLOCK_N, BLOCK_M, 8] float32 (qs row j, row, row of x, word lane) plus one
+        # super-block of each row. Words of weights and x are loaded at acc's shape (x and qh
+        # repeat along the axes they do not depend on: L1 serves the repeats), so they share
+        # one layout; the per-group values are small enough to be loaded in it too.
         base = rows * stride_w + blk * 176  # [BN] bytes, a multiple of 4
-        j = tl.arange(0, 4)
-        w = tl.arange(0, 8)
-        ok3 = ok[:, None, None]
-        b32 = (base // 4)[:, None, None]
-        qs = tl.load(w32_ptr + b32 + 12 + (j[:, None] * 8 + w[None, :])[None], mask=ok3,
-                     other=0)  # [BN, 4, 8]
-        qh = tl.load(w32_ptr + b32 + 4 + w[None, None, :], mask=ok3, other=0)  # [BN, 1, 8]
-        sh = (2 * j)[None, :, None]
-        q_lo = (qs & 0x0F0F0F0F) | (((qh >> sh) & 0x01010101) << 4)
-        q_hi = ((qs >> 4) & 0x0F0F0F0F) | (((qh >> (sh + 1)) & 0x01010101) << 4)
-        # 6-bit scale and min of group g (get_scale_min_k4), as gemv_block_triton's tiles
-        g = tl.arange(0, 8)
-        lo4 = (g < 4)[None, :]
-        sb = w8_ptr + base[:, None] + 4
-        a = tl.load(sb + tl.where(g < 4, g, g + 4)[None, :], mask=ok[:, None], other=0)
-        mm = tl.load(sb + (g + 4)[None, :], mask=ok[:, None], other=0)
-        hs = tl.load(sb + tl.maximum(g - 4, 0)[None, :], mask=ok[:, None], other=0)
-        hm = tl.load(sb + g[None, :], mask=ok[:, None], other=0)
-        sc = tl.where(lo4, a & 63, (a & 0x0F) | ((hs >> 2) & 0x30)).to(tl.float32)
-        mn = tl.where(lo4, mm & 63, (mm >> 4) | ((hm >> 2) & 0x30)).to(tl.float32)
-        d = tl.load(w16_ptr + base // 2, mask=ok, other=0).to(tl.float16, bitcast=True)
-        dmin = tl.load(w16_ptr + base // 2 + 1, mask=ok, other=0).to(tl.float16, bitcast=True)
-        sc_lo, sc_hi = tl.split(tl.reshape(d.to(tl.float32)[:, None] * sc, (BLOCK_N, 4, 2)))
-        mn_lo, mn_hi = tl.split(tl.reshape(dmin.to(tl.float32)[:, None] * mn,
-                                           (BLOCK_N, 4, 2)))
-        chunk = blk * 8 + 2 * j  # [4]: the chunk of group 2j
-        m3 = m_ok[:, None, None]
-        x_at = xq_ptr + (offs_m[:, None, None] * KC + chunk[None, :, None]) * 8 + w[None, None]
-        x_lo = tl.load(x_at, mask=m3, other=0)  # [BM, 4, 8]
-        x_hi = tl.load(x_at + 8, mask=m3, other=0)
-        f_at = xf_ptr + (offs_m[:, None] * KC + chunk[None, :]) * 2  # [BM, 4]
-        f_ok = m_ok[:, None]
-        sx_lo = tl.load(f_at, mask=f_ok, other=0.0)
-        v_lo = tl.load(f_at + 1, mask=f_ok, other=0.0)
-        sx_hi = tl.load(f_at + 2, mask=f_ok, other=0.0)
-        v_hi = tl.load(f_at + 3, mask=f_ok, other=0.0)
-        zero = tl.zeros((BLOCK_N, BLOCK_M, 4, 8), dtype=tl.int32)
-        d_lo = tl.sum(dp4a(q_lo[:, None], x_lo[None], zero, ASM), axis=3).to(tl.float32)
-        d_hi = tl.sum(dp4a(q_hi[:, None], x_hi[None], zero, ASM), axis=3).to(tl.float32)
-        return (sc_lo[:, None] * sx_lo[None] * d_lo - mn_lo[:, None] * v_lo[None]
-                + sc_hi[:, None] * sx_hi[None] * d_hi - mn_hi[:, None] * v_hi[None])
+        j = tl.arange(0, 4)[:, None, None, None]
+        w = tl.arange(0, 8)[None, None, None, :]
+        r4 = (base // 4)[None, :, None, None]
+        m4 = offs_m[None, None, :, None]
+        zero = r4 * 0 + m4 * 0 + j * 0 + w * 0  # [4, BN, BM, 8]
+        qs = _load(w32_ptr + zero + r4 + 12 + j * 8 + w, ok, EVEN)
+        qh = _load(w32_ptr + zero + r4 + 4 + w, ok, EVEN)
+        q_lo = (qs & 0x0F0F0F0F) | (((qh >> (2 * j)) & 0x01010101) << 4)
+        q_hi = ((qs >> 4) & 0x0F0F0F0F) | (((qh >> (2 * j + 1)) & 0x01010101) << 4)
+        x_at = xq_ptr + zero + (m4 * KC + blk * 8 + 2 * j) * 8 + w  # chunk 2j of the block
+        x_lo = _load(x_at, ok, EVEN)
+        x_hi = _load(x_at + 8, ok, EVEN)
+        d_lo = dp4a(q_lo, x_lo, zero, ASM).to(tl.float32)
+        d_hi = dp4a(q_hi, x_hi, zero, ASM).to(tl.float32)
+        # d, dmin and the 12 bytes of 6-bit scales and mins as four words; groups 2j, 2j + 1
+        # (get_scale_min_k4): group g < 4 from bytes g (scale) and g + 4 (min), else the
+        # nibbles of byte g + 4 with the top 2 bits of bytes g - 4 and g
+        hd = w32_ptr + (base // 4)[None, :, None, None]  # [1, BN, 1, 1]
+        w0 = _load(hd, ok, EVEN)
+        w1 = _load(hd + 1, ok, EVEN)
+        w2 = _load(hd + 2, ok, EVEN)
+        w3 = _load(hd + 3, ok, EVEN)
+        d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (w0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo4 = j < 2
+        s0 = 16 * (j & 1)  # byte 2j mod 4 of its word
+        a0, a1 = w1 >> s0, w1 >> (s0 + 8)
+        b0, b1 = w2 >> s0, w2 >> (s0 + 8)
+        c0, c1 = w3 >> s0, w3 >> (s0 + 8)
+        sc0 = tl.where(lo4, a0 & 63, (c0 & 0x0F) | ((a0 >> 2) & 0x30)).to(tl.float32)
+        sc1 = tl.where(lo4, a1 & 63, (c1 & 0x0F) | ((a1 >> 2) & 0x30)).to(tl.float32)
+        mn0 = tl.where(lo4, b0 & 63, ((c0 >> 4) & 0x0F) | ((b0 >> 2) & 0x30)).to(tl.float32)
+        mn1 = tl.where(lo4, b1 & 63, ((c1 >> 4) & 0x0F) | ((b1 >> 2) & 0x30)).to(tl.float32)
+        f_at = xf_ptr + (m4 * KC + blk * 8 + 2 * j) * 2  # [4, 1, BM, 1]
+        sx0 = _load(f_at, ok, EVEN)
+        v0 = _load(f_at + 1, ok, EVEN)
+        sx1 = _load(f_at + 2, ok, EVEN)
+        v1 = _load(f_at + 3, ok, EVEN)
+        # each of a group's 8 word lanes carries 1/8 of its offset (exact scaling)
+        off = (dmin * 0.125) * (mn0 * v0 + mn1 * v1)
+        return acc + (d * sc0 * sx0) * d_lo + (d * sc1 * sx1) * d_hi - off
 
     @triton.jit
-    def _nvfp4_a8(xq_ptr, xf_ptr, w32_ptr, s_ptr, rows, n_ok, offs_m, m_ok, k0, KP, KC,
-                  stride_w32, stride_sn, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-        # columns [k0, k0 + BLOCK_K) of [BLOCK_N] rows -> [BLOCK_N, BLOCK_M, BLOCK_K / 16]
-        # float32 partials; columns at or past Kp (the stored width) load nothing
-        G: tl.constexpr = BLOCK_K // 16
-        g = tl.arange(0, G)
-        e = tl.arange(0, 2)
-        col = k0 + g[:, None] * 16 + e[None, :] * 8  # [G, 2]: first column of each word
-        w_ok = n_ok[:, None, None] & (col < KP)[None]
-        wv = tl.load(w32_ptr + rows[:, None, None] * stride_w32 + (col // 8)[None], mask=w_ok,
-                     other=0)  # [BN, G, 2]
-        s_ok = n_ok[:, None] & ((k0 + g * 16) < KP)[None, :]
-        sc = tl.load(s_ptr + rows[:, None] * stride_sn + (k0 // 16 + g)[None, :], mask=s_ok,
-                     other=0.0).to(tl.float32) * 0.5  # [BN, G]
-        x_ok = m_ok[:, None, None] & (col < KC * 32)[None]
-        x_at = xq_ptr + offs_m[:, None, None] * KC * 8 + (col // 4)[None]  # [BM, G, 2]
-        x0 = tl.load(x_at, mask=x_ok, other=0)
-        x1 = tl.load(x_at + 1, mask=x_ok, other=0)
-        dot = tl.sum(_nvfp4_dot(wv[:, None], x0[None], x1[None], ASM), axis=3)  # [BN, BM, G]
-        chunk = (k0 // 32 + g // 2)[None, :]
-        sx = tl.load(xf_ptr + (offs_m[:, None] * KC + chunk) * 2,
-                     mask=m_ok[:, None] & (chunk < KC), other=0.0)  # [BM, G]
-        return sc[:, None] * sx[None] * dot.to(tl.float32)
+    def _nvfp4_a8(xq64_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_m, k0, KP, KC, stride_w32,
+                  stride_sn, acc, ASM: tl.constexpr, EVEN: tl.constexpr):
+        # acc [BLOCK_K / 16, BLOCK_N, BLOCK_M, 2] float32 (scale group, row, row of x, word)
+        # plus columns [k0, k0 + BLOCK_K) of each row: a group's two code words against the
+        # int64s of x over the same columns, loaded at acc's shape (so in one layout); columns
+        # at or past Kp (the stored width) read nothing, unless EVEN (Kp a whole number of
+        # tiles, x as wide)
+        G: tl.constexpr = acc.shape[0]
+        g = tl.arange(0, G)[:, None, None, None]
+        e = tl.arange(0, 2)[None, None, None, :]
+        r4 = rows[None, :, None, None]
+        m4 = offs_m[None, None, :, None]
+        col = k0 + g * 16 + e * 8  # the first column of each word
+        zero = r4 * 0 + m4 * 0 + g * 0 + e * 0
+        w_ok = col < KP
+        wv = _load(w32_ptr + zero + r4 * stride_w32 + col // 8, w_ok, EVEN)
+        xv = _load(xq64_ptr + zero + m4 * (KC * 4) + col // 8, col < KC * 32, EVEN)
+        dot = _nvfp4_dot(wv, xv, ASM).to(tl.float32)
+        sc = _load(s_ptr + r4 * stride_sn + k0 // 16 + g, (k0 + g * 16) < KP,
+                   EVEN).to(tl.float32) * 0.5  # [G, BN, 1, 1]
+        chunk = k0 // 32 + g // 2
+        sx = _load(xf_ptr + (m4 * KC + chunk) * 2, chunk < KC, EVEN)  # [G, 1, BM, 1]
+        return acc + (sc * sx) * dot
 
     @triton.jit
     def gemv_block_a8_kernel(
         xq_ptr, xf_ptr, w8_ptr, w16_ptr, w32_ptr, s_ptr, ts_ptr, b_ptr, y_ptr, part_ptr,
         count_ptr, M, N, KP, KC, k_iters, num_splits, stride_w, stride_sn,
         FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr, ASM: tl.constexpr,
-        PDL: tl.constexpr,
+        EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, STATIC_ITERS: tl.constexpr,
+        ASM: tl.constexpr, PDL: tl.constexpr,
     ):
         # Program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) of y [M, N] over the K tiles
-        # [pid_k * k_iters, +k_iters) (GGUF: a tile is whole super-blocks; KP is then K). stride_w
-        # is the bytes of a stored row. Each tile adds [BLOCK_N, BLOCK_M, G] float32 partials
-        # (G: the scale groups a thread keeps apart), summed once at the end.
-        G: tl.constexpr = BLOCK_K // 16 if FORMAT == 0 else 4
+        # [pid_k * k_iters, +k_iters) (GGUF: a tile is whole super-blocks; KP is then K).
+        # stride_w is the bytes of a stored row. Rows of W and x past N and M read the last
+        # one (their results are not stored), so loads need no mask but for K: with EVEN_K
+        # every split's tiles lie inside it. Each tile adds float32 partials at the tile
+        # function's shape, summed once at the end.
         pdl_wait(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -255,29 +266,34 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)
         n_mask = offs_n < N
         m_mask = offs_m < M
-        rows = offs_n.to(tl.int64)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        offs_mc = tl.minimum(offs_m, M - 1)
         t_start = pid_k * k_iters
-        acc = tl.zeros((BLOCK_N, BLOCK_M, G), dtype=tl.float32)
+        if FORMAT == 0:
+            acc = tl.zeros((BLOCK_K // 16, BLOCK_N, BLOCK_M, 2), dtype=tl.float32)
+        elif FORMAT == 1:
+            acc = tl.zeros((2, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
+        else:
+            acc = tl.zeros((4, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
             if FORMAT == 0:
-                acc += _nvfp4_a8(xq_ptr, xf_ptr, w32_ptr, s_ptr, rows, n_mask, offs_m, m_mask,
-                                 (t_start + it) * BLOCK_K, KP, KC, stride_w // 4, stride_sn,
-                                 BLOCK_N, BLOCK_M, BLOCK_K, ASM)
+                acc = _nvfp4_a8(xq_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_mc,
+                                (t_start + it) * BLOCK_K, KP, KC, stride_w // 4, stride_sn,
+                                acc, ASM, EVEN_K)
             else:
                 # BLOCK_K / 256 super-blocks, unrolled in one basic block, so that the loads of
                 # all of them can be in flight at once; past the last one a tile reads nothing
                 for sb in tl.static_range(BLOCK_K // 256):
                     t = (t_start + it) * (BLOCK_K // 256) + sb
-                    ok = n_mask & ((offs_n * 0 + t) < KC // 8)
-                    mk = m_mask & ((offs_m * 0 + t) < KC // 8)
+                    ok = t < KC // 8
                     if FORMAT == 1:
-                        acc += _q6_k_a8(xq_ptr, xf_ptr, w8_ptr, w16_ptr, rows, ok, offs_m, mk,
-                                        t, KC, stride_w, BLOCK_N, BLOCK_M, ASM)
+                        acc = _q6_k_a8(xq_ptr, xf_ptr, w8_ptr, w16_ptr, rows, ok, offs_mc, t,
+                                       KC, stride_w, acc, ASM, EVEN_K)
                     else:
-                        acc += _q5_k_a8(xq_ptr, xf_ptr, w8_ptr, w16_ptr, w32_ptr, rows, ok,
-                                        offs_m, mk, t, KC, stride_w, BLOCK_N, BLOCK_M, ASM)
-        out = tl.sum(acc, axis=2)
+                        acc = _q5_k_a8(xq_ptr, xf_ptr, w16_ptr, w32_ptr, rows, ok, offs_mc, t,
+                                       KC, stride_w, acc, ASM, EVEN_K)
+        out = tl.sum(tl.sum(acc, axis=3), axis=0)
         if FORMAT == 0:  # NVFP4's tensor scale, one per row
             out = out * tl.load(ts_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,
