@@ -5,7 +5,7 @@ compiles for a target it is told; ptxas assembles it, so a kernel that does not 
   python bench/kernels/gemv_block_ptx_count.py --out bench/results/kernels/gemv-block-ptx.json
   python bench/kernels/gemv_block_ptx_count.py --smoke   # two tiles of each format
 
-For each format, mode (FMA at 1 and 2 rows, DOT, and the integer mode A8 of
+For each format, mode (tensor cores, "dot", and the integer mode "a8" of
 gemv_block_a8_triton.py) and BLOCK_N, the kernel is compiled as the launcher would on an H200
 (bf16 x, BLOCK_K 256, split K, K a multiple of the tile) and the instructions of its inner loop
 are counted: all of them, global loads, shared-memory traffic, cross-lane shuffles and dp4a.
@@ -38,8 +38,7 @@ A8_SIGNATURE = {"xq_ptr": "*i32", "xf_ptr": "*fp32", "w8_ptr": "*u8", "w16_ptr":
 A8_DIVISIBLE = ["xq_ptr", "xf_ptr", "w8_ptr", "w16_ptr", "w32_ptr", "s_ptr", "ts_ptr", "b_ptr",
                 "y_ptr", "part_ptr", "count_ptr"]
 # (mode, BLOCK_N, BLOCK_M, num_warps)
-TILES = [("fma", 8, 1, 4), ("fma", 32, 1, 4), ("fma", 4, 2, 4), ("dot", 32, 16, 4),
-         ("a8", 4, 1, 1), ("a8", 4, 2, 1)]
+TILES = [("dot", 32, 16, 4), ("a8", 4, 1, 1), ("a8", 4, 2, 1)]
 
 
 def loop_ptx(fmt: int, mode: str, block_n: int, block_m: int, warps: int) -> list[str]:
@@ -59,15 +58,13 @@ def loop_ptx(fmt: int, mode: str, block_n: int, block_m: int, warps: int) -> lis
         compiled = compile_for_sm90(a8_kernels.gemv_block_a8_kernel, sig, const, divisible,
                                     warps, 1)
         return inner_loop(compiled.asm["ptx"])
-    dot = mode == "dot"
+    assert mode == "dot"
     sig = dict(SIGNATURE)
     if fmt:  # GGUF: the scales live in the blocks
         sig |= {"s_ptr": "*u8", "ts_ptr": "*u8"}
-    stages = 2 if dot else 1
-    const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, USE_DOT=dot, W_LO=fmt != 0,
-                 IEEE=False, EVEN_K=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256,
-                 NUM_STAGES=stages, STATIC_ITERS=0)
-    compiled = compile_for_sm90(kernels.gemv_block_kernel, sig, const, DIVISIBLE, warps, stages)
+    const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, W_LO=fmt != 0, IEEE=False,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, NUM_STAGES=2, STATIC_ITERS=0)
+    compiled = compile_for_sm90(kernels.gemv_block_kernel, sig, const, DIVISIBLE, warps, 2)
     return inner_loop(compiled.asm["ptx"])
 
 
@@ -78,7 +75,7 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for name, fmt in FORMATS.items():
-        for mode, block_n, block_m, warps in TILES[::4] if a.smoke else TILES:
+        for mode, block_n, block_m, warps in TILES[:2] if a.smoke else TILES:
             ops = [opcode(i) for i in loop_ptx(fmt, mode, block_n, block_m, warps)]
             per_thread = block_n * 256 // (32 * warps)
             row = {"format": name, "mode": mode, "BLOCK_N": block_n, "rows": block_m,

@@ -15,15 +15,15 @@ back-to-back calls over weight copies that L2 cannot hold):
 - q6_k / q5_k: the block GEMV on the raw super-blocks (6.56 / 5.5 bits); q6_k_int8 /
   q5_k_int8: what a GGUF layer ran before, the blocks as 8-bit codes with float32 scale and zero
   per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight);
-- nvfp4_before / q6_k_before / q5_k_before: the block GEMV's default configuration before the
-  integer mode (x rounded to int8, `dp4a`) replaced it up to 4 rows: FMA (x as it is, the codes
-  as floats) at 1 row (NVFP4: 2), tensor cores above.
+- up to 4 rows, nvfp4_dot / q6_k_dot / q5_k_dot: the block GEMV's tensor-core mode (x as it
+  is, the weight tile rounded for the MMA), beside the integer mode (x rounded to int8, `dp4a`)
+  that is the default there (Q6_K: up to 2 rows).
 Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
 scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
 speedup over the path it replaces. With --sweep, each new GEMV is also timed over a small grid
-of launch configurations (BLOCK_N, SPLIT_K, FMA or DOT, num_warps; each checked against the
-reference first) and the fastest is reported beside the default's time: the data for a tuning
-table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
+of launch configurations (integer or tensor-core mode, BLOCK_N, BLOCK_K, SPLIT_K, num_warps;
+each checked against the reference first) and the fastest is reported beside the default's
+time: the data for a tuning table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from skyline.ops.gemv_block import (  # noqa: E402
     Q5_K,
     Q6_K,
     block_gemv_config,
+    default_config,
     gguf_gemv,
     gguf_gemv_ref,
     nvfp4_gemv,
@@ -69,7 +70,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 ROWS = (1, 2, 4)
 REPLACES = {"nvfp4": "nvfp4_dequant", "q6_k": "q6_k_int8", "q5_k": "q5_k_int8"}
-BEFORE_ROWS = 4  # the defaults before the integer mode are timed beside it up to this many rows
+DOT_ROWS = 4  # the tensor-core mode is timed beside the default up to this many rows
 
 
 def nbytes(ts: tuple[torch.Tensor, ...]) -> int:
@@ -101,28 +102,17 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
 FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
 
 
-def before_config(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...]) -> dict:
-    """The default configuration before the integer mode: FMA for one row (NVFP4: two), tensor
-    cores above; tiles of one super-block (256 columns), 8 rows (FMA at 1 row; 4 at 2; 32 on
-    tensor cores), 4 warps; K split until four programs per SM, keeping at least four tiles per
-    split."""
-    m, n, k = x.shape[0], a[0].shape[0], x.shape[-1]
-    use_dot = m > (2 if fmt == "nvfp4" else 1)
-    block_n = 32 if use_dot else (8 if m == 1 else 4)
-    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
-               if x.is_cuda else 132)
-    split_k = 1
-    while (-(-n // block_n) * split_k < 4 * num_sms and k // (2 * split_k) >= 4 * 256
-           and split_k < 16):
-        split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split_k, "USE_DOT": use_dot,
-            "A8": False, "num_warps": 4, "num_stages": 2 if use_dot else 1}
+def dot_config(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...]) -> dict:
+    """The tensor-core mode's configuration (default_config's, above four rows)."""
+    n, k = a[0].shape[0], x.shape[-1]
+    return default_config(FMT_IDS[fmt], 8, n, k, torch.cuda.get_device_properties(
+        x.device).multi_processor_count if x.is_cuda else 132)
 
 
 def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | None = None):
-    if fmt.endswith("_before"):
-        base = fmt[: -len("_before")]
-        return call(base, x, a, before_config(base, x, a))
+    if fmt.endswith("_dot"):
+        base = fmt[: -len("_dot")]
+        return call(base, x, a, dot_config(base, x, a))
     if fmt == "bf16":
         return lambda: gemv(x, a[0])
     if fmt == "nvfp4":
@@ -144,13 +134,13 @@ def grid(m: int, modes: list[str]) -> list[dict]:
         if mode == "a8":
             tiles = itertools.product((256, 512, 1024), (4, 8), (1, 2, 4), (1, 2))
         else:
-            tiles = itertools.product((256,), (4, 8, 16, 32, 64), (1, 2, 4, 8), (4, 8))
+            tiles = itertools.product((256,), (16, 32, 64), (1, 2, 4, 8), (4, 8))
         for block_k, block_n, split_k, warps in tiles:
-            if mode == "dot" and block_n < 16 or mode == "fma" and block_n * m > 64:
+            if mode == "a8" and block_n * m > 64:
                 continue
             out.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
-                        "USE_DOT": mode == "dot", "A8": mode == "a8", "num_warps": warps,
-                        "num_stages": 2 if mode == "dot" else 1})
+                        "A8": mode == "a8", "num_warps": warps,
+                        "num_stages": 1 if mode == "a8" else 2})
     return out
 
 
@@ -195,8 +185,8 @@ def main() -> None:
                     help="also time a grid of launch configurations per new GEMV")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="--sweep's time, shared evenly by every shape, rows and format")
-    ap.add_argument("--modes", nargs="+", default=["a8", "fma", "dot"],
-                    choices=["a8", "fma", "dot"], help="the modes --sweep tries")
+    ap.add_argument("--modes", nargs="+", default=["a8", "dot"], choices=["a8", "dot"],
+                    help="the modes --sweep tries")
     ap.add_argument("--smoke", action="store_true",
                     help="one tiny shape, on the CPU without a GPU")
     args = ap.parse_args()
@@ -218,10 +208,10 @@ def main() -> None:
             x = torch.randn(m, k, device=dev.device, dtype=dtype)
             times, entries = {}, []
             fmts = ["bf16", "nvfp4", "nvfp4_dequant", "q6_k", "q6_k_int8", "q5_k", "q5_k_int8"]
-            if m <= BEFORE_ROWS:
-                fmts += ["nvfp4_before", "q6_k_before", "q5_k_before"]
+            if m <= DOT_ROWS:
+                fmts += ["nvfp4_dot", "q6_k_dot", "q5_k_dot"]
             for fmt in fmts:
-                stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_before"))
+                stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_dot"))
                                  else fmt]
                 size = nbytes(stored[:3])
                 sets = copies(stored, rotate)
@@ -229,8 +219,8 @@ def main() -> None:
                 calls = 1 if dev.out_dir else max(len(fns), 20 if "dequant" in fmt else 200)
                 t = times[fmt] = time_calls(fns, calls)
                 entries.append({"shape": shape, "n": n, "k": k, "m": m, "format": fmt,
-                                "config": (before_config(fmt[:-7], x, stored)
-                                           if fmt.endswith("_before") else
+                                "config": (dot_config(fmt[:-4], x, stored)
+                                           if fmt.endswith("_dot") else
                                            block_gemv_config(FMT_IDS[fmt], m, n, k, x.device)
                                            if fmt in FMT_IDS else None),
                                 "us": t * 1e6, "bytes": size,
@@ -252,8 +242,8 @@ def main() -> None:
             for e in entries:
                 if e["replaces"]:
                     e["speedup_vs_replaced"] = times[e["replaces"]] / times[e["format"]]
-                if f"{e['format']}_before" in times:
-                    e["speedup_vs_before"] = times[f"{e['format']}_before"] / times[e["format"]]
+                if f"{e['format']}_dot" in times:
+                    e["speedup_vs_dot"] = times[f"{e['format']}_dot"] / times[e["format"]]
                 speedup = e["speedup_vs_replaced"]
                 print(f"{shape:8} {m:2} {e['format']:14} {e['us']:8.2f} {e['bytes'] / 1e6:7.2f} "
                       f"{e['fraction_of_copy_bw']:6.3f} "

@@ -3,13 +3,13 @@ an E4M3 scale per 16, a float32 scale per tensor) and GGUF Q6_K (6.56 bits: 210 
 and Q5_K (5.5 bits: 176 bytes per 256), as stored.
 
 - `block_gemv`: y = x W^T (+ b) for 1..8 rows of x (decode), the stored bytes decoded in
-  registers. Three modes: integer (A8, the default up to four rows, Q6_K two: x rounded to
-  int8 per 32 columns as llama.cpp's q8_1, each word of codes against x's by `dp4a`,
-  gemv_block_a8_triton.py), FMA (x as it is, codes as floats) and tensor cores (the default
-  above four rows: the weight tile rounded to x's dtype, exact for NVFP4, whose e2m1 * e4m3
-  products have 6 significant bits; GGUF tiles add their rounding error as a second bf16/fp16
-  operand, weights to ~16 bits), the latter two in gemv_block_triton.py. Split-K with
-  gemv.py's last-arriver reduction. No host syncs: CUDA-graph safe.
+  registers, in one of two modes (config "A8"): integer (the default up to four rows, Q6_K
+  two: x rounded to int8 per 32 columns as llama.cpp's q8_1, each word of codes against x's by
+  `dp4a`, gemv_block_a8_triton.py) or tensor cores (above: the weight tile rounded to x's
+  dtype, exact for NVFP4, whose e2m1 * e4m3 products have 6 significant bits; GGUF tiles add
+  their rounding error as a second bf16/fp16 operand, weights to ~16 bits;
+  gemv_block_triton.py). Split-K with gemv.py's last-arriver reduction. No host syncs:
+  CUDA-graph safe.
 - `nvfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written into a given buffer.
   Larger batches (`nvfp4_linear` / `gguf_linear`) dequantize up to SCRATCH_BYTES of whole rows
   at a time into one scratch buffer per device and dtype, reused by every layer, and multiply
@@ -105,8 +105,8 @@ def default_config(fmt: int, m: int, n: int, k: int, num_sms: int = 132) -> dict
     while (_cdiv(n, block_n) * split_k < per_sm * num_sms
            and k // (2 * split_k) >= tiles * block_k and split_k < 16):
         split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": not a8,
-            "A8": a8, "num_warps": warps, "num_stages": 1 if a8 else 2}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "A8": a8,
+            "num_warps": warps, "num_stages": 1 if a8 else 2}
 
 
 @functools.cache
@@ -167,9 +167,8 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     m = x2.shape[0]
     cfg = config if config is not None else block_gemv_config(fmt, m, n, k, x.device)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
-    a8 = bool(cfg.get("A8", False))
-    use_dot = bool(cfg["USE_DOT"]) and not a8
-    _check_tile(fmt, block_n, block_k, use_dot, a8, cfg)
+    a8 = bool(cfg["A8"])
+    _check_tile(fmt, block_n, block_k, a8, cfg)
     num_tiles = _cdiv(n, block_n)
     split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
                                                f"block gemv config {cfg}")
@@ -177,7 +176,6 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         y = _launch_a8(fmt, x2, w, scales, tensor_scale, n, k, bias, cfg, num_tiles, split_k,
                        partial, counters)
         return y.reshape(*x.shape[:-1], n)
-    block_m = 16 if use_dot else row_bucket(m)
     k_iters = _cdiv(_cdiv(k, split_k), block_k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if partial is None:
@@ -186,10 +184,9 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         x2, w, w.view(torch.float16) if fmt != NVFP4 else w, scales, tensor_scale,
         bias if bias is not None else tensor_scale, y, partial, counters,
         m, n, k, k_iters, split_k, x2.stride(0), w.stride(0), scales.stride(0),
-        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1, USE_DOT=use_dot,
-        W_LO=fmt != NVFP4, IEEE=x.dtype == torch.float32, EVEN_K=k % (split_k * block_k) == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
+        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1, W_LO=fmt != NVFP4,
+        IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interpreted() else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -243,16 +240,15 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
     return y
 
 
-def _check_tile(fmt: int, block_n: int, block_k: int, use_dot: bool, a8: bool,
-                cfg: dict) -> None:
+def _check_tile(fmt: int, block_n: int, block_k: int, a8: bool, cfg: dict) -> None:
     if fmt != NVFP4 and (block_k != SUPER if not a8 else block_k % SUPER
                          or block_k & (block_k - 1)):
         raise ValueError(f"block gemv config {cfg}: GGUF tiles are one super-block, "
                          f"BLOCK_K {SUPER} (A8: a power of two of them)")
     if fmt == NVFP4 and (block_k < 16 or block_k & (block_k - 1)):
         raise ValueError(f"block gemv config {cfg}: NVFP4 needs BLOCK_K a power of two >= 16")
-    if use_dot and block_n < 16:
-        raise ValueError(f"block gemv config {cfg}: USE_DOT needs BLOCK_N >= 16")
+    if not a8 and block_n < 16:
+        raise ValueError(f"block gemv config {cfg}: the tensor-core mode needs BLOCK_N >= 16")
     if a8 and block_k < CHUNK:
         raise ValueError(f"block gemv config {cfg}: A8 needs BLOCK_K >= {CHUNK}")
 

@@ -1,7 +1,7 @@
 """The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, GGUF Q6_K and Q5_K read as
 stored) against their references: rows 1..8, odd N, K not a multiple of the tile (NVFP4),
-FMA, tensor-core and integer (x rounded to int8, against the reference that rounds x the same
-way) modes, split-K on and off, bias; the dequantizer exact (GGUF) against
+tensor-core and integer (x rounded to int8, against the reference that rounds x the same way)
+modes, split-K on and off, bias; the dequantizer exact (GGUF) against
 ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16 activations).
 
 Every stored tensor sits at the start of a larger buffer whose tail is 0xFF bytes (NaN scales),
@@ -67,8 +67,8 @@ def gguf_weights(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def cfg(block_n: int, block_k: int, split_k: int, mode: str) -> dict:
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
-            "USE_DOT": mode == "dot", "A8": mode == "a8", "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "A8": mode == "a8",
+            "num_warps": 4, "num_stages": 1}
 
 
 def operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int, bias: bool):
@@ -86,8 +86,7 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k,mode", [(1, "fma"), (3, "fma"), (3, "dot"), (1, "a8"),
-                                          (3, "a8")])
+@pytest.mark.parametrize("split_k,mode", [(1, "dot"), (3, "dot"), (1, "a8"), (3, "a8")])
 @pytest.mark.parametrize("m,n,k,bias", [(1, 7, 200, True), (2, 33, 64, False),
                                         (5, 17, 200, False), (8, 16, 72, True)])
 def test_nvfp4_gemv_matches_reference(dtype, split_k, mode, m, n, k, bias):
@@ -100,8 +99,8 @@ def test_nvfp4_gemv_matches_reference(dtype, split_k, mode, m, n, k, bias):
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,split_k,mode,bias", [
-    (1, 5, 1, "fma", True), (2, 17, 2, "fma", False), (4, 17, 3, "dot", True),
-    (8, 9, 1, "dot", False), (1, 5, 1, "a8", True), (2, 17, 3, "a8", False),
+    (1, 5, 2, "dot", True), (4, 17, 3, "dot", True), (8, 9, 1, "dot", False),
+    (1, 5, 1, "a8", True), (2, 17, 3, "a8", False),
     (4, 9, 2, "a8", True), (1, 6, 1, "a8_512", False), (2, 5, 2, "a8_1024", True)])
 def test_gguf_gemv_matches_reference(qtype, dtype, m, n, split_k, mode, bias):
     # K = 768: three super-blocks, so three splits leave one empty tile past K for split 2... 3
@@ -148,8 +147,8 @@ def test_default_configs_are_valid_launches():
         for m in (1, 2, 4, 8):
             c = default_config(fmt, m, 4096, 4096)
             a8 = m <= (2 if fmt == Q6_K else 4)
-            assert c["BLOCK_K"] % 256 == 0 and c["USE_DOT"] != a8 and c["A8"] == a8
-            assert c["BLOCK_N"] >= (16 if c["USE_DOT"] else 1)
+            assert c["BLOCK_K"] % 256 == 0 and c["A8"] == a8
+            assert c["BLOCK_N"] >= (1 if a8 else 16)
             assert 4096 // c["SPLIT_K"] >= (2 if c["A8"] else 4) * c["BLOCK_K"]
 
 
@@ -166,7 +165,7 @@ def test_bad_inputs_say_what_is_wrong():
         nvfp4_gemv(torch.randn(9, 64, device=DEV), q, s, ts)
     with pytest.raises(ValueError, match="GGUF tiles are one super-block"):
         gguf_gemv(torch.randn(1, 256, device=DEV), gguf_weights(Q.Q5_K, 2, 256, 0), Q.Q5_K,
-                  config=cfg(4, 128, 1, "fma"))
+                  config=cfg(16, 128, 1, "dot"))
     with pytest.raises(ValueError, match="A8 needs BLOCK_K >= 32"):
         nvfp4_gemv(x, q, s, ts, config=cfg(4, 16, 1, "a8"))
 
