@@ -16,6 +16,9 @@ from typing import Any
 # family -> (kind of work it does for the floor, its tuner or None, name fragments)
 # Order matters: the first family whose fragment a kernel name holds claims it.
 FAMILIES: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
+    # NVFP4 / GGUF K-quant weights read as stored; above 8 rows dequantized into a scratch
+    "gemv_block": ("matmul", "gemv_block", ("gemv_block_a8_kernel", "gemv_block_kernel",
+                                            "quantize_x_q8_kernel", "dequant_block_kernel")),
     "gemv": ("matmul", "gemv", ("_gemv_kernel", "split_k_epilogue")),
     "gemv_quant": ("matmul", None, ("gemv_quant_kernel", "gemv_int_fma_kernel",
                                     "gemv_int4_a8_kernel", "quantize_x_words_kernel")),

@@ -88,7 +88,7 @@ def run_tune(args: EngineArgs, spec: TuneSpec) -> dict[str, Any]:
     meta = {"date": _date(), "command": spec.command, "torch": torch.__version__,
             "triton": _triton_version()}
     rounds = run_rounds(spec.loop, first.measurement, rank_first, remeasure,
-                        _tuners(device_type, first, wl, spec.smoke, args.threads), cache, meta)
+                        _tuners(device_type, first, wl, spec.smoke, args), cache, meta)
     kept = [r for r in rounds if r["kept"]]
     e2e = first.measurement.total_s
     final = kept[-1]["e2e_s_after"] if kept else e2e
@@ -145,13 +145,13 @@ def check_out(path: str | None) -> None:
                           "a path in a folder you can write") from None
 
 
-def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool, threads: int | None
+def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool, args: EngineArgs
             ) -> dict[str, Tuner]:
     if device_type == "cpu":
         from skyline.tune.cpu import tune_cpu
 
         return {"cpu_linear": lambda row, left: tune_cpu(first.arch, wl.batch, left, smoke,
-                                                         threads)}
+                                                         args.threads)}
 
     from skyline.bench.tuners import tune_device
 
@@ -169,7 +169,14 @@ def _tuners(device_type: str, first: Fresh, wl: Workload, smoke: bool, threads: 
                           sorted({1, wl.batch}), [wl.context], left,
                           tune_device("skyline tune", smoke), prefill_len=wl.prefill_len)
 
-    return {"gemv": gemv, "attention": attention}
+    def gemv_block(row: dict[str, Any], left: float) -> dict[str, dict[str, dict[str, Any]]]:
+        from skyline.tune.gemv_block import formats_of, tune_model
+
+        return tune_model(first.arch, formats_of(args.quantization, args.model),
+                          [1] + ([wl.batch] if wl.batch > 1 else []), left,
+                          tune_device("skyline tune", smoke), getattr(torch, first.dtype))
+
+    return {"gemv": gemv, "attention": attention, "gemv_block": gemv_block}
 
 
 def _peaks(where: str) -> tuple[float, float]:

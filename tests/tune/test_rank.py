@@ -17,6 +17,8 @@ COST = ModelCost(linear_params=1000, head_params=100, weight_bytes=2200,
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "linear"), ("nvjet_tst_128x64", "linear"),
     ("mkldnn::_linear_pointwise", "linear"), ("aten::_weight_int4pack_mm_for_cpu", "linear"),
     ("_rms_norm_kernel", "norm"), ("gemv_quant_kernel", "gemv_quant"),
+    ("gemv_block_a8_kernel", "gemv_block"), ("gemv_block_kernel", "gemv_block"),
+    ("quantize_x_q8_kernel", "gemv_block"),
     ("void at::native::elementwise_kernel<...>", "other")])
 def test_kernel_names_map_to_families(name, family):
     assert rank.family_of(name) == family
@@ -24,6 +26,7 @@ def test_kernel_names_map_to_families(name, family):
 
 def test_tuners_per_device():
     assert rank.tuner_of("gemv", "cuda") == "gemv" and rank.tuner_of("gemv", "cpu") is None
+    assert rank.tuner_of("gemv_block", "cuda") == "gemv_block"
     assert rank.tuner_of("linear", "cpu") == "cpu_linear"
     assert rank.tuner_of("linear", "cuda") is None and rank.tuner_of("other", "cuda") is None
 
