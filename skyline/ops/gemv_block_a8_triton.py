@@ -4,23 +4,29 @@ int8 per 32 columns, by `dp4a`, as llama.cpp's quantized GEMVs take q8_1 activat
 
 x comes as int32 words of four consecutive int8 columns [M, 8 KC] and per chunk of 32 columns
 its scale and scale * sum of codes [M, KC, 2] (quantize_x_q8_kernel). A weight word (four codes,
-one byte each, in column order) meets the word of x over the same columns in one `dp4a`; the
-words of a group that shares a scale add up exactly in int32, then the group's scale times x's
-chunk scale turns the sum into a float32 partial. Per format, what a thread turns into words:
+one byte each, in column order) meets the word of x over the same columns in one `dp4a`, exact
+in int32; times its group's scale and x's chunk scale it joins a float32 accumulator that keeps
+every word lane of the tile apart, summed once after the K loop. Every operand of a tile is
+loaded at the accumulator's shape (x, and values a lane repeats, broadcast by their addresses:
+L1 serves the repeats), so the loop needs no reduction across threads and, where the loads share
+a vector width, no change of layout. Per format, what a lane turns into words:
 - Q6_K (210 bytes / 256; 2-byte aligned, so words are two 16-bit loads): for half h and word
   lane w (columns 4w..4w+3 of each 32), ql words A = ql[64h + 4w] and B = ql[64h + 32 + 4w] and
   qh word H = qh[32h + 4w] give the four words of columns 128h + 32s + 4w: the low nibbles of A
   (s 0) and B (s 1), their high nibbles (s 2, 3), each with bits 2s..2s+1 of H's bytes on top.
-  The codes are unsigned (0..63); the -32 is one dp4a of 0x20202020 against x, once a group.
-  Scale group (h, s, w // 4): sc[8h + 2s + w // 4] * d.
-- Q5_K (176 bytes / 256; 4-byte aligned, so words are loads of their own): qs word
-  Q = qs[32j + 4w] holds columns 64j + 4w.. in its low nibbles (group 2j) and 64j + 32 + 4w..
-  in its high ones (group 2j + 1), their 5th bits bits 2j and 2j + 1 of qh word qh[4w]. A group
-  is one chunk of x: sum(w x) = d sc sx dot - dmin mn (sx sum(x_q)), the latter from x's floats.
-- NVFP4 (codes [N, Kp / 2], a word is 8 columns): each 16-bit half of a code word holds four
-  E2M1 codes as the four nibbles `prmt` takes as a selector, so two byte permutes of a table of
-  the doubled values (0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and a third by the signs
-  turn it into a word of int8; the block scale carries the 1/2.
+  The codes are unsigned (0..63); the -32 is a dp4a of 0x20202020 against x. Scale group
+  (h, s, w // 4): sc[8h + 2s + w // 4] * d.
+- Q5_K (176 bytes / 256; 4-byte aligned, so 16-byte vector loads): qs word Q = qs[32j + 4w]
+  holds columns 64j + 4w.. in its low nibbles (group 2j) and 64j + 32 + 4w.. in its high ones
+  (group 2j + 1), their 5th bits bits 2j and 2j + 1 of qh word qh[4w]. A group is one chunk of
+  x: sum(w x) = d sc sx dot - dmin mn (sx sum(x_q)), the latter from x's floats, an eighth in
+  each of the group's 8 lanes. d, dmin and the 6-bit scales and mins are the block's first four
+  words.
+- NVFP4 (codes [N, Kp / 2], a word is 8 columns, met by the int64 of x over them): each 16-bit
+  half of a code word holds four E2M1 codes as the four nibbles `prmt` takes as a selector, so
+  two byte permutes of a table of the doubled values (0, 1, 2, 3, 4, 6, 8, 12 and their
+  negatives) and a third by the signs turn it into a word of int8; the block scale carries the
+  1/2.
 The portable forms (ASM off: the interpreter) compute the same integers with shifts.
 """
 
