@@ -92,7 +92,7 @@ def default_config(fmt: int, m: int, n: int, k: int, num_sms: int = 132) -> dict
     """A launch configuration for shapes without a tuned entry: the integer mode up to four
     rows (Q6_K: two, its 16-bit loads repeat per row of x), tensor cores above (tiles of 256
     columns: GGUF's one super-block); K split while there are few programs per SM, keeping at
-    least four K tiles per split."""
+    least two K tiles per split (tensor cores: four)."""
     a8 = m <= (2 if fmt == Q6_K else 4)
     if a8:
         # one-warp programs of 4 rows and two super-blocks a tile, K split until about 16
@@ -227,8 +227,7 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
     kc = _cdiv(k, CHUNK)
     a8_kernels.gemv_block_a8_kernel[(num_tiles, split_k)](
         xq.view(torch.int64) if fmt == NVFP4 else xq, xf, w, w.view(torch.int16), w32, scales,
-        tensor_scale,
-        bias if bias is not None else xf, y, partial, counters,
+        tensor_scale, bias if bias is not None else xf, y, partial, counters,
         m, n, kp, kc, k_iters, split_k, w.stride(0), scales.stride(0),
         FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         EVEN_K=kp % (split_k * cfg["BLOCK_K"]) == 0 and kp <= kc * CHUNK, BLOCK_M=row_bucket(m),
