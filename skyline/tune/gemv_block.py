@@ -29,7 +29,6 @@ from skyline.ops.gemv_block import (
     nvfp4_gemv,
     nvfp4_gemv_ref,
 )
-from skyline.quant.fp4 import quantize_nvfp4
 from skyline.tune.workload import model_linears
 
 GGUF_TYPES = {Q6_K: 14, Q5_K: 13}  # FORMAT -> ggml type id
@@ -84,10 +83,14 @@ def candidates(fmt: int, m: int, n: int, k: int, num_sms: int) -> list[dict[str,
 
 def _weights(fmt: int, n: int, k: int, copies: int, device: torch.device, seed: int = 0
              ) -> list[tuple[torch.Tensor, ...]]:
+    """`copies` sets of one random [n, k] weight's stored tensors (NVFP4: random codes, E4M3
+    block scales and a tensor scale, the width padded to 16 as a layer stores it)."""
     if fmt == NVFP4:
-        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
-        q, s, ts = quantize_nvfp4(w.to(device))
-        first = (q, s, ts.expand(n).contiguous())
+        g = torch.Generator().manual_seed(seed)
+        kp = -(-k // 16) * 16
+        q = torch.randint(0, 256, (n, kp // 2), generator=g, dtype=torch.uint8)
+        s = (torch.rand(n, kp // 16, generator=g) + 0.5).to(torch.float8_e4m3fn)
+        first = (q.to(device), s.to(device), torch.full((n,), 0.01, device=device))
     else:
         first = (random_blocks(GGUF_TYPES[fmt], n, k, seed, scale=1e-3).to(device),)
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
