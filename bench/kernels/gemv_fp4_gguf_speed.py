@@ -20,16 +20,15 @@ back-to-back calls over weight copies that L2 cannot hold):
   that is the default there (Q6_K: up to 2 rows).
 Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
 scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
-speedup over the path it replaces. With --sweep, each new GEMV is also timed over a small grid
-of launch configurations (integer or tensor-core mode, BLOCK_N, BLOCK_K, SPLIT_K, num_warps;
-each checked against the reference first) and the fastest is reported beside the default's
-time: the data for a tuning table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
+speedup over the path it replaces. With --sweep, each new GEMV is also timed over the launch
+configurations `skyline tune` tries (skyline/tune/gemv_block.py's candidates in --modes, each
+checked against the reference first) and the fastest is reported beside the default's time:
+the data for a tuning table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 
@@ -65,6 +64,7 @@ from skyline.ops.gemv_block import (  # noqa: E402
 from skyline.ops.gemv_quant import int_gemv  # noqa: E402
 from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
 from skyline.quant.gguf_cuda import int_layout_runs  # noqa: E402
+from skyline.tune import gemv_block as block_tuner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -127,21 +127,13 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
     return lambda: int_gemv(x, a[0], a[1], a[2], 8, group)
 
 
-def grid(m: int, modes: list[str]) -> list[dict]:
-    """The launch configurations --sweep tries at m rows in the given modes."""
-    out = []
-    for mode in modes:
-        if mode == "a8":
-            tiles = itertools.product((256, 512, 1024), (4, 8), (1, 2, 4), (1, 2))
-        else:
-            tiles = itertools.product((256,), (16, 32, 64), (1, 2, 4, 8), (4, 8))
-        for block_k, block_n, split_k, warps in tiles:
-            if mode == "a8" and block_n * m > 64:
-                continue
-            out.append({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k,
-                        "A8": mode == "a8", "num_warps": warps,
-                        "num_stages": 1 if mode == "a8" else 2})
-    return out
+def grid(fmt: str, x: torch.Tensor, n: int, modes: list[str]) -> list[dict]:
+    """The launch configurations --sweep tries: `skyline tune`'s candidates in the given
+    modes."""
+    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
+               if x.is_cuda else 132)
+    return [c for c in block_tuner.candidates(FMT_IDS[fmt], x.shape[0], n, x.shape[-1], num_sms)
+            if ("a8" if c["A8"] else "dot") in modes]
 
 
 def sweep(fmt: str, x: torch.Tensor, sets: list[tuple[torch.Tensor, ...]], calls: int,
@@ -156,7 +148,7 @@ def sweep(fmt: str, x: torch.Tensor, sets: list[tuple[torch.Tensor, ...]], calls
             refs[a8] = gguf_gemv_ref(x, a[0], Q.Q6_K if fmt == "q6_k" else Q.Q5_K,
                                      a8=a8).float()
     best: dict = {"config": None, "us": float("inf"), "tried": 0, "failed": 0}
-    for cfg in grid(x.shape[0], modes):
+    for cfg in grid(fmt, x, a[0].shape[0], modes):
         if time.monotonic() > deadline:
             best["budget"] = True
             break
