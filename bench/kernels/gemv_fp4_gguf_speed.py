@@ -57,9 +57,7 @@ from skyline.ops.gemv_block import (  # noqa: E402
     block_gemv_config,
     default_config,
     gguf_gemv,
-    gguf_gemv_ref,
     nvfp4_gemv,
-    nvfp4_gemv_ref,
 )
 from skyline.ops.gemv_quant import int_gemv  # noqa: E402
 from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
@@ -102,11 +100,13 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
 FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
 
 
+def num_sms(x: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+
+
 def dot_config(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...]) -> dict:
     """The tensor-core mode's configuration (default_config's, above four rows)."""
-    n, k = a[0].shape[0], x.shape[-1]
-    return default_config(FMT_IDS[fmt], 8, n, k, torch.cuda.get_device_properties(
-        x.device).multi_processor_count if x.is_cuda else 132)
+    return default_config(FMT_IDS[fmt], 8, a[0].shape[0], x.shape[-1], num_sms(x))
 
 
 def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | None = None):
@@ -130,23 +130,15 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
 def grid(fmt: str, x: torch.Tensor, n: int, modes: list[str]) -> list[dict]:
     """The launch configurations --sweep tries: `skyline tune`'s candidates in the given
     modes."""
-    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
-               if x.is_cuda else 132)
-    return [c for c in block_tuner.candidates(FMT_IDS[fmt], x.shape[0], n, x.shape[-1], num_sms)
-            if ("a8" if c["A8"] else "dot") in modes]
+    cands = block_tuner.candidates(FMT_IDS[fmt], x.shape[0], n, x.shape[-1], num_sms(x))
+    return [c for c in cands if ("a8" if c["A8"] else "dot") in modes]
 
 
 def sweep(fmt: str, x: torch.Tensor, sets: list[tuple[torch.Tensor, ...]], calls: int,
           deadline: float, modes: list[str]) -> dict:
     """The fastest configuration of the grid that matches the reference, and its time."""
     a = sets[0]
-    refs = {}
-    for a8 in (False, True):
-        if fmt == "nvfp4":
-            refs[a8] = nvfp4_gemv_ref(x, *a, a8=a8).float()
-        else:
-            refs[a8] = gguf_gemv_ref(x, a[0], Q.Q6_K if fmt == "q6_k" else Q.Q5_K,
-                                     a8=a8).float()
+    refs = {a8: block_tuner.reference(FMT_IDS[fmt], x, a, a8).float() for a8 in (False, True)}
     best: dict = {"config": None, "us": float("inf"), "tried": 0, "failed": 0}
     for cfg in grid(fmt, x, a[0].shape[0], modes):
         if time.monotonic() > deadline:

@@ -41,6 +41,7 @@ from skyline.ops.tuning import get_config
 
 NVFP4, Q6_K, Q5_K = 0, 1, 2  # FORMAT
 FORMAT_NAMES = {NVFP4: "nvfp4", Q6_K: "q6_k", Q5_K: "q5_k"}
+KERNELS = {fmt: f"gemv_{name}" for fmt, name in FORMAT_NAMES.items()}  # tuning tables' names
 GGUF_FORMATS = {14: Q6_K, 13: Q5_K}  # ggml type id -> FORMAT
 _BLOCK_BYTES = {Q6_K: 210, Q5_K: 176}  # bytes per super-block of 256
 SUPER = 256
@@ -114,9 +115,13 @@ def block_gemv_config(fmt: int, m: int, n: int, k: int, device: torch.device) ->
     """The tuned configuration on `device` if there is one, else default_config (cached)."""
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 132)
-    m = row_bucket(m)
-    return get_config(f"gemv_{FORMAT_NAMES[fmt]}", f"{n}x{k}:m{m}",
-                      default_config(fmt, m, n, k, num_sms))
+    return get_config(KERNELS[fmt], config_key(m, n, k),
+                      default_config(fmt, row_bucket(m), n, k, num_sms))
+
+
+def config_key(m: int, n: int, k: int) -> str:
+    """The tuning tables' key of an [m, k] x [n, k]^T product (m by its row bucket)."""
+    return f"{n}x{k}:m{row_bucket(m)}"
 
 
 def nvfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

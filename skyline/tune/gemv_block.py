@@ -16,13 +16,16 @@ import torch
 from skyline.bench import tuners
 from skyline.bench.gguf_blocks import random_blocks
 from skyline.config import ModelArch
-from skyline.ops.gemv import MAX_ROWS, row_bucket
+from skyline.ops.gemv import MAX_ROWS
 from skyline.ops.gemv_block import (
     FORMAT_NAMES,
+    GGUF_FORMATS,
+    KERNELS,
     NVFP4,
     Q5_K,
     Q6_K,
     SUPER,
+    config_key,
     default_config,
     gguf_gemv,
     gguf_gemv_ref,
@@ -31,12 +34,7 @@ from skyline.ops.gemv_block import (
 )
 from skyline.tune.workload import model_linears
 
-GGUF_TYPES = {Q6_K: 14, Q5_K: 13}  # FORMAT -> ggml type id
-
-
-def kernel_name(fmt: int) -> str:
-    """The tuning table's kernel name of a format (as block_gemv_config looks it up)."""
-    return f"gemv_{FORMAT_NAMES[fmt]}"
+GGUF_TYPES = {fmt: qtype for qtype, fmt in GGUF_FORMATS.items()}  # FORMAT -> ggml type id
 
 
 def formats_of(quantization: str | None, model: str) -> list[int]:
@@ -81,28 +79,30 @@ def candidates(fmt: int, m: int, n: int, k: int, num_sms: int) -> list[dict[str,
     return out
 
 
-def _weights(fmt: int, n: int, k: int, copies: int, device: torch.device, seed: int = 0
-             ) -> list[tuple[torch.Tensor, ...]]:
-    """`copies` sets of one random [n, k] weight's stored tensors (NVFP4: random codes, E4M3
-    block scales and a tensor scale, the width padded to 16 as a layer stores it)."""
+def random_weight(fmt: int, n: int, k: int, device: torch.device, seed: int = 0
+                  ) -> tuple[torch.Tensor, ...]:
+    """One random [n, k] weight's stored tensors (NVFP4: random codes, E4M3 block scales and a
+    tensor scale, the width padded to 16 as a layer stores it; GGUF: random blocks)."""
     if fmt == NVFP4:
         g = torch.Generator().manual_seed(seed)
         kp = -(-k // 16) * 16
         q = torch.randint(0, 256, (n, kp // 2), generator=g, dtype=torch.uint8)
         s = (torch.rand(n, kp // 16, generator=g) + 0.5).to(torch.float8_e4m3fn)
-        first = (q.to(device), s.to(device), torch.full((n,), 0.01, device=device))
-    else:
-        first = (random_blocks(GGUF_TYPES[fmt], n, k, seed, scale=1e-3).to(device),)
-    return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
+        return q.to(device), s.to(device), torch.full((n,), 0.01, device=device)
+    return (random_blocks(GGUF_TYPES[fmt], n, k, seed, scale=1e-3).to(device),)
 
 
-def _call(fmt: int, x: torch.Tensor, w: tuple[torch.Tensor, ...], cfg: dict | None = None):
+def call(fmt: int, x: torch.Tensor, w: tuple[torch.Tensor, ...], cfg: dict | None = None
+         ) -> torch.Tensor:
+    """The block GEMV of x and a weight's stored tensors `w` (random_weight's), with `cfg`."""
     if fmt == NVFP4:
         return nvfp4_gemv(x, *w, config=cfg)
     return gguf_gemv(x, w[0], GGUF_TYPES[fmt], config=cfg)
 
 
-def _ref(fmt: int, x: torch.Tensor, w: tuple[torch.Tensor, ...], a8: bool) -> torch.Tensor:
+def reference(fmt: int, x: torch.Tensor, w: tuple[torch.Tensor, ...], a8: bool
+              ) -> torch.Tensor:
+    """call's reference (with a8, x rounded as the integer mode rounds it)."""
     if fmt == NVFP4:
         return nvfp4_gemv_ref(x, *w, a8=a8)
     return gguf_gemv_ref(x, w[0], GGUF_TYPES[fmt], a8=a8)
@@ -112,25 +112,25 @@ def tune_shape(fmt: int, n: int, k: int, rows: list[int], copy_bw: float,
                dev: tuners.TuneDevice, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Per row count: the fastest candidate that matches the reference, and the default's time
     (microseconds, fraction of the copy bandwidth for the stored bytes)."""
-    probe = _weights(fmt, n, k, 1, dev.device)[0]
-    nbytes = sum(t.numel() * t.element_size() for t in probe)
+    first = random_weight(fmt, n, k, dev.device)
+    nbytes = sum(t.numel() * t.element_size() for t in first)
     copies = 1 if dev.out_dir else max(1, math.ceil(tuners.ROTATE_BYTES / nbytes))
-    weights = [probe] + _weights(fmt, n, k, copies, dev.device)[1:]
+    weights = [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
     calls = 1 if dev.out_dir else min(512, copies * max(
         1, round(tuners.REPLAY_S * 4e12 / nbytes / copies)))
     results = []
     for m in rows:
         x = torch.randn(m, k, device=dev.device, dtype=dtype)
-        refs = {a8: _ref(fmt, x, weights[0], a8).float() for a8 in (False, True)}
+        refs = {a8: reference(fmt, x, weights[0], a8).float() for a8 in (False, True)}
         cands = candidates(fmt, m, n, k, dev.num_sms)
         timed, failed = [], []
         for cfg in cands[:2] + cands[-1:] if dev.out_dir else cands:
             ref = refs[cfg["A8"]]
             try:
-                err = (_call(fmt, x, weights[0], cfg).float() - ref).abs().max().item()
+                err = (call(fmt, x, weights[0], cfg).float() - ref).abs().max().item()
                 if not err <= 1e-2 * ref.abs().max().item() + 1e-3:
                     raise AssertionError(f"max error {err:.3g}")
-                t = tuners.time_calls([lambda w=w, x=x, c=cfg: _call(fmt, x, w, c)
+                t = tuners.time_calls([lambda w=w, x=x, c=cfg: call(fmt, x, w, c)
                                        for w in weights], calls)
             except Exception as e:  # a configuration the GPU cannot run
                 failed.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
@@ -143,7 +143,7 @@ def tune_shape(fmt: int, n: int, k: int, rows: list[int], copy_bw: float,
         t_best, best = min(timed, key=lambda tc: tc[0])
         results.append({
             "format": FORMAT_NAMES[fmt], "N": n, "K": k, "rows": m,
-            "key": f"{n}x{k}:m{row_bucket(m)}", "config": best, "us": t_best * 1e6,
+            "key": config_key(m, n, k), "config": best, "us": t_best * 1e6,
             "frac": nbytes / t_best / copy_bw,
             "default_us": None if t_default is None else t_default * 1e6,
             "num_timed": len(timed), "failed": failed})
@@ -169,10 +169,9 @@ def tune_model(arch: ModelArch, formats: list[int], rows: list[int], budget_s: f
                 log(f"  block GEMV: the budget is spent before {FORMAT_NAMES[fmt]} {n}x{k}")
                 return out
             for r in tune_shape(fmt, n, k, rows, copy_bw, dev, dtype):
+                default = "failed" if r["default_us"] is None else f"{r['default_us']:.1f} us"
                 log(f"  {r['format']} {n}x{k} m={r['rows']}: {r['us']:.1f} us "
-                    f"({r['frac']:.2f} of the copy bandwidth), default "
-                    f"{r['default_us'] if r['default_us'] is None else round(r['default_us'], 1)}"
-                    f" us, {r['config']}")
+                    f"({r['frac']:.2f} of the copy bandwidth; default {default}) {r['config']}")
                 if r["default_us"] is None or r["us"] < r["default_us"]:
-                    out.setdefault(kernel_name(fmt), {})[r["key"]] = r["config"]
+                    out.setdefault(KERNELS[fmt], {})[r["key"]] = r["config"]
     return out
