@@ -1,5 +1,5 @@
-"""Decode GEMVs of block-scaled weights read at their own bits (ops/gemv_block.py: NVFP4, GGUF
-Q6_K and Q5_K) against the copy bandwidth measured in the same run and against the paths they
+"""Decode GEMVs of block-scaled weights read at their own bits (ops/gemv_block.py: NVFP4, MXFP4,
+GGUF Q6_K and Q5_K) against the copy bandwidth measured in the same run and against the paths they
 replace, at Llama-3.1-8B's Linear shapes and 1, 2, 4 rows of x.
 
   python bench/kernels/gemv_fp4_gguf_speed.py --out $OUT/gemv-fp4-gguf-h200.json
@@ -12,18 +12,22 @@ back-to-back calls over weight copies that L2 cannot hold):
 - nvfp4: the block GEMV on the packed tensors (4.5 bits a weight); nvfp4_dequant: what
   Nvfp4LinearMethod ran on CUDA before, the whole weight dequantized at every call, then
   F.linear;
+- mxfp4: the block GEMV on the packed tensors (4.25 bits a weight); mxfp4_int8: what
+  Mxfp4LinearMethod ran on CUDA before, the codes as exact 8-bit codes 128 + 2v with half the
+  E8M0 scale per 32 (ops/gemv_quant.int_gemv; 9.25 bits a weight);
 - q6_k / q5_k: the block GEMV on the raw super-blocks (6.56 / 5.5 bits); q6_k_int8 /
   q5_k_int8: what a GGUF layer ran before, the blocks as 8-bit codes with float32 scale and zero
   per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight);
-- up to 4 rows, nvfp4_dot / q6_k_dot / q5_k_dot: the block GEMV's tensor-core mode (x as it
-  is, the weight tile rounded for the MMA), beside the integer mode (x rounded to int8, `dp4a`)
-  that is the default there (Q6_K: up to 2 rows).
+- up to 4 rows, nvfp4_dot / mxfp4_dot / q6_k_dot / q5_k_dot: the block GEMV's tensor-core mode
+  (x as it is, the weight tile rounded for the MMA), beside the integer mode (x rounded to int8,
+  `dp4a`) that is the default there (Q6_K: up to 2 rows).
 Reported per shape, rows and format: microseconds a call, bytes a call (weights with their
 scales), the rate as a fraction of the copy bandwidth (the roofline of its own bytes), and the
 speedup over the path it replaces. With --sweep, each new GEMV is also timed over the launch
 configurations `skyline tune` tries (skyline/tune/gemv_block.py's candidates in --modes, each
 checked against the reference first) and the fastest is reported beside the default's time:
-the data for a tuning table ("gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", keys "<N>x<K>:m<rows>").
+the data for a tuning table ("gemv_nvfp4", "gemv_mxfp4", "gemv_q6_k", "gemv_q5_k", keys
+"<N>x<K>:m<rows>").
 """
 
 from __future__ import annotations
@@ -48,26 +52,34 @@ from skyline.bench.tuners import (  # noqa: E402
     time_calls,
     tune_device,
 )
-from skyline.ops.fp4 import dequantize_nvfp4  # noqa: E402
+from skyline.ops.fp4 import (  # noqa: E402
+    decode_e2m1,
+    dequantize_nvfp4,
+    e8m0_to_float,
+    unpack_nibbles,
+)
 from skyline.ops.gemv import gemv  # noqa: E402
 from skyline.ops.gemv_block import (  # noqa: E402
+    MXFP4,
     NVFP4,
     Q5_K,
     Q6_K,
     block_gemv_config,
     default_config,
     gguf_gemv,
+    mxfp4_gemv,
     nvfp4_gemv,
 )
 from skyline.ops.gemv_quant import int_gemv  # noqa: E402
-from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
+from skyline.quant.fp4 import quantize_mxfp4, quantize_nvfp4  # noqa: E402
 from skyline.quant.gguf_cuda import int_layout_runs  # noqa: E402
 from skyline.tune import gemv_block as block_tuner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 ROWS = (1, 2, 4)
-REPLACES = {"nvfp4": "nvfp4_dequant", "q6_k": "q6_k_int8", "q5_k": "q5_k_int8"}
+REPLACES = {"nvfp4": "nvfp4_dequant", "mxfp4": "mxfp4_int8", "q6_k": "q6_k_int8",
+            "q5_k": "q5_k_int8"}
 DOT_ROWS = 4  # the tensor-core mode is timed beside the default up to this many rows
 
 
@@ -88,6 +100,11 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
     out["bf16"] = (w.to(torch.bfloat16),)
     q, s, ts = quantize_nvfp4(w)
     out["nvfp4"] = (q, s, ts.expand(n).contiguous())
+    q, s = quantize_mxfp4(w)
+    out["mxfp4"] = (q, s)
+    scale = e8m0_to_float(s) / 2
+    out["mxfp4_int8"] = ((128 + 2 * decode_e2m1(unpack_nibbles(q))).to(torch.uint8), scale,
+                         torch.full_like(scale, 128.0), torch.tensor(32))
     del w
     for name, qtype in (("q6_k", Q.Q6_K), ("q5_k", Q.Q5_K)):
         data = random_blocks(qtype, n, k, seed=n + k, scale=1e-3).to(dev)
@@ -97,7 +114,7 @@ def weights(n: int, k: int, dev: torch.device) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-FMT_IDS = {"nvfp4": NVFP4, "q6_k": Q6_K, "q5_k": Q5_K}
+FMT_IDS = {"nvfp4": NVFP4, "mxfp4": MXFP4, "q6_k": Q6_K, "q5_k": Q5_K}
 
 
 def num_sms(x: torch.Tensor) -> int:
@@ -117,6 +134,8 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
         return lambda: gemv(x, a[0])
     if fmt == "nvfp4":
         return lambda: nvfp4_gemv(x, *a, config=config)
+    if fmt == "mxfp4":
+        return lambda: mxfp4_gemv(x, *a, config=config)
     if fmt == "nvfp4_dequant":
         k = x.shape[-1]
         return lambda: F.linear(x, dequantize_nvfp4(*a)[:, :k].to(x.dtype))
@@ -191,9 +210,10 @@ def main() -> None:
         for m in rows_list:
             x = torch.randn(m, k, device=dev.device, dtype=dtype)
             times, entries = {}, []
-            fmts = ["bf16", "nvfp4", "nvfp4_dequant", "q6_k", "q6_k_int8", "q5_k", "q5_k_int8"]
+            fmts = ["bf16", "nvfp4", "nvfp4_dequant", "mxfp4", "mxfp4_int8", "q6_k",
+                    "q6_k_int8", "q5_k", "q5_k_int8"]
             if m <= DOT_ROWS:
-                fmts += ["nvfp4_dot", "q6_k_dot", "q5_k_dot"]
+                fmts += ["nvfp4_dot", "mxfp4_dot", "q6_k_dot", "q5_k_dot"]
             for fmt in fmts:
                 stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_dot"))
                                  else fmt]

@@ -1,23 +1,26 @@
 """Block-scaled weights read at their own bits on CUDA: NVFP4 (4.5 bits a weight: E2M1 codes,
-an E4M3 scale per 16, a float32 scale per tensor) and GGUF Q6_K (6.56 bits: 210 bytes per 256)
-and Q5_K (5.5 bits: 176 bytes per 256), as stored.
+an E4M3 scale per 16, a float32 scale per tensor), MXFP4 (4.25 bits: E2M1 codes, an E8M0 scale
+per 32) and GGUF Q6_K (6.56 bits: 210 bytes per 256) and Q5_K (5.5 bits: 176 bytes per 256), as
+stored.
 
 - `block_gemv`: y = x W^T (+ b) for 1..8 rows of x (decode), the stored bytes decoded in
   registers, in one of two modes (config "A8"): integer (the default up to four rows, Q6_K
   two: x rounded to int8 per 32 columns as llama.cpp's q8_1, each word of codes against x's by
   `dp4a`, gemv_block_a8_triton.py) or tensor cores (above: the weight tile rounded to x's
-  dtype, exact for NVFP4, whose e2m1 * e4m3 products have 6 significant bits; GGUF tiles add
+  dtype, exact for NVFP4 and MXFP4, whose e2m1 * e4m3 / e8m0 products have at most 6
+  significant bits; GGUF tiles add
   their rounding error as a second bf16/fp16 operand, weights to ~16 bits;
   gemv_block_triton.py). Split-K with gemv.py's last-arriver reduction. No host syncs:
   CUDA-graph safe.
-- `nvfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written into a given buffer.
-  Larger batches (`nvfp4_linear` / `gguf_linear`) dequantize up to SCRATCH_BYTES of whole rows
-  at a time into one scratch buffer per device and dtype, reused by every layer, and multiply
-  each chunk: no allocation the size of a weight per call, 32 MiB of memory in all.
+- `nvfp4_dequantize` / `mxfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written
+  into a given buffer. Larger batches (`nvfp4_linear` / `mxfp4_linear` / `gguf_linear`)
+  dequantize up to SCRATCH_BYTES of whole rows at a time into one scratch buffer per device and
+  dtype, reused by every layer, and multiply each chunk: no allocation the size of a weight per
+  call, 32 MiB of memory in all.
 
 The references (`*_ref`) dequantize with ops/fp4.py and ops/dequant.py, then multiply in
 float32 (with `a8`, x rounded first as the integer mode rounds it). Launch configurations come
-from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k", "gemv_q5_k") over
+from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", "gemv_mxfp4") over
 `default_config`.
 """
 
@@ -32,15 +35,16 @@ import torch.nn.functional as F
 from skyline.ops import gemv_block_a8_triton as a8_kernels
 from skyline.ops import gemv_block_triton as kernels
 from skyline.ops.dequant import dequantize_ref
-from skyline.ops.fp4 import dequantize_nvfp4
+from skyline.ops.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, quantize_chunks_int8_ref
 from skyline.ops.pdl import use_pdl
 from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import get_config
 
-NVFP4, Q6_K, Q5_K = 0, 1, 2  # FORMAT
-FORMAT_NAMES = {NVFP4: "nvfp4", Q6_K: "q6_k", Q5_K: "q5_k"}
+NVFP4, Q6_K, Q5_K, MXFP4 = 0, 1, 2, 3  # FORMAT
+FORMAT_NAMES = {NVFP4: "nvfp4", Q6_K: "q6_k", Q5_K: "q5_k", MXFP4: "mxfp4"}
+FP4_FORMATS = (NVFP4, MXFP4)
 KERNELS = {fmt: f"gemv_{name}" for fmt, name in FORMAT_NAMES.items()}  # tuning tables' names
 GGUF_FORMATS = {14: Q6_K, 13: Q5_K}  # ggml type id -> FORMAT
 _BLOCK_BYTES = {Q6_K: 210, Q5_K: 176}  # bytes per super-block of 256
@@ -62,6 +66,14 @@ def nvfp4_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x [..., K] times NVFP4 weights (ops/fp4.dequantize_nvfp4's layout, tensor_scale [N])
     -> [..., N] in x's dtype, float32 products; with a8, x rounded as the integer mode does."""
     w = dequantize_nvfp4(qweight, scales, tensor_scale)[:, : x.shape[-1]]
+    return _linear_ref(x, w, bias, a8)
+
+
+def mxfp4_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None = None, a8: bool = False) -> torch.Tensor:
+    """x [..., K] times MXFP4 weights (ops/fp4.dequantize_mxfp4's layout) -> [..., N] in x's
+    dtype, float32 products; with a8, x rounded as the integer mode does."""
+    w = dequantize_mxfp4(qweight, scales)[:, : x.shape[-1]]
     return _linear_ref(x, w, bias, a8)
 
 
@@ -141,6 +153,26 @@ def nvfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    tensor_scale.reshape(-1).float().contiguous(), n, k, bias, config)
 
 
+def mxfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] (1..MAX_ROWS rows) times MXFP4 weights: codes uint8 [N, Kp / 2], E8M0 scales
+    uint8 [N, Kp / 32] (Kp >= K a multiple of 32) -> [..., N] in x's dtype."""
+    n, k = qweight.shape[0], x.shape[-1]
+    _check_mxfp4(qweight, scales, k, "mxfp4_gemv")
+    scales = scales.contiguous()
+    return _launch(MXFP4, x, qweight.contiguous(), scales, scales, n, k, bias, config)
+
+
+def _check_mxfp4(qweight: torch.Tensor, scales: torch.Tensor, k: int, what: str) -> None:
+    n = qweight.shape[0]
+    if (qweight.dtype != torch.uint8 or scales.dtype != torch.uint8
+            or scales.shape != (n, qweight.shape[1] // 16) or qweight.shape[1] % 16
+            or qweight.shape[1] * 2 < k):
+        raise ValueError(f"{what}: qweight {qweight.dtype} {tuple(qweight.shape)}, scales "
+                         f"{scales.dtype} {tuple(scales.shape)} are not MXFP4 weights for "
+                         f"K = {k}")
+
+
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int,
               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (1..MAX_ROWS rows) times a Q6_K / Q5_K tensor's raw blocks uint8
@@ -186,10 +218,11 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     if partial is None:
         partial, counters = y, y
     kernels.gemv_block_kernel[(num_tiles, split_k)](
-        x2, w, w.view(torch.float16) if fmt != NVFP4 else w, scales, tensor_scale,
+        x2, w, w if fmt in FP4_FORMATS else w.view(torch.float16), scales, tensor_scale,
         bias if bias is not None else tensor_scale, y, partial, counters,
         m, n, k, k_iters, split_k, x2.stride(0), w.stride(0), scales.stride(0),
-        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1, W_LO=fmt != NVFP4,
+        FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
+        W_LO=fmt not in FP4_FORMATS,
         IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
         NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interpreted() else 0,
@@ -220,8 +253,8 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
                counters: torch.Tensor | None) -> torch.Tensor:
     m, dev = x2.shape[0], x2.device
     xq, xf = round_x_q8(x2)
-    # NVFP4 reads its codes to the stored width Kp; GGUF tiles are super-blocks of K
-    kp = w.shape[1] * 2 if fmt == NVFP4 else k
+    # FP4 formats read their codes to the stored width Kp; GGUF tiles are super-blocks of K
+    kp = w.shape[1] * 2 if fmt in FP4_FORMATS else k
     k_iters = _cdiv(_cdiv(kp, split_k), cfg["BLOCK_K"])
     y = torch.empty(m, n, dtype=x2.dtype, device=dev)
     if partial is None:
@@ -231,7 +264,7 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
     w32 = w.view(torch.int32) if fmt != Q6_K else w  # Q6_K rows need not be whole words
     kc = _cdiv(k, CHUNK)
     a8_kernels.gemv_block_a8_kernel[(num_tiles, split_k)](
-        xq.view(torch.int64) if fmt == NVFP4 else xq, xf, w, w.view(torch.int16), w32, scales,
+        xq.view(torch.int64) if fmt in FP4_FORMATS else xq, xf, w, w.view(torch.int16), w32, scales,
         tensor_scale, bias if bias is not None else xf, y, partial, counters,
         m, n, kp, kc, k_iters, split_k, w.stride(0), scales.stride(0),
         FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
@@ -245,12 +278,14 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
 
 
 def _check_tile(fmt: int, block_n: int, block_k: int, a8: bool, cfg: dict) -> None:
-    if fmt != NVFP4 and (block_k != SUPER if not a8 else block_k % SUPER
-                         or block_k & (block_k - 1)):
+    if fmt not in FP4_FORMATS and (block_k != SUPER if not a8 else block_k % SUPER
+                                   or block_k & (block_k - 1)):
         raise ValueError(f"block gemv config {cfg}: GGUF tiles are one super-block, "
                          f"BLOCK_K {SUPER} (A8: a power of two of them)")
-    if fmt == NVFP4 and (block_k < 16 or block_k & (block_k - 1)):
-        raise ValueError(f"block gemv config {cfg}: NVFP4 needs BLOCK_K a power of two >= 16")
+    group = 32 if fmt == MXFP4 else 16
+    if fmt in FP4_FORMATS and (block_k < group or block_k & (block_k - 1)):
+        raise ValueError(f"block gemv config {cfg}: {FORMAT_NAMES[fmt].upper()} needs BLOCK_K "
+                         f"a power of two >= {group}")
     if not a8 and block_n < 16:
         raise ValueError(f"block gemv config {cfg}: the tensor-core mode needs BLOCK_N >= 16")
     if a8 and block_k < CHUNK:
@@ -263,6 +298,15 @@ def nvfp4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: 
     values (rounded to out's dtype)."""
     return _dequantize(NVFP4, qweight.contiguous(), qweight, scales.contiguous(),
                        tensor_scale.reshape(-1).float().contiguous(), out)
+
+
+def mxfp4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
+                     ) -> torch.Tensor:
+    """MXFP4 weights into out [N, K] (any float dtype, unit stride along K): dequantize_mxfp4's
+    values (rounded to out's dtype; an E8M0 scale of 0 reads 0, not 2^-127)."""
+    _check_mxfp4(qweight, scales, out.shape[1], "mxfp4_dequantize")
+    scales = scales.contiguous()
+    return _dequantize(MXFP4, qweight.contiguous(), qweight, scales, scales, out)
 
 
 def gguf_dequantize(data: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
@@ -340,6 +384,19 @@ def nvfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
     def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         return nvfp4_dequantize(qweight[start:stop], scales[start:stop], ts[start:stop], out)
+
+    return _chunked_linear(x, qweight.shape[0], bias, dequantize, chunk_bytes)
+
+
+def mxfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
+                 ) -> torch.Tensor:
+    """F.linear's contract over MXFP4 weights on CUDA, as nvfp4_linear."""
+    if block_gemv_ok(x):
+        return mxfp4_gemv(x, qweight, scales, bias)
+
+    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        return mxfp4_dequantize(qweight[start:stop], scales[start:stop], out)
 
     return _chunked_linear(x, qweight.shape[0], bias, dequantize, chunk_bytes)
 

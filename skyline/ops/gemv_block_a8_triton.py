@@ -1,6 +1,6 @@
 """Triton kernels of the block-scaled GEMV's integer mode (ops/gemv_block.py holds the references,
-configurations and launchers): NVFP4 (FORMAT 0), GGUF Q6_K (1) and Q5_K (2) against x rounded to
-int8 per 32 columns, by `dp4a`, as llama.cpp's quantized GEMVs take q8_1 activations.
+configurations and launchers): NVFP4 (FORMAT 0), GGUF Q6_K (1), Q5_K (2) and MXFP4 (3) against x
+rounded to int8 per 32 columns, by `dp4a`, as llama.cpp's quantized GEMVs take q8_1 activations.
 
 x comes as int32 words of four consecutive int8 columns [M, 8 KC] and per chunk of 32 columns
 its scale and scale * sum of codes [M, KC, 2] (quantize_x_q8_kernel). A weight word (four codes,
@@ -22,11 +22,11 @@ a vector width, no change of layout. Per format, what a lane turns into words:
   x: sum(w x) = d sc sx dot - dmin mn (sx sum(x_q)), the latter from x's floats, an eighth in
   each of the group's 8 lanes. d, dmin and the 6-bit scales and mins are the block's first four
   words.
-- NVFP4 (codes [N, Kp / 2], a word is 8 columns, met by the int64 of x over them): each 16-bit
-  half of a code word holds four E2M1 codes as the four nibbles `prmt` takes as a selector, so
-  two byte permutes of a table of the doubled values (0, 1, 2, 3, 4, 6, 8, 12 and their
-  negatives) and a third by the signs turn it into a word of int8; the block scale carries the
-  1/2.
+- NVFP4 and MXFP4 (codes [N, Kp / 2], a word is 8 columns, met by the int64 of x over them):
+  each 16-bit half of a code word holds four E2M1 codes as the four nibbles `prmt` takes as a
+  selector, so two byte permutes of a table of the doubled values (0, 1, 2, 3, 4, 6, 8, 12 and
+  their negatives) and a third by the signs turn it into a word of int8; the block scale (E4M3
+  per 16, E8M0 per 32) carries the 1/2.
 The portable forms (ASM off: the interpreter) compute the same integers with shifts.
 """
 
@@ -51,10 +51,7 @@ if triton is not None:
                 acc += ((w >> (8 * b)) & 0xFF) * ((x << (24 - 8 * b)) >> 24)
             return acc
 
-    # One word of eight NVFP4 codes against two words of x (its columns 0-3, 4-7): the doubled
-    # E2M1 values of each half by two byte permutes (magnitudes 0-3 | 4-7 and their negatives),
-    # a third picks the negative where the code's sign bit is set.
-    # One word of eight NVFP4 codes against the int64 of x over the same eight columns: the
+    # One word of eight E2M1 codes against the int64 of x over the same eight columns: the
     # doubled E2M1 values of each 16-bit half by two byte permutes (magnitudes 0-3 | 4-7 and
     # their negatives), a third picks the negative where the code's sign bit is set.
     _NVFP4_DOT = tl.constexpr("""
@@ -93,7 +90,7 @@ if triton is not None:
         return tl.where(c >= 8, -v, v)
 
     @triton.jit
-    def _nvfp4_dot(w, x, ASM: tl.constexpr):
+    def _e2m1_dot(w, x, ASM: tl.constexpr):
         # w int32 (eight codes), x int64 (eight int8 columns) -> their dot product, int32
         if ASM:
             return tl.inline_asm_elementwise(_NVFP4_DOT, "=r,r,l", [w, x], dtype=tl.int32,
@@ -226,13 +223,15 @@ if triton is not None:
         return acc + (d * sc0 * sx0) * d_lo + (d * sc1 * sx1) * d_hi - off
 
     @triton.jit
-    def _nvfp4_a8(xq64_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_m, k0, KP, KC, stride_w32,
-                  stride_sn, acc, ASM: tl.constexpr, EVEN: tl.constexpr):
-        # acc [BLOCK_K / 16, BLOCK_N, BLOCK_M, 2] float32 (scale group, row, row of x, word)
-        # plus columns [k0, k0 + BLOCK_K) of each row: a group's two code words against the
-        # int64s of x over the same columns, loaded at acc's shape (so in one layout); columns
-        # at or past Kp (the stored width) read nothing, unless EVEN (Kp a whole number of
-        # tiles, x as wide)
+    def _fp4_a8(xq64_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_m, k0, KP, KC, stride_w32,
+                stride_sn, acc, MX: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+        # acc [BLOCK_K / 16, BLOCK_N, BLOCK_M, 2] float32 (16 columns, row, row of x, word)
+        # plus columns [k0, k0 + BLOCK_K) of each row: two code words against the int64s of x
+        # over the same columns, loaded at acc's shape (so in one layout); columns at or past
+        # Kp (the stored width) read nothing, unless EVEN (Kp a whole number of tiles, x as
+        # wide). The scale of 16 columns: NVFP4's E4M3, or (MX) MXFP4's E8M0 of their 32,
+        # 2^(e - 127) made from its bits (e = 0 reads 0, not 2^-127), halved: the codes are
+        # doubled.
         G: tl.constexpr = acc.shape[0]
         g = tl.arange(0, G)[:, None, None, None]
         e = tl.arange(0, 2)[None, None, None, :]
@@ -243,9 +242,13 @@ if triton is not None:
         w_ok = col < KP
         wv = _load(w32_ptr + zero + r4 * stride_w32 + col // 8, w_ok, EVEN)
         xv = _load(xq64_ptr + zero + m4 * (KC * 4) + col // 8, col < KC * 32, EVEN)
-        dot = _nvfp4_dot(wv, xv, ASM).to(tl.float32)
-        sc = _load(s_ptr + r4 * stride_sn + k0 // 16 + g, (k0 + g * 16) < KP,
-                   EVEN).to(tl.float32) * 0.5  # [G, BN, 1, 1]
+        dot = _e2m1_dot(wv, xv, ASM).to(tl.float32)
+        g_ok = (k0 + g * 16) < KP
+        if MX:
+            ex = _load(s_ptr + r4 * stride_sn + (k0 // 16 + g) // 2, g_ok, EVEN).to(tl.int32)
+            sc = (ex << 23).to(tl.float32, bitcast=True) * 0.5  # [G, BN, 1, 1]
+        else:
+            sc = _load(s_ptr + r4 * stride_sn + k0 // 16 + g, g_ok, EVEN).to(tl.float32) * 0.5
         chunk = k0 // 32 + g // 2
         sx = _load(xf_ptr + (m4 * KC + chunk) * 2, chunk < KC, EVEN)  # [G, 1, BM, 1]
         return acc + (sc * sx) * dot
@@ -275,7 +278,7 @@ if triton is not None:
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
         offs_mc = tl.minimum(offs_m, M - 1)
         t_start = pid_k * k_iters
-        if FORMAT == 0:
+        if FORMAT == 0 or FORMAT == 3:
             acc = tl.zeros((BLOCK_K // 16, BLOCK_N, BLOCK_M, 2), dtype=tl.float32)
         elif FORMAT == 1:
             acc = tl.zeros((2, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
@@ -283,10 +286,10 @@ if triton is not None:
             acc = tl.zeros((4, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
-            if FORMAT == 0:
-                acc = _nvfp4_a8(xq_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_mc,
-                                (t_start + it) * BLOCK_K, KP, KC, stride_w // 4, stride_sn,
-                                acc, ASM, EVEN_K)
+            if FORMAT == 0 or FORMAT == 3:
+                acc = _fp4_a8(xq_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_mc,
+                              (t_start + it) * BLOCK_K, KP, KC, stride_w // 4, stride_sn,
+                              acc, FORMAT == 3, ASM, EVEN_K)
             else:
                 # BLOCK_K / 256 super-blocks, unrolled in one basic block, so that the loads of
                 # all of them can be in flight at once; past the last one a tile reads nothing

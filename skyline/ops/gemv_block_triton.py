@@ -1,16 +1,18 @@
 """Triton kernels of the block-scaled GEMV's tensor-core mode and of the dequantizer
 (ops/gemv_block.py holds the references, configurations and launchers; the integer mode is
-gemv_block_a8_triton.py): NVFP4 (FORMAT 0), GGUF Q6_K (1) and Q5_K (2) read as stored. Each
+gemv_block_a8_triton.py): NVFP4 (FORMAT 0), GGUF Q6_K (1), Q5_K (2) and MXFP4 (3) read as
+stored. Each
 format has a tile function that turns the stored bytes of [BLOCK_N] rows and one K tile into
 float32 weights [BLOCK_N, BLOCK_K]; the GEMV multiplies them by x on the tensor cores and ends
 in gemv.py's split-K epilogue, the dequantizer stores them.
 
 Tiles load each stored byte once, as the format lays it out, and spread it over the elements it
 holds by broadcasting and a reshape (row-major, so element order is the format's):
-- NVFP4: BLOCK_K / 2 bytes (element 2j in the low nibble) and BLOCK_K / 16 E4M3 scales. E2M1 is
+- NVFP4 / MXFP4: BLOCK_K / 2 bytes (element 2j in the low nibble) and BLOCK_K / 16 E4M3 /
+  BLOCK_K / 32 E8M0 scales. E2M1 is
   decoded without a table or a select: the 3 magnitude bits shifted under an fp16's exponent
   (bits 9-11) and the sign to bit 15 make the fp16 2^-14 * value (code 1 a subnormal), so the
-  block scale carries the 2^14. The per-row tensor scale multiplies the finished sum.
+  block scale carries the 2^14. NVFP4's per-row tensor scale multiplies the finished sum.
 - Q6_K (210 bytes / 256 weights; a tile is one super-block): ql [2, 64] bytes give element
   128h + 64i + j from nibble i of byte 64h + j; qh [2, 32] give its 2 high bits from bits
   2s..2s+1 of byte 32h + j for element 128h + 32s + j; an int8 scale per 16 and the fp16 d.
@@ -29,22 +31,28 @@ if triton is not None:
     from skyline.ops.gemv import split_k_epilogue
 
     @triton.jit
-    def _nvfp4_parts(w_ptr, s_ptr, rows, n_ok, k0, K, stride_wn, stride_sn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # rows [BLOCK_N] int64, n_ok [BLOCK_N] -> (2^-14 * e2m1 [BLOCK_N, BLOCK_K / 16, 16],
-        # 2^14 * block scale [BLOCK_N, BLOCK_K / 16]), float32
+    def _fp4_parts(w_ptr, s_ptr, rows, n_ok, k0, K, stride_wn, stride_sn, MX: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # rows [BLOCK_N] int64, n_ok [BLOCK_N] -> (2^-14 * e2m1 [BLOCK_N, BLOCK_K / GS, GS],
+        # 2^14 * block scale [BLOCK_N, BLOCK_K / GS]), float32; GS 16 (NVFP4: E4M3 scales) or
+        # 32 (MX, MXFP4: E8M0 scales, 2^(e - 127) made from its bits; e = 0 reads 0)
+        GS: tl.constexpr = 32 if MX else 16
         offs_b = tl.arange(0, BLOCK_K // 2)
-        offs_s = tl.arange(0, BLOCK_K // 16)
+        offs_s = tl.arange(0, BLOCK_K // GS)
         b_mask = n_ok[:, None] & ((k0 + offs_b * 2) < K)[None, :]
-        s_mask = n_ok[:, None] & ((k0 + offs_s * 16) < K)[None, :]
+        s_mask = n_ok[:, None] & ((k0 + offs_s * GS) < K)[None, :]
         byte = tl.load(w_ptr + rows[:, None] * stride_wn + k0 // 2 + offs_b[None, :],
                        mask=b_mask, other=0)
-        scale = tl.load(s_ptr + rows[:, None] * stride_sn + k0 // 16 + offs_s[None, :],
-                        mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+        s_at = s_ptr + rows[:, None] * stride_sn + k0 // GS + offs_s[None, :]
+        if MX:
+            ex = tl.load(s_at, mask=s_mask, other=0).to(tl.int32)
+            scale = (ex << 23).to(tl.float32, bitcast=True) * 16384.0
+        else:
+            scale = tl.load(s_at, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
         c = byte.to(tl.uint16)
         lo = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True)
         hi = (((c & 0x70) << 5) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True)
-        vals = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // 16, 16)).to(tl.float32)
+        vals = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // GS, GS)).to(tl.float32)
         return vals, scale
 
     @triton.jit
@@ -105,9 +113,9 @@ if triton is not None:
         # a * sum(c * x) + b * sum(x).
         # GGUF: K is whole super-blocks; a split's tile past it loads nothing (weights 0)
         ok = n_ok & ((rows * 0 + k0) < K)
-        if FORMAT == 0:
-            c, a = _nvfp4_parts(w_ptr, s_ptr, rows, n_ok, k0, K, stride_wn, stride_sn,
-                                BLOCK_N, BLOCK_K)
+        if FORMAT == 0 or FORMAT == 3:
+            c, a = _fp4_parts(w_ptr, s_ptr, rows, n_ok, k0, K, stride_wn, stride_sn,
+                              FORMAT == 3, BLOCK_N, BLOCK_K)
             b = a * 0.0
         elif FORMAT == 1:
             c, a = _q6_k_parts(w_ptr, h_ptr, rows, ok, k0 // 256, stride_wn, BLOCK_N)

@@ -19,14 +19,12 @@ import torch
 
 from skyline.ops import cpu_int4
 from skyline.ops.fp4 import decode_e2m1, dequantize_mxfp4, dequantize_nvfp4, e8m0_to_float
-from skyline.ops.gemv_block import nvfp4_linear
-from skyline.ops.int_matmul import dequantize_int_ref
+from skyline.ops.gemv_block import mxfp4_linear, nvfp4_linear
 from skyline.ops.triton_utils import triton
 from skyline.quant.base import (
     QuantLinearMethod,
     dense_linear,
     dense_weight,
-    int_codes_linear,
     keep_dense,
     pack_nibbles,
     pad_cols,
@@ -100,11 +98,9 @@ class Mxfp4LinearMethod(QuantLinearMethod):
     def dequantize(self, q: dict[str, torch.Tensor], cols: int) -> torch.Tensor:
         return dequantize_mxfp4(q["qweight"], q["scales"])[:, :cols]
 
-    # Served without a full dequantization at every call, exact values at 10 bits a weight:
-    # on the CPU in bfloat16 torch's int4 kernel, the E2M1 codes as two planes
-    # (ops/cpu_int4.py); on CUDA the INT8 kernels, codes 128 + 2v with zero point 128 and half
-    # the block scale per group of 32 (the layout of GGUF's Q8_0 there), made at the first
-    # (eager) call.
+    # Served without a full dequantization at every call: on CUDA the packed tensors as they
+    # are (4.25 bits a weight, ops/gemv_block.py, as NVFP4 below); on the CPU in bfloat16
+    # torch's int4 kernel, the E2M1 codes as two planes (ops/cpu_int4.py), exact values.
 
     def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:
         """For a CPU engine in bfloat16 (loader.prepack_for_cpu): keep only the planes."""
@@ -114,29 +110,16 @@ class Mxfp4LinearMethod(QuantLinearMethod):
         return True
 
     def dequantized_weight(self, layer: LinearLayer) -> torch.Tensor:
-        if hasattr(layer, "fp4_int8"):
-            return dequantize_int_ref(*layer.fp4_int8, 8, 32)[:, : layer.in_features]
         if not hasattr(layer, "qweight"):  # prepacked: read back from the planes
             return cpu_int4.planes_weight(layer.fp4_planes)[:, : layer.in_features]
         return super().dequantized_weight(layer)
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return int_codes_linear(x, *self._int8_layout(layer), 8, 32, bias=layer.bias)
+        if x.is_cuda and triton is not None and hasattr(layer, "qweight"):
+            return mxfp4_linear(x, layer.qweight, layer.scales, layer.bias)
         if x.dtype == torch.bfloat16 and (planes := self._cpu_planes(layer)) is not None:
             return cpu_int4.planes_linear(x, planes, layer.bias)
         return super().apply(layer, x)
-
-    def _int8_layout(self, layer: LinearLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # (codes uint8 [N, Kp], scales, zeros float32 [N, Kp / 32]); replaces the packed
-        # tensors at the first call
-        if not hasattr(layer, "fp4_int8"):
-            twice = (2 * decode_e2m1(unpack_nibbles(layer.qweight))).to(torch.int32)
-            scale = e8m0_to_float(layer.scales) / 2
-            layer.fp4_int8 = ((128 + twice).to(torch.uint8), scale,
-                              torch.full_like(scale, 128.0))
-            del layer.qweight, layer.scales
-        return layer.fp4_int8
 
     def _cpu_planes(self, layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
         # made at the first use, kept beside the packed tensors (None: no kernel, or a shape

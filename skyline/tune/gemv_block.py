@@ -1,8 +1,9 @@
-"""The block-scaled GEMV's tuner (skyline/ops/gemv_block.py: NVFP4, GGUF Q6_K and Q5_K read as
-stored): candidate launch configurations of its integer and tensor-core modes for each Linear
-shape a model's decode runs, each checked against the reference and timed as GPU time per call in
-a CUDA graph of back-to-back calls over enough weight copies that L2 cannot serve them; the
-fastest is kept where it beats the default. Used by `skyline tune` for NVFP4 and GGUF models.
+"""The block-scaled GEMV's tuner (skyline/ops/gemv_block.py: NVFP4, MXFP4, GGUF Q6_K and Q5_K
+read as stored): candidate launch configurations of its integer and tensor-core modes for each
+Linear shape a model's decode runs, each checked against the reference and timed as GPU time per
+call in a CUDA graph of back-to-back calls over enough weight copies that L2 cannot serve them;
+the fastest is kept where it beats the default. Used by `skyline tune` for NVFP4, MXFP4 and GGUF
+models.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from skyline.ops.gemv_block import (
     FORMAT_NAMES,
     GGUF_FORMATS,
     KERNELS,
+    MXFP4,
     NVFP4,
     Q5_K,
     Q6_K,
@@ -29,6 +31,8 @@ from skyline.ops.gemv_block import (
     default_config,
     gguf_gemv,
     gguf_gemv_ref,
+    mxfp4_gemv,
+    mxfp4_gemv_ref,
     nvfp4_gemv,
     nvfp4_gemv_ref,
 )
@@ -38,20 +42,21 @@ GGUF_TYPES = {fmt: qtype for qtype, fmt in GGUF_FORMATS.items()}  # FORMAT -> gg
 
 
 def formats_of(quantization: str | None, model: str) -> list[int]:
-    """The block formats a model's Linears may be stored in: NVFP4 for --quantization nvfp4;
-    Q6_K and Q5_K for a GGUF file (its tensor types are known only once loaded: both)."""
-    if quantization == "nvfp4":
-        return [NVFP4]
+    """The block formats a model's Linears may be stored in: NVFP4 / MXFP4 for --quantization
+    nvfp4 / mxfp4; Q6_K and Q5_K for a GGUF file (its tensor types are known only once loaded:
+    both)."""
+    if quantization in ("nvfp4", "mxfp4"):
+        return [NVFP4 if quantization == "nvfp4" else MXFP4]
     if quantization == "gguf" or str(model).endswith(".gguf"):
         return [Q6_K, Q5_K]
     return []
 
 
 def shapes(arch: ModelArch, fmt: int) -> list[tuple[int, int]]:
-    """[(N, K)] the format's GEMV runs for one decoder layer: NVFP4 layers are merged (qkv,
+    """[(N, K)] the format's GEMV runs for one decoder layer: FP4 layers are merged (qkv,
     gate_up), a GGUF file's tensors are one per projection; GGUF widths are whole
     super-blocks."""
-    if fmt == NVFP4:
+    if fmt in (NVFP4, MXFP4):
         return model_linears(arch)
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -82,7 +87,14 @@ def candidates(fmt: int, m: int, n: int, k: int, num_sms: int) -> list[dict[str,
 def random_weight(fmt: int, n: int, k: int, device: torch.device, seed: int = 0
                   ) -> tuple[torch.Tensor, ...]:
     """One random [n, k] weight's stored tensors (NVFP4: random codes, E4M3 block scales and a
-    tensor scale, the width padded to 16 as a layer stores it; GGUF: random blocks)."""
+    tensor scale, the width padded to 16 as a layer stores it; MXFP4: random codes and E8M0
+    scales 2^-8..2^-5, padded to 32; GGUF: random blocks)."""
+    if fmt == MXFP4:
+        g = torch.Generator().manual_seed(seed)
+        kp = -(-k // 32) * 32
+        q = torch.randint(0, 256, (n, kp // 2), generator=g, dtype=torch.uint8)
+        s = torch.randint(119, 123, (n, kp // 32), generator=g, dtype=torch.uint8)
+        return q.to(device), s.to(device)
     if fmt == NVFP4:
         g = torch.Generator().manual_seed(seed)
         kp = -(-k // 16) * 16
@@ -97,6 +109,8 @@ def call(fmt: int, x: torch.Tensor, w: tuple[torch.Tensor, ...], cfg: dict | Non
     """The block GEMV of x and a weight's stored tensors `w` (random_weight's), with `cfg`."""
     if fmt == NVFP4:
         return nvfp4_gemv(x, *w, config=cfg)
+    if fmt == MXFP4:
+        return mxfp4_gemv(x, *w, config=cfg)
     return gguf_gemv(x, w[0], GGUF_TYPES[fmt], config=cfg)
 
 
@@ -105,6 +119,8 @@ def reference(fmt: int, x: torch.Tensor, w: tuple[torch.Tensor, ...], a8: bool
     """call's reference (with a8, x rounded as the integer mode rounds it)."""
     if fmt == NVFP4:
         return nvfp4_gemv_ref(x, *w, a8=a8)
+    if fmt == MXFP4:
+        return mxfp4_gemv_ref(x, *w, a8=a8)
     return gguf_gemv_ref(x, w[0], GGUF_TYPES[fmt], a8=a8)
 
 

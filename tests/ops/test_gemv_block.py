@@ -1,12 +1,12 @@
-"""The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, GGUF Q6_K and Q5_K read as
-stored) against their references: rows 1..8, odd N, K not a multiple of the tile (NVFP4),
+"""The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, MXFP4, GGUF Q6_K and Q5_K
+read as stored) against their references: rows 1..8, odd N, K not a multiple of the tile (FP4),
 tensor-core and integer (x rounded to int8, against the reference that rounds x the same way)
 modes, split-K on and off, bias; the dequantizer exact (GGUF) against
 ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16 activations).
 
 Every stored tensor sits at the start of a larger buffer whose tail is 0xFF bytes (NaN scales),
-and NVFP4's padding columns past K hold random codes: a program that reads past a tensor, or
-gives padding a nonzero weight, fails the comparison."""
+and the FP4 formats' padding columns past K hold random codes: a program that reads past a
+tensor, or gives padding a nonzero weight, fails the comparison."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ triton = pytest.importorskip("triton")
 
 from skyline.bench.gguf_blocks import random_blocks  # noqa: E402
 from skyline.ops.dequant import dequantize_ref  # noqa: E402
-from skyline.ops.fp4 import dequantize_nvfp4  # noqa: E402
+from skyline.ops.fp4 import dequantize_mxfp4, dequantize_nvfp4  # noqa: E402
 from skyline.ops.gemv_block import (  # noqa: E402
+    MXFP4,
     NVFP4,
     Q5_K,
     Q6_K,
@@ -29,12 +30,16 @@ from skyline.ops.gemv_block import (  # noqa: E402
     gguf_gemv,
     gguf_gemv_ref,
     gguf_linear,
+    mxfp4_dequantize,
+    mxfp4_gemv,
+    mxfp4_gemv_ref,
+    mxfp4_linear,
     nvfp4_dequantize,
     nvfp4_gemv,
     nvfp4_gemv_ref,
     nvfp4_linear,
 )
-from skyline.quant.fp4 import quantize_nvfp4  # noqa: E402
+from skyline.quant.fp4 import quantize_mxfp4, quantize_nvfp4  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 cuda = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU")
@@ -60,6 +65,16 @@ def nvfp4_weights(n: int, k: int, seed: int):
     # a merged layer holds one tensor scale per row (each shard its own)
     ts = ts.expand(n) * torch.linspace(0.5, 2.0, n)
     return guarded(q.to(DEV)), guarded(s.to(DEV)), guarded(ts.contiguous().to(DEV))
+
+
+def mxfp4_weights(n: int, k: int, seed: int):
+    """(codes, E8M0 scales) of random weights, guarded, random codes past K."""
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_mxfp4(torch.randn(n, k, generator=g) / k**0.5)
+    codes = torch.stack([q & 15, q >> 4], -1).flatten(-2)
+    codes[:, k:] = torch.randint(0, 16, (n, codes.shape[1] - k), generator=g, dtype=torch.uint8)
+    q = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return guarded(q.to(DEV)), guarded(s.to(DEV))
 
 
 def gguf_weights(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
@@ -96,6 +111,18 @@ def test_nvfp4_gemv_matches_reference(dtype, split_k, mode, m, n, k, bias):
     check(out, nvfp4_gemv_ref(x, q, s, ts, b, a8=mode == "a8"))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k,mode,block_k", [(1, "dot", 64), (3, "dot", 32), (1, "a8", 32),
+                                                  (3, "a8", 64), (2, "a8", 128)])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 7, 200, True), (2, 33, 64, False),
+                                        (5, 17, 232, False), (8, 16, 96, True)])
+def test_mxfp4_gemv_matches_reference(dtype, split_k, mode, block_k, m, n, k, bias):
+    q, s = mxfp4_weights(n, k, seed=m * n + k)
+    x, b = operands(m, n, k, dtype, seed=k, bias=bias)
+    out = mxfp4_gemv(x, q, s, b, config=cfg(16 if mode == "dot" else 4, block_k, split_k, mode))
+    check(out, mxfp4_gemv_ref(x, q, s, b, a8=mode == "a8"))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,split_k,mode,bias", [
@@ -129,6 +156,12 @@ def test_nvfp4_dequantize_matches_the_format():
     torch.testing.assert_close(nvfp4_dequantize(q, s, ts, out), want, rtol=1e-6, atol=0)
 
 
+def test_mxfp4_dequantize_is_exact():
+    q, s = mxfp4_weights(21, 200, seed=5)
+    out = torch.full((21, 200), float("nan"), device=DEV)
+    assert torch.equal(mxfp4_dequantize(q, s, out), dequantize_mxfp4(q, s)[:, :200])
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 16 * 512 * 4 * 2, 1 << 30])
 def test_linear_dequantizes_in_chunks_of_rows(chunk_bytes):
     # More rows than the GEMV takes: the weights go through the scratch buffer in chunks of
@@ -136,6 +169,8 @@ def test_linear_dequantizes_in_chunks_of_rows(chunk_bytes):
     x, b = operands(12, 37, 512, torch.float32, seed=2, bias=True)
     q, s, ts = nvfp4_weights(37, 512, seed=2)
     check(nvfp4_linear(x, q, s, ts, b, chunk_bytes=chunk_bytes), nvfp4_gemv_ref(x, q, s, ts, b))
+    q, s = mxfp4_weights(37, 512, seed=2)
+    check(mxfp4_linear(x, q, s, b, chunk_bytes=chunk_bytes), mxfp4_gemv_ref(x, q, s, b))
     for qtype in (Q.Q6_K, Q.Q5_K):
         data = gguf_weights(qtype, 37, 512, seed=2)
         check(gguf_linear(x, data, qtype, b, chunk_bytes=chunk_bytes),
@@ -143,7 +178,7 @@ def test_linear_dequantizes_in_chunks_of_rows(chunk_bytes):
 
 
 def test_default_configs_are_valid_launches():
-    for fmt in (NVFP4, Q6_K, Q5_K):
+    for fmt in (NVFP4, Q6_K, Q5_K, MXFP4):
         for m in (1, 2, 4, 8):
             c = default_config(fmt, m, 4096, 4096)
             a8 = m <= (2 if fmt == Q6_K else 4)
@@ -168,6 +203,13 @@ def test_bad_inputs_say_what_is_wrong():
                   config=cfg(16, 128, 1, "dot"))
     with pytest.raises(ValueError, match="A8 needs BLOCK_K >= 32"):
         nvfp4_gemv(x, q, s, ts, config=cfg(4, 16, 1, "a8"))
+    mq, ms = mxfp4_weights(4, 64, seed=0)
+    with pytest.raises(ValueError, match="not MXFP4 weights for K = 64"):
+        mxfp4_gemv(x, mq, ms.view(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="not MXFP4 weights for K = 96"):
+        mxfp4_gemv(torch.randn(1, 96, device=DEV), mq, ms)
+    with pytest.raises(ValueError, match="MXFP4 needs BLOCK_K a power of two >= 32"):
+        mxfp4_gemv(x, mq, ms, config=cfg(16, 16, 1, "dot"))
 
 
 def test_gemv_is_only_taken_on_cuda_for_16_bit_decode_batches():
@@ -187,6 +229,8 @@ def test_linear_paths_on_cuda_match_the_references(rows):
     q, s, ts = nvfp4_weights(1000, 2048, seed=rows)
     x, b = operands(rows, 1000, 2048, torch.bfloat16, seed=rows, bias=True)
     check(nvfp4_linear(x, q, s, ts, b), nvfp4_gemv_ref(x, q, s, ts, b, a8=rows <= 4))
+    mq, ms = mxfp4_weights(1000, 2048, seed=rows)
+    check(mxfp4_linear(x, mq, ms, b), mxfp4_gemv_ref(x, mq, ms, b, a8=rows <= 4))
     for qtype in (Q.Q6_K, Q.Q5_K):
         data = gguf_weights(qtype, 1000, 2048, seed=rows)
         a8 = rows <= (2 if qtype == Q.Q6_K else 4)

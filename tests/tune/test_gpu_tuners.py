@@ -11,7 +11,7 @@ from skyline.config import ModelArch
 from skyline.ops import attention as attn
 from skyline.ops.attention_config import shape_key
 from skyline.ops.gemv import config_key
-from skyline.ops.gemv_block import NVFP4, Q5_K, Q6_K
+from skyline.ops.gemv_block import MXFP4, NVFP4, Q5_K, Q6_K
 from skyline.tune import attention, gemv, gemv_block
 from skyline.tune.workload import model_linears
 
@@ -45,19 +45,20 @@ def test_block_gemv_tuner_keys():
                      intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=64)
     assert gemv_block.formats_of("nvfp4", "m") == [NVFP4]
+    assert gemv_block.formats_of("mxfp4", "m") == [MXFP4]
     assert gemv_block.formats_of(None, "/x/model.Q4_K_M.gguf") == [Q6_K, Q5_K]
     assert gemv_block.formats_of("fp8", "m") == []
     # GGUF: one shape per projection, widths of whole super-blocks (down's 512 is, o's 256 is)
     assert gemv_block.shapes(arch, Q6_K) == [(256, 256), (128, 256), (512, 256), (256, 512)]
-    assert gemv_block.shapes(arch, NVFP4) == model_linears(arch)
-    for fmt in (NVFP4, Q6_K, Q5_K):  # every candidate is one the launcher accepts
+    assert gemv_block.shapes(arch, NVFP4) == gemv_block.shapes(arch, MXFP4) == model_linears(arch)
+    for fmt in (NVFP4, Q6_K, Q5_K, MXFP4):  # every candidate is one the launcher accepts
         for m in (1, 3, 8):
             for cfg in gemv_block.candidates(fmt, m, 4096, 4096, 132):
                 assert cfg["BLOCK_K"] % 256 == 0 and (cfg["A8"] or cfg["BLOCK_N"] >= 16)
     # in the interpreter: tiny shapes (a program is slow there)
     dev = tune_device("test", smoke=True)
     bw = tuners.device_bandwidth(dev)
-    for fmt, k in ((NVFP4, 64), (Q5_K, 256)):
+    for fmt, k in ((NVFP4, 64), (Q5_K, 256), (MXFP4, 96)):
         [r] = gemv_block.tune_shape(fmt, 8, k, [2], bw, dev, torch.float16)
         assert r["key"] == f"8x{k}:m2" and r["default_us"] is not None
     tiny = ModelArch(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=256,
