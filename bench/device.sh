@@ -66,9 +66,10 @@
 #   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
 #                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
 #                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)
-#   gemv-block     bench/kernels/gemv_fp4_gguf_speed.py: NVFP4 / Q6_K / Q5_K decode GEMVs at
-#                  their own bits against bf16, the paths they replaced and the copy bandwidth;
-#                  GEMV_BLOCK_ARGS adds flags (e.g. "--sweep --rows 1 --budget-s 200")
+#   gemv-block     bench/kernels/gemv_fp4_gguf_speed.py: NVFP4 / MXFP4 / Q6_K / Q5_K decode
+#                  GEMVs at their own bits against bf16, the paths they replaced and the copy
+#                  bandwidth; GEMV_BLOCK_ARGS adds flags (e.g. "--formats mxfp4", "--sweep
+#                  --rows 1 --budget-s 200")
 #   tune-gemv-quant bench/kernels/tune_gemv_quant.py for MODEL, --kinds $KINDS (int4a8 fp8a8q
 #                  fp8a8) --rows $ROWS (1 2) --budget-s $BUDGET (150)
 #   tune-gemv      bench/kernels/tune_gemv.py (bf16) $TUNE_GEMV_ARGS (default: every shipped

@@ -190,6 +190,8 @@ def main() -> None:
                     help="--sweep's time, shared evenly by every shape, rows and format")
     ap.add_argument("--modes", nargs="+", default=["a8", "dot"], choices=["a8", "dot"],
                     help="the modes --sweep tries")
+    ap.add_argument("--formats", nargs="+", default=list(FMT_IDS), choices=list(FMT_IDS),
+                    help="the block formats timed (each with the paths it replaced; bf16 always)")
     ap.add_argument("--smoke", action="store_true",
                     help="one tiny shape, on the CPU without a GPU")
     args = ap.parse_args()
@@ -202,7 +204,7 @@ def main() -> None:
     rotate = 0 if dev.out_dir else ROTATE_BYTES
     bw = device_bandwidth(dev)
     rows = []
-    per_sweep = args.budget_s / (len(shapes) * len(rows_list) * len(FMT_IDS))
+    per_sweep = args.budget_s / (len(shapes) * len(rows_list) * len(args.formats))
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"{'shape':8} {'m':>2} {'format':14} {'us':>8} {'MB':>7} {'frac':>6} {'speedup':>7}")
     for shape, (n, k) in shapes.items():
@@ -210,10 +212,9 @@ def main() -> None:
         for m in rows_list:
             x = torch.randn(m, k, device=dev.device, dtype=dtype)
             times, entries = {}, []
-            fmts = ["bf16", "nvfp4", "nvfp4_dequant", "mxfp4", "mxfp4_int8", "q6_k",
-                    "q6_k_int8", "q5_k", "q5_k_int8"]
-            if m <= DOT_ROWS:
-                fmts += ["nvfp4_dot", "mxfp4_dot", "q6_k_dot", "q5_k_dot"]
+            fmts = ["bf16"]
+            for f in args.formats:
+                fmts += [f, REPLACES[f]] + ([f"{f}_dot"] if m <= DOT_ROWS else [])
             for fmt in fmts:
                 stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_dot"))
                                  else fmt]

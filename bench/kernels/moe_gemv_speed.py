@@ -72,8 +72,17 @@ def expert_bytes(w13: Any, w2: Any) -> int:
 def candidates(kernel: str, base: dict[str, Any], fmt: str, smoke: bool
                ) -> list[dict[str, Any]]:
     """A few tiles around the default: rows per program, K tile, warps (the default first;
-    two in all for a smoke run)."""
+    two in all for a smoke run); in the default's mode (MXFP4's integer mode: tiles of 1-4
+    rows, 1 or 2 warps)."""
     out = [base]
+    if base.get("A8"):
+        for bk in (512, 1024, 2048):
+            for bn in (1, 2, 4):
+                for warps in (1, 2):
+                    cfg = {**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps}
+                    if cfg not in out:
+                        out.append(cfg)
+        return out[:2] if smoke else out
     mx = fmt == "mxfp4"
     rows = ((8, 16) if mx else (8, 16, 32)) if kernel == "moe_gemv_up" else \
         ((4, 8) if mx else (4, 8, 16))
@@ -139,6 +148,8 @@ def main() -> None:
         return
     dev = tuners.tune_device("moe_gemv_speed", a.smoke)
     device, smoke = dev.device, dev.device.type != "cuda"
+    # float32 in the interpreter: MXFP4's integer mode (16-bit activations, tests/ops) would
+    # take minutes there
     dtype = torch.float32 if smoke else torch.bfloat16
     copy_bw = tuners.device_bandwidth(dev)
     t0 = time.time()

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from skyline import envs
 from skyline.ops.activation import silu_and_mul
 from skyline.ops.fp4 import dequantize_mxfp4
+from skyline.ops.gemv_block import rounded_x_ref
 from skyline.ops.triton_utils import interpreted, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
@@ -109,8 +110,15 @@ def fused_moe_ref(
     activation: str = "silu",
     limit: float | None = None,
     expert_map: torch.Tensor | None = None,  # [E_global] -> local index or -1
+    a8: bool = False,
 ) -> torch.Tensor:  # [T, K] in x's dtype
-    """Grouped by expert: one pass per expert that has pairs, over its rows (the CPU path)."""
+    """Grouped by expert: one pass per expert that has pairs, over its rows (the CPU path).
+    With a8, in float32 with x and the activations before `down` (stored in x's dtype first)
+    rounded to int8 per 32 columns, as the decode GEMV's integer mode rounds them
+    (ops/moe_gemv.py)."""
+    dtype = x.dtype
+    if a8:
+        x = rounded_x_ref(x)
     t, top_k = topk_ids.shape
     ids = _local_ids(topk_ids, expert_map)
     order = torch.argsort(ids, stable=True)
@@ -121,16 +129,18 @@ def fused_moe_ref(
     for e, n in enumerate(counts[1:]):
         if n:
             pairs = order[start:start + n]
-            h = F.linear(x[pairs // top_k], w13.expert(e, x.dtype), _row(w13.bias, e))
+            h = F.linear(x[pairs // top_k], w13.expert(e, x.dtype), _row(w13.bias, e, x.dtype))
             h = moe_activation_ref(h, activation, limit)
-            y = F.linear(h, w2.expert(e, x.dtype), _row(w2.bias, e))
+            if a8:
+                h = rounded_x_ref(h.to(dtype))
+            y = F.linear(h, w2.expert(e, x.dtype), _row(w2.bias, e, x.dtype))
             out[pairs] = y.float() * weights[pairs, None].float()
         start += n
-    return out.view(t, top_k, -1).sum(1).to(x.dtype)
+    return out.view(t, top_k, -1).sum(1).to(dtype)
 
 
-def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
-    return None if bias is None else bias[e]
+def _row(bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias[e].to(dtype)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,

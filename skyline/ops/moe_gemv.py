@@ -34,6 +34,14 @@ and tile); MXFP4 (bytes hold elements 2j, low nibble, and 2j + 1; E8M0 scale per
 tiles are [BLOCK_N, BLOCK_K / 32, 16] bytes (one scale per row and group of 16 bytes) against
 x's even and odd columns.
 
+Integer mode (config "A8"; the default for MXFP4 experts and bf16/fp16 activations): x, and
+h before `down`, are rounded to int8 per 32 columns (gemv_block.round_x_q8, as llama.cpp's q8_1)
+and each word of eight E2M1 codes meets them by `dp4a`, through the dense block GEMV's tile
+function (gemv_block_a8_triton._fp4_a8): no float decode of the weights, float32 only per
+16 columns. Tiles are a few rows of one or two warps, as the dense integer GEMV's. Unlike the
+dense GEMV, a program meets one row of activations whatever the token count (`up` one pair's,
+`down` one token's), so the mode pays no more per weight at 8 tokens than at one.
+
 Launch configurations: the tuning tables (kernels "moe_gemv_up", "moe_gemv_down", keyed by
 shape, format, dtype and the token count) over `default_config`.
 """
@@ -45,8 +53,9 @@ from typing import Any
 
 import torch
 
+from skyline.ops.gemv_block import round_x_q8
 from skyline.ops.moe import SWIGLU_ALPHA, ExpertWeights
-from skyline.ops.triton_utils import tl, triton
+from skyline.ops.triton_utils import interpreted, tl, triton
 from skyline.ops.tuning import dtype_name, get_config
 
 MAX_TOKENS = 8  # fused_moe runs this path for 1..MAX_TOKENS tokens on CUDA
@@ -80,20 +89,25 @@ def _block_k(k: int, w: ExpertWeights, want: int) -> int:
     return bk
 
 
-def default_config(kernel: str, num_tokens: int, k: int, fmt: str) -> dict[str, Any]:
-    """Without a tuned entry. Tiles of 512 bytes of each weight row per K step in every format
-    (bf16: 256 columns; fp8, MXFP4: 512); K loops of up to 16 tiles are unrolled (not
-    MXFP4's, which spill unrolled), so a
-    program issues its tiles' loads back to back (its only way to keep several in flight:
-    at one token there are few programs per SM). `up` at one token: each of the k pairs x
-    (I / 16) programs reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB);
-    `down` loops over the token's k experts, so its tiles are narrower (8 rows: 256
-    programs at H = 2048)."""
+def default_config(kernel: str, num_tokens: int, k: int, fmt: str,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Without a tuned entry. MXFP4 experts with bf16/fp16 activations: the integer mode,
+    two-warp programs of 2 rows and 1,024 columns a tile (what the tuner chose for both kernels
+    at 1, 2 and 4 tokens of gpt-oss-20b on an H200). Otherwise tiles of 512
+    bytes of each weight row per K step in every format (bf16: 256 columns; fp8, MXFP4: 512);
+    K loops of up to 16 tiles are unrolled (not MXFP4's, which spill unrolled), so a program
+    issues its tiles' loads back to back (its only way to keep several in flight: at one token
+    there are few programs per SM). `up` at one token: each of the k pairs x (I / 16) programs
+    reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB); `down` loops over the
+    token's k experts, so its tiles are narrower (8 rows: 256 programs at H = 2048)."""
+    if fmt == "mxfp4" and dtype in (torch.bfloat16, torch.float16):
+        return {"A8": True, "BLOCK_N": 2, "BLOCK_K": 1024, "UNROLL": False, "num_warps": 2,
+                "num_stages": 1}
     block_k = 256 if fmt == "dense" else 512
     # MXFP4's 3-D tiles (x spread over each) unrolled spill: 8 KB a thread for gpt-oss's up
     # (ptxas for sm_90); rolled, 226 registers and none spilled
     unroll = fmt != "mxfp4" and -(-k // block_k) <= 16
-    return {"BLOCK_N": 16 if kernel == "moe_gemv_up" else 8, "BLOCK_K": block_k,
+    return {"A8": False, "BLOCK_N": 16 if kernel == "moe_gemv_up" else 8, "BLOCK_K": block_k,
             "UNROLL": unroll, "num_warps": 4, "num_stages": 1}
 
 
@@ -102,11 +116,12 @@ def _config(kernel: str, n: int, k: int, fmt: str, dtype: torch.dtype, t: int
             ) -> dict[str, Any]:
     """The table's entry for `t` tokens, else for the nearest fewer tokens tuned (a program's
     work, one pair's or one token's rows, is the same at any token count: only the number of
-    programs grows), else the default."""
-    default = default_config(kernel, t, k, fmt)
+    programs grows) in the default's mode (entries without "A8" are of the float mode), else
+    the default."""
+    default = default_config(kernel, t, k, fmt, dtype)
     for tt in (t >> i for i in range(t.bit_length())):
         found = get_config(kernel, f"n{n}:k{k}:{fmt}:{dtype_name(dtype)}:t{tt}", {})
-        if found:
+        if found and bool(found.get("A8", False)) == default["A8"]:
             return {**default, **found}
     return default
 
@@ -116,6 +131,19 @@ def moe_gemv_config(kernel: str, num_tokens: int, w: ExpertWeights, dtype: torch
     """The launch configuration of `kernel` for `num_tokens` tokens (bucketed 1, 2, 4, 8)."""
     t = 1 << max(0, num_tokens - 1).bit_length()
     return _config(kernel, w.n, w.k, w.fmt, dtype, t)
+
+
+def _a8(cfg: dict[str, Any], w: ExpertWeights, dtype: torch.dtype) -> bool:
+    """Whether a launch takes the integer mode: asked for, MXFP4 with scales contiguous along K,
+    16-bit activations."""
+    if not cfg.get("A8", False):
+        return False
+    if w.fmt != "mxfp4" or dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"MoE GEMV config {cfg}: the integer mode (A8) takes MXFP4 experts "
+                         f"and bf16/fp16 activations, not {w.fmt} and {dtype}")
+    if cfg["BLOCK_K"] < 32 or cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1):
+        raise ValueError(f"MoE GEMV config {cfg}: A8 needs BLOCK_K a power of two >= 32")
+    return w.scale.stride(-1) == 1
 
 
 def _format_args(w: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int],
@@ -155,17 +183,22 @@ def fused_moe_gemv(
     emap = expert_map if expert_map is not None else ids
     h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    asm = not interpreted() and x.is_cuda and not torch.version.hip
     for kernel, w, cfg, a, y, n, k in ((_up_kernel, w13, up, x, h, inter, hidden),
                                        (_down_kernel, w2, down, h, out, hidden, inter)):
         weight, scale, s_strides, bias, blk = _format_args(w)
+        a8 = _a8(cfg, w, x.dtype)
         block_k = _block_k(k, w, cfg["BLOCK_K"])
+        xq, xf = round_x_q8(a) if a8 else (a, a)
         rows = t * top_k if kernel is _up_kernel else t
         grid = (rows, triton.cdiv(n, cfg["BLOCK_N"]))
         kernel[grid](
             a, weight, scale, bias if bias is not None else weight, ids, emap, route, y,
+            xq.view(torch.int64) if a8 else a, xf, weight.view(torch.int32) if a8 else weight,
             weight.stride(0), weight.stride(1), *s_strides,
             bias.stride(0) if bias is not None else 0,
-            N=n, K=k, TOP_K=top_k, FMT=FMTS[w.fmt],
+            N=n, K=k, TOP_K=top_k, FMT=FMTS[w.fmt], A8=a8, ASM=asm,
+            EVEN_K=k % block_k == 0,
             CHANNEL_SCALE=w.fmt == "fp8" and w.block() is None,
             SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=bias is not None,
             HAS_MAP=expert_map is not None, SWIGLU=activation == "swiglu_oai",
@@ -178,6 +211,7 @@ def fused_moe_gemv(
 
 
 if triton is not None:
+    from skyline.ops.gemv_block_a8_triton import _fp4_a8
     from skyline.ops.moe_triton import _e2m1_to_f32_scaled, _e8m0_to_f32
 
     @triton.jit
@@ -247,10 +281,25 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _rows_a8(xq_ptr, xf_ptr, w32_rows, s_rows, n, row, K: tl.constexpr, stride_wn,
+                 stride_sn, ASM: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        # [BLOCK_N] float32: MXFP4 rows n (clamped to the expert's, so unmasked) at w32_rows
+        # (int32 words) against row `row` of the rounded activations, by the dense integer
+        # GEMV's tile function
+        acc = tl.zeros((BLOCK_K // 16, BLOCK_N, 1, 2), dtype=tl.float32)
+        m = tl.zeros((1,), dtype=tl.int32) + row
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            acc = _fp4_a8(xq_ptr, xf_ptr, w32_rows, s_rows, n, m, k0, K, K // 32,
+                          stride_wn // 4, stride_sn, acc, True, ASM, EVEN_K)
+        return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=0), axis=1)
+
+    @triton.jit
     def _up_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, map_ptr, route_ptr, h_ptr,
-        stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
+        x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, map_ptr, route_ptr, h_ptr, xq_ptr, xf_ptr,
+        w32_ptr, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
         N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, FMT: tl.constexpr,
+        A8: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
         CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SWIGLU: tl.constexpr,
         LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr,
@@ -273,7 +322,14 @@ if triton is not None:
         acc_g = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
         acc_u = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
         x_ok = p >= 0  # always: x's row is the token's
-        if UNROLL:  # every K tile's loads independent in straight-line code
+        if A8:
+            rows = tl.minimum(n, N - 1).to(tl.int64)
+            w32_e = w32_ptr + e.to(tl.int64) * (stride_we // 4)
+            gate = _rows_a8(xq_ptr, xf_ptr, w32_e, s_e, rows, p // TOP_K, K, stride_wn,
+                            stride_sn, ASM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+            up = _rows_a8(xq_ptr, xf_ptr, w32_e + N * (stride_wn // 4), s_up, rows, p // TOP_K,
+                          K, stride_wn, stride_sn, ASM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+        elif UNROLL:  # every K tile's loads independent in straight-line code
             for k0 in tl.static_range(0, K, BLOCK_K):
                 acc_g = _rows_dot(acc_g, x_row, x_ok, w_e, s_e, n, n_ok, k0, K, stride_wn,
                                   stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
@@ -289,8 +345,9 @@ if triton is not None:
                 acc_u = _rows_dot(acc_u, x_row, x_ok, w_up, s_up, n, n_ok, k0, K, stride_wn,
                                   stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN, SCALE_BK,
                                   BLOCK_N, BLOCK_K)
-        gate = tl.sum(acc_g, axis=1)
-        up = tl.sum(acc_u, axis=1)
+        if not A8:
+            gate = tl.sum(acc_g, axis=1)
+            up = tl.sum(acc_u, axis=1)
         if CHANNEL_SCALE:
             gate *= tl.load(s_e + n * stride_sn, mask=n_ok, other=0.0)
             up *= tl.load(s_up + n * stride_sn, mask=n_ok, other=0.0)
@@ -309,9 +366,10 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(
-        h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, map_ptr, route_ptr, out_ptr,
-        stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
+        h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, map_ptr, route_ptr, out_ptr, xq_ptr, xf_ptr,
+        w32_ptr, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_be,
         N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr, FMT: tl.constexpr,
+        A8: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr,
         CHANNEL_SCALE: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_MAP: tl.constexpr, SWIGLU: tl.constexpr,
         LIMIT: tl.constexpr, HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr,
@@ -334,7 +392,13 @@ if triton is not None:
             s_e = s_ptr + e_ok * stride_se
             h_row = h_ptr + p.to(tl.int64) * K
             acc = _acc_zeros(FMT, BLOCK_N, BLOCK_K)
-            if UNROLL:  # the k experts' tiles too: nothing orders their loads
+            if A8:  # another rank's expert reads nothing
+                y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                if held:
+                    y = _rows_a8(xq_ptr, xf_ptr, w32_ptr + e_ok * (stride_we // 4), s_e,
+                                 tl.minimum(n, N - 1).to(tl.int64), p, K, stride_wn, stride_sn,
+                                 ASM, EVEN_K, BLOCK_N, BLOCK_K, NUM_STAGES)
+            elif UNROLL:  # the k experts' tiles too: nothing orders their loads
                 for k0 in tl.static_range(0, K, BLOCK_K):
                     acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
                                     stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
@@ -344,7 +408,8 @@ if triton is not None:
                     acc = _rows_dot(acc, h_row, held, w_e, s_e, n, rows_ok, k0, K, stride_wn,
                                     stride_sn, stride_sk, FMT, CHANNEL_SCALE, SCALE_BN,
                                     SCALE_BK, BLOCK_N, BLOCK_K)
-            y = tl.sum(acc, axis=1)
+            if not A8:
+                y = tl.sum(acc, axis=1)
             if CHANNEL_SCALE:
                 y *= tl.load(s_e + n * stride_sn, mask=rows_ok, other=0.0)
             if HAS_BIAS:

@@ -1,7 +1,8 @@
 """The MoE decode GEMVs (ops/moe_gemv.py) against ops/moe.py's reference: every weight format
-(dense, fp8 per channel and per block, MXFP4), both activations with biases, an expert map with
-experts of other ranks, and 1..MAX_TOKENS tokens. Kernels run on CUDA, or in Triton's
-interpreter on the CPU (tiny shapes: the interpreter runs each program in Python)."""
+(dense, fp8 per channel and per block, MXFP4 in the float and the integer mode), both
+activations with biases, an expert map with experts of other ranks, and 1..MAX_TOKENS tokens.
+Kernels run on CUDA, or in Triton's interpreter on the CPU (tiny shapes: the interpreter runs
+each program in Python)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from test_fused_moe import DEV, experts, on, routing
 from skyline.ops import moe_gemv
 from skyline.ops.moe import ExpertWeights, fused_moe, fused_moe_ref
 from skyline.ops.moe_gemv import MAX_TOKENS, fused_moe_gemv, gemv_ok
+from skyline.ops.tuning import dtype_name
 
 # BLOCK_K 32 over K 64 or 48 (masked tail): two K tiles; BLOCK_N below N: several N tiles
 SMALL = (dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
@@ -64,6 +66,36 @@ def test_every_token_count_with_a_partial_expert_map(t, monkeypatch):
     got = run(x, *part, weights, ids, "swiglu_oai", 0.7, expert_map)
     monkeypatch.undo()
     assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("activation,limit,bias,t,block_k", [("silu", None, False, 1, 64),
+                                                              ("swiglu_oai", 0.7, True, 3, 128)])
+def test_integer_mode_matches_the_rounding_reference(activation, limit, bias, t, block_k):
+    """MXFP4 with fp16 activations in the integer mode (x and h rounded to int8 per 32 columns,
+    `dp4a`): against the reference that rounds them the same way; K 96 (tiles of 64 and 128:
+    a masked tail), BLOCK_N below N, and a rank holding half of the experts (the other pairs
+    read nothing and add nothing)."""
+    w13, w2 = experts(6, 96, 64, "mxfp4", bias, seed=t)
+    expert_map = torch.full((6,), -1, dtype=torch.int32)
+    expert_map[::2] = torch.arange(3, dtype=torch.int32)
+    part = [ExpertWeights(w.weight[::2], w.scale[::2],
+                          None if w.bias is None else w.bias[::2], w.fmt) for w in (w13, w2)]
+    weights, ids = routing(t, 6, 3, 20 + t)
+    x = torch.randn(t, 96, generator=torch.Generator().manual_seed(t)).half()
+    a8 = dict(A8=True, BLOCK_K=block_k, num_warps=1, num_stages=1)
+    configs = (a8 | {"BLOCK_N": 16}, a8 | {"BLOCK_N": 32})  # few programs: the interpreter
+    for emap, ws in ((None, (w13, w2)), (expert_map, part)):
+        want = fused_moe_ref(x, *ws, weights, ids, activation, limit, emap, a8=True)
+        plain = fused_moe_ref(x.float(), *ws, weights, ids, activation, limit, emap)
+        got = run(x, *ws, weights, ids, activation, limit, emap, configs)
+        assert got.dtype == want.dtype == torch.float16 and torch.isfinite(got).all()
+        got, want = got.float(), want.float()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 2e-3, err
+        # the rounding is visible: the reference without it is further away
+        assert ((got - plain).norm() / plain.norm()).item() > 2 * err
+    with pytest.raises(ValueError, match="integer mode"):
+        run(x.float(), w13, w2, weights, ids, configs=configs)  # float32 activations
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
@@ -131,18 +163,27 @@ def test_cuda_graph_capture():
 
 def test_a_token_count_without_an_entry_takes_the_nearest_fewer_tuned(monkeypatch):
     """A program's work is the same at any token count: t8 without an entry takes t4's, else
-    t1's; a shape with none keeps the default."""
-    stored = {"n64:k32:mxfp4:bf16:t1": {"BLOCK_N": 8}, "n64:k32:mxfp4:bf16:t4": {"BLOCK_N": 32}}
+    t1's; a shape with none keeps the default; an entry of the other mode (A8: MXFP4's
+    integer mode, the default for 16-bit activations) is passed over."""
+    bf, f32 = dtype_name(torch.bfloat16), dtype_name(torch.float32)
+    stored = {f"n64:k32:mxfp4:{bf}:t1": {"A8": True, "BLOCK_N": 8},
+              f"n64:k32:mxfp4:{bf}:t4": {"A8": True, "BLOCK_N": 32},
+              f"n64:k32:mxfp4:{f32}:t1": {"A8": True, "BLOCK_N": 2},
+              f"n64:k32:mxfp4:{f32}:t2": {"BLOCK_N": 64}}
     monkeypatch.setattr(moe_gemv, "get_config",
                         lambda kernel, key, default: {**default, **stored.get(key, {})})
     moe_gemv._config.cache_clear()
     try:
         up = functools.partial(moe_gemv._config, "moe_gemv_up", 64, 32, "mxfp4", torch.bfloat16)
         assert up(1)["BLOCK_N"] == 8 and up(2)["BLOCK_N"] == 8
-        assert up(4)["BLOCK_N"] == 32 and up(8)["BLOCK_N"] == 32
+        assert up(4)["BLOCK_N"] == 32 and up(8)["BLOCK_N"] == 32 and up(8)["A8"]
         assert up(8)["num_warps"] == moe_gemv.default_config("moe_gemv_up", 8, 32,
                                                               "mxfp4")["num_warps"]
         other = moe_gemv._config("moe_gemv_up", 128, 32, "mxfp4", torch.bfloat16, 8)
         assert other == moe_gemv.default_config("moe_gemv_up", 8, 32, "mxfp4")
+        fp32 = functools.partial(moe_gemv._config, "moe_gemv_up", 64, 32, "mxfp4",
+                                 torch.float32)
+        assert fp32(1) == moe_gemv.default_config("moe_gemv_up", 1, 32, "mxfp4", torch.float32)
+        assert not fp32(1)["A8"] and fp32(2)["BLOCK_N"] == 64 and fp32(8)["BLOCK_N"] == 64
     finally:
         moe_gemv._config.cache_clear()
