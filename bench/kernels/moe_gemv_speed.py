@@ -1,7 +1,8 @@
 """The MoE MLP at decode sizes on this GPU: the decode GEMVs (ops/moe_gemv.py) against the
 grouped GEMMs (ops/moe.py's fused_moe_triton), for Qwen3-30B-A3B's experts (bf16, and fp8) and
-gpt-oss-20b's (MXFP4), at 1, 2, 4 and 8 tokens; microseconds per call and the bandwidth of the
-distinct experts' bytes each call reads, against the copy bandwidth measured in the same run.
+gpt-oss-20b's (MXFP4), at 1, 2, 4 and 8 tokens (--tokens: MXFP4 up to 32); microseconds per
+call and the bandwidth of the distinct experts' bytes each call reads, against the copy
+bandwidth measured in the same run.
 With --tune, candidate launch configurations of the two GEMV kernels (up, then down with the
 best up) are timed too and the fastest written to the tuning table
 (skyline/ops/configs/moe-gemv-<gpu>.json, kernels "moe_gemv_up" / "moe_gemv_down").
@@ -137,6 +138,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=240.0, help="--tune: stop tuning after")
     ap.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES),
                     help="the models whose experts are timed")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8],
+                    help="token counts (up to the GEMVs' limit: 8, MXFP4 in bf16 32)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     from skyline.ops.moe import fused_moe_ref, fused_moe_triton
@@ -162,7 +165,7 @@ def main() -> None:
         w13, w2 = make(e, h, i, fmt, bias, device, dtype)
         per_expert = expert_bytes(w13, w2)
         limit = 7.0 if act == "swiglu_oai" else None
-        for t in ((1,) if smoke else (1, 2, 4, 8)):
+        for t in ((1,) if smoke else a.tokens):
             g = torch.Generator().manual_seed(t)
             # routings cycled through the graph: ~4x L2 of distinct experts' bytes in all
             num = 1 if smoke else max(2, -(-200_000_000 // (t * k * per_expert)))

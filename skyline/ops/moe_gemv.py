@@ -1,4 +1,5 @@
-"""The MoE MLP at decode sizes (1..MAX_TOKENS tokens): two GEMV-style Triton launches over the
+"""The MoE MLP at decode sizes (1..MAX_TOKENS tokens; MXFP4 experts with 16-bit activations
+1..A8_MAX_TOKENS): two GEMV-style Triton launches over the
 (token, expert) pairs, no sorting, no host sync (CUDA graphs capture it). Its reference is
 ops/moe.py's `fused_moe_ref` (the same contract: x [T, K], stacked expert weights in any of the
 three formats, routing weights and ids, activation, expert_map).
@@ -25,7 +26,9 @@ hit ~50 distinct experts (1.3x their bytes); with top-4 over 32 (gpt-oss) the 32
 the 64 pairs x 4.7 M weights x 2 FLOPs are 0.6 GFLOP, ~10 us at an H200's ~60 fp32 TFLOP/s,
 against ~110 us to read the ~50 experts' 470 MB. Beyond MAX_TOKENS the redundant reads grow
 (at 16 tokens ~1.6x for Qwen3, ~2.3x for gpt-oss) past what the grouped GEMM's overheads cost, and
-fused_moe takes the grouped path. Pairs whose expert another rank holds (expert_map -1) load
+fused_moe takes the grouped path; MXFP4's integer mode keeps the GEMVs to A8_MAX_TOKENS, where
+the grouped GEMM's MXFP4 tile (decoded through shared memory) loses to them even reading each
+expert ~3x. Pairs whose expert another rank holds (expert_map -1) load
 nothing and add nothing.
 
 Formats (ops/moe.py's ExpertWeights): dense; fp8 e4m3 with a scale per output channel (applied
@@ -59,16 +62,25 @@ from skyline.ops.triton_utils import interpreted, tl, triton
 from skyline.ops.tuning import dtype_name, get_config
 
 MAX_TOKENS = 8  # fused_moe runs this path for 1..MAX_TOKENS tokens on CUDA
+A8_MAX_TOKENS = 32  # MXFP4 experts with bf16/fp16 activations (the integer mode): this many
+_A8_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("moe_gemv_up", "moe_gemv_down")  # names in the tuning tables
 FMTS = {"dense": 0, "fp8": 1, "mxfp4": 2}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def max_tokens(w13: ExpertWeights, dtype: torch.dtype) -> int:
+    """The most tokens this path takes: A8_MAX_TOKENS for MXFP4 experts with 16-bit
+    activations, else MAX_TOKENS."""
+    return A8_MAX_TOKENS if w13.fmt == "mxfp4" and dtype in _A8_DTYPES else MAX_TOKENS
+
+
 def gemv_ok(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights) -> bool:
-    """Whether the decode path serves x: CUDA (or the interpreter's CPU), 1..MAX_TOKENS rows of
+    """Whether the decode path serves x: CUDA (or the interpreter's CPU), 1..max_tokens rows of
     a float dtype, weights whose K tiles it can walk (unit stride along K)."""
     blk = w13.block()
-    return (triton is not None and 1 <= x.shape[0] <= MAX_TOKENS and x.dtype in _DTYPES
+    return (triton is not None and x.dtype in _DTYPES
+            and 1 <= x.shape[0] <= max_tokens(w13, x.dtype)
             and w13.weight.stride(-1) == 1 and w2.weight.stride(-1) == 1
             and (w13.fmt != "mxfp4" or w13.k % 32 == 0)
             # fp8 blocks: the up rows (from row I) start a block row
@@ -100,7 +112,7 @@ def default_config(kernel: str, num_tokens: int, k: int, fmt: str,
     there are few programs per SM). `up` at one token: each of the k pairs x (I / 16) programs
     reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB); `down` loops over the
     token's k experts, so its tiles are narrower (8 rows: 256 programs at H = 2048)."""
-    if fmt == "mxfp4" and dtype in (torch.bfloat16, torch.float16):
+    if fmt == "mxfp4" and dtype in _A8_DTYPES:
         return {"A8": True, "BLOCK_N": 2, "BLOCK_K": 1024, "UNROLL": False, "num_warps": 2,
                 "num_stages": 1}
     block_k = 256 if fmt == "dense" else 512
@@ -128,7 +140,8 @@ def _config(kernel: str, n: int, k: int, fmt: str, dtype: torch.dtype, t: int
 
 def moe_gemv_config(kernel: str, num_tokens: int, w: ExpertWeights, dtype: torch.dtype
                     ) -> dict[str, Any]:
-    """The launch configuration of `kernel` for `num_tokens` tokens (bucketed 1, 2, 4, 8)."""
+    """The launch configuration of `kernel` for `num_tokens` tokens (bucketed to powers of
+    two)."""
     t = 1 << max(0, num_tokens - 1).bit_length()
     return _config(kernel, w.n, w.k, w.fmt, dtype, t)
 
@@ -138,7 +151,7 @@ def _a8(cfg: dict[str, Any], w: ExpertWeights, dtype: torch.dtype) -> bool:
     16-bit activations."""
     if not cfg.get("A8", False):
         return False
-    if w.fmt != "mxfp4" or dtype not in (torch.bfloat16, torch.float16):
+    if w.fmt != "mxfp4" or dtype not in _A8_DTYPES:
         raise ValueError(f"MoE GEMV config {cfg}: the integer mode (A8) takes MXFP4 experts "
                          f"and bf16/fp16 activations, not {w.fmt} and {dtype}")
     if cfg["BLOCK_K"] < 32 or cfg["BLOCK_K"] & (cfg["BLOCK_K"] - 1):
@@ -170,8 +183,8 @@ def fused_moe_gemv(
 ) -> torch.Tensor:  # [T, K] in x's dtype
     """fused_moe_ref's contract in two launches (module docstring)."""
     t, top_k = topk_ids.shape
-    if not 1 <= t <= MAX_TOKENS:
-        raise ValueError(f"the MoE GEMV takes 1..{MAX_TOKENS} tokens, got {t}")
+    if not 1 <= t <= (most := max_tokens(w13, x.dtype)):
+        raise ValueError(f"the MoE GEMV takes 1..{most} tokens, got {t}")
     hidden, inter = x.shape[1], w13.n // 2
     if configs is None:
         configs = (moe_gemv_config(KERNELS[0], t, w13, x.dtype),

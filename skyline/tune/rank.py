@@ -16,9 +16,12 @@ from typing import Any
 # family -> (kind of work it does for the floor, its tuner or None, name fragments)
 # Order matters: the first family whose fragment a kernel name holds claims it.
 FAMILIES: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
-    # NVFP4 / GGUF K-quant weights read as stored; above 8 rows dequantized into a scratch
+    # NVFP4 / MXFP4 / GGUF K-quant weights read as stored by the decode GEMV (its tuner's);
+    # above 8 rows dequantized into a scratch buffer for a matmul, a family of its own so that
+    # a round of the GEMV's tuner is not judged on the prefill it does not change
     "gemv_block": ("matmul", "gemv_block", ("gemv_block_a8_kernel", "gemv_block_kernel",
-                                            "quantize_x_q8_kernel", "dequant_block_kernel")),
+                                            "quantize_x_q8_kernel")),
+    "block_dequant": ("matmul", None, ("dequant_block_kernel",)),
     "gemv": ("matmul", "gemv", ("_gemv_kernel", "split_k_epilogue")),
     "gemv_quant": ("matmul", None, ("gemv_quant_kernel", "gemv_int_fma_kernel",
                                     "gemv_int4_a8_kernel", "quantize_x_words_kernel")),

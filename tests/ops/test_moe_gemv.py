@@ -14,7 +14,7 @@ from test_fused_moe import DEV, experts, on, routing
 
 from skyline.ops import moe_gemv
 from skyline.ops.moe import ExpertWeights, fused_moe, fused_moe_ref
-from skyline.ops.moe_gemv import MAX_TOKENS, fused_moe_gemv, gemv_ok
+from skyline.ops.moe_gemv import A8_MAX_TOKENS, MAX_TOKENS, fused_moe_gemv, gemv_ok
 from skyline.ops.tuning import dtype_name
 
 # BLOCK_K 32 over K 64 or 48 (masked tail): two K tiles; BLOCK_N below N: several N tiles
@@ -110,6 +110,10 @@ def test_default_configs_and_dispatch(fmt):
     got = run(x, w13, w2, weights, ids, configs=None)
     assert (got - want).norm() / want.norm() < 1e-5
     assert gemv_ok(x, w13, w2) and not gemv_ok(torch.randn(MAX_TOKENS + 1, 96), w13, w2)
+    # MXFP4's integer mode (16-bit activations) keeps this path to A8_MAX_TOKENS
+    wide = A8_MAX_TOKENS if fmt == "mxfp4" else MAX_TOKENS
+    assert gemv_ok(torch.randn(wide, 96).half(), w13, w2)
+    assert not gemv_ok(torch.randn(wide + 1, 96).half(), w13, w2)
     with pytest.raises(ValueError, match="1..8 tokens"):
         fused_moe_gemv(torch.randn(9, 96), w13, w2, *routing(9, 4, 2, 0))
     if fmt == "fp8":  # 32-row scale blocks: the up rows (from row 48) would split one
@@ -122,7 +126,7 @@ def test_default_configs_and_dispatch(fmt):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
-@pytest.mark.parametrize("t", [1, 2, 5, 8])
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 24])  # 24: MXFP4's integer-mode GEMVs, else grouped
 def test_model_shapes_cuda(fmt, t):
     """Qwen3-30B-A3B's experts (128, 2048 -> 768, top 8) and gpt-oss-20b's (32, 2880 -> 2880,
     top 4, swiglu with biases) in bf16 through fused_moe's dispatch, default configs."""

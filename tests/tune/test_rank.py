@@ -18,7 +18,7 @@ COST = ModelCost(linear_params=1000, head_params=100, weight_bytes=2200,
     ("mkldnn::_linear_pointwise", "linear"), ("aten::_weight_int4pack_mm_for_cpu", "linear"),
     ("_rms_norm_kernel", "norm"), ("gemv_quant_kernel", "gemv_quant"),
     ("gemv_block_a8_kernel", "gemv_block"), ("gemv_block_kernel", "gemv_block"),
-    ("quantize_x_q8_kernel", "gemv_block"),
+    ("quantize_x_q8_kernel", "gemv_block"), ("dequant_block_kernel", "block_dequant"),
     ("void at::native::elementwise_kernel<...>", "other")])
 def test_kernel_names_map_to_families(name, family):
     assert rank.family_of(name) == family
