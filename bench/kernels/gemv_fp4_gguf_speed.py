@@ -18,6 +18,9 @@ back-to-back calls over weight copies that L2 cannot hold):
 - q6_k / q5_k: the block GEMV on the raw super-blocks (6.56 / 5.5 bits); q6_k_int8 /
   q5_k_int8: what a GGUF layer ran before, the blocks as 8-bit codes with float32 scale and zero
   per 16 / 32 (ops/gemv_quant.int_gemv; 12 / 10 bits a weight);
+- past 8 rows (--rows 16 32 64), what ran there before the GEMV took up to 64 rows:
+  <format>_scratch, the weights dequantized by the Triton dequantizer into the scratch buffer
+  (32 MiB of rows at a time) and multiplied by cuBLAS;
 - up to 4 rows, nvfp4_dot / mxfp4_dot / q6_k_dot / q5_k_dot: the block GEMV's tensor-core mode
   (x as it is, the weight tile rounded for the MMA), beside the integer mode (x rounded to int8,
   `dp4a`) that is the default there (Q6_K: up to 2 rows).
@@ -64,10 +67,15 @@ from skyline.ops.gemv_block import (  # noqa: E402
     NVFP4,
     Q5_K,
     Q6_K,
+    SCRATCH_BYTES,
+    _chunked_linear,
     block_gemv_config,
     default_config,
+    gguf_dequantize,
     gguf_gemv,
+    mxfp4_dequantize,
     mxfp4_gemv,
+    nvfp4_dequantize,
     nvfp4_gemv,
 )
 from skyline.ops.gemv_quant import int_gemv  # noqa: E402
@@ -131,7 +139,13 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
         base = fmt[: -len("_dot")]
         return call(base, x, a, dot_config(base, x, a))
     if fmt == "bf16":
-        return lambda: gemv(x, a[0])
+        if x.shape[0] <= 8:
+            return lambda: gemv(x, a[0])
+        w = a[0].to(x.dtype)  # the same tensor on the GPU (bf16); the smoke's x is fp16
+        return lambda: F.linear(x, w)
+    if fmt.endswith("_scratch"):
+        return lambda: _chunked_linear(x, a[0].shape[0], None, scratch_dequantizer(fmt, a),
+                                       SCRATCH_BYTES)
     if fmt == "nvfp4":
         return lambda: nvfp4_gemv(x, *a, config=config)
     if fmt == "mxfp4":
@@ -144,6 +158,17 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
         return lambda: gguf_gemv(x, a[0], qtype, config=config)
     group = int(a[3])
     return lambda: int_gemv(x, a[0], a[1], a[2], 8, group)
+
+
+def scratch_dequantizer(fmt: str, a: tuple[torch.Tensor, ...]):
+    """dequantize(start, stop, out) of rows [start, stop) of the stored tensors `a`."""
+    base = fmt[: -len("_scratch")]
+    if base == "nvfp4":
+        return lambda i, j, out: nvfp4_dequantize(a[0][i:j], a[1][i:j], a[2][i:j], out)
+    if base == "mxfp4":
+        return lambda i, j, out: mxfp4_dequantize(a[0][i:j], a[1][i:j], out)
+    qtype = Q.Q6_K if base == "q6_k" else Q.Q5_K
+    return lambda i, j, out: gguf_dequantize(a[0][i:j], qtype, out)
 
 
 def grid(fmt: str, x: torch.Tensor, n: int, modes: list[str]) -> list[dict]:
@@ -200,7 +225,7 @@ def main() -> None:
     # the interpreter takes fp16 where the GPU runs bf16
     dtype = torch.bfloat16 if dev.device.type == "cuda" else torch.float16
     shapes = {"smoke": (24, 512)} if dev.out_dir else {s: SHAPES[s] for s in args.shapes}
-    rows_list = [1, 2] if dev.out_dir else args.rows
+    rows_list = [1, 12] if dev.out_dir else args.rows
     rotate = 0 if dev.out_dir else ROTATE_BYTES
     bw = device_bandwidth(dev)
     rows = []
@@ -214,10 +239,11 @@ def main() -> None:
             times, entries = {}, []
             fmts = ["bf16"]
             for f in args.formats:
-                fmts += [f, REPLACES[f]] + ([f"{f}_dot"] if m <= DOT_ROWS else [])
+                old = REPLACES[f] if m <= 8 else f"{f}_scratch"
+                fmts += [f, old] + ([f"{f}_dot"] if m <= DOT_ROWS else [])
             for fmt in fmts:
-                stored = formats[fmt.rsplit("_", 1)[0] if fmt.endswith(("_dequant", "_dot"))
-                                 else fmt]
+                stored = formats[fmt.rsplit("_", 1)[0]
+                                 if fmt.endswith(("_dequant", "_dot", "_scratch")) else fmt]
                 size = nbytes(stored[:3])
                 sets = copies(stored, rotate)
                 fns = [call(fmt, x, a) for a in sets]
@@ -231,7 +257,9 @@ def main() -> None:
                                 "us": t * 1e6, "bytes": size,
                                 "bits_per_weight": size * 8 / n / k,
                                 "fraction_of_copy_bw": size / t / bw,
-                                "replaces": REPLACES.get(fmt), "speedup_vs_replaced": None})
+                                "replaces": (REPLACES.get(fmt) if m <= 8 or fmt not in FMT_IDS
+                                             else f"{fmt}_scratch"),
+                                "speedup_vs_replaced": None})
                 if args.sweep and fmt in FMT_IDS:
                     best = sweep(fmt, x, sets, calls, time.monotonic() + per_sweep,
                                  args.modes)

@@ -145,14 +145,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y.reshape(*x.shape[:-1], n)
 
 
-def gemv_rows(x: torch.Tensor, k: int, what: str) -> torch.Tensor:
+def gemv_rows(x: torch.Tensor, k: int, what: str, max_rows: int = MAX_ROWS) -> torch.Tensor:
     """x [..., K] as the [M, K] rows a GEMV launch reads (unit stride along K), 1 <= M <=
-    MAX_ROWS (a ValueError naming `what` otherwise)."""
+    max_rows (a ValueError naming `what` otherwise)."""
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if not 1 <= x2.shape[0] <= MAX_ROWS:
-        raise ValueError(f"{what} takes 1..{MAX_ROWS} rows, got {x2.shape[0]}; use F.linear")
+    if not 1 <= x2.shape[0] <= max_rows:
+        raise ValueError(f"{what} takes 1..{max_rows} rows, got {x2.shape[0]}; use F.linear")
     return x2
 
 

@@ -3,20 +3,20 @@ an E4M3 scale per 16, a float32 scale per tensor), MXFP4 (4.25 bits: E2M1 codes,
 per 32) and GGUF Q6_K (6.56 bits: 210 bytes per 256) and Q5_K (5.5 bits: 176 bytes per 256), as
 stored.
 
-- `block_gemv`: y = x W^T (+ b) for 1..8 rows of x (decode), the stored bytes decoded in
-  registers, in one of two modes (config "A8"): integer (the default up to four rows, Q6_K
-  two: x rounded to int8 per 32 columns as llama.cpp's q8_1, each word of codes against x's by
-  `dp4a`, gemv_block_a8_triton.py) or tensor cores (above: the weight tile rounded to x's
-  dtype, exact for NVFP4 and MXFP4, whose e2m1 * e4m3 / e8m0 products have at most 6
-  significant bits; GGUF tiles add
-  their rounding error as a second bf16/fp16 operand, weights to ~16 bits;
-  gemv_block_triton.py). Split-K with gemv.py's last-arriver reduction. No host syncs:
+- `block_gemv`: y = x W^T (+ b) for 1..MAX_BLOCK_ROWS rows of x (decode batches), the stored
+  bytes decoded in registers, in one of two modes (config "A8"): integer (the default up to
+  four rows, Q6_K two, at most 8: x rounded to int8 per 32 columns as llama.cpp's q8_1, each
+  word of codes against x's by `dp4a`, gemv_block_a8_triton.py) or tensor cores (above, tiles
+  of 16-64 rows of x: the weight tile decoded once for all of them, rounded to x's dtype,
+  exact for NVFP4 and MXFP4, whose e2m1 * e4m3 / e8m0 products have at most 6 significant
+  bits; GGUF tiles add their rounding error as a second bf16/fp16 operand, weights to ~16
+  bits; gemv_block_triton.py). Split-K with gemv.py's last-arriver reduction. No host syncs:
   CUDA-graph safe.
 - `nvfp4_dequantize` / `mxfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written
-  into a given buffer. Larger batches (`nvfp4_linear` / `mxfp4_linear` / `gguf_linear`)
-  dequantize up to SCRATCH_BYTES of whole rows at a time into one scratch buffer per device and
-  dtype, reused by every layer, and multiply each chunk: no allocation the size of a weight per
-  call, 32 MiB of memory in all.
+  into a given buffer. Batches of more than LINEAR_ROWS rows (`nvfp4_linear` / `mxfp4_linear`
+  / `gguf_linear`: FP4 16, GGUF 8) dequantize up to SCRATCH_BYTES of whole rows at a time into
+  one scratch buffer per device and dtype, reused by every layer, and multiply each chunk: no
+  allocation the size of a weight per call, 32 MiB of memory in all.
 
 The references (`*_ref`) dequantize with ops/fp4.py and ops/dequant.py, then multiply in
 float32 (with `a8`, x rounded first as the integer mode rounds it). Launch configurations come
@@ -50,14 +50,21 @@ GGUF_FORMATS = {14: Q6_K, 13: Q5_K}  # ggml type id -> FORMAT
 _BLOCK_BYTES = {Q6_K: 210, Q5_K: 176}  # bytes per super-block of 256
 SUPER = 256
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
+# The GEMV takes up to MAX_BLOCK_ROWS rows (the tensor-core mode above MAX_ROWS: tiles of up
+# to 64 rows of x reading the stored bits once; the integer mode up to MAX_ROWS). The *_linear
+# functions send it at most LINEAR_ROWS[format] rows, past which the scratch path (dequantize,
+# then cuBLAS) measured faster on an H200: FP4 tiles won 1.05-1.5x over it at 16 rows and lost
+# at 64, GGUF's lost past 8 (bench/kernels/gemv_fp4_gguf_speed.py --rows 16 32 64).
+MAX_BLOCK_ROWS = 64
+LINEAR_ROWS = {NVFP4: 16, MXFP4: 16, Q6_K: MAX_ROWS, Q5_K: MAX_ROWS}
 
 
-def block_gemv_ok(x: torch.Tensor) -> bool:
-    """Whether block_gemv serves x: CUDA, bf16/fp16, 1..MAX_ROWS rows."""
+def block_gemv_ok(x: torch.Tensor, max_rows: int = MAX_BLOCK_ROWS) -> bool:
+    """Whether block_gemv serves x: CUDA, bf16/fp16, 1..max_rows rows."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     return (triton is not None and x.is_cuda and x.dtype in _ACT_DTYPES
-            and 1 <= m <= MAX_ROWS)
+            and 1 <= m <= min(max_rows, MAX_BLOCK_ROWS))
 
 
 def nvfp4_gemv_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -139,7 +146,7 @@ def config_key(m: int, n: int, k: int) -> str:
 def nvfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (1..MAX_ROWS rows) times NVFP4 weights: codes uint8 [N, Kp / 2], E4M3 scales
+    """x [..., K] (1..MAX_BLOCK_ROWS rows) times NVFP4 weights: codes uint8 [N, Kp / 2], E4M3 scales
     [N, Kp / 16], float32 tensor_scale [N] (Kp >= K a multiple of 16) -> [..., N] in x's
     dtype."""
     n, k = qweight.shape[0], x.shape[-1]
@@ -155,7 +162,7 @@ def nvfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def mxfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (1..MAX_ROWS rows) times MXFP4 weights: codes uint8 [N, Kp / 2], E8M0 scales
+    """x [..., K] (1..MAX_BLOCK_ROWS rows) times MXFP4 weights: codes uint8 [N, Kp / 2], E8M0 scales
     uint8 [N, Kp / 32] (Kp >= K a multiple of 32) -> [..., N] in x's dtype."""
     n, k = qweight.shape[0], x.shape[-1]
     _check_mxfp4(qweight, scales, k, "mxfp4_gemv")
@@ -175,7 +182,7 @@ def _check_mxfp4(qweight: torch.Tensor, scales: torch.Tensor, k: int, what: str)
 
 def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int,
               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] (1..MAX_ROWS rows) times a Q6_K / Q5_K tensor's raw blocks uint8
+    """x [..., K] (1..MAX_BLOCK_ROWS rows) times a Q6_K / Q5_K tensor's raw blocks uint8
     [N, K / 256 * block_bytes] -> [..., N] in x's dtype."""
     fmt = _gguf_format(data, qtype, x.shape[-1])
     data = data.contiguous()
@@ -200,12 +207,15 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         raise RuntimeError("the block GEMV needs triton; use the *_ref functions")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"block gemv: bias {tuple(bias.shape)} does not match {n} outputs")
-    x2 = gemv_rows(x, k, "block gemv")
+    x2 = gemv_rows(x, k, "block gemv", MAX_BLOCK_ROWS)
     m = x2.shape[0]
     cfg = config if config is not None else block_gemv_config(fmt, m, n, k, x.device)
     block_n, block_k, split_k = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["SPLIT_K"]
     a8 = bool(cfg["A8"])
     _check_tile(fmt, block_n, block_k, a8, cfg)
+    if a8 and m > MAX_ROWS:
+        raise ValueError(f"block gemv config {cfg}: the integer mode takes 1..{MAX_ROWS} rows, "
+                         f"got {m}")
     num_tiles = _cdiv(n, block_n)
     split_k, partial, counters = split_k_plan(x, split_k, num_tiles, m, n,
                                                f"block gemv config {cfg}")
@@ -223,7 +233,8 @@ def _launch(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         m, n, k, k_iters, split_k, x2.stride(0), w.stride(0), scales.stride(0),
         FORMAT=fmt, HAS_BIAS=bias is not None, SPLIT=split_k > 1,
         W_LO=fmt not in FP4_FORMATS,
-        IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, BLOCK_M=max(16, row_bucket(m)), BLOCK_N=block_n,
+        BLOCK_K=block_k,
         NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interpreted() else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -375,10 +386,10 @@ def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None,
 def nvfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
                  chunk_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
-    """F.linear's contract over NVFP4 weights on CUDA: block_gemv for decode-sized batches,
+    """F.linear's contract over NVFP4 weights on CUDA: block_gemv up to LINEAR_ROWS rows,
     else the weights dequantized chunk by chunk into the scratch buffer, each chunk one
     matmul."""
-    if block_gemv_ok(x):
+    if block_gemv_ok(x, LINEAR_ROWS[NVFP4]):
         return nvfp4_gemv(x, qweight, scales, tensor_scale, bias)
     ts = tensor_scale.reshape(-1)
 
@@ -392,7 +403,7 @@ def mxfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
                  ) -> torch.Tensor:
     """F.linear's contract over MXFP4 weights on CUDA, as nvfp4_linear."""
-    if block_gemv_ok(x):
+    if block_gemv_ok(x, LINEAR_ROWS[MXFP4]):
         return mxfp4_gemv(x, qweight, scales, bias)
 
     def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
@@ -405,7 +416,7 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int,
                 bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
                 ) -> torch.Tensor:
     """F.linear's contract over Q6_K / Q5_K raw blocks on CUDA, as nvfp4_linear."""
-    if block_gemv_ok(x):
+    if block_gemv_ok(x, LINEAR_ROWS[GGUF_FORMATS.get(int(qtype), Q6_K)]):
         return gguf_gemv(x, data, qtype, bias)
 
     def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:

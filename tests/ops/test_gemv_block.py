@@ -1,8 +1,9 @@
 """The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, MXFP4, GGUF Q6_K and Q5_K
-read as stored) against their references: rows 1..8, odd N, K not a multiple of the tile (FP4),
-tensor-core and integer (x rounded to int8, against the reference that rounds x the same way)
-modes, split-K on and off, bias; the dequantizer exact (GGUF) against
-ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16 activations).
+read as stored) against their references: rows 1..64 (tiles of 16-64 rows past 8), odd N, K not
+a multiple of the tile (FP4), tensor-core and integer (x rounded to int8, against the reference
+that rounds x the same way) modes, split-K on and off, bias; the dequantizer exact (GGUF)
+against ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16
+activations).
 
 Every stored tensor sits at the start of a larger buffer whose tail is 0xFF bytes (NaN scales),
 and the FP4 formats' padding columns past K hold random codes: a program that reads past a
@@ -20,6 +21,8 @@ from skyline.bench.gguf_blocks import random_blocks  # noqa: E402
 from skyline.ops.dequant import dequantize_ref  # noqa: E402
 from skyline.ops.fp4 import dequantize_mxfp4, dequantize_nvfp4  # noqa: E402
 from skyline.ops.gemv_block import (  # noqa: E402
+    LINEAR_ROWS,
+    MAX_BLOCK_ROWS,
     MXFP4,
     NVFP4,
     Q5_K,
@@ -142,6 +145,20 @@ def test_gguf_gemv_matches_reference(qtype, dtype, m, n, split_k, mode, bias):
     check(out, gguf_gemv_ref(x, data, qtype, b, a8=mode == "a8"))
 
 
+@pytest.mark.parametrize("m,split_k", [(12, 1), (33, 2), (64, 1)])
+def test_tiles_of_many_rows_match_the_references(m, split_k):
+    """Decode batches past 8 rows: the tensor-core mode, tiles of 16, 64 and 64 rows of x."""
+    x, b = operands(m, 21, 256, torch.float16, seed=m, bias=True)
+    c = cfg(16, 256 if split_k == 1 else 64, split_k, "dot")
+    q, s, ts = nvfp4_weights(21, 256, seed=m)
+    check(nvfp4_gemv(x, q, s, ts, b, config=c), nvfp4_gemv_ref(x, q, s, ts, b))
+    mq, ms = mxfp4_weights(21, 256, seed=m)
+    check(mxfp4_gemv(x, mq, ms, b, config=c), mxfp4_gemv_ref(x, mq, ms, b))
+    data = gguf_weights(Q.Q5_K, 21, 256, seed=m)
+    check(gguf_gemv(x, data, Q.Q5_K, b, config=cfg(16, 256, 1, "dot")),
+          gguf_gemv_ref(x, data, Q.Q5_K, b))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=lambda q: q.name)
 def test_gguf_dequantize_is_exact(qtype):
     data = gguf_weights(qtype, 19, 512, seed=3)
@@ -166,7 +183,7 @@ def test_mxfp4_dequantize_is_exact():
 def test_linear_dequantizes_in_chunks_of_rows(chunk_bytes):
     # More rows than the GEMV takes: the weights go through the scratch buffer in chunks of
     # 16 rows (smallest), 32 rows (a last chunk of 5) or whole, each chunk one matmul.
-    x, b = operands(12, 37, 512, torch.float32, seed=2, bias=True)
+    x, b = operands(MAX_BLOCK_ROWS + 3, 37, 512, torch.float32, seed=2, bias=True)
     q, s, ts = nvfp4_weights(37, 512, seed=2)
     check(nvfp4_linear(x, q, s, ts, b, chunk_bytes=chunk_bytes), nvfp4_gemv_ref(x, q, s, ts, b))
     q, s = mxfp4_weights(37, 512, seed=2)
@@ -196,8 +213,10 @@ def test_bad_inputs_say_what_is_wrong():
         gguf_gemv(torch.randn(1, 256, device=DEV), random_blocks(Q.Q4_K, 2, 256, 0), Q.Q4_K)
     with pytest.raises(ValueError, match="not Q6_K blocks of 512 columns"):
         gguf_gemv(torch.randn(1, 512, device=DEV), gguf_weights(Q.Q6_K, 2, 256, 0), Q.Q6_K)
-    with pytest.raises(ValueError, match="1..8 rows"):
-        nvfp4_gemv(torch.randn(9, 64, device=DEV), q, s, ts)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        nvfp4_gemv(torch.randn(MAX_BLOCK_ROWS + 1, 64, device=DEV), q, s, ts)
+    with pytest.raises(ValueError, match="the integer mode takes 1..8 rows"):
+        nvfp4_gemv(torch.randn(9, 64, device=DEV), q, s, ts, config=cfg(4, 64, 1, "a8"))
     with pytest.raises(ValueError, match="GGUF tiles are one super-block"):
         gguf_gemv(torch.randn(1, 256, device=DEV), gguf_weights(Q.Q5_K, 2, 256, 0), Q.Q5_K,
                   config=cfg(16, 128, 1, "dot"))
@@ -215,17 +234,19 @@ def test_bad_inputs_say_what_is_wrong():
 def test_gemv_is_only_taken_on_cuda_for_16_bit_decode_batches():
     assert not block_gemv_ok(torch.randn(1, 64, dtype=torch.float16))  # CPU
     if DEV == "cuda":
-        assert block_gemv_ok(torch.randn(8, 64, dtype=torch.bfloat16, device=DEV))
-        assert not block_gemv_ok(torch.randn(9, 64, dtype=torch.bfloat16, device=DEV))
+        assert block_gemv_ok(torch.randn(64, 64, dtype=torch.bfloat16, device=DEV))
+        assert not block_gemv_ok(torch.randn(65, 64, dtype=torch.bfloat16, device=DEV))
         assert not block_gemv_ok(torch.randn(2, 64, device=DEV))
+        assert not block_gemv_ok(torch.randn(17, 64, dtype=torch.bfloat16, device=DEV),
+                                 LINEAR_ROWS[NVFP4])
 
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 40])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 40])
 def test_linear_paths_on_cuda_match_the_references(rows):
-    # default configurations (split K; integer mode up to 4 rows (Q6_K 2), tensor cores above) at a
-    # real-ish shape; 40 rows: the scratch buffer and one matmul
+    # default configurations (split K; integer mode up to 4 rows (Q6_K 2), tensor cores above)
+    # at a real-ish shape; past LINEAR_ROWS (FP4 16, GGUF 8) the scratch buffer and a matmul
     q, s, ts = nvfp4_weights(1000, 2048, seed=rows)
     x, b = operands(rows, 1000, 2048, torch.bfloat16, seed=rows, bias=True)
     check(nvfp4_linear(x, q, s, ts, b), nvfp4_gemv_ref(x, q, s, ts, b, a8=rows <= 4))
