@@ -1,6 +1,6 @@
 """The MoE MLP at decode sizes (1..MAX_TOKENS tokens; MXFP4 experts with 16-bit activations
-1..A8_MAX_TOKENS): two GEMV-style Triton launches over the
-(token, expert) pairs, no sorting, no host sync (CUDA graphs capture it). Its reference is
+1..A8_MAX_TOKENS): two GEMV-style Triton launches over the (token, expert) pairs, no sorting,
+no host sync (CUDA graphs capture it). Its reference is
 ops/moe.py's `fused_moe_ref` (the same contract: x [T, K], stacked expert weights in any of the
 three formats, routing weights and ids, activation, expert_map).
 
@@ -28,8 +28,7 @@ against ~110 us to read the ~50 experts' 470 MB. Beyond MAX_TOKENS the redundant
 (at 16 tokens ~1.6x for Qwen3, ~2.3x for gpt-oss) past what the grouped GEMM's overheads cost, and
 fused_moe takes the grouped path; MXFP4's integer mode keeps the GEMVs to A8_MAX_TOKENS, where
 the grouped GEMM's MXFP4 tile (decoded through shared memory) loses to them even reading each
-expert ~3x. Pairs whose expert another rank holds (expert_map -1) load
-nothing and add nothing.
+expert ~3x. Pairs whose expert another rank holds (expert_map -1) load nothing and add nothing.
 
 Formats (ops/moe.py's ExpertWeights): dense; fp8 e4m3 with a scale per output channel (applied
 once at the end) or per SCALE_BN x SCALE_BK block (BLOCK_K divides SCALE_BK: one scale per row
@@ -62,7 +61,7 @@ from skyline.ops.triton_utils import interpreted, tl, triton
 from skyline.ops.tuning import dtype_name, get_config
 
 MAX_TOKENS = 8  # fused_moe runs this path for 1..MAX_TOKENS tokens on CUDA
-A8_MAX_TOKENS = 32  # MXFP4 experts with bf16/fp16 activations (the integer mode): this many
+A8_MAX_TOKENS = 32  # ... and MXFP4 experts with bf16/fp16 activations (the integer mode)
 _A8_DTYPES = (torch.bfloat16, torch.float16)
 KERNELS = ("moe_gemv_up", "moe_gemv_down")  # names in the tuning tables
 FMTS = {"dense": 0, "fp8": 1, "mxfp4": 2}
@@ -105,11 +104,11 @@ def default_config(kernel: str, num_tokens: int, k: int, fmt: str,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Without a tuned entry. MXFP4 experts with bf16/fp16 activations: the integer mode,
     two-warp programs of 2 rows and 1,024 columns a tile (what the tuner chose for both kernels
-    at 1, 2 and 4 tokens of gpt-oss-20b on an H200). Otherwise tiles of 512
-    bytes of each weight row per K step in every format (bf16: 256 columns; fp8, MXFP4: 512);
-    K loops of up to 16 tiles are unrolled (not MXFP4's, which spill unrolled), so a program
-    issues its tiles' loads back to back (its only way to keep several in flight: at one token
-    there are few programs per SM). `up` at one token: each of the k pairs x (I / 16) programs
+    at 1, 2 and 4 tokens of gpt-oss-20b on an H200). Otherwise tiles of 512 bytes of each
+    weight row per K step in every format (bf16: 256 columns; fp8, MXFP4: 512); K loops of up
+    to 16 tiles are unrolled (not MXFP4's, which spill unrolled), so a program issues its
+    tiles' loads back to back (its only way to keep several in flight: at one token there are
+    few programs per SM). `up` at one token: each of the k pairs x (I / 16) programs
     reads 2 x 16 rows (Qwen3-30B-A3B: 8 x 48 = 384 programs of 128 KB); `down` loops over the
     token's k experts, so its tiles are narrower (8 rows: 256 programs at H = 2048)."""
     if fmt == "mxfp4" and dtype in _A8_DTYPES:

@@ -168,8 +168,8 @@ class Nvfp4LinearMethod(QuantLinearMethod):
         return super().dequantized_weight(layer)
 
     # On CUDA the packed tensors are read as they are (4.5 bits a weight, ops/gemv_block.py):
-    # decode-sized batches by the block GEMV, larger ones dequantized 32 MiB of rows at a time
-    # into one scratch buffer shared by all layers, a dense matmul per chunk.
+    # up to 16 rows by the block GEMV, larger batches dequantized 32 MiB of rows at a time into
+    # one scratch buffer shared by all layers, a dense matmul per chunk.
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
         if not hasattr(layer, "qweight"):
