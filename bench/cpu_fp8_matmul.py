@@ -26,6 +26,11 @@ SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # Smo
 ROWS = (1, 8)
 
 
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x times a bf16 weight, packed for oneDNN (cpu_linear.pack) or plain."""
+    return cpu_linear.packed_linear(x, w) if w.is_mkldnn else F.linear(x, w)
+
+
 def products(wq: torch.Tensor, w_scale: torch.Tensor, packed: torch.Tensor,
              x: torch.Tensor) -> dict:
     """The three ways to the same W8A8 product, as zero-argument calls."""
@@ -34,8 +39,8 @@ def products(wq: torch.Tensor, w_scale: torch.Tensor, packed: torch.Tensor,
         "scaled_mm": lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_scale,
                                               scale_b=w_scale[None, :], out_dtype=torch.bfloat16),
         "emulation": lambda: F.linear(xq.float() * x_scale, wq.float() * w_scale[:, None]),
-        "dense_once": lambda: cpu_linear.packed_linear(
-            fake_quantize_rows_fp8(x).to(torch.bfloat16), packed),
+        "dense_once": lambda: dense_linear(fake_quantize_rows_fp8(x).to(torch.bfloat16),
+                                           packed),
     }
 
 
@@ -52,7 +57,9 @@ def main() -> None:
         g = torch.Generator().manual_seed(n + k)
         wq, w_scale = quantize_rows_fp8(torch.randn(n, k, generator=g) * 0.05)
         w_scale = w_scale.reshape(-1)
-        packed = cpu_linear.pack((wq.float() * w_scale[:, None]).to(torch.bfloat16))
+        dense = (wq.float() * w_scale[:, None]).to(torch.bfloat16)
+        # oneDNN's packed bf16 where this CPU has bf16 instructions, else the plain weight
+        packed = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
         for m in ROWS[:1] if a.smoke else ROWS:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             fns = products(wq, w_scale, packed, x)

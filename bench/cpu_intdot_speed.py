@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from skyline.bench.floor import host_read_bandwidth
 from skyline.bench.offline import machine_info, save_json
@@ -45,7 +46,10 @@ def kernel(kind: str, n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Te
                                       torch.zeros(n, k // 32), 32, wide)
         nbytes = sum(t.numel() * t.element_size() for p in planes for t in p)
         return (lambda x: cpu_int4.planes_mm(x, planes, 32)), nbytes
-    packed = cpu_linear.pack(torch.randn(n, k, generator=g).bfloat16())
+    w = torch.randn(n, k, generator=g).bfloat16()
+    if not cpu_linear.can_pack(w):  # a CPU without bf16 instructions: torch's own product
+        return (lambda x: F.linear(x, w)), n * k * 2
+    packed = cpu_linear.pack(w)
     return (lambda x: cpu_linear.packed_linear(x, packed)), n * k * 2
 
 

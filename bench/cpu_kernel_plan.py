@@ -31,6 +31,10 @@ FAMILIES = {
     "avx512": ("avx512", "AVX512_CORE_VNNI", False),
     "avx2": ("avx2", "AVX2", False),
 }
+# the torch.cpu.get_capabilities() flags a family needs on this machine (a lower ISA can be
+# emulated, a higher one cannot: its instructions would fault)
+NEEDS = {"avx512_bf16": ("avx512_bf16", "avx512_vnni"), "avx512": ("avx512_f", "avx512_vnni"),
+         "avx2": ("avx2",)}
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
 
@@ -103,21 +107,23 @@ def main() -> None:
         rows, threads, bf16 = json.loads(ns.child)
         print(json.dumps(child(rows, threads, bf16, ns.reps)))
         return
-    if ns.smoke:
-        ns.families, ns.threads, ns.rows, ns.reps = "avx512", "1", "1,16", 2
+    import torch
+
+    flags = getattr(torch.cpu, "get_capabilities", dict)()
+    if ns.smoke:  # the highest family without native bf16 that this machine can run
+        fam = "avx512" if all(flags.get(f, False) for f in NEEDS["avx512"]) else "avx2"
+        ns.families, ns.threads, ns.rows, ns.reps = fam, "1", "1,16", 2
     rows = [int(r) for r in ns.rows.split(",")]
     report: dict[str, Any] = {
         "benchmark": "cpu-kernel-plan", "date": time.strftime("%Y-%m-%d %H:%M"),
         "command": "python " + " ".join(sys.argv), "layers": LAYERS, "shapes": SHAPES,
         "load_avg_at_start": os.getloadavg(), "seconds_per_pass": {},
     }
-    import torch
-
-    flags = getattr(torch.cpu, "get_capabilities", dict)()
     for fam in ns.families.split(","):
         aten, onednn, bf16 = FAMILIES[fam]
-        if bf16 and not flags.get("avx512_bf16", False):
-            print(f"{fam}: this machine has no AVX-512 BF16 to measure it on", flush=True)
+        if not all(flags.get(f, False) for f in NEEDS[fam]):
+            print(f"{fam}: this machine lacks {', '.join(NEEDS[fam])} to measure it on",
+                  flush=True)
             continue
         env = dict(os.environ, ATEN_CPU_CAPABILITY=aten, ONEDNN_MAX_CPU_ISA=onednn)
         for threads in [int(t) for t in ns.threads.split(",")]:

@@ -91,7 +91,8 @@ def test_draws_follow_the_nucleus(impl):
     probs = torch.tensor([0.30, 0.25, 0.15, 0.12, 0.08, 0.05, 0.03, 0.02])
     logits = probs.log()
     top_p = 0.75  # keeps 0.30 + 0.25 + 0.15 + 0.12 (0.70 before the fourth)
-    n = 4000
+    # fewer draws where Triton's interpreter runs each row's program in Python
+    n = 1500 if impl == "triton" and DEV == "cpu" else 4000
     gen = torch.Generator().manual_seed(5)
     noise = torch.empty(n, probs.numel()).exponential_(generator=gen)
     got = IMPLS[impl](logits.expand(n, -1).contiguous().to(DEV),
