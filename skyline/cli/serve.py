@@ -57,6 +57,7 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
     from skyline.router.app import serve as serve_router
     from skyline.router.fleet import Fleet
     from skyline.router.launch import LocalReplicas
+    from skyline.server.launch import bind_socket
 
     if ns.replicas < 1:
         raise ConfigError("--replicas must be at least 1")
@@ -65,12 +66,19 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
     if ns.ray:
         return _serve_ray(ns, base, api_key)
     flags, sequential = _replica_flags(ns)
-    local = LocalReplicas([base + f for f in flags], sequential=sequential)
+    # The router's port is held (bound, refusing connections) while the replicas start: a port in
+    # use fails now, and no replica can be given it.
+    try:
+        sock = bind_socket(ns.host, ns.port, listen=False)
+    except OSError as e:
+        raise ConfigError(str(e)) from None
+    local = LocalReplicas([base + f for f in flags], sequential=sequential,
+                          reserved=(sock.getsockname()[1],))
     print(f"skyline: starting {ns.replicas} replicas ...", flush=True)
     try:
         local.start()
         fleet = Fleet(router_config(ns, local.urls, api_key), PromptHasher(ns.model))
-        serve_router(fleet, ns.host, ns.port, ns.uvicorn_log_level,
+        serve_router(fleet, sock, ns.uvicorn_log_level,
                      on_stop=lambda: local.stop(ns.shutdown_timeout))
     except RuntimeError as e:
         sys.exit(f"skyline: error: {e}")
@@ -120,9 +128,14 @@ def cmd_router(ns: argparse.Namespace) -> None:
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("skyline.router").setLevel(logging.INFO)
     from skyline import envs
+    from skyline.server.launch import bind_socket
 
     cfg = router_config(ns, ns.replica, ns.api_key or envs.ENV.api_key)
-    serve_router(Fleet(cfg, PromptHasher(ns.model)), ns.host, ns.port, ns.uvicorn_log_level)
+    try:
+        sock = bind_socket(ns.host, ns.port)
+    except OSError as e:
+        raise ConfigError(str(e)) from None
+    serve_router(Fleet(cfg, PromptHasher(ns.model)), sock, ns.uvicorn_log_level)
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
@@ -146,12 +159,13 @@ def cmd_serve(ns: argparse.Namespace) -> None:
         return _serve_fleet(ns, api_key)
     if ns.kv_events_port == 0:
         ns.kv_events_host = "127.0.0.1" if ns.host in ("127.0.0.1", "localhost") else ns.host
-        ns.kv_events_port = free_port_pair(ns.kv_events_host)
+        ns.kv_events_port = free_port_pair(ns.kv_events_host, frozenset({ns.port}))
     elif ns.kv_events_port is not None or ns.role != "both":
         ns.kv_events_host = ns.host
     if ns.role == "prefill" and ns.kv_transfer_port is None:
         # chosen once here, so that a restarted engine keeps it (routers read it at join)
-        ns.kv_transfer_port = free_port(ns.kv_events_host)
+        events = (ns.kv_events_port, ns.kv_events_port + 1) if ns.kv_events_port else ()
+        ns.kv_transfer_port = free_port(ns.kv_events_host, frozenset({ns.port, *events}))
     chat_template = None
     if ns.chat_template is not None:
         try:

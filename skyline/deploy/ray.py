@@ -77,7 +77,8 @@ class ReplicaServer:
     def __init__(self, argv: list[str], host: str | None) -> None:
         ray = _ray()
         host = host or ray.util.get_node_ip_address()
-        self.server = ReplicaProcess(0, argv, host, free_port(host), free_port_pair(host))
+        port = free_port(host)
+        self.server = ReplicaProcess(0, argv, host, port, free_port_pair(host, frozenset({port})))
         self.server.start()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self.server.healthy():

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -150,13 +151,17 @@ def build_app(fleet: Fleet, on_stop: Callable[[], None] | None = None) -> Starle
     return app
 
 
-def serve(fleet: Fleet, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+def serve(fleet: Fleet, sock: socket.socket, log_level: str = "info",
           on_stop: Callable[[], None] | None = None) -> None:
-    """Run the router until SIGTERM / Ctrl-C, then `on_stop`."""
+    """Run the router on `sock` (bound by the caller, listened on from here) until SIGTERM /
+    Ctrl-C, then `on_stop`."""
     import uvicorn
 
     app = build_app(fleet, on_stop)
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
     names = ", ".join(r.url for r in fleet.replicas)
     print(f"skyline: routing at http://{host}:{port}/v1 over {len(fleet.replicas)} "
           f"replica(s) ({names}), policy {fleet.cfg.policy}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])

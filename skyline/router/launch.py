@@ -30,17 +30,22 @@ MAX_RESTARTS = 5  # within RESTART_WINDOW_S; beyond, the replica stays down
 RESTART_WINDOW_S = 600.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p + 1 also free (KV events and their snapshots)."""
+def free_port(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> int:
+    """A port free now and not in `taken` (ports handed out already but not bound yet)."""
     for _ in range(100):
-        p = free_port(host)
-        if p + 1 >= 65535:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            p = s.getsockname()[1]
+        if p not in taken:
+            return p
+    raise OSError("no free port found")
+
+
+def free_port_pair(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> int:
+    """A port p with p + 1 also free (KV events and their snapshots), neither in `taken`."""
+    for _ in range(100):
+        p = free_port(host, taken)
+        if p + 1 >= 65535 or p + 1 in taken:
             continue
         with socket.socket() as s:
             try:
@@ -124,12 +129,19 @@ class LocalReplicas:
     """Starts the replicas, restarts those that exit, stops them all on `stop`."""
 
     def __init__(self, argvs: list[list[str]], host: str = "127.0.0.1",
-                 log_dir: str | None = None, sequential: bool = False) -> None:
+                 log_dir: str | None = None, sequential: bool = False,
+                 reserved: tuple[int, ...] = ()) -> None:
         self.replicas = []
+        # Each port is bound by its replica only once that replica starts: none may be handed
+        # out twice, nor be one the caller holds (the router's, bound before the replicas).
+        taken = set(reserved)
         for i, argv in enumerate(argvs):
             log_path = os.path.join(log_dir, f"replica-{i}.log") if log_dir else None
-            self.replicas.append(ReplicaProcess(i, argv, host, free_port(host),
-                                                free_port_pair(host), log_path))
+            port = free_port(host, frozenset(taken))
+            taken.add(port)
+            events = free_port_pair(host, frozenset(taken))
+            taken.update((events, events + 1))
+            self.replicas.append(ReplicaProcess(i, argv, host, port, events, log_path))
         self.sequential = sequential
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None

@@ -48,9 +48,11 @@ class ServeOptions:
     tool_call_parser: str = "auto"
 
 
-def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False,
+                listen: bool = True) -> socket.socket:
     """A listening socket on host:port; `reuse_port`: one of several on the same port
-    (SO_REUSEPORT: the kernel spreads new connections over them)."""
+    (SO_REUSEPORT: the kernel spreads new connections over them). `listen=False`: bound only
+    (the port is held, connections are refused) until the server starts listening on it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -70,7 +72,8 @@ def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket
         raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); --host must be an address "
                       "of this machine: 127.0.0.1 (this machine only) or 0.0.0.0 (every "
                       "interface)") from None
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

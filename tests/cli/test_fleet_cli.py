@@ -42,9 +42,13 @@ def test_local_replicas_split_the_cpu(monkeypatch: pytest.MonkeyPatch):
 
     started: list[list[str]] = []
 
+    reserved_ports: list[tuple[int, ...]] = []
+
     class Recorder:
-        def __init__(self, argvs: list[list[str]], sequential: bool = False) -> None:
+        def __init__(self, argvs: list[list[str]], sequential: bool = False,
+                     reserved: tuple[int, ...] = ()) -> None:
             started.extend(argvs)
+            reserved_ports.append(reserved)
             self.urls = ["http://127.0.0.1:1"]
 
         def start(self) -> None:
@@ -57,13 +61,32 @@ def test_local_replicas_split_the_cpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cli.os, "cpu_count", lambda: 4)
     with pytest.raises(SystemExit):
         cli.main(["serve", "--replicas", "2", "--role", "prefill,decode", "--device", "cpu",
-                  "--max-num-seqs", "4"])
+                  "--max-num-seqs", "4", "--port", "0"])
+    # the router's port, held while the replicas start, is one no replica may be given
+    assert len(reserved_ports) == 1 and reserved_ports[0][0] > 0
     assert started == [["--max-num-seqs", "4", "--role", "prefill", "--device", "cpu",
                         "--threads", "2"],
                        ["--max-num-seqs", "4", "--role", "decode", "--device", "cpu",
                         "--threads", "2"]]
     with pytest.raises(SystemExit, match="one role or one per replica"):
         cli.main(["serve", "--replicas", "2", "--role", "a,b,c", "--device", "cpu"])
+
+
+def test_router_port_in_use_fails_before_any_replica_starts(monkeypatch: pytest.MonkeyPatch):
+    import socket
+
+    import skyline.router.launch as launch
+
+    def never(*a: Any, **k: Any) -> None:
+        raise AssertionError("a replica was set up although the router cannot listen")
+
+    monkeypatch.setattr(launch, "LocalReplicas", never)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}.*--port"):
+            cli.main(["serve", "--replicas", "2", "--device", "cpu", "--port", str(port)])
 
 
 def test_bad_role_is_one_sentence():
