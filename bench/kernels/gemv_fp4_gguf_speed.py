@@ -55,6 +55,13 @@ from skyline.bench.tuners import (  # noqa: E402
     time_calls,
     tune_device,
 )
+from skyline.ops.block_linear import (  # noqa: E402
+    SCRATCH_BYTES,
+    chunked_linear,
+    gguf_dequantize,
+    mxfp4_dequantize,
+    nvfp4_dequantize,
+)
 from skyline.ops.fp4 import (  # noqa: E402
     decode_e2m1,
     dequantize_nvfp4,
@@ -67,15 +74,10 @@ from skyline.ops.gemv_block import (  # noqa: E402
     NVFP4,
     Q5_K,
     Q6_K,
-    SCRATCH_BYTES,
-    _chunked_linear,
     block_gemv_config,
     default_config,
-    gguf_dequantize,
     gguf_gemv,
-    mxfp4_dequantize,
     mxfp4_gemv,
-    nvfp4_dequantize,
     nvfp4_gemv,
 )
 from skyline.ops.gemv_quant import int_gemv  # noqa: E402
@@ -144,7 +146,7 @@ def call(fmt: str, x: torch.Tensor, a: tuple[torch.Tensor, ...], config: dict | 
         w = a[0].to(x.dtype)  # the same tensor on the GPU (bf16); the smoke's x is fp16
         return lambda: F.linear(x, w)
     if fmt.endswith("_scratch"):
-        return lambda: _chunked_linear(x, a[0].shape[0], None, scratch_dequantizer(fmt, a),
+        return lambda: chunked_linear(x, a[0].shape[0], None, scratch_dequantizer(fmt, a),
                                        SCRATCH_BYTES)
     if fmt == "nvfp4":
         return lambda: nvfp4_gemv(x, *a, config=config)

@@ -11,12 +11,8 @@ stored.
   exact for NVFP4 and MXFP4, whose e2m1 * e4m3 / e8m0 products have at most 6 significant
   bits; GGUF tiles add their rounding error as a second bf16/fp16 operand, weights to ~16
   bits; gemv_block_triton.py). Split-K with gemv.py's last-arriver reduction. No host syncs:
-  CUDA-graph safe.
-- `nvfp4_dequantize` / `mxfp4_dequantize` / `gguf_dequantize`: the float weights [N, K] written
-  into a given buffer. Batches of more than LINEAR_ROWS rows (`nvfp4_linear` / `mxfp4_linear`
-  / `gguf_linear`: FP4 16, GGUF 8) dequantize up to SCRATCH_BYTES of whole rows at a time into
-  one scratch buffer per device and dtype, reused by every layer, and multiply each chunk: no
-  allocation the size of a weight per call, 32 MiB of memory in all.
+  CUDA-graph safe. The layers call it through block_linear.py, which takes larger batches to
+  a dequantizer and a matmul.
 
 The references (`*_ref`) dequantize with ops/fp4.py and ops/dequant.py, then multiply in
 float32 (with `a8`, x rounded first as the integer mode rounds it). Launch configurations come
@@ -27,10 +23,8 @@ from the tuning tables (kernels "gemv_nvfp4", "gemv_q6_k", "gemv_q5_k", "gemv_mx
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from skyline.ops import gemv_block_a8_triton as a8_kernels
 from skyline.ops import gemv_block_triton as kernels
@@ -51,12 +45,9 @@ _BLOCK_BYTES = {Q6_K: 210, Q5_K: 176}  # bytes per super-block of 256
 SUPER = 256
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
 # The GEMV takes up to MAX_BLOCK_ROWS rows (the tensor-core mode above MAX_ROWS: tiles of up
-# to 64 rows of x reading the stored bits once; the integer mode up to MAX_ROWS). The *_linear
-# functions send it at most LINEAR_ROWS[format] rows, past which the scratch path (dequantize,
-# then cuBLAS) measured faster on an H200: FP4 tiles won 1.05-1.5x over it at 16 rows and lost
-# at 64, GGUF's lost past 8 (bench/kernels/gemv_fp4_gguf_speed.py --rows 16 32 64).
+# to 64 rows of x reading the stored bits once; the integer mode up to MAX_ROWS); the layers
+# send it fewer (block_linear.LINEAR_ROWS).
 MAX_BLOCK_ROWS = 64
-LINEAR_ROWS = {NVFP4: 16, MXFP4: 16, Q6_K: MAX_ROWS, Q5_K: MAX_ROWS}
 
 
 def block_gemv_ok(x: torch.Tensor, max_rows: int = MAX_BLOCK_ROWS) -> bool:
@@ -165,12 +156,12 @@ def mxfp4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x [..., K] (1..MAX_BLOCK_ROWS rows) times MXFP4 weights: codes uint8 [N, Kp / 2], E8M0 scales
     uint8 [N, Kp / 32] (Kp >= K a multiple of 32) -> [..., N] in x's dtype."""
     n, k = qweight.shape[0], x.shape[-1]
-    _check_mxfp4(qweight, scales, k, "mxfp4_gemv")
+    check_mxfp4(qweight, scales, k, "mxfp4_gemv")
     scales = scales.contiguous()
     return _launch(MXFP4, x, qweight.contiguous(), scales, scales, n, k, bias, config)
 
 
-def _check_mxfp4(qweight: torch.Tensor, scales: torch.Tensor, k: int, what: str) -> None:
+def check_mxfp4(qweight: torch.Tensor, scales: torch.Tensor, k: int, what: str) -> None:
     n = qweight.shape[0]
     if (qweight.dtype != torch.uint8 or scales.dtype != torch.uint8
             or scales.shape != (n, qweight.shape[1] // 16) or qweight.shape[1] % 16
@@ -184,12 +175,12 @@ def gguf_gemv(x: torch.Tensor, data: torch.Tensor, qtype: int,
               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [..., K] (1..MAX_BLOCK_ROWS rows) times a Q6_K / Q5_K tensor's raw blocks uint8
     [N, K / 256 * block_bytes] -> [..., N] in x's dtype."""
-    fmt = _gguf_format(data, qtype, x.shape[-1])
+    fmt = gguf_format(data, qtype, x.shape[-1])
     data = data.contiguous()
     return _launch(fmt, x, data, data, data, data.shape[0], x.shape[-1], bias, config)
 
 
-def _gguf_format(data: torch.Tensor, qtype: int, k: int) -> int:
+def gguf_format(data: torch.Tensor, qtype: int, k: int) -> int:
     fmt = GGUF_FORMATS.get(int(qtype))
     if fmt is None:
         raise ValueError(f"gguf_gemv: ggml type {int(qtype)} is not Q6_K or Q5_K")
@@ -301,125 +292,3 @@ def _check_tile(fmt: int, block_n: int, block_k: int, a8: bool, cfg: dict) -> No
         raise ValueError(f"block gemv config {cfg}: the tensor-core mode needs BLOCK_N >= 16")
     if a8 and block_k < CHUNK:
         raise ValueError(f"block gemv config {cfg}: A8 needs BLOCK_K >= {CHUNK}")
-
-
-def nvfp4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
-    """NVFP4 weights into out [N, K] (any float dtype, unit stride along K): dequantize_nvfp4's
-    values (rounded to out's dtype)."""
-    return _dequantize(NVFP4, qweight.contiguous(), qweight, scales.contiguous(),
-                       tensor_scale.reshape(-1).float().contiguous(), out)
-
-
-def mxfp4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
-                     ) -> torch.Tensor:
-    """MXFP4 weights into out [N, K] (any float dtype, unit stride along K): dequantize_mxfp4's
-    values (rounded to out's dtype; an E8M0 scale of 0 reads 0, not 2^-127)."""
-    _check_mxfp4(qweight, scales, out.shape[1], "mxfp4_dequantize")
-    scales = scales.contiguous()
-    return _dequantize(MXFP4, qweight.contiguous(), qweight, scales, scales, out)
-
-
-def gguf_dequantize(data: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
-    """A Q6_K / Q5_K tensor's raw blocks into out [N, K] (unit stride along K): dequantize_ref's
-    values (rounded to out's dtype)."""
-    fmt = _gguf_format(data, qtype, out.shape[1])
-    data = data.contiguous()
-    return _dequantize(fmt, data, data.view(torch.float16), data, data, out)
-
-
-def _dequantize(fmt: int, w: torch.Tensor, h: torch.Tensor, scales: torch.Tensor,
-                tensor_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    if triton is None:
-        raise RuntimeError("the block dequantizer needs triton; use the references")
-    n, k = out.shape
-    if out.stride(1) != 1 or w.shape[0] != n:
-        raise ValueError(f"block dequantize: out {tuple(out.shape)} against {w.shape[0]} rows")
-    block_n = 16
-    kernels.dequant_block_kernel[(_cdiv(n, block_n), _cdiv(k, SUPER))](
-        w, h, scales, tensor_scale, out, n, k, w.stride(0), scales.stride(0), out.stride(0),
-        FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=SUPER, num_warps=4,
-    )
-    return out
-
-
-# Larger batches dequantize at most this many bytes of weights at a time (whole rows) into the
-# scratch buffer, then multiply: the buffer stays small (and may still sit in L2 when the matmul
-# reads it) however large the layer (an LM head of 128k rows would take 1 GB in bf16).
-SCRATCH_BYTES = 32 << 20
-_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def scratch_weight(n: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A [n, k] buffer of `dtype` shared by every layer on `device` (one stream runs them one
-    after another), grown to the largest request. Grown only outside a CUDA-graph capture: a
-    capture that asks for more than the eager runs did gets a buffer of its own."""
-    key = (device, dtype)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < n * k:
-        fresh = torch.empty(n * k, dtype=dtype, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return fresh.view(n, k)
-        buf = _SCRATCH[key] = fresh
-    return buf[: n * k].view(n, k)
-
-
-def _chunked_linear(x: torch.Tensor, n: int, bias: torch.Tensor | None,
-                    dequantize: Callable[[int, int, torch.Tensor], torch.Tensor],
-                    chunk_bytes: int) -> torch.Tensor:
-    """F.linear over a weight [n, K] that `dequantize(start, stop, out)` writes row by row into
-    out [stop - start, K]: chunks of whole rows of at most chunk_bytes in x's dtype (and at
-    least 16 rows), each through the scratch buffer and one matmul."""
-    k = x.shape[-1]
-    step = max(16, chunk_bytes // max(1, k * x.element_size()) // 16 * 16)
-    if step >= n:
-        w = dequantize(0, n, scratch_weight(n, k, x.dtype, x.device))
-        return F.linear(x, w, bias)
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        w = dequantize(start, stop, scratch_weight(stop - start, k, x.dtype, x.device))
-        y[..., start:stop] = F.linear(x, w, None if bias is None else bias[start:stop])
-    return y
-
-
-def nvfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 tensor_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 chunk_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
-    """F.linear's contract over NVFP4 weights on CUDA: block_gemv up to LINEAR_ROWS rows,
-    else the weights dequantized chunk by chunk into the scratch buffer, each chunk one
-    matmul."""
-    if block_gemv_ok(x, LINEAR_ROWS[NVFP4]):
-        return nvfp4_gemv(x, qweight, scales, tensor_scale, bias)
-    ts = tensor_scale.reshape(-1)
-
-    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        return nvfp4_dequantize(qweight[start:stop], scales[start:stop], ts[start:stop], out)
-
-    return _chunked_linear(x, qweight.shape[0], bias, dequantize, chunk_bytes)
-
-
-def mxfp4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
-                 ) -> torch.Tensor:
-    """F.linear's contract over MXFP4 weights on CUDA, as nvfp4_linear."""
-    if block_gemv_ok(x, LINEAR_ROWS[MXFP4]):
-        return mxfp4_gemv(x, qweight, scales, bias)
-
-    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        return mxfp4_dequantize(qweight[start:stop], scales[start:stop], out)
-
-    return _chunked_linear(x, qweight.shape[0], bias, dequantize, chunk_bytes)
-
-
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: int,
-                bias: torch.Tensor | None = None, chunk_bytes: int = SCRATCH_BYTES
-                ) -> torch.Tensor:
-    """F.linear's contract over Q6_K / Q5_K raw blocks on CUDA, as nvfp4_linear."""
-    if block_gemv_ok(x, LINEAR_ROWS[GGUF_FORMATS.get(int(qtype), Q6_K)]):
-        return gguf_gemv(x, data, qtype, bias)
-
-    def dequantize(start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        return gguf_dequantize(data[start:stop], qtype, out)
-
-    return _chunked_linear(x, data.shape[0], bias, dequantize, chunk_bytes)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from skyline.ops import cpu_int4
+from skyline.ops.block_linear import mxfp4_linear, nvfp4_linear
 from skyline.ops.fp4 import decode_e2m1, dequantize_mxfp4, dequantize_nvfp4, e8m0_to_float
-from skyline.ops.gemv_block import mxfp4_linear, nvfp4_linear
 from skyline.ops.triton_utils import triton
 from skyline.quant.base import (
     QuantLinearMethod,

@@ -30,7 +30,7 @@ dropped; memory is the planes plus the dense copy (the default model's Linears i
 On CUDA, a layer's first call makes its serving form. Runs of Q6_K and Q5_K keep their raw
 blocks (6.56 and 5.5 bits a weight): decode-sized batches run the block GEMV of
 ops/gemv_block.py on the super-blocks as stored, larger ones dequantize them 32 MiB of rows at a
-time into one scratch buffer shared by every layer (ops/gemv_block.SCRATCH_BYTES: 32 MiB per
+time into one scratch buffer shared by every layer (ops/block_linear.SCRATCH_BYTES: 32 MiB per
 device and dtype in all) and run a matmul per chunk.
 The other runs become the group-wise integer layout of ops/int_matmul.py (every block type with
 integer codes: W = (q - zero) * scale per group, the zero a float32 so that any affine map of

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from skyline.ops.block_linear import gguf_linear
 from skyline.ops.dequant import AFFINE_GROUP, INT4_GROUP_TYPES, affine_groups, dequantize_ref
-from skyline.ops.gemv_block import GGUF_FORMATS, gguf_linear
+from skyline.ops.gemv_block import GGUF_FORMATS
 from skyline.ops.int_matmul import dequantize_int_ref
 from skyline.ops.triton_utils import triton
 from skyline.quant.base import int_codes_linear, pack_nibbles

@@ -1,9 +1,9 @@
-"""The block-scaled GEMV and dequantizer (ops/gemv_block.py: NVFP4, MXFP4, GGUF Q6_K and Q5_K
-read as stored) against their references: rows 1..64 (tiles of 16-64 rows past 8), odd N, K not
-a multiple of the tile (FP4), tensor-core and integer (x rounded to int8, against the reference
-that rounds x the same way) modes, split-K on and off, bias; the dequantizer exact (GGUF)
-against ops/dequant.py. On CPU in Triton's interpreter (tiny shapes, fp32 and fp16
-activations).
+"""The block-scaled GEMV (ops/gemv_block.py), its dequantizer and linear (ops/block_linear.py):
+NVFP4, MXFP4, GGUF Q6_K and Q5_K read as stored, against their references: rows 1..64 (tiles of
+16-64 rows past 8), odd N, K not a multiple of the tile (FP4), tensor-core and integer (x rounded
+to int8, against the reference that rounds x the same way) modes, split-K on and off, bias; the
+dequantizer exact (GGUF) against ops/dequant.py. On CPU in Triton's interpreter (tiny shapes,
+fp32 and fp16 activations).
 
 Every stored tensor sits at the start of a larger buffer whose tail is 0xFF bytes (NaN scales),
 and the FP4 formats' padding columns past K hold random codes: a program that reads past a
@@ -18,10 +18,18 @@ from gguf import GGMLQuantizationType as Q
 triton = pytest.importorskip("triton")
 
 from skyline.bench.gguf_blocks import random_blocks  # noqa: E402
+from skyline.ops.block_linear import (  # noqa: E402
+    LINEAR_ROWS,
+    gguf_dequantize,
+    gguf_linear,
+    mxfp4_dequantize,
+    mxfp4_linear,
+    nvfp4_dequantize,
+    nvfp4_linear,
+)
 from skyline.ops.dequant import dequantize_ref  # noqa: E402
 from skyline.ops.fp4 import dequantize_mxfp4, dequantize_nvfp4  # noqa: E402
 from skyline.ops.gemv_block import (  # noqa: E402
-    LINEAR_ROWS,
     MAX_BLOCK_ROWS,
     MXFP4,
     NVFP4,
@@ -29,18 +37,12 @@ from skyline.ops.gemv_block import (  # noqa: E402
     Q6_K,
     block_gemv_ok,
     default_config,
-    gguf_dequantize,
     gguf_gemv,
     gguf_gemv_ref,
-    gguf_linear,
-    mxfp4_dequantize,
     mxfp4_gemv,
     mxfp4_gemv_ref,
-    mxfp4_linear,
-    nvfp4_dequantize,
     nvfp4_gemv,
     nvfp4_gemv_ref,
-    nvfp4_linear,
 )
 from skyline.quant.fp4 import quantize_mxfp4, quantize_nvfp4  # noqa: E402
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from skyline.config import QuantConfig
 from skyline.model.layers.linear import Linear
-from skyline.ops.gemv_block import nvfp4_gemv, nvfp4_linear, rounded_x_ref
+from skyline.ops.block_linear import nvfp4_linear
+from skyline.ops.gemv_block import nvfp4_gemv, rounded_x_ref
 from skyline.quant.fp4 import Nvfp4LinearMethod
 
 pytest.importorskip("triton")
