@@ -20,6 +20,7 @@ import argparse
 import datetime
 import math
 import os
+import tempfile
 
 from skyline import LLM, SamplingParams
 from skyline.bench.offline import machine_info, save_json
@@ -72,7 +73,7 @@ def _norm(lps: list[float]) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="q4_1,q8_0,q4_k_m")
-    ap.add_argument("--work-dir", default="/tmp/cpu-vs-llamacpp",
+    ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "cpu-vs-llamacpp"),
                     help="where bench/cpu_vs_llamacpp.py left the llama-quantize files")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)

@@ -18,6 +18,7 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -59,7 +60,8 @@ def main() -> None:
     for name, (threads, serial) in chosen.items():
         os.environ["SKYLINE_CPU_SERIAL_TOKENS"] = serial
         flags = [*shlex.split(a.flags), "--threads", str(threads)]
-        proc, url = start_server(flags, "/tmp/cpu-serve-threads.log", timeout=300)
+        log = os.path.join(tempfile.gettempdir(), "cpu-serve-threads.log")
+        proc, url = start_server(flags, log, timeout=300)
         try:
             for c in levels:
                 load = LoadSpec(base_url=url, concurrency=c,

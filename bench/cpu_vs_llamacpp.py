@@ -35,6 +35,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -241,7 +242,7 @@ def main() -> None:
     ap.add_argument("--requests-per-stream", type=int, default=2, help="per engine and round")
     ap.add_argument("--serve-in", type=int, default=64)
     ap.add_argument("--serve-out", type=int, default=128)
-    ap.add_argument("--work-dir", default="/tmp/cpu-vs-llamacpp",
+    ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "cpu-vs-llamacpp"),
                     help="made GGUF files and server logs")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/cpu/cpu-vs-llamacpp-<N>threads.json; "

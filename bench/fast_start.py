@@ -211,7 +211,7 @@ def serve_start(a: argparse.Namespace, device: str, cache_dir: str) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--dir", default="/tmp/skyline-fast-start")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "skyline-fast-start"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--speculative-method", default="none",

@@ -39,6 +39,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -204,7 +205,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--skyline-flags", default="", help="extra `skyline serve` flags")
-    ap.add_argument("--log-dir", default="/tmp/llamacpp-serve-logs")
+    ap.add_argument("--log-dir", default=os.path.join(tempfile.gettempdir(), "llamacpp-serve-logs"))
     ap.add_argument("--out", default="bench/results/llamacpp/llamacpp-vs-skyline-cpu-smollm2.json")
     ap.add_argument("--smoke", action="store_true",
                     help="skyline's server of a tiny random model alone, one round of 2 "
