@@ -171,10 +171,11 @@ class GGUFLinearMethod:
 
     def cpu_decode_product(self, layer: LinearLayer) -> tuple[
             Callable[[torch.Tensor], torch.Tensor], int, cpu_ext.NativeProduct] | None:
-        """(product, rows, native): what `apply` computes for a bfloat16 x [M, in_features] of
-        at most `rows` rows, with no check on the way (a CPU engine's layer whose int4 planes
-        take such an x as it is: prepack_cpu's cpu_plane_group, or whose integer dot kernel
-        takes it), and the same product for the C++ decode step; None otherwise."""
+        """(product, rows, native): what `apply` computes for a bfloat16 or float32 x
+        [M, in_features] of at most `rows` rows, with no check on the way (a CPU engine's layer
+        whose int4 planes take such an x as it is: prepack_cpu's cpu_plane_group, or whose
+        integer dot kernel takes it), and the same product for the C++ decode step; None
+        otherwise."""
         if getattr(layer, "cpu_intdot", None) is not None and layer.bias is None:
             w = layer.cpu_intdot
 
@@ -190,7 +191,10 @@ class GGUFLinearMethod:
             return None
 
         def product(x: torch.Tensor) -> torch.Tensor:
-            return cpu_int4.planes_mm(x, layer.cpu_planes, group)
+            if x.dtype == torch.bfloat16:
+                return cpu_int4.planes_mm(x, layer.cpu_planes, group)
+            # through bfloat16, as planes_linear
+            return cpu_int4.planes_mm(x.to(torch.bfloat16), layer.cpu_planes, group).to(x.dtype)
 
         native = cpu_ext.NativeProduct(cpu_ext.INT4_PLANE, tuple(layer.cpu_planes[0]), group, 0,
                                        layer.cpu_plane_rows, layer.cpu_dense)

@@ -15,10 +15,12 @@ Where skyline's CPU operations are built (ops/cpu_ext.py) and every product has 
 the step runs from C++ (csrc/cpu_decode.cpp's decode_layers: one call a step, no interpreter
 between operations): the same products; attention read from the paged cache in place (csrc's
 decode_attention, against decode_attention_cpu: float32 sums in another order, within 1e-6);
-the operations between them as loops that round to bfloat16 where the ATen operations above
-round, float32 sums in another order (a flipped rounding grows through 30 layers to bfloat16's
-own error, tests/model/test_cpu_decode.py). A product whose dense weight it holds takes decode
-batches of any size (the dense weight past its kernel's rows, as the Linear would).
+the operations between them as loops that round to the activations' dtype (bfloat16 or float32,
+as the CPU plan picks) where the ATen operations above round, float32 sums in another order (a
+last bit that flips a rounding, of the activations or of a product's input, grows through 30
+layers to ~1e-3-1e-2; tests/model/test_cpu_decode.py). A product whose dense weight it holds
+takes decode batches of any size (the dense weight past its kernel's rows, as the Linear
+would).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from skyline.ops.norm import rms_norm_cpu
 from skyline.ops.rotary import rotary_cpu
 
 Product = Callable[[torch.Tensor], torch.Tensor]
+_DTYPES = (torch.bfloat16, torch.float32)  # the activations' dtypes of the CPU plans
 
 
 class LayerPlan(NamedTuple):
@@ -122,14 +125,14 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
 
 
 def usable(p: DecodePlan, x: torch.Tensor, meta: AttentionMetadata | None) -> bool:
-    """Whether `run` computes this forward: a pure decode batch of bfloat16 rows that every
-    product takes (the C++ step's dense weights take any number), the KV cache bound in that
-    dtype (so unscaled), and no hook to call."""
+    """Whether `run` computes this forward: a pure decode batch of bfloat16 or float32 rows
+    that every product takes (the C++ step's dense weights take any number), the KV cache bound
+    in that dtype (so unscaled), and no hook to call."""
     rows = p.rows if p.native is None else p.native.rows
     if meta is None or meta.num_decodes != x.shape[0] or x.shape[0] > rows:
         return False
     cache = p.layers[0].attn.kv_cache
-    if cache is None or cache.dtype != x.dtype or x.dtype != torch.bfloat16:
+    if cache is None or cache.dtype != x.dtype or x.dtype not in _DTYPES:
         return False
     if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
             or any(p.hooks)):

@@ -199,7 +199,7 @@ class Linear(nn.Module):
         return wants(self, x) if wants is not None else None
 
     def cpu_decode_product(self) -> tuple[Any, int, Any] | None:
-        """(product, rows, native): a function computing this layer for a bfloat16 x
+        """(product, rows, native): a function computing this layer for a bfloat16 or float32 x
         [M, in_features] of at most `rows` rows with no check on the way, and the same product
         for the C++ decode step (ops/cpu_ext.NativeProduct), where its method has one (a CPU
         engine's int4 planes or integer dot codes) and no collective follows; None otherwise."""

@@ -3,9 +3,10 @@
 //
 // The weight products are the kernels the Python form calls (torch's int4 kernel, the integer
 // dot kernel); attention reads the paged cache in place; what lies between them (residual adds,
-// RMSNorm, rotary, the KV write, SiLU-and-mul) is loops over bfloat16 rows that round where the
-// Python form's ATen operations round, with float32 arithmetic in between: a batch-1 step of a
-// small model spent more time dispatching those ~20 operations a layer than computing them.
+// RMSNorm, rotary, the KV write, SiLU-and-mul) is loops over bfloat16 or float32 rows (the
+// activations' dtype, which the CPU plan picks) that round where the modules' ATen operations
+// round, with float32 arithmetic in between: a batch-1 step of a small model spent more time
+// dispatching those ~20 operations a layer than computing them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -20,7 +21,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -55,7 +56,11 @@ Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t 
     TORCH_CHECK(dense >= 0, "decode_layers: more rows than a product without a dense weight takes");
     return w[dense].is_mkldnn() ? packed_linear(x.contiguous(), w[dense]) : at::linear(x, w[dense]);
   }
-  if (kind == 0) return at::_weight_int4pack_mm_for_cpu(x, w[t], a, w[t + 1]);
+  if (kind == 0) {  // through bfloat16, as cpu_int4.planes_linear
+    if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w[t], a, w[t + 1]);
+    return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[t], a, w[t + 1])
+        .to(x.scalar_type());
+  }
   return skyline::intdot_mm(x.contiguous(), w[t], w[t + 1], w[t + 2], a, b);
 }
 
@@ -90,8 +95,8 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
-// q . k over d elements and acc += p v: in AVX-512 registers where the build has them (left to
-// the compiler, the dot's lanes were summed one by one through memory)
+// q . k over d elements and acc += p v: in AVX-512 or AVX2 registers where the build has them
+// (left to the compiler, the dot's lanes were summed one by one through memory)
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
@@ -99,18 +104,38 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
   int64_t e = 0;
-#if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
+#if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
     for (; e + 16 <= d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), load16(k + e), acc);
     s = _mm512_reduce_add_ps(acc);
-  }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; e + 16 <= d; e += 16) {
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8(k + e), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), load8(k + e + 8), acc1);
+    }
+    s = sum8(_mm256_add_ps(acc0, acc1));
 #endif
+  }
   for (; e < d; ++e) s += q[e] * f32(k[e]);
   return s;
 }
@@ -118,13 +143,17 @@ inline float dot(const float* q, const T* k, int64_t d) {
 template <typename T>
 inline void axpy(float p, const T* v, float* acc, int64_t d) {
   int64_t e = 0;
-#if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
+#if defined(__AVX512F__)
     const __m512 pv = _mm512_set1_ps(p);
     for (; e + 16 <= d; e += 16)
       _mm512_storeu_ps(acc + e, _mm512_fmadd_ps(pv, load16(v + e), _mm512_loadu_ps(acc + e)));
-  }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; e + 8 <= d; e += 8)
+      _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(pv, load8(v + e), _mm256_loadu_ps(acc + e)));
 #endif
+  }
   for (; e < d; ++e) acc[e] += p * f32(v[e]);
 }
 
@@ -368,117 +397,148 @@ inline BF16 bf16(float v) {
   return BF16(static_cast<uint16_t>(nan ? 0x7fc0u : r), BF16::from_bits());
 }
 
+// a float32 result rounded to the activations' dtype (float32: as it is)
+template <typename T>
+inline T rnd(float v);
+template <>
+inline BF16 rnd<BF16>(float v) { return bf16(v); }
+template <>
+inline float rnd<float>(float v) { return v; }
+
 // residual += x (skipped for the first layer, whose residual is x), then out = the residual's
-// RMSNorm times the weight: ops/norm.py's rms_norm_cpu rounds x / rms to bfloat16, then its
-// product with the weight
-void add_rms_norm(const BF16* x, BF16* res, bool add, const BF16* w, float eps, int64_t t,
-                  int64_t d, BF16* out) {
+// RMSNorm times the weight: ops/norm.py's rms_norm_cpu rounds x / rms to the activations'
+// dtype, then its product with the weight
+template <typename T>
+void add_rms_norm(const T* x, T* res, bool add, const T* w, float eps, int64_t t, int64_t d,
+                  T* out) {
   for (int64_t r = 0; r < t; ++r) {
-    BF16* rr = res + r * d;
+    T* rr = res + r * d;
     if (add) {
-      const BF16* xr = x + r * d;
+      const T* xr = x + r * d;
 #pragma omp simd
-      for (int64_t e = 0; e < d; ++e) rr[e] = bf16(f32(xr[e]) + f32(rr[e]));
+      for (int64_t e = 0; e < d; ++e) rr[e] = rnd<T>(f32(xr[e]) + f32(rr[e]));
     }
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t e = 0; e < d; ++e) ss += f32(rr[e]) * f32(rr[e]);
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    BF16* o = out + r * d;
+    T* o = out + r * d;
 #pragma omp simd
-    for (int64_t e = 0; e < d; ++e) o[e] = bf16(f32(bf16(f32(rr[e]) * inv)) * f32(w[e]));
+    for (int64_t e = 0; e < d; ++e) o[e] = rnd<T>(f32(rnd<T>(f32(rr[e]) * inv)) * f32(w[e]));
   }
 }
 
 // ops/rotary.py's rotary_cpu in place on each of the `rows` heads of d elements at `x` (q and
 // k of a token, neighbours): x * cos2 rounded, plus roll(x, d / 2) * sin2 in float32, rounded
-void rotary(BF16* x, int64_t rows, int64_t d, const BF16* cos2, const BF16* sin2) {
+template <typename T>
+void rotary(T* x, int64_t rows, int64_t d, const T* cos2, const T* sin2) {
   float row[512];
   const int64_t half = d / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    BF16* xr = x + r * d;
+    T* xr = x + r * d;
     for (int64_t e = 0; e < d; ++e) row[e] = f32(xr[e]);
     // the two halves apart (rolled: the other half), so that each loop vectorizes
 #pragma omp simd
     for (int64_t e = 0; e < half; ++e)
-      xr[e] = bf16(f32(bf16(row[e] * f32(cos2[e]))) + row[e + half] * f32(sin2[e]));
+      xr[e] = rnd<T>(f32(rnd<T>(row[e] * f32(cos2[e]))) + row[e + half] * f32(sin2[e]));
 #pragma omp simd
     for (int64_t e = half; e < d; ++e)
-      xr[e] = bf16(f32(bf16(row[e] * f32(cos2[e]))) + row[e - half] * f32(sin2[e]));
+      xr[e] = rnd<T>(f32(rnd<T>(row[e] * f32(cos2[e]))) + row[e - half] * f32(sin2[e]));
   }
 }
 
 // ops/kv_write.py's write_kv: token i's K and V heads (neighbours at kv) into slot slots[i] of
 // a [2, NB, BS, KVH, D] cache
-void write_kv(const BF16* kv, int64_t row, int64_t t, int64_t tok, const int64_t* slots,
-              BF16* cache, int64_t v_off) {
+template <typename T>
+void write_kv(const T* kv, int64_t row, int64_t t, int64_t tok, const int64_t* slots, T* cache,
+              int64_t v_off) {
   for (int64_t i = 0; i < t; ++i) {
     if (slots[i] < 0) continue;
-    std::memcpy(cache + slots[i] * tok, kv + i * row, tok * sizeof(BF16));
-    std::memcpy(cache + v_off + slots[i] * tok, kv + i * row + tok, tok * sizeof(BF16));
+    std::memcpy(cache + slots[i] * tok, kv + i * row, tok * sizeof(T));
+    std::memcpy(cache + v_off + slots[i] * tok, kv + i * row + tok, tok * sizeof(T));
   }
 }
 
 // SiLU(gate) rounded, times up, rounded: [t, 2n] -> [t, n]
 // (rows split across threads where there are several thousand elements each)
-void silu_mul(const BF16* __restrict gate_up, int64_t t, int64_t n, BF16* __restrict out) {
+template <typename T>
+void silu_mul(const T* __restrict gate_up, int64_t t, int64_t n, T* __restrict out) {
   at::parallel_for(0, t, std::max<int64_t>(1, 8192 / n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const BF16* g = gate_up + r * 2 * n;
-      const BF16* u = g + n;
-      BF16* o = out + r * n;
+      const T* g = gate_up + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
 #pragma omp simd
       for (int64_t e = 0; e < n; ++e) {
         const float v = f32(g[e]);
         const float z = exp_nonpositive(-std::fabs(v));  // e^-|v|: sigmoid without overflow
-        o[e] = bf16(f32(bf16(v * ((v >= 0.f ? 1.f : z) / (1.f + z)))) * f32(u[e]));
+        o[e] = rnd<T>(f32(rnd<T>(v * ((v >= 0.f ? 1.f : z) / (1.f + z)))) * f32(u[e]));
       }
     }
   });
 }
 
-// x [T, hidden] bfloat16 through every layer -> (the last MLP's output, the residual)
+// x [T, hidden] (bfloat16 or float32, as every other activation operand) through every layer ->
+// (the last MLP's output, the residual)
+template <typename T>
+std::tuple<Tensor, Tensor> layers_kernel(
+    Tensor x, const Tensor& c2, const Tensor& s2, at::TensorList norms, at::ArrayRef<double> eps,
+    at::TensorList w, at::IntArrayRef spec, at::TensorList kv_caches, const Tensor& blocks,
+    const Tensor& lens, const Tensor& sl, int64_t h, int64_t kvh, int64_t d, double scale) {
+  const int64_t t = x.size(0), layers = kv_caches.size();
+  const int64_t hidden = x.size(1), row = (h + 2 * kvh) * d, tok = kvh * d;
+  Tensor residual = x.clone(at::MemoryFormat::Contiguous), normed = at::empty_like(residual);
+  T* res = residual.data_ptr<T>();
+  T* nrm = normed.data_ptr<T>();
+  for (int64_t l = 0; l < layers; ++l) {
+    const Tensor& cache = kv_caches[l];
+    TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == x.scalar_type(),
+                "decode_layers: a contiguous [2, NB, BS, KVH, D] cache a layer, of x's dtype");
+    TORCH_CHECK(norms[2 * l].scalar_type() == x.scalar_type() &&
+                    norms[2 * l + 1].scalar_type() == x.scalar_type(),
+                "decode_layers: norm weights of x's dtype");
+    add_rms_norm<T>(x.data_ptr<T>(), res, l > 0, norms[2 * l].data_ptr<T>(),
+                    static_cast<float>(eps[2 * l]), t, hidden, nrm);
+    const Tensor qkv = product(normed, w, spec, 4 * l).contiguous();
+    T* p = qkv.data_ptr<T>();
+    for (int64_t i = 0; i < t; ++i)
+      rotary<T>(p + i * row, h + kvh, d, c2.data_ptr<T>() + i * d, s2.data_ptr<T>() + i * d);
+    write_kv<T>(p + h * d, row, t, tok, sl.data_ptr<int64_t>(), cache.data_ptr<T>(),
+                cache.size(1) * cache.size(2) * tok);
+    const Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
+    const Tensor o = skyline::decode_attention(q, cache, blocks, lens, scale);
+    const Tensor attn_out = product(o.view({t, h * d}), w, spec, 4 * l + 1).contiguous();
+    add_rms_norm<T>(attn_out.data_ptr<T>(), res, true, norms[2 * l + 1].data_ptr<T>(),
+                    static_cast<float>(eps[2 * l + 1]), t, hidden, nrm);
+    const Tensor gate_up = product(normed, w, spec, 4 * l + 2).contiguous();
+    const int64_t n = gate_up.size(1) / 2;
+    Tensor act = at::empty({t, n}, x.options());
+    silu_mul<T>(gate_up.data_ptr<T>(), t, n, act.data_ptr<T>());
+    x = product(act, w, spec, 4 * l + 3).contiguous();
+  }
+  return {x, residual};
+}
+
 std::tuple<Tensor, Tensor> decode_layers(
     Tensor x, const Tensor& cos2, const Tensor& sin2, at::TensorList norms, at::ArrayRef<double> eps,
     at::TensorList w, at::IntArrayRef spec, at::TensorList kv_caches, const Tensor& blocks,
     const Tensor& lens, const Tensor& slots, int64_t h, int64_t kvh, int64_t d, double scale) {
-  const int64_t t = x.size(0), hidden = x.size(1), layers = kv_caches.size();
+  const int64_t t = x.size(0), layers = kv_caches.size();
   TORCH_CHECK(norms.size() == 2 * layers && eps.size() == 2 * layers &&
                   spec.size() == 4 * kSpec * layers,
               "decode_layers: one input and one post-attention norm and four products a layer");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos2.scalar_type() == at::kBFloat16 &&
-                  sin2.scalar_type() == at::kBFloat16 && d <= 512,
-              "decode_layers: bfloat16 activations and rotary operands, head_dim <= 512");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && cos2.scalar_type() == dt &&
+                  sin2.scalar_type() == dt && x.dim() == 2 && d <= 512,
+              "decode_layers: bfloat16 or float32 activations, rotary operands of their dtype, "
+              "head_dim <= 512");
   const Tensor c2 = cos2.reshape({t, d}).contiguous(), s2 = sin2.reshape({t, d}).contiguous();
   const Tensor sl = slots.to(at::kLong).contiguous();
-  const int64_t row = (h + 2 * kvh) * d, tok = kvh * d;
-  Tensor residual = x.clone(at::MemoryFormat::Contiguous), normed = at::empty_like(residual);
-  BF16* res = residual.data_ptr<BF16>();
-  BF16* nrm = normed.data_ptr<BF16>();
-  for (int64_t l = 0; l < layers; ++l) {
-    const Tensor& cache = kv_caches[l];
-    TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == at::kBFloat16,
-                "decode_layers: a contiguous bfloat16 [2, NB, BS, KVH, D] cache a layer");
-    add_rms_norm(x.data_ptr<BF16>(), res, l > 0, norms[2 * l].data_ptr<BF16>(),
-                 static_cast<float>(eps[2 * l]), t, hidden, nrm);
-    const Tensor qkv = product(normed, w, spec, 4 * l).contiguous();
-    BF16* p = qkv.data_ptr<BF16>();
-    for (int64_t i = 0; i < t; ++i)
-      rotary(p + i * row, h + kvh, d, c2.data_ptr<BF16>() + i * d, s2.data_ptr<BF16>() + i * d);
-    write_kv(p + h * d, row, t, tok, sl.data_ptr<int64_t>(), cache.data_ptr<BF16>(),
-             cache.size(1) * cache.size(2) * tok);
-    const Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
-    const Tensor o = skyline::decode_attention(q, cache, blocks, lens, scale);
-    const Tensor attn_out = product(o.view({t, h * d}), w, spec, 4 * l + 1).contiguous();
-    add_rms_norm(attn_out.data_ptr<BF16>(), res, true, norms[2 * l + 1].data_ptr<BF16>(),
-                 static_cast<float>(eps[2 * l + 1]), t, hidden, nrm);
-    const Tensor gate_up = product(normed, w, spec, 4 * l + 2).contiguous();
-    const int64_t n = gate_up.size(1) / 2;
-    Tensor act = at::empty({t, n}, x.options());
-    silu_mul(gate_up.data_ptr<BF16>(), t, n, act.data_ptr<BF16>());
-    x = product(act, w, spec, 4 * l + 3).contiguous();
-  }
-  return {x, residual};
+  if (dt == at::kFloat)
+    return layers_kernel<float>(x, c2, s2, norms, eps, w, spec, kv_caches, blocks, lens, sl, h,
+                                kvh, d, scale);
+  return layers_kernel<BF16>(x, c2, s2, norms, eps, w, spec, kv_caches, blocks, lens, sl, h, kvh,
+                             d, scale);
 }
 
 // ops/cpu_linear.py's recompute_near_top_ref: in each row of logits [n, V] (float32), the entries
