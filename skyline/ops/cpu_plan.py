@@ -13,8 +13,10 @@ ONEDNN_MAX_CPU_ISA):
   float32 at 16 rows, so activations stay float32 and only the int4 kernel's input is rounded
   to bfloat16 (its AVX-512 path converts it to float32 in registers): 4-bit codes as one plane,
   5- to 8-bit codes as two, against 32 bits a weight for dense float32.
-- AVX2 only: the int4 kernel's AVX2 path is slower, but one plane still beats dense float32 for
-  a few rows; wider codes stay dense float32.
+- AVX2 only: torch's int4 kernel's AVX2 path is slow (one row of the default model's layers
+  8.9 ms, 3.2x its floor, bench/cpu_intdot_speed.py); the integer dot kernel runs 4-bit codes
+  1.5x faster at one row, 1.4x at two and as fast at four (`int4_kernel = "intdot"`), and
+  dense float32 the rest.
 
 Everywhere the integer dot-product kernel builds (ops/cpu_intdot.py: activations rounded to int8
 per 32 elements, as llama.cpp's CPU kernels), 5- to 8-bit codes and the LM head of a GGUF model
@@ -71,6 +73,9 @@ class CpuPlan:
     # batches of at most this many rows run 5- to 8-bit codes and a GGUF model's LM head on the
     # integer dot-product kernel (ops/cpu_intdot.py); 0: never
     intdot_rows: int = 0
+    # the kernel of 4-bit codes up to int4_rows: "int4" (torch's) or "intdot" (the integer dot
+    # kernel, where torch's runs a slow path)
+    int4_kernel: str = "int4"
 
     @property
     def gguf_packed(self) -> bool:
@@ -125,8 +130,12 @@ _PLANS = {
     "other": (torch.float32, 0, 0),
 }
 # Rows up to which the integer dot-product kernel runs (where it builds), on every x86 family:
-# measured on AVX-512 VNNI (bench/cpu_intdot_speed.py); the AVX2 path is not yet measured.
+# measured on AVX-512 VNNI and AVX2 (bench/cpu_intdot_speed.py).
 INTDOT_ROWS = 2
+# Families whose 4-bit codes take the integer dot kernel rather than torch's int4 kernel
+# (measured on an AVX2 AMD EPYC, bench/cpu_intdot_speed.py: 5.8 against 8.9 ms a step's layers
+# at one row).
+INT4_ON_INTDOT = ("avx2",)
 
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
@@ -141,11 +150,15 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     intdot = INTDOT_ROWS if fam != "other" else 0
     if tuned:
         dtype, rows, wide, intdot, threads = _tuned(tuned, dtype, rows, wide, intdot)
+    has_intdot = fam != "other" and cpu_intdot.available()
+    kernel = "intdot" if fam in INT4_ON_INTDOT and has_intdot else "int4"
+    if kernel == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        rows = 0
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        rows = wide = 0
-    if intdot and not cpu_intdot.available():
+        wide = 0
+    if not has_intdot:
         intdot = 0
-    return CpuPlan(fam, dtype, rows, wide, threads, intdot)
+    return CpuPlan(fam, dtype, rows, wide, threads, intdot, kernel)
 
 
 def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int, intdot: int

@@ -134,9 +134,12 @@ class GGUFLinearMethod:
         cpu = cpu_plan.plan()
         types = [int(t) for t in layer.gguf_types]
         four_bit = all(t in INT4_GROUP_TYPES for t in types)
-        layer.cpu_intdot = _pack_intdot(layer) if cpu.intdot_rows and not four_bit else None
+        # the integer dot kernel's rows for these codes (the plan's int4_kernel for 4-bit ones)
+        intdot_rows = ((cpu.int4_rows if cpu.int4_kernel == "intdot" else 0) if four_bit
+                       else cpu.intdot_rows)
+        layer.cpu_intdot = _pack_intdot(layer) if intdot_rows else None
         if layer.cpu_intdot is not None:
-            rows, layer.cpu_planes = cpu.intdot_rows, None
+            rows, layer.cpu_planes = intdot_rows, None
         else:
             rows = cpu.int4_rows if four_bit else cpu.int4_wide_rows
             layer.cpu_planes = _pack_int4(layer) if rows else None

@@ -45,6 +45,8 @@ def test_each_family_gets_its_plan(family):
     assert plan.intdot_rows == (cpu_plan.INTDOT_ROWS if family != "other"
                                 and cpu_intdot.available() else 0)
     assert plan.gguf_packed == (plan.int4_rows > 0 or plan.intdot_rows > 0)
+    # 4-bit codes on the integer dot kernel on AVX2 (torch's int4 kernel's slow path there)
+    assert plan.int4_kernel == ("intdot" if family == "avx2" and plan.intdot_rows else "int4")
 
 
 def test_a_bf16_capable_cpu_without_onednn_bf16_stays_float32():
@@ -104,9 +106,12 @@ def test_served_layout_follows_the_plan_and_matches_the_blocks(family, runs):
     assert method.prepack_cpu(layer, dtype)
     assert not hasattr(layer, "gguf_w0")  # the raw blocks are dropped
     four_bit = all(q in (Q.Q4_0, Q.Q4_1, Q.Q4_K) for q in runs)
-    intdot = plan.intdot_rows > 0 and not four_bit  # wider codes on the integer dot kernel
-    want_rows = (plan.intdot_rows if intdot else 0 if Q.Q6_K in runs
-                 else plan.int4_rows if four_bit else plan.int4_wide_rows)
+    # wider codes on the integer dot kernel; 4-bit ones too where the plan says so (AVX2)
+    intdot = (plan.int4_kernel == "intdot" and plan.int4_rows > 0 if four_bit
+              else plan.intdot_rows > 0)
+    want_rows = (plan.int4_rows if intdot and four_bit else plan.intdot_rows if intdot
+                 else 0 if Q.Q6_K in runs else plan.int4_rows if four_bit
+                 else plan.int4_wide_rows)
     assert layer.cpu_plane_rows == want_rows
     assert (layer.cpu_planes is not None) == (want_rows > 0 and not intdot)
     assert (layer.cpu_intdot is not None) == intdot
