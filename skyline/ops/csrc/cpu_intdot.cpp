@@ -136,7 +136,14 @@ inline __m256i load_codes(const uint8_t* p) {
   }
 }
 
-// 8 int32 partial sums of u8 codes times s8 activations (4 neighbouring bytes each)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// 8 int32 partial sums of u8 codes times s8 activations (4 neighbouring bytes each); without
+// VNNI, 8-bit codes as signed ones (see kSigned8)
 template <int BITS>
 inline __m256i dot_u8s8(__m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -146,14 +153,22 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-  // vpmaddubsw saturates at 2 * 255 * 127 > 32767: 8-bit codes go as two nibbles
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(w, mask), x);
-  const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), mask), x);
-  return _mm256_add_epi32(_mm256_madd_epi16(lo, ones),
-                          _mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4));
+  // vpmaddubsw would saturate at 2 * 255 * 127 > 32767: the codes less 128 (q ^ 0x80), whose
+  // magnitudes times x's signs stay within 2 * 128 * 127, as llama.cpp's AVX2 dot products
+  const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), ones);
 #endif
 }
+#endif
+
+// Whether the AVX2 kernel multiplies 8-bit codes as q - 128 (no VNNI): each group's sum then
+// lacks 128 * scale * sum(x q8) = 128 * scale * xs, which the offsets' term adds back
+template <int BITS>
+constexpr bool kSigned8 =
+#if defined(__AVX2__)
+    BITS == 8 && !kVnni;
+#else
+    false;
 #endif
 
 #if defined(__AVX2__)
@@ -191,16 +206,19 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
     __m256 offv[kMaxRows];
     for (int r = 0; r < M; ++r) offv[r] = _mm256_setzero_ps();
     for (; g + 8 <= groups; g += 8) {
-      const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wo + g)));
-      _mm256_storeu_ps(sc + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + g))));
+      __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wo + g)));
+      const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + g)));
+      _mm256_storeu_ps(sc + g, sv);
+      if constexpr (kSigned8<BITS>) o = _mm256_fmadd_ps(sv, _mm256_set1_ps(128.f), o);
       for (int r = 0; r < M; ++r)
         offv[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xq.sum.data() + (m_off + r) * groups + g), offv[r]);
     }
     for (int r = 0; r < M; ++r) off[r] = hsum(offv[r]);
 #endif
     for (; g < groups; ++g) {
-      const float o = half_to_float(wo[g]);
       sc[g] = half_to_float(ws[g]);
+      const float o = kSigned8<BITS> ? std::fma(sc[g], 128.f, half_to_float(wo[g]))
+                                     : half_to_float(wo[g]);
       for (int r = 0; r < M; ++r) off[r] += o * xq.sum[(m_off + r) * groups + g];
     }
 #if defined(__AVX2__)
