@@ -267,7 +267,7 @@ def main() -> None:
         "machine": machine_info("cpu") | {"load_avg_at_start": os.getloadavg()},
         "cpu_plan": {"family": plan.family, "dtype": str(plan.dtype).removeprefix("torch."),
                      "int4_rows": plan.int4_rows, "int4_wide_rows": plan.int4_wide_rows,
-                     "intdot_rows": plan.intdot_rows},
+                     "intdot_rows": plan.intdot_rows, "int4_kernel": plan.int4_kernel},
         "threads": ns.threads, "rounds": ns.rounds,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "settings": {"prefill_prompt_tokens": ns.prompt_len, "decode_tokens": ns.gen_len,

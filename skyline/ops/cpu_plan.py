@@ -23,7 +23,8 @@ per 32 elements, as llama.cpp's CPU kernels), 5- to 8-bit codes and the LM head 
 take it for batches of up to `intdot_rows` rows: on an AVX-512 VNNI machine it runs 8-bit codes
 at 1.3-1.9x dense bf16's speed for one row (the Q8_0 head likewise), closer to the exact model
 than bf16 products (bench/cpu_decode_quality.py); 4-bit codes stay on torch's int4 kernel,
-which is faster, and more rows on dense products (bench/cpu_intdot_speed.py).
+which is faster there (not on AVX2, above), and more rows on dense products
+(bench/cpu_intdot_speed.py).
 
 Everywhere, batches above `int4_rows` (prefill, many streams) run dense oneDNN products on
 weights dequantized once at load: the int4 kernel's time grows with the rows (it unpacks the
