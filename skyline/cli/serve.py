@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from skyline.cli.args import (
@@ -57,7 +58,6 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
     from skyline.router.app import serve as serve_router
     from skyline.router.fleet import Fleet
     from skyline.router.launch import LocalReplicas
-    from skyline.server.launch import bind_socket
 
     if ns.replicas < 1:
         raise ConfigError("--replicas must be at least 1")
@@ -68,10 +68,7 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
     flags, sequential = _replica_flags(ns)
     # The router's port is held (bound, refusing connections) while the replicas start: a port in
     # use fails now, and no replica can be given it.
-    try:
-        sock = bind_socket(ns.host, ns.port, listen=False)
-    except OSError as e:
-        raise ConfigError(str(e)) from None
+    sock = _router_socket(ns, listen=False)
     local = LocalReplicas([base + f for f in flags], sequential=sequential,
                           reserved=(sock.getsockname()[1],))
     print(f"skyline: starting {ns.replicas} replicas ...", flush=True)
@@ -84,6 +81,16 @@ def _serve_fleet(ns: argparse.Namespace, api_key: str | None) -> None:
         sys.exit(f"skyline: error: {e}")
     finally:
         local.stop(ns.shutdown_timeout)  # done already unless the router failed to start
+
+
+def _router_socket(ns: argparse.Namespace, listen: bool = True) -> socket.socket:
+    """The router's socket on --host:--port (a port in use: the server's one-line error)."""
+    from skyline.server.launch import bind_socket
+
+    try:
+        return bind_socket(ns.host, ns.port, listen=listen)
+    except OSError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _serve_ray(ns: argparse.Namespace, base: list[str], api_key: str | None) -> None:
@@ -128,14 +135,9 @@ def cmd_router(ns: argparse.Namespace) -> None:
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("skyline.router").setLevel(logging.INFO)
     from skyline import envs
-    from skyline.server.launch import bind_socket
 
     cfg = router_config(ns, ns.replica, ns.api_key or envs.ENV.api_key)
-    try:
-        sock = bind_socket(ns.host, ns.port)
-    except OSError as e:
-        raise ConfigError(str(e)) from None
-    serve_router(Fleet(cfg, PromptHasher(ns.model)), sock, ns.uvicorn_log_level)
+    serve_router(Fleet(cfg, PromptHasher(ns.model)), _router_socket(ns), ns.uvicorn_log_level)
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:

@@ -151,14 +151,12 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     intdot = INTDOT_ROWS if fam != "other" else 0
     if tuned:
         dtype, rows, wide, intdot, threads = _tuned(tuned, dtype, rows, wide, intdot)
-    has_intdot = fam != "other" and cpu_intdot.available()
-    kernel = "intdot" if fam in INT4_ON_INTDOT and has_intdot else "int4"
-    if kernel == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        rows = 0
+    if intdot and not cpu_intdot.available():
+        intdot = 0
+    kernel = "intdot" if fam in INT4_ON_INTDOT and cpu_intdot.available() else "int4"
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         wide = 0
-    if not has_intdot:
-        intdot = 0
+        rows = rows if kernel == "intdot" else 0
     return CpuPlan(fam, dtype, rows, wide, threads, intdot, kernel)
 
 

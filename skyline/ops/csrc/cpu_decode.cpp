@@ -110,12 +110,6 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 template <typename T>
@@ -133,7 +127,7 @@ inline float dot(const float* q, const T* k, int64_t d) {
       acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8(k + e), acc0);
       acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), load8(k + e + 8), acc1);
     }
-    s = sum8(_mm256_add_ps(acc0, acc1));
+    s = skyline::hsum8(_mm256_add_ps(acc0, acc1));
 #endif
   }
   for (; e < d; ++e) s += q[e] * f32(k[e]);

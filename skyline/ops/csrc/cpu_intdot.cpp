@@ -115,13 +115,6 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 #endif
 
 #if defined(__AVX2__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 codes of a group as unsigned bytes in element order
 template <int BITS>
 inline __m256i load_codes(const uint8_t* p) {
@@ -213,7 +206,7 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
       for (int r = 0; r < M; ++r)
         offv[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xq.sum.data() + (m_off + r) * groups + g), offv[r]);
     }
-    for (int r = 0; r < M; ++r) off[r] = hsum(offv[r]);
+    for (int r = 0; r < M; ++r) off[r] = skyline::hsum8(offv[r]);
 #endif
     for (; g < groups; ++g) {
       sc[g] = half_to_float(ws[g]);
@@ -263,7 +256,7 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
       }
     }
     for (int r = 0; r < M; r += 2)  // a row's two virtual rows add up
-      y[r / 2 * ldy + n] = static_cast<Y>(hsum(_mm256_add_ps(acc[r], acc[r + 1])) + off[r] + off[r + 1]);
+      y[r / 2 * ldy + n] = static_cast<Y>(skyline::hsum8(_mm256_add_ps(acc[r], acc[r + 1])) + off[r] + off[r + 1]);
 #else
     float part[kMaxRows];
     for (int r = 0; r < M; ++r) {

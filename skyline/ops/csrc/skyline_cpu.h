@@ -3,7 +3,21 @@
 
 #include <ATen/core/Tensor.h>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace skyline {
+
+#if defined(__AVX2__)
+// the sum of an AVX register's 8 float lanes
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // y [M, N] = x [M, K] (float32 or bfloat16, rounded to int8 per 32) times W^T, W = codes *
 // scale + offset per group (ops/cpu_intdot.py's intdot_mm_ref), in x's dtype
