@@ -1,7 +1,7 @@
 """Quality of the CPU's default decode path on GGUF files: the served default (the CPU plan:
-decode-sized products on the integer dot kernel with activations rounded to int8 per 32, or on
-torch's int4 kernel in bfloat16) against the exact float32 model, with the plan's integer dot
-kernel turned off as the baseline, in one run.
+decode-sized products on the integer dot kernel with activations rounded to int8 per 32, once
+or twice, or on torch's int4 kernel in bfloat16) against the exact float32 model, with the
+plan's other rounding count and the integer dot kernel turned off as baselines, in one run.
 
 Each engine decodes greedily from the same prompts, one at a time (batch-1 steps); the exact
 model then scores the served tokens (prompt log-probs over the prompt + continuation): top-1
@@ -17,6 +17,7 @@ served position (both renormalized over those 20: the engines return no more).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -70,6 +71,18 @@ def _norm(lps: list[float]) -> list[float]:
     return [x / sum(e) for x in e]
 
 
+def variants(plan: cpu_plan.CpuPlan) -> dict[str, cpu_plan.CpuPlan]:
+    """The served plan, the same with the integer dot kernel's other rounding count, and with
+    the kernel off (4-bit codes back on torch's int4 kernel where the plan had moved them)."""
+    other = 3 - plan.intdot_rounds
+    off = dataclasses.replace(plan, intdot_rows=0, int4_kernel="int4", int4_rows=(
+        0 if plan.int4_kernel == "intdot" else plan.int4_rows))
+    return {"served": plan,
+            f"intdot, {'twice' if other == 2 else 'once'}": dataclasses.replace(
+                plan, intdot_rounds=other),
+            "no intdot": off}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="q4_1,q8_0,q4_k_m")
@@ -93,20 +106,22 @@ def main() -> None:
             else:
                 print(f"{name}: {path} is missing (bench/cpu_vs_llamacpp.py makes it); skipped")
     kw = dict(device="cpu", threads=args.threads, enable_prefix_caching=False, **load)
-    rows, intdot_rows = [], cpu_plan.INTDOT_ROWS
+    rows, plan_of = [], cpu_plan.plan
     for name, path in paths.items():
         exact = LLM(model=path, dtype="float32", **kw)
         prompts = [exact.tokenizer.encode(p) for p in PROMPTS]
-        for variant, rows_setting in (("served", intdot_rows), ("served, no intdot", 0)):
-            cpu_plan.INTDOT_ROWS = rows_setting
-            served = LLM(model=path, **kw)
+        for variant, plan in variants(plan_of()).items():
+            cpu_plan.plan = lambda plan=plan: plan  # what the engine's loader reads
+            try:
+                served = LLM(model=path, **kw)
+            finally:
+                cpu_plan.plan = plan_of
             res = score(exact, prompts, decode(served, prompts, args.tokens))
-            res |= {"model": name, "variant": variant, "plan": repr(cpu_plan.plan())}
+            res |= {"model": name, "variant": variant, "plan": repr(plan)}
             rows.append(res)
-            print(f"{name:7s} {variant:18s} top-1 agreement {res['top1_agreement']:.3f}  "
+            print(f"{name:7s} {variant:24s} top-1 agreement {res['top1_agreement']:.3f}  "
                   f"KL(top 20) {res['kl_top20']:.4f}", flush=True)
             del served
-        cpu_plan.INTDOT_ROWS = intdot_rows
     save_json({"bench": "cpu_decode_quality", "date": datetime.date.today().isoformat(),
                "machine": machine_info("cpu"), "intdot_isa": cpu_intdot.isa(),
                "tokens": args.tokens, "prompts": PROMPTS, "rows": rows}, args.out)

@@ -1,6 +1,7 @@
 """The CPU's decode products by kernel: the integer dot kernel (ops/cpu_intdot.py, 4- and
-8-bit codes, activations rounded to int8 per 32) against torch's int4 kernel (one plane: 4-bit
-codes; two: 5- to 8-bit codes) and oneDNN's dense bfloat16 product, on the default model's
+8-bit codes, activations rounded to int8 per 32 twice, or once: `_once`) against torch's int4
+kernel (one plane: 4-bit codes; two: 5- to 8-bit codes) and oneDNN's dense bfloat16 and float32
+products (float32 activations for the latter), on the default model's
 shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536: every weight read
 from memory once a step, as in a decode step) and its LM head (49,152 x 576; three copies taken
 in turn, so that none is still in the last-level cache), at 1-16 rows.
@@ -33,11 +34,12 @@ def kernel(kind: str, n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Te
     """(product of x [M, k] bf16, bytes it reads) for a random weight [n, k]."""
     g = torch.Generator().manual_seed(n * k)
     if kind.startswith("intdot"):
-        bits = 4 if kind == "intdot_q4" else 8
+        bits = 4 if kind.startswith("intdot_q4") else 8
         codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
         codes[0, 0] = (1 << bits) - 1
         w = cpu_intdot.pack(codes, torch.rand(n, k // 32, generator=g),
-                            torch.rand(n, k // 32, generator=g), 32)
+                            torch.rand(n, k // 32, generator=g), 32,
+                            1 if kind.endswith("_once") else 2)
         return (lambda x: cpu_intdot.intdot_mm(x, w)), w.nbytes()
     if kind.startswith("int4"):
         wide = kind == "int4_two_planes"
@@ -46,16 +48,19 @@ def kernel(kind: str, n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Te
                                       torch.zeros(n, k // 32), 32, wide)
         nbytes = sum(t.numel() * t.element_size() for p in planes for t in p)
         return (lambda x: cpu_int4.planes_mm(x, planes, 32)), nbytes
-    w = torch.randn(n, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).to(DTYPE.get(kind, torch.bfloat16))
     if not cpu_linear.can_pack(w):  # a CPU without bf16 instructions: torch's own product
-        return (lambda x: F.linear(x, w)), n * k * 2
+        return (lambda x: F.linear(x, w)), n * k * w.itemsize
     packed = cpu_linear.pack(w)
-    return (lambda x: cpu_linear.packed_linear(x, packed)), n * k * 2
+    return (lambda x: cpu_linear.packed_linear(x, packed)), n * k * w.itemsize
 
 
-def time_step(products: list, rows: int, reps: int) -> float:
+DTYPE = {"fp32_dense": torch.float32}  # the activations' dtype by kernel (else bfloat16)
+
+
+def time_step(products: list, rows: int, reps: int, dtype: torch.dtype) -> float:
     """Best seconds of one pass over every (product, K), each with its own input."""
-    xs = [torch.randn(rows, k, dtype=torch.bfloat16) for _, k in products]
+    xs = [torch.randn(rows, k, dtype=dtype) for _, k in products]
     for (f, _), x in zip(products, xs, strict=True):
         f(x)
     best = float("inf")
@@ -79,11 +84,11 @@ def main() -> None:
     if args.smoke:
         layers, rows, reps, head, args.out = 1, [1, 2], 2, (256, 576), ""
     torch.set_num_threads(args.threads)
-    kinds = ["bf16_dense"]
+    kinds = ["bf16_dense", "fp32_dense"]
     if cpu_int4.has_kernel():
         kinds += ["int4_one_plane", "int4_two_planes"]
     if cpu_intdot.available():
-        kinds += ["intdot_q4", "intdot_q8"]
+        kinds += ["intdot_q4", "intdot_q8", "intdot_q4_once", "intdot_q8_once"]
     bw = host_read_bandwidth(args.threads, 1 << 22 if args.smoke else 1 << 28)
     table = []
     for kind in kinds:
@@ -91,8 +96,9 @@ def main() -> None:
         heads = [kernel(kind, *head) for _ in range(1 if args.smoke else 3)]
         lm = heads[0]
         for m in rows:
-            t_body = time_step([(f, k) for f, _, k in body], m, reps)
-            t_head = time_step([(f, head[1]) for f, _ in heads], m, reps) / len(heads)
+            dtype = DTYPE.get(kind, torch.bfloat16)
+            t_body = time_step([(f, k) for f, _, k in body], m, reps, dtype)
+            t_head = time_step([(f, head[1]) for f, _ in heads], m, reps, dtype) / len(heads)
             body_bytes = sum(b for _, b, _ in body)
             table.append({"kernel": kind, "rows": m, "layers_ms": 1e3 * t_body,
                           "head_ms": 1e3 * t_head, "layers_bytes": body_bytes,

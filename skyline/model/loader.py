@@ -224,14 +224,15 @@ def prepack_for_cpu(model: nn.Module) -> int:
     # a GGUF model's head (the file's Q8_0 or narrower) on the integer dot kernel, by the plan
     gguf = any(getattr(getattr(m, "linear_method", None), "name", None) == "gguf"
                for m in model.modules())
-    intdot_rows = cpu_plan.plan().intdot_rows if gguf else 0
+    plan = cpu_plan.plan()
+    intdot_rows = plan.intdot_rows if gguf else 0
     packed = 0
     for module in model.modules():
         if isinstance(module, Linear):
             hook = getattr(module.linear_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else prepack(module)
         elif isinstance(module, LMHead):
-            packed += module.prepack(intdot_rows)
+            packed += module.prepack(intdot_rows, plan.intdot_rounds)
         elif isinstance(module, FusedExperts):
             hook = getattr(module.expert_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else 0

@@ -43,6 +43,7 @@ class NativeProduct(NamedTuple):
     tensors: tuple[torch.Tensor, ...]  # (packed, scales_and_zeros) / (codes, scale, offset)
     a: int  # group / bits
     b: int = 0  # - / group
+    c: int = 0  # - / the activations' roundings (ops/cpu_intdot.py)
     rows: int = ANY_ROWS  # batches of more rows take `dense`
     dense: torch.Tensor | None = None  # [out, in] in the model dtype, oneDNN-packed or plain
 

@@ -12,12 +12,13 @@ and every row of a decode batch reuses each group it loads.
 The C++ is csrc/cpu_intdot.cpp, built for this machine by ops/cpu_ext.py; where it does not
 build, `available()` is False and the callers keep torch's kernels.
 
-Rounding the activations is the one approximation, made small by rounding twice: x^ = x1 + x2
-with x1 = d * nearbyint(x / d), d = max|x| / 127 per 32 elements, and x2 the same rounding of
-x - x1 (`quantize_activations_ref`), two int8 products a row that share each weight load: the
-error falls from ~1/254 of a block's largest element (llama.cpp's, which costs the default
-model's 8-bit files about as much again as bfloat16 does) to ~1/254 of that, below bfloat16's.
-The products are exact integers and the sums float32.
+Rounding the activations is the one approximation: x1 = d * nearbyint(x / d), d = max|x| / 127
+per 32 elements (llama.cpp's: an error of ~1/254 of a block's largest element, which costs the
+default model's 8-bit files about as much again as bfloat16 does), or, with two rounds (a
+weight's `rounds`, the CPU plan's choice), x^ = x1 + x2 with x2 the same rounding of x - x1
+(`quantize_activations_ref`): two int8 products a row that share each weight load, the error
+~1/254 of one round's, below bfloat16's, for twice the multiplications (which bound the kernel
+where the CPU lacks VNNI). The products are exact integers and the sums float32.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class IntDotWeight(NamedTuple):
     offset: torch.Tensor  # [N, K / group] float16
     bits: int
     group: int
+    rounds: int = 2  # times the activations are rounded to int8 (1 or 2; module docstring)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -50,12 +52,14 @@ class IntDotWeight(NamedTuple):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int
-         ) -> IntDotWeight | None:
+def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,
+         rounds: int = 2) -> IntDotWeight | None:
     """codes [N, K] uint8 (0..255), scale and offset [N, K / group] float -> the kernel's layout
-    (4 bits where every code fits); None where the kernel cannot take it (K not whole blocks of
-    32, a group it lacks, or a scale or offset out of float16's range) or the kernel is not
-    built here."""
+    (4 bits where every code fits), to be multiplied by activations rounded `rounds` times;
+    None where the kernel cannot take it (K not whole blocks of 32, a group it lacks, or a
+    scale or offset out of float16's range) or the kernel is not built here."""
+    if rounds not in (1, 2):
+        raise ValueError(f"rounds must be 1 or 2, got {rounds}")
     n, k = codes.shape
     if not available() or group not in GROUPS or k % BLOCK or scale.shape != (n, k // group):
         return None
@@ -65,12 +69,13 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: 
     if int(codes.max()) < 16:
         blocks = codes.reshape(n, k // BLOCK, 2, BLOCK // 2)
         packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
-        return IntDotWeight(packed.contiguous(), s16.contiguous(), o16.contiguous(), 4, group)
+        return IntDotWeight(packed.contiguous(), s16.contiguous(), o16.contiguous(), 4, group,
+                            rounds)
     return IntDotWeight(codes.to(torch.uint8).contiguous(), s16.contiguous(), o16.contiguous(),
-                        8, group)
+                        8, group, rounds)
 
 
-def quantize_weight(w: torch.Tensor) -> IntDotWeight | None:
+def quantize_weight(w: torch.Tensor, rounds: int = 2) -> IntDotWeight | None:
     """A dense weight [N, K] rounded to 8 bits per 32 elements (GGUF's Q8_0: codes centred on
     128, a float16 scale); None as pack. The scale is refitted to the codes (least squares):
     a Q8_0 weight that was dequantized to bfloat16 comes back as the file's codes and scales,
@@ -86,7 +91,7 @@ def quantize_weight(w: torch.Tensor) -> IntDotWeight | None:
     s = torch.where(qq > 0, (wb * q).sum(-1) / qq.clamp_min(1), s).to(torch.float16).float()
     inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
     q = torch.round(wb * inv[..., None]).clamp(-127, 127) + 128
-    return pack(q.reshape(n, k).to(torch.uint8), s, -128 * s, BLOCK)
+    return pack(q.reshape(n, k).to(torch.uint8), s, -128 * s, BLOCK, rounds)
 
 
 def unpack_codes(w: IntDotWeight) -> torch.Tensor:
@@ -113,23 +118,24 @@ def round_int8_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv) * d).reshape(x.shape)
 
 
-def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> x^ float32 as the kernel multiplies it: x rounded to int8 per 32, plus what
-    that left rounded the same way (two int8 products a row, added)."""
+def quantize_activations_ref(x: torch.Tensor, rounds: int = 2) -> torch.Tensor:
+    """x [M, K] -> x^ float32 as the kernel multiplies it: x rounded to int8 per 32, with two
+    rounds plus what that left rounded the same way (two int8 products a row, added)."""
     xf = x.float()
     first = round_int8_ref(xf)
-    return first + round_int8_ref(xf - first)
+    return first if rounds == 1 else first + round_int8_ref(xf - first)
 
 
 def intdot_mm_ref(x: torch.Tensor, w: IntDotWeight) -> torch.Tensor:
     """The reference: x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, W x^ in float64."""
-    y = quantize_activations_ref(x).double() @ dequantize(w).double().t()
+    y = quantize_activations_ref(x, w.rounds).double() @ dequantize(w).double().t()
     return y.to(x.dtype)
 
 
 def intdot_mm(x: torch.Tensor, w: IntDotWeight) -> torch.Tensor:
     """intdot_mm_ref's contract (float32 sums) on the compiled kernel: x [M, K] contiguous."""
-    return torch.ops.skyline_cpu.intdot_mm(x, w.codes, w.scale, w.offset, w.bits, w.group)
+    return torch.ops.skyline_cpu.intdot_mm(x, w.codes, w.scale, w.offset, w.bits, w.group,
+                                           w.rounds)
 
 
 def intdot_linear(x: torch.Tensor, w: IntDotWeight, bias: torch.Tensor | None = None

@@ -14,13 +14,19 @@ ONEDNN_MAX_CPU_ISA):
   to bfloat16 (its AVX-512 path converts it to float32 in registers): 4-bit codes as one plane,
   5- to 8-bit codes as two, against 32 bits a weight for dense float32.
 - AVX2 only: torch's int4 kernel's AVX2 path is slow (one row of the default model's layers
-  8.9 ms, 3.2x its floor, bench/cpu_intdot_speed.py); the integer dot kernel runs 4-bit codes
-  1.5x faster at one row, 1.4x at two and as fast at four (`int4_kernel = "intdot"`), and
-  dense float32 the rest.
+  8.6 ms, 4.2x its floor, bench/cpu_intdot_speed.py), and dense products are float32. The
+  integer dot kernel, with activations rounded once (`intdot_rounds = 1`: without VNNI a second
+  round doubles the work that bounds it at more than one row), runs 4-bit codes for up to 32
+  rows (`int4_kernel = "intdot"`: the layers at 1 / 8 / 16 / 32 rows 4.6 / 10.9 / 21.4 / 40.3
+  ms, against dense float32's 18.8 / 28.5 / 39.4 / 61.5) and 5- to 8-bit codes and the LM head
+  for up to 16 (8-bit codes 5.2 / 16.8 / 31.9 ms at 1 / 8 / 16 rows, 62.6 at 32: no faster).
+  One round is llama.cpp's rounding, about bfloat16 activations' error (top-1 agreement with
+  the exact model 0.97, as the AVX-512 BF16 plan's; bench/cpu_decode_quality.py).
 
 Everywhere the integer dot-product kernel builds (ops/cpu_intdot.py: activations rounded to int8
-per 32 elements, as llama.cpp's CPU kernels), 5- to 8-bit codes and the LM head of a GGUF model
-take it for batches of up to `intdot_rows` rows: on an AVX-512 VNNI machine it runs 8-bit codes
+per 32 elements, as llama.cpp's CPU kernels, twice unless the plan says once), 5- to 8-bit codes
+and the LM head of a GGUF model take it for batches of up to `intdot_rows` rows: on an AVX-512
+VNNI machine it runs 8-bit codes
 at 1.3-1.9x dense bf16's speed for one row (the Q8_0 head likewise), closer to the exact model
 than bf16 products (bench/cpu_decode_quality.py); 4-bit codes stay on torch's int4 kernel,
 which is faster there (not on AVX2, above), and more rows on dense products
@@ -34,9 +40,13 @@ exposes them with one activation scale per row or tensor only, and rounding Smol
 activations per row costs a KL of 0.057 against the GGUF weights (top-1 agreement 0.88), thirty
 times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL 0.005).
 
+SKYLINE_CPU_INTDOT_ROUNDS=2 (or 1) sets the rounding count over the plan's; `--dtype float32` is
+the exact path everywhere.
+
 `skyline tune` measures these choices on the user's own CPU and stores what won end to end in
 the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields
-override the table below (`int4_rows`, `int4_wide_rows`, `intdot_rows`, `threads`, `dtype`).
+override the table below (`int4_rows`, `int4_wide_rows`, `intdot_rows`, `intdot_rounds`,
+`threads`, `dtype`).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from skyline import envs
 from skyline.ops import cpu_intdot, cpu_linear, tuning
 
 FAMILIES = ("amx", "avx512_bf16", "avx512", "avx2", "other")
@@ -77,6 +88,9 @@ class CpuPlan:
     # the kernel of 4-bit codes up to int4_rows: "int4" (torch's) or "intdot" (the integer dot
     # kernel, where torch's runs a slow path)
     int4_kernel: str = "int4"
+    # times the integer dot kernel rounds the activations to int8 (ops/cpu_intdot.py): 2 (below
+    # bfloat16's error) or 1 (llama.cpp's rounding, half the multiplications)
+    intdot_rounds: int = 2
 
     @property
     def gguf_packed(self) -> bool:
@@ -121,23 +135,25 @@ def family(caps: CpuCaps) -> str:
 
 # Rows up to which the int4 kernel beats a dense product on the default model's Linears (30
 # layers of 576-wide projections, weights streamed from memory), measured per family at 1 and
-# 2 threads (bench/cpu_kernel_plan.py). "other" (no x86 vector ISA torch dispatches to, e.g.
-# ARM) keeps the dense float32 path, whose speed there is known.
+# 2 threads (bench/cpu_kernel_plan.py; AVX2's by bench/cpu_intdot_speed.py on an AMD EPYC: at 8
+# rows torch's int4 kernel 22.4 ms, the integer dot kernel rounding twice 19.7, dense float32
+# 28.5). "other" (no x86 vector ISA torch dispatches to, e.g. ARM) keeps the dense float32
+# path, whose speed there is known.
 _PLANS = {
     "amx": (torch.bfloat16, 8, 0),
     "avx512_bf16": (torch.bfloat16, 8, 0),
     "avx512": (torch.float32, 8, 4),
-    "avx2": (torch.float32, 4, 0),
+    "avx2": (torch.float32, 8, 0),
     "other": (torch.float32, 0, 0),
 }
 # Rows up to which the integer dot-product kernel runs (where it builds), on every x86 family:
 # measured on AVX-512 VNNI and AVX2 (bench/cpu_intdot_speed.py).
 INTDOT_ROWS = 2
-# Families whose 4-bit codes take the integer dot kernel rather than torch's int4 kernel
-# (measured on an AVX2 AMD EPYC, bench/cpu_intdot_speed.py: 5.8 against 8.9 ms a step's layers
-# at one row).
-INT4_ON_INTDOT = ("avx2",)
-
+# Families whose 4-bit codes take the integer dot kernel rather than torch's int4 kernel and
+# whose activations it rounds once unless told twice, and the rows up to which it then runs
+# 4-bit / 5- to 8-bit codes (measured on an AVX2 AMD EPYC without VNNI,
+# bench/cpu_intdot_speed.py: the module docstring).
+ROUND_ONCE = {"avx2": (32, 16)}
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -147,17 +163,36 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     fam = family(caps)
     dtype, rows, wide = _PLANS[fam]
     tuned = tuning.get_config(KERNEL, fam, {}, device=tuning.cpu_device_name())
+    built = cpu_intdot.available()
+    kernel = "intdot" if fam in ROUND_ONCE and built else "int4"
+    rounds = _rounds(tuned, 1 if kernel == "intdot" else 2)
+    intdot = INTDOT_ROWS if fam != "other" and built else 0
+    if kernel == "intdot" and rounds == 1:  # the rows where one rounding wins
+        rows, intdot = ROUND_ONCE[fam]
     threads = None
-    intdot = INTDOT_ROWS if fam != "other" else 0
     if tuned:
         dtype, rows, wide, intdot, threads = _tuned(tuned, dtype, rows, wide, intdot)
-    if intdot and not cpu_intdot.available():
+    if not built:
         intdot = 0
-    kernel = "intdot" if fam in INT4_ON_INTDOT and cpu_intdot.available() else "int4"
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         wide = 0
         rows = rows if kernel == "intdot" else 0
-    return CpuPlan(fam, dtype, rows, wide, threads, intdot, kernel)
+    return CpuPlan(fam, dtype, rows, wide, threads, intdot, kernel, rounds)
+
+
+def _rounds(tuned: dict, default: int) -> int:
+    # SKYLINE_CPU_INTDOT_ROUNDS over a stored plan's intdot_rounds over the family's
+    if envs.ENV.cpu_intdot_rounds:
+        if envs.ENV.cpu_intdot_rounds not in (1, 2):
+            raise ValueError(f"SKYLINE_CPU_INTDOT_ROUNDS={envs.ENV.cpu_intdot_rounds} must be "
+                             "1 or 2 (0: the CPU plan's choice)")
+        return envs.ENV.cpu_intdot_rounds
+    rounds = tuned.get("intdot_rounds", default) if tuned else default
+    if rounds not in (1, 2) or isinstance(rounds, bool):
+        raise tuning.KernelConfigError(
+            f"the tuned CPU plan's intdot_rounds is {rounds!r}, not 1 or 2; delete "
+            f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` again")
+    return rounds
 
 
 def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int, intdot: int

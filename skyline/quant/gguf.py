@@ -137,7 +137,7 @@ class GGUFLinearMethod:
         # the integer dot kernel's rows for these codes (the plan's int4_kernel for 4-bit ones)
         intdot_rows = ((cpu.int4_rows if cpu.int4_kernel == "intdot" else 0) if four_bit
                        else cpu.intdot_rows)
-        layer.cpu_intdot = _pack_intdot(layer) if intdot_rows else None
+        layer.cpu_intdot = _pack_intdot(layer, cpu.intdot_rounds) if intdot_rows else None
         if layer.cpu_intdot is not None:
             rows, layer.cpu_planes = intdot_rows, None
         else:
@@ -186,7 +186,7 @@ class GGUFLinearMethod:
                 return cpu_intdot.intdot_mm(x.contiguous(), w)
 
             native = cpu_ext.NativeProduct(cpu_ext.INTDOT, (w.codes, w.scale, w.offset),
-                                           w.bits, w.group, layer.cpu_plane_rows,
+                                           w.bits, w.group, w.rounds, layer.cpu_plane_rows,
                                            layer.cpu_dense)
             return intdot, layer.cpu_plane_rows, native
         group = getattr(layer, "cpu_plane_group", 0)
@@ -200,7 +200,7 @@ class GGUFLinearMethod:
             return cpu_int4.planes_mm(x.to(torch.bfloat16), layer.cpu_planes, group).to(x.dtype)
 
         native = cpu_ext.NativeProduct(cpu_ext.INT4_PLANE, tuple(layer.cpu_planes[0]), group, 0,
-                                       layer.cpu_plane_rows, layer.cpu_dense)
+                                       0, layer.cpu_plane_rows, layer.cpu_dense)
         return product, layer.cpu_plane_rows, native
 
     def apply(self, layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
@@ -275,8 +275,9 @@ def _pack_int4(layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
     return cpu_int4.pack_planes(codes, scale, offset, INT4_GROUP, wide)
 
 
-def _pack_intdot(layer: LinearLayer) -> cpu_intdot.IntDotWeight | None:
-    """The layer's weights in the integer dot kernel's layout (ops/cpu_intdot.py): the file's
+def _pack_intdot(layer: LinearLayer, rounds: int) -> cpu_intdot.IntDotWeight | None:
+    """The layer's weights in the integer dot kernel's layout (ops/cpu_intdot.py), for
+    activations rounded `rounds` times: the file's
     codes with a scale and offset per 16 elements where a run has 16-element groups (Q6_K, Q2_K,
     Q3_K; the other runs' scales repeated), else per 32; None unless every run has integer
     codes with an affine map per group, the rows are whole blocks, or where the kernel is not
@@ -294,7 +295,7 @@ def _pack_intdot(layer: LinearLayer) -> cpu_intdot.IntDotWeight | None:
     codes_ = torch.cat(codes)
     if codes_.shape[1] != layer.in_features:
         return None
-    return cpu_intdot.pack(codes_, torch.cat(scale), torch.cat(offset), group)
+    return cpu_intdot.pack(codes_, torch.cat(scale), torch.cat(offset), group, rounds)
 
 
 def _rank_slice(layer: LinearLayer, loaded: PackedGGUF, shard_id: Any,

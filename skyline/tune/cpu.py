@@ -1,7 +1,9 @@
 """The CPU's tuner: what the CPU plan (ops/cpu_plan.py) guesses from the CPU's flags, measured on
-this machine with the model's own Linear shapes: up to how many rows the int4 kernel beats the
-dense product (`int4_rows`, for 4-bit codes), and the thread count of the decode step's products.
-No new numerics: the same kernels the plan already chooses between, the same dtypes.
+this machine with the model's own Linear shapes: up to how many rows the plan's kernel of 4-bit
+codes (torch's int4 kernel, or the integer dot kernel) beats the dense product (`int4_rows`),
+the same for the integer dot kernel's 8-bit codes (`intdot_rows`), and the thread count of the
+decode step's products. No new numerics: the same kernels the plan already chooses between, the
+same dtypes and rounding.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from skyline.ops import cpu_int4, cpu_linear, cpu_plan
+from skyline.ops import cpu_int4, cpu_intdot, cpu_linear, cpu_plan
 from skyline.tune.workload import model_linears
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -88,11 +90,46 @@ def int4_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int
     return at
 
 
+def intdot_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int, bits: int,
+                rounds: int) -> Callable[[int], Callable]:
+    """rows -> a pass over `copies` copies of the layer's products on the integer dot kernel
+    (`bits`-bit codes, activations rounded `rounds` times)."""
+    ws = []
+    for _ in range(copies):
+        for n, k in shapes:
+            codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+            codes[0, 0] = (1 << bits) - 1  # the widest code, so that pack keeps `bits`
+            scale = torch.rand(n, k // GROUP) * 1e-2 + 1e-3
+            w = cpu_intdot.pack(codes, scale, -8 * scale, GROUP, rounds)
+            if w is None:
+                raise ValueError(f"the integer dot kernel cannot take a {n}x{k} weight")
+            ws.append(w)
+
+    def at(rows: int) -> Callable:
+        xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+        return lambda: [cpu_intdot.intdot_mm(xs[w.shape[1]], w) for w in ws]
+    return at
+
+
+def _crossover(name: str, kernel: Callable[[int], Callable], dense: Callable[[int], Callable],
+               rows: list[int], min_s: float, log: Callable[[str], None]) -> int:
+    """The most rows up to which `kernel` is not slower than `dense` (stopping at the first
+    count where it is)."""
+    wins = 0
+    for r in rows:
+        t_k, t_dense = _seconds(kernel(r), min_s), _seconds(dense(r), min_s)
+        log(f"  rows {r}: {name} {t_k * 1e3:.2f} ms, dense {t_dense * 1e3:.2f} ms")
+        if t_k > t_dense:
+            break
+        wins = r
+    return wins
+
+
 def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
              threads: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The CPU plan's entry for this machine: {"int4_rows", "threads"} measured now, for the
-    plan's family (the key of the table); `threads` given (--threads): that count, not
-    tuned."""
+    """The CPU plan's entry for this machine: {"int4_rows", "intdot_rows", "threads"} measured
+    now (the rows where the plan runs that kernel), for the plan's family (the key of the
+    table); `threads` given (--threads): that count, not tuned."""
     plan = cpu_plan.plan()
     shapes = model_linears(arch)
     min_s = 0.005 if smoke else max(0.02, min(0.2, budget_s / 60))
@@ -116,21 +153,23 @@ def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
     if not threads:  # --threads wins over the plan's count: nothing to store
         out["threads"] = min(by_threads, key=by_threads.__getitem__)
     log("  threads: " + ", ".join(f"{t}: {s * 1e3:.2f} ms" for t, s in by_threads.items()))
-    if plan.int4_rows > 0 and cpu_int4.has_kernel():
-        torch.set_num_threads(min(by_threads, key=by_threads.__getitem__))
-        try:
-            i4 = int4_pass(shapes, plan.dtype, copies)
-            wins = 0
-            for r in rows:
-                t_int4, t_dense = _seconds(i4(r), min_s), _seconds(dense(r), min_s)
-                log(f"  rows {r}: int4 {t_int4 * 1e3:.2f} ms, dense {t_dense * 1e3:.2f} ms")
-                if t_int4 > t_dense:
-                    break
-                wins = r
-        except ValueError as e:  # shapes the int4 kernel cannot take: keep the plan's rows
-            log(f"  int4 kernel not measured: {e}")
-            wins = plan.int4_rows
-        finally:
-            torch.set_num_threads(current)
-        out["int4_rows"] = wins
+    on_intdot = plan.int4_kernel == "intdot"
+    kernels = []  # (field, name, the kernel's pass) the plan runs
+    if plan.int4_rows > 0 and (on_intdot or cpu_int4.has_kernel()):
+        kernels.append(("int4_rows", "4-bit codes, " + plan.int4_kernel, lambda: (
+            intdot_pass(shapes, plan.dtype, copies, 4, plan.intdot_rounds) if on_intdot
+            else int4_pass(shapes, plan.dtype, copies))))
+    if plan.intdot_rows > 0:
+        kernels.append(("intdot_rows", "8-bit codes, intdot",
+                        lambda: intdot_pass(shapes, plan.dtype, copies, 8, plan.intdot_rounds)))
+    torch.set_num_threads(min(by_threads, key=by_threads.__getitem__))
+    try:
+        for field, name, make in kernels:
+            try:
+                out[field] = _crossover(name, make(), dense, rows, min_s, log)
+            except ValueError as e:  # shapes the kernel cannot take: keep the plan's rows
+                log(f"  {name} not measured: {e}")
+                out[field] = getattr(plan, field)
+    finally:
+        torch.set_num_threads(current)
     return {cpu_plan.KERNEL: {plan.family: out}}

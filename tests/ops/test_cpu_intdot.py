@@ -16,25 +16,28 @@ needs_kernel = pytest.mark.skipif(not cpu_intdot.available(),
                                   reason="the integer dot kernel does not build here")
 
 
-def _weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> cpu_intdot.IntDotWeight:
+def _weight(n: int, k: int, bits: int, group: int, seed: int = 0, rounds: int = 2
+            ) -> cpu_intdot.IntDotWeight:
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
     codes[0, 0] = (1 << bits) - 1  # the widest code, so that pack keeps `bits`
     scale = torch.rand(n, k // group, generator=g) * 0.02
     offset = torch.randn(n, k // group, generator=g) * 0.05
-    w = cpu_intdot.pack(codes, scale, offset, group)
-    assert w is not None and w.bits == bits and w.shape == (n, k)
+    w = cpu_intdot.pack(codes, scale, offset, group, rounds)
+    assert w is not None and w.bits == bits and w.shape == (n, k) and w.rounds == rounds
     assert torch.equal(cpu_intdot.unpack_codes(w), codes)
     return w
 
 
 @needs_kernel
+@pytest.mark.parametrize("rounds", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (1, 48, 576), (2, 32, 96), (3, 40, 1536),
                                    (8, 24, 64), (9, 16, 128), (17, 8, 192)])
-def test_kernel_matches_reference(bits: int, group: int, m: int, n: int, k: int) -> None:
-    w = _weight(n, k, bits, group)
+def test_kernel_matches_reference(rounds: int, bits: int, group: int, m: int, n: int, k: int
+                                  ) -> None:
+    w = _weight(n, k, bits, group, rounds=rounds)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3
     x[0, :32] = 0  # a block of zeros: scale 0
     y = cpu_intdot.intdot_mm(x, w)
@@ -48,9 +51,11 @@ def test_kernel_matches_reference(bits: int, group: int, m: int, n: int, k: int)
 
 
 @needs_kernel
-def test_rows_are_independent_of_the_batch() -> None:
-    # a decode row's logits do not depend on the rows beside it (chunks of 8 rows share loads)
-    w = _weight(64, 256, 4, 32)
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_rows_are_independent_of_the_batch(rounds: int) -> None:
+    # a decode row's logits do not depend on the rows beside it (passes of up to 8 virtual
+    # rows share loads)
+    w = _weight(64, 256, 4, 32, rounds=rounds)
     x = torch.randn(11, 256)
     full = cpu_intdot.intdot_mm(x, w)
     for i in range(11):
@@ -63,6 +68,7 @@ def test_activation_rounding_is_per_32_and_twice() -> None:
     x[0, 0], x[0, 1], x[0, 32] = 127.0, 0.6, 1e-3  # the second block keeps its own scale
     once = cpu_intdot.round_int8_ref(x)
     assert once[0, 0] == 127 and once[0, 1] == 1 and once[0, 32] == pytest.approx(1e-3)
+    assert torch.equal(cpu_intdot.quantize_activations_ref(x, rounds=1), once)
     twice = cpu_intdot.quantize_activations_ref(x)  # + the rounding of what once left
     assert twice[0, 1] == pytest.approx(0.6, abs=1e-6)
     y = torch.randn(8, 576) * torch.rand(8, 576).pow(4) * 20  # outliers, as activations have
@@ -104,11 +110,11 @@ assert cpu_intdot.available()
 print(cpu_intdot.isa())
 g = torch.Generator().manual_seed(0)
 for bits, group in ((4, 32), (4, 16), (8, 32), (8, 16)):
-    for m, k in ((1, 576), (5, 96)):
+    for m, k, rounds in ((1, 576, 2), (5, 96, 2), (1, 576, 1), (11, 96, 1)):
         codes = torch.randint(0, 1 << bits, (24, k), generator=g, dtype=torch.uint8)
         codes[0, 0] = (1 << bits) - 1
         w = cpu_intdot.pack(codes, torch.rand(24, k // group, generator=g),
-                            torch.randn(24, k // group, generator=g), group)
+                            torch.randn(24, k // group, generator=g), group, rounds)
         x = torch.randn(m, k, generator=g)
         ref = cpu_intdot.intdot_mm_ref(x, w)
         torch.testing.assert_close(cpu_intdot.intdot_mm(x, w), ref, rtol=1e-5,

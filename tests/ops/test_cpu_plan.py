@@ -41,12 +41,18 @@ def test_each_family_gets_its_plan(family):
     assert plan.dtype == (torch.bfloat16 if family in NATIVE_BF16 else torch.float32)
     x86 = family != "other" and cpu_int4.has_kernel()
     assert (plan.int4_rows > 0) == x86 and 0 <= plan.int4_wide_rows <= plan.int4_rows
-    # the integer dot kernel on every x86 family where it builds
-    assert plan.intdot_rows == (cpu_plan.INTDOT_ROWS if family != "other"
-                                and cpu_intdot.available() else 0)
+    # the integer dot kernel on every x86 family where it builds; on AVX2 (no VNNI to make a
+    # second rounding of the activations cheap) rounding them once, for more rows
+    built = family != "other" and cpu_intdot.available()
+    once = family == "avx2" and built
+    assert plan.intdot_rows == (cpu_plan.ROUND_ONCE["avx2"][1] if once
+                                else cpu_plan.INTDOT_ROWS if built else 0)
+    assert plan.intdot_rounds == (1 if once else 2)
     assert plan.gguf_packed == (plan.int4_rows > 0 or plan.intdot_rows > 0)
     # 4-bit codes on the integer dot kernel on AVX2 (torch's int4 kernel's slow path there)
-    assert plan.int4_kernel == ("intdot" if family == "avx2" and plan.intdot_rows else "int4")
+    assert plan.int4_kernel == ("intdot" if once else "int4")
+    if once:
+        assert plan.int4_rows == cpu_plan.ROUND_ONCE["avx2"][0]
 
 
 def test_a_bf16_capable_cpu_without_onednn_bf16_stays_float32():
@@ -145,3 +151,22 @@ def test_without_room_for_dense_copies_every_batch_takes_the_planes(monkeypatch)
     ref = x @ w.T
     assert (method.apply(layer, x) - ref).abs().max() / ref.abs().max() < 2e-2
     assert (method.dequantized_weight(layer) - w).abs().max() / w.abs().max() < 1e-2
+
+
+def test_the_rounding_count_can_be_set(monkeypatch):
+    from skyline import envs
+
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx2"])
+    for value, want in (("2", 2), ("1", 1)):
+        monkeypatch.setenv("SKYLINE_CPU_INTDOT_ROUNDS", value)
+        monkeypatch.setattr(envs, "ENV", envs.Env.read())
+        plan = cpu_plan.plan()
+        assert plan.intdot_rounds == want
+        if cpu_intdot.available():  # twice: the rows where two roundings still win
+            assert (plan.int4_rows, plan.intdot_rows) == (
+                cpu_plan.ROUND_ONCE["avx2"] if want == 1
+                else (cpu_plan._PLANS["avx2"][1], cpu_plan.INTDOT_ROWS))
+    monkeypatch.setenv("SKYLINE_CPU_INTDOT_ROUNDS", "3")
+    monkeypatch.setattr(envs, "ENV", envs.Env.read())
+    with pytest.raises(ValueError, match="SKYLINE_CPU_INTDOT_ROUNDS=3 must be 1 or 2"):
+        cpu_plan.plan()

@@ -89,6 +89,12 @@ def test_cpu_plan_reads_its_tuned_entry(dirs, monkeypatch):
     write_configs(tuning.user_config_path(cpu), cpu, {"cpu_plan": {"avx2": {"threads": -1}}})
     with pytest.raises(KernelConfigError, match="threads is -1, not a whole number"):
         cpu_plan.plan()
+    # the integer dot kernel's rounding count: 1 or 2
+    write_configs(tuning.user_config_path(cpu), cpu, {"cpu_plan": {"avx2": {"intdot_rounds": 2}}})
+    assert cpu_plan.plan().intdot_rounds == 2
+    write_configs(tuning.user_config_path(cpu), cpu, {"cpu_plan": {"avx2": {"intdot_rounds": 3}}})
+    with pytest.raises(KernelConfigError, match="intdot_rounds is 3, not 1 or 2"):
+        cpu_plan.plan()
 
 
 def cpu_int4_kernel() -> bool:

@@ -64,8 +64,8 @@ class NativeStep(NamedTuple):
     norms: list[torch.Tensor]  # per layer: input_layernorm, post_attention_layernorm
     eps: list[float]
     weights: list[torch.Tensor]  # every product's tensors, in order
-    # per product: kind, index of its first tensor, a, b, the most rows its kernel takes, the
-    # index of its dense weight for more rows (-1: none)
+    # per product: kind, index of its first tensor, a, b, c, the most rows its kernel takes,
+    # the index of its dense weight for more rows (-1: none)
     spec: list[int]
     heads: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim), the same every layer
     scale: float
@@ -118,7 +118,8 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
         eps += [float(lp.norm_in[1]), float(lp.norm_post[1])]
         for native in products:
             dense = -1 if native.dense is None else len(weights) + len(native.tensors)
-            spec += [native.kind, len(weights), native.a, native.b, native.rows, dense]
+            spec += [native.kind, len(weights), native.a, native.b, native.c, native.rows,
+                     dense]
             weights += [*native.tensors, *(() if native.dense is None else (native.dense,))]
             rows = min(rows, native.rows if native.dense is None else cpu_ext.ANY_ROWS)
     return NativeStep(norms, eps, weights, spec, heads.pop(), float(scales.pop()), rows)

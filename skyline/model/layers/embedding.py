@@ -122,19 +122,20 @@ class LMHead(nn.Module):
             self.vocab_shard = VocabShard(self.vocab_size, layout.tp)
             self.weight = self.vocab_shard.weight(self.hidden_size)
 
-    def prepack(self, intdot_rows: int = 0) -> bool:
+    def prepack(self, intdot_rows: int = 0, intdot_rounds: int = 2) -> bool:
         """On the CPU, compute through a oneDNN-packed copy of the loaded weight
         (`ops/cpu_linear.py`; the head is the largest product of a small model's step). The
         dense weight stays (the embedding and the speculators read it): one more copy of the
         head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
         emulation would dequantize them at every step). With `intdot_rows` (a GGUF model, whose
         head the file holds in 8 bits or fewer), batches of at most that many rows run an 8-bit
-        copy on the integer dot kernel, and the entries within 8 of each row's top are
-        recomputed from the dense weight (`cpu_linear.exact_near_top`): the sampled token and its
-        logprob are then the dense head's. Returns whether it packed."""
+        copy on the integer dot kernel (activations rounded `intdot_rounds` times), and the
+        entries within 8 of each row's top are recomputed from the dense weight
+        (`cpu_linear.exact_near_top`): the sampled token and its logprob are then the dense
+        head's. Returns whether it packed."""
         w = self.weight.data
         if intdot_rows and self.fp8_weight is None and w.device.type == "cpu":
-            self.intdot_weight = cpu_intdot.quantize_weight(w)
+            self.intdot_weight = cpu_intdot.quantize_weight(w, intdot_rounds)
             self.intdot_rows = intdot_rows if self.intdot_weight is not None else 0
         if self.fp8_weight is not None:
             w = (self.fp8_weight.float() * self.fp8_scale.unsqueeze(-1)).to(w.dtype)

@@ -32,10 +32,10 @@ namespace {
 using at::Tensor;
 
 // products: kind 0 = torch's int4 kernel, one plane (packed, scales_and_zeros; param: group);
-// kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group); batches of more
-// rows than the kernel takes run the dense weight (oneDNN-packed or plain), as
+// kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group, rounds); batches
+// of more rows than the kernel takes run the dense weight (oneDNN-packed or plain), as
 // quant/gguf.py's _serve_cpu
-constexpr int64_t kSpec = 6;  // ints a product takes in `spec`: kind, first tensor, a, b,
+constexpr int64_t kSpec = 7;  // ints a product takes in `spec`: kind, first tensor, a, b, c,
                               // rows, dense weight (-1: none)
 
 // cpu_linear.packed_linear: oneDNN's product with the weight packed at load
@@ -51,7 +51,7 @@ Tensor packed_linear(const Tensor& x, const Tensor& packed) {
 
 Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t i) {
   const int64_t* s = spec.data() + i * kSpec;
-  const int64_t kind = s[0], t = s[1], a = s[2], b = s[3], rows = s[4], dense = s[5];
+  const int64_t kind = s[0], t = s[1], a = s[2], b = s[3], c = s[4], rows = s[5], dense = s[6];
   if (x.size(0) > rows) {
     TORCH_CHECK(dense >= 0, "decode_layers: more rows than a product without a dense weight takes");
     return w[dense].is_mkldnn() ? packed_linear(x.contiguous(), w[dense]) : at::linear(x, w[dense]);
@@ -61,7 +61,7 @@ Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t 
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[t], a, w[t + 1])
         .to(x.scalar_type());
   }
-  return skyline::intdot_mm(x.contiguous(), w[t], w[t + 1], w[t + 2], a, b);
+  return skyline::intdot_mm(x.contiguous(), w[t], w[t + 1], w[t + 2], a, b, c);
 }
 
 template <typename T>

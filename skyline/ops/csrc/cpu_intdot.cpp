@@ -1,5 +1,5 @@
-// Integer dot products of GGUF-style weights with activations rounded to 8 bits per 32 elements
-// twice (the second time what the first rounding left)
+// Integer dot products of GGUF-style weights with activations rounded to 8 bits per 32 elements,
+// once or twice (the second time what the first rounding left)
 // (ops/cpu_intdot.py holds the PyTorch reference and the contract).
 //
 // W[n, k] = q[n, k] * scale[n, g] + offset[n, g], q unsigned codes (4 bits: byte j of a group
@@ -70,20 +70,23 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
   }
 }
 
-// Each row of x as two virtual rows (2r: x rounded to int8 per 32; 2r + 1: what that rounding
-// left, rounded the same way), whose products the kernel adds: x's rounding error falls from
-// ~1/254 of each block's largest element to ~1/254 of that, below bfloat16's.
+// Each row of x as `rounds` virtual rows (rounds * r: x rounded to int8 per 32; with two
+// rounds, rounds * r + 1: what that rounding left, rounded the same way), whose products the
+// kernel adds: two rounds take x's rounding error from ~1/254 of each block's largest element
+// to ~1/254 of that, below bfloat16's, for twice the multiplications.
 template <typename T>
-Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group) {
+Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group, int64_t rounds) {
   Quantized out;
-  out.q.resize(2 * m * k);
-  out.d.resize(2 * m * (k / kBlock));
-  out.sum.resize(2 * m * (k / group));
-  std::vector<float> row(k), first(k), second(k);
+  out.q.resize(rounds * m * k);
+  out.d.resize(rounds * m * (k / kBlock));
+  out.sum.resize(rounds * m * (k / group));
+  std::vector<float> row(k), left(k);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[r * k + i]);
-    quantize_row(row.data(), k, group, out, 2 * r, first.data());
-    quantize_row(first.data(), k, group, out, 2 * r + 1, second.data());
+    for (int64_t i = 0; i < rounds; ++i) {
+      quantize_row(row.data(), k, group, out, rounds * r + i, left.data());
+      row.swap(left);
+    }
   }
   return out;
 }
@@ -179,9 +182,9 @@ inline __m256i dot2_u4s8(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 }
 #endif
 
-// rows [n0, n1) of y for M (even, <= kMaxRows) virtual activation rows from m_off, that is
-// M / 2 rows of y (M a constant: the accumulators stay in registers)
-template <int BITS, int GROUP, int M, typename Y>
+// rows [n0, n1) of y for M (a multiple of R, <= kMaxRows) virtual activation rows from m_off,
+// R to a row of y (M a constant: the accumulators stay in registers)
+template <int BITS, int GROUP, int R, int M, typename Y>
 void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* codes,
                  const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1,
                  Y* y, int64_t ldy) {
@@ -255,8 +258,12 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         acc[r] = _mm256_fmadd_ps(p, sd, acc[r]);
       }
     }
-    for (int r = 0; r < M; r += 2)  // a row's two virtual rows add up
-      y[r / 2 * ldy + n] = static_cast<Y>(skyline::hsum8(_mm256_add_ps(acc[r], acc[r + 1])) + off[r] + off[r + 1]);
+    for (int r = 0; r < M; r += R) {  // a row's virtual rows add up
+      __m256 a = acc[r];
+      float o = off[r];
+      for (int i = 1; i < R; ++i) a = _mm256_add_ps(a, acc[r + i]), o += off[r + i];
+      y[r / R * ldy + n] = static_cast<Y>(skyline::hsum8(a) + o);
+    }
 #else
     float part[kMaxRows];
     for (int r = 0; r < M; ++r) {
@@ -280,26 +287,38 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
       }
       part[r] = acc + off[r];
     }
-    for (int r = 0; r < M; r += 2) y[r / 2 * ldy + n] = static_cast<Y>(part[r] + part[r + 1]);
+    for (int r = 0; r < M; r += R) {
+      float sum = part[r];
+      for (int i = 1; i < R; ++i) sum += part[r + i];
+      y[r / R * ldy + n] = static_cast<Y>(sum);
+    }
 #endif
   }
 }
 
 // y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would
-template <int BITS, int GROUP, typename Y>
+template <int BITS, int GROUP, int R, typename Y>
 void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
          const uint16_t* scale, const uint16_t* offset, Y* y) {
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {  // m virtual rows, two a row of y
-      Y* ym = y + m0 / 2 * n;
-      switch (std::min<int64_t>(kMaxRows, m - m0)) {
-#define ROWS(R) \
-  case R: rows_kernel<BITS, GROUP, R, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); break;
-        ROWS(2) ROWS(4) ROWS(6) ROWS(8)
+    // m virtual rows, R a row of y, in passes of 8, 4, 2 or 1 (the task's weights stay in
+    // cache between passes)
+    for (int64_t m0 = 0; m0 < m;) {
+      const int64_t left = m - m0;
+      const int64_t rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      Y* ym = y + m0 / R * n;
+      switch (rows) {
+#define ROWS(M)                                                                           \
+  case M:                                                                                 \
+    if constexpr (M % R == 0)                                                             \
+      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); \
+    break;
+        ROWS(1) ROWS(2) ROWS(4) ROWS(8)
 #undef ROWS
       }
+      m0 += rows;
     }
   });
 }
@@ -308,12 +327,13 @@ void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* co
 
 at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
-                              int64_t group) {
+                              int64_t group, int64_t rounds) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "intdot_mm: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "intdot_mm: x must be float32 or bfloat16");
   TORCH_CHECK(bits == 4 || bits == 8, "intdot_mm: bits must be 4 or 8");
   TORCH_CHECK(group == 16 || group == 32, "intdot_mm: group must be 16 or 32");
+  TORCH_CHECK(rounds == 1 || rounds == 2, "intdot_mm: rounds must be 1 or 2");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
   TORCH_CHECK(k % kBlock == 0 && k <= kMaxK, "intdot_mm: K must be a multiple of 32, at most 65536");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
@@ -324,19 +344,24 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                   scale.size(1) == k / group && offset.sizes() == scale.sizes(),
               "intdot_mm: scale and offset must be contiguous float16 [N, K / group]");
   Quantized xq = x.scalar_type() == at::kFloat
-                     ? quantize(x.data_ptr<float>(), m, k, group)
-                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group);
-  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, 2 * m, k);
+                     ? quantize(x.data_ptr<float>(), m, k, group, rounds)
+                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
+  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
-  auto dispatch = [&](auto* out) {
+  auto by_format = [&](auto* out, auto r) {
     using Y = std::remove_pointer_t<decltype(out)>;
-    if (bits == 4 && group == 32) run<4, 32, Y>(xq, 2 * m, n, k, c, s, o, out);
-    else if (bits == 4) run<4, 16, Y>(xq, 2 * m, n, k, c, s, o, out);
-    else if (group == 32) run<8, 32, Y>(xq, 2 * m, n, k, c, s, o, out);
-    else run<8, 16, Y>(xq, 2 * m, n, k, c, s, o, out);
+    constexpr int R = decltype(r)::value;
+    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+  };
+  auto dispatch = [&](auto* out) {
+    if (rounds == 1) by_format(out, std::integral_constant<int, 1>());
+    else by_format(out, std::integral_constant<int, 2>());
   };
   if (x.scalar_type() == at::kFloat) dispatch(y.data_ptr<float>());
   else dispatch(y.data_ptr<at::BFloat16>());
@@ -361,7 +386,8 @@ std::string isa() {
 }  // namespace
 
 TORCH_LIBRARY(skyline_cpu, m) {
-  m.def("intdot_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
+  m.def("intdot_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, int group, "
+        "int rounds=2) -> Tensor");
   m.def("isa() -> str", isa);
 }
 
