@@ -303,11 +303,11 @@ void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* co
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    // m virtual rows, R a row of y, in passes of 8, 4, 2 or 1 (the task's weights stay in
-    // cache between passes)
+    // m virtual rows, R a row of y, in passes of 8 (kMaxRows), 4, 2 or 1 (the task's weights
+    // stay in cache between passes; with R = 2 every pass is even)
     for (int64_t m0 = 0; m0 < m;) {
       const int64_t left = m - m0;
-      const int64_t rows = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const int64_t rows = left >= kMaxRows ? kMaxRows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
       Y* ym = y + m0 / R * n;
       switch (rows) {
 #define ROWS(M)                                                                           \
