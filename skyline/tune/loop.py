@@ -76,8 +76,8 @@ def run_rounds(spec: LoopSpec, first: Measurement, ranked: list[dict[str, Any]],
                measure: Callable[[], tuple[Measurement, list[dict[str, Any]]]],
                tuners: dict[str, Tuner], cache: CacheFile, meta: dict[str, Any],
                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Up to spec.rounds rounds, each on the family losing the most time that has a tuner and
-    was not tuned yet; returns one record per round. `measure` runs the workload afresh (an
+    """Up to spec.rounds rounds, each on the family losing the most time whose tuner has not
+    run yet; returns one record per round. `measure` runs the workload afresh (an
     engine that reads the cache as it is now) and ranks its profile."""
     t0 = time.monotonic()
     before, rank_before = first, ranked
@@ -86,7 +86,7 @@ def run_rounds(spec: LoopSpec, first: Measurement, ranked: list[dict[str, Any]],
     for i in range(1, spec.rounds + 1):
         left = spec.budget_s - (time.monotonic() - t0)
         target = next((r for r in rank_before if r["tuner"] in tuners
-                       and r["family"] not in tried and (r["lost_s"] > 0 or spec.any_loss)),
+                       and r["tuner"] not in tried and (r["lost_s"] > 0 or spec.any_loss)),
                       None)
         if target is None:
             log(f"round {i}: no family left with a tuner and time to gain")
@@ -94,7 +94,7 @@ def run_rounds(spec: LoopSpec, first: Measurement, ranked: list[dict[str, Any]],
         if left <= 0:
             log(f"round {i}: the budget of {spec.budget_s:.0f} s is spent")
             break
-        tried.add(target["family"])
+        tried.add(target["tuner"])  # one tuner may serve two families (the CPU plan's)
         log(f"round {i}: tuning {target['family']} ({target['share']:.0%} of the profiled "
             f"time, {_frac(target['floor_fraction'])} of its floor), {left:.0f} s left")
         saved = cache.snapshot()

@@ -26,15 +26,20 @@ FAMILIES: dict[str, tuple[str | None, str | None, tuple[str, ...]]] = {
     "gemv_quant": ("matmul", None, ("gemv_quant_kernel", "gemv_int_fma_kernel",
                                     "gemv_int4_a8_kernel", "quantize_x_words_kernel")),
     "moe": ("matmul", None, ("grouped_matmul_kernel",)),
+    # the CPU's decode step in one C++ call (ops/csrc/cpu_decode.cpp): the layers' products on
+    # the CPU plan's kernels (most of its time) and the operations between them
+    "cpu_decode": ("matmul", "cpu_linear", ("skyline_cpu::decode_layers",)),
     "attention": ("attention", "attention", ("paged_decode_kernel", "combine_splits_kernel",
                                       "paged_prefill_kernel", "paged_prefill_varlen_kernel",
-                                      "scaled_dot_product",
+                                      "scaled_dot_product", "skyline_cpu::decode_attention",
                                       "flash_attention", "aten::bmm", "aten::baddbmm",
                                       "aten::_softmax", "aten::_safe_softmax")),
-    # cuBLAS / CUTLASS on a GPU; oneDNN and the int4 kernel on a CPU (the CPU plan's choice)
+    # cuBLAS / CUTLASS on a GPU; oneDNN, the int4 and the integer dot kernels on a CPU (the
+    # CPU plan's choice)
     "linear": ("matmul", "cpu_linear", ("gemm", "nvjet", "cutlass", "xmma", "cublas",
                                         "aten::addmm", "aten::mm", "aten::linear",
-                                        "mkldnn", "int4pack", "aten::_int_mm", "sgemm")),
+                                        "mkldnn", "int4pack", "aten::_int_mm", "sgemm",
+                                        "skyline_cpu::intdot_mm")),
     "norm": (None, None, ("_rms_norm_kernel", "rms_norm", "layer_norm")),
     "rotary": (None, None, ("_rotary_kernel", "rotary")),
     "activation": (None, None, ("silu_and_mul", "aten::silu")),

@@ -19,6 +19,8 @@ COST = ModelCost(linear_params=1000, head_params=100, weight_bytes=2200,
     ("_rms_norm_kernel", "norm"), ("gemv_quant_kernel", "gemv_quant"),
     ("gemv_block_a8_kernel", "gemv_block"), ("gemv_block_kernel", "gemv_block"),
     ("quantize_x_q8_kernel", "gemv_block"), ("dequant_block_kernel", "block_dequant"),
+    ("skyline_cpu::intdot_mm", "linear"), ("skyline_cpu::decode_layers", "cpu_decode"),
+    ("skyline_cpu::decode_attention", "attention"),
     ("void at::native::elementwise_kernel<...>", "other")])
 def test_kernel_names_map_to_families(name, family):
     assert rank.family_of(name) == family
@@ -28,6 +30,9 @@ def test_tuners_per_device():
     assert rank.tuner_of("gemv", "cuda") == "gemv" and rank.tuner_of("gemv", "cpu") is None
     assert rank.tuner_of("gemv_block", "cuda") == "gemv_block"
     assert rank.tuner_of("linear", "cpu") == "cpu_linear"
+    # the CPU's one-call decode step runs the plan's products: the same tuner
+    assert rank.tuner_of("cpu_decode", "cpu") == "cpu_linear"
+    assert rank.tuner_of("cpu_decode", "cuda") is None
     assert rank.tuner_of("linear", "cuda") is None and rank.tuner_of("other", "cuda") is None
 
 
