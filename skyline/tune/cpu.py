@@ -69,24 +69,33 @@ def dense_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int
     return at
 
 
+def _random_packed(shapes: list[tuple[int, int]], copies: int, bits: int,
+                   pack: Callable[[torch.Tensor, torch.Tensor], Any], what: str
+                   ) -> list[tuple[Any, int]]:
+    """(weight, K) for `copies` copies of the layer's products: random `bits`-bit codes with a
+    scale per GROUP, packed by `pack(codes, scale)` (None: ValueError naming `what`)."""
+    ws = []
+    for _ in range(copies):
+        for n, k in shapes:
+            codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+            codes[0, 0] = (1 << bits) - 1  # the widest code, so that a packer keeps `bits`
+            w = pack(codes, torch.rand(n, k // GROUP) * 1e-2 + 1e-3)
+            if w is None:
+                raise ValueError(f"the {what} cannot take a {n}x{k} weight")
+            ws.append((w, k))
+    return ws
+
+
 def int4_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int
               ) -> Callable[[int], Callable]:
     """rows -> a pass over `copies` copies of the layer's products on the int4 kernel (one
     plane: 4-bit codes)."""
-    ws = []
-    for _ in range(copies):
-        for n, k in shapes:
-            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            scale = torch.rand(n, k // GROUP) * 1e-2 + 1e-3
-            planes = cpu_int4.pack_planes(codes, scale, torch.zeros_like(scale), GROUP, False)
-            if planes is None:
-                raise ValueError(f"the int4 kernel cannot take a {n}x{k} weight")
-            ws.append(planes)
+    ws = _random_packed(shapes, copies, 4, lambda c, s: cpu_int4.pack_planes(
+        c, s, torch.zeros_like(s), GROUP, False), "int4 kernel")
 
     def at(rows: int) -> Callable:
         xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
-        return lambda: [cpu_int4.planes_linear(xs[k], p) for p, (_, k) in
-                        zip(ws, shapes * copies, strict=True)]
+        return lambda: [cpu_int4.planes_linear(xs[k], p) for p, k in ws]
     return at
 
 
@@ -94,20 +103,12 @@ def intdot_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int, 
                 rounds: int) -> Callable[[int], Callable]:
     """rows -> a pass over `copies` copies of the layer's products on the integer dot kernel
     (`bits`-bit codes, activations rounded `rounds` times)."""
-    ws = []
-    for _ in range(copies):
-        for n, k in shapes:
-            codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
-            codes[0, 0] = (1 << bits) - 1  # the widest code, so that pack keeps `bits`
-            scale = torch.rand(n, k // GROUP) * 1e-2 + 1e-3
-            w = cpu_intdot.pack(codes, scale, -8 * scale, GROUP, rounds)
-            if w is None:
-                raise ValueError(f"the integer dot kernel cannot take a {n}x{k} weight")
-            ws.append(w)
+    ws = _random_packed(shapes, copies, bits, lambda c, s: cpu_intdot.pack(
+        c, s, -8 * s, GROUP, rounds), "integer dot kernel")
 
     def at(rows: int) -> Callable:
         xs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
-        return lambda: [cpu_intdot.intdot_mm(xs[w.shape[1]], w) for w in ws]
+        return lambda: [cpu_intdot.intdot_mm(xs[k], w) for w, k in ws]
     return at
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from skyline.ops import cpu_int4, cpu_plan
@@ -39,7 +40,7 @@ def test_each_kernel_the_plan_runs_is_measured(monkeypatch):
     from skyline.ops import cpu_intdot
 
     if not cpu_intdot.available():
-        return
+        pytest.skip("the integer dot kernel does not build here")
     plan = cpu_plan.CpuPlan("avx2", torch.float32, 4, 0, None, 2, "intdot", 1)
     monkeypatch.setattr(cpu_plan, "plan", lambda: plan)
     lines = []

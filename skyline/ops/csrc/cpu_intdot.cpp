@@ -47,7 +47,8 @@ struct Quantized {
 };
 
 // One row rounded per 32 elements into virtual row `v`: d = max|x| / 127, q = nearbyint(x / d)
-// (ties to even), as quantize_activations_ref; returns nothing, writes x - q d to `residual`.
+// (ties to even), as quantize_activations_ref; writes x - q d to `residual` unless it is null
+// (the last round).
 void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int64_t v,
                   float* residual) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -57,10 +58,9 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
     const float d = amax / 127.f;
     const float id = d > 0.f ? 1.f / d : 0.f;
     int8_t* qb = out.q.data() + v * k + b * kBlock;
-    for (int i = 0; i < kBlock; ++i) {
-      qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
-      residual[b * kBlock + i] = xb[i] - static_cast<float>(qb[i]) * d;
-    }
+    for (int i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+    if (residual != nullptr)
+      for (int i = 0; i < kBlock; ++i) residual[b * kBlock + i] = xb[i] - static_cast<float>(qb[i]) * d;
     out.d[v * (k / kBlock) + b] = d;
     for (int h = 0; h < kBlock / group; ++h) {
       int s = 0;
@@ -84,7 +84,8 @@ Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group, int64_t roun
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[r * k + i]);
     for (int64_t i = 0; i < rounds; ++i) {
-      quantize_row(row.data(), k, group, out, rounds * r + i, left.data());
+      const bool last = i + 1 == rounds;
+      quantize_row(row.data(), k, group, out, rounds * r + i, last ? nullptr : left.data());
       row.swap(left);
     }
   }
