@@ -7,7 +7,10 @@
 
 DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
 default (SmolLM2-135M-Instruct Q4_1) and two files llama-quantize makes from it (Q4_K_M, Q8_0;
-kept in --work-dir). skyline runs each with no flags but the threads (the CPU plan of
+kept in --work-dir); `moe_q4_k_m`, a mixture-of-experts model of random weights in Qwen3-30B-
+A3B's layer shape (6 of its 48 layers: 128 experts of 768, top 8; skyline/bench/moe_gguf.py),
+which llama-quantize makes Q4_K_M from F16 (the smoke run writes a tiny one, `moe_tiny`, with
+gguf-py's Q4_1). skyline runs each with no flags but the threads (the CPU plan of
 ops/cpu_plan.py chooses dtype and kernels). Per model:
 
 - batch-1 decode and prefill against `llama-bench` (tg N: N tokens generated one at a time
@@ -21,8 +24,10 @@ ops/cpu_plan.py chooses dtype and kernels). Per model:
   output tok/s and TTFT p50.
 
 The floor of batch-1 decode is the bytes one step reads (the weights each engine holds for a
-one-row product, skyline's KV read included) over the read bandwidth measured in the same run
-(a sum over 256 MiB at the run's threads).
+one-row product, skyline's KV read included; of a mixture of experts, the top-k share of the
+experts, each engine's as it stores them) over the read bandwidth measured in the same run (a
+sum over 256 MiB at the run's threads). Each model's entry also has the weights skyline holds
+and this process's resident memory once it is loaded, against the file's size.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
     default = resolve_model_path(None, "auto")
     if name == "q4_1":
         return default
+    if name.startswith("moe_"):
+        return moe_file(name, work_dir, llama_bin, default)
     path = os.path.join(work_dir, f"smollm2-135m-{QUANT_TYPES[name]}.gguf")
     if not os.path.exists(path):
         if llama_bin is None:
@@ -73,6 +80,63 @@ def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
         subprocess.run([os.path.join(llama_bin, "llama-quantize"), "--allow-requantize",
                         default, path, QUANT_TYPES[name]], check=True, capture_output=True)
     return path
+
+
+def moe_file(name: str, work_dir: str, llama_bin: str | None, tokenizer_from: str) -> str:
+    """The mixture-of-experts file `name` (module docstring), made where it is missing."""
+    from gguf import GGMLQuantizationType
+
+    from skyline.bench.moe_gguf import QWEN3_30B_A3B_LAYERS, TINY, write_moe_gguf
+
+    if name == "moe_tiny":
+        path = os.path.join(work_dir, "qwen3moe-tiny-Q4_1.gguf")
+        if not os.path.exists(path):
+            write_moe_gguf(path, TINY, tokenizer_from, GGMLQuantizationType.Q4_1)
+        return path
+    if name != "moe_q4_k_m":
+        raise SystemExit(f"unknown model {name!r}; use q4_1, q4_k_m, q8_0, moe_q4_k_m or "
+                         "moe_tiny")
+    path = os.path.join(work_dir, "qwen3moe-a3b-6layers-Q4_K_M.gguf")
+    if not os.path.exists(path):
+        if llama_bin is None:
+            raise SystemExit(f"{path} does not exist; give --llama-bin to make it")
+        f16 = path.replace("Q4_K_M", "F16")
+        write_moe_gguf(f16, QWEN3_30B_A3B_LAYERS, tokenizer_from)
+        subprocess.run([os.path.join(llama_bin, "llama-quantize"), f16, path, "Q4_K_M"],
+                       check=True, capture_output=True)
+        os.remove(f16)
+    return path
+
+
+def gguf_step_bytes(path: str) -> int:
+    """Bytes of `path` a batch-1 decode step reads: every tensor but the token embedding
+    (one row of it; unless it is also the LM head), of the experts the top-k share."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+
+    def value(key: str) -> Any:
+        field = r.fields.get(key)
+        return 1 if field is None else field.contents()
+
+    arch = value("general.architecture")
+    share = value(f"{arch}.expert_used_count") / value(f"{arch}.expert_count")
+    names = {t.name for t in r.tensors}
+    total = 0.0
+    for t in r.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        total += int(t.n_bytes) * (share if "_exps." in t.name else 1)
+    return round(total)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def step_bytes(llm: LLM, context: int) -> float:
@@ -179,13 +243,17 @@ def bench_offline(model: str, ns: argparse.Namespace, bandwidth: float) -> dict[
     print(f"  skyline batch-1 step {breakdown['step_ms']:.2f} ms: products "
           f"{breakdown['products_ms']:.2f} ms, the rest {breakdown['other_ms']:.2f} ms; "
           + ", ".join(f"{k} {v:.2f}" for k, v in breakdown["split_ms"].items()), flush=True)
+    llama_bytes = gguf_step_bytes(model)
     out: dict[str, Any] = {
         "skyline_defaults": {"dtype": cfg.dtype, "quantization": cfg.quant.method},
+        "memory_gib": {"file": os.path.getsize(model) / 2**30,
+                       "skyline_weights": llm.query("describe")["weights_gib"],
+                       "skyline_process_resident": resident_bytes() / 2**30},
         "decode_b1_tok_s": dec, "prefill_tok_s": pre,
         "decode_step_breakdown": breakdown,
-        "decode_step_bytes": {"skyline": sky_bytes, "llama.cpp": os.path.getsize(model)},
+        "decode_step_bytes": {"skyline": sky_bytes, "llama.cpp": llama_bytes},
         "decode_floor_tok_s": {"skyline": bandwidth / sky_bytes,
-                               "llama.cpp": bandwidth / os.path.getsize(model)},
+                               "llama.cpp": bandwidth / llama_bytes},
     }
     if dec["llama.cpp"]:
         out["decode_b1"] = ratio_summary(dec["skyline"], dec["llama.cpp"])
@@ -249,7 +317,7 @@ def main() -> None:
                          "with --smoke none unless given)")
     ns = ap.parse_args()
     if ns.smoke:
-        ns.models, ns.rounds, ns.prompt_len, ns.gen_len = "q4_1", 1, 16, 8
+        ns.models, ns.rounds, ns.prompt_len, ns.gen_len = "q4_1,moe_tiny", 1, 16, 8
         ns.streams, ns.requests_per_stream, ns.serve_in, ns.serve_out = 2, 1, 16, 8
         ns.llama_bin = None
     elif ns.llama_bin is None:

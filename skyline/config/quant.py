@@ -85,9 +85,9 @@ class QuantConfig:
         return QuantConfig(self.method, self.group_size, self.prequantized, layout=self.layout)
 
     def expert_format(self, name: str) -> tuple[str, bool]:
-        """(format, prequantized) of the MoE expert layer named `name` (GGUF experts are
-        dequantized while loading: the MoE kernels take none of its block types)."""
+        """(format, prequantized) of the MoE expert layer named `name` (GGUF experts keep
+        the file's blocks: quant/gguf_experts.py)."""
         if self.experts:
             return self.experts, self.experts_prequantized
         method = self.for_layer(name).method
-        return ("none", False) if method == "gguf" else (method, self.prequantized)
+        return ("gguf", True) if method == "gguf" else (method, self.prequantized)

@@ -234,8 +234,9 @@ def iter_gguf_weights(
     """(HF name, float32 CPU tensor shaped as HF has it) for every weight of the GGUF file
     (that `want` is true of); one tensor in memory at a time (a layer's stacked experts: one
     expert at a time, from one dequantized tensor). A tied model yields no lm_head.weight. With
-    `packed`, Linear weights (`*_proj.weight`, not experts') come as stored, as
-    quant.gguf.PackedGGUF raw blocks."""
+    `packed`, Linear and expert weights (`*_proj.weight`) come as stored, as
+    quant.gguf.PackedGGUF raw blocks (an expert's: a view of its rows of the layer's tensor,
+    in the file's memory map)."""
     r = open_gguf(path)
     gguf_arch = gguf_value(r, "general.architecture")
     permuted = gguf_arch in PERMUTED_QK
@@ -252,8 +253,8 @@ def iter_gguf_weights(
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(t.data)
         experts = "{e}" in name
-        keep = packed and name.endswith("_proj.weight") and not experts
-        # [rows, bytes] as stored (row permutation below works on it alike), or [rows, cols]
+        keep = packed and name.endswith("_proj.weight")
+        # [(E,) rows, bytes] as stored (row permutation below works on it alike), or [rows, cols]
         w = raw.contiguous().view(torch.uint8) if keep else dequantize_ref(raw, t.tensor_type)
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_qk(w, arch.num_heads)
@@ -263,7 +264,12 @@ def iter_gguf_weights(
             from skyline.quant.gguf import PackedGGUF
 
             _, block, size = GGML_TYPES[int(t.tensor_type)]
-            w = PackedGGUF(w, int(t.tensor_type), w.shape[-1] // size * block)
+            cols = w.shape[-1] // size * block
+            if experts:  # [E, rows, bytes]
+                for e in range(w.shape[0]):
+                    yield name.format(e=e), PackedGGUF(w[e], int(t.tensor_type), cols)
+                continue
+            w = PackedGGUF(w, int(t.tensor_type), cols)
         if experts:  # [E, rows, cols]
             for e in range(w.shape[0]):
                 yield name.format(e=e), w[e]

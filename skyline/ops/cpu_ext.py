@@ -13,6 +13,8 @@ about 20 s the first time on two cores, a load after. Where it cannot build (no 
 - csrc/cpu_decode.cpp: a Llama decode step's layers with no Python between operations
   (model/layers/cpu_decode.py), and the LM head's recomputation near each row's top
   (ops/cpu_linear.py's exact_near_top and exact_near_max).
+- csrc/cpu_moe.cpp: a mixture-of-experts MLP of packed experts on the integer dot kernel
+  (ops/cpu_moe.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from skyline import envs
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_intdot.cpp", "cpu_decode.cpp")]
+SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_intdot.cpp", "cpu_decode.cpp",
+                                                   "cpu_moe.cpp")]
 
 ANY_ROWS = 2**62  # what a product that takes batches of any size gives as its rows
 

@@ -1,13 +1,14 @@
-"""Integer dot products on the CPU: GGUF-style weights (unsigned 4- or 8-bit codes with an fp16
-scale and offset per group of 16 or 32) times activations rounded to int8 per 32 elements, as
+"""Integer dot products on the CPU: GGUF-style weights (unsigned 4-, 6- or 8-bit codes with an
+fp16 scale and offset per group of 16 or 32) times activations rounded to int8 per 32 elements, as
 llama.cpp's CPU kernels compute a quantized matmul.
 
 torch has no such kernel: its int4 kernel (ops/cpu_int4.py) takes bfloat16 activations and
 unpacks the codes to floats, at about half of a CPU's read rate on one row, and its int8
 products take one activation scale per row, which costs SmolLM2 a KL of 0.057. Here one
 unsigned-by-signed byte dot product (`vpdpbusd` with AVX-512 VNNI or AVX-VNNI, `vpmaddubsw` on
-AVX2) covers 32 weights, reading 4.5-5 bits a weight for 4-bit codes and 8.5-9 for 8-bit codes,
-and every row of a decode batch reuses each group it loads.
+AVX2) covers 32 weights, reading 5-6 bits a weight for 4-bit codes, 7-8 for 6-bit codes (5- and
+6-bit GGUF types: Q5_0, Q5_1, Q5_K, Q6_K) and 9-10 for 8-bit codes, and every row of a decode
+batch reuses each group it loads.
 
 The C++ is csrc/cpu_intdot.cpp, built for this machine by ops/cpu_ext.py; where it does not
 build, `available()` is False and the callers keep torch's kernels.
@@ -36,8 +37,10 @@ GROUPS = (16, 32)  # weight elements per scale and offset
 class IntDotWeight(NamedTuple):
     """A weight [N, K] for intdot_mm: W = codes * scale + offset per group."""
 
-    codes: torch.Tensor  # [N, K / 2] (bits 4: element j of a group of 32 in byte j's low
-    #                      nibble, element j + 16 in its high one) or [N, K] (bits 8) uint8
+    codes: torch.Tensor  # uint8 [N, K / 2] (bits 4: element j of a block of 32 in byte j's
+    #   low nibble, element j + 16 in its high one), [N, 3 K / 4] (bits 6: per block of 32, 16
+    #   bytes of low nibbles as bits 4, then 8 bytes of the top two bits: byte j's bits 2i and
+    #   2i + 1 are element j + 8 i's) or [N, K] (bits 8)
     scale: torch.Tensor  # [N, K / group] float16
     offset: torch.Tensor  # [N, K / group] float16
     bits: int
@@ -55,7 +58,7 @@ class IntDotWeight(NamedTuple):
 def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int,
          rounds: int = 2) -> IntDotWeight | None:
     """codes [N, K] uint8 (0..255), scale and offset [N, K / group] float -> the kernel's layout
-    (4 bits where every code fits), to be multiplied by activations rounded `rounds` times;
+    (4 or 6 bits where every code fits), to be multiplied by activations rounded `rounds` times;
     None where the kernel cannot take it (K not whole blocks of 32, a group it lacks, or a
     scale or offset out of float16's range) or the kernel is not built here."""
     if rounds not in (1, 2):
@@ -66,13 +69,25 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: 
     s16, o16 = scale.to(torch.float16), offset.to(torch.float16)
     if not (torch.isfinite(s16).all() and torch.isfinite(o16).all()):
         return None
-    if int(codes.max()) < 16:
-        blocks = codes.reshape(n, k // BLOCK, 2, BLOCK // 2)
-        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
-        return IntDotWeight(packed.contiguous(), s16.contiguous(), o16.contiguous(), 4, group,
-                            rounds)
-    return IntDotWeight(codes.to(torch.uint8).contiguous(), s16.contiguous(), o16.contiguous(),
-                        8, group, rounds)
+    top = int(codes.max())
+    bits = 4 if top < 16 else 6 if top < 64 else 8
+    return IntDotWeight(layout(codes.to(torch.uint8), bits), s16.contiguous(),
+                        o16.contiguous(), bits, group, rounds)
+
+
+def layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] -> IntDotWeight.codes of `bits`."""
+    if bits == 8:
+        return codes.contiguous()
+    n, k = codes.shape
+    blocks = codes.reshape(n, k // BLOCK, BLOCK)
+    halves = (blocks & 0x0F).reshape(n, -1, 2, BLOCK // 2)
+    nibbles = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [N, K / 32, 16]
+    if bits == 4:
+        return nibbles.reshape(n, k // 2).contiguous()
+    top = (blocks >> 4).reshape(n, -1, 4, 8)  # element j + 8 i at [i, j]
+    high = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    return torch.cat((nibbles, high), 2).reshape(n, k * 3 // 4).contiguous()
 
 
 def quantize_weight(w: torch.Tensor, rounds: int = 2) -> IntDotWeight | None:
@@ -99,8 +114,13 @@ def unpack_codes(w: IntDotWeight) -> torch.Tensor:
     if w.bits == 8:
         return w.codes
     n, k = w.shape
-    b = w.codes.reshape(n, k // BLOCK, BLOCK // 2)
-    return torch.stack((b & 0x0F, b >> 4), 2).reshape(n, k)
+    b = w.codes.reshape(n, k // BLOCK, BLOCK * w.bits // 8)
+    low = torch.stack((b[..., :16] & 0x0F, b[..., :16] >> 4), 2).reshape(n, -1, BLOCK)
+    if w.bits == 4:
+        return low.reshape(n, k)
+    h = b[..., 16:]  # [N, K / 32, 8]
+    top = torch.stack([(h >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, -1, BLOCK)
+    return (low | (top << 4)).reshape(n, k)
 
 
 def dequantize(w: IntDotWeight) -> torch.Tensor:

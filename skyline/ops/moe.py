@@ -22,6 +22,7 @@ nothing, so summing every rank's output gives the whole (expert parallelism's co
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,24 +120,42 @@ def fused_moe_ref(
     dtype = x.dtype
     if a8:
         x = rounded_x_ref(x)
+
+    def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = F.linear(rows, w13.expert(e, rows.dtype), _row(w13.bias, e, rows.dtype))
+        h = moe_activation_ref(h, activation, limit)
+        if a8:
+            h = rounded_x_ref(h.to(dtype))
+        return F.linear(h, w2.expert(e, rows.dtype), _row(w2.bias, e, rows.dtype))
+
+    return moe_by_expert(x, topk_weights, topk_ids, w13.num_experts, mlp,
+                         expert_map).to(dtype)
+
+
+def moe_by_expert(
+    x: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    num_experts: int,  # held here
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (local expert, rows [n, K]) -> [n, K]
+    expert_map: torch.Tensor | None = None,  # [E_global] -> local index or -1
+) -> torch.Tensor:  # [T, K] in x's dtype
+    """The (token, expert) pairs grouped by expert: `mlp` once per expert that has pairs, on
+    its tokens' rows; each token's k outputs weighted and summed in float32."""
     t, top_k = topk_ids.shape
     ids = _local_ids(topk_ids, expert_map)
     order = torch.argsort(ids, stable=True)
-    counts = torch.bincount(ids.clamp(min=-1) + 1, minlength=w13.num_experts + 1).tolist()
+    counts = torch.bincount(ids.clamp(min=-1) + 1, minlength=num_experts + 1).tolist()
     weights = topk_weights.flatten()
     out = torch.zeros(t * top_k, x.shape[1], dtype=torch.float32, device=x.device)
     start = counts[0]  # pairs of other ranks' experts sort first (-1)
     for e, n in enumerate(counts[1:]):
         if n:
             pairs = order[start:start + n]
-            h = F.linear(x[pairs // top_k], w13.expert(e, x.dtype), _row(w13.bias, e, x.dtype))
-            h = moe_activation_ref(h, activation, limit)
-            if a8:
-                h = rounded_x_ref(h.to(dtype))
-            y = F.linear(h, w2.expert(e, x.dtype), _row(w2.bias, e, x.dtype))
+            y = mlp(e, x[pairs // top_k])
             out[pairs] = y.float() * weights[pairs, None].float()
         start += n
-    return out.view(t, top_k, -1).sum(1).to(dtype)
+    return out.view(t, top_k, -1).sum(1).to(x.dtype)
 
 
 def _row(bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -5,7 +5,8 @@ runs the experts through ops/moe.py; model files never change.
 Formats: "none" (the model dtype), "fp8" (weight-only e4m3 with a float32 scale per output
 channel, quantized while loading; ops/moe.py's kernel also takes block scales) and "mxfp4"
 (E2M1 codes with an E8M0 scale per 32, loaded as a gpt-oss checkpoint ships them, or quantized
-while loading). The layer's projections: w13 [E, 2I, H] (gate then up) and w2 [E, H, I], rows
+while loading); a GGUF file's experts keep its blocks (quant/gguf_experts.py). The layer's
+projections: w13 [E, 2I, H] (gate then up) and w2 [E, H, I], rows
 being output features; their biases stay in the model dtype. This package names the layer
 through the `ExpertLayer` protocol, never the class.
 """
@@ -179,8 +180,8 @@ class Mxfp4ExpertMethod(UnquantizedExpertMethod):
 
 
 def make_expert_method(fmt: str, prequantized: bool = False) -> UnquantizedExpertMethod:
-    """The method of expert format `fmt` (one of EXPERT_FORMATS; other weight formats have no
-    MoE kernel and are refused)."""
+    """The method of expert format `fmt` (one of EXPERT_FORMATS, or "gguf": a GGUF file's
+    blocks, quant/gguf_experts.py; other weight formats have no MoE kernel and are refused)."""
     if fmt == "none":
         return UnquantizedExpertMethod()
     if fmt == "fp8":
@@ -190,5 +191,9 @@ def make_expert_method(fmt: str, prequantized: bool = False) -> UnquantizedExper
         return Fp8ExpertMethod()
     if fmt == "mxfp4":
         return Mxfp4ExpertMethod(prequantized)
+    if fmt == "gguf":
+        from skyline.quant.gguf_experts import GGUFExpertMethod
+
+        return GGUFExpertMethod()
     raise ConfigError(f"mixture-of-experts weights can be {', '.join(EXPERT_FORMATS)}, not "
                       f"{fmt!r}; use --quantization fp8, mxfp4 or none with this model")

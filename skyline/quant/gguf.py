@@ -20,12 +20,13 @@ ops/cpu_plan.py) does not take those lazy paths: `prepack_cpu` builds its servin
 load, by the plan: the int4 kernel's planes where the plan runs this layer's codes on it
 (decode-sized batches: up to `int4_rows` rows, 4-bit codes; `int4_wide_rows` for 5- to 8-bit
 codes) or, for 5- to 8-bit codes where the plan has `intdot_rows`, the integer dot-product
-kernel's codes (ops/cpu_intdot.py: the file's codes with an fp16 scale and offset per 16 or 32,
-activations rounded to int8 per 32, twice: x, then what that left), and the weights dequantized
-once to the model dtype and packed for oneDNN (prefill and many streams, where the int4
-kernel's time grows with the rows and a dense product's barely does). The raw blocks are
-dropped; memory is the planes plus the dense copy (the default model's Linears in bfloat16: 63 +
-203 MiB, against 405 MiB dequantized to float32).
+kernel's codes (ops/cpu_intdot.py: the file's codes in 4, 6 or 8 bits with an fp16 scale
+and offset per 16 or 32, activations rounded to int8 per 32 as the plan rounds them), and the
+weights dequantized once to the model dtype and packed for oneDNN (prefill and many streams,
+where the int4 kernel's time grows with the rows and a dense product's barely does). The raw
+blocks are dropped; memory is the planes plus the dense copy (the default model's Linears in
+bfloat16: 63 + 203 MiB, against 405 MiB dequantized to float32). A GGUF file's MoE experts keep
+their blocks too, and a CPU runs them on the integer dot kernel (quant/gguf_experts.py).
 
 On CUDA, a layer's first call makes its serving form. Runs of Q6_K and Q5_K keep their raw
 blocks (6.56 and 5.5 bits a weight): decode-sized batches run the block GEMV of
@@ -276,16 +277,22 @@ def _pack_int4(layer: LinearLayer) -> tuple[cpu_int4.Plane, ...] | None:
 
 
 def _pack_intdot(layer: LinearLayer, rounds: int) -> cpu_intdot.IntDotWeight | None:
-    """The layer's weights in the integer dot kernel's layout (ops/cpu_intdot.py), for
-    activations rounded `rounds` times: the file's
-    codes with a scale and offset per 16 elements where a run has 16-element groups (Q6_K, Q2_K,
-    Q3_K; the other runs' scales repeated), else per 32; None unless every run has integer
-    codes with an affine map per group, the rows are whole blocks, or where the kernel is not
-    built."""
-    types = [int(t) for t in layer.gguf_types]
-    if not all(t in AFFINE_GROUP for t in types):
+    """The layer's weights in the integer dot kernel's layout (pack_intdot)."""
+    runs = [(getattr(layer, f"gguf_w{i}"), int(t)) for i, t in enumerate(layer.gguf_types)]
+    return pack_intdot(runs, layer.in_features, rounds)
+
+
+def pack_intdot(runs: list[tuple[torch.Tensor, int]], in_features: int, rounds: int
+                ) -> cpu_intdot.IntDotWeight | None:
+    """Runs of raw blocks (data [rows, bytes], ggml type), stacked by rows, in the integer dot
+    kernel's layout (ops/cpu_intdot.py), for activations rounded `rounds` times: the file's
+    codes with a scale and offset per 16 elements where a run has 16-element groups (Q6_K,
+    Q2_K, Q3_K; the other runs' scales repeated), else per 32; None unless every run has
+    integer codes with an affine map per group, the rows are whole blocks, or where the kernel
+    is not built."""
+    if not all(t in AFFINE_GROUP for _, t in runs):
         return None
-    parts = [affine_groups(getattr(layer, f"gguf_w{i}"), t) for i, t in enumerate(types)]
+    parts = [affine_groups(data, t) for data, t in runs]
     group = min(p[3] for p in parts)
     codes, scale, offset = [], [], []
     for q, s, o, g in parts:
@@ -293,7 +300,7 @@ def _pack_intdot(layer: LinearLayer, rounds: int) -> cpu_intdot.IntDotWeight | N
         scale.append(s.repeat_interleave(g // group, dim=1))
         offset.append(o.repeat_interleave(g // group, dim=1))
     codes_ = torch.cat(codes)
-    if codes_.shape[1] != layer.in_features:
+    if codes_.shape[1] != in_features:
         return None
     return cpu_intdot.pack(codes_, torch.cat(scale), torch.cat(offset), group, rounds)
 

@@ -7,12 +7,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
+from gguf.quants import quantize
 from test_gguf import permute, write_header
 
+from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, ModelArch, ModelConfig, QuantConfig
 from skyline.model.gguf import read_gguf_hf_config
-from skyline.model.loader import load_model, read_model_arch
+from skyline.model.layers.moe import FusedExperts
+from skyline.model.loader import load_model, prepack_for_cpu, read_model_arch
+from skyline.model.weights import held_bytes
+from skyline.ops import cpu_intdot, cpu_moe
+from skyline.ops.moe import moe_activation_ref, moe_by_expert
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,8 +48,17 @@ def tiny(arch: str) -> torch.nn.Module:
     return model.eval()
 
 
-def write(path: str, model: torch.nn.Module, arch: str) -> None:
+def write(path: str, model: torch.nn.Module, arch: str, quant: bool = False) -> None:
+    """`quant`: the experts' gate and up in Q4_1, down in Q8_0 (llama.cpp's own rounding)."""
     c = model.config
+
+    def experts(name: str, a: np.ndarray) -> None:
+        qtype = Q.Q8_0 if "down" in name else Q.Q4_1
+        if quant:
+            w.add_tensor(name, quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a))
+
     w = GGUFWriter(path, "llama" if arch == "mixtral" else arch)
     write_header(w, c, head_dim=True)
     w.add_expert_count(4)
@@ -60,11 +76,11 @@ def write(path: str, model: torch.nn.Module, arch: str) -> None:
         module, kind = rest.rsplit(".", 1)
         if module == "mlp.experts" and kind == "gate_up_proj":  # [E, 2I, H]
             half = a.shape[1] // 2
-            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(a[:, :half]))
-            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(a[:, half:]))
+            experts(f"blk.{i}.ffn_gate_exps.weight", a[:, :half])
+            experts(f"blk.{i}.ffn_up_exps.weight", a[:, half:])
             continue
         if module == "mlp.experts":  # down_proj [E, H, I]
-            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", a)
+            experts(f"blk.{i}.ffn_down_exps.weight", a)
             continue
         if arch == "mixtral" and module.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
@@ -79,8 +95,8 @@ def write(path: str, model: torch.nn.Module, arch: str) -> None:
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_moe_gguf_matches_hf(tmp_path, arch, packed):
-    """`packed`: --quantization gguf, the Linears' blocks kept as stored, the experts
-    dequantized while loading."""
+    """`packed`: --quantization gguf, the Linears' and experts' blocks kept as stored
+    (float32 ones here: dequantized at each call)."""
     model = tiny(arch)
     path = str(tmp_path / f"{arch}.gguf")
     write(path, model, arch)
@@ -109,3 +125,111 @@ def test_experts_one_tensor_each_are_refused(tmp_path):
     w.close()
     with pytest.raises(ConfigError, match="one tensor each.*convert the model again"):
         read_gguf_hf_config(path)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("moe") / "qwen3moe-q.gguf")
+    write(path, tiny("qwen3moe"), "qwen3moe", quant=True)
+    return path
+
+
+def _load(path: str, method: str) -> torch.nn.Module:
+    arch, fmt = read_model_arch(path)
+    quant = QuantConfig(method=method)
+    return load_model(ModelConfig(path, fmt, arch, "float32", 256, quant=quant), "cpu")
+
+
+def _experts(model: torch.nn.Module) -> list[FusedExperts]:
+    return [m for m in model.modules() if isinstance(m, FusedExperts)]
+
+
+IDS = [3, 17, 5, 90, 44, 1, 60, 8, 12, 33, 71]
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(IDS), torch.arange(len(IDS))))
+
+
+def test_quantized_experts_keep_their_blocks(quantized):
+    """--quantization gguf holds the experts' blocks as the file stores them, and computes
+    what the experts dequantized while loading compute."""
+    packed, dense = _load(quantized, "gguf"), _load(quantized, "none")
+    for m in _experts(packed):
+        assert not hasattr(m, "w13") and [t for t, _ in m.gguf_blocks["w13"]] == [Q.Q4_1] * 2
+        assert [t for t, _ in m.gguf_blocks["w2"]] == [Q.Q8_0]
+    want = _logits(dense)
+    assert ((_logits(packed) - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_cpu_engine_runs_experts_on_the_integer_dot_kernel(quantized):
+    """A CPU engine's layout: each expert's codes for the integer dot kernel, no dense copy;
+    the layer computes the kernel's reference, and the model stays near the exact one."""
+    if not cpu_intdot.available():
+        pytest.skip("the integer dot kernel does not build here")
+    model, exact = _load(quantized, "gguf"), _logits(_load(quantized, "none"))
+    prepack_for_cpu(model)
+    layers = _experts(model)
+    for m in layers:
+        assert not hasattr(m, "w13") and not hasattr(m, "gguf_blocks")
+        w13, w2 = m.cpu_experts  # stacked over the 4 experts
+        assert (w13.bits, w2.bits, w13.codes.shape[0], w2.codes.shape[0]) == (4, 8, 4, 4)
+    dense_bytes = sum(4 * 3 * m.num_experts * m.hidden_size * m.intermediate_size
+                      for m in layers)
+    assert held_bytes(layers) < 0.25 * dense_bytes  # 5 and 9 bits a weight, not 32
+    got = _logits(model)
+    assert ((got - exact).norm() / exact.norm()).item() < 0.05  # int8 activations
+    # the layer against the kernel's reference, every expert run on its own rows
+    m = layers[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, m.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=g)
+
+    def ref(e: int, rows: torch.Tensor) -> torch.Tensor:
+        w13, w2 = (cpu_moe.expert(w, e) for w in m.cpu_experts)
+        h = moe_activation_ref(cpu_intdot.intdot_mm_ref(rows, w13), "silu")
+        return cpu_intdot.intdot_mm_ref(h, w2)
+
+    want = moe_by_expert(x, weights, ids, 4, ref)
+    torch.testing.assert_close(m(x, weights, ids), want, rtol=1e-4, atol=1e-5)
+
+
+def test_quantized_experts_in_the_engine_ignore_batching(quantized):
+    """Greedy tokens of the CPU engine on the packed experts: the same alone, batched and in
+    prefill chunks (the kernel's rows are independent of the batch)."""
+    prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(5 + 4 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(ps, **kw):
+        llm = LLM(quantized, device="cpu", quantization="gguf", dtype="float32", **kw)
+        try:
+            experts = _experts(llm.engine.executor.runner.model)
+            assert all(hasattr(m, "cpu_experts") for m in experts) == cpu_intdot.available()
+            return [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+        finally:
+            llm.shutdown()
+
+    batched = run(prompts)
+    assert [run([p])[0] for p in prompts[:2]] == batched[:2]
+    assert run(prompts, max_num_batched_tokens=5) == batched
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, expert_parallel=True),
+                                    dict(pipeline_parallel_size=2)], ids=["ep2", "pp2"])
+def test_quantized_experts_across_ranks(quantized, layout):
+    """Two gloo ranks holding packed experts (each its own with expert parallelism, each its
+    layers' with pipeline parallelism) give one process's greedy tokens."""
+    prompts = [[3 + (5 * i + 3 * j) % 90 for j in range(6 + 5 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    small = dict(device="cpu", quantization="gguf", dtype="float32", block_size=4,
+                 num_blocks=48, max_model_len=96, distributed_timeout=60)
+    tokens = []
+    for kw in ({}, layout):
+        llm = LLM(quantized, **small, **kw)
+        try:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]

@@ -177,10 +177,16 @@ class FusedExperts(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: Any = None) -> None:
         """Copy one expert's checkpoint tensor (shard (expert, part)) into its rows of the
-        stacked `param`; experts held by another rank are skipped."""
+        stacked `param` (or let the format keep it: its `hold`); experts held by another rank
+        are skipped."""
         e, part = shard_id
         if e not in self.expert_ids:
             return
+        hold = getattr(self.expert_method, "hold", None)
+        if hold is not None:  # a format that keeps checkpoint tensors as they come (GGUF)
+            loaded = hold(self, loaded, shard_id)
+            if loaded is None:
+                return
         dst = param.data[e - self.expert_ids.start]
         if self.i_shard is not None:
             loaded = self._intermediate_part(loaded, part, param.dtype == torch.uint8)

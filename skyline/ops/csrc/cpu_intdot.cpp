@@ -2,9 +2,11 @@
 // once or twice (the second time what the first rounding left)
 // (ops/cpu_intdot.py holds the PyTorch reference and the contract).
 //
-// W[n, k] = q[n, k] * scale[n, g] + offset[n, g], q unsigned codes (4 bits: byte j of a group
+// W[n, k] = q[n, k] * scale[n, g] + offset[n, g], q unsigned codes (4 bits: byte j of a block
 // of 32 holds element j in its low nibble and element j + 16 in its high one, as GGUF's Q4
-// blocks; 8 bits: one byte an element), scale and offset fp16 per group of 16 or 32 elements.
+// blocks; 6 bits: those 16 bytes of low nibbles, then 8 bytes whose byte j holds the top two
+// bits of elements j, j + 8, j + 16 and j + 24 from its lowest bits up; 8 bits: one byte an
+// element), scale and offset fp16 per group of 16 or 32 elements.
 // x[m, k] ~= dx[m, b] * xq[m, k], xq int8 and dx float32 per block b of 32 elements. Then
 //   y[m, n] = sum_g scale[n, g] * dx[m, b(g)] * sum_{k in g} q xq + sum_g offset[n, g] * xs[m, g]
 // with xs[m, g] = dx[m, b(g)] * sum_{k in g} xq: one unsigned-by-signed byte dot product per
@@ -18,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -122,12 +125,21 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 // 32 codes of a group as unsigned bytes in element order
 template <int BITS>
 inline __m256i load_codes(const uint8_t* p) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 4 || BITS == 6) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(v, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    return _mm256_set_m128i(hi, lo);
+    const __m256i low = _mm256_set_m128i(hi, lo);
+    if constexpr (BITS == 4) return low;
+    // the top bits: quadword i of the 8 bytes shifted right by 2 i holds elements 8 i .. 8 i + 7
+    // in its bytes' lowest two bits
+    int64_t h;
+    std::memcpy(&h, p + 16, sizeof h);
+    const __m256i top = _mm256_and_si256(
+        _mm256_srlv_epi64(_mm256_set1_epi64x(h), _mm256_set_epi64x(6, 4, 2, 0)),
+        _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
@@ -140,7 +152,8 @@ constexpr bool kVnni = false;
 #endif
 
 // 8 int32 partial sums of u8 codes times s8 activations (4 neighbouring bytes each); without
-// VNNI, 8-bit codes as signed ones (see kSigned8)
+// VNNI, 8-bit codes as signed ones (see kSigned8; 6-bit codes stay within vpmaddubsw's range:
+// 2 * 63 * 128 < 32768)
 template <int BITS>
 inline __m256i dot_u8s8(__m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -149,7 +162,7 @@ inline __m256i dot_u8s8(__m256i w, __m256i x) {
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  if constexpr (BITS < 8) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
   // vpmaddubsw would saturate at 2 * 255 * 127 > 32767: the codes less 128 (q ^ 0x80), whose
   // magnitudes times x's signs stay within 2 * 128 * 127, as llama.cpp's AVX2 dot products
   const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -275,10 +288,12 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         for (int i = 0; i < GROUP; ++i) {
           const int64_t e = g * GROUP + i;  // element index in the row
           int q;
-          if constexpr (BITS == 4) {
+          if constexpr (BITS == 4 || BITS == 6) {
             const int64_t b = e / kBlock, j = e % kBlock;
-            const uint8_t byte = wq[b * 16 + (j & 15)];
+            const uint8_t* block = wq + b * kBlock * BITS / 8;
+            const uint8_t byte = block[j & 15];
             q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+            if constexpr (BITS == 6) q |= ((block[16 + (j & 7)] >> (2 * (j / 8))) & 3) << 4;
           } else {
             q = wq[e];
           }
@@ -332,7 +347,7 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "intdot_mm: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "intdot_mm: x must be float32 or bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 8, "intdot_mm: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "intdot_mm: bits must be 4, 6 or 8");
   TORCH_CHECK(group == 16 || group == 32, "intdot_mm: group must be 16 or 32");
   TORCH_CHECK(rounds == 1 || rounds == 2, "intdot_mm: rounds must be 1 or 2");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
@@ -357,6 +372,8 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
     constexpr int R = decltype(r)::value;
     if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
     else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
     else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
     else run<8, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
   };

@@ -1,0 +1,129 @@
+"""A mixture-of-experts GGUF file of random weights for CPU benchmarks against llama.cpp: a
+Qwen3-MoE model (llama.cpp's `qwen3moe`) of a given shape with the tokenizer of another GGUF
+file (the embedded default's), written as llama.cpp's converter writes one, tensor by tensor
+(a file of several GB never sits in memory whole). `llama-quantize` makes its Q4_K_M from the
+F16 file; without llama.cpp, the experts can be written in a type gguf-py quantizes (Q4_1,
+Q8_0: the smoke run's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import quantize
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_intermediate: int
+
+
+# Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top 8, 32 / 4 heads of 128) in 6
+# layers instead of 48: 3.6 B expert weights, ~2 GB in Q4_K_M
+QWEN3_30B_A3B_LAYERS = MoeShape(6, 2048, 32, 4, 128, 128, 8, 768)
+TINY = MoeShape(2, 64, 4, 2, 16, 4, 2, 32)
+
+_TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id",
+                   "eos_token_id", "unknown_token_id", "padding_token_id", "add_bos_token",
+                   "add_space_prefix")
+
+
+def write_moe_gguf(path: str, shape: MoeShape, tokenizer_from: str,
+                   expert_type: GGMLQuantizationType = GGMLQuantizationType.F16,
+                   seed: int = 0) -> None:
+    """Write the model to `path`: weights normal(0, 0.02) (norms 1), F16 but for the experts
+    in `expert_type` (F16 or a type gguf-py quantizes), the vocabulary of `tokenizer_from`."""
+    src = GGUFReader(tokenizer_from)
+    fields = {k: src.fields.get(f"tokenizer.ggml.{k}") for k in _TOKENIZER_KEYS}
+    tok = {k: None if f is None else f.contents() for k, f in fields.items()}
+    vocab = len(tok["tokens"])
+    s = shape
+    w = GGUFWriter(path, "qwen3moe")
+    w.add_name("qwen3moe-dummy")
+    w.add_block_count(s.layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.expert_intermediate * s.top_k)
+    w.add_expert_feed_forward_length(s.expert_intermediate)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(s.experts)
+    w.add_expert_used_count(s.top_k)
+    w.add_tokenizer_model(tok["model"])
+    if tok["pre"]:
+        w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["token_type"])
+    if tok["merges"]:
+        w.add_token_merges(tok["merges"])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("unknown_token_id", w.add_unk_token_id),
+                     ("padding_token_id", w.add_pad_token_id),
+                     ("add_bos_token", w.add_add_bos_token),
+                     ("add_space_prefix", w.add_add_space_prefix)):
+        if tok[key] is not None:
+            add(tok[key])
+    tensors = [(name, dims, _type(name, dims, expert_type)) for name, dims in _tensors(s, vocab)]
+    for name, dims, qtype in tensors:
+        block, size = GGML_QUANT_SIZES[qtype]
+        dtype = {GGMLQuantizationType.F16: np.float16,
+                 GGMLQuantizationType.F32: np.float32}.get(qtype, np.uint8)
+        stored = dims if dtype is not np.uint8 else (*dims[:-1], dims[-1] // block * size)
+        w.add_tensor_info(name, stored, dtype, int(np.prod(dims)) // block * size,
+                          raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _, dims, qtype in tensors:
+        w.write_tensor_data(_values(rng, dims, qtype))
+    w.close()
+
+
+def _type(name: str, dims: tuple[int, ...], experts: GGMLQuantizationType
+          ) -> GGMLQuantizationType:
+    if "_exps" in name:
+        return experts
+    return GGMLQuantizationType.F32 if len(dims) == 1 else GGMLQuantizationType.F16
+
+
+def _tensors(s: MoeShape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy shape) of every tensor, in file order."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out = [("token_embd.weight", (vocab, s.hidden))]
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden)),
+                (b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden)),
+                (b + "attn_output.weight", (s.hidden, q)),
+                (b + "attn_q_norm.weight", (s.head_dim,)),
+                (b + "attn_k_norm.weight", (s.head_dim,)),
+                (b + "ffn_norm.weight", (s.hidden,)),
+                (b + "ffn_gate_inp.weight", (s.experts, s.hidden)),
+                (b + "ffn_gate_exps.weight", (s.experts, s.expert_intermediate, s.hidden)),
+                (b + "ffn_up_exps.weight", (s.experts, s.expert_intermediate, s.hidden)),
+                (b + "ffn_down_exps.weight", (s.experts, s.hidden, s.expert_intermediate))]
+    return out + [("output_norm.weight", (s.hidden,)), ("output.weight", (vocab, s.hidden))]
+
+
+def _values(rng: np.random.Generator, dims: tuple[int, ...],
+            qtype: GGMLQuantizationType) -> np.ndarray:
+    if len(dims) == 1:
+        return np.ones(dims, dtype=np.float32)
+    a = rng.standard_normal(dims, dtype=np.float32) * 0.02
+    if qtype == GGMLQuantizationType.F16:
+        return a.astype(np.float16)
+    return quantize(a, qtype)

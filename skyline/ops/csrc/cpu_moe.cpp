@@ -1,0 +1,69 @@
+// A mixture-of-experts MLP on the integer dot kernel (cpu_intdot.cpp) with no Python between
+// experts: ops/cpu_moe.py's moe_intdot_ref is the contract, computed by the same ATen
+// operations in the same order (so the results are its own, bit for bit): the (token, expert)
+// pairs grouped by expert, each expert that has pairs run once on its tokens' rows
+// (gate and up, SiLU(gate) * up in the activations' dtype, down), each pair's output scaled by
+// its routing weight in float32 and each token's k outputs summed.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "skyline_cpu.h"
+
+namespace {
+
+at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
+                      const at::Tensor& local_ids, const at::Tensor& w13_codes,
+                      const at::Tensor& w13_scale, const at::Tensor& w13_offset, int64_t w13_bits,
+                      int64_t w13_group, const at::Tensor& w2_codes, const at::Tensor& w2_scale,
+                      const at::Tensor& w2_offset, int64_t w2_bits, int64_t w2_group,
+                      int64_t rounds) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_intdot: x must be a contiguous [T, H]");
+  TORCH_CHECK(local_ids.dim() == 2 && local_ids.scalar_type() == at::kLong &&
+                  local_ids.size(0) == x.size(0) && topk_weights.sizes() == local_ids.sizes(),
+              "moe_intdot: topk_weights and local_ids must be [T, k], ids int64");
+  TORCH_CHECK(w13_codes.dim() == 3 && w2_codes.dim() == 3 &&
+                  w13_codes.size(0) == w2_codes.size(0),
+              "moe_intdot: codes must be stacked [E, N, bytes] for both projections");
+  const int64_t t = x.size(0), top_k = local_ids.size(1), h = x.size(1);
+  const int64_t experts = w13_codes.size(0), inter = w13_codes.size(1) / 2;
+  const at::Tensor ids = local_ids.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  // pairs p = token * k + j by expert, in order of p (a stable sort's); -1: held elsewhere
+  std::vector<std::vector<int64_t>> pairs(experts);
+  for (int64_t p = 0; p < t * top_k; ++p) {
+    TORCH_CHECK(id[p] < experts, "moe_intdot: expert id ", id[p], " of ", experts);
+    if (id[p] >= 0) pairs[id[p]].push_back(p);
+  }
+  const at::Tensor weights = topk_weights.reshape({-1}).to(at::kFloat);
+  at::Tensor out = at::zeros({t * top_k, h}, x.options().dtype(at::kFloat));
+  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto& list = pairs[e];
+    if (list.empty()) continue;
+    const int64_t n = static_cast<int64_t>(list.size());
+    at::Tensor pair = at::empty({n}, long_opts);
+    int64_t* pp = pair.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) pp[i] = list[i];
+    const at::Tensor rows = x.index_select(0, at::floor_divide(pair, top_k));
+    const at::Tensor gu = skyline::intdot_mm(rows, w13_codes[e], w13_scale[e], w13_offset[e],
+                                             w13_bits, w13_group, rounds);
+    const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+    const at::Tensor y = skyline::intdot_mm(act, w2_codes[e], w2_scale[e], w2_offset[e], w2_bits,
+                                            w2_group, rounds);
+    out.index_put_({pair}, y.to(at::kFloat) * weights.index_select(0, pair).unsqueeze(1));
+  }
+  return out.view({t, top_k, h}).sum(1).to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
+  m.def("moe_intdot(Tensor x, Tensor topk_weights, Tensor local_ids, Tensor w13_codes, "
+        "Tensor w13_scale, Tensor w13_offset, int w13_bits, int w13_group, Tensor w2_codes, "
+        "Tensor w2_scale, Tensor w2_offset, int w2_bits, int w2_group, int rounds) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("moe_intdot", moe_intdot); }
