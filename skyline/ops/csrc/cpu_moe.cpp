@@ -44,16 +44,27 @@ at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
     const auto& list = pairs[e];
     if (list.empty()) continue;
     const int64_t n = static_cast<int64_t>(list.size());
-    at::Tensor pair = at::empty({n}, long_opts);
-    int64_t* pp = pair.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) pp[i] = list[i];
-    const at::Tensor rows = x.index_select(0, at::floor_divide(pair, top_k));
+    // one pair (every expert of a batch-1 step): views and a copy where the general case
+    // gathers and scatters (the same values)
+    at::Tensor pair;
+    at::Tensor rows;
+    if (n == 1) {
+      rows = x.narrow(0, list[0] / top_k, 1);
+    } else {
+      pair = at::empty({n}, long_opts);
+      int64_t* pp = pair.data_ptr<int64_t>();
+      for (int64_t i = 0; i < n; ++i) pp[i] = list[i];
+      rows = x.index_select(0, at::floor_divide(pair, top_k));
+    }
     const at::Tensor gu = skyline::intdot_mm(rows, w13_codes[e], w13_scale[e], w13_offset[e],
                                              w13_bits, w13_group, rounds);
     const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
     const at::Tensor y = skyline::intdot_mm(act, w2_codes[e], w2_scale[e], w2_offset[e], w2_bits,
                                             w2_group, rounds);
-    out.index_put_({pair}, y.to(at::kFloat) * weights.index_select(0, pair).unsqueeze(1));
+    if (n == 1)
+      out.narrow(0, list[0], 1).copy_(y.to(at::kFloat) * weights.narrow(0, list[0], 1).unsqueeze(1));
+    else
+      out.index_put_({pair}, y.to(at::kFloat) * weights.index_select(0, pair).unsqueeze(1));
   }
   return out.view({t, top_k, h}).sum(1).to(x.scalar_type());
 }
