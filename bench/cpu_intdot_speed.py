@@ -1,5 +1,6 @@
-"""The CPU's decode products by kernel: the integer dot kernel (ops/cpu_intdot.py, 4- and
-8-bit codes, activations rounded to int8 per 32 twice, or once: `_once`) against torch's int4
+"""The CPU's decode products by kernel: the integer dot kernel (ops/cpu_intdot.py, 4-, 6- and
+8-bit codes, activations rounded to int8 per 32 twice, or once: `_once`; `intdot_q6_as_q8`: 6-bit
+codes stored in 8 bits, the layout before 6-bit packing) against torch's int4
 kernel (one plane: 4-bit codes; two: 5- to 8-bit codes) and oneDNN's dense bfloat16 and float32
 products (float32 activations for the latter), on the default model's
 shapes (30 layers of qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536: every weight read
@@ -7,7 +8,7 @@ from memory once a step, as in a decode step) and its LM head (49,152 x 576; thr
 in turn, so that none is still in the last-level cache), at 1-16 rows.
 The floor is the bytes each kernel reads over the read bandwidth measured in the same run.
 
-    python bench/cpu_intdot_speed.py [--threads 2] [--rows 1,2,4,8,16]
+    python bench/cpu_intdot_speed.py [--threads 2] [--rows 1,2,4,8,16] [--kinds a,b]
         [--out bench/results/cpu/cpu-intdot-speed-2threads.json]
     python bench/cpu_intdot_speed.py --smoke
 """
@@ -34,12 +35,14 @@ def kernel(kind: str, n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Te
     """(product of x [M, k] bf16, bytes it reads) for a random weight [n, k]."""
     g = torch.Generator().manual_seed(n * k)
     if kind.startswith("intdot"):
-        bits = 4 if kind.startswith("intdot_q4") else 8
+        bits = int(kind[len("intdot_q")])
         codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
         codes[0, 0] = (1 << bits) - 1
         w = cpu_intdot.pack(codes, torch.rand(n, k // 32, generator=g),
                             torch.rand(n, k // 32, generator=g), 32,
                             1 if kind.endswith("_once") else 2)
+        if "_as_q8" in kind:
+            w = w._replace(codes=cpu_intdot.layout(codes, 8), bits=8)
         return (lambda x: cpu_intdot.intdot_mm(x, w)), w.nbytes()
     if kind.startswith("int4"):
         wide = kind == "int4_two_planes"
@@ -78,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/cpu/cpu-intdot-speed-2threads.json")
+    ap.add_argument("--kinds", default=None, help="comma-separated kernels (default: all here)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     layers, rows, reps, head = 30, [int(r) for r in args.rows.split(",")], args.reps, HEAD
@@ -88,7 +92,10 @@ def main() -> None:
     if cpu_int4.has_kernel():
         kinds += ["int4_one_plane", "int4_two_planes"]
     if cpu_intdot.available():
-        kinds += ["intdot_q4", "intdot_q8", "intdot_q4_once", "intdot_q8_once"]
+        kinds += ["intdot_q4", "intdot_q8", "intdot_q4_once", "intdot_q8_once",
+                  "intdot_q6_once", "intdot_q6_as_q8_once"]
+    if args.kinds:
+        kinds = [k for k in args.kinds.split(",") if k in kinds]
     bw = host_read_bandwidth(args.threads, 1 << 22 if args.smoke else 1 << 28)
     table = []
     for kind in kinds:
