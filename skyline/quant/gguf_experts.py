@@ -76,8 +76,8 @@ class GGUFExpertMethod(UnquantizedExpertMethod):
         del layer.gguf_experts
         start = layer.expert_ids.start
         blocks = {proj: [(held[(start, part)].qtype,
-                          torch.stack([held[(start + e, part)].data
-                                       for e in range(layer.num_experts)]))
+                          _stacked([held[(start + e, part)].data
+                                    for e in range(layer.num_experts)]))
                          for part in parts] for proj, parts in PARTS.items()} if held else None
         device = layer.w13.device
         if blocks is None or device.type != "cpu":  # a GPU's layout (on meta: its size)
@@ -134,6 +134,19 @@ class GGUFExpertMethod(UnquantizedExpertMethod):
 
         return moe_by_expert(x, topk_weights, topk_ids, layer.num_experts, mlp,
                              layer.expert_map)
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[E, rows, bytes] of the experts' blocks: a view where they lie one after another in one
+    tensor (a layer's experts in the file's memory map: its pages, not a copy of them), else a
+    stacked copy."""
+    first = parts[0]
+    step, base = first.numel(), first.untyped_storage().data_ptr()
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == base
+           and p.storage_offset() == first.storage_offset() + i * step
+           for i, p in enumerate(parts)):
+        return first.as_strided((len(parts), *first.shape), (step, *first.stride()))
+    return torch.stack(parts)
 
 
 def _inputs(layer: ExpertLayer) -> dict[str, int]:
