@@ -14,18 +14,8 @@ from __future__ import annotations
 import torch
 
 from skyline.ops import cpu_ext
-from skyline.ops.cpu_intdot import IntDotWeight, intdot_linear, layout, unpack_codes
+from skyline.ops.cpu_intdot import IntDotWeight, intdot_linear
 from skyline.ops.moe import _local_ids, moe_activation_ref, moe_by_expert
-
-
-def stack(weights: list[IntDotWeight]) -> IntDotWeight:
-    """Experts' weights of one shape as one IntDotWeight of [E, ...] tensors (codes widened to
-    the widest expert's)."""
-    bits = max(w.bits for w in weights)
-    codes = [w.codes if w.bits == bits else layout(unpack_codes(w), bits) for w in weights]
-    first = weights[0]
-    return IntDotWeight(torch.stack(codes), torch.stack([w.scale for w in weights]),
-                        torch.stack([w.offset for w in weights]), bits, first.group, first.rounds)
 
 
 def expert(w: IntDotWeight, e: int) -> IntDotWeight:

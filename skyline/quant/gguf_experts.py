@@ -101,12 +101,13 @@ class GGUFExpertMethod(UnquantizedExpertMethod):
         if blocks is None:
             return False  # dense (tensor parallelism)
         rounds = cpu_plan.plan().intdot_rounds
-        packed = {proj: [pack_intdot([(d[e], t) for t, d in blocks[proj]], k, rounds)
-                         for e in range(layer.num_experts)]
-                  for proj, k in _inputs(layer).items()}
+        # every expert's rows of a run at once (one call a run, not one an expert and run)
+        packed = [pack_intdot([(d.reshape(-1, d.shape[-1]), t) for t, d in blocks[proj]], k,
+                              rounds) for proj, k in _inputs(layer).items()]
         del layer.gguf_blocks
-        if all(w is not None for ws in packed.values() for w in ws):
-            layer.cpu_experts = tuple(cpu_moe.stack(packed[proj]) for proj in PARTS)
+        if all(w is not None for w in packed):
+            layer.cpu_experts = tuple(_by_expert(w, layer.num_experts, len(blocks[proj]))
+                                      for w, proj in zip(packed, PARTS, strict=True))
         else:
             _dense(layer, blocks, dtype, torch.device("cpu"))
         return True
@@ -134,6 +135,18 @@ class GGUFExpertMethod(UnquantizedExpertMethod):
 
         return moe_by_expert(x, topk_weights, topk_ids, layer.num_experts, mlp,
                              layer.expert_map)
+
+
+def _by_expert(w: cpu_intdot.IntDotWeight, experts: int, runs: int
+               ) -> cpu_intdot.IntDotWeight:
+    """A weight packed with its rows ordered (run, expert, row), as ops/cpu_moe.py takes it:
+    [expert, (run, row), ...] (gate then up rows of each expert)."""
+
+    def order(t: torch.Tensor) -> torch.Tensor:
+        return (t.view(runs, experts, -1, t.shape[-1]).transpose(0, 1)
+                .reshape(experts, -1, t.shape[-1]).contiguous())
+
+    return w._replace(codes=order(w.codes), scale=order(w.scale), offset=order(w.offset))
 
 
 def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:

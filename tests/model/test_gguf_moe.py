@@ -168,13 +168,18 @@ def test_cpu_engine_runs_experts_on_the_integer_dot_kernel(quantized):
     the layer computes the kernel's reference, and the model stays near the exact one."""
     if not cpu_intdot.available():
         pytest.skip("the integer dot kernel does not build here")
-    model, exact = _load(quantized, "gguf"), _logits(_load(quantized, "none"))
+    model, dense = _load(quantized, "gguf"), _load(quantized, "none")
+    exact = _logits(dense)
     prepack_for_cpu(model)
     layers = _experts(model)
-    for m in layers:
+    for m, d in zip(layers, _experts(dense), strict=True):
         assert not hasattr(m, "w13") and not hasattr(m, "gguf_blocks")
         w13, w2 = m.cpu_experts  # stacked over the 4 experts
         assert (w13.bits, w2.bits, w13.codes.shape[0], w2.codes.shape[0]) == (4, 8, 4, 4)
+        for e in range(4):  # each expert's gate then up rows, and its down rows, as loaded
+            for w, want in ((w13, d.w13[e]), (w2, d.w2[e])):
+                torch.testing.assert_close(cpu_intdot.dequantize(cpu_moe.expert(w, e)), want,
+                                           rtol=1e-3, atol=1e-6)
     dense_bytes = sum(4 * 3 * m.num_experts * m.hidden_size * m.intermediate_size
                       for m in layers)
     assert held_bytes(layers) < 0.25 * dense_bytes  # 5 and 9 bits a weight, not 32
