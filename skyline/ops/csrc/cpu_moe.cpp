@@ -8,11 +8,24 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "skyline_cpu.h"
 
 namespace {
+
+// out[p] = float(y[i]) * w[p] for the i-th pair p of `list`
+template <typename T>
+void scale_rows(const T* y, const std::vector<int64_t>& list, const float* w, int64_t h,
+                float* out) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    const float wp = w[list[i]];
+    const T* yr = y + static_cast<int64_t>(i) * h;
+    float* o = out + list[i] * h;
+    for (int64_t j = 0; j < h; ++j) o[j] = static_cast<float>(yr[j]) * wp;
+  }
+}
 
 at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
                       const at::Tensor& local_ids, const at::Tensor& w13_codes,
@@ -37,34 +50,34 @@ at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
     TORCH_CHECK(id[p] < experts, "moe_intdot: expert id ", id[p], " of ", experts);
     if (id[p] >= 0) pairs[id[p]].push_back(p);
   }
-  const at::Tensor weights = topk_weights.reshape({-1}).to(at::kFloat);
+  const at::Tensor weights = topk_weights.reshape({-1}).to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({t * top_k, h}, x.options().dtype(at::kFloat));
-  const auto long_opts = at::TensorOptions().dtype(at::kLong);
+  const int64_t row_bytes = h * static_cast<int64_t>(x.element_size());
   for (int64_t e = 0; e < experts; ++e) {
     const auto& list = pairs[e];
     if (list.empty()) continue;
     const int64_t n = static_cast<int64_t>(list.size());
-    // one pair (every expert of a batch-1 step): views and a copy where the general case
-    // gathers and scatters (the same values)
-    at::Tensor pair;
+    // the pairs' token rows (one pair, as every expert of a batch-1 step has: a view)
     at::Tensor rows;
     if (n == 1) {
       rows = x.narrow(0, list[0] / top_k, 1);
     } else {
-      pair = at::empty({n}, long_opts);
-      int64_t* pp = pair.data_ptr<int64_t>();
-      for (int64_t i = 0; i < n; ++i) pp[i] = list[i];
-      rows = x.index_select(0, at::floor_divide(pair, top_k));
+      rows = at::empty({n, h}, x.options());
+      auto* dst = static_cast<char*>(rows.data_ptr());
+      const auto* src = static_cast<const char*>(x.data_ptr());
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(dst + i * row_bytes, src + (list[i] / top_k) * row_bytes, row_bytes);
     }
     const at::Tensor gu = skyline::intdot_mm(rows, w13_codes[e], w13_scale[e], w13_offset[e],
                                              w13_bits, w13_group, rounds);
     const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
     const at::Tensor y = skyline::intdot_mm(act, w2_codes[e], w2_scale[e], w2_offset[e], w2_bits,
                                             w2_group, rounds);
-    if (n == 1)
-      out.narrow(0, list[0], 1).copy_(y.to(at::kFloat) * weights.narrow(0, list[0], 1).unsqueeze(1));
-    else
-      out.index_put_({pair}, y.to(at::kFloat) * weights.index_select(0, pair).unsqueeze(1));
+    // out[p] = float(y) * weight[p]: one float32 product an element, as ATen's mul rounds it
+    const float* w = weights.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    if (y.scalar_type() == at::kFloat) scale_rows(y.data_ptr<float>(), list, w, h, o);
+    else scale_rows(y.data_ptr<at::BFloat16>(), list, w, h, o);
   }
   return out.view({t, top_k, h}).sum(1).to(x.scalar_type());
 }
