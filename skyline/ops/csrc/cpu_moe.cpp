@@ -1,6 +1,6 @@
 // A mixture-of-experts MLP on the integer dot kernel (cpu_intdot.cpp) with no Python between
-// experts: ops/cpu_moe.py's moe_intdot_ref is the contract, computed by the same ATen
-// operations in the same order (so the results are its own, bit for bit): the (token, expert)
+// experts: ops/cpu_moe.py's moe_intdot_ref is the contract, computed bit for bit (its ATen
+// operations, or loops that give their values: row copies, float32 products): the (token, expert)
 // pairs grouped by expert, each expert that has pairs run once on its tokens' rows
 // (gate and up, SiLU(gate) * up in the activations' dtype, down), each pair's output scaled by
 // its routing weight in float32 and each token's k outputs summed.
@@ -38,8 +38,9 @@ at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
                   local_ids.size(0) == x.size(0) && topk_weights.sizes() == local_ids.sizes(),
               "moe_intdot: topk_weights and local_ids must be [T, k], ids int64");
   TORCH_CHECK(w13_codes.dim() == 3 && w2_codes.dim() == 3 &&
-                  w13_codes.size(0) == w2_codes.size(0),
-              "moe_intdot: codes must be stacked [E, N, bytes] for both projections");
+                  w13_codes.size(0) == w2_codes.size(0) && w13_codes.size(1) % 2 == 0 &&
+                  w2_codes.size(1) == x.size(1),
+              "moe_intdot: codes must be stacked [E, 2I, bytes] and [E, H, bytes]");
   const int64_t t = x.size(0), top_k = local_ids.size(1), h = x.size(1);
   const int64_t experts = w13_codes.size(0), inter = w13_codes.size(1) / 2;
   const at::Tensor ids = local_ids.contiguous();
