@@ -32,9 +32,13 @@ class MoeShape:
 QWEN3_30B_A3B_LAYERS = MoeShape(6, 2048, 32, 4, 128, 128, 8, 768)
 TINY = MoeShape(2, 64, 4, 2, 16, 4, 2, 32)
 
-_TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id",
-                   "eos_token_id", "unknown_token_id", "padding_token_id", "add_bos_token",
-                   "add_space_prefix")
+# tokenizer.ggml.<key> -> the GGUFWriter method that writes it
+_TOKENIZER = {"model": "add_tokenizer_model", "pre": "add_tokenizer_pre",
+              "tokens": "add_token_list", "token_type": "add_token_types",
+              "merges": "add_token_merges", "bos_token_id": "add_bos_token_id",
+              "eos_token_id": "add_eos_token_id", "unknown_token_id": "add_unk_token_id",
+              "padding_token_id": "add_pad_token_id", "add_bos_token": "add_add_bos_token",
+              "add_space_prefix": "add_add_space_prefix"}
 
 
 def write_moe_gguf(path: str, shape: MoeShape, tokenizer_from: str,
@@ -42,9 +46,9 @@ def write_moe_gguf(path: str, shape: MoeShape, tokenizer_from: str,
                    seed: int = 0) -> None:
     """Write the model to `path`: weights normal(0, 0.02) (norms 1), F16 but for the experts
     in `expert_type` (F16 or a type gguf-py quantizes), the vocabulary of `tokenizer_from`."""
-    src = GGUFReader(tokenizer_from)
-    fields = {k: src.fields.get(f"tokenizer.ggml.{k}") for k in _TOKENIZER_KEYS}
-    tok = {k: None if f is None else f.contents() for k, f in fields.items()}
+    fields = GGUFReader(tokenizer_from).fields
+    tok = {k: f.contents() for k in _TOKENIZER
+           if (f := fields.get(f"tokenizer.ggml.{k}")) is not None}
     vocab = len(tok["tokens"])
     s = shape
     w = GGUFWriter(path, "qwen3moe")
@@ -62,20 +66,9 @@ def write_moe_gguf(path: str, shape: MoeShape, tokenizer_from: str,
     w.add_layer_norm_rms_eps(1e-6)
     w.add_expert_count(s.experts)
     w.add_expert_used_count(s.top_k)
-    w.add_tokenizer_model(tok["model"])
-    if tok["pre"]:
-        w.add_tokenizer_pre(tok["pre"])
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["token_type"])
-    if tok["merges"]:
-        w.add_token_merges(tok["merges"])
-    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
-                     ("unknown_token_id", w.add_unk_token_id),
-                     ("padding_token_id", w.add_pad_token_id),
-                     ("add_bos_token", w.add_add_bos_token),
-                     ("add_space_prefix", w.add_add_space_prefix)):
-        if tok[key] is not None:
-            add(tok[key])
+    for key, value in tok.items():
+        if value not in ("", []):
+            getattr(w, _TOKENIZER[key])(value)
     tensors = [(name, dims, _type(name, dims, expert_type)) for name, dims in _tensors(s, vocab)]
     for name, dims, qtype in tensors:
         block, size = GGML_QUANT_SIZES[qtype]

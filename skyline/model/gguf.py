@@ -260,18 +260,12 @@ def iter_gguf_weights(
             w = unpermute_qk(w, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, arch.num_kv_heads)
+        # a layer's stacked experts [E, rows, ...]: one tensor each
+        pieces = [(name.format(e=e), w[e]) for e in range(w.shape[0])] if experts else [(name, w)]
         if keep:
             from skyline.quant.gguf import PackedGGUF
 
             _, block, size = GGML_TYPES[int(t.tensor_type)]
             cols = w.shape[-1] // size * block
-            if experts:  # [E, rows, bytes]
-                for e in range(w.shape[0]):
-                    yield name.format(e=e), PackedGGUF(w[e], int(t.tensor_type), cols)
-                continue
-            w = PackedGGUF(w, int(t.tensor_type), cols)
-        if experts:  # [E, rows, cols]
-            for e in range(w.shape[0]):
-                yield name.format(e=e), w[e]
-            continue
-        yield name, w
+            pieces = [(n, PackedGGUF(p, int(t.tensor_type), cols)) for n, p in pieces]
+        yield from pieces

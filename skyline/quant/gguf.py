@@ -290,7 +290,7 @@ def pack_intdot(runs: list[tuple[torch.Tensor, int]], in_features: int, rounds: 
     Q2_K, Q3_K; the other runs' scales repeated), else per 32; None unless every run has
     integer codes with an affine map per group, the rows are whole blocks, or where the kernel
     is not built."""
-    if not all(t in AFFINE_GROUP for _, t in runs):
+    if not cpu_intdot.available() or not all(t in AFFINE_GROUP for _, t in runs):
         return None
     parts = [affine_groups(data, t) for data, t in runs]
     group = min(p[3] for p in parts)
