@@ -21,7 +21,7 @@ from skyline.model.layers.attention import Attention
 from skyline.model.layers.embedding import LMHead, VocabEmbedding
 from skyline.model.layers.linear import AttentionOutLinear, QKVLinear, default_weight_loader
 from skyline.model.layers.mlp import MLP
-from skyline.model.layers.moe import expert_hf_name, expert_param
+from skyline.model.layers.moe import MoE, expert_hf_name, expert_param
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding
 from skyline.ops.kv_write import KVWrite
@@ -29,6 +29,9 @@ from skyline.ops.kv_write import KVWrite
 
 class LlamaAttention(nn.Module):
     sinks = False  # gpt-oss: a learned sink logit per head (layers/attention.py)
+    # Qwen3: position_qk RMS-norms each head of q and k (q_norm, k_norm) before rope, with
+    # rms_norm_cpu on a CPU, as layers/cpu_decode.py does
+    qk_norm = False
 
     def __init__(self, arch: ModelArch, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
@@ -120,8 +123,10 @@ class LlamaModel(nn.Module):
 
     def _cpu_decode_plan(self) -> cpu_decode.DecodePlan | None:
         if self._cpu_decode is None:
-            plain = all(type(layer) is LlamaDecoderLayer and type(layer.mlp) is MLP
-                        and type(layer.self_attn) is LlamaAttention for layer in self.layers)
+            plain = all(type(layer) is LlamaDecoderLayer and type(layer.mlp) in (MLP, MoE)
+                        and (type(layer.self_attn) is LlamaAttention
+                             or (layer.self_attn.qk_norm and not layer.self_attn.sinks))
+                        for layer in self.layers)
             self._cpu_decode = (plain and cpu_decode.plan(self.layers, self.rotary_emb)) or False
         return self._cpu_decode or None
 

@@ -10,15 +10,18 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import quantize
+from test_cpu_decode import _decode_inputs
 from test_gguf import permute, write_header
 
 from skyline import LLM, SamplingParams
 from skyline.config import ConfigError, ModelArch, ModelConfig, QuantConfig
+from skyline.model.forward_ctx import forward_context
 from skyline.model.gguf import read_gguf_hf_config
+from skyline.model.layers import cpu_decode
 from skyline.model.layers.moe import FusedExperts
 from skyline.model.loader import load_model, prepack_for_cpu, read_model_arch
 from skyline.model.weights import held_bytes
-from skyline.ops import cpu_intdot, cpu_moe
+from skyline.ops import cpu_ext, cpu_intdot, cpu_moe
 from skyline.ops.moe import moe_activation_ref, moe_by_expert
 
 transformers = pytest.importorskip("transformers")
@@ -48,8 +51,10 @@ def tiny(arch: str) -> torch.nn.Module:
     return model.eval()
 
 
-def write(path: str, model: torch.nn.Module, arch: str, quant: bool = False) -> None:
-    """`quant`: the experts' gate and up in Q4_1, down in Q8_0 (llama.cpp's own rounding)."""
+def write(path: str, model: torch.nn.Module, arch: str, quant: bool = False,
+          quant_attn: bool = False) -> None:
+    """`quant`: the experts' gate and up in Q4_1, down in Q8_0 (llama.cpp's own rounding);
+    `quant_attn`: the attention projections in Q8_0."""
     c = model.config
 
     def experts(name: str, a: np.ndarray) -> None:
@@ -85,6 +90,10 @@ def write(path: str, model: torch.nn.Module, arch: str, quant: bool = False) -> 
         if arch == "mixtral" and module.endswith(("q_proj", "k_proj")):
             heads = c.num_attention_heads if "q_proj" in module else c.num_key_value_heads
             a = permute(a, heads)  # llama.cpp's converter permutes llama's Q/K rows
+        if quant_attn and module.endswith("_proj"):
+            w.add_tensor(f"blk.{i}.{LAYER[module]}.{kind}", quantize(a, Q.Q8_0),
+                         raw_dtype=Q.Q8_0)
+            continue
         w.add_tensor(f"blk.{i}.{LAYER[module]}.{kind}", a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -221,6 +230,51 @@ def test_quantized_experts_in_the_engine_ignore_batching(quantized):
     assert run(prompts, max_num_batched_tokens=5) == batched
 
 
+@pytest.fixture(scope="module")
+def all_quantized(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("moe") / "qwen3moe-qa.gguf")
+    write(path, tiny("qwen3moe"), "qwen3moe", quant=True, quant_attn=True)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_step_runs_the_moe_layers(all_quantized, dtype):
+    """The CPU decode step takes Qwen3-MoE's layers (q and k normed per head, the router, the
+    experts on the integer dot kernel): a decode step's hidden states are the modules' (the
+    Python form bit for bit, the C++ one within its sums' order), also for several
+    sequences."""
+    if not cpu_intdot.available():
+        pytest.skip("the integer dot kernel does not build here")
+    llm = LLM(all_quantized, device="cpu", quantization="gguf", dtype=dtype, max_model_len=128)
+    try:
+        model = llm.engine.executor.runner.model.model
+        plan = model._cpu_decode_plan()
+        assert plan is not None and all(lp.qk_norm is not None for lp in plan.layers)
+        assert (plan.native is not None) == cpu_ext.available()
+        for lens in ([7], [5, 12, 9]):
+            prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(n)] for i, n in enumerate(lens)]
+            inp = _decode_inputs(llm, prompts)
+            out = {}
+            for name, p in (("modules", False), ("python", plan._replace(native=None)),
+                            ("native", plan)):
+                if name == "native" and plan.native is None:
+                    continue
+                model._cpu_decode = p
+                if p:
+                    x = model.embed_tokens(inp.input_ids)
+                    assert cpu_decode.usable(p, x, inp.attn)
+                inp.attn.cpu_gather = None
+                with torch.no_grad(), forward_context(inp.attn):  # rewrites the step's K/V
+                    out[name] = model(inp.input_ids, inp.positions)
+            model._cpu_decode = plan
+            assert torch.equal(out["python"], out["modules"])
+            if "native" in out:  # int8 activations: a flipped rounding moves a row ~1e-2
+                a, b = out["native"].float(), out["modules"].float()
+                assert ((a - b).norm() / b.norm()).item() < 3e-2
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, expert_parallel=True),
                                     dict(pipeline_parallel_size=2)], ids=["ep2", "pp2"])
 def test_quantized_experts_across_ranks(quantized, layout):
@@ -238,3 +292,25 @@ def test_quantized_experts_across_ranks(quantized, layout):
         finally:
             llm.shutdown()
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantized_experts_on_a_gpu(quantized):
+    """A GPU engine dequantizes the experts' blocks once for its MoE kernels: the greedy tokens
+    of the model dequantized on the CPU (fp32). With --n-cpu-moe 2 both layers' experts stay
+    packed in host memory and run on the CPU's integer dot kernel: the CPU engine's tokens."""
+    prompts = [[3 + (7 * i + 5 * j) % 90 for j in range(5 + 4 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM(quantized, dtype="float32", max_model_len=128, **kw)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.shutdown()
+
+    gpu = dict(device="cuda", num_blocks=64, quantization="gguf")
+    assert run(**gpu) == run(device="cpu", quantization="none")
+    if cpu_intdot.available():
+        assert run(**gpu, n_cpu_moe=2) == run(device="cpu", quantization="gguf")

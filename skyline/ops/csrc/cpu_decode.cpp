@@ -472,55 +472,100 @@ void silu_mul(const T* __restrict gate_up, int64_t t, int64_t n, T* __restrict o
   });
 }
 
+// A layer's entry in `layer_spec` (kLayer ints): the indices of its input and post-attention
+// norms in `norms` / `eps`, of its q and k norms (Qwen3; -1: none), of its first product in
+// `spec` (qkv, o, then gate_up and down for a dense MLP), and of its router's weight in `w`
+// (-1: a dense MLP); for an MoE MLP the router's top-k and whether it renormalizes, then the
+// experts' six stacked tensors in `w` (gate-and-up codes, scale, offset, then down's) from
+// the given index, their bits and groups (gate-and-up, down) and rounds
+constexpr int64_t kLayer = 14;
+
+// the router's softmax over all experts, its top k and (renorm) those scaled to sum to 1, as
+// ops/moe_route.py's route_ref (the same ATen operations: a handful a layer, not loops)
+std::tuple<Tensor, Tensor> route(const Tensor& logits, int64_t k, bool renorm) {
+  auto [weights, ids] = at::topk(at::softmax(logits.to(at::kFloat), -1), k, -1);
+  if (renorm) weights = weights / weights.sum(-1, true);
+  return {weights, ids};
+}
+
 // x [T, hidden] (bfloat16 or float32, as every other activation operand) through every layer ->
 // (the last MLP's output, the residual)
 template <typename T>
 std::tuple<Tensor, Tensor> layers_kernel(
     Tensor x, const Tensor& c2, const Tensor& s2, at::TensorList norms, at::ArrayRef<double> eps,
-    at::TensorList w, at::IntArrayRef spec, at::TensorList kv_caches, const Tensor& blocks,
-    const Tensor& lens, const Tensor& sl, int64_t h, int64_t kvh, int64_t d, double scale) {
+    at::TensorList w, at::IntArrayRef spec, at::IntArrayRef layer_spec, at::TensorList kv_caches,
+    const Tensor& blocks, const Tensor& lens, const Tensor& sl, int64_t h, int64_t kvh, int64_t d,
+    double scale) {
   const int64_t t = x.size(0), layers = kv_caches.size();
   const int64_t hidden = x.size(1), row = (h + 2 * kvh) * d, tok = kvh * d;
   Tensor residual = x.clone(at::MemoryFormat::Contiguous), normed = at::empty_like(residual);
   T* res = residual.data_ptr<T>();
   T* nrm = normed.data_ptr<T>();
+  auto norm_of = [&](int64_t i) {
+    TORCH_CHECK(norms[i].scalar_type() == x.scalar_type() && norms[i].is_contiguous(),
+                "decode_layers: contiguous norm weights of x's dtype");
+    return std::make_pair(norms[i].data_ptr<T>(), static_cast<float>(eps[i]));
+  };
   for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* ls = layer_spec.data() + l * kLayer;
+    const int64_t first = ls[4];
     const Tensor& cache = kv_caches[l];
     TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.scalar_type() == x.scalar_type(),
                 "decode_layers: a contiguous [2, NB, BS, KVH, D] cache a layer, of x's dtype");
-    TORCH_CHECK(norms[2 * l].scalar_type() == x.scalar_type() &&
-                    norms[2 * l + 1].scalar_type() == x.scalar_type(),
-                "decode_layers: norm weights of x's dtype");
-    add_rms_norm<T>(x.data_ptr<T>(), res, l > 0, norms[2 * l].data_ptr<T>(),
-                    static_cast<float>(eps[2 * l]), t, hidden, nrm);
-    const Tensor qkv = product(normed, w, spec, 4 * l).contiguous();
+    auto [w_in, e_in] = norm_of(ls[0]);
+    add_rms_norm<T>(x.data_ptr<T>(), res, l > 0, w_in, e_in, t, hidden, nrm);
+    const Tensor qkv = product(normed, w, spec, first).contiguous();
     T* p = qkv.data_ptr<T>();
+    if (ls[2] >= 0) {  // Qwen3: each head of q and of k RMS-normed (its own weight), then rotated
+      auto [wq, eq] = norm_of(ls[2]);
+      auto [wk, ek] = norm_of(ls[3]);
+      for (int64_t i = 0; i < t; ++i) {
+        add_rms_norm<T>(nullptr, p + i * row, false, wq, eq, h, d, p + i * row);
+        add_rms_norm<T>(nullptr, p + i * row + h * d, false, wk, ek, kvh, d, p + i * row + h * d);
+      }
+    }
     for (int64_t i = 0; i < t; ++i)
       rotary<T>(p + i * row, h + kvh, d, c2.data_ptr<T>() + i * d, s2.data_ptr<T>() + i * d);
     write_kv<T>(p + h * d, row, t, tok, sl.data_ptr<int64_t>(), cache.data_ptr<T>(),
                 cache.size(1) * cache.size(2) * tok);
     const Tensor q = qkv.view({t, h + 2 * kvh, d}).slice(1, 0, h);
     const Tensor o = skyline::decode_attention(q, cache, blocks, lens, scale);
-    const Tensor attn_out = product(o.view({t, h * d}), w, spec, 4 * l + 1).contiguous();
-    add_rms_norm<T>(attn_out.data_ptr<T>(), res, true, norms[2 * l + 1].data_ptr<T>(),
-                    static_cast<float>(eps[2 * l + 1]), t, hidden, nrm);
-    const Tensor gate_up = product(normed, w, spec, 4 * l + 2).contiguous();
+    const Tensor attn_out = product(o.view({t, h * d}), w, spec, first + 1).contiguous();
+    auto [w_post, e_post] = norm_of(ls[1]);
+    add_rms_norm<T>(attn_out.data_ptr<T>(), res, true, w_post, e_post, t, hidden, nrm);
+    if (ls[5] >= 0) {  // an MoE MLP: the router, then the experts on the integer dot kernel
+      auto [weights, ids] = route(at::linear(normed, w[ls[5]]), ls[6], ls[7] != 0);
+      const int64_t e = ls[8];
+      x = skyline::moe_intdot(normed, weights, ids, w[e], w[e + 1], w[e + 2], ls[9], ls[10],
+                              w[e + 3], w[e + 4], w[e + 5], ls[11], ls[12], ls[13]);
+      continue;
+    }
+    const Tensor gate_up = product(normed, w, spec, first + 2).contiguous();
     const int64_t n = gate_up.size(1) / 2;
     Tensor act = at::empty({t, n}, x.options());
     silu_mul<T>(gate_up.data_ptr<T>(), t, n, act.data_ptr<T>());
-    x = product(act, w, spec, 4 * l + 3).contiguous();
+    x = product(act, w, spec, first + 3).contiguous();
   }
   return {x, residual};
 }
 
 std::tuple<Tensor, Tensor> decode_layers(
     Tensor x, const Tensor& cos2, const Tensor& sin2, at::TensorList norms, at::ArrayRef<double> eps,
-    at::TensorList w, at::IntArrayRef spec, at::TensorList kv_caches, const Tensor& blocks,
-    const Tensor& lens, const Tensor& slots, int64_t h, int64_t kvh, int64_t d, double scale) {
+    at::TensorList w, at::IntArrayRef spec, at::IntArrayRef layer_spec, at::TensorList kv_caches,
+    const Tensor& blocks, const Tensor& lens, const Tensor& slots, int64_t h, int64_t kvh,
+    int64_t d, double scale) {
   const int64_t t = x.size(0), layers = kv_caches.size();
-  TORCH_CHECK(norms.size() == 2 * layers && eps.size() == 2 * layers &&
-                  spec.size() == 4 * kSpec * layers,
-              "decode_layers: one input and one post-attention norm and four products a layer");
+  TORCH_CHECK(layer_spec.size() == kLayer * layers && norms.size() == eps.size(),
+              "decode_layers: one layer_spec entry a layer, one eps a norm");
+  for (int64_t l = 0; l < layers; ++l) {  // every index in range, once, before any work
+    const int64_t* ls = layer_spec.data() + l * kLayer;
+    const int64_t products = ls[5] >= 0 ? 2 : 4, nn = norms.size(), nw = w.size();
+    bool ok = ls[0] >= 0 && ls[0] < nn && ls[1] >= 0 && ls[1] < nn && ls[2] < nn &&
+              (ls[2] < 0 || (ls[3] >= 0 && ls[3] < nn)) && ls[4] >= 0 &&
+              (ls[4] + products) * kSpec <= static_cast<int64_t>(spec.size());
+    if (ls[5] >= 0) ok = ok && ls[5] < nw && ls[6] > 0 && ls[8] >= 0 && ls[8] + 6 <= nw;
+    TORCH_CHECK(ok, "decode_layers: layer ", l, "'s entry points past its arguments");
+  }
   const auto dt = x.scalar_type();
   TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && cos2.scalar_type() == dt &&
                   sin2.scalar_type() == dt && x.dim() == 2 && d <= 512,
@@ -529,10 +574,10 @@ std::tuple<Tensor, Tensor> decode_layers(
   const Tensor c2 = cos2.reshape({t, d}).contiguous(), s2 = sin2.reshape({t, d}).contiguous();
   const Tensor sl = slots.to(at::kLong).contiguous();
   if (dt == at::kFloat)
-    return layers_kernel<float>(x, c2, s2, norms, eps, w, spec, kv_caches, blocks, lens, sl, h,
-                                kvh, d, scale);
-  return layers_kernel<BF16>(x, c2, s2, norms, eps, w, spec, kv_caches, blocks, lens, sl, h, kvh,
-                             d, scale);
+    return layers_kernel<float>(x, c2, s2, norms, eps, w, spec, layer_spec, kv_caches, blocks,
+                                lens, sl, h, kvh, d, scale);
+  return layers_kernel<BF16>(x, c2, s2, norms, eps, w, spec, layer_spec, kv_caches, blocks, lens,
+                             sl, h, kvh, d, scale);
 }
 
 // ops/cpu_linear.py's recompute_near_top_ref: in each row of logits [n, V] (float32), the entries
@@ -591,7 +636,7 @@ void near_top_(Tensor& logits, const Tensor& x, const Tensor& weight, double mar
 
 TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos2, Tensor sin2, Tensor[] norms, float[] eps, "
-        "Tensor[] w, int[] spec, Tensor[] kv_caches, Tensor blocks, Tensor lens, Tensor slots, "
+        "Tensor[] w, int[] spec, int[] layer_spec, Tensor[] kv_caches, Tensor blocks, Tensor lens, Tensor slots, "
         "int h, int kvh, int d, float scale) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor blocks, Tensor lens, float scale) "
         "-> Tensor");

@@ -27,7 +27,9 @@ void scale_rows(const T* y, const std::vector<int64_t>& list, const float* w, in
   }
 }
 
-at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
+}  // namespace
+
+at::Tensor skyline::moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
                       const at::Tensor& local_ids, const at::Tensor& w13_codes,
                       const at::Tensor& w13_scale, const at::Tensor& w13_offset, int64_t w13_bits,
                       int64_t w13_group, const at::Tensor& w2_codes, const at::Tensor& w2_scale,
@@ -83,12 +85,10 @@ at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
   return out.view({t, top_k, h}).sum(1).to(x.scalar_type());
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
   m.def("moe_intdot(Tensor x, Tensor topk_weights, Tensor local_ids, Tensor w13_codes, "
         "Tensor w13_scale, Tensor w13_offset, int w13_bits, int w13_group, Tensor w2_codes, "
         "Tensor w2_scale, Tensor w2_offset, int w2_bits, int w2_group, int rounds) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("moe_intdot", moe_intdot); }
+TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("moe_intdot", skyline::moe_intdot); }

@@ -28,4 +28,13 @@ at::Tensor intdot_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& blocks, const at::Tensor& lens, double scale);
 
+// an MoE MLP of SwiGLU experts on the integer dot kernel (cpu_moe.cpp; ops/cpu_moe.py's
+// moe_intdot_ref): x [T, H] through each token's top-k experts (local ids, -1: held elsewhere)
+at::Tensor moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
+                      const at::Tensor& local_ids, const at::Tensor& w13_codes,
+                      const at::Tensor& w13_scale, const at::Tensor& w13_offset, int64_t w13_bits,
+                      int64_t w13_group, const at::Tensor& w2_codes, const at::Tensor& w2_scale,
+                      const at::Tensor& w2_offset, int64_t w2_bits, int64_t w2_group,
+                      int64_t rounds);
+
 }  // namespace skyline
