@@ -100,6 +100,19 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFReader:
     return reader
 
 
+# ggml types of 2 to 6 bits a weight: a head stored so is held in 6-bit codes on a CPU
+_SIX_BITS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+def head_code_bits(path: str) -> int:
+    """The codes a CPU engine holds the LM head in for the integer dot kernel
+    (LMHead.code_bits): 6 where the file stores its head (output.weight, else the tied token
+    embedding) in 6 bits or fewer, else 8."""
+    types = {t.name: int(t.tensor_type) for t in open_gguf(path).tensors}
+    qtype = types.get("output.weight", types.get("token_embd.weight"))
+    return 6 if qtype is not None and type_name(qtype) in _SIX_BITS else 8
+
+
 def type_name(qtype: int) -> str:
     try:
         return GGMLQuantizationType(int(qtype)).name

@@ -158,11 +158,15 @@ def load_model(cfg: ModelConfig, device: torch.device | str,
             tensors = bar(iter_safetensors(cfg.path, rename), desc=desc, unit=" tensors")
             model.load_weights(translate(_renamed(tensors, rename), cfg.quant))
         elif cfg.load_format == "gguf":
-            from skyline.model.gguf import iter_gguf_weights
+            from skyline.model.gguf import head_code_bits, iter_gguf_weights
 
             packed = cfg.quant.method == "gguf"
             weights = iter_gguf_weights(cfg.path, cfg.arch, packed=packed, want=rename)
             model.load_weights(_renamed(bar(weights, desc=desc, unit=" tensors"), rename))
+            bits = head_code_bits(cfg.path)
+            for m in model.modules():
+                if isinstance(m, LMHead):
+                    m.code_bits = bits
         else:
             raise ConfigError(
                 f"load format {cfg.load_format!r} is unknown; use safetensors, gguf or dummy"

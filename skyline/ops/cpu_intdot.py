@@ -90,15 +90,34 @@ def layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat((nibbles, high), 2).reshape(n, k * 3 // 4).contiguous()
 
 
-def quantize_weight(w: torch.Tensor, rounds: int = 2) -> IntDotWeight | None:
-    """A dense weight [N, K] rounded to 8 bits per 32 elements (GGUF's Q8_0: codes centred on
-    128, a float16 scale); None as pack. The scale is refitted to the codes (least squares):
-    a Q8_0 weight that was dequantized to bfloat16 comes back as the file's codes and scales,
-    not rescaled by its largest element's bfloat16 rounding."""
+def quantize_weight(w: torch.Tensor, rounds: int = 2, bits: int = 8) -> IntDotWeight | None:
+    """A dense weight [N, K] rounded per 32 elements; None as pack. bits 8: GGUF's Q8_0 (codes
+    centred on 128, a float16 scale), the scale refitted to the codes (least squares): a Q8_0
+    weight that was dequantized to bfloat16 comes back as the file's codes and scales, not
+    rescaled by its largest element's bfloat16 rounding. bits 6: codes 0..63 from each block's
+    minimum, a float16 scale and offset refitted to them (least squares), for a weight whose
+    file stored 6 bits or fewer (a GGUF head in Q6_K: 7 bits a weight instead of 9)."""
+    if bits not in (6, 8):
+        raise ValueError(f"quantize_weight rounds to 6 or 8 bits, not {bits}")
     n, k = w.shape
     if k % BLOCK:
         return None
     wb = w.float().reshape(n, k // BLOCK, BLOCK)
+    if bits == 6:
+        lo, hi = wb.amin(-1), wb.amax(-1)
+        s = (hi - lo) / 63
+        inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+        q = torch.round((wb - lo[..., None]) * inv[..., None]).clamp(0, 63)
+        # w ~ s q + o by least squares over the block, both rounded to float16, then the codes
+        # again for what was kept (a block of one value keeps s = 0, o = that value)
+        qm, wm = q.mean(-1, keepdim=True), wb.mean(-1, keepdim=True)
+        var = ((q - qm) ** 2).sum(-1)
+        fit = ((q - qm) * (wb - wm)).sum(-1) / var.clamp_min(1e-12)
+        s = torch.where(var > 0, fit, s).to(torch.float16).float()
+        o = (wm[..., 0] - s * qm[..., 0]).to(torch.float16).float()
+        inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+        q = torch.round((wb - o[..., None]) * inv[..., None]).clamp(0, 63)
+        return pack(q.reshape(n, k).to(torch.uint8), s, o, BLOCK, rounds)
     s = wb.abs().amax(-1) / 127
     inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
     q = torch.round(wb * inv[..., None]).clamp(-127, 127)

@@ -18,9 +18,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
-from skyline.config import ConfigError, ModelArch
+from skyline.config import ConfigError, ModelArch, ModelConfig, QuantConfig
 from skyline.model.default import default_model_path
-from skyline.model.gguf import hf_weight_name, iter_gguf_weights, read_gguf_hf_config
+from skyline.model.gguf import (
+    head_code_bits,
+    hf_weight_name,
+    iter_gguf_weights,
+    read_gguf_hf_config,
+)
 from skyline.model.gguf_rope import llama3_scaling_from_factors
 
 transformers = pytest.importorskip("transformers")
@@ -155,6 +160,7 @@ def test_synthetic_roundtrip(tmp_path, arch: str, quant: bool) -> None:
                   "max_position_embeddings", "tie_word_embeddings", "attention_bias", "qk_norm"):
         assert getattr(got, field) == getattr(want, field), field
     assert got.bos_token_id == 1 and got.eos_token_ids == (2,) and cfg["rope_scaling"] is None
+    assert head_code_bits(path) == 8  # the head is float32, or the tied embedding in Q8_0
     weights = dict(iter_gguf_weights(path, got))
     assert set(weights) == set(expected)
     for name, a in expected.items():
@@ -163,6 +169,26 @@ def test_synthetic_roundtrip(tmp_path, arch: str, quant: bool) -> None:
     if not quant:  # exact weights: the HF state dict itself
         sd = {k: v for k, v in model.state_dict().items() if k in weights}
         assert all(torch.equal(weights[k], v) for k, v in sd.items())
+
+
+def test_head_codes_follow_the_file(tmp_path) -> None:
+    """A CPU engine holds a GGUF head for the integer dot kernel in 6-bit codes where the file
+    stores it in 6 bits or fewer (here Q4_0), else in 8 (the default model's Q8_0 embedding)."""
+    from skyline.model.layers.embedding import LMHead
+    from skyline.model.loader import load_model, prepack_for_cpu, read_model_arch
+    from skyline.ops import cpu_intdot
+
+    path = str(tmp_path / "llama-q.gguf")
+    write_gguf(path, tiny_model("llama"), "llama", quant=True)  # lm_head in Q4_0
+    assert head_code_bits(path) == 6 and head_code_bits(default_model()) == 8
+    arch, fmt = read_model_arch(path)
+    model = load_model(ModelConfig(path, fmt, arch, "float32", 64,
+                                   quant=QuantConfig(method="gguf")), "cpu")
+    head = next(m for m in model.modules() if isinstance(m, LMHead))
+    assert head.code_bits == 6
+    prepack_for_cpu(model)
+    if cpu_intdot.available() and head.intdot_rows:
+        assert head.intdot_weight.bits == 6
 
 
 def test_default_model_matches_transformers_loader() -> None:

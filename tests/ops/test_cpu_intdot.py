@@ -91,6 +91,25 @@ def test_quantize_weight_is_q8_0() -> None:
 
 
 @needs_kernel
+def test_quantize_weight_in_six_bits() -> None:
+    """6-bit codes from each block's minimum, scale and offset refitted: within ~half a step of
+    the block's range / 63; a block of one value is kept exactly."""
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
+    w[3, :32] = 0.25
+    q = cpu_intdot.quantize_weight(w, bits=6)
+    assert q is not None and q.bits == 6 and q.group == 32
+    assert q.codes.shape == (32, 96)  # 24 bytes a block
+    back = cpu_intdot.dequantize(q)
+    blocks = w.reshape(32, 4, 32)
+    step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 63
+    err = (back - w).reshape(32, 4, 32).abs()
+    assert (err <= step * 0.75 + 1e-6).all() and err.mean() <= (step * 0.3).mean()
+    assert torch.equal(back[3, :32], w[3, :32])
+    with pytest.raises(ValueError, match="6 or 8 bits"):
+        cpu_intdot.quantize_weight(w, bits=4)
+
+
+@needs_kernel
 def test_pack_refuses_what_the_kernel_cannot_take() -> None:
     codes = torch.zeros(4, 48, dtype=torch.uint8)
     assert cpu_intdot.pack(codes, torch.ones(4, 3), torch.zeros(4, 3), 16) is None  # K % 32
@@ -197,14 +216,17 @@ def test_gguf_layers_of_wider_codes_serve_few_rows_on_the_kernel(monkeypatch, ru
 
 
 @needs_kernel
-def test_a_gguf_head_runs_the_kernel_for_few_rows():
+@pytest.mark.parametrize("bits", [8, 6])
+def test_a_gguf_head_runs_the_kernel_for_few_rows(bits):
     from skyline.model.layers.embedding import LMHead
     from skyline.model.loader import plain_layout
 
     head = LMHead(256, 64)
     head.weight.data = torch.randn(256, 64).bfloat16()
+    head.code_bits = bits
     head.prepack(intdot_rows=2)
     assert head.intdot_weight is not None and head.intdot_rows == 2
+    assert head.intdot_weight.bits == bits
     h = torch.randn(2, 64).bfloat16()
     logits = head(h)
     assert logits.dtype == torch.float32

@@ -92,10 +92,12 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.vocab_shard: VocabShard | None = None
         self.packed_weight: torch.Tensor | None = None
-        # a GGUF model's head on a CPU: 8-bit codes per 32 (as the file's Q8_0) for batches of
-        # at most intdot_rows rows (ops/cpu_intdot.py)
+        # a GGUF model's head on a CPU: codes per 32 for batches of at most intdot_rows rows
+        # (ops/cpu_intdot.py), 8 bits (as the file's Q8_0) or 6 where the file stored the head
+        # in 6 bits or fewer (the loader sets code_bits)
         self.intdot_weight: cpu_intdot.IntDotWeight | None = None
         self.intdot_rows = 0
+        self.code_bits = 8
         # --quantize-lm-head: an e4m3 copy with a float32 scale per vocabulary row
         self.register_buffer("fp8_weight", None)
         self.register_buffer("fp8_scale", None)
@@ -128,14 +130,14 @@ class LMHead(nn.Module):
         dense weight stays (the embedding and the speculators read it): one more copy of the
         head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
         emulation would dequantize them at every step). With `intdot_rows` (a GGUF model, whose
-        head the file holds in 8 bits or fewer), batches of at most that many rows run an 8-bit
-        copy on the integer dot kernel (activations rounded `intdot_rounds` times), and the
-        entries within 8 of each row's top are recomputed from the dense weight
+        head the file holds in 8 bits or fewer), batches of at most that many rows run a copy in
+        `code_bits` codes on the integer dot kernel (activations rounded `intdot_rounds` times),
+        and the entries within 8 of each row's top are recomputed from the dense weight
         (`cpu_linear.exact_near_top`): the sampled token and its logprob are then the dense
         head's. Returns whether it packed."""
         w = self.weight.data
         if intdot_rows and self.fp8_weight is None and w.device.type == "cpu":
-            self.intdot_weight = cpu_intdot.quantize_weight(w, intdot_rounds)
+            self.intdot_weight = cpu_intdot.quantize_weight(w, intdot_rounds, self.code_bits)
             self.intdot_rows = intdot_rows if self.intdot_weight is not None else 0
         if self.fp8_weight is not None:
             w = (self.fp8_weight.float() * self.fp8_scale.unsqueeze(-1)).to(w.dtype)
