@@ -55,7 +55,8 @@ class LayerPlan(NamedTuple):
 
     norm_in: tuple[torch.Tensor, float]  # input_layernorm (weight, eps)
     qkv: Product
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None  # Qwen3's (q, k weights, eps)
+    # Qwen3's per-head norms of q and of k, each (weight, eps)
+    qk_norm: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None
     attn: Any  # layers/attention.Attention: its kv_cache is read at each step (bound late)
     heads: tuple[int, int, int]  # (num_heads, num_kv_heads, head_dim)
     o: Product
@@ -128,7 +129,8 @@ def plan(layers: nn.ModuleList, rotary: Any) -> DecodePlan | None:
         rows = min(rows, *(n for _, n, _ in products))
         natives.append([native for _, _, native in products])
         n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-        qk = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else None
+        qk = ((a.q_norm.weight, a.q_norm.eps), (a.k_norm.weight, a.k_norm.eps)) if a.qk_norm \
+            else None
         out.append(LayerPlan((n1.weight, n1.eps), products[0][0], qk, a.attn,
                              (a.attn.num_heads, a.attn.num_kv_heads, a.head_dim),
                              products[1][0], (n2.weight, n2.eps),
@@ -163,8 +165,7 @@ def _native(layers: list[LayerPlan], natives: list[list[Any]]) -> NativeStep | N
         entry = [norm(*lp.norm_in), norm(*lp.norm_post), -1, -1, count]
         count += len(products)
         if lp.qk_norm is not None:
-            q, k, e = lp.qk_norm
-            entry[2:4] = [norm(q, e), norm(k, e)]
+            entry[2:4] = [norm(*lp.qk_norm[0]), norm(*lp.qk_norm[1])]
         for native in products:
             dense = -1 if native.dense is None else len(weights) + len(native.tensors)
             spec += [native.kind, len(weights), native.a, native.b, native.c, native.rows,
@@ -224,8 +225,8 @@ def run(p: DecodePlan, positions: torch.Tensor, x: torch.Tensor, meta: Attention
         qkv = layer.qkv(rms_norm_cpu(residual, w, eps)).view(t, h + 2 * kvh, d)
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
         if layer.qk_norm is not None:  # as Qwen3Attention.position_qk on the CPU
-            wq, wk, eps = layer.qk_norm
-            q, k = rms_norm_cpu(q, wq, eps), rms_norm_cpu(k, wk, eps)
+            (wq, eq), (wk, ek) = layer.qk_norm
+            q, k = rms_norm_cpu(q, wq, eq), rms_norm_cpu(k, wk, ek)
         q, k = rotary_cpu(cos2, sin2, q, k)  # in place if unnormed: k still neighbours v
         attn = layer.attn
         write_kv(k, v, attn.kv_cache, slots)
