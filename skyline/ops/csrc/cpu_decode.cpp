@@ -636,8 +636,8 @@ void near_top_(Tensor& logits, const Tensor& x, const Tensor& weight, double mar
 
 TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos2, Tensor sin2, Tensor[] norms, float[] eps, "
-        "Tensor[] w, int[] spec, int[] layer_spec, Tensor[] kv_caches, Tensor blocks, Tensor lens, Tensor slots, "
-        "int h, int kvh, int d, float scale) -> (Tensor, Tensor)");
+        "Tensor[] w, int[] spec, int[] layer_spec, Tensor[] kv_caches, Tensor blocks, "
+        "Tensor lens, Tensor slots, int h, int kvh, int d, float scale) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor kv_cache, Tensor blocks, Tensor lens, float scale) "
         "-> Tensor");
   m.def("near_top_(Tensor(a!) logits, Tensor x, Tensor weight, float margin, float rel, int limit) "

@@ -214,8 +214,10 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
     // one activation row (a batch-1 step): each group's scale times its block's activation
     // scale, made here 8 groups an instruction instead of a group at a time in the loops below
     // (the same float32 products)
+#if defined(__AVX2__)
     float scd[M == 1 ? kMaxGroups : 1];
     const float* xd = xq.d.data() + m_off * blocks;
+#endif
     int64_t g = 0;
 #if defined(__AVX2__) && defined(__F16C__)
     __m256 offv[kMaxRows];
@@ -238,7 +240,9 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
 #endif
     for (; g < groups; ++g) {
       sc[g] = half_to_float(ws[g]);
+#if defined(__AVX2__)
       if constexpr (M == 1) scd[g] = sc[g] * xd[g * GROUP / kBlock];
+#endif
       const float o = kSigned8<BITS> ? std::fma(sc[g], 128.f, half_to_float(wo[g]))
                                      : half_to_float(wo[g]);
       for (int r = 0; r < M; ++r) off[r] += o * xq.sum[(m_off + r) * groups + g];

@@ -30,11 +30,11 @@ void scale_rows(const T* y, const std::vector<int64_t>& list, const float* w, in
 }  // namespace
 
 at::Tensor skyline::moe_intdot(const at::Tensor& x, const at::Tensor& topk_weights,
-                      const at::Tensor& local_ids, const at::Tensor& w13_codes,
-                      const at::Tensor& w13_scale, const at::Tensor& w13_offset, int64_t w13_bits,
-                      int64_t w13_group, const at::Tensor& w2_codes, const at::Tensor& w2_scale,
-                      const at::Tensor& w2_offset, int64_t w2_bits, int64_t w2_group,
-                      int64_t rounds) {
+                               const at::Tensor& local_ids, const at::Tensor& w13_codes,
+                               const at::Tensor& w13_scale, const at::Tensor& w13_offset,
+                               int64_t w13_bits, int64_t w13_group, const at::Tensor& w2_codes,
+                               const at::Tensor& w2_scale, const at::Tensor& w2_offset,
+                               int64_t w2_bits, int64_t w2_group, int64_t rounds) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_intdot: x must be a contiguous [T, H]");
   TORCH_CHECK(local_ids.dim() == 2 && local_ids.scalar_type() == at::kLong &&
                   local_ids.size(0) == x.size(0) && topk_weights.sizes() == local_ids.sizes(),
