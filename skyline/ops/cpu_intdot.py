@@ -149,20 +149,30 @@ def dequantize(w: IntDotWeight) -> torch.Tensor:
     return (q * w.scale.float()[..., None] + w.offset.float()[..., None]).reshape(n, k)
 
 
-def round_int8_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 -> each 32 elements rounded to int8 steps of max|x| / 127."""
+def _round_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q, d): each 32 elements as int8 steps q of d = max|x| / 127."""
     xb = x.reshape(x.shape[0], -1, BLOCK)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(xb * inv) * d).reshape(x.shape)
+    return torch.round(xb * inv), d
+
+
+def round_int8_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> each 32 elements rounded to int8 steps of max|x| / 127."""
+    q, d = _round_int8(x)
+    return (q * d).reshape(x.shape)
 
 
 def quantize_activations_ref(x: torch.Tensor, rounds: int = 2) -> torch.Tensor:
     """x [M, K] -> x^ float32 as the kernel multiplies it: x rounded to int8 per 32, with two
-    rounds plus what that left rounded the same way (two int8 products a row, added)."""
+    rounds plus what that left rounded the same way (two int8 products a row, added). What is
+    left is x - q d rounded once to float32 (the kernel's fma: q d is exact in float64)."""
     xf = x.float()
-    first = round_int8_ref(xf)
-    return first if rounds == 1 else first + round_int8_ref(xf - first)
+    if rounds == 1:
+        return round_int8_ref(xf)
+    q, d = _round_int8(xf)
+    left = (xf.reshape(q.shape).double() - q.double() * d.double()).float().reshape(xf.shape)
+    return (q * d).reshape(xf.shape) + round_int8_ref(left)
 
 
 def intdot_mm_ref(x: torch.Tensor, w: IntDotWeight) -> torch.Tensor:

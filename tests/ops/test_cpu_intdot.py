@@ -78,6 +78,22 @@ def test_activation_rounding_is_per_32_and_twice() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits", [6, 8])
+def test_the_kernel_rounds_activations_as_the_reference(bits: int) -> None:
+    # bfloat16 activations put many elements on a rounding tie; the second round's steps are
+    # ~1/254 of the first's, so what the first left must be rounded exactly as the reference
+    # does (once, as an fma) or a code moves by one and a product by ~1e-5 of its magnitude
+    torch.manual_seed(0)
+    w = cpu_intdot.quantize_weight(torch.randn(256, 64), rounds=2, bits=bits)
+    x = torch.randn(600, 64).bfloat16().float()
+    got = cpu_intdot.intdot_mm(x, w).double()
+    ref = cpu_intdot.intdot_mm_ref(x, w).double()
+    scale = cpu_intdot.quantize_activations_ref(x).abs().double() @ \
+        cpu_intdot.dequantize(w).abs().double().t()
+    assert ((got - ref).abs() / scale).max() < 2e-6  # float32 sums of 64 products
+
+
+@needs_kernel
 def test_quantize_weight_is_q8_0() -> None:
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
     q = cpu_intdot.quantize_weight(w)

@@ -62,8 +62,11 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
     const float id = d > 0.f ? 1.f / d : 0.f;
     int8_t* qb = out.q.data() + v * k + b * kBlock;
     for (int i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+    // what the rounding left, rounded once (an explicit fma: a compiler may or may not contract
+    // x - q * d by itself, and the rounding of the second round depends on it)
     if (residual != nullptr)
-      for (int i = 0; i < kBlock; ++i) residual[b * kBlock + i] = xb[i] - static_cast<float>(qb[i]) * d;
+      for (int i = 0; i < kBlock; ++i)
+        residual[b * kBlock + i] = std::fma(-static_cast<float>(qb[i]), d, xb[i]);
     out.d[v * (k / kBlock) + b] = d;
     for (int h = 0; h < kBlock / group; ++h) {
       int s = 0;
