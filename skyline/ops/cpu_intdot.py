@@ -38,9 +38,12 @@ class IntDotWeight(NamedTuple):
     """A weight [N, K] for intdot_mm: W = codes * scale + offset per group."""
 
     codes: torch.Tensor  # uint8 [N, K / 2] (bits 4: element j of a block of 32 in byte j's
-    #   low nibble, element j + 16 in its high one), [N, 3 K / 4] (bits 6: per block of 32, 16
-    #   bytes of low nibbles as bits 4, then 8 bytes of the top two bits: byte j's bits 2i and
-    #   2i + 1 are element j + 8 i's) or [N, K] (bits 8)
+    #   low nibble, element j + 16 in its high one), [N, 3 K / 4] (bits 6: per 128 elements as
+    #   GGUF's Q6_K, 64 bytes of low nibbles, byte j < 32 holding elements j and 64 + j, byte
+    #   32 + j elements 32 + j and 96 + j, then 32 bytes whose byte j's bits 2i, 2i + 1 are the
+    #   top two of element 32 i + j; the last K % 128 elements per block of 32, 16 bytes of low
+    #   nibbles as bits 4, then 8 bytes whose byte j's bits 2i, 2i + 1 are element j + 8 i's
+    #   top two) or [N, K] (bits 8)
     scale: torch.Tensor  # [N, K / group] float16
     offset: torch.Tensor  # [N, K / group] float16
     bits: int
@@ -80,14 +83,35 @@ def layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.contiguous()
     n, k = codes.shape
+    if bits == 6:
+        return torch.cat((_layout6_wide(codes[:, :k // WIDE6 * WIDE6]),
+                          _layout6_blocks(codes[:, k // WIDE6 * WIDE6:])), 1).contiguous()
+    blocks = codes.reshape(n, k // BLOCK, BLOCK)
+    halves = (blocks & 0x0F).reshape(n, -1, 2, BLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+WIDE6 = 128  # elements a 6-bit row holds in Q6_K's order (96 bytes), before its last blocks
+
+
+def _layout6_wide(codes: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    c = codes.reshape(n, k // WIDE6, 4, BLOCK)  # element 32 i + j at [i, j]
+    lo = c & 0x0F
+    low = torch.cat((lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)), 2)
+    top = c >> 4
+    high = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    return torch.cat((low, high), 2).reshape(n, k * 3 // 4)
+
+
+def _layout6_blocks(codes: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
     blocks = codes.reshape(n, k // BLOCK, BLOCK)
     halves = (blocks & 0x0F).reshape(n, -1, 2, BLOCK // 2)
     nibbles = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [N, K / 32, 16]
-    if bits == 4:
-        return nibbles.reshape(n, k // 2).contiguous()
     top = (blocks >> 4).reshape(n, -1, 4, 8)  # element j + 8 i at [i, j]
     high = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
-    return torch.cat((nibbles, high), 2).reshape(n, k * 3 // 4).contiguous()
+    return torch.cat((nibbles, high), 2).reshape(n, k * 3 // 4)
 
 
 def quantize_weight(w: torch.Tensor, rounds: int = 2, bits: int = 8) -> IntDotWeight | None:
@@ -133,13 +157,20 @@ def unpack_codes(w: IntDotWeight) -> torch.Tensor:
     if w.bits == 8:
         return w.codes
     n, k = w.shape
-    b = w.codes.reshape(n, k // BLOCK, BLOCK * w.bits // 8)
-    low = torch.stack((b[..., :16] & 0x0F, b[..., :16] >> 4), 2).reshape(n, -1, BLOCK)
-    if w.bits == 4:
-        return low.reshape(n, k)
-    h = b[..., 16:]  # [N, K / 32, 8]
-    top = torch.stack([(h >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, -1, BLOCK)
-    return (low | (top << 4)).reshape(n, k)
+    if w.bits == 6:
+        wide = k // WIDE6 * WIDE6
+        c = w.codes[:, :wide * 3 // 4].reshape(n, wide // WIDE6, 96)
+        lo = torch.stack((c[..., :32] & 0x0F, c[..., 32:64] & 0x0F, c[..., :32] >> 4,
+                          c[..., 32:64] >> 4), 2)  # [N, K / 128, 4, 32]
+        top = torch.stack([(c[..., 64:] >> (2 * i)) & 3 for i in range(4)], 2)
+        b = w.codes[:, wide * 3 // 4:].reshape(n, (k - wide) // BLOCK, 24)
+        low = torch.stack((b[..., :16] & 0x0F, b[..., :16] >> 4), 2).reshape(n, -1, BLOCK)
+        h = b[..., 16:]  # [N, blocks, 8]
+        tail = torch.stack([(h >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, -1, BLOCK)
+        return torch.cat(((lo | (top << 4)).reshape(n, wide),
+                          (low | (tail << 4)).reshape(n, k - wide)), 1)
+    b = w.codes.reshape(n, k // BLOCK, BLOCK // 2)
+    return torch.stack((b & 0x0F, b >> 4), 2).reshape(n, k)
 
 
 def dequantize(w: IntDotWeight) -> torch.Tensor:

@@ -52,11 +52,12 @@ def test_kernel_matches_reference(rounds: int, bits: int, group: int, m: int, n:
 
 @needs_kernel
 @pytest.mark.parametrize("rounds", [1, 2])
-def test_rows_are_independent_of_the_batch(rounds: int) -> None:
+@pytest.mark.parametrize("bits,group", [(4, 32), (6, 16), (6, 32), (8, 32)])
+def test_rows_are_independent_of_the_batch(rounds: int, bits: int, group: int) -> None:
     # a decode row's logits do not depend on the rows beside it (passes of up to 8 virtual
-    # rows share loads)
-    w = _weight(64, 256, 4, 32, rounds=rounds)
-    x = torch.randn(11, 256)
+    # rows share loads; one row has its own loops)
+    w = _weight(64, 576, bits, group, rounds=rounds)
+    x = torch.randn(11, 576)
     full = cpu_intdot.intdot_mm(x, w)
     for i in range(11):
         torch.testing.assert_close(cpu_intdot.intdot_mm(x[i : i + 1].contiguous(), w),

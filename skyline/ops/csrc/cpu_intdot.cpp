@@ -4,9 +4,12 @@
 //
 // W[n, k] = q[n, k] * scale[n, g] + offset[n, g], q unsigned codes (4 bits: byte j of a block
 // of 32 holds element j in its low nibble and element j + 16 in its high one, as GGUF's Q4
-// blocks; 6 bits: those 16 bytes of low nibbles, then 8 bytes whose byte j holds the top two
-// bits of elements j, j + 8, j + 16 and j + 24 from its lowest bits up; 8 bits: one byte an
-// element), scale and offset fp16 per group of 16 or 32 elements.
+// blocks; 6 bits: per 128 elements GGUF's Q6_K order, 64 bytes of low nibbles (byte j < 32:
+// elements j and 64 + j, byte 32 + j: elements 32 + j and 96 + j) then 32 bytes whose byte j
+// holds the top two bits of elements j, 32 + j, 64 + j and 96 + j from its lowest bits up, and
+// the last K % 128 elements per block of 32, 16 bytes of low nibbles as 4-bit codes, then 8
+// bytes whose byte j holds the top two bits of elements j, j + 8, j + 16 and j + 24; 8 bits:
+// one byte an element), scale and offset fp16 per group of 16 or 32 elements.
 // x[m, k] ~= dx[m, b] * xq[m, k], xq int8 and dx float32 per block b of 32 elements. Then
 //   y[m, n] = sum_g scale[n, g] * dx[m, b(g)] * sum_{k in g} q xq + sum_g offset[n, g] * xs[m, g]
 // with xs[m, g] = dx[m, b(g)] * sum_{k in g} xq: one unsigned-by-signed byte dot product per
@@ -33,6 +36,8 @@
 namespace {
 
 constexpr int kBlock = 32;  // activation elements per int8 scale
+constexpr int kAhead = 2048;
+constexpr int kWide6 = 128;  // elements of a 6-bit row in Q6_K's order, before the last blocks
 constexpr int kMaxRows = 8;  // rows a weight group is reused for before it is read again
 constexpr int64_t kMaxK = 65536;  // longest row (scales of a row are converted on the stack)
 constexpr int64_t kMaxGroups = kMaxK / 16;
@@ -125,7 +130,8 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 #endif
 
 #if defined(__AVX2__)
-// 32 codes of a group as unsigned bytes in element order
+// 32 codes of a block (6 bits: one of the last K % 128 elements) as unsigned bytes in element
+// order
 template <int BITS>
 inline __m256i load_codes(const uint8_t* p) {
   if constexpr (BITS == 4 || BITS == 6) {
@@ -146,6 +152,26 @@ inline __m256i load_codes(const uint8_t* p) {
   } else {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
+}
+
+// block I of 128 6-bit codes in Q6_K's order as unsigned bytes in element order: the low
+// nibbles of bytes 0-31 (I = 0) or 32-63 (I = 1), their high nibbles (I = 2, 3), and bits 2I,
+// 2I + 1 of bytes 64-95 as bits 4-5
+template <int I>
+inline __m256i codes6(const uint8_t* p) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * (I & 1)));
+  const __m256i low = I < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+  const __m256i h = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)),
+                                     _mm256_set1_epi8(static_cast<char>(3 << (2 * I))));
+  const __m256i top = I < 2 ? _mm256_slli_epi16(h, 4 - 2 * I) : _mm256_srli_epi16(h, 2 * I - 4);
+  return _mm256_or_si256(low, top);
+}
+
+// the weight bytes kAhead past p into the cache: one core's hardware prefetcher alone keeps too
+// few reads in flight to stream a decode step's weights at the memory's rate
+inline void prefetch(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead, _MM_HINT_T0);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
@@ -258,6 +284,7 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
       if (!xq.qp.empty()) {  // two blocks a load: 64 weights, two dot products a row
         const __m256i mask = _mm256_set1_epi8(0x0F);
         for (; b < blocks; b += 2) {
+          prefetch(wq + b * 16);
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * 16));
           const __m256i lo = _mm256_and_si256(v, mask);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -283,30 +310,41 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         }
       }
     }
-    for (; b < blocks; ++b) {
-      const __m256i w = load_codes<BITS>(wq + b * kBlock * BITS / 8);
-      if constexpr (M == 1) {
-        const __m256i x = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(xq.q.data() + m_off * k + b * kBlock));
-        const __m256 sd = GROUP == 32 ? _mm256_broadcast_ss(scd + b)
-            : _mm256_set_m128(_mm_broadcast_ss(scd + 2 * b + 1), _mm_broadcast_ss(scd + 2 * b));
-        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8<BITS>(w, x)), sd, acc[0]);
-        continue;
-      }
-      __m256 s;
-      if constexpr (GROUP == 32) {
-        s = _mm256_broadcast_ss(sc + b);
-      } else {  // lanes 0-3 sum elements 0-15 (the first group), lanes 4-7 the second
-        s = _mm256_set_m128(_mm_broadcast_ss(sc + 2 * b + 1), _mm_broadcast_ss(sc + 2 * b));
-      }
+    // block b's codes w times virtual row r's, added to acc[r]: the group's scale (groups of
+    // 16: lanes 0-3 the first group's, lanes 4-7 the second's) times the block's activation
+    // scale (one row: the products made above), then one fma a row
+    auto step = [&](int64_t b, __m256i w) {
       for (int r = 0; r < M; ++r) {
-        const int64_t row = m_off + r;
         const __m256i x = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(xq.q.data() + row * k + b * kBlock));
+            reinterpret_cast<const __m256i*>(xq.q.data() + (m_off + r) * k + b * kBlock));
         const __m256 p = _mm256_cvtepi32_ps(dot_u8s8<BITS>(w, x));
-        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(xq.d[row * blocks + b]));
+        __m256 sd;
+        if constexpr (M == 1) {
+          sd = GROUP == 32 ? _mm256_broadcast_ss(scd + b)
+              : _mm256_set_m128(_mm_broadcast_ss(scd + 2 * b + 1), _mm_broadcast_ss(scd + 2 * b));
+        } else {
+          const __m256 s = GROUP == 32 ? _mm256_broadcast_ss(sc + b)
+              : _mm256_set_m128(_mm_broadcast_ss(sc + 2 * b + 1), _mm_broadcast_ss(sc + 2 * b));
+          sd = _mm256_mul_ps(s, _mm256_set1_ps(xq.d[(m_off + r) * blocks + b]));
+        }
         acc[r] = _mm256_fmadd_ps(p, sd, acc[r]);
       }
+    };
+    if constexpr (BITS == 6) {  // Q6_K's order: four blocks from three 32-byte loads
+      for (; b + 4 <= blocks; b += 4) {
+        const uint8_t* p = wq + b * kBlock * 3 / 4;
+        prefetch(p);
+        prefetch(p + 64);
+        step(b, codes6<0>(p));
+        step(b + 1, codes6<1>(p));
+        step(b + 2, codes6<2>(p));
+        step(b + 3, codes6<3>(p));
+      }
+    }
+    for (; b < blocks; ++b) {
+      const uint8_t* p = wq + b * kBlock * BITS / 8;
+      prefetch(p);
+      step(b, load_codes<BITS>(p));
     }
     for (int r = 0; r < M; r += R) {  // a row's virtual rows add up
       __m256 a = acc[r];
@@ -324,12 +362,22 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         for (int i = 0; i < GROUP; ++i) {
           const int64_t e = g * GROUP + i;  // element index in the row
           int q;
-          if constexpr (BITS == 4 || BITS == 6) {
+          if constexpr (BITS == 6) {
+            if (e < k / kWide6 * kWide6) {  // Q6_K's order
+              const uint8_t* p = wq + e / kWide6 * (kWide6 * 3 / 4);
+              const int64_t i = e % kWide6 / kBlock, j = e % kBlock;
+              const uint8_t byte = p[(i & 1) * 32 + j];
+              q = (i < 2 ? byte & 0x0F : byte >> 4) | ((p[64 + j] >> (2 * i)) & 3) << 4;
+            } else {
+              const int64_t b = e / kBlock, j = e % kBlock;
+              const uint8_t* block = wq + b * kBlock * 3 / 4;
+              const uint8_t byte = block[j & 15];
+              q = (j < 16 ? byte & 0x0F : byte >> 4) | ((block[16 + (j & 7)] >> (2 * (j / 8))) & 3) << 4;
+            }
+          } else if constexpr (BITS == 4) {
             const int64_t b = e / kBlock, j = e % kBlock;
-            const uint8_t* block = wq + b * kBlock * BITS / 8;
-            const uint8_t byte = block[j & 15];
+            const uint8_t byte = wq[b * kBlock / 2 + (j & 15)];
             q = j < 16 ? (byte & 0x0F) : (byte >> 4);
-            if constexpr (BITS == 6) q |= ((block[16 + (j & 7)] >> (2 * (j / 8))) & 3) << 4;
           } else {
             q = wq[e];
           }
