@@ -14,12 +14,12 @@ ONEDNN_MAX_CPU_ISA):
   to bfloat16 (its AVX-512 path converts it to float32 in registers): 4-bit codes as one plane,
   5- to 8-bit codes as two, against 32 bits a weight for dense float32.
 - AVX2 only: torch's int4 kernel's AVX2 path is slow (one row of the default model's layers
-  8.6 ms, 4.2x its floor, bench/cpu_intdot_speed.py), and dense products are float32. The
+  8.8 ms, 3.7x its floor, bench/cpu_intdot_speed.py), and dense products are float32. The
   integer dot kernel, with activations rounded once (`intdot_rounds = 1`: without VNNI a second
   round doubles the work that bounds it at more than one row), runs 4-bit codes for up to 32
-  rows (`int4_kernel = "intdot"`: the layers at 1 / 8 / 16 / 32 rows 4.6 / 10.9 / 21.4 / 40.3
-  ms, against dense float32's 18.8 / 28.5 / 39.4 / 61.5) and 5- to 8-bit codes and the LM head
-  for up to 16 (8-bit codes 5.2 / 16.8 / 31.9 ms at 1 / 8 / 16 rows, 62.6 at 32: no faster).
+  rows (`int4_kernel = "intdot"`: the layers at 1 / 8 / 16 / 32 rows 3.6 / 12.1 / 22.8 / 41.1
+  ms, against dense float32's 20.0 / 29.2 / 41.1 / 62.4) and 5- to 8-bit codes and the LM head
+  for up to 16 (8-bit codes 4.5 / 16.6 / 31.5 ms at 1 / 8 / 16 rows, 61.0 at 32: no faster).
   One round is llama.cpp's rounding, about bfloat16 activations' error (top-1 agreement with
   the exact model 0.97, as the AVX-512 BF16 plan's; bench/cpu_decode_quality.py).
 
