@@ -36,7 +36,7 @@
 namespace {
 
 constexpr int kBlock = 32;  // activation elements per int8 scale
-constexpr int kAhead = 2048;
+constexpr int kAhead = 2048;  // weight bytes prefetched ahead of the loads (rows contiguous)
 constexpr int kWide6 = 128;  // elements of a 6-bit row in Q6_K's order, before the last blocks
 constexpr int kMaxRows = 8;  // rows a weight group is reused for before it is read again
 constexpr int64_t kMaxK = 65536;  // longest row (scales of a row are converted on the stack)
@@ -169,7 +169,8 @@ inline __m256i codes6(const uint8_t* p) {
 }
 
 // the weight bytes kAhead past p into the cache: one core's hardware prefetcher alone keeps too
-// few reads in flight to stream a decode step's weights at the memory's rate
+// few reads in flight to stream a decode step's weights at the memory's rate (a prefetch past
+// the codes' end is a hint, never a fault)
 inline void prefetch(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead, _MM_HINT_T0);
 }
@@ -365,9 +366,9 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
           if constexpr (BITS == 6) {
             if (e < k / kWide6 * kWide6) {  // Q6_K's order
               const uint8_t* p = wq + e / kWide6 * (kWide6 * 3 / 4);
-              const int64_t i = e % kWide6 / kBlock, j = e % kBlock;
-              const uint8_t byte = p[(i & 1) * 32 + j];
-              q = (i < 2 ? byte & 0x0F : byte >> 4) | ((p[64 + j] >> (2 * i)) & 3) << 4;
+              const int64_t blk = e % kWide6 / kBlock, j = e % kBlock;
+              const uint8_t byte = p[(blk & 1) * 32 + j];
+              q = (blk < 2 ? byte & 0x0F : byte >> 4) | ((p[64 + j] >> (2 * blk)) & 3) << 4;
             } else {
               const int64_t b = e / kBlock, j = e % kBlock;
               const uint8_t* block = wq + b * kBlock * 3 / 4;
