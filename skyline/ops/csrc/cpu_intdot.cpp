@@ -39,6 +39,7 @@ constexpr int kBlock = 32;  // activation elements per int8 scale
 constexpr int kAhead = 2048;  // weight bytes prefetched ahead of the loads (rows contiguous)
 constexpr int kWide6 = 128;  // elements of a 6-bit row in Q6_K's order, before the last blocks
 constexpr int kMaxRows = 8;  // rows a weight group is reused for before it is read again
+constexpr int64_t kTileBytes = 65536;  // weights a task's passes over the rows share in cache
 constexpr int64_t kMaxK = 65536;  // longest row (scales of a row are converted on the stack)
 constexpr int64_t kMaxGroups = kMaxK / 16;
 
@@ -398,26 +399,31 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
 }
 
 // rows [n0, n1) of y = x W^T for virtual rows [m_begin, m_end) of xq (R to a row of y, ldy
-// y's row stride), in passes of 8 (kMaxRows), 4, 2 or 1 rows (the task's weights stay in cache
-// between passes; with R = 2 every pass is even)
+// y's row stride): per tile of ~64 KB of weights, passes of 8 (kMaxRows), 4, 2 or 1 rows (the
+// tile stays in cache between passes; with R = 2 every pass is even). A row of y is the same
+// sums whatever the tiles: its pass sizes depend on m alone.
 template <int BITS, int GROUP, int R, typename Y>
 void passes(const Quantized& xq, int64_t m_begin, int64_t m_end, int64_t k, const uint8_t* codes,
             const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1, Y* y,
             int64_t ldy) {
-  for (int64_t m0 = m_begin; m0 < m_end;) {
-    const int64_t left = m_end - m0;
-    const int64_t rows = left >= kMaxRows ? kMaxRows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    Y* ym = y + m0 / R * ldy;
-    switch (rows) {
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / (k * BITS / 8));
+  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+    const int64_t t1 = std::min(n1, t0 + tile);
+    for (int64_t m0 = m_begin; m0 < m_end;) {
+      const int64_t left = m_end - m0;
+      const int64_t rows = left >= kMaxRows ? kMaxRows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      Y* ym = y + m0 / R * ldy;
+      switch (rows) {
 #define ROWS(M)                                                                             \
   case M:                                                                                   \
     if constexpr (M % R == 0)                                                               \
-      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, ldy); \
+      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scale, offset, t0, t1, ym, ldy); \
     break;
-      ROWS(1) ROWS(2) ROWS(4) ROWS(8)
+        ROWS(1) ROWS(2) ROWS(4) ROWS(8)
 #undef ROWS
+      }
+      m0 += rows;
     }
-    m0 += rows;
   }
 }
 
@@ -515,13 +521,16 @@ at::Tensor skyline::intdot_mm_experts(const at::Tensor& x, const std::vector<int
                   scale.sizes() == at::IntArrayRef({experts, n, groups}) &&
                   offset.sizes() == scale.sizes(),
               "intdot_mm_experts: scale and offset must be contiguous float16 [E, N, K / group]");
-  // the experts with rows, and where their rows begin in x
-  std::vector<int64_t> used, first;
-  int64_t rows = 0;
+  // the experts with rows, where their rows begin in x, and where their work begins in units
+  // of a weight row times a row of x (the threads split the units evenly: a prefill's popular
+  // experts weigh more)
+  std::vector<int64_t> used, first, work;
+  int64_t rows = 0, units = 0;
   for (int64_t e = 0; e < experts; ++e) {
     TORCH_CHECK(counts[e] >= 0, "intdot_mm_experts: a negative count");
-    if (counts[e] > 0) used.push_back(e), first.push_back(rows);
+    if (counts[e] > 0) used.push_back(e), first.push_back(rows), work.push_back(units);
     rows += counts[e];
+    units += n * counts[e];
   }
   TORCH_CHECK(rows == t, "intdot_mm_experts: the counts add up to ", rows, ", x has ", t, " rows");
   const Quantized xq = quantize_x(x, bits, group, rounds);
@@ -534,11 +543,15 @@ at::Tensor skyline::intdot_mm_experts(const at::Tensor& x, const std::vector<int
     using Y = std::remove_pointer_t<decltype(tag)>;
     constexpr int BITS = decltype(b)::value, GROUP = decltype(g)::value, R = decltype(r)::value;
     Y* out = y.data_ptr<Y>();
-    // every used expert's N weight rows in one range, split over the threads together
-    const int64_t total = static_cast<int64_t>(used.size()) * n;
-    at::parallel_for(0, total, grain(k, BITS), [&](int64_t a, int64_t z) {
-      for (int64_t u = a / n; u < static_cast<int64_t>(used.size()) && u * n < z; ++u) {
-        const int64_t e = used[u], n0 = std::max(a, u * n) - u * n, n1 = std::min(z, (u + 1) * n) - u * n;
+    // weight row j of used expert u starts at unit work[u] + j * counts[e]; a task [a, z) takes
+    // the rows that start in it
+    auto row_at = [&](int64_t at, int64_t u, int64_t rows_x) {
+      return at <= work[u] ? 0 : std::min(n, (at - work[u] + rows_x - 1) / rows_x);
+    };
+    at::parallel_for(0, units, grain(k, BITS), [&](int64_t a, int64_t z) {
+      for (size_t u = 0; u < used.size(); ++u) {
+        const int64_t e = used[u], n0 = row_at(a, u, counts[e]), n1 = row_at(z, u, counts[e]);
+        if (n0 >= n1) continue;
         passes<BITS, GROUP, R, Y>(xq, R * first[u], R * (first[u] + counts[e]), k,
                                   c + e * n * row_bytes, s + e * n * groups, o + e * n * groups,
                                   n0, n1, out, n);
