@@ -286,23 +286,3 @@ def test_native_decode_attention_matches_the_reference(dtype, lens, h, kvh, bs):
     assert out.dtype == dtype and out.shape == (len(lens), h, d)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-
-
-@needs_kernel
-@pytest.mark.parametrize("bits,group", [(4, 32), (4, 16), (6, 16), (8, 32)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_in_one_region_are_each_experts_product(bits: int, group: int,
-                                                          dtype: torch.dtype) -> None:
-    # the MoE entry: every expert's rows of x times its own weight, bit for bit intdot_mm's
-    ws = [_weight(40, 576, bits, group, seed=e, rounds=1) for e in range(5)]
-    codes, scale, offset = (torch.stack([getattr(w, f) for w in ws])
-                            for f in ("codes", "scale", "offset"))
-    counts = [2, 0, 1, 9, 3]  # an expert without rows is skipped
-    x = torch.randn(sum(counts), 576).to(dtype)
-    y = torch.ops.skyline_cpu.intdot_mm_experts(x, counts, codes, scale, offset, bits, group, 1)
-    parts = [cpu_intdot.intdot_mm(xi.contiguous(), ws[e])
-             for e, xi in enumerate(torch.split(x, counts)) if counts[e]]
-    assert torch.equal(y, torch.cat(parts))
-    with pytest.raises(RuntimeError, match="counts add up to 14, x has 15 rows"):
-        torch.ops.skyline_cpu.intdot_mm_experts(x[:15].contiguous(), counts[:4] + [2], codes,
-                                                scale, offset, bits, group, 1)

@@ -39,7 +39,6 @@ constexpr int kBlock = 32;  // activation elements per int8 scale
 constexpr int kAhead = 2048;  // weight bytes prefetched ahead of the loads (rows contiguous)
 constexpr int kWide6 = 128;  // elements of a 6-bit row in Q6_K's order, before the last blocks
 constexpr int kMaxRows = 8;  // rows a weight group is reused for before it is read again
-constexpr int64_t kTileBytes = 65536;  // weights a task's passes over the rows share in cache
 constexpr int64_t kMaxK = 65536;  // longest row (scales of a row are converted on the stack)
 constexpr int64_t kMaxGroups = kMaxK / 16;
 
@@ -398,80 +397,31 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
   }
 }
 
-// rows [n0, n1) of y = x W^T for virtual rows [m_begin, m_end) of xq (R to a row of y, ldy
-// y's row stride): per tile of ~64 KB of weights, passes of 8 (kMaxRows), 4, 2 or 1 rows (the
-// tile stays in cache between passes; with R = 2 every pass is even). A row of y is the same
-// sums whatever the tiles: its pass sizes depend on m alone.
+// y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would
 template <int BITS, int GROUP, int R, typename Y>
-void passes(const Quantized& xq, int64_t m_begin, int64_t m_end, int64_t k, const uint8_t* codes,
-            const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1, Y* y,
-            int64_t ldy) {
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / (k * BITS / 8));
-  for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-    const int64_t t1 = std::min(n1, t0 + tile);
-    for (int64_t m0 = m_begin; m0 < m_end;) {
-      const int64_t left = m_end - m0;
+void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
+         const uint16_t* scale, const uint16_t* offset, Y* y) {
+  // grain: rows of W per task, about 16 KB of codes
+  const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    // m virtual rows, R a row of y, in passes of 8 (kMaxRows), 4, 2 or 1 (the task's weights
+    // stay in cache between passes; with R = 2 every pass is even)
+    for (int64_t m0 = 0; m0 < m;) {
+      const int64_t left = m - m0;
       const int64_t rows = left >= kMaxRows ? kMaxRows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      Y* ym = y + m0 / R * ldy;
+      Y* ym = y + m0 / R * n;
       switch (rows) {
-#define ROWS(M)                                                                             \
-  case M:                                                                                   \
-    if constexpr (M % R == 0)                                                               \
-      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scale, offset, t0, t1, ym, ldy); \
+#define ROWS(M)                                                                           \
+  case M:                                                                                 \
+    if constexpr (M % R == 0)                                                             \
+      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); \
     break;
         ROWS(1) ROWS(2) ROWS(4) ROWS(8)
 #undef ROWS
       }
       m0 += rows;
     }
-  }
-}
-
-// grain: rows of W per task, about 16 KB of codes
-int64_t grain(int64_t k, int64_t bits) {
-  return std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * bits / 8));
-}
-
-// f(bits, group, rounds, Y*) with each a compile-time constant (Y: float or BFloat16, x's type)
-template <typename F>
-void with_format(int64_t bits, int64_t group, int64_t rounds, bool f32, F&& f) {
-  auto typed = [&](auto b, auto g, auto r) {
-    if (f32) f(b, g, r, static_cast<float*>(nullptr));
-    else f(b, g, r, static_cast<at::BFloat16*>(nullptr));
-  };
-  auto rounded = [&](auto b, auto g) {
-    if (rounds == 1) typed(b, g, std::integral_constant<int, 1>());
-    else typed(b, g, std::integral_constant<int, 2>());
-  };
-  using G16 = std::integral_constant<int, 16>;
-  using G32 = std::integral_constant<int, 32>;
-  if (bits == 4 && group == 32) rounded(std::integral_constant<int, 4>(), G32());
-  else if (bits == 4) rounded(std::integral_constant<int, 4>(), G16());
-  else if (bits == 6 && group == 32) rounded(std::integral_constant<int, 6>(), G32());
-  else if (bits == 6) rounded(std::integral_constant<int, 6>(), G16());
-  else if (group == 32) rounded(std::integral_constant<int, 8>(), G32());
-  else rounded(std::integral_constant<int, 8>(), G16());
-}
-
-void check_format(const at::Tensor& x, int64_t bits, int64_t group, int64_t rounds,
-                  const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              op, ": x must be float32 or bfloat16");
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8");
-  TORCH_CHECK(group == 16 || group == 32, op, ": group must be 16 or 32");
-  TORCH_CHECK(rounds == 1 || rounds == 2, op, ": rounds must be 1 or 2");
-  TORCH_CHECK(x.size(1) % kBlock == 0 && x.size(1) <= kMaxK,
-              op, ": K must be a multiple of 32, at most 65536");
-}
-
-Quantized quantize_x(const at::Tensor& x, int64_t bits, int64_t group, int64_t rounds) {
-  const int64_t m = x.size(0), k = x.size(1);
-  Quantized xq = x.scalar_type() == at::kFloat
-                     ? quantize(x.data_ptr<float>(), m, k, group, rounds)
-                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
-  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
-  return xq;
+  });
 }
 
 }  // namespace
@@ -479,8 +429,14 @@ Quantized quantize_x(const at::Tensor& x, int64_t bits, int64_t group, int64_t r
 at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
                               int64_t group, int64_t rounds) {
-  check_format(x, bits, group, rounds, "intdot_mm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "intdot_mm: x must be a contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "intdot_mm: x must be float32 or bfloat16");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "intdot_mm: bits must be 4, 6 or 8");
+  TORCH_CHECK(group == 16 || group == 32, "intdot_mm: group must be 16 or 32");
+  TORCH_CHECK(rounds == 1 || rounds == 2, "intdot_mm: rounds must be 1 or 2");
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(k % kBlock == 0 && k <= kMaxK, "intdot_mm: K must be a multiple of 32, at most 65536");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(1) == k * bits / 8,
               "intdot_mm: codes must be contiguous uint8 [N, K * bits / 8]");
@@ -488,76 +444,30 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                   scale.is_contiguous() && offset.is_contiguous() && scale.size(0) == n &&
                   scale.size(1) == k / group && offset.sizes() == scale.sizes(),
               "intdot_mm: scale and offset must be contiguous float16 [N, K / group]");
-  const Quantized xq = quantize_x(x, bits, group, rounds);
+  Quantized xq = x.scalar_type() == at::kFloat
+                     ? quantize(x.data_ptr<float>(), m, k, group, rounds)
+                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
+  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
-  with_format(bits, group, rounds, x.scalar_type() == at::kFloat, [&](auto b, auto g, auto r, auto* tag) {
-    using Y = std::remove_pointer_t<decltype(tag)>;
-    constexpr int BITS = decltype(b)::value, GROUP = decltype(g)::value, R = decltype(r)::value;
-    Y* out = y.data_ptr<Y>();
-    at::parallel_for(0, n, grain(k, BITS), [&](int64_t n0, int64_t n1) {
-      passes<BITS, GROUP, R, Y>(xq, 0, R * m, k, c, s, o, n0, n1, out, n);
-    });
-  });
-  return y;
-}
-
-at::Tensor skyline::intdot_mm_experts(const at::Tensor& x, const std::vector<int64_t>& counts,
-                                      const at::Tensor& codes, const at::Tensor& scale,
-                                      const at::Tensor& offset, int64_t bits, int64_t group,
-                                      int64_t rounds) {
-  check_format(x, bits, group, rounds, "intdot_mm_experts");
-  const int64_t t = x.size(0), k = x.size(1);
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(2) == k * bits / 8 &&
-                  static_cast<int64_t>(counts.size()) == codes.size(0),
-              "intdot_mm_experts: codes must be contiguous uint8 [E, N, K * bits / 8], a count "
-              "an expert");
-  const int64_t experts = codes.size(0), n = codes.size(1), groups = k / group;
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf &&
-                  scale.is_contiguous() && offset.is_contiguous() &&
-                  scale.sizes() == at::IntArrayRef({experts, n, groups}) &&
-                  offset.sizes() == scale.sizes(),
-              "intdot_mm_experts: scale and offset must be contiguous float16 [E, N, K / group]");
-  // the experts with rows, where their rows begin in x, and where their work begins in units
-  // of a weight row times a row of x (the threads split the units evenly: a prefill's popular
-  // experts weigh more)
-  std::vector<int64_t> used, first, work;
-  int64_t rows = 0, units = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    TORCH_CHECK(counts[e] >= 0, "intdot_mm_experts: a negative count");
-    if (counts[e] > 0) used.push_back(e), first.push_back(rows), work.push_back(units);
-    rows += counts[e];
-    units += n * counts[e];
-  }
-  TORCH_CHECK(rows == t, "intdot_mm_experts: the counts add up to ", rows, ", x has ", t, " rows");
-  const Quantized xq = quantize_x(x, bits, group, rounds);
-  at::Tensor y = at::empty({t, n}, x.options());
-  const auto* c = codes.data_ptr<uint8_t>();
-  const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
-  const int64_t row_bytes = k * bits / 8;
-  with_format(bits, group, rounds, x.scalar_type() == at::kFloat, [&](auto b, auto g, auto r, auto* tag) {
-    using Y = std::remove_pointer_t<decltype(tag)>;
-    constexpr int BITS = decltype(b)::value, GROUP = decltype(g)::value, R = decltype(r)::value;
-    Y* out = y.data_ptr<Y>();
-    // weight row j of used expert u starts at unit work[u] + j * counts[e]; a task [a, z) takes
-    // the rows that start in it
-    auto row_at = [&](int64_t at, int64_t u, int64_t rows_x) {
-      return at <= work[u] ? 0 : std::min(n, (at - work[u] + rows_x - 1) / rows_x);
-    };
-    at::parallel_for(0, units, grain(k, BITS), [&](int64_t a, int64_t z) {
-      for (size_t u = 0; u < used.size(); ++u) {
-        const int64_t e = used[u], n0 = row_at(a, u, counts[e]), n1 = row_at(z, u, counts[e]);
-        if (n0 >= n1) continue;
-        passes<BITS, GROUP, R, Y>(xq, R * first[u], R * (first[u] + counts[e]), k,
-                                  c + e * n * row_bytes, s + e * n * groups, o + e * n * groups,
-                                  n0, n1, out, n);
-      }
-    });
-  });
+  auto by_format = [&](auto* out, auto r) {
+    using Y = std::remove_pointer_t<decltype(out)>;
+    constexpr int R = decltype(r)::value;
+    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
+    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+  };
+  auto dispatch = [&](auto* out) {
+    if (rounds == 1) by_format(out, std::integral_constant<int, 1>());
+    else by_format(out, std::integral_constant<int, 2>());
+  };
+  if (x.scalar_type() == at::kFloat) dispatch(y.data_ptr<float>());
+  else dispatch(y.data_ptr<at::BFloat16>());
   return y;
 }
 
@@ -581,17 +491,7 @@ std::string isa() {
 TORCH_LIBRARY(skyline_cpu, m) {
   m.def("intdot_mm(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, int group, "
         "int rounds=2) -> Tensor");
-  m.def("intdot_mm_experts(Tensor x, int[] counts, Tensor codes, Tensor scale, Tensor offset, "
-        "int bits, int group, int rounds=2) -> Tensor");
   m.def("isa() -> str", isa);
 }
 
-TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) {
-  m.impl("intdot_mm", skyline::intdot_mm);
-  m.impl("intdot_mm_experts", [](const at::Tensor& x, at::IntArrayRef counts,
-                                 const at::Tensor& codes, const at::Tensor& scale,
-                                 const at::Tensor& offset, int64_t bits, int64_t group,
-                                 int64_t rounds) {
-    return skyline::intdot_mm_experts(x, counts.vec(), codes, scale, offset, bits, group, rounds);
-  });
-}
+TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("intdot_mm", skyline::intdot_mm); }

@@ -3,8 +3,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <vector>
-
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -25,13 +23,6 @@ inline float hsum8(__m256 v) {
 // W = codes * scale + offset per group (ops/cpu_intdot.py's intdot_mm_ref), in x's dtype
 at::Tensor intdot_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& offset, int64_t bits, int64_t group, int64_t rounds);
-
-// intdot_mm for several experts of one format in one parallel region: x [T, K] holds counts[e]
-// rows for expert e in order of e, codes / scale / offset are stacked [E, N, ...]; y [T, N]
-at::Tensor intdot_mm_experts(const at::Tensor& x, const std::vector<int64_t>& counts,
-                             const at::Tensor& codes, const at::Tensor& scale,
-                             const at::Tensor& offset, int64_t bits, int64_t group,
-                             int64_t rounds);
 
 // one query token per sequence over its paged KV cache (cpu_decode.cpp)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
