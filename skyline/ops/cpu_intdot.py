@@ -86,9 +86,19 @@ def layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 6:
         return torch.cat((_layout6_wide(codes[:, :k // WIDE6 * WIDE6]),
                           _layout6_blocks(codes[:, k // WIDE6 * WIDE6:])), 1).contiguous()
-    blocks = codes.reshape(n, k // BLOCK, BLOCK)
-    halves = (blocks & 0x0F).reshape(n, -1, 2, BLOCK // 2)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return _nibbles(codes).reshape(n, k // 2).contiguous()
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] -> [N, K / 32, 16]: byte j of a block holds its elements j, j + 16 (low 4
+    bits of each)."""
+    halves = (codes & 0x0F).reshape(codes.shape[0], -1, 2, BLOCK // 2)
+    return halves[:, :, 0] | (halves[:, :, 1] << 4)
+
+
+def _unnibble(b: torch.Tensor) -> torch.Tensor:
+    """[N, blocks, 16] -> the low 4 bits of the blocks' codes [N, blocks, 32]."""
+    return torch.stack((b & 0x0F, b >> 4), 2).reshape(b.shape[0], -1, BLOCK)
 
 
 WIDE6 = 128  # elements a 6-bit row holds in Q6_K's order (96 bytes), before its last blocks
@@ -106,12 +116,9 @@ def _layout6_wide(codes: torch.Tensor) -> torch.Tensor:
 
 def _layout6_blocks(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
-    blocks = codes.reshape(n, k // BLOCK, BLOCK)
-    halves = (blocks & 0x0F).reshape(n, -1, 2, BLOCK // 2)
-    nibbles = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [N, K / 32, 16]
-    top = (blocks >> 4).reshape(n, -1, 4, 8)  # element j + 8 i at [i, j]
+    top = (codes >> 4).reshape(n, -1, 4, 8)  # element j + 8 i of a block at [i, j]
     high = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
-    return torch.cat((nibbles, high), 2).reshape(n, k * 3 // 4)
+    return torch.cat((_nibbles(codes), high), 2).reshape(n, k * 3 // 4)
 
 
 def quantize_weight(w: torch.Tensor, rounds: int = 2, bits: int = 8) -> IntDotWeight | None:
@@ -164,13 +171,12 @@ def unpack_codes(w: IntDotWeight) -> torch.Tensor:
                           c[..., 32:64] >> 4), 2)  # [N, K / 128, 4, 32]
         top = torch.stack([(c[..., 64:] >> (2 * i)) & 3 for i in range(4)], 2)
         b = w.codes[:, wide * 3 // 4:].reshape(n, (k - wide) // BLOCK, 24)
-        low = torch.stack((b[..., :16] & 0x0F, b[..., :16] >> 4), 2).reshape(n, -1, BLOCK)
+        low = _unnibble(b[..., :16])
         h = b[..., 16:]  # [N, blocks, 8]
         tail = torch.stack([(h >> (2 * i)) & 3 for i in range(4)], 2).reshape(n, -1, BLOCK)
         return torch.cat(((lo | (top << 4)).reshape(n, wide),
                           (low | (tail << 4)).reshape(n, k - wide)), 1)
-    b = w.codes.reshape(n, k // BLOCK, BLOCK // 2)
-    return torch.stack((b & 0x0F, b >> 4), 2).reshape(n, k)
+    return _unnibble(w.codes.reshape(n, k // BLOCK, BLOCK // 2)).reshape(n, k)
 
 
 def dequantize(w: IntDotWeight) -> torch.Tensor:
