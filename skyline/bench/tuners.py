@@ -111,16 +111,12 @@ def time_calls(fns: list[Callable[[], Any]], calls: int, replays: int = 5) -> fl
 
 
 def linear_shapes(models: list[str]) -> dict[tuple[int, int], list[str]]:
-    """{(N, K): ["llama-3.1-8b.qkv", ...]} over the models' Linear layers and LM head."""
+    """{(N, K): ["llama-3.1-8b.qkv", ...]} over the models' decoder-layer products
+    (ModelArch.layer_linears) and LM head."""
     shapes: dict[tuple[int, int], list[str]] = {}
     for model in models:
-        c = shipped_config(model)
-        hidden, heads = c["hidden_size"], c["num_attention_heads"]
-        kv_heads, inter = c["num_key_value_heads"], c["intermediate_size"]
-        head_dim = c.get("head_dim") or hidden // heads
-        layers = {"qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
-                  "o": (hidden, heads * head_dim), "gate_up": (2 * inter, hidden),
-                  "down": (hidden, inter), "lm_head": (c["vocab_size"], hidden)}
+        a = model_arch(model)
+        layers = {**a.layer_linears(), "lm_head": (a.vocab_size, a.hidden_size)}
         for name, nk in layers.items():
             shapes.setdefault(nk, []).append(f"{model}.{name}")
     return shapes

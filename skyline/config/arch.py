@@ -52,6 +52,18 @@ class ModelArch:
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
+    def layer_linears(self) -> dict[str, tuple[int, int]]:
+        """{name: (N, K)} of the dense products of a decoder layer: qkv and o; a
+        mixture-of-experts model's router, and the dense MLP (gate_up, down) where some layer
+        has one (experts run their own kernels)."""
+        h, q = self.hidden_size, self.num_heads * self.head_dim
+        out = {"qkv": (q + 2 * self.num_kv_heads * self.head_dim, h), "o": (h, q)}
+        if self.num_experts:
+            out["router"] = (self.num_experts, h)
+        if not self.num_experts or self.dense_layers:
+            out.update(gate_up=(2 * self.intermediate_size, h), down=(h, self.intermediate_size))
+        return out
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
         archs = cfg.get("architectures") or []

@@ -25,12 +25,9 @@ PHASES = ("prefill", "decode_1", "decode_batch")
 
 
 def model_linears(arch: ModelArch) -> list[tuple[int, int]]:
-    """[(N, K)] of one decoder layer's Linears (qkv, o, gate_up, down): the shapes the kernel
-    tuners measure."""
-    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    return [(qkv, arch.hidden_size), (arch.hidden_size, arch.num_heads * arch.head_dim),
-            (2 * arch.intermediate_size, arch.hidden_size),
-            (arch.hidden_size, arch.intermediate_size)]
+    """[(N, K)] of one decoder layer's dense products (ModelArch.layer_linears): the shapes
+    the kernel tuners measure."""
+    return list(arch.layer_linears().values())
 
 
 @dataclass(frozen=True)

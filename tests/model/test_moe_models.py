@@ -175,6 +175,11 @@ def test_shipped_moe_configs():
     assert oss.rope_scaling["rope_type"] == "yarn" and oss.attention_bias
     quant = resolve_quant_config(None, 128, dummy_config_dir("gpt-oss-20b"), "dummy")
     assert (quant.method, quant.experts, quant.experts_prequantized) == ("none", "mxfp4", True)
+    # the dense products the kernel tuners measure: the router, no dense MLP
+    assert qwen.layer_linears() == {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}
+    assert oss.layer_linears() == {"qkv": (5120, 2880), "o": (2880, 4096), "router": (32, 2880)}
+    mixed = dataclasses.replace(qwen, dense_layers=(0,), intermediate_size=6144)
+    assert mixed.layer_linears()["gate_up"] == (12288, 2048)
 
 
 def test_full_size_moe_costs():

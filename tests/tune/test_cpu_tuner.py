@@ -5,16 +5,16 @@ family; timings not asserted."""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from skyline.config import ModelArch
 from skyline.ops import cpu_int4, cpu_plan
 from skyline.tune.cpu import ROWS, tune_cpu
 
-ARCH = SimpleNamespace(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                       head_dim=16)
+ARCH = ModelArch(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=64,
+                 intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def test_entry_for_the_plan_family():

@@ -22,10 +22,10 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
+from skyline.ops.gemv import gemv_or_linear
 from skyline.ops.moe_route import route
 from skyline.parallel.experts import (
     AllToAllPlacement,
@@ -79,7 +79,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        logits = gemv_or_linear(x, self.weight, self.bias)  # [T, E]; the Triton GEMV in decode
         return route(logits, self.top_k, self.scoring)  # one launch on CUDA (ops/moe_route.py)
 
     def extra_repr(self) -> str:
