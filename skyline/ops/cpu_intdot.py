@@ -32,6 +32,7 @@ from skyline.ops import cpu_ext
 
 BLOCK = 32  # activation elements per int8 scale
 GROUPS = (16, 32)  # weight elements per scale and offset
+SUPER = 256  # elements per factor of the int8 scales (IntDotWeight.scale)
 
 
 class IntDotWeight(NamedTuple):
@@ -44,8 +45,12 @@ class IntDotWeight(NamedTuple):
     #   top two of element 32 i + j; the last K % 128 elements per block of 32, 16 bytes of low
     #   nibbles as bits 4, then 8 bytes whose byte j's bits 2i, 2i + 1 are element j + 8 i's
     #   top two) or [N, K] (bits 8)
-    scale: torch.Tensor  # [N, K / group] float16
-    offset: torch.Tensor  # [N, K / group] float16
+    # scale and offset of each group: float16 [N, K / group], or per super-block of 256
+    # elements (K whole super-blocks), as GGUF's K types hold them: int8 [N, K / group + K / 64],
+    # an integer per group, then the row's factors (one per super-block, a float16's value) as
+    # float32 bytes; a group's scale = factor * integer (exact in float32)
+    scale: torch.Tensor
+    offset: torch.Tensor
     bits: int
     group: int
     rounds: int = 2  # times the activations are rounded to int8 (1 or 2; module docstring)
@@ -76,6 +81,47 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: 
     bits = 4 if top < 16 else 6 if top < 64 else 8
     return IntDotWeight(layout(codes.to(torch.uint8), bits), s16.contiguous(),
                         o16.contiguous(), bits, group, rounds)
+
+
+def pack_super(codes: torch.Tensor, scale: torch.Tensor, scale_d: torch.Tensor,
+               offset: torch.Tensor, offset_d: torch.Tensor, group: int, rounds: int = 2
+               ) -> IntDotWeight | None:
+    """pack's weight with each group's scale and offset as an integer (int8 range) per group,
+    scale and offset [N, K / group], times a factor per 256 elements, scale_d and offset_d
+    [N, K / 256] (float, exact in float16): the layout of IntDotWeight.scale's second kind, a
+    K-type GGUF tensor's scales as the file holds them (dequant.super_groups); None as pack,
+    or where K is not whole super-blocks, an integer is out of range or a factor is not a
+    float16."""
+    n, k = codes.shape
+    if k % SUPER or scale_d.shape != (n, k // SUPER) or offset_d.shape != scale_d.shape:
+        return None
+    ints = torch.stack((scale, offset))
+    factors = torch.stack((scale_d, offset_d)).float()
+    if int(ints.min()) < -128 or int(ints.max()) > 127 or not torch.equal(
+            factors.to(torch.float16).float(), factors):
+        return None
+    w = pack(codes, scale.float(), offset.float(), group, rounds)
+    if w is None:
+        return None
+
+    def compact(i: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        return torch.cat((i.to(torch.int8), f.contiguous().view(torch.int8)), 1).contiguous()
+
+    return w._replace(scale=compact(scale, scale_d), offset=compact(offset, offset_d))
+
+
+def group_scales(w: IntDotWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, offset) [N, K / group] float32 of each group of a packed weight."""
+    if w.scale.dtype == torch.float16:
+        return w.scale.float(), w.offset.float()
+    n, k = w.shape
+    groups = k // w.group
+
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        f = t[:, groups:].contiguous().view(torch.float32)
+        return t[:, :groups].float() * f.repeat_interleave(SUPER // w.group, 1)
+
+    return expand(w.scale), expand(w.offset)
 
 
 def layout(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -183,7 +229,8 @@ def dequantize(w: IntDotWeight) -> torch.Tensor:
     """W [N, K] float32."""
     n, k = w.shape
     q = unpack_codes(w).float().reshape(n, -1, w.group)
-    return (q * w.scale.float()[..., None] + w.offset.float()[..., None]).reshape(n, k)
+    scale, offset = group_scales(w)
+    return (q * scale[..., None] + offset[..., None]).reshape(n, k)
 
 
 def _round_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,28 +93,44 @@ def _q8_0(b: torch.Tensor) -> _Parts:
     return _centered(x.to(torch.uint8).reshape(-1, 1, 32), _f16(b, 0), 128)
 
 
+# The K types' scales per super-block of 256: integer sub-scales and sub-offsets per group
+# [n, groups] with one float32 factor each [n, 1], scale = d * sc and offset = dm * mn per group,
+# every product exact in float32 (11-bit factors times at most 8-bit integers).
+_KScales = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _q2_k_scales(b: torch.Tensor) -> _KScales:
+    scales = b[:, :16]
+    return scales & 0x0F, _f16(b, 80), scales >> 4, -_f16(b, 82)
+
+
 def _q2_k(b: torch.Tensor) -> _Parts:
     n = b.shape[0]
-    scales, qs = b[:, :16], b[:, 16:80]
-    dl = _f16(b, 80) * (scales & 0x0F).float()  # [n, 16]
-    ml = _f16(b, 82) * (scales >> 4).float()
-    q = qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
-    return (q & 0x03).reshape(n, 16, 16), dl, -ml, None
+    sc, d, mn, dm = _q2_k_scales(b)
+    q = b[:, 16:80].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
+    return (q & 0x03).reshape(n, 16, 16), d * sc.float(), dm * mn.float(), None
+
+
+def _q3_k_scales(b: torch.Tensor) -> _KScales:
+    n = b.shape[0]
+    scales = b[:, 96:108]
+    # 16 six-bit scales: low 4 bits from bytes 0..7 (two nibbles), high 2 bits from bytes 8..11
+    lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device, (1, 2, 1))).reshape(n, 16)
+    hsc = scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device, (1, 4, 1))
+    sc = ((lsc & 0x0F) | ((hsc.reshape(n, 16) & 0x03) << 4)).to(torch.int16) - 32
+    d = _f16(b, 108)
+    return sc, d, sc, -4 * d
 
 
 def _q3_k(b: torch.Tensor) -> _Parts:
     n = b.shape[0]
-    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
-    # 16 six-bit scales: low 4 bits from bytes 0..7 (two nibbles), high 2 bits from bytes 8..11
-    lsc = (scales[:, :8].reshape(n, 1, 8) >> _shifts([0, 4], b.device, (1, 2, 1))).reshape(n, 16)
-    hsc = scales[:, 8:].reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], b.device, (1, 4, 1))
-    sc = (lsc & 0x0F) | ((hsc.reshape(n, 16) & 0x03) << 4)
-    dl = _f16(b, 108) * (sc.to(torch.int16) - 32).float()  # [n, 16]
+    hmask, qs = b[:, :32], b[:, 32:96]
+    sc, d, _, _ = _q3_k_scales(b)
     ql = qs.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
     qh = hmask.reshape(n, -1, 1, 32) >> _shifts(list(range(8)), b.device, (1, 1, 8, 1))
     # a set high bit means no -4 offset: q - 4 with q = ql + 4 * hbit in 0..7
     q = (ql.reshape(n, 16, 16) & 0x03) | ((qh.reshape(n, 16, 16) & 0x01) << 2)
-    return _centered(q, dl, 4)
+    return _centered(q, d * sc.float(), 4)
 
 
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,10 +143,15 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Q4_K / Q5_K: d * sc and -dmin * mn per 32 elements, [n, 8]
+def _k4_parts(b: torch.Tensor) -> _KScales:
+    # Q4_K / Q5_K: d * sc and -dmin * mn per 32 elements
     sc, mn = _scale_min_k4(b[:, 4:16])
-    return _f16(b, 0) * sc.float(), -(_f16(b, 2) * mn.float())
+    return sc, _f16(b, 0), mn, -_f16(b, 2)
+
+
+def _k4_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sc, d, mn, dm = _k4_parts(b)
+    return d * sc.float(), dm * mn.float()
 
 
 def _q4_k(b: torch.Tensor) -> _Parts:
@@ -142,15 +163,22 @@ def _q5_k(b: torch.Tensor) -> _Parts:
     return q, *_k4_scales(b), None
 
 
+def _q6_k_scales(b: torch.Tensor) -> _KScales:
+    sc = b[:, 192:208].contiguous().view(torch.int8)
+    d = _f16(b, 208)
+    return sc, d, sc, -32 * d
+
+
 def _q6_k(b: torch.Tensor) -> _Parts:
     n = b.shape[0]
-    d = _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    sc, d, _, _ = _q6_k_scales(b)
     ql = _nibbles(b[:, :128], 64).reshape(n, -1, 32)  # [n, 8, 32]
     qh = b[:, 128:192].reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], b.device, (1, 1, 4, 1))
     q = ql | ((qh & 0x03).reshape(n, -1, 32) << 4)
-    return _centered(q.reshape(n, 16, 16), d, 32)
+    return _centered(q.reshape(n, 16, 16), d * sc.float(), 32)
 
 
+_K_SCALES = {10: _q2_k_scales, 11: _q3_k_scales, 12: _k4_parts, 13: _k4_parts, 14: _q6_k_scales}
 _BLOCK_FNS = {
     2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0,
     10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
@@ -190,6 +218,22 @@ def affine_groups(data: torch.Tensor, qtype: int
     q, scale, offset, _ = _BLOCK_FNS[qtype](data.contiguous().reshape(-1, GGML_TYPES[qtype][2]))
     return (q.reshape(rows, -1).to(torch.uint8), scale.reshape(rows, -1).float(),
             offset.reshape(rows, -1).float(), AFFINE_GROUP[qtype])
+
+
+def super_groups(data: torch.Tensor, qtype: int) -> tuple[torch.Tensor, ...] | None:
+    """A K-type tensor (Q2_K..Q6_K) `[rows, bytes_per_row]` as affine_groups' codes with each
+    group's scale and offset kept as the file holds them, an integer per group times a float per
+    256 elements: (codes [rows, cols] uint8, sub-scales [rows, cols / group] int16, scale factors
+    [rows, cols / 256] float32, sub-offsets, offset factors, group), scale = factor * sub per
+    group exactly; None for other types."""
+    qtype = int(qtype)
+    if qtype not in _K_SCALES:
+        return None
+    rows = data.shape[0]
+    codes, _, _, group = affine_groups(data, qtype)
+    sc, d, mn, dm = _K_SCALES[qtype](data.contiguous().reshape(-1, GGML_TYPES[qtype][2]))
+    return (codes, sc.to(torch.int16).reshape(rows, -1), d.reshape(rows, -1),
+            mn.to(torch.int16).reshape(rows, -1), dm.reshape(rows, -1), group)
 
 
 def int4_groups(data: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor,

@@ -55,7 +55,13 @@ from torch import nn
 from skyline import envs
 from skyline.config import ConfigError
 from skyline.ops import cpu_ext, cpu_int4, cpu_intdot, cpu_linear, cpu_plan
-from skyline.ops.dequant import AFFINE_GROUP, GGML_TYPES, INT4_GROUP_TYPES, affine_groups
+from skyline.ops.dequant import (
+    AFFINE_GROUP,
+    GGML_TYPES,
+    INT4_GROUP_TYPES,
+    affine_groups,
+    super_groups,
+)
 from skyline.quant.gguf_cuda import _cuda_ready, _int_apply, cuda_weight, dequantize_blocks
 from skyline.quant.gguf_cuda import int_layout as int_layout
 from skyline.quant.method import LinearLayer
@@ -287,22 +293,34 @@ def pack_intdot(runs: list[tuple[torch.Tensor, int]], in_features: int, rounds: 
     """Runs of raw blocks (data [rows, bytes], ggml type), stacked by rows, in the integer dot
     kernel's layout (ops/cpu_intdot.py), for activations rounded `rounds` times: the file's
     codes with a scale and offset per 16 elements where a run has 16-element groups (Q6_K,
-    Q2_K, Q3_K; the other runs' scales repeated), else per 32; None unless every run has
-    integer codes with an affine map per group, the rows are whole blocks, or where the kernel
-    is not built."""
+    Q2_K, Q3_K; the other runs' scales repeated), else per 32; where every run is a K type, the
+    scales as the file holds them (an integer per group, a factor per 256 elements: ~0.6 bits a
+    weight, not 1 or 2), else float16 per group. None unless every run has integer codes with
+    an affine map per group, the rows are whole blocks, or where the kernel is not built."""
     if not cpu_intdot.available() or not all(t in AFFINE_GROUP for _, t in runs):
         return None
-    parts = [affine_groups(data, t) for data, t in runs]
-    group = min(p[3] for p in parts)
-    codes, scale, offset = [], [], []
-    for q, s, o, g in parts:
-        codes.append(q)
-        scale.append(s.repeat_interleave(g // group, dim=1))
-        offset.append(o.repeat_interleave(g // group, dim=1))
-    codes_ = torch.cat(codes)
-    if codes_.shape[1] != in_features:
-        return None
-    return cpu_intdot.pack(codes_, torch.cat(scale), torch.cat(offset), group, rounds)
+    w = None
+    supers = [super_groups(data, t) for data, t in runs]
+    if all(p is not None for p in supers):
+        codes, sub_scale, scale_d, sub_offset, offset_d, groups = zip(*supers, strict=True)
+        group = min(groups)
+        w = cpu_intdot.pack_super(torch.cat(codes), _repeated(sub_scale, groups, group),
+                                  torch.cat(scale_d), _repeated(sub_offset, groups, group),
+                                  torch.cat(offset_d), group, rounds)
+    if w is None:  # float16 per group
+        codes, scale, offset, groups = zip(*(affine_groups(d, t) for d, t in runs), strict=True)
+        group = min(groups)
+        w = cpu_intdot.pack(torch.cat(codes), _repeated(scale, groups, group),
+                            _repeated(offset, groups, group), group, rounds)
+    return w if w is not None and w.shape[1] == in_features else None
+
+
+def _repeated(values: tuple[torch.Tensor, ...], groups: tuple[int, ...], group: int
+              ) -> torch.Tensor:
+    """Per-group values of runs with groups of `groups` elements, stacked by rows, each
+    repeated to one per `group` elements."""
+    return torch.cat([v.repeat_interleave(g // group, dim=1)
+                      for v, g in zip(values, groups, strict=True)])
 
 
 def _rank_slice(layer: LinearLayer, loaded: PackedGGUF, shard_id: Any,

@@ -50,6 +50,59 @@ def test_kernel_matches_reference(rounds: int, bits: int, group: int, m: int, n:
     torch.testing.assert_close(yb.float(), refb.float(), rtol=1e-2, atol=1e-2)
 
 
+def _super_weight(n: int, k: int, bits: int, group: int, seed: int = 0, rounds: int = 2
+                  ) -> cpu_intdot.IntDotWeight:
+    """A weight whose scales are int8 per group times a float16 factor per 256 elements (GGUF's
+    K types' kind)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    codes[0, 0] = (1 << bits) - 1
+    sub_scale = torch.randint(-128, 128, (n, k // group), generator=g)
+    sub_offset = torch.randint(-128, 128, (n, k // group), generator=g)
+    scale_d = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()
+    offset_d = (-torch.rand(n, k // 256, generator=g) * 1e-3).half().float()
+    w = cpu_intdot.pack_super(codes, sub_scale, scale_d, sub_offset, offset_d, group, rounds)
+    assert w is not None and w.scale.dtype == torch.int8 and w.shape == (n, k)
+    scale, offset = cpu_intdot.group_scales(w)  # factor times integer, exactly
+    per_group = scale_d.repeat_interleave(256 // group, 1)
+    assert torch.equal(scale, per_group * sub_scale.float())
+    assert torch.equal(offset, offset_d.repeat_interleave(256 // group, 1) * sub_offset.float())
+    return w
+
+
+@needs_kernel
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 512), (2, 24, 256), (3, 40, 1536), (9, 16, 768)])
+def test_kernel_matches_reference_with_super_block_scales(rounds, bits, group, m, n, k):
+    w = _super_weight(n, k, bits, group, rounds=rounds)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)) * 3
+    y = cpu_intdot.intdot_mm(x, w)
+    ref = cpu_intdot.intdot_mm_ref(x, w)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # the same weight with its scales as float16 per group (exact here): the same sums
+    scale, offset = cpu_intdot.group_scales(w)
+    if torch.equal(scale.half().float(), scale) and torch.equal(offset.half().float(), offset):
+        wf = w._replace(scale=scale.half(), offset=offset.half())
+        torch.testing.assert_close(cpu_intdot.intdot_mm(x, wf), y, rtol=0, atol=0)
+
+
+@needs_kernel
+def test_pack_super_refuses_what_the_kernel_cannot_take() -> None:
+    codes = torch.zeros(2, 512, dtype=torch.uint8)
+    ints, d = torch.ones(2, 16, dtype=torch.int16), torch.full((2, 2), 0.5)
+    assert cpu_intdot.pack_super(codes, ints, d, ints, d, 32) is not None
+    assert cpu_intdot.pack_super(codes[:, :480], ints[:, :15], d[:, :1], ints[:, :15],
+                                 d[:, :1], 32) is None  # K not whole super-blocks
+    assert cpu_intdot.pack_super(codes, ints * 200, d, ints, d, 32) is None  # past int8
+    assert cpu_intdot.pack_super(codes, ints, d + 1e-4, ints, d, 32) is None  # not a float16
+    w = cpu_intdot.pack_super(codes, ints, d, ints, d, 32)
+    with pytest.raises(RuntimeError, match="int8"):
+        bad = w._replace(scale=w.scale[:, :-2].contiguous(), offset=w.offset[:, :-2].contiguous())
+        cpu_intdot.intdot_mm(torch.zeros(1, 512), bad)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rounds", [1, 2])
 @pytest.mark.parametrize("bits,group", [(4, 32), (6, 16), (6, 32), (8, 32)])
@@ -155,6 +208,14 @@ for bits, group in ((4, 32), (4, 16), (6, 32), (6, 16), (8, 32), (8, 16)):
         ref = cpu_intdot.intdot_mm_ref(x, w)
         torch.testing.assert_close(cpu_intdot.intdot_mm(x, w), ref, rtol=1e-5,
                                    atol=1e-5 * ref.abs().max().item())
+    # scales as int8 times a float16 factor per 256 elements
+    ints = torch.randint(-128, 128, (2, 24, 512 // group), generator=g, dtype=torch.int16)
+    d = torch.rand(2, 24, 2, generator=g).half().float()
+    w = cpu_intdot.pack_super(codes[:, :1].repeat(1, 512), ints[0], d[0], ints[1], d[1], group)
+    x = torch.randn(3, 512, generator=g)
+    ref = cpu_intdot.intdot_mm_ref(x, w)
+    torch.testing.assert_close(cpu_intdot.intdot_mm(x, w), ref, rtol=1e-5,
+                               atol=1e-5 * ref.abs().max().item())
 """
 
 
@@ -214,10 +275,19 @@ def test_gguf_layers_of_wider_codes_serve_few_rows_on_the_kernel(monkeypatch, ru
     assert w is not None and layer.cpu_planes is None and layer.cpu_plane_rows == 2
     # 5- and 6-bit types' codes in 6 bits, Q8_0's in 8
     assert w.bits == (8 if "Q8_0" in runs else 6) and w.group == (16 if "Q6_K" in runs else 32)
-    # the file's weights, within float16 rounding of K-quants' scale products
-    assert (cpu_intdot.dequantize(w) - exact).abs().max() <= 1e-3 * exact.abs().max()
-    # an fp16 scale and offset per 32 or 16: 1 or 2 bits a weight more than the codes
-    assert method.decode_bytes(layer) == w.nbytes() <= (w.bits + 2) / 8 * exact.numel()
+    if all(r.endswith("_K") for r in runs):
+        # the file's scales as it holds them (an int8 per group, a float16 per 256): its
+        # weights but for float32's rounding of q * scale + offset, ~0.6-1.1 bits a weight
+        # more than the codes
+        assert w.scale.dtype == torch.int8
+        assert (cpu_intdot.dequantize(w) - exact).abs().max() <= 1e-6 * exact.abs().max()
+        extra = 2 * 8 / w.group + 2 * 32 / 256
+    else:
+        # an fp16 scale and offset per 32 or 16: 1 or 2 bits a weight more than the codes
+        assert w.scale.dtype == torch.float16
+        assert (cpu_intdot.dequantize(w) - exact).abs().max() <= 1e-3 * exact.abs().max()
+        extra = 2 * 16 / w.group
+    assert method.decode_bytes(layer) == w.nbytes() <= (w.bits + extra) / 8 * exact.numel()
     x = torch.randn(2, 512).bfloat16()
     product, rows, native = method.cpu_decode_product(layer)
     assert native.kind == 1 and native.tensors[0] is w.codes

@@ -9,7 +9,9 @@
 // holds the top two bits of elements j, 32 + j, 64 + j and 96 + j from its lowest bits up, and
 // the last K % 128 elements per block of 32, 16 bytes of low nibbles as 4-bit codes, then 8
 // bytes whose byte j holds the top two bits of elements j, j + 8, j + 16 and j + 24; 8 bits:
-// one byte an element), scale and offset fp16 per group of 16 or 32 elements.
+// one byte an element), scale and offset fp16 per group of 16 or 32 elements, or as GGUF's K
+// types hold them: an int8 per group times a factor per super-block of 256 elements (a row's
+// int8s, then its factors as float32).
 // x[m, k] ~= dx[m, b] * xq[m, k], xq int8 and dx float32 per block b of 32 elements. Then
 //   y[m, n] = sum_g scale[n, g] * dx[m, b(g)] * sum_{k in g} q xq + sum_g offset[n, g] * xs[m, g]
 // with xs[m, g] = dx[m, b(g)] * sum_{k in g} xq: one unsigned-by-signed byte dot product per
@@ -41,6 +43,7 @@ constexpr int kWide6 = 128;  // elements of a 6-bit row in Q6_K's order, before 
 constexpr int kMaxRows = 8;  // rows a weight group is reused for before it is read again
 constexpr int64_t kMaxK = 65536;  // longest row (scales of a row are converted on the stack)
 constexpr int64_t kMaxGroups = kMaxK / 16;
+constexpr int64_t kSuper = 256;  // elements per factor of int8 scales
 
 struct Quantized {
   std::vector<int8_t> q;   // [M, K]
@@ -128,6 +131,28 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 #else
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 #endif
+
+// The scales and offsets of the groups of W's rows: fp16 per group, or (`super`) int8 per group
+// then the row's float32 factors, one per super-block of 256 elements
+struct Scales {
+  const uint8_t* scale;  // row n's at scale + n * stride
+  const uint8_t* offset;
+  int64_t stride;  // bytes a row
+  bool super;
+};
+
+// group g's value of a row's scales or offsets (`groups` in the row, GROUP elements each)
+template <int GROUP>
+inline float group_value(const uint8_t* row, int64_t g, int64_t groups, bool super) {
+  if (!super) {
+    uint16_t h;
+    std::memcpy(&h, row + 2 * g, sizeof h);
+    return half_to_float(h);
+  }
+  float f;
+  std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
+  return f * static_cast<float>(static_cast<int8_t>(row[g]));
+}
 
 #if defined(__AVX2__)
 // 32 codes of a block (6 bits: one of the last K % 128 elements) as unsigned bytes in element
@@ -230,15 +255,15 @@ inline __m256i dot2_u4s8(__m256i w0, __m256i x0, __m256i w1, __m256i x1) {
 // R to a row of y (M a constant: the accumulators stay in registers)
 template <int BITS, int GROUP, int R, int M, typename Y>
 void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* codes,
-                 const uint16_t* scale, const uint16_t* offset, int64_t n0, int64_t n1,
-                 Y* y, int64_t ldy) {
+                 const Scales& scales, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
   const int64_t row_bytes = k * BITS / 8;
   const int64_t groups = k / GROUP;
   const int64_t blocks = k / kBlock;
+  const bool super = scales.super;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wq = codes + n * row_bytes;
-    const uint16_t* ws = scale + n * groups;
-    const uint16_t* wo = offset + n * groups;
+    const uint8_t* ws = scales.scale + n * scales.stride;
+    const uint8_t* wo = scales.offset + n * scales.stride;
     float off[kMaxRows] = {0};
     float sc[kMaxGroups];  // the row's scales in float32
     // one activation row (a batch-1 step): each group's scale times its block's activation
@@ -252,9 +277,20 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
 #if defined(__AVX2__) && defined(__F16C__)
     __m256 offv[kMaxRows];
     for (int r = 0; r < M; ++r) offv[r] = _mm256_setzero_ps();
+    // 8 groups' values from g: fp16s, or int8s times their super-block's factor (8 groups
+    // never straddle one: a super-block holds 8 or 16)
+    auto values8 = [&](const uint8_t* row, int64_t g) {
+      if (!super)
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * g)));
+      float f;
+      std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
+      const __m256 ints = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g))));
+      return _mm256_mul_ps(ints, _mm256_set1_ps(f));
+    };
     for (; g + 8 <= groups; g += 8) {
-      __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wo + g)));
-      const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + g)));
+      __m256 o = values8(wo, g);
+      const __m256 sv = values8(ws, g);
       _mm256_storeu_ps(sc + g, sv);
       if constexpr (M == 1) {
         const __m256 dv = GROUP == 32 ? _mm256_loadu_ps(xd + g)  // groups of 16: d twice each
@@ -269,12 +305,12 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
     for (int r = 0; r < M; ++r) off[r] = skyline::hsum8(offv[r]);
 #endif
     for (; g < groups; ++g) {
-      sc[g] = half_to_float(ws[g]);
+      sc[g] = group_value<GROUP>(ws, g, groups, super);
 #if defined(__AVX2__)
       if constexpr (M == 1) scd[g] = sc[g] * xd[g * GROUP / kBlock];
 #endif
-      const float o = kSigned8<BITS> ? std::fma(sc[g], 128.f, half_to_float(wo[g]))
-                                     : half_to_float(wo[g]);
+      const float ov = group_value<GROUP>(wo, g, groups, super);
+      const float o = kSigned8<BITS> ? std::fma(sc[g], 128.f, ov) : ov;
       for (int r = 0; r < M; ++r) off[r] += o * xq.sum[(m_off + r) * groups + g];
     }
 #if defined(__AVX2__)
@@ -400,7 +436,7 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
 // y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would
 template <int BITS, int GROUP, int R, typename Y>
 void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
-         const uint16_t* scale, const uint16_t* offset, Y* y) {
+         const Scales& scales, Y* y) {
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
@@ -414,7 +450,7 @@ void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* co
 #define ROWS(M)                                                                           \
   case M:                                                                                 \
     if constexpr (M % R == 0)                                                             \
-      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scale, offset, n0, n1, ym, n); \
+      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scales, n0, n1, ym, n);        \
     break;
         ROWS(1) ROWS(2) ROWS(4) ROWS(8)
 #undef ROWS
@@ -440,27 +476,32 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(1) == k * bits / 8,
               "intdot_mm: codes must be contiguous uint8 [N, K * bits / 8]");
-  TORCH_CHECK(scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf &&
-                  scale.is_contiguous() && offset.is_contiguous() && scale.size(0) == n &&
-                  scale.size(1) == k / group && offset.sizes() == scale.sizes(),
-              "intdot_mm: scale and offset must be contiguous float16 [N, K / group]");
+  const bool super = scale.scalar_type() == at::kChar;
+  TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && offset.is_contiguous() &&
+                  scale.size(0) == n && offset.sizes() == scale.sizes() &&
+                  offset.scalar_type() == scale.scalar_type() &&
+                  (super ? k % kSuper == 0 && scale.size(1) == k / group + 4 * (k / kSuper)
+                         : scale.scalar_type() == at::kHalf && scale.size(1) == k / group),
+              "intdot_mm: scale and offset must be contiguous float16 [N, K / group], or int8 "
+              "[N, K / group + K / 64] with K a multiple of 256");
   Quantized xq = x.scalar_type() == at::kFloat
                      ? quantize(x.data_ptr<float>(), m, k, group, rounds)
                      : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
   if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
-  const auto* s = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
-  const auto* o = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  const Scales s{static_cast<const uint8_t*>(scale.data_ptr()),
+                 static_cast<const uint8_t*>(offset.data_ptr()),
+                 scale.size(1) * static_cast<int64_t>(scale.element_size()), super};
   auto by_format = [&](auto* out, auto r) {
     using Y = std::remove_pointer_t<decltype(out)>;
     constexpr int R = decltype(r)::value;
-    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
-    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
-    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
-    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
-    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, o, out);
-    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, o, out);
+    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, out);
+    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, out);
   };
   auto dispatch = [&](auto* out) {
     if (rounds == 1) by_format(out, std::integral_constant<int, 1>());
