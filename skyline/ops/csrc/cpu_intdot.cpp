@@ -200,6 +200,13 @@ inline void prefetch(const uint8_t* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead, _MM_HINT_T0);
 }
 
+// p[0] in lanes 0-3, p[1] in lanes 4-7: the scales of the two halves of a dot product's sums
+// (two groups of 16, or two blocks of a 4-bit pair); one load and one permute
+inline __m256 two_groups(const float* p) {
+  const __m128 v = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
 constexpr bool kVnni = true;
 #else
@@ -291,7 +298,7 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
     for (; g + 8 <= groups; g += 8) {
       __m256 o = values8(wo, g);
       const __m256 sv = values8(ws, g);
-      _mm256_storeu_ps(sc + g, sv);
+      if constexpr (M > 1) _mm256_storeu_ps(sc + g, sv);  // one row reads scd alone
       if constexpr (M == 1) {
         const __m256 dv = GROUP == 32 ? _mm256_loadu_ps(xd + g)  // groups of 16: d twice each
             : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xd + g / 2)),
@@ -330,11 +337,10 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
             const __m256i p = dot2_u4s8(
                 lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
                 hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
-            const __m256 sd = _mm256_set_m128(_mm_broadcast_ss(scd + b + 1), _mm_broadcast_ss(scd + b));
-            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sd, acc[0]);
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), two_groups(scd + b), acc[0]);
             continue;
           }
-          const __m256 s = _mm256_set_m128(_mm_broadcast_ss(sc + b + 1), _mm_broadcast_ss(sc + b));
+          const __m256 s = two_groups(sc + b);
           for (int r = 0; r < M; ++r) {
             const int64_t row = m_off + r;
             const int8_t* x = xq.qp.data() + row * k + b * 32;
@@ -357,11 +363,9 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         const __m256 p = _mm256_cvtepi32_ps(dot_u8s8<BITS>(w, x));
         __m256 sd;
         if constexpr (M == 1) {
-          sd = GROUP == 32 ? _mm256_broadcast_ss(scd + b)
-              : _mm256_set_m128(_mm_broadcast_ss(scd + 2 * b + 1), _mm_broadcast_ss(scd + 2 * b));
+          sd = GROUP == 32 ? _mm256_broadcast_ss(scd + b) : two_groups(scd + 2 * b);
         } else {
-          const __m256 s = GROUP == 32 ? _mm256_broadcast_ss(sc + b)
-              : _mm256_set_m128(_mm_broadcast_ss(sc + 2 * b + 1), _mm_broadcast_ss(sc + 2 * b));
+          const __m256 s = GROUP == 32 ? _mm256_broadcast_ss(sc + b) : two_groups(sc + 2 * b);
           sd = _mm256_mul_ps(s, _mm256_set1_ps(xq.d[(m_off + r) * blocks + b]));
         }
         acc[r] = _mm256_fmadd_ps(p, sd, acc[r]);
