@@ -1,14 +1,16 @@
-"""Integer dot products on the CPU: GGUF-style weights (unsigned 4-, 6- or 8-bit codes with an
-fp16 scale and offset per group of 16 or 32) times activations rounded to int8 per 32 elements, as
+"""Integer dot products on the CPU: GGUF-style weights (unsigned 4-, 6- or 8-bit codes with a
+scale and offset per group of 16 or 32: fp16, or as GGUF's K types hold them, an int8 per group
+times a factor per 256 elements) times activations rounded to int8 per 32 elements, as
 llama.cpp's CPU kernels compute a quantized matmul.
 
 torch has no such kernel: its int4 kernel (ops/cpu_int4.py) takes bfloat16 activations and
 unpacks the codes to floats, at about half of a CPU's read rate on one row, and its int8
 products take one activation scale per row, which costs SmolLM2 a KL of 0.057. Here one
 unsigned-by-signed byte dot product (`vpdpbusd` with AVX-512 VNNI or AVX-VNNI, `vpmaddubsw` on
-AVX2) covers 32 weights, reading 5-6 bits a weight for 4-bit codes, 7-8 for 6-bit codes (5- and
-6-bit GGUF types: Q5_0, Q5_1, Q5_K, Q6_K) and 9-10 for 8-bit codes, and every row of a decode
-batch reuses each group it loads.
+AVX2) covers 32 weights, reading 5-6 bits a weight for 4-bit codes with fp16 scales (4.75 with a
+K type's: Q4_K), 7-8 for 6-bit codes (5- and 6-bit GGUF types: Q5_0, Q5_1, Q5_K, Q6_K; 6.75-7.25
+with a K type's) and 9-10 for 8-bit codes, and every row of a decode batch reuses each group it
+loads.
 
 The C++ is csrc/cpu_intdot.cpp, built for this machine by ops/cpu_ext.py; where it does not
 build, `available()` is False and the callers keep torch's kernels.
