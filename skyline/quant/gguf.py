@@ -21,7 +21,8 @@ load, by the plan: the int4 kernel's planes where the plan runs this layer's cod
 (decode-sized batches: up to `int4_rows` rows, 4-bit codes; `int4_wide_rows` for 5- to 8-bit
 codes) or, for 5- to 8-bit codes where the plan has `intdot_rows`, the integer dot-product
 kernel's codes (ops/cpu_intdot.py: the file's codes in 4, 6 or 8 bits with an fp16 scale
-and offset per 16 or 32, activations rounded to int8 per 32 as the plan rounds them), and the
+and offset per 16 or 32, or for the K types the file's own scales, an integer per group and a
+factor per 256; activations rounded to int8 per 32 as the plan rounds them), and the
 weights dequantized once to the model dtype and packed for oneDNN (prefill and many streams,
 where the int4 kernel's time grows with the rows and a dense product's barely does). The raw
 blocks are dropped; memory is the planes plus the dense copy (the default model's Linears in
