@@ -235,35 +235,27 @@ def dequantize(w: IntDotWeight) -> torch.Tensor:
     return (q * scale[..., None] + offset[..., None]).reshape(n, k)
 
 
-def _round_int8(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (q, d): each `block` elements as int8 steps q of d = max|x| / 127."""
-    xb = x.reshape(x.shape[0], -1, block)
+def _round_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q, d): each 32 elements as int8 steps q of d = max|x| / 127."""
+    xb = x.reshape(x.shape[0], -1, BLOCK)
     d = xb.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     return torch.round(xb * inv), d
 
 
-def round_int8_ref(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """x [M, K] float32 -> each `block` elements rounded to int8 steps of max|x| / 127."""
-    q, d = _round_int8(x, block)
+def round_int8_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> each 32 elements rounded to int8 steps of max|x| / 127."""
+    q, d = _round_int8(x)
     return (q * d).reshape(x.shape)
 
 
-def activation_block(w: IntDotWeight) -> int:
-    """Elements per activation scale the kernel rounds x in for `w`: 256 (SUPER, llama.cpp's
-    q8_K) for a K type's scales (int8 per group) with one rounding and codes of up to 6 bits,
-    whose products then sum in integers over a super-block; else 32."""
-    return SUPER if w.scale.dtype == torch.int8 and w.rounds == 1 and w.bits < 8 else BLOCK
-
-
-def quantize_activations_ref(x: torch.Tensor, rounds: int = 2, block: int = BLOCK
-                             ) -> torch.Tensor:
-    """x [M, K] -> x^ float32 as the kernel multiplies it: x rounded to int8 per `block`, with
-    two rounds plus what that left rounded the same way (two int8 products a row, added). What
-    is left is x - q d rounded once to float32 (the kernel's fma: q d is exact in float64)."""
+def quantize_activations_ref(x: torch.Tensor, rounds: int = 2) -> torch.Tensor:
+    """x [M, K] -> x^ float32 as the kernel multiplies it: x rounded to int8 per 32, with two
+    rounds plus what that left rounded the same way (two int8 products a row, added). What is
+    left is x - q d rounded once to float32 (the kernel's fma: q d is exact in float64)."""
     xf = x.float()
     if rounds == 1:
-        return round_int8_ref(xf, block)
+        return round_int8_ref(xf)
     q, d = _round_int8(xf)
     left = (xf.reshape(q.shape).double() - q.double() * d.double()).float().reshape(xf.shape)
     return (q * d).reshape(xf.shape) + round_int8_ref(left)
@@ -271,8 +263,7 @@ def quantize_activations_ref(x: torch.Tensor, rounds: int = 2, block: int = BLOC
 
 def intdot_mm_ref(x: torch.Tensor, w: IntDotWeight) -> torch.Tensor:
     """The reference: x [M, K] float32 or bfloat16 -> [M, N] in x's dtype, W x^ in float64."""
-    xr = quantize_activations_ref(x, w.rounds, activation_block(w))
-    y = xr.double() @ dequantize(w).double().t()
+    y = quantize_activations_ref(x, w.rounds).double() @ dequantize(w).double().t()
     return y.to(x.dtype)
 
 

@@ -57,29 +57,29 @@ struct Quantized {
   std::vector<float> d4;   // [M, K / 64, 8]
 };
 
-// One row rounded per `block` elements (32, or 256: kSuper) into virtual row `v`: d = max|x| /
-// 127, q = nearbyint(x / d) (ties to even), as quantize_activations_ref; writes x - q d to
-// `residual` unless it is null (the last round).
-void quantize_row(const float* x, int64_t k, int64_t group, int64_t block, Quantized& out,
-                  int64_t v, float* residual) {
-  for (int64_t b = 0; b < k / block; ++b) {
-    const float* xb = x + b * block;
+// One row rounded per 32 elements into virtual row `v`: d = max|x| / 127, q = nearbyint(x / d)
+// (ties to even), as quantize_activations_ref; writes x - q d to `residual` unless it is null
+// (the last round).
+void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int64_t v,
+                  float* residual) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
     float amax = 0.f;
-    for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float d = amax / 127.f;
     const float id = d > 0.f ? 1.f / d : 0.f;
-    int8_t* qb = out.q.data() + v * k + b * block;
-    for (int i = 0; i < block; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
+    int8_t* qb = out.q.data() + v * k + b * kBlock;
+    for (int i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
     // what the rounding left, rounded once (an explicit fma: a compiler may or may not contract
     // x - q * d by itself, and the rounding of the second round depends on it)
     if (residual != nullptr)
-      for (int i = 0; i < block; ++i)
-        residual[b * block + i] = std::fma(-static_cast<float>(qb[i]), d, xb[i]);
-    out.d[v * (k / block) + b] = d;
-    for (int h = 0; h < block / group; ++h) {
+      for (int i = 0; i < kBlock; ++i)
+        residual[b * kBlock + i] = std::fma(-static_cast<float>(qb[i]), d, xb[i]);
+    out.d[v * (k / kBlock) + b] = d;
+    for (int h = 0; h < kBlock / group; ++h) {
       int s = 0;
       for (int i = 0; i < group; ++i) s += qb[h * group + i];
-      out.sum[v * (k / group) + b * (block / group) + h] = d * static_cast<float>(s);
+      out.sum[v * (k / group) + b * (kBlock / group) + h] = d * static_cast<float>(s);
     }
   }
 }
@@ -89,29 +89,27 @@ void quantize_row(const float* x, int64_t k, int64_t group, int64_t block, Quant
 // kernel adds: two rounds take x's rounding error from ~1/254 of each block's largest element
 // to ~1/254 of that, below bfloat16's, for twice the multiplications.
 template <typename T>
-Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group, int64_t rounds,
-                   int64_t block) {
+Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group, int64_t rounds) {
   Quantized out;
   out.q.resize(rounds * m * k);
-  out.d.resize(rounds * m * (k / block));
+  out.d.resize(rounds * m * (k / kBlock));
   out.sum.resize(rounds * m * (k / group));
   std::vector<float> row(k), left(k);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[r * k + i]);
     for (int64_t i = 0; i < rounds; ++i) {
       const bool last = i + 1 == rounds;
-      quantize_row(row.data(), k, group, block, out, rounds * r + i, last ? nullptr : left.data());
+      quantize_row(row.data(), k, group, out, rounds * r + i, last ? nullptr : left.data());
       row.swap(left);
     }
   }
   return out;
 }
 
-// the pairs' activations (and, rounded per 32, the pairs' scales)
-void pair_layout(Quantized& xq, int64_t m, int64_t k, int64_t block) {
+void pair_layout(Quantized& xq, int64_t m, int64_t k) {
   const int64_t pairs = k / 64;
   xq.qp.resize(m * k);
-  if (block == kBlock) xq.d4.resize(m * pairs * 8);
+  xq.d4.resize(m * pairs * 8);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t p = 0; p < pairs; ++p) {
       const int8_t* src = xq.q.data() + r * k + p * 64;
@@ -122,9 +120,8 @@ void pair_layout(Quantized& xq, int64_t m, int64_t k, int64_t block) {
         dst[32 + i] = src[16 + i];  // block 2p, elements 16-31 (high nibbles)
         dst[48 + i] = src[48 + i];  // block 2p + 1, elements 16-31
       }
-      if (block == kBlock)
-        for (int i = 0; i < 8; ++i)
-          xq.d4[(r * pairs + p) * 8 + i] = xq.d[r * (k / kBlock) + 2 * p + i / 4];
+      for (int i = 0; i < 8; ++i)
+        xq.d4[(r * pairs + p) * 8 + i] = xq.d[r * (k / kBlock) + 2 * p + i / 4];
     }
   }
 }
@@ -155,43 +152,6 @@ inline float group_value(const uint8_t* row, int64_t g, int64_t groups, bool sup
   float f;
   std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
   return f * static_cast<float>(static_cast<int8_t>(row[g]));
-}
-
-#if defined(__AVX2__) && defined(__F16C__)
-// 8 groups' values of a row's scales or offsets from group g: fp16s, or int8s times their
-// super-block's factor (8 groups never straddle one: a super-block holds 8 or 16)
-template <int GROUP>
-inline __m256 values8(const uint8_t* row, int64_t g, int64_t groups, bool super) {
-  if (!super)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * g)));
-  float f;
-  std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
-  const __m256 ints = _mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g))));
-  return _mm256_mul_ps(ints, _mm256_set1_ps(f));
-}
-#endif
-
-// element e's code of a row of `bits`-bit codes (the scalar paths)
-template <int BITS>
-inline int code(const uint8_t* wq, int64_t k, int64_t e) {
-  const int64_t b = e / kBlock, j = e % kBlock;
-  if constexpr (BITS == 6) {
-    if (e < k / kWide6 * kWide6) {  // Q6_K's order
-      const uint8_t* p = wq + e / kWide6 * (kWide6 * 3 / 4);
-      const int64_t blk = e % kWide6 / kBlock;
-      const uint8_t byte = p[(blk & 1) * 32 + j];
-      return (blk < 2 ? byte & 0x0F : byte >> 4) | ((p[64 + j] >> (2 * blk)) & 3) << 4;
-    }
-    const uint8_t* block = wq + b * kBlock * 3 / 4;
-    const uint8_t byte = block[j & 15];
-    return (j < 16 ? byte & 0x0F : byte >> 4) | ((block[16 + (j & 7)] >> (2 * (j / 8))) & 3) << 4;
-  } else if constexpr (BITS == 4) {
-    const uint8_t byte = wq[b * kBlock / 2 + (j & 15)];
-    return j < 16 ? (byte & 0x0F) : (byte >> 4);
-  } else {
-    return wq[e];
-  }
 }
 
 #if defined(__AVX2__)
@@ -324,9 +284,20 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
 #if defined(__AVX2__) && defined(__F16C__)
     __m256 offv[kMaxRows];
     for (int r = 0; r < M; ++r) offv[r] = _mm256_setzero_ps();
+    // 8 groups' values from g: fp16s, or int8s times their super-block's factor (8 groups
+    // never straddle one: a super-block holds 8 or 16)
+    auto values8 = [&](const uint8_t* row, int64_t g) {
+      if (!super)
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * g)));
+      float f;
+      std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
+      const __m256 ints = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g))));
+      return _mm256_mul_ps(ints, _mm256_set1_ps(f));
+    };
     for (; g + 8 <= groups; g += 8) {
-      __m256 o = values8<GROUP>(wo, g, groups, super);
-      const __m256 sv = values8<GROUP>(ws, g, groups, super);
+      __m256 o = values8(wo, g);
+      const __m256 sv = values8(ws, g);
       if constexpr (M > 1) _mm256_storeu_ps(sc + g, sv);  // one row reads scd alone
       if constexpr (M == 1) {
         const __m256 dv = GROUP == 32 ? _mm256_loadu_ps(xd + g)  // groups of 16: d twice each
@@ -431,7 +402,27 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
         int s = 0;
         for (int i = 0; i < GROUP; ++i) {
           const int64_t e = g * GROUP + i;  // element index in the row
-          s += code<BITS>(wq, k, e) * xq.q[row * k + e];
+          int q;
+          if constexpr (BITS == 6) {
+            if (e < k / kWide6 * kWide6) {  // Q6_K's order
+              const uint8_t* p = wq + e / kWide6 * (kWide6 * 3 / 4);
+              const int64_t blk = e % kWide6 / kBlock, j = e % kBlock;
+              const uint8_t byte = p[(blk & 1) * 32 + j];
+              q = (blk < 2 ? byte & 0x0F : byte >> 4) | ((p[64 + j] >> (2 * blk)) & 3) << 4;
+            } else {
+              const int64_t b = e / kBlock, j = e % kBlock;
+              const uint8_t* block = wq + b * kBlock * 3 / 4;
+              const uint8_t byte = block[j & 15];
+              q = (j < 16 ? byte & 0x0F : byte >> 4) | ((block[16 + (j & 7)] >> (2 * (j / 8))) & 3) << 4;
+            }
+          } else if constexpr (BITS == 4) {
+            const int64_t b = e / kBlock, j = e % kBlock;
+            const uint8_t byte = wq[b * kBlock / 2 + (j & 15)];
+            q = j < 16 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            q = wq[e];
+          }
+          s += q * xq.q[row * k + e];
         }
         acc += sc[g] * xq.d[row * blocks + g * GROUP / kBlock] * static_cast<float>(s);
       }
@@ -446,142 +437,10 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
   }
 }
 
-// Rows [n0, n1) of y for M activation rows rounded once per 256 elements (kSuper: the K types'
-// super-blocks, as llama.cpp's q8_K) times W whose scales are int8 per group times a factor per
-// super-block: each super-block's products summed in int32, the int8 scales applied by the same
-// instruction that widens the pair sums (vpmaddwd), then one float multiply-add a super-block,
-// where the rounding per 32 takes one per block. Codes of 4 or 6 bits.
-template <int BITS, int GROUP, int M, typename Y>
-void super_rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* codes,
-                       const Scales& scales, int64_t n0, int64_t n1, Y* y, int64_t ldy) {
-  static_assert(BITS == 4 || BITS == 6, "4- or 6-bit codes");
-  constexpr int kSub = kSuper / GROUP;  // int8 scales a super-block
-  const int64_t row_bytes = k * BITS / 8;
-  const int64_t groups = k / GROUP;
-  const int64_t supers = k / kSuper;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wq = codes + n * row_bytes;
-    const uint8_t* ws = scales.scale + n * scales.stride;
-    const uint8_t* wo = scales.offset + n * scales.stride;
-    // the offsets: sum over groups of offset * (d * the group's sum of activation codes)
-    float off[kMaxRows] = {0};
-    int64_t g = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    __m256 offv[kMaxRows];
-    for (int r = 0; r < M; ++r) offv[r] = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) {
-      const __m256 o = values8<GROUP>(wo, g, groups, true);
-      for (int r = 0; r < M; ++r)
-        offv[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xq.sum.data() + (m_off + r) * groups + g), offv[r]);
-    }
-    for (int r = 0; r < M; ++r) off[r] = skyline::hsum8(offv[r]);
-#endif
-    for (; g < groups; ++g) {
-      const float o = group_value<GROUP>(wo, g, groups, true);
-      for (int r = 0; r < M; ++r) off[r] += o * xq.sum[(m_off + r) * groups + g];
-    }
-#if defined(__AVX2__)
-    __m256 acc[kMaxRows];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-#else
-    float acc[kMaxRows] = {0};
-#endif
-    for (int64_t s = 0; s < supers; ++s) {
-      float f;
-      std::memcpy(&f, ws + groups + 4 * s, sizeof f);
-      const int8_t* sub = reinterpret_cast<const int8_t*>(ws) + s * kSub;
-#if defined(__AVX2__)
-      const __m128i sub8 = GROUP == 32
-          ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub))
-          : _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
-      // block j's int8 scales as 16 int16 lanes, as a block's vpmaddubsw sums lie: lanes 0-7
-      // elements 0-15, lanes 8-15 elements 16-31 (groups of 16: scales 2j and 2j + 1; of 32:
-      // scale j twice); a 4-bit pair (blocks 2p, 2p + 1): scales 2p and 2p + 1
-      auto scales16 = [&](int lo, int hi) {
-        const __m128i idx = _mm_set_epi64x(0x0101010101010101LL * hi, 0x0101010101010101LL * lo);
-        return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sub8, idx));
-      };
-      __m256i iacc[kMaxRows];
-      for (int r = 0; r < M; ++r) iacc[r] = _mm256_setzero_si256();
-      const int64_t b0 = s * (kSuper / kBlock);  // first block of the super-block
-      auto add = [&](int r, __m256i sums16, __m256i s16) {
-        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(sums16, s16));
-      };
-      if constexpr (BITS == 4 && GROUP == 32) {  // pairs of blocks, as the per-32 path
-        const __m256i mask = _mm256_set1_epi8(0x0F);
-        for (int p = 0; p < 4; ++p) {
-          const int64_t b = b0 + 2 * p;
-          prefetch(wq + b * 16);
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * 16));
-          const __m256i lo = _mm256_and_si256(v, mask);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-          const __m256i s16 = scales16(2 * p, 2 * p + 1);
-          for (int r = 0; r < M; ++r) {
-            const int8_t* x = xq.qp.data() + (m_off + r) * k + b * 32;
-            add(r, _mm256_add_epi16(
-                       _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)))),
-                s16);
-          }
-        }
-      } else {
-        auto block = [&](int j, __m256i w) {  // block b0 + j of the super-block
-          const __m256i s16 = GROUP == 16 ? scales16(2 * j, 2 * j + 1) : scales16(j, j);
-          for (int r = 0; r < M; ++r) {
-            const __m256i x = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(xq.q.data() + (m_off + r) * k + (b0 + j) * kBlock));
-            add(r, _mm256_maddubs_epi16(w, x), s16);
-          }
-        };
-        if constexpr (BITS == 6) {  // Q6_K's order (K whole super-blocks: no last blocks)
-          for (int h = 0; h < 2; ++h) {
-            const uint8_t* p = wq + (b0 + 4 * h) * kBlock * 3 / 4;
-            prefetch(p);
-            prefetch(p + 64);
-            block(4 * h, codes6<0>(p));
-            block(4 * h + 1, codes6<1>(p));
-            block(4 * h + 2, codes6<2>(p));
-            block(4 * h + 3, codes6<3>(p));
-          }
-        } else {
-          for (int j = 0; j < 8; ++j) {
-            const uint8_t* p = wq + (b0 + j) * kBlock / 2;
-            prefetch(p);
-            block(j, load_codes<4>(p));
-          }
-        }
-      }
-      for (int r = 0; r < M; ++r)
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]),
-                                 _mm256_set1_ps(f * xq.d[(m_off + r) * supers + s]), acc[r]);
-#else
-      for (int r = 0; r < M; ++r) {
-        const int8_t* x = xq.q.data() + (m_off + r) * k + s * kSuper;
-        int64_t isum = 0;
-        for (int h = 0; h < kSub; ++h) {
-          int64_t gs = 0;
-          for (int i = 0; i < GROUP; ++i) {
-            const int64_t e = s * kSuper + h * GROUP + i;
-            gs += code<BITS>(wq, k, e) * x[h * GROUP + i];
-          }
-          isum += gs * sub[h];
-        }
-        acc[r] = std::fma(static_cast<float>(isum), f * xq.d[(m_off + r) * supers + s], acc[r]);
-      }
-#endif
-    }
-#if defined(__AVX2__)
-    for (int r = 0; r < M; ++r) y[r * ldy + n] = static_cast<Y>(skyline::hsum8(acc[r]) + off[r]);
-#else
-    for (int r = 0; r < M; ++r) y[r * ldy + n] = static_cast<Y>(acc[r] + off[r]);
-#endif
-  }
-}
-
 // y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would
 template <int BITS, int GROUP, int R, typename Y>
 void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
-         const Scales& scales, bool per_super, Y* y) {
+         const Scales& scales, Y* y) {
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
@@ -594,11 +453,6 @@ void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* co
       switch (rows) {
 #define ROWS(M)                                                                           \
   case M:                                                                                 \
-    if constexpr (BITS < 8 && R == 1)                                                     \
-      if (per_super) {                                                                    \
-        super_rows_kernel<BITS, GROUP, M, Y>(xq, m0, k, codes, scales, n0, n1, ym, n);   \
-        break;                                                                            \
-      }                                                                                   \
     if constexpr (M % R == 0)                                                             \
       rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scales, n0, n1, ym, n);        \
     break;
@@ -634,13 +488,10 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                          : scale.scalar_type() == at::kHalf && scale.size(1) == k / group),
               "intdot_mm: scale and offset must be contiguous float16 [N, K / group], or int8 "
               "[N, K / group + K / 64] with K a multiple of 256");
-  // K types' scales with one rounding: the activations per super-block (super_rows_kernel)
-  const bool per_super = super && rounds == 1 && bits < 8;
-  const int64_t block = per_super ? kSuper : kBlock;
   Quantized xq = x.scalar_type() == at::kFloat
-                     ? quantize(x.data_ptr<float>(), m, k, group, rounds, block)
-                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds, block);
-  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k, block);
+                     ? quantize(x.data_ptr<float>(), m, k, group, rounds)
+                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
+  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
   const Scales s{static_cast<const uint8_t*>(scale.data_ptr()),
@@ -649,12 +500,12 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
   auto by_format = [&](auto* out, auto r) {
     using Y = std::remove_pointer_t<decltype(out)>;
     constexpr int R = decltype(r)::value;
-    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, per_super, out);
-    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, per_super, out);
-    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, per_super, out);
-    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, per_super, out);
-    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, per_super, out);
-    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, per_super, out);
+    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, out);
+    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, out);
+    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, out);
   };
   auto dispatch = [&](auto* out) {
     if (rounds == 1) by_format(out, std::integral_constant<int, 1>());
