@@ -81,11 +81,16 @@ def test_kernel_matches_reference_with_super_block_scales(rounds, bits, group, m
     y = cpu_intdot.intdot_mm(x, w)
     ref = cpu_intdot.intdot_mm_ref(x, w)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    # the same weight with its scales as float16 per group (exact here): the same sums
-    scale, offset = cpu_intdot.group_scales(w)
-    if torch.equal(scale.half().float(), scale) and torch.equal(offset.half().float(), offset):
-        wf = w._replace(scale=scale.half(), offset=offset.half())
-        torch.testing.assert_close(cpu_intdot.intdot_mm(x, wf), y, rtol=0, atol=0)
+    # with power-of-two factors every group's scale and offset is a float16 too: the weight
+    # packed with float16 scales per group gives the same sums
+    codes, groups = cpu_intdot.unpack_codes(w), k // group
+    two = torch.full((n, k // 256), 2.0 ** -12)
+    wp = cpu_intdot.pack_super(codes, w.scale[:, :groups].long(), two,
+                               w.offset[:, :groups].long(), -two, group, rounds)
+    wf = cpu_intdot.pack(codes, *cpu_intdot.group_scales(wp), group, rounds)
+    assert wf.scale.dtype == torch.float16 and wf.bits == wp.bits
+    torch.testing.assert_close(cpu_intdot.intdot_mm(x, wf), cpu_intdot.intdot_mm(x, wp),
+                               rtol=0, atol=0)
 
 
 @needs_kernel

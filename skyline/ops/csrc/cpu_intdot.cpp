@@ -141,7 +141,16 @@ struct Scales {
   bool super;
 };
 
-// group g's value of a row's scales or offsets (`groups` in the row, GROUP elements each)
+// the factor of group g's super-block in a row of int8 scales (`groups` in the row, GROUP
+// elements each)
+template <int GROUP>
+inline float super_factor(const uint8_t* row, int64_t g, int64_t groups) {
+  float f;
+  std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
+  return f;
+}
+
+// group g's value of a row's scales or offsets
 template <int GROUP>
 inline float group_value(const uint8_t* row, int64_t g, int64_t groups, bool super) {
   if (!super) {
@@ -149,9 +158,7 @@ inline float group_value(const uint8_t* row, int64_t g, int64_t groups, bool sup
     std::memcpy(&h, row + 2 * g, sizeof h);
     return half_to_float(h);
   }
-  float f;
-  std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
-  return f * static_cast<float>(static_cast<int8_t>(row[g]));
+  return super_factor<GROUP>(row, g, groups) * static_cast<float>(static_cast<int8_t>(row[g]));
 }
 
 #if defined(__AVX2__)
@@ -289,11 +296,9 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
     auto values8 = [&](const uint8_t* row, int64_t g) {
       if (!super)
         return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * g)));
-      float f;
-      std::memcpy(&f, row + groups + 4 * (g * GROUP / kSuper), sizeof f);
       const __m256 ints = _mm256_cvtepi32_ps(
           _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + g))));
-      return _mm256_mul_ps(ints, _mm256_set1_ps(f));
+      return _mm256_mul_ps(ints, _mm256_set1_ps(super_factor<GROUP>(row, g, groups)));
     };
     for (; g + 8 <= groups; g += 8) {
       __m256 o = values8(wo, g);
