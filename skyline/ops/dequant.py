@@ -179,6 +179,7 @@ def _q6_k(b: torch.Tensor) -> _Parts:
 
 
 _K_SCALES = {10: _q2_k_scales, 11: _q3_k_scales, 12: _k4_parts, 13: _k4_parts, 14: _q6_k_scales}
+SUPER_GROUP_TYPES = tuple(_K_SCALES)  # the types super_groups takes: Q2_K .. Q6_K
 _BLOCK_FNS = {
     2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0,
     10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,

@@ -60,6 +60,7 @@ from skyline.ops.dequant import (
     AFFINE_GROUP,
     GGML_TYPES,
     INT4_GROUP_TYPES,
+    SUPER_GROUP_TYPES,
     affine_groups,
     super_groups,
 )
@@ -301,8 +302,8 @@ def pack_intdot(runs: list[tuple[torch.Tensor, int]], in_features: int, rounds: 
     if not cpu_intdot.available() or not all(t in AFFINE_GROUP for _, t in runs):
         return None
     w = None
-    supers = [super_groups(data, t) for data, t in runs]
-    if all(p is not None for p in supers):
+    if all(int(t) in SUPER_GROUP_TYPES for _, t in runs):
+        supers = (super_groups(data, t) for data, t in runs)
         codes, sub_scale, scale_d, sub_offset, offset_d, groups = zip(*supers, strict=True)
         group = min(groups)
         w = cpu_intdot.pack_super(torch.cat(codes), _repeated(sub_scale, groups, group),
