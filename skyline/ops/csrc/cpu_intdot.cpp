@@ -442,75 +442,104 @@ void rows_kernel(const Quantized& xq, int64_t m_off, int64_t k, const uint8_t* c
   }
 }
 
-// y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would
+// The runs of a product (intdot_runs): run i multiplies activation rows [start[i], start[i + 1])
+// by weight index[i] of a stack, whose weight e's codes are at codes + e * codes_stride and
+// scales at `scales` moved by e * scales_stride
+struct Runs {
+  std::vector<int64_t> start, index;
+  int64_t codes_stride, scales_stride;
+};
+
+// y in x's dtype: a bfloat16 output rounds each float32 sum once, as a cast after would. Every
+// run's weight rows split the same way across ATen's threads, all in one parallel region (the
+// rows of a run, one token's experts say, need no region of their own)
 template <int BITS, int GROUP, int R, typename Y>
-void run(const Quantized& xq, int64_t m, int64_t n, int64_t k, const uint8_t* codes,
+void run(const Quantized& xq, const Runs& runs, int64_t n, int64_t k, const uint8_t* codes,
          const Scales& scales, Y* y) {
   // grain: rows of W per task, about 16 KB of codes
   const int64_t grain = std::max<int64_t>(16, 16384 / std::max<int64_t>(1, k * BITS / 8));
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    // m virtual rows, R a row of y, in passes of 8 (kMaxRows), 4, 2 or 1 (the task's weights
-    // stay in cache between passes; with R = 2 every pass is even)
-    for (int64_t m0 = 0; m0 < m;) {
-      const int64_t left = m - m0;
-      const int64_t rows = left >= kMaxRows ? kMaxRows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      Y* ym = y + m0 / R * n;
-      switch (rows) {
-#define ROWS(M)                                                                           \
-  case M:                                                                                 \
-    if constexpr (M % R == 0)                                                             \
-      rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, codes, scales, n0, n1, ym, n);        \
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / grain));
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * n / parts, n1 = (p + 1) * n / parts;
+      for (size_t i = 0; i + 1 < runs.start.size(); ++i) {
+        const int64_t e = runs.index[i];
+        const Scales s{scales.scale + e * runs.scales_stride,
+                       scales.offset + e * runs.scales_stride, scales.stride, scales.super};
+        const uint8_t* c = codes + e * runs.codes_stride;
+        // the run's virtual rows, R a row of y, in passes of 8 (kMaxRows), 4, 2 or 1 (the
+        // part's weights stay in cache between passes; with R = 2 every pass is even)
+        const int64_t first = R * runs.start[i], m = R * runs.start[i + 1];
+        for (int64_t m0 = first; m0 < m;) {
+          const int64_t left = m - m0;
+          const int64_t rows = left >= kMaxRows ? kMaxRows : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+          Y* ym = y + m0 / R * n;
+          switch (rows) {
+#define ROWS(M)                                                                     \
+  case M:                                                                           \
+    if constexpr (M % R == 0) rows_kernel<BITS, GROUP, R, M, Y>(xq, m0, k, c, s, n0, n1, ym, n); \
     break;
-        ROWS(1) ROWS(2) ROWS(4) ROWS(8)
+            ROWS(1) ROWS(2) ROWS(4) ROWS(8)
 #undef ROWS
+          }
+          m0 += rows;
+        }
       }
-      m0 += rows;
     }
   });
 }
 
 }  // namespace
 
-at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
-                              const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
-                              int64_t group, int64_t rounds) {
+at::Tensor skyline::intdot_runs(const at::Tensor& x, const std::vector<int64_t>& start,
+                                const std::vector<int64_t>& index, const at::Tensor& codes,
+                                const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
+                                int64_t group, int64_t rounds) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "intdot_mm: x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "intdot_mm: x must be float32 or bfloat16");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "intdot_mm: bits must be 4, 6 or 8");
   TORCH_CHECK(group == 16 || group == 32, "intdot_mm: group must be 16 or 32");
   TORCH_CHECK(rounds == 1 || rounds == 2, "intdot_mm: rounds must be 1 or 2");
-  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0 && k <= kMaxK, "intdot_mm: K must be a multiple of 32, at most 65536");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(1) == k * bits / 8,
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.size(2) == k * bits / 8,
               "intdot_mm: codes must be contiguous uint8 [N, K * bits / 8]");
+  const int64_t n = codes.size(1);
   const bool super = scale.scalar_type() == at::kChar;
-  TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && offset.is_contiguous() &&
-                  scale.size(0) == n && offset.sizes() == scale.sizes() &&
-                  offset.scalar_type() == scale.scalar_type() &&
-                  (super ? k % kSuper == 0 && scale.size(1) == k / group + 4 * (k / kSuper)
-                         : scale.scalar_type() == at::kHalf && scale.size(1) == k / group),
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && offset.is_contiguous() &&
+                  scale.size(0) == codes.size(0) && scale.size(1) == n &&
+                  offset.sizes() == scale.sizes() && offset.scalar_type() == scale.scalar_type() &&
+                  (super ? k % kSuper == 0 && scale.size(2) == k / group + 4 * (k / kSuper)
+                         : scale.scalar_type() == at::kHalf && scale.size(2) == k / group),
               "intdot_mm: scale and offset must be contiguous float16 [N, K / group], or int8 "
               "[N, K / group + K / 64] with K a multiple of 256");
+  TORCH_CHECK(!start.empty() && start.size() == index.size() + 1 && start.front() == 0 &&
+                  start.back() == m,
+              "intdot_runs: runs must cover x's rows");
+  for (size_t i = 0; i < index.size(); ++i)
+    TORCH_CHECK(start[i] <= start[i + 1] && index[i] >= 0 && index[i] < codes.size(0),
+                "intdot_runs: run ", i, " is out of order or its weight out of range");
   Quantized xq = x.scalar_type() == at::kFloat
                      ? quantize(x.data_ptr<float>(), m, k, group, rounds)
                      : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
   if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
+  const int64_t row_scales = scale.size(2) * static_cast<int64_t>(scale.element_size());
   const Scales s{static_cast<const uint8_t*>(scale.data_ptr()),
-                 static_cast<const uint8_t*>(offset.data_ptr()),
-                 scale.size(1) * static_cast<int64_t>(scale.element_size()), super};
+                 static_cast<const uint8_t*>(offset.data_ptr()), row_scales, super};
+  const Runs runs{start, index, n * codes.size(2), n * row_scales};
   auto by_format = [&](auto* out, auto r) {
     using Y = std::remove_pointer_t<decltype(out)>;
     constexpr int R = decltype(r)::value;
-    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, R * m, n, k, c, s, out);
-    else if (bits == 4) run<4, 16, R, Y>(xq, R * m, n, k, c, s, out);
-    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, R * m, n, k, c, s, out);
-    else if (bits == 6) run<6, 16, R, Y>(xq, R * m, n, k, c, s, out);
-    else if (group == 32) run<8, 32, R, Y>(xq, R * m, n, k, c, s, out);
-    else run<8, 16, R, Y>(xq, R * m, n, k, c, s, out);
+    if (bits == 4 && group == 32) run<4, 32, R, Y>(xq, runs, n, k, c, s, out);
+    else if (bits == 4) run<4, 16, R, Y>(xq, runs, n, k, c, s, out);
+    else if (bits == 6 && group == 32) run<6, 32, R, Y>(xq, runs, n, k, c, s, out);
+    else if (bits == 6) run<6, 16, R, Y>(xq, runs, n, k, c, s, out);
+    else if (group == 32) run<8, 32, R, Y>(xq, runs, n, k, c, s, out);
+    else run<8, 16, R, Y>(xq, runs, n, k, c, s, out);
   };
   auto dispatch = [&](auto* out) {
     if (rounds == 1) by_format(out, std::integral_constant<int, 1>());
@@ -519,6 +548,15 @@ at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
   if (x.scalar_type() == at::kFloat) dispatch(y.data_ptr<float>());
   else dispatch(y.data_ptr<at::BFloat16>());
   return y;
+}
+
+at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
+                              const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
+                              int64_t group, int64_t rounds) {
+  TORCH_CHECK(codes.dim() == 2 && scale.dim() == 2,
+              "intdot_mm: codes must be [N, K * bits / 8] and scale [N, ...]");
+  return intdot_runs(x, {0, x.dim() == 2 ? x.size(0) : 0}, {0}, codes.unsqueeze(0),
+                     scale.unsqueeze(0), offset.unsqueeze(0), bits, group, rounds);
 }
 
 namespace {

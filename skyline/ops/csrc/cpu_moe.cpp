@@ -53,35 +53,36 @@ at::Tensor skyline::moe_intdot(const at::Tensor& x, const at::Tensor& topk_weigh
     TORCH_CHECK(id[p] < experts, "moe_intdot: expert id ", id[p], " of ", experts);
     if (id[p] >= 0) pairs[id[p]].push_back(p);
   }
+  // the pairs' token rows by expert, each expert's a run of the two products (one parallel
+  // region each for all the experts a step routes to)
+  std::vector<int64_t> start{0}, index, order;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (pairs[e].empty()) continue;
+    order.insert(order.end(), pairs[e].begin(), pairs[e].end());
+    start.push_back(static_cast<int64_t>(order.size()));
+    index.push_back(e);
+  }
+  const int64_t n = static_cast<int64_t>(order.size());
   const at::Tensor weights = topk_weights.reshape({-1}).to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({t * top_k, h}, x.options().dtype(at::kFloat));
+  if (n == 0) return out.view({t, top_k, h}).sum(1).to(x.scalar_type());
+  at::Tensor rows = at::empty({n, h}, x.options());
   const int64_t row_bytes = h * static_cast<int64_t>(x.element_size());
-  for (int64_t e = 0; e < experts; ++e) {
-    const auto& list = pairs[e];
-    if (list.empty()) continue;
-    const int64_t n = static_cast<int64_t>(list.size());
-    // the pairs' token rows (one pair, as every expert of a batch-1 step has: a view)
-    at::Tensor rows;
-    if (n == 1) {
-      rows = x.narrow(0, list[0] / top_k, 1);
-    } else {
-      rows = at::empty({n, h}, x.options());
-      auto* dst = static_cast<char*>(rows.data_ptr());
-      const auto* src = static_cast<const char*>(x.data_ptr());
-      for (int64_t i = 0; i < n; ++i)
-        std::memcpy(dst + i * row_bytes, src + (list[i] / top_k) * row_bytes, row_bytes);
-    }
-    const at::Tensor gu = skyline::intdot_mm(rows, w13_codes[e], w13_scale[e], w13_offset[e],
-                                             w13_bits, w13_group, rounds);
-    const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-    const at::Tensor y = skyline::intdot_mm(act, w2_codes[e], w2_scale[e], w2_offset[e], w2_bits,
-                                            w2_group, rounds);
-    // out[p] = float(y) * weight[p]: one float32 product an element, as ATen's mul rounds it
-    const float* w = weights.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    if (y.scalar_type() == at::kFloat) scale_rows(y.data_ptr<float>(), list, w, h, o);
-    else scale_rows(y.data_ptr<at::BFloat16>(), list, w, h, o);
-  }
+  auto* dst = static_cast<char*>(rows.data_ptr());
+  const auto* src = static_cast<const char*>(x.data_ptr());
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(dst + i * row_bytes, src + (order[i] / top_k) * row_bytes, row_bytes);
+  const at::Tensor gu =
+      skyline::intdot_runs(rows, start, index, w13_codes, w13_scale, w13_offset, w13_bits,
+                           w13_group, rounds);
+  const at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+  const at::Tensor y = skyline::intdot_runs(act, start, index, w2_codes, w2_scale, w2_offset,
+                                            w2_bits, w2_group, rounds);
+  // out[p] = float(y) * weight[p]: one float32 product an element, as ATen's mul rounds it
+  const float* w = weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (y.scalar_type() == at::kFloat) scale_rows(y.data_ptr<float>(), order, w, h, o);
+  else scale_rows(y.data_ptr<at::BFloat16>(), order, w, h, o);
   return out.view({t, top_k, h}).sum(1).to(x.scalar_type());
 }
 

@@ -3,6 +3,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <vector>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -23,6 +26,14 @@ inline float hsum8(__m256 v) {
 // W = codes * scale + offset per group (ops/cpu_intdot.py's intdot_mm_ref), in x's dtype
 at::Tensor intdot_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& offset, int64_t bits, int64_t group, int64_t rounds);
+
+// intdot_mm's product for runs of x's rows, each with its own weight of a stack: rows
+// [start[i], start[i + 1]) of x [M, K] and y [M, N] by weight index[i] of codes [E, N, bytes]
+// (scale and offset [E, N, ...]), every run in one parallel region
+at::Tensor intdot_runs(const at::Tensor& x, const std::vector<int64_t>& start,
+                       const std::vector<int64_t>& index, const at::Tensor& codes,
+                       const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
+                       int64_t group, int64_t rounds);
 
 // one query token per sequence over its paged KV cache (cpu_decode.cpp)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
