@@ -64,17 +64,46 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
                   float* residual) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
+    int8_t* qb = out.q.data() + v * k + b * kBlock;
+#if defined(__AVX2__) && defined(__FMA__)
+    // the loop below, 8 elements an instruction (max ignores no NaN the scalar max would not:
+    // the running maximum is the second operand, as std::max keeps its first)
+    __m256 xv[4];
+    __m256 mv = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      xv[i] = _mm256_loadu_ps(xb + 8 * i);
+      mv = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), xv[i]), mv);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(xv[i], _mm256_set1_ps(id)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qi[i] = _mm256_cvtps_epi32(r);
+      if (residual != nullptr)  // fma(-q, d, x), one rounding
+        _mm256_storeu_ps(residual + b * kBlock + 8 * i,
+                         _mm256_fnmadd_ps(r, _mm256_set1_ps(d), xv[i]));
+    }
+    const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
     float amax = 0.f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float d = amax / 127.f;
     const float id = d > 0.f ? 1.f / d : 0.f;
-    int8_t* qb = out.q.data() + v * k + b * kBlock;
     for (int i = 0; i < kBlock; ++i) qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * id));
     // what the rounding left, rounded once (an explicit fma: a compiler may or may not contract
     // x - q * d by itself, and the rounding of the second round depends on it)
     if (residual != nullptr)
       for (int i = 0; i < kBlock; ++i)
         residual[b * kBlock + i] = std::fma(-static_cast<float>(qb[i]), d, xb[i]);
+#endif
     out.d[v * (k / kBlock) + b] = d;
     for (int h = 0; h < kBlock / group; ++h) {
       int s = 0;
@@ -84,46 +113,49 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
   }
 }
 
+// Virtual row r's 4-bit pair layout (Quantized::qp, d4) from its int8s and scales
+void pair_row(Quantized& xq, int64_t r, int64_t k) {
+  const int64_t pairs = k / 64;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int8_t* src = xq.q.data() + r * k + p * 64;
+    int8_t* dst = xq.qp.data() + r * k + p * 64;
+    std::memcpy(dst, src, 16);            // block 2p, elements 0-15 (low nibbles)
+    std::memcpy(dst + 16, src + 32, 16);  // block 2p + 1, elements 0-15
+    std::memcpy(dst + 32, src + 16, 16);  // block 2p, elements 16-31 (high nibbles)
+    std::memcpy(dst + 48, src + 48, 16);  // block 2p + 1, elements 16-31
+    for (int i = 0; i < 8; ++i)
+      xq.d4[(r * pairs + p) * 8 + i] = xq.d[r * (k / kBlock) + 2 * p + i / 4];
+  }
+}
+
 // Each row of x as `rounds` virtual rows (rounds * r: x rounded to int8 per 32; with two
 // rounds, rounds * r + 1: what that rounding left, rounded the same way), whose products the
 // kernel adds: two rounds take x's rounding error from ~1/254 of each block's largest element
-// to ~1/254 of that, below bfloat16's, for twice the multiplications.
+// to ~1/254 of that, below bfloat16's, for twice the multiplications. With `pairs`, also the
+// 4-bit pair layout. Rows split across ATen's threads.
 template <typename T>
-Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group, int64_t rounds) {
+Quantized quantize(const T* x, int64_t m, int64_t k, int64_t group, int64_t rounds, bool pairs) {
   Quantized out;
   out.q.resize(rounds * m * k);
   out.d.resize(rounds * m * (k / kBlock));
   out.sum.resize(rounds * m * (k / group));
-  std::vector<float> row(k), left(k);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[r * k + i]);
-    for (int64_t i = 0; i < rounds; ++i) {
-      const bool last = i + 1 == rounds;
-      quantize_row(row.data(), k, group, out, rounds * r + i, last ? nullptr : left.data());
-      row.swap(left);
-    }
+  if (pairs) {
+    out.qp.resize(rounds * m * k);
+    out.d4.resize(rounds * m * (k / 64) * 8);
   }
-  return out;
-}
-
-void pair_layout(Quantized& xq, int64_t m, int64_t k) {
-  const int64_t pairs = k / 64;
-  xq.qp.resize(m * k);
-  xq.d4.resize(m * pairs * 8);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int8_t* src = xq.q.data() + r * k + p * 64;
-      int8_t* dst = xq.qp.data() + r * k + p * 64;
-      for (int i = 0; i < 16; ++i) {
-        dst[i] = src[i];            // block 2p, elements 0-15 (low nibbles)
-        dst[16 + i] = src[32 + i];  // block 2p + 1, elements 0-15
-        dst[32 + i] = src[16 + i];  // block 2p, elements 16-31 (high nibbles)
-        dst[48 + i] = src[48 + i];  // block 2p + 1, elements 16-31
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(k), left(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[r * k + i]);
+      for (int64_t i = 0; i < rounds; ++i) {
+        const bool last = i + 1 == rounds;
+        quantize_row(row.data(), k, group, out, rounds * r + i, last ? nullptr : left.data());
+        if (pairs) pair_row(out, rounds * r + i, k);
+        row.swap(left);
       }
-      for (int i = 0; i < 8; ++i)
-        xq.d4[(r * pairs + p) * 8 + i] = xq.d[r * (k / kBlock) + 2 * p + i / 4];
     }
-  }
+  });
+  return out;
 }
 
 #if defined(__F16C__)
@@ -521,10 +553,10 @@ at::Tensor skyline::intdot_runs(const at::Tensor& x, const std::vector<int64_t>&
   for (size_t i = 0; i < index.size(); ++i)
     TORCH_CHECK(start[i] <= start[i + 1] && index[i] >= 0 && index[i] < codes.size(0),
                 "intdot_runs: run ", i, " is out of order or its weight out of range");
+  const bool pairs = bits == 4 && group == 32 && k % 64 == 0;
   Quantized xq = x.scalar_type() == at::kFloat
-                     ? quantize(x.data_ptr<float>(), m, k, group, rounds)
-                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds);
-  if (bits == 4 && group == 32 && k % 64 == 0) pair_layout(xq, rounds * m, k);
+                     ? quantize(x.data_ptr<float>(), m, k, group, rounds, pairs)
+                     : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds, pairs);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
   const int64_t row_scales = scale.size(2) * static_cast<int64_t>(scale.element_size());
