@@ -535,23 +535,25 @@ at::Tensor skyline::intdot_runs(const at::Tensor& x, const std::vector<int64_t>&
   TORCH_CHECK(rounds == 1 || rounds == 2, "intdot_mm: rounds must be 1 or 2");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0 && k <= kMaxK, "intdot_mm: K must be a multiple of 32, at most 65536");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.size(2) == k * bits / 8,
+  // one weight [N, ...] or a stack of them [E, N, ...]
+  const int64_t dims = codes.dim();
+  TORCH_CHECK((dims == 2 || dims == 3) && codes.scalar_type() == at::kByte &&
+                  codes.is_contiguous() && codes.size(-1) == k * bits / 8,
               "intdot_mm: codes must be contiguous uint8 [N, K * bits / 8]");
-  const int64_t n = codes.size(1);
+  const int64_t n = codes.size(-2), stacked = dims == 3 ? codes.size(0) : 1;
   const bool super = scale.scalar_type() == at::kChar;
-  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && offset.is_contiguous() &&
-                  scale.size(0) == codes.size(0) && scale.size(1) == n &&
+  TORCH_CHECK(scale.dim() == dims && scale.is_contiguous() && offset.is_contiguous() &&
+                  scale.size(0) == codes.size(0) && scale.size(-2) == n &&
                   offset.sizes() == scale.sizes() && offset.scalar_type() == scale.scalar_type() &&
-                  (super ? k % kSuper == 0 && scale.size(2) == k / group + 4 * (k / kSuper)
-                         : scale.scalar_type() == at::kHalf && scale.size(2) == k / group),
+                  (super ? k % kSuper == 0 && scale.size(-1) == k / group + 4 * (k / kSuper)
+                         : scale.scalar_type() == at::kHalf && scale.size(-1) == k / group),
               "intdot_mm: scale and offset must be contiguous float16 [N, K / group], or int8 "
               "[N, K / group + K / 64] with K a multiple of 256");
   TORCH_CHECK(!start.empty() && start.size() == index.size() + 1 && start.front() == 0 &&
                   start.back() == m,
               "intdot_runs: runs must cover x's rows");
   for (size_t i = 0; i < index.size(); ++i)
-    TORCH_CHECK(start[i] <= start[i + 1] && index[i] >= 0 && index[i] < codes.size(0),
+    TORCH_CHECK(start[i] <= start[i + 1] && index[i] >= 0 && index[i] < stacked,
                 "intdot_runs: run ", i, " is out of order or its weight out of range");
   const bool pairs = bits == 4 && group == 32 && k % 64 == 0;
   Quantized xq = x.scalar_type() == at::kFloat
@@ -559,10 +561,10 @@ at::Tensor skyline::intdot_runs(const at::Tensor& x, const std::vector<int64_t>&
                      : quantize(x.data_ptr<at::BFloat16>(), m, k, group, rounds, pairs);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* c = codes.data_ptr<uint8_t>();
-  const int64_t row_scales = scale.size(2) * static_cast<int64_t>(scale.element_size());
+  const int64_t row_scales = scale.size(-1) * static_cast<int64_t>(scale.element_size());
   const Scales s{static_cast<const uint8_t*>(scale.data_ptr()),
                  static_cast<const uint8_t*>(offset.data_ptr()), row_scales, super};
-  const Runs runs{start, index, n * codes.size(2), n * row_scales};
+  const Runs runs{start, index, n * codes.size(-1), n * row_scales};
   auto by_format = [&](auto* out, auto r) {
     using Y = std::remove_pointer_t<decltype(out)>;
     constexpr int R = decltype(r)::value;
@@ -585,10 +587,9 @@ at::Tensor skyline::intdot_runs(const at::Tensor& x, const std::vector<int64_t>&
 at::Tensor skyline::intdot_mm(const at::Tensor& x, const at::Tensor& codes,
                               const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
                               int64_t group, int64_t rounds) {
-  TORCH_CHECK(codes.dim() == 2 && scale.dim() == 2,
-              "intdot_mm: codes must be [N, K * bits / 8] and scale [N, ...]");
-  return intdot_runs(x, {0, x.dim() == 2 ? x.size(0) : 0}, {0}, codes.unsqueeze(0),
-                     scale.unsqueeze(0), offset.unsqueeze(0), bits, group, rounds);
+  TORCH_CHECK(codes.dim() == 2, "intdot_mm: codes must be contiguous uint8 [N, K * bits / 8]");
+  return intdot_runs(x, {0, x.dim() == 2 ? x.size(0) : 0}, {0}, codes, scale, offset, bits,
+                     group, rounds);
 }
 
 namespace {

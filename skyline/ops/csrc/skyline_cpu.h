@@ -29,7 +29,7 @@ at::Tensor intdot_mm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 // intdot_mm's product for runs of x's rows, each with its own weight of a stack: rows
 // [start[i], start[i + 1]) of x [M, K] and y [M, N] by weight index[i] of codes [E, N, bytes]
-// (scale and offset [E, N, ...]), every run in one parallel region
+// (scale and offset [E, N, ...]; or one weight, [N, ...]), every run in one parallel region
 at::Tensor intdot_runs(const at::Tensor& x, const std::vector<int64_t>& start,
                        const std::vector<int64_t>& index, const at::Tensor& codes,
                        const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
