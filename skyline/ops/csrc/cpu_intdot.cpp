@@ -66,8 +66,8 @@ void quantize_row(const float* x, int64_t k, int64_t group, Quantized& out, int6
     const float* xb = x + b * kBlock;
     int8_t* qb = out.q.data() + v * k + b * kBlock;
 #if defined(__AVX2__) && defined(__FMA__)
-    // the loop below, 8 elements an instruction (max ignores no NaN the scalar max would not:
-    // the running maximum is the second operand, as std::max keeps its first)
+    // the loop below, 8 elements an instruction, the same values (a NaN is skipped as
+    // std::max(amax, |x|) skips it: vmaxps returns its second operand, the running maximum)
     __m256 xv[4];
     __m256 mv = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {

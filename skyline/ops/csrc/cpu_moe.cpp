@@ -4,8 +4,8 @@
 // pairs grouped by expert, each expert that has pairs run once on its tokens' rows
 // (gate and up, SiLU(gate) * up in the activations' dtype, down), each pair's output scaled by
 // its routing weight in float32 and each token's k outputs summed. The experts' gate-and-up
-// products are one parallel region (intdot_runs), their down products another: a batch-1 step's
-// eight experts no longer wait for each other sixteen times a layer.
+// products are one parallel region (intdot_runs), their down products another, so the threads
+// meet twice a layer, not twice an expert.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
