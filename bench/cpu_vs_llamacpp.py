@@ -8,7 +8,7 @@
 DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
 default (SmolLM2-135M-Instruct Q4_1) and two files llama-quantize makes from it (Q4_K_M, Q8_0;
 kept in --work-dir); `moe_q4_k_m`, a mixture-of-experts model of random weights in Qwen3-30B-
-A3B's layer shape (6 of its 48 layers: 128 experts of 768, top 8; skyline/bench/moe_gguf.py),
+A3B's layer shape (6 of its 48 layers: 128 experts of 768, top 8; skyline/bench/random_gguf.py),
 which llama-quantize makes Q4_K_M from F16 (the smoke run writes a tiny one, `moe_tiny`, with
 gguf-py's Q4_1). skyline runs each with no flags but the threads (the CPU plan of
 ops/cpu_plan.py chooses dtype and kernels). Per model:
@@ -86,7 +86,7 @@ def moe_file(name: str, work_dir: str, llama_bin: str | None, tokenizer_from: st
     """The mixture-of-experts file `name` (module docstring), made where it is missing."""
     from gguf import GGMLQuantizationType
 
-    from skyline.bench.moe_gguf import QWEN3_30B_A3B_LAYERS, TINY, write_moe_gguf
+    from skyline.bench.random_gguf import QWEN3_30B_A3B_LAYERS, TINY, write_moe_gguf
 
     if name == "moe_tiny":
         path = os.path.join(work_dir, "qwen3moe-tiny-Q4_1.gguf")

@@ -63,6 +63,14 @@
 #                  PAR_ARGS adds flags (e.g. "--num-prompts 256"); on one GPU: TP=1 and PP=1;
 #                  PAR_STAGES="mp1 placement" on one GPU: the multi-process executor at world
 #                  size 1 against one process, and PP over cuda + cpu (--cpu-layers, 1)
+#   offload        a GPU and its host's CPU against llama.cpp's partial offload of the same GGUF
+#                  file (bench/offload_vs_llamacpp.py: Llama-3.1-8B's shape in BF16, written to
+#                  /root once a machine, CPU_LAYERS (4) layers and the LM head on the CPU, and
+#                  all on the GPU); llama.cpp's source must be carried as .peer/llama.cpp.tar.xz
+#                  (PyPI's llama-cpp-python sdist holds it: `pip download --no-deps --no-binary
+#                  :all: llama-cpp-python`, then its vendor/llama.cpp without models/, docs/,
+#                  media/, benches/, tools/ui/ and the SYCL, Vulkan and OpenCL backends, ~6 MB
+#                  as .tar.xz); it is built first (BUILD_ONLY=1: only that; BUILD_TIMEOUT caps it)
 #   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
 #                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
 #                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)
@@ -292,6 +300,38 @@ stage_gemv_block() {
 stage_parallel() {
   python3 bench/parallel_gpu.py --gpus "${GPUS:-$(nvidia-smi -L | wc -l)}" --model "$M" \
     --stages ${PAR_STAGES:-decode offline pp} ${PAR_ARGS:-} --out-dir "$OUT"
+}
+
+# llama.cpp (llama-bench, CUDA) from the source carried as .peer/llama.cpp.tar.xz, built once a
+# machine into /root/llama.cpp/build (~5 min on 16 cores; a later call goes on where it stopped).
+build_llamacpp() {
+  local src=/root/llama.cpp
+  [ -x $src/build/bin/llama-bench ] && return 0
+  if [ ! -d $src ]; then
+    [ -f .peer/llama.cpp.tar.xz ] || { echo "carry .peer/llama.cpp.tar.xz"; return 1; }
+    tar xJf .peer/llama.cpp.tar.xz -C /root || return 1
+  fi
+  [ -f $src/build/build.ninja ] || cmake -S $src -B $src/build -G Ninja -DGGML_CUDA=ON \
+    -DGGML_NATIVE=ON -DGGML_CUDA_NCCL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    >"$OUT/llamacpp-build.log" 2>&1 || { tail -n 20 "$OUT/llamacpp-build.log"; return 1; }
+  local t=$SECONDS
+  limit "${BUILD_TIMEOUT:-0}" cmake --build $src/build --target llama-bench -j "$(nproc)" \
+    >>"$OUT/llamacpp-build.log" 2>&1
+  local rc=$?
+  echo "llama.cpp build: exit code $rc after $((SECONDS - t)) s"
+  return $rc
+}
+
+stage_offload() {
+  build_llamacpp || return 1
+  [ -n "${BUILD_ONLY:-}" ] && return 0
+  local gpu
+  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -oiE 'h100|h200' |
+        tr 'A-Z' 'a-z')
+  python3 bench/offload_vs_llamacpp.py --llama-bin /root/llama.cpp/build/bin \
+    --gguf /root/llama-3.1-8b-bf16.gguf --cpu-layers "${CPU_LAYERS:-4}" ${OFFLOAD_ARGS:-} \
+    --out "$OUT/offload-vs-llamacpp-${gpu:-gpu}-llama-3.1-8b$TAG.json"
 }
 
 stage_tune_attention() {

@@ -217,14 +217,12 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = b.to(device)
 
 
-def prepack_for_cpu(model: nn.Module) -> int:
+def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
     """Pack a loaded CPU model's unquantized Linears and LM head for oneDNN
-    (`ops/cpu_linear.py`), and let quantized Linears take their serving layout (a method's
-    `prepack_cpu`: INT4/INT8 in bfloat16 keep only the int4 kernel's planes): what the engine
-    serves with. Tools that read or save weights (quantize, reports) keep the plain layout.
-    Returns how many products were packed."""
-    heads = [m for m in model.modules() if isinstance(m, LMHead)]
-    dtype = heads[0].weight.dtype if heads else torch.get_default_dtype()
+    (`ops/cpu_linear.py`), and let quantized Linears take their serving layout in the model's
+    compute `dtype` (a method's `prepack_cpu`: INT4/INT8 in bfloat16 keep only the int4
+    kernel's planes): what the engine serves with. Tools that read or save weights (quantize,
+    reports) keep the plain layout. Returns how many products were packed."""
     # a GGUF model's head (the file's Q8_0 or narrower) on the integer dot kernel, by the plan
     gguf = any(getattr(getattr(m, "linear_method", None), "name", None) == "gguf"
                for m in model.modules())

@@ -75,7 +75,7 @@ def _weight_bytes(cfg: ModelConfig, device: torch.device, host_moe_layers: int
     try:
         model = meta_model(cfg.arch, cfg.quant, DTYPES[cfg.dtype])
         if device.type == "cpu":
-            prepack_for_cpu(model)  # e.g. fp8 is dequantized once, to the compute dtype
+            prepack_for_cpu(model, DTYPES[cfg.dtype])  # e.g. fp8 dequantized once
     except (RuntimeError, NotImplementedError) as e:  # a format whose setup reads values
         log.info("the weights' size of %s is not known before loading (%s); not checking "
                  "free memory", cfg.quant.method, e)

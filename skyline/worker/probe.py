@@ -55,7 +55,7 @@ def probe_layer(model: ModelConfig, device: str) -> tuple[float, int, int, int]:
     m = load_model(one, device)
     dev = torch.device(device)
     if dev.type == "cpu":
-        prepack_for_cpu(m)
+        prepack_for_cpu(m, DTYPES[model.dtype])
     layer = m.model.layers[0]
     hidden = torch.randn(PROBE_TOKENS, model.arch.hidden_size, dtype=DTYPES[model.dtype],
                          device=dev)

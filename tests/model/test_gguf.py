@@ -186,7 +186,7 @@ def test_head_codes_follow_the_file(tmp_path) -> None:
                                    quant=QuantConfig(method="gguf")), "cpu")
     head = next(m for m in model.modules() if isinstance(m, LMHead))
     assert head.code_bits == 6
-    prepack_for_cpu(model)
+    prepack_for_cpu(model, torch.float32)
     if cpu_intdot.available() and head.intdot_rows:
         assert head.intdot_weight.bits == 6
 

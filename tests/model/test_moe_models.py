@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_hf_parity import greedy_matches_hf, hf_logits, rel_err
+from test_hf_parity import GPT_OSS_ROPE, greedy_matches_hf, hf_logits, rel_err
 
 from skyline.config import ConfigError, ModelArch, ModelConfig
 from skyline.configs import dummy_config_dir
@@ -58,8 +58,11 @@ def gpt_oss_mxfp4(tmp_path_factory):
     and scales, rows = outputs, gate and up interleaved), and the HF model holding the same
     experts dequantized."""
     torch.manual_seed(0)
+    # YaRN consistent with the small context (the default's factor 32 over 4,096 positions
+    # is read differently by transformers releases when max_position_embeddings is 256)
     cfg = transformers.GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
-                                    sliding_window=8, swiglu_limit=0.5)
+                                    sliding_window=8, swiglu_limit=0.5,
+                                    rope_parameters=GPT_OSS_ROPE)
     hf = randomized(transformers.GptOssForCausalLM(cfg))
     path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     hf.save_pretrained(path, safe_serialization=True)

@@ -124,6 +124,24 @@ def test_uneven_placement(llama, llama_ref):
     check_layout(llama, llama_ref, placement="cpu=2,cpu=1").shutdown()
 
 
+def test_pipeline_stages_in_bfloat16(tmp_path):
+    """Every stage gives a GGUF file's layers their serving layout in the engine's dtype, the
+    stage without the LM head too (it once packed them in float32, and its first bfloat16
+    activation stopped the engine)."""
+    from skyline.bench.random_gguf import TINY_DENSE, write_dense_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_dense_gguf(path, TINY_DENSE)
+    kw = {**SMALL, "dtype": "bfloat16", "quantization": "gguf"}
+    prompts = _prompts(4, seed=6)
+    want = _tokens(LLM(path, **kw).generate(prompts, GREEDY))
+    llm = LLM(path, **kw, placement="cpu=3,cpu=1")
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY)) == want
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.cuda
 def test_gpu_and_cpu_stages(llama):
     """A stage on the GPU and one on the CPU, each running its own device's kernels, give the

@@ -140,7 +140,7 @@ def test_fp8_lm_head(hf_dir, ref_logits):
     # logits as the per-call emulation but for float32 summation order
     from skyline.model.loader import prepack_for_cpu
 
-    prepack_for_cpu(model)
+    prepack_for_cpu(model, torch.float32)
     if head.packed_weight is not None:
         assert rel_err(logits(model), got) < 1e-5
     for method in ("int4", "none"):  # the head's format is its own
@@ -168,7 +168,7 @@ def test_cpu_engine_keeps_only_the_int4_kernel_planes(hf_dir, method, planes):
     layer = model.model.layers[0].mlp.down_proj
     w = layer.linear_method.dequantized_weight(layer)
     before = logits(model)  # the first bf16 calls build the planes beside the packed tensors
-    assert prepack_for_cpu(model) > 0
+    assert prepack_for_cpu(model, torch.bfloat16) > 0
     assert not hasattr(layer, "qweight") and len(layer.int_planes) == planes
     assert torch.equal(logits(model), before)
     w_back = layer.linear_method.dequantized_weight(layer)
@@ -197,7 +197,7 @@ def test_cpu_engine_does_not_dequantize_per_call(hf_dir, method, dtype):
     x = torch.randn(3, layer.in_features).to(getattr(torch, dtype))
     want = layer(x)  # the per-call path
     before = logits(model)
-    assert prepack_for_cpu(model) > 0
+    assert prepack_for_cpu(model, getattr(torch, dtype)) > 0
     assert not hasattr(layer, "qweight") and not hasattr(layer, "weight_scale")
     rounded = w if method == "mxfp4" else w.to(getattr(torch, dtype)).float()
     assert torch.equal(layer.linear_method.dequantized_weight(layer), rounded)

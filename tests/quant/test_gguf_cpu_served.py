@@ -23,7 +23,7 @@ def _model(**kw):
     except ConfigError:
         pytest.skip("the default GGUF model is not installed")
     model = load_model(cfg.model, "cpu")
-    prepack_for_cpu(model)
+    prepack_for_cpu(model, getattr(torch, cfg.model.dtype))
     return model
 
 

@@ -112,7 +112,7 @@ def test_act_order_against_skyline_int4_and_bf16_kernel(hf_model, tmp_path):
     theirs = logits(load_model(model_cfg(path), "cpu"))
     assert rel_err(theirs, fp32) < 2 * rel_err(own, fp32) + 0.01
     bf16 = load_model(model_cfg(path, "bfloat16"), "cpu")
-    prepack_for_cpu(bf16)
+    prepack_for_cpu(bf16, torch.bfloat16)
     assert not hasattr(bf16.model.layers[0].self_attn.qkv_proj, "qweight")  # planes only
     assert rel_err(logits(bf16), theirs) < 0.02
 
@@ -189,7 +189,7 @@ def test_compressed_tensors_fp8(hf_model, tmp_path, preset, mode):
     hf_model.save_pretrained(tmp_path / "f", safe_serialization=True)
     own = logits(load_model(model_cfg(str(tmp_path / "f"), quantization="fp8"), "cpu"))
     assert rel_err(got, own) < 0.05  # skyline's own fp8 of the same model
-    prepack_for_cpu(model)  # the CPU serving layout: dequantized once, same activations
+    prepack_for_cpu(model, torch.float32)  # the CPU serving layout: dequantized once
     assert rel_err(logits(model), got) < 1e-5
 
 

@@ -14,7 +14,7 @@ import torch
 
 from skyline import envs
 from skyline.config import EngineConfig
-from skyline.model.loader import load_model, prepack_for_cpu, prepack_host_experts
+from skyline.model.loader import DTYPES, load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
 from skyline.ops.triton_utils import compiled_so_far, count_compiles, triton
 from skyline.parallel.groups import ParallelLayout
@@ -44,7 +44,6 @@ from skyline.worker.step import InFlight
 # One logger for the whole runner package (the name its messages always had).
 log = logging.getLogger("skyline.worker.runner")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class RunnerStartup:
@@ -80,7 +79,8 @@ class RunnerStartup:
             check_memory(config, self.device)  # one sentence, not the out-of-memory killer
         self.model = load_model(config.model, self.device, self.layout)
         if self.device.type == "cpu":
-            prepack_for_cpu(self.model)  # oneDNN-packed Linears: cheap few-row products
+            # oneDNN-packed Linears: cheap few-row products
+            prepack_for_cpu(self.model, DTYPES[config.model.dtype])
         else:
             prepack_host_experts(self.model, self.dtype)  # --n-cpu-moe: the CPU's layout
         self.load_seconds = time.perf_counter() - t0

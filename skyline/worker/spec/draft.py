@@ -94,7 +94,7 @@ class DraftProposer:
         if cfg.draft is not None:
             self.model = load_model(cfg.draft, self.device)
             if self.device.type == "cpu":
-                prepack_for_cpu(self.model)
+                prepack_for_cpu(self.model, self.dtype)
         else:
             assert 0 < cfg.draft_layers <= target.arch.num_layers, "create.py checks the layers"
             self.model = truncated_model(target, cfg.draft_layers)

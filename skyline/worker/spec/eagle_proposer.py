@@ -51,7 +51,7 @@ class EagleProposer:
         self.head = load_head(cfg.model, model, dtype)
         self.parts = target_parts(model, self.head.vocab_ids, dtype)
         if cpu_linear.can_pack(self.parts.lm_weight):  # the CPU: oneDNN-packed products
-            prepack_for_cpu(self.head)
+            prepack_for_cpu(self.head, dtype)
             self.parts.lm_packed = cpu_linear.pack(self.parts.lm_weight)
         self.vocab_ids = self.head.vocab_ids.tolist()
         self.min_confidence = cfg.draft_cost
