@@ -69,7 +69,7 @@ def write_moe_gguf(path: str, shape: MoeShape, tokenizer_from: str,
     w = GGUFWriter(path, "qwen3moe")
     w.add_name("qwen3moe-dummy")
     _header(w, s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim,
-            s.expert_intermediate * s.top_k, 1e6)
+            s.expert_intermediate * s.top_k, rope_base=1e6, eps=1e-6)
     w.add_expert_feed_forward_length(s.expert_intermediate)
     w.add_expert_count(s.experts)
     w.add_expert_used_count(s.top_k)
@@ -90,7 +90,8 @@ def write_dense_gguf(path: str, shape: DenseShape,
     s = shape
     w = GGUFWriter(path, "llama")
     w.add_name("llama-dummy")
-    _header(w, s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, 5e5)
+    _header(w, s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate,
+            rope_base=5e5, eps=1e-5)
     w.add_rope_dimension_count(s.head_dim)
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     pieces += [f"▁t{i}" for i in range(s.vocab - len(pieces))]
@@ -107,7 +108,7 @@ def write_dense_gguf(path: str, shape: DenseShape,
 
 
 def _header(w: GGUFWriter, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-            ffn: int, rope_base: float) -> None:
+            ffn: int, rope_base: float, eps: float) -> None:
     w.add_block_count(layers)
     w.add_context_length(8192)
     w.add_embedding_length(hidden)
@@ -117,7 +118,7 @@ def _header(w: GGUFWriter, layers: int, hidden: int, heads: int, kv_heads: int, 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_base)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(eps)
 
 
 def _write_tensors(w: GGUFWriter, tensors: list[tuple[str, tuple[int, ...],
