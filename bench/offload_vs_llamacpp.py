@@ -49,7 +49,7 @@ def part_bytes(path: str, cpu_layers: int) -> tuple[int, int, int]:
     r = GGUFReader(path)
     layers = int(r.fields["llama.block_count"].contents())
     per_layer = sum(int(t.n_bytes) for t in r.tensors if t.name.startswith("blk.0."))
-    head = sum(int(t.n_bytes) for t in r.tensors if t.name.startswith(("output", "output_norm")))
+    head = sum(int(t.n_bytes) for t in r.tensors if t.name.startswith("output"))
     return layers, (layers - cpu_layers) * per_layer, cpu_layers * per_layer + head
 
 
@@ -131,20 +131,19 @@ def main() -> None:
             engine["placement"] = placement
         rates = skyline_decode(path, engine, ns.gen, ns.reps)
         ngl = layers - ns.cpu_layers if layout == "split" else 99
-        peer = [r["decode_tok_s"] for r in llama_rows if r["n_gpu_layers"] == ngl]
-        sky = statistics.median(rates)
+        peer = max((r["decode_tok_s"] for r in llama_rows if r["n_gpu_layers"] == ngl),
+                   default=None)
+        sky, floor = statistics.median(rates), floors[layout]
         runs[layout] = {
             "skyline_placement": placement, "llamacpp_n_gpu_layers": ngl,
             "skyline_decode_tok_s": rates, "skyline_median_tok_s": sky,
-            "llamacpp_best_tok_s": max(peer) if peer else None,
-            "floor_tok_s": floors[layout], "skyline_fraction_of_floor": sky / floors[layout],
-            "llamacpp_fraction_of_floor": max(peer) / floors[layout] if peer else None,
-            "skyline_over_llamacpp": sky / max(peer) if peer else None}
-        line = (f"{layout}: skyline {sky:.1f} tok/s ({sky / floors[layout]:.2f} of the floor "
-                f"{floors[layout]:.1f})")
+            "llamacpp_best_tok_s": peer, "floor_tok_s": floor,
+            "skyline_fraction_of_floor": sky / floor,
+            "llamacpp_fraction_of_floor": peer / floor if peer else None,
+            "skyline_over_llamacpp": sky / peer if peer else None}
+        line = f"{layout}: skyline {sky:.1f} tok/s ({sky / floor:.2f} of the floor {floor:.1f})"
         if peer:
-            line += f", llama.cpp {max(peer):.1f} ({max(peer) / floors[layout]:.2f}): " \
-                    f"{sky / max(peer):.2f}x"
+            line += f", llama.cpp {peer:.1f} ({peer / floor:.2f}): {sky / peer:.2f}x"
         print(line, flush=True)
 
     result = {"benchmark": "offload_vs_llamacpp", "date": datetime.date.today().isoformat(),

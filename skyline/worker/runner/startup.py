@@ -45,7 +45,6 @@ from skyline.worker.step import InFlight
 log = logging.getLogger("skyline.worker.runner")
 
 
-
 class RunnerStartup:
     """The runner's state from start-up to shutdown: model, KV cache, graphs, connector."""
 
@@ -79,8 +78,7 @@ class RunnerStartup:
             check_memory(config, self.device)  # one sentence, not the out-of-memory killer
         self.model = load_model(config.model, self.device, self.layout)
         if self.device.type == "cpu":
-            # oneDNN-packed Linears: cheap few-row products
-            prepack_for_cpu(self.model, DTYPES[config.model.dtype])
+            prepack_for_cpu(self.model, self.dtype)  # oneDNN-packed: cheap few-row products
         else:
             prepack_host_experts(self.model, self.dtype)  # --n-cpu-moe: the CPU's layout
         self.load_seconds = time.perf_counter() - t0
