@@ -3,6 +3,7 @@ for their size, trying the other now and then; larger steps always take all thre
 
 from __future__ import annotations
 
+from skyline.worker.runner import step_threads
 from skyline.worker.runner.step_threads import StepThreads
 
 
@@ -17,10 +18,25 @@ def _run(st: StepThreads, tokens: int, seconds: dict[int, float], steps: int) ->
 
 def test_the_faster_choice_wins_and_the_other_is_retried():
     st = StepThreads(threads=2, small_tokens=4, explore_every=8)
-    chosen = _run(st, 1, {1: 0.010, 2: 0.006}, 64)
+    chosen = _run(st, 1, {1: 0.0061, 2: 0.006}, 66)
     assert chosen[:2] == [1, 2]  # each once first
     assert chosen[2:].count(1) == 64 // 8  # then the other every 8th step of the size
-    assert st.summary()[1] == {1: 0.010, 2: 0.006}
+    assert st.summary()[1] == {1: 0.0061, 2: 0.006}
+
+
+def test_a_much_slower_choice_is_retried_within_the_cost_budget():
+    """One thread 10x slower (a large model on 16 cores): retried every ~300 steps, not every
+    32, so the retries add at most EXPLORE_COST to the time."""
+    seconds = {1: 0.250, 16: 0.025}
+    st = StepThreads(threads=16, small_tokens=4, explore_every=32)
+    chosen = _run(st, 1, seconds, 2 + 3000)
+    retries = chosen[2:].count(1)
+    assert 1 <= retries <= 10
+    spent = sum(seconds[n] for n in chosen[2:])
+    assert spent / (3000 * seconds[16]) - 1 <= step_threads.EXPLORE_COST + 1e-9
+    # a choice only a little slower keeps the plain interval
+    st = StepThreads(threads=16, small_tokens=4, explore_every=32)
+    assert _run(st, 1, {1: 0.026, 16: 0.025}, 2 + 320)[2:].count(1) == 10
 
 
 def test_a_change_of_load_moves_the_choice():

@@ -7,20 +7,24 @@ waits for that core stalls every parallel region, so one thread can be 1.5x fast
 step run nearly twice as fast on two threads. Neither choice is right everywhere, and the load
 changes while an engine runs, so each size of small step (1 .. `small_tokens` tokens) keeps a
 moving average of its seconds on one thread and on all of them, runs the faster, and tries the
-other every `explore_every` steps of that size.
+other every `explore_every` steps of that size, or less often where it measured much slower:
+a retry may cost at most EXPLORE_COST of the size's time. (Where one thread is 10x slower, a
+large model's layers on a many-core host, a retry every 32 steps would add 9/32 to the time.)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DECAY = 0.8  # weight of the past in a moving average of step seconds
+EXPLORE_COST = 0.03  # the most of a size's step time its retries of the slower choice take
 
 
 @dataclass
 class _Size:
     seconds: dict[int, float] = field(default_factory=dict)  # threads -> moving average
-    steps: int = 0
+    since: int = 0  # steps since the slower choice was last tried
 
 
 class StepThreads:
@@ -35,17 +39,22 @@ class StepThreads:
 
     def choose(self, tokens: int) -> int:
         """Threads for a step of `tokens` tokens: all of them above `small_tokens`; for a small
-        step, each choice once, then the faster on average, the other every explore_every."""
+        step, each choice once, then the faster on average, and the other after
+        `explore_every` steps of the size, or as many more as keep the retry's extra time
+        within EXPLORE_COST of theirs."""
         if self.threads <= 1 or tokens > self.small_tokens:
             return self.threads
         size = self._sizes.setdefault(tokens, _Size())
-        size.steps += 1
         for n in (1, self.threads):
             if n not in size.seconds:
                 return n
         best = min(size.seconds, key=size.seconds.__getitem__)
-        if size.steps % self.explore_every == 0:
-            return self.threads if best == 1 else 1
+        other = self.threads if best == 1 else 1
+        excess = size.seconds[other] / max(size.seconds[best], 1e-9) - 1
+        size.since += 1
+        if size.since >= max(self.explore_every, math.ceil(excess / EXPLORE_COST)):
+            size.since = 0
+            return other
         return best
 
     def record(self, tokens: int, threads: int, seconds: float) -> None:
