@@ -65,16 +65,24 @@ def llama_bench(llama_bin: str, path: str, ngl: list[int], threads: list[int], g
              "build": r.get("build_commit"), "gpu": r.get("gpu_info")} for r in rows]
 
 
-def skyline_decode(path: str, engine: dict[str, Any], gen: int, reps: int) -> list[float]:
+def skyline_decode(path: str, engine: dict[str, Any], gen: int, reps: int
+                   ) -> tuple[list[float], dict[str, float]]:
+    """Decode rates of `reps` timings, and the driver's (the last stage's rank) milliseconds a
+    step by part over them (the `cpu_step_seconds` query: its layers, LM head, sampling and
+    host phases; a stage's layers include its wait for the stage before it)."""
     llm = LLM(path, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False, **engine)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
         llm.generate([[1]], params)  # warm-up (and CUDA graphs)
+        before = llm.query("cpu_step_seconds")  # the first call starts the clocks
+        before = llm.query("cpu_step_seconds")
         rates = []
         for _ in range(reps):
             m = llm.generate([[1]], params)[0].metrics
             rates.append((gen - 1) / (m["e2e"] - m["ttft"]))
-        return rates
+        after = llm.query("cpu_step_seconds")
+        steps = reps * gen
+        return rates, {k: 1e3 * (after[k] - before[k]) / steps for k in after}
     finally:
         llm.shutdown()
 
@@ -129,7 +137,7 @@ def main() -> None:
         engine: dict[str, Any] = {"device": "cpu"} if ns.smoke else {}
         if placement:
             engine["placement"] = placement
-        rates = skyline_decode(path, engine, ns.gen, ns.reps)
+        rates, step_ms = skyline_decode(path, engine, ns.gen, ns.reps)
         ngl = layers - ns.cpu_layers if layout == "split" else 99
         peer = max((r["decode_tok_s"] for r in llama_rows if r["n_gpu_layers"] == ngl),
                    default=None)
@@ -137,6 +145,7 @@ def main() -> None:
         runs[layout] = {
             "skyline_placement": placement, "llamacpp_n_gpu_layers": ngl,
             "skyline_decode_tok_s": rates, "skyline_median_tok_s": sky,
+            "skyline_driver_ms_per_step": step_ms,
             "llamacpp_best_tok_s": peer, "floor_tok_s": floor,
             "skyline_fraction_of_floor": sky / floor,
             "llamacpp_fraction_of_floor": peer / floor if peer else None,
@@ -145,6 +154,8 @@ def main() -> None:
         if peer:
             line += f", llama.cpp {peer:.1f} ({peer / floor:.2f}): {sky / peer:.2f}x"
         print(line, flush=True)
+        print(f"  the driver's ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items()),
+              flush=True)
 
     result = {"benchmark": "offload_vs_llamacpp", "date": datetime.date.today().isoformat(),
               "machine": machine_info(gpu), "gguf": os.path.basename(path),
