@@ -223,7 +223,9 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
     compute `dtype` (a method's `prepack_cpu`: INT4/INT8 in bfloat16 keep only the int4
     kernel's planes): what the engine serves with. Tools that read or save weights (quantize,
     reports) keep the plain layout. Returns how many products were packed."""
-    # a GGUF model's head (the file's Q8_0 or narrower) on the integer dot kernel, by the plan
+    # a GGUF model's head on the integer dot kernel, by the plan: in 8-bit codes (6 where the
+    # file holds it in 6 bits or fewer), a 16-bit head too; the entries within 8 of each row's
+    # top are recomputed from the dense weight (LMHead.prepack)
     gguf = any(getattr(getattr(m, "linear_method", None), "name", None) == "gguf"
                for m in model.modules())
     plan = cpu_plan.plan()
