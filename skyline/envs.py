@@ -10,7 +10,22 @@ envs.Env.read())` after setting the variable).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+# OpenMP's wait policy in skyline's processes unless the user set one: idle workers spin a few
+# microseconds (GOMP_SPINCOUNT iterations), then sleep. Spinning workers (OpenMP's default)
+# make CPU decode several times slower whenever another process wants a core, workers that
+# sleep at once (PASSIVE alone) are woken for each of a step's hundreds of parallel regions
+# (bench/omp_wait_policy.py). OpenMP reads it once, when torch loads it: the CLI sets it before
+# anything imports torch, the multi-process executor around starting its ranks.
+OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "2000"}
+
+
+def omp_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of OMP_DEFAULTS to add to `environ`: all of it, or nothing where the user set
+    either variable."""
+    return {} if any(k in environ for k in OMP_DEFAULTS) else dict(OMP_DEFAULTS)
 
 
 def _flag(name: str, default: bool) -> bool:

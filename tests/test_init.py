@@ -24,9 +24,9 @@ def _run(probe: str, env_value: str | None, spin: str | None = None) -> str:
 
 
 def test_cli_sets_passive_before_torch_loads_and_user_value_wins() -> None:
-    from skyline.cli import OMP_SPIN
+    from skyline.envs import OMP_DEFAULTS
 
-    assert _run(_PROBE, None) == f"PASSIVE {OMP_SPIN}"
+    assert _run(_PROBE, None) == f"PASSIVE {OMP_DEFAULTS['GOMP_SPINCOUNT']}"
     assert _run(_PROBE, "ACTIVE") == "ACTIVE None"  # the user's policy, its own spin
     assert _run(_PROBE, None, "0") == "None 0"
 

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from skyline import progress
+from skyline import envs, progress
 from skyline.cli.args import (
     add_engine_args,
     add_load_args,
@@ -315,19 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-OMP_SPIN = "2000"  # GNU OpenMP's spin iterations before an idle worker sleeps (a few us)
-
-
 def _omp_wait_policy() -> None:
-    """Idle OpenMP workers spin briefly, then sleep: spinning workers (OpenMP's default) make
-    CPU decode several times slower whenever another process wants a core, and workers that
-    sleep at once (PASSIVE alone) are woken for each of a step's hundreds of parallel regions,
-    which costs 16 streams a fifth of their speed (bench/omp_wait_policy.py). OpenMP reads
-    this once, when torch loads it, so the CLI sets it before anything imports torch; spawned
-    engine processes inherit it. A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        os.environ["GOMP_SPINCOUNT"] = OMP_SPIN
+    """OpenMP's wait policy for the CLI's process and the engine processes it spawns
+    (envs.OMP_DEFAULTS), set before anything imports torch. A user's OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT wins."""
+    os.environ.update(envs.omp_defaults(os.environ))
 
 
 def main(argv: list[str] | None = None) -> None:

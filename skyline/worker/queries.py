@@ -20,6 +20,7 @@ measurement each; a benchmark's engine is not used for anything else.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +79,9 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         if r.graphs is not None else [],
         "triton_compiles": r.triton_compiles.num,
         "triton_compile_seconds": r.triton_compiles.seconds,
+        # the process's CPU threads (torch's) and OpenMP wait policy as the rank started
+        "cpu_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
 
 

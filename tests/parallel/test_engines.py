@@ -120,8 +120,20 @@ def test_tensor_and_pipeline_parallel(qwen3, qwen3_ref):
     check_layout(qwen3, qwen3_ref, tensor_parallel_size=2, pipeline_parallel_size=2).shutdown()
 
 
-def test_uneven_placement(llama, llama_ref):
-    check_layout(llama, llama_ref, placement="cpu=2,cpu=1").shutdown()
+def test_uneven_placement(llama, llama_ref, monkeypatch):
+    """Also: CPU ranks share the cores the engine's process leaves them, under the CLI's
+    OpenMP wait policy (a user's wins)."""
+    from skyline.envs import omp_defaults
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 7)  # (7 - 1 for the engine) // 2 ranks
+    llm = check_layout(llama, llama_ref, placement="cpu=2,cpu=1")
+    try:
+        info = llm.engine.executor.describe()
+        assert info["cpu_threads"] == 3
+        want = omp_defaults(os.environ).get("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY"))
+        assert info["omp_wait_policy"] == want
+    finally:
+        llm.shutdown()
 
 
 def test_pipeline_stages_in_bfloat16(tmp_path):

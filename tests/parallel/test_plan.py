@@ -179,3 +179,13 @@ def test_parallel_settings_are_checked_before_any_process_starts(tmp_path):
     assert parse_init("tcp://10.0.0.1:29500") == ("10.0.0.1", 29500)
     with pytest.raises(ConfigError, match="tcp://HOST:PORT"):
         parse_init("http://x:1")
+
+
+def test_cpu_ranks_leave_a_core_to_each_gpu_rank_and_the_engine():
+    from skyline.worker.executor.multiproc import cpu_rank_threads
+
+    assert cpu_rank_threads(16, cpu_ranks=1, gpu_ranks=1, engine_here=True) == 14
+    assert cpu_rank_threads(16, cpu_ranks=2, gpu_ranks=0, engine_here=True) == 7
+    assert cpu_rank_threads(16, cpu_ranks=1, gpu_ranks=0, engine_here=False) == 16  # a worker host
+    assert cpu_rank_threads(2, cpu_ranks=2, gpu_ranks=0, engine_here=True) == 1  # never none
+    assert cpu_rank_threads(8, cpu_ranks=0, gpu_ranks=8, engine_here=True) == 1

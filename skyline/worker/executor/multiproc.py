@@ -33,6 +33,7 @@ import time
 import weakref
 from typing import Any
 
+from skyline import envs
 from skyline.config import ConfigError, EngineConfig
 from skyline.parallel.groups import NCCL_ENV, driver_rank
 from skyline.types import RunnerOutput, SchedulerOutput
@@ -79,7 +80,7 @@ def run_node(init: str, node_rank: int, nnodes: int | None = None) -> int:
         raise ConfigError(f"the engine at {init} expects --nnodes {pc.nnodes}, not {nnodes}")
     if not 0 < node_rank < pc.nnodes:
         raise ConfigError(f"--node-rank must be in 1..{pc.nnodes - 1} (node 0 is the engine's)")
-    procs = spawn_ranks(config, node_ranks(config, node_rank), host, port)
+    procs = spawn_ranks(config, node_ranks(config, node_rank), host, port, engine_here=False)
     log.info("ranks %s started", sorted(procs))
     while any(p.is_alive() for p in procs.values()):
         try:
@@ -105,23 +106,51 @@ def process_context() -> Any:
     return ctx
 
 
-def spawn_ranks(config: EngineConfig, ranks: list[int], host: str, port: int
-                ) -> dict[int, multiprocessing.process.BaseProcess]:
-    """Start the processes of `ranks` on this host; they meet at the store on host:port."""
+def cpu_rank_threads(cores: int, cpu_ranks: int, gpu_ranks: int, engine_here: bool) -> int:
+    """torch's threads on each CPU rank of a host: the cores left after one for each GPU rank
+    (its host thread launches the GPU's work) and one for the engine's process where it runs,
+    shared by the CPU ranks. A CPU stage whose workers take every core stalls the processes
+    each step waits for: the engine's loop, the GPU stage that feeds it."""
+    return max(1, (cores - gpu_ranks - int(engine_here)) // max(1, cpu_ranks))
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Any:
+    """`extra` in os.environ for the block (a rank process, and the fork server the first one
+    starts, read it: OpenMP reads its settings once, when torch loads it)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def spawn_ranks(config: EngineConfig, ranks: list[int], host: str, port: int,
+                engine_here: bool = True) -> dict[int, multiprocessing.process.BaseProcess]:
+    """Start the processes of `ranks` on this host (the engine's, unless `engine_here` is
+    False: `skyline worker` on another); they meet at the store on host:port."""
     pc = config.parallel
     devices = [pc.stages[r // pc.tensor_parallel_size][0] for r in ranks]
-    num_cpu = max(1, sum(d == "cpu" for d in devices))
-    env = {**os.environ, **NCCL_ENV}
-    ctx = process_context()
+    num_cpu = sum(d == "cpu" for d in devices)
+    threads = cpu_rank_threads(os.cpu_count() or 1, num_cpu, len(devices) - num_cpu, engine_here)
+    omp = envs.omp_defaults(os.environ)  # the CLI's, for an engine in a user's own process too
+    env = {**os.environ, **omp, **NCCL_ENV}
     level = logging.getLogger("skyline").getEffectiveLevel()
     procs = {}
-    for r in ranks:
-        # daemonic: gone with the engine even if it never called shutdown
-        where = RankAddress(host, port, r, num_cpu, env)
-        p = ctx.Process(target=run_rank, args=(where, level), name=f"skyline-rank-{r}",
-                        daemon=True)
-        p.start()
-        procs[r] = p
+    with _environ(omp):
+        ctx = process_context()
+        for r in ranks:
+            # daemonic: gone with the engine even if it never called shutdown
+            where = RankAddress(host, port, r, threads, env)
+            p = ctx.Process(target=run_rank, args=(where, level), name=f"skyline-rank-{r}",
+                            daemon=True)
+            p.start()
+            procs[r] = p
     return procs
 
 

@@ -43,7 +43,7 @@ class RankAddress:
     host: str
     port: int
     rank: int
-    local_ranks: int  # ranks of this host on the same kind of device (CPU threads)
+    cpu_threads: int  # torch's threads on a CPU rank (multiproc.cpu_rank_threads)
     env: dict[str, str]  # the rank's environment (the engine's, multicast off)
 
 
@@ -184,8 +184,8 @@ def _start(config: Any, where: RankAddress, store: Any) -> Any:
         torch.cuda.set_device(torch.device(stage.device))
         if pc.threads or not pc.n_cpu_moe:  # one host thread, as engine/create/assemble.py's
             torch.set_num_threads(pc.threads or 1)
-    else:  # the host's cores shared by its CPU ranks
-        torch.set_num_threads(pc.threads or max(1, (os.cpu_count() or 1) // where.local_ranks))
+    else:  # the host's cores shared by its CPU ranks (those left to them)
+        torch.set_num_threads(pc.threads or where.cpu_threads)
     t0 = time.perf_counter()
     layout = init_layout(where.rank, stages, pc.tensor_parallel_size,
                          dist.PrefixStore(STORE_PREFIX + "pg", store), pc.timeout_s,
