@@ -154,7 +154,7 @@ def main() -> None:
         if peer:
             line += f", llama.cpp {peer:.1f} ({peer / floor:.2f}): {sky / peer:.2f}x"
         print(line, flush=True)
-        print(f"  the driver's ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items()),
+        print("  the driver's ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items()),
               flush=True)
 
     result = {"benchmark": "offload_vs_llamacpp", "date": datetime.date.today().isoformat(),
