@@ -194,7 +194,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
 
 def cmd_worker(ns: argparse.Namespace) -> None:
-    from skyline.worker.executor.multiproc import run_node
+    from skyline.worker.executor.spawn import run_node
 
     sys.exit(run_node(ns.distributed_init, ns.node_rank, ns.nnodes))
 

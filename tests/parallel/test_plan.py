@@ -174,7 +174,7 @@ def test_parallel_settings_are_checked_before_any_process_starts(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=match):
             config(**kw)
-    from skyline.worker.executor.multiproc import parse_init
+    from skyline.worker.executor.spawn import parse_init
 
     assert parse_init("tcp://10.0.0.1:29500") == ("10.0.0.1", 29500)
     with pytest.raises(ConfigError, match="tcp://HOST:PORT"):
@@ -182,7 +182,7 @@ def test_parallel_settings_are_checked_before_any_process_starts(tmp_path):
 
 
 def test_cpu_ranks_leave_a_core_to_each_gpu_rank_and_the_engine():
-    from skyline.worker.executor.multiproc import cpu_rank_threads
+    from skyline.worker.executor.spawn import cpu_rank_threads
 
     assert cpu_rank_threads(16, cpu_ranks=1, gpu_ranks=1, engine_here=True) == 14
     assert cpu_rank_threads(16, cpu_ranks=2, gpu_ranks=0, engine_here=True) == 7

@@ -43,7 +43,7 @@ class RankAddress:
     host: str
     port: int
     rank: int
-    cpu_threads: int  # torch's threads on a CPU rank (multiproc.cpu_rank_threads)
+    cpu_threads: int  # torch's threads on a CPU rank (spawn.cpu_rank_threads)
     env: dict[str, str]  # the rank's environment (the engine's, multicast off)
 
 
