@@ -69,7 +69,7 @@ def skyline_decode(path: str, engine: dict[str, Any], gen: int, reps: int
                    ) -> tuple[list[float], dict[str, float]]:
     """Decode rates of `reps` timings, and the driver's (the last stage's rank) milliseconds a
     step by part over them (the `cpu_step_seconds` query: its layers, LM head, sampling and
-    host phases; a stage's layers include its wait for the stage before it)."""
+    host phases; its wait for the stage before it is in none of them)."""
     llm = LLM(path, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False, **engine)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
