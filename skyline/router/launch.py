@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,32 +29,66 @@ BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S; beyond, the replica stays down
 RESTART_WINDOW_S = 600.0
+MAX_PORT_MOVES = 3  # new ports for a replica whose own were taken during its start-up
 
 
-def free_port(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> int:
-    """A port free now and not in `taken` (ports handed out already but not bound yet)."""
-    for _ in range(100):
+EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's default ip_local_port_range
+MIN_PORT = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes ports from for outgoing connections and bind(0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def _offer(host: str) -> int:
+    """A port to try. A replica binds its ports only once its model is loaded, seconds to
+    minutes after they are chosen: a port from the ephemeral range may meanwhile be given to any
+    process's outgoing connection, so ports come from outside it (at random), or from the
+    kernel where that range leaves too few."""
+    low, high = ephemeral_ports()
+    spans = [(a, b) for a, b in ((MIN_PORT, low), (high + 1, 65535)) if b - a >= 1000]
+    if not spans:
         with socket.socket() as s:
             s.bind((host, 0))
-            p = s.getsockname()[1]
-        if p not in taken:
+            return s.getsockname()[1]
+    a, b = random.choice(spans)
+    return random.randrange(a, b)
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could bind `port` now (with SO_REUSEADDR, as uvicorn and ZMQ do: a port
+    held only by closed connections is free)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", taken: frozenset[int] = frozenset(),
+              span: int = 1) -> int:
+    """A port p with p .. p + span - 1 free now and none in `taken` (ports handed out already
+    but not bound yet)."""
+    for _ in range(200):
+        p = _offer(host)
+        ports = range(p, p + span)
+        if p + span <= 65535 and not taken.intersection(ports) and all(
+                port_free(host, q) for q in ports):
             return p
-    raise OSError("no free port found")
+    raise OSError(f"no {span} consecutive free port(s) found on {host}")
 
 
 def free_port_pair(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> int:
     """A port p with p + 1 also free (KV events and their snapshots), neither in `taken`."""
-    for _ in range(100):
-        p = free_port(host, taken)
-        if p + 1 >= 65535 or p + 1 in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, p + 1))
-            except OSError:
-                continue
-        return p
-    raise OSError("no two consecutive free ports found for KV events")
+    return free_port(host, taken, span=2)
 
 
 @functools.cache
@@ -86,6 +121,7 @@ class ReplicaProcess:
     log_path: str | None = None
     proc: subprocess.Popen | None = None
     restarts: list[float] = field(default_factory=list)
+    port_moves: int = 0
 
     @property
     def url(self) -> str:
@@ -134,17 +170,21 @@ class LocalReplicas:
         self.replicas = []
         # Each port is bound by its replica only once that replica starts: none may be handed
         # out twice, nor be one the caller holds (the router's, bound before the replicas).
-        taken = set(reserved)
+        self._taken = set(reserved)
         for i, argv in enumerate(argvs):
             log_path = os.path.join(log_dir, f"replica-{i}.log") if log_dir else None
-            port = free_port(host, frozenset(taken))
-            taken.add(port)
-            events = free_port_pair(host, frozenset(taken))
-            taken.update((events, events + 1))
+            port, events = self._new_ports(host)
             self.replicas.append(ReplicaProcess(i, argv, host, port, events, log_path))
         self.sequential = sequential
         self._stopping = threading.Event()
         self._watch: threading.Thread | None = None
+
+    def _new_ports(self, host: str) -> tuple[int, int]:
+        port = free_port(host, frozenset(self._taken))
+        self._taken.add(port)
+        events = free_port_pair(host, frozenset(self._taken))
+        self._taken.update((events, events + 1))
+        return port, events
 
     @property
     def urls(self) -> list[str]:
@@ -169,6 +209,8 @@ class LocalReplicas:
             for r in list(pending):
                 assert r.proc is not None
                 if r.proc.poll() is not None:
+                    if self._move_if_taken(r):
+                        continue
                     self.stop()
                     raise RuntimeError(f"replica {r.index} exited during start-up (code "
                                        f"{r.proc.returncode}){self._tail(r)}")
@@ -179,6 +221,20 @@ class LocalReplicas:
                 raise RuntimeError(f"replica {pending[0].index} did not start in time"
                                    f"{self._tail(pending[0])}")
             time.sleep(0.5)
+
+    def _move_if_taken(self, r: ReplicaProcess) -> bool:
+        """A replica that exited during start-up because another process took one of its ports
+        (free when chosen) starts again on new ones, at most MAX_PORT_MOVES times."""
+        ports = (r.port, r.kv_events_port, r.kv_events_port + 1)
+        if r.port_moves >= MAX_PORT_MOVES or all(port_free(r.host, p) for p in ports):
+            return False
+        r.port_moves += 1
+        r.port, r.kv_events_port = self._new_ports(r.host)
+        log.warning("replica %d exited during start-up: one of its ports %s was taken by another "
+                    "process; starting it again on %d (KV events %d)", r.index, ports, r.port,
+                    r.kv_events_port)
+        r.start()
+        return True
 
     @staticmethod
     def _tail(r: ReplicaProcess) -> str:

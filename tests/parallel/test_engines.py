@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 from tiny_hf import save_scaled
 
 from skyline import LLM, SamplingParams
+from skyline.router.launch import free_port
 
 transformers = pytest.importorskip("transformers")
 
@@ -229,10 +229,7 @@ def test_a_rank_that_raises_or_cannot_start(llama, llama_ref):
 
 
 def test_ranks_of_another_host_join_through_the_store(llama, llama_ref):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init = f"tcp://127.0.0.1:{port}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     worker = subprocess.Popen([sys.executable, "-m", "skyline.cli", "worker", "--distributed-init",
                                init, "--node-rank", "1", "--nnodes", "2"])
     try:

@@ -8,14 +8,12 @@ import asyncio
 import threading
 import time
 
-import pytest
 import zmq.asyncio
 
 from skyline.engine.kv_events import KVEventPublisher
-from skyline.router import launch
 from skyline.router.events import EventSubscriber
 from skyline.router.index import PrefixIndex
-from skyline.router.launch import LocalReplicas, free_port_pair
+from skyline.router.launch import free_port_pair
 from skyline.router.replica import Replica
 from skyline.types import KVEventKind
 
@@ -113,32 +111,3 @@ def test_follow_gap_and_restart():
     finally:
         if not engine.stop.is_set():
             engine.close()
-
-
-def test_replica_ports_are_distinct_and_avoid_the_routers(monkeypatch: pytest.MonkeyPatch):
-    """The kernel may offer a port again once the socket that found it closes: the launcher
-    hands out none twice and never the router's (held, bound, while the replicas start)."""
-    offers = iter([5000, 5000, 5002, 5002, 5003, 5002, 5006, 5010])
-
-    class Socket:
-        def __init__(self, *a: object) -> None:
-            self.port = 0
-
-        def __enter__(self) -> Socket:
-            return self
-
-        def __exit__(self, *a: object) -> None:
-            pass
-
-        def bind(self, addr: tuple[str, int]) -> None:
-            self.port = addr[1] or next(offers)
-
-        def getsockname(self) -> tuple[str, int]:
-            return ("127.0.0.1", self.port)
-
-    monkeypatch.setattr(launch.socket, "socket", Socket)
-    local = LocalReplicas([[], []], reserved=(5000,))
-    ports = [(r.port, r.kv_events_port) for r in local.replicas]
-    # 5000 is the router's; replica 0 takes 5002 and its events 5003-5004, so replica 1
-    # is offered 5002 again and takes the next offer
-    assert ports == [(5002, 5003), (5006, 5010)]

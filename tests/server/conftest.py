@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,15 +18,17 @@ from typing import Any
 import openai
 import pytest
 
+from skyline.router import launch
+
 STARTUP_TIMEOUT = 180.0
 CLIENT_TIMEOUT = 120.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server that binds it only after loading its model: from outside the
+    ephemeral range, which other tests' outgoing connections draw from meanwhile."""
+    return launch.free_port()
 
 
 @dataclass
