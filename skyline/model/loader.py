@@ -234,7 +234,7 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
     for module in model.modules():
         if isinstance(module, Linear):
             hook = getattr(module.linear_method, "prepack_cpu", None)
-            packed += hook(module, dtype) if hook is not None else prepack(module)
+            packed += hook(module, dtype) if hook is not None else prepack(module, plan.bf16_rows)
         elif isinstance(module, LMHead):
             packed += module.prepack(intdot_rows, plan.intdot_rounds)
         elif isinstance(module, FusedExperts):

@@ -15,6 +15,8 @@ about 20 s the first time on two cores, a load after. Where it cannot build (no 
   (ops/cpu_linear.py's exact_near_top and exact_near_max).
 - csrc/cpu_moe.cpp: a mixture-of-experts MLP of packed experts on the integer dot kernel
   (ops/cpu_moe.py).
+- csrc/cpu_bf16.cpp: bfloat16 products for decode-sized batches on plain weights
+  (ops/cpu_bf16.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCES = [os.path.join(_CSRC, name) for name in ("cpu_intdot.cpp", "cpu_decode.cpp",
-                                                   "cpu_moe.cpp")]
+                                                   "cpu_moe.cpp", "cpu_bf16.cpp")]
 
 ANY_ROWS = 2**62  # what a product that takes batches of any size gives as its rows
 
@@ -42,8 +44,9 @@ ANY_ROWS = 2**62  # what a product that takes batches of any size gives as its r
 class NativeProduct(NamedTuple):
     """A weight product the C++ decode step runs itself (csrc/cpu_decode.cpp's `product`)."""
 
-    kind: int  # INT4_PLANE or INTDOT
-    tensors: tuple[torch.Tensor, ...]  # (packed, scales_and_zeros) / (codes, scale, offset)
+    kind: int  # INT4_PLANE, INTDOT or BF16
+    # (packed, scales_and_zeros) / (codes, scale, offset) / (the plain bfloat16 weight,)
+    tensors: tuple[torch.Tensor, ...]
     a: int  # group / bits
     b: int = 0  # - / group
     c: int = 0  # - / the activations' roundings (ops/cpu_intdot.py)
@@ -53,6 +56,7 @@ class NativeProduct(NamedTuple):
 
 INT4_PLANE = 0  # torch's int4 kernel, one plane (ops/cpu_int4.py)
 INTDOT = 1  # the integer dot kernel (ops/cpu_intdot.py)
+BF16 = 2  # the bfloat16 kernel (ops/cpu_bf16.py)
 
 
 def available() -> bool:

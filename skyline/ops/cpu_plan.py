@@ -46,7 +46,7 @@ the exact path everywhere.
 `skyline tune` measures these choices on the user's own CPU and stores what won end to end in
 the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields
 override the table below (`int4_rows`, `int4_wide_rows`, `intdot_rows`, `intdot_rounds`,
-`threads`, `dtype`).
+`bf16_rows`, `threads`, `dtype`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ class CpuPlan:
     # times the integer dot kernel rounds the activations to int8 (ops/cpu_intdot.py): 2 (below
     # bfloat16's error) or 1 (llama.cpp's rounding, half the multiplications)
     intdot_rounds: int = 2
+    # batches of at most this many rows of bfloat16 activations run bfloat16 weights (unquantized
+    # ones, 16-bit GGUF ones) on skyline's bf16 kernel (ops/cpu_bf16.py) where a plain copy
+    # beside oneDNN's packed one fits in memory; 0: never
+    bf16_rows: int = 0
 
     @property
     def gguf_packed(self) -> bool:
@@ -154,6 +158,10 @@ INTDOT_ROWS = 2
 # 4-bit / 5- to 8-bit codes (measured on an AVX2 AMD EPYC without VNNI,
 # bench/cpu_intdot_speed.py: the module docstring).
 ROUND_ONCE = {"avx2": (32, 16)}
+# Rows up to which the bf16 kernel runs bfloat16 weights on the families whose activations are
+# bfloat16 (on an AVX-512 BF16 AMD EPYC at 2 threads, a Llama-3.1-8B layer's products 1.18x /
+# 1.05x faster than oneDNN's at 1 / 2 rows, slower at 4: bench/cpu_bf16_speed.py).
+BF16_ROWS = {"amx": 2, "avx512_bf16": 2}
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -170,14 +178,18 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     if kernel == "intdot" and rounds == 1:  # the rows where one rounding wins
         rows, intdot = ROUND_ONCE[fam]
     threads = None
+    bf16 = BF16_ROWS.get(fam, 0)
     if tuned:
         dtype, rows, wide, intdot, threads = _tuned(tuned, dtype, rows, wide, intdot)
+        bf16 = _count(tuned, "bf16_rows", bf16) or 0
     if not built:
         intdot = 0
+    if not built or dtype != torch.bfloat16:
+        bf16 = 0
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         wide = 0
         rows = rows if kernel == "intdot" else 0
-    return CpuPlan(fam, dtype, rows, wide, threads, intdot, kernel, rounds)
+    return CpuPlan(fam, dtype, rows, wide, threads, intdot, kernel, rounds, bf16)
 
 
 def _rounds(tuned: dict, default: int) -> int:
@@ -199,13 +211,7 @@ def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int, intdot: int
            ) -> tuple[torch.dtype, int, int, int, int | None]:
     # a stored plan (skyline tune) over the family's defaults, checked
     def count(name: str, default: int | None) -> int | None:
-        v = tuned.get(name, default)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise tuning.KernelConfigError(
-                f"the tuned CPU plan's {name} is {v!r}, not a whole number >= 0; delete "
-                f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` "
-                "again")
-        return v
+        return _count(tuned, name, default)
     name = tuned.get("dtype")
     if name is not None and name not in DTYPES:
         raise tuning.KernelConfigError(
@@ -215,6 +221,15 @@ def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int, intdot: int
     return (DTYPES[name] if name else dtype, count("int4_rows", rows) or 0,
             count("int4_wide_rows", wide) or 0, count("intdot_rows", intdot) or 0,
             threads or None)
+
+
+def _count(tuned: dict, name: str, default: int | None) -> int | None:
+    v = tuned.get(name, default)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+        raise tuning.KernelConfigError(
+            f"the tuned CPU plan's {name} is {v!r}, not a whole number >= 0; delete "
+            f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` again")
+    return v
 
 
 def plan() -> CpuPlan:

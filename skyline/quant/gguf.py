@@ -55,7 +55,7 @@ from torch import nn
 
 from skyline import envs
 from skyline.config import ConfigError
-from skyline.ops import cpu_ext, cpu_int4, cpu_intdot, cpu_linear, cpu_plan
+from skyline.ops import cpu_bf16, cpu_ext, cpu_int4, cpu_intdot, cpu_linear, cpu_plan
 from skyline.ops.dequant import (
     AFFINE_GROUP,
     GGML_TYPES,
@@ -66,7 +66,7 @@ from skyline.ops.dequant import (
 )
 from skyline.quant.gguf_cuda import _cuda_ready, _int_apply, cuda_weight, dequantize_blocks
 from skyline.quant.gguf_cuda import int_layout as int_layout
-from skyline.quant.method import LinearLayer
+from skyline.quant.method import LinearLayer, room_for
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 # Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
@@ -160,11 +160,17 @@ class GGUFLinearMethod:
         if layer.cpu_planes is not None and len(layer.cpu_planes) == 1 and layer.bias is None:
             if cpu_int4.planes_cols(layer.cpu_planes) == layer.in_features:
                 layer.cpu_plane_group = cpu_int4.planes_group(layer.cpu_planes)
-        layer.cpu_dense = None
+        layer.cpu_dense = layer.cpu_bf16 = None
         dense_bytes = layer.out_features * layer.in_features * dtype.itemsize
-        if not layer.cpu_plane_rows or _room_for(dense_bytes):
+        if not layer.cpu_plane_rows or room_for(dense_bytes):
             dense = dequantize_blocks(layer).to(dtype)
             layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
+            # codes no kernel above takes (16-bit ones): few rows on the bf16 kernel, on the
+            # plain weight kept beside the packed one where that fits
+            if (not layer.cpu_plane_rows and cpu.bf16_rows and layer.cpu_dense.is_mkldnn
+                    and dense.dtype == torch.bfloat16 and cpu_bf16.available()
+                    and room_for(0)):  # the plain weight is held now: keeping it costs nothing more
+                layer.cpu_bf16, layer.cpu_plane_rows = dense, cpu.bf16_rows
         else:  # every batch on the planes: slower prefill, but it fits
             layer.cpu_plane_rows = cpu_ext.ANY_ROWS
         for i in range(len(layer.gguf_types)):
@@ -175,7 +181,7 @@ class GGUFLinearMethod:
         """Bytes a one-row product reads where it is less than the layer holds: the int4
         planes of a CPU engine's layer (prepack_cpu), not its dense copy; None otherwise."""
         planes = getattr(layer, "cpu_planes", None)
-        if getattr(layer, "cpu_plane_rows", 0) < 1:
+        if getattr(layer, "cpu_plane_rows", 0) < 1 or layer.cpu_bf16 is not None:
             return None
         if layer.cpu_intdot is not None:
             return layer.cpu_intdot.nbytes()
@@ -198,6 +204,10 @@ class GGUFLinearMethod:
                                            w.bits, w.group, w.rounds, layer.cpu_plane_rows,
                                            layer.cpu_dense)
             return intdot, layer.cpu_plane_rows, native
+        if getattr(layer, "cpu_bf16", None) is not None and layer.bias is None:
+            native = cpu_ext.NativeProduct(cpu_ext.BF16, (layer.cpu_bf16,), 0, 0, 0,
+                                           layer.cpu_plane_rows, layer.cpu_dense)
+            return (lambda x: _serve_cpu(layer, x)), cpu_ext.ANY_ROWS, native
         group = getattr(layer, "cpu_plane_group", 0)
         if not group:
             return None
@@ -225,33 +235,21 @@ class GGUFLinearMethod:
 
 
 def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
-    """A CPU engine's product (prepack_cpu's layout): few rows on the int4 kernel, more on the
-    dense weights."""
+    """A CPU engine's product (prepack_cpu's layout): few rows on the int4, integer dot or bf16
+    kernel (a bf16 one takes bfloat16 rows only), more on the dense weights."""
     if x.numel() <= layer.cpu_plane_rows * layer.in_features:
-        if layer.cpu_intdot is not None:
+        if layer.cpu_bf16 is not None:
+            if x.dtype == torch.bfloat16:
+                y = cpu_bf16.bf16_mm(x, layer.cpu_bf16)
+                return y if layer.bias is None else y + layer.bias
+        elif layer.cpu_intdot is not None:
             return cpu_intdot.intdot_linear(x, layer.cpu_intdot, layer.bias)
-        return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
+        else:
+            return cpu_int4.planes_linear(x, layer.cpu_planes, layer.bias)
     dense = layer.cpu_dense
     if dense.is_mkldnn:
         return cpu_linear.packed_linear(x, dense, layer.bias)
     return F.linear(x, dense, layer.bias)
-
-
-# The dense copies of a CPU engine's layers (prepack_cpu) are made while this share of the
-# machine's memory stays available after them (the KV cache and the rest of the process come
-# later); past it, layers that have planes serve every batch on them.
-MEMORY_RESERVE = 0.25
-
-
-def _room_for(nbytes: int) -> bool:
-    """Whether `nbytes` more leaves MEMORY_RESERVE of the memory available (Linux's
-    /proc/meminfo; elsewhere, always)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"] - nbytes >= MEMORY_RESERVE * info["MemTotal"]
-    except (OSError, KeyError, ValueError, IndexError):
-        return True
 
 
 def _cpu_ready(layer: LinearLayer, build: bool) -> bool:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.ops import cpu_linear
+from skyline.ops import cpu_bf16, cpu_ext, cpu_linear
 from skyline.ops.gemv import gemv_or_linear
 
 
@@ -76,27 +76,68 @@ class UnquantizedLinearMethod:
 class PackedLinearMethod:
     """The unquantized weight packed for oneDNN on the CPU (`ops/cpu_linear.py`): the same
     product as F.linear, faster at decode-sized batches. The layer holds `packed_weight`
-    instead of the `weight` Parameter; `prepack` converts a loaded layer."""
+    instead of the `weight` Parameter; `prepack` converts a loaded layer. A bfloat16 layer may
+    also keep its plain weight (`bf16_weight`) for skyline's bf16 kernel, which batches of at
+    most `bf16_rows` bfloat16 rows take (ops/cpu_bf16.py; the CPU plan's bf16_rows)."""
 
     def create_weights(self, layer: Any) -> None:
         raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        w = layer.bf16_weight
+        if w is not None and x.dtype == w.dtype and x.numel() <= layer.bf16_rows * w.shape[1]:
+            y = cpu_bf16.bf16_mm(x, w)
+            return y if layer.bias is None else y + layer.bias
         return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
 
     def full_weight(self, layer: Any) -> torch.Tensor:
         return cpu_linear.unpack(layer.packed_weight)
 
+    def cpu_decode_product(self, layer: Any) -> tuple[Any, int, Any] | None:
+        """(product, rows, native) for the C++ decode step (linear.py's cpu_decode_product)
+        where the layer has the bf16 kernel's weight and no bias; None otherwise."""
+        w = layer.bf16_weight
+        if w is None or layer.bias is not None:
+            return None
+        native = cpu_ext.NativeProduct(cpu_ext.BF16, (w,), 0, 0, 0, layer.bf16_rows,
+                                       layer.packed_weight)
+        return (lambda x: self.apply(layer, x)), cpu_ext.ANY_ROWS, native
 
-def prepack(layer: Any) -> bool:
+
+# Second copies of weights for a CPU engine's decode kernels (the bf16 kernel's plain weight
+# beside oneDNN's packed one, a GGUF layer's dense weight beside its codes) are made while this
+# share of the machine's memory stays available after them (the KV cache and the rest of the
+# process come later).
+MEMORY_RESERVE = 0.25
+
+
+def room_for(nbytes: int) -> bool:
+    """Whether `nbytes` more leaves MEMORY_RESERVE of the memory available (Linux's
+    /proc/meminfo; elsewhere, always)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] - nbytes >= MEMORY_RESERVE * info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
+
+
+def prepack(layer: Any, bf16_rows: int = 0) -> bool:
     """Pack a loaded unquantized CPU layer's weight for oneDNN, dropping the dense copy
-    (memory stays the same). Returns whether it did; other layers are left as they are."""
+    (memory stays the same), or keeping it for the bf16 kernel where `bf16_rows` (the CPU
+    plan's), the weight is bfloat16, the kernel builds and a second copy fits. Returns whether
+    it packed; other layers are left as they are."""
     if type(layer.linear_method) is not UnquantizedLinearMethod or not cpu_linear.can_pack(
             layer.weight):
         return False
-    packed = cpu_linear.pack(layer.weight.data)
+    w = layer.weight.data
+    packed = cpu_linear.pack(w)
     del layer.weight
     layer.packed_weight = packed
+    keep = (bf16_rows > 0 and w.dtype == torch.bfloat16 and cpu_bf16.available()
+            and room_for(0))  # w is held now: keeping it costs nothing more
+    layer.bf16_weight = w.contiguous() if keep else None
+    layer.bf16_rows = bf16_rows if keep else 0
     layer.linear_method = PackedLinearMethod()
     return True
 
@@ -107,7 +148,7 @@ def unpack(layer: Any) -> bool:
     if type(layer.linear_method) is not PackedLinearMethod:
         return False
     weight = cpu_linear.unpack(layer.packed_weight)
-    del layer.packed_weight
+    del layer.packed_weight, layer.bf16_weight, layer.bf16_rows
     layer.weight = nn.Parameter(weight, requires_grad=False)
     set_loader(layer.weight, layer, layer.weight_loader)
     layer.linear_method = UnquantizedLinearMethod()

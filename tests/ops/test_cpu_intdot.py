@@ -221,6 +221,16 @@ for bits, group in ((4, 32), (4, 16), (6, 32), (6, 16), (8, 32), (8, 16)):
     ref = cpu_intdot.intdot_mm_ref(x, w)
     torch.testing.assert_close(cpu_intdot.intdot_mm(x, w), ref, rtol=1e-5,
                                atol=1e-5 * ref.abs().max().item())
+# the bfloat16 kernel of the same build (ops/cpu_bf16.py): tails, batch invariance
+from skyline.ops import cpu_bf16
+for m, k, n in ((1, 576, 40), (11, 77, 9)):
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    y, ref = cpu_bf16.bf16_mm(x, w).float(), cpu_bf16.bf16_mm_ref(x, w).float()
+    bound = x.float().abs() @ w.float().abs().T
+    assert ((y - ref).abs() <= 2**-7 * ref.abs() + 1e-5 * bound).all()
+    assert torch.equal(cpu_bf16.bf16_mm(x[-1:], w), cpu_bf16.bf16_mm(x, w)[-1:])
+print(cpu_bf16.isa())
 """
 
 
@@ -228,13 +238,14 @@ for bits, group in ((4, 32), (4, 16), (6, 32), (6, 16), (8, 32), (8, 16)):
 @pytest.mark.slow
 @pytest.mark.parametrize("march,isa", [("haswell", "avx2"), ("x86-64", "scalar")])
 def test_avx2_and_scalar_builds_match_the_reference(march: str, isa: str) -> None:
+    """The integer dot kernel's and the bfloat16 kernel's paths without AVX-512 (VNNI, BF16)."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 builds")
     env = dict(os.environ, SKYLINE_CPU_INTDOT_MARCH=march)
     out = subprocess.run([sys.executable, "-c", _VARIANT], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == isa
+    assert out.stdout.split()[-2:] == [isa, isa]
 
 
 def test_without_the_kernel_the_plan_keeps_torch_kernels() -> None:

@@ -53,6 +53,9 @@ def test_each_family_gets_its_plan(family):
     assert plan.int4_kernel == ("intdot" if once else "int4")
     if once:
         assert plan.int4_rows == cpu_plan.ROUND_ONCE["avx2"][0]
+    # the bf16 kernel where activations are bfloat16 and it builds
+    assert plan.bf16_rows == (cpu_plan.BF16_ROWS[family] if family in NATIVE_BF16 and built
+                              else 0)
 
 
 def test_a_bf16_capable_cpu_without_onednn_bf16_stays_float32():
@@ -139,7 +142,7 @@ def test_without_room_for_dense_copies_every_batch_takes_the_planes(monkeypatch)
     import skyline.quant.gguf as gguf_method
 
     monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512"])
-    monkeypatch.setattr(gguf_method, "_room_for", lambda nbytes: False)
+    monkeypatch.setattr(gguf_method, "room_for", lambda nbytes: False)
     if not cpu_int4.has_kernel():
         pytest.skip("torch lacks the CPU int4 kernel")
     layer = _Layer([(Q.Q4_1, random_blocks(Q.Q4_1, 32, 256, 3))], 256)

@@ -32,7 +32,8 @@ namespace {
 using at::Tensor;
 
 // products: kind 0 = torch's int4 kernel, one plane (packed, scales_and_zeros; param: group);
-// kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group, rounds); batches
+// kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group, rounds); kind 2 =
+// the bfloat16 kernel (the plain weight; bfloat16 x: cpu_bf16.cpp); batches
 // of more rows than the kernel takes run the dense weight (oneDNN-packed or plain), as
 // quant/gguf.py's _serve_cpu
 constexpr int64_t kSpec = 7;  // ints a product takes in `spec`: kind, first tensor, a, b, c,
@@ -61,6 +62,7 @@ Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t 
     return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w[t], a, w[t + 1])
         .to(x.scalar_type());
   }
+  if (kind == 2) return skyline::bf16_mm(x.contiguous(), w[t]);
   return skyline::intdot_mm(x.contiguous(), w[t], w[t + 1], w[t + 2], a, b, c);
 }
 

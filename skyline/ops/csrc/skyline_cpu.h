@@ -35,6 +35,10 @@ at::Tensor intdot_runs(const at::Tensor& x, const std::vector<int64_t>& start,
                        const at::Tensor& scale, const at::Tensor& offset, int64_t bits,
                        int64_t group, int64_t rounds);
 
+// y [M, N] = x [M, K] times W^T, x and W [N, K] bfloat16, sums in float32 (cpu_bf16.cpp;
+// ops/cpu_bf16.py's bf16_mm_ref)
+at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& weight);
+
 // one query token per sequence over its paged KV cache (cpu_decode.cpp)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& blocks, const at::Tensor& lens, double scale);

@@ -1,0 +1,44 @@
+"""bfloat16 products on the CPU for decode-sized batches, on the weight as loaded ([N, K],
+row-major, no packing).
+
+oneDNN's product on a packed bf16 weight (ops/cpu_linear.py) streams a one-row product's weight
+at ~0.8 of the read rate measured beside it (bench/cpu_bf16_speed.py). Here each output row is a
+float32 sum over k in a fixed order (AVX-512 BF16 `vdpbf16ps` 32 elements a step, else AVX2 FMAs
+or scalar), each weight load serves every row of the batch, and a row's result is the same
+whatever batch it came in. Batches beyond the CPU plan's `bf16_rows` take oneDNN's products,
+whose per-row cost falls with the rows where this kernel's does not.
+
+The C++ is csrc/cpu_bf16.cpp, built for this machine by ops/cpu_ext.py; where it does not
+build, `available()` is False and callers keep oneDNN's product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skyline.ops import cpu_ext
+
+
+def bf16_mm_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The reference: x [M, K] times weight [N, K] transposed, float32 sums, bfloat16 out."""
+    return (x.float() @ weight.float().T).to(torch.bfloat16)
+
+
+def available() -> bool:
+    """Whether the kernel is built (or builds now) for this machine."""
+    return cpu_ext.available()
+
+
+def isa() -> str:
+    """The path this build runs: "avx512_bf16", "avx2" or "scalar"."""
+    return str(torch.ops.skyline_cpu.bf16_isa())
+
+
+def bf16_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bfloat16 times weight [N, K] bfloat16 transposed -> [..., N] bfloat16."""
+    if not cpu_ext.available():
+        raise RuntimeError("skyline's CPU operations are not built here (ops/cpu_ext.py); "
+                           "check cpu_bf16.available() first")
+    lead = x.shape[:-1]
+    y = torch.ops.skyline_cpu.bf16_mm(x.reshape(lead.numel(), x.shape[-1]).contiguous(), weight)
+    return y.view(*lead, weight.shape[0])

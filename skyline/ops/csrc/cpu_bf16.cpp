@@ -1,0 +1,192 @@
+// Products of bfloat16 activations and bfloat16 weights for decode-sized batches, sums in
+// float32 (ops/cpu_bf16.py holds the PyTorch reference and the contract).
+//
+// y[m, n] = bf16(sum_k x[m, k] * W[n, k]), W [N, K] row-major as loaded (no packing). Each output
+// row's sum is computed the same way whatever the batch's size: a 16-lane float32 accumulator
+// fed 32 elements at a time in k's order (AVX-512 BF16 `vdpbf16ps`: lane i takes elements 2i and
+// 2i + 1 of each 32), then its lanes summed in a fixed order; without AVX-512 BF16, 8 lanes of
+// float32 FMAs (AVX2) or one scalar sum. Weight rows are split across ATen's threads; a thread
+// reads U rows of W at a time and uses each load for every row of x (in passes of 8, 4, 2 or 1
+// rows: the U rows stay in cache between passes).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "skyline_cpu.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kMaxRows = 8;  // rows of x a weight load serves in one pass
+constexpr int kAhead = 1024;  // bytes of each weight row prefetched ahead of its loads
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr int kStep = 32;  // elements an accumulator takes a step
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+// 32 bf16 of p (the first `n` of them, the rest 0)
+inline __m512i load32(const uint16_t* p, int n) {
+  if (n >= 32) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
+}
+inline Acc fma_step(Acc acc, __m512i x, __m512i w) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(x), reinterpret_cast<__m512bh&>(w));
+}
+inline float acc_sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+using Vec = __m512i;
+inline Vec load(const uint16_t* p, int n) { return load32(p, n); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kStep = 8;
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+// 8 bf16 of p as float32 (the first `n`, the rest 0)
+inline __m256 load(const uint16_t* p, int n) {
+  __m128i v;
+  if (n >= 8) {
+    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    uint16_t tail[8] = {};
+    std::memcpy(tail, p, sizeof(uint16_t) * n);
+    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tail));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+using Vec = __m256;
+inline Acc fma_step(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+inline float acc_sum(Acc acc) { return skyline::hsum8(acc); }
+#else
+constexpr int kStep = 1;
+using Acc = float;
+using Vec = float;
+inline Acc acc_zero() { return 0.f; }
+inline Vec load(const uint16_t* p, int) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline Acc fma_step(Acc acc, Vec x, Vec w) { return acc + x * w; }
+inline float acc_sum(Acc acc) { return acc; }
+#endif
+
+inline void prefetch(const uint16_t* p) {
+#if defined(__AVX2__)
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead, _MM_HINT_T0);
+#else
+  (void)p;
+#endif
+}
+
+// y[m, n] for M rows of x from `x` (row stride ldx) and U weight rows from n: the M x U sums
+template <int M, int U>
+void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int64_t n,
+          at::BFloat16* y, int64_t ldy) {
+  Acc acc[M][U];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = acc_zero();
+  const uint16_t* rows[U];
+  for (int u = 0; u < U; ++u) rows[u] = w + (n + u) * k;
+  for (int64_t k0 = 0; k0 < k; k0 += kStep) {
+    const int left = static_cast<int>(std::min<int64_t>(kStep, k - k0));
+    Vec wv[U];
+    for (int u = 0; u < U; ++u) {
+      if (k0 % 32 == 0) prefetch(rows[u] + k0);
+      wv[u] = load(rows[u] + k0, left);
+    }
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = load(x + m * ldx + k0, left);
+      for (int u = 0; u < U; ++u) acc[m][u] = fma_step(acc[m][u], xv, wv[u]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < U; ++u) y[m * ldy + n + u] = c10::BFloat16(acc_sum(acc[m][u]));
+}
+
+// weight rows [n0, n1) for M rows of x: U rows at a time, then one at a time
+template <int M>
+void rows_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int64_t n0,
+               int64_t n1, at::BFloat16* y, int64_t ldy) {
+  constexpr int U = M <= 4 ? 4 : 2;  // M x U accumulators, at most 16
+  int64_t n = n0;
+  for (; n + U <= n1; n += U) tile<M, U>(x, ldx, w, k, n, y, ldy);
+  for (; n < n1; ++n) tile<M, 1>(x, ldx, w, k, n, y, ldy);
+}
+
+// weight rows [n0, n1) for all of x's rows: a block of weight rows (about 64 KB) at a time, read
+// from memory by the first pass and from cache by the others
+void rows_all(const uint16_t* x, int64_t m, const uint16_t* w, int64_t k, int64_t n0,
+              int64_t n1, at::BFloat16* y, int64_t n) {
+  const int64_t block = std::max<int64_t>(4, (65536 / 2) / std::max<int64_t>(1, k) / 4 * 4);
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = std::min(n1, b0 + block);
+    for (int64_t m0 = 0; m0 < m;) {
+      const int64_t left = m - m0;
+      const uint16_t* xm = x + m0 * k;
+      at::BFloat16* ym = y + m0 * n;
+      if (left >= 8) rows_pass<8>(xm, k, w, k, b0, b1, ym, n), m0 += 8;
+      else if (left >= 4) rows_pass<4>(xm, k, w, k, b0, b1, ym, n), m0 += 4;
+      else if (left >= 2) rows_pass<2>(xm, k, w, k, b0, b1, ym, n), m0 += 2;
+      else rows_pass<1>(xm, k, w, k, b0, b1, ym, n), m0 += 1;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor skyline::bf16_mm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "bf16_mm: x must be a contiguous bfloat16 [M, K]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16 && weight.size(1) == x.size(1),
+              "bf16_mm: weight must be a contiguous bfloat16 [N, K] with x's K");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  if (k == 0) {
+    y.zero_();
+    return y;
+  }
+  // parts: about 32 KB of weights at least each, every thread one part
+  const int64_t grain = std::max<int64_t>(4, 16384 / k);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / grain));
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      rows_all(xp, m, wp, k, p * n / parts, (p + 1) * n / parts, yp, n);
+  });
+  return y;
+}
+
+namespace {
+
+// which path this build's bf16_mm runs (for tests and benches)
+std::string bf16_isa() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return "avx512_bf16";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
+  m.def("bf16_mm(Tensor x, Tensor weight) -> Tensor");
+  m.def("bf16_isa() -> str", bf16_isa);
+}
+
+TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("bf16_mm", skyline::bf16_mm); }

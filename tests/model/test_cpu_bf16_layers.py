@@ -1,0 +1,103 @@
+"""An unquantized bfloat16 model as a CPU engine serves it where the CPU plan has bf16_rows:
+decode-sized batches on skyline's bf16 kernel (ops/cpu_bf16.py) over the plain weights kept
+beside oneDNN's packed ones, through the C++ decode step; larger batches on oneDNN; the same
+greedy tokens as oneDNN's products alone (up to a near tie)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from tiny_hf import save_scaled
+
+from skyline import LLM, SamplingParams
+from skyline.model.layers import cpu_decode
+from skyline.model.layers.linear import Linear
+from skyline.ops import cpu_bf16, cpu_ext, cpu_plan
+from skyline.quant.method import PackedLinearMethod, UnquantizedLinearMethod, prepack, unpack
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_bf16.available() and cpu_plan.probe().onednn_bf16),
+    reason="needs skyline's CPU operations and oneDNN bfloat16 products")
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return save_scaled(transformers.LlamaForCausalLM(cfg), tmp_path_factory.mktemp("llama"))
+
+
+def _llm(path: str, rows: int) -> LLM:
+    plan = dataclasses.replace(cpu_plan.plan(), dtype=torch.bfloat16, bf16_rows=rows)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_plan, "plan", lambda: plan)
+        return LLM(path, device="cpu", dtype="bfloat16", threads=1, max_model_len=256,
+                   enable_prefix_caching=False)
+
+
+def test_a_layer_keeps_its_plain_weight_for_few_rows():
+    lin = Linear(64, 48, bias=True, linear_method=UnquantizedLinearMethod())
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    lin.to(torch.bfloat16)
+    w = lin.weight.data.clone()
+    assert prepack(lin, bf16_rows=2) and lin.bf16_rows == 2 and torch.equal(lin.bf16_weight, w)
+    method = lin.linear_method
+    assert isinstance(method, PackedLinearMethod)
+    x = torch.randn(3, 64).bfloat16()
+    # 1-2 rows: the kernel (plus the bias); 3: oneDNN's packed product
+    assert torch.equal(method.apply(lin, x[:2]), cpu_bf16.bf16_mm(x[:2], w) + lin.bias)
+    ref = torch.nn.functional.linear(x.float(), w.float(), lin.bias.float())
+    assert (method.apply(lin, x).float() - ref).abs().max() < 0.05 * ref.abs().max()
+    assert method.cpu_decode_product(lin) is None  # a bias: no C++ step
+    assert unpack(lin) and torch.equal(lin.weight, w) and not hasattr(lin, "bf16_weight")
+    # without bf16_rows, packed only
+    assert prepack(lin) and lin.bf16_weight is None
+
+
+def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
+    prompts = [[5, 77, 300, 12, 9, 41], [100, 2, 3], [400, 401, 402, 403]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    kernel = _llm(llama, 2)
+    try:
+        model = kernel.engine.executor.runner.model.model
+        proj = model.layers[0].self_attn.qkv_proj
+        assert proj.bf16_weight is not None and proj.bf16_rows == 2
+        plan = model._cpu_decode_plan()
+        assert plan is not None and (plan.native is not None) == cpu_ext.available()
+        calls, steps = [], []
+        real_mm, real_run = cpu_bf16.bf16_mm, cpu_decode.run
+        monkeypatch.setattr(cpu_bf16, "bf16_mm", lambda *a: calls.append(1) or real_mm(*a))
+        monkeypatch.setattr(cpu_decode, "run", lambda *a: steps.append(1) or real_run(*a))
+        model._cpu_decode = plan._replace(native=None)  # the Python step calls the kernel
+        python = [o.outputs[0].token_ids for o in kernel.generate(prompts[:2], params)]
+        assert len(calls) >= 15 * 4 * 3  # every decode step's 4 products a layer
+        model._cpu_decode = plan
+        runs = [[o.outputs[0].token_ids for o in kernel.generate(p, params)]
+                for p in (prompts[:2], prompts)]  # 2 rows: the C++ step's kernel; 3: oneDNN
+        assert len(steps) >= 3 * 15
+    finally:
+        kernel.shutdown()
+    onednn = _llm(llama, 0)
+    try:
+        model = onednn.engine.executor.runner.model.model
+        assert model.layers[0].self_attn.qkv_proj.bf16_weight is None
+        want = [o.outputs[0] for o in onednn.generate(prompts, params)]
+    finally:
+        onednn.shutdown()
+    for got in (python, *runs):
+        for tokens, ref in zip(got, want, strict=False):
+            pairs = enumerate(zip(tokens, ref.token_ids, strict=True))
+            same = next((i for i, (a, b) in pairs if a != b), len(tokens))
+            if same < len(tokens):  # another sum order may only flip a near tie
+                top = ref.logprobs[same]
+                assert top.logprobs[1] - top.logprobs[2] < 0.15, (same, tokens, ref.token_ids)
