@@ -6,8 +6,8 @@
     python bench/cpu_vs_llamacpp.py --smoke      # skyline only, tiny settings, no llama.cpp
 
 DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
-default (SmolLM2-135M-Instruct Q4_1) and two files llama-quantize makes from it (Q4_K_M, Q8_0;
-kept in --work-dir); `moe_q4_k_m`, a mixture-of-experts model of random weights in Qwen3-30B-
+default (SmolLM2-135M-Instruct Q4_1) and files llama-quantize makes from it (Q4_K_M, Q8_0,
+BF16: `bf16`, the Q4_1 weights in 16 bits, for dense bfloat16 products; kept in --work-dir); `moe_q4_k_m`, a mixture-of-experts model of random weights in Qwen3-30B-
 A3B's layer shape (6 of its 48 layers: 128 experts of 768, top 8; skyline/bench/random_gguf.py),
 which llama-quantize makes Q4_K_M from F16 (the smoke run writes a tiny one, `moe_tiny`, with
 gguf-py's Q4_1). skyline runs each with no flags but the threads (the CPU plan of
@@ -55,7 +55,7 @@ from skyline.engine.create import resolve_model_path
 from skyline.engine.step_trace import timed
 from skyline.ops import cpu_plan
 
-QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}  # made from the default model
+QUANT_TYPES = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0", "bf16": "BF16"}  # made from the default
 
 
 def llamacpp_serve() -> Any:
@@ -94,8 +94,8 @@ def moe_file(name: str, work_dir: str, llama_bin: str | None, tokenizer_from: st
             write_moe_gguf(path, TINY, tokenizer_from, GGMLQuantizationType.Q4_1)
         return path
     if name != "moe_q4_k_m":
-        raise SystemExit(f"unknown model {name!r}; use q4_1, q4_k_m, q8_0, moe_q4_k_m or "
-                         "moe_tiny")
+        raise SystemExit(f"unknown model {name!r}; use q4_1, q4_k_m, q8_0, bf16, moe_q4_k_m "
+                         "or moe_tiny")
     path = os.path.join(work_dir, "qwen3moe-a3b-6layers-Q4_K_M.gguf")
     if not os.path.exists(path):
         if llama_bin is None:

@@ -96,6 +96,9 @@ class Env:
     # SKYLINE_CPU_INTDOT_ROUNDS=1 or 2: times that kernel rounds the activations to int8, over
     # the CPU plan's choice (ops/cpu_plan.py: once on AVX2, else twice); 0 (default): the plan's.
     cpu_intdot_rounds: int
+    # SKYLINE_CPU_BF16_ROWS=N: batches of at most N rows run bfloat16 weights on skyline's bf16
+    # kernel (ops/cpu_bf16.py), over the CPU plan's bf16_rows; 0 (or unset): the plan's; -1: never
+    cpu_bf16_rows: int
     # SKYLINE_CPU_INTDOT_MARCH: the -march that kernel is built for (default "native"; tests
     # build "haswell" and "x86-64" to check its AVX2 and scalar paths).
     cpu_intdot_march: str
@@ -125,6 +128,7 @@ class Env:
             gguf_cpu_planes=_int("SKYLINE_GGUF_CPU_PLANES", 2),
             cpu_intdot=_flag("SKYLINE_CPU_INTDOT", True),
             cpu_intdot_rounds=_int("SKYLINE_CPU_INTDOT_ROUNDS", 0),
+            cpu_bf16_rows=_int("SKYLINE_CPU_BF16_ROWS", 0),
             cpu_intdot_march=os.environ.get("SKYLINE_CPU_INTDOT_MARCH") or "native",
             api_key=os.environ.get("SKYLINE_API_KEY") or None,
             openai_api_key=os.environ.get("OPENAI_API_KEY") or None,

@@ -236,7 +236,7 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
             hook = getattr(module.linear_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else prepack(module, plan.bf16_rows)
         elif isinstance(module, LMHead):
-            packed += module.prepack(intdot_rows, plan.intdot_rounds)
+            packed += module.prepack(intdot_rows, plan.intdot_rounds, plan.bf16_rows)
         elif isinstance(module, FusedExperts):
             hook = getattr(module.expert_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else 0
@@ -266,7 +266,7 @@ def plain_layout(model: nn.Module) -> None:
             unpack(module)
         elif isinstance(module, LMHead):
             module.packed_weight = None
-            module.intdot_weight, module.intdot_rows = None, 0
+            module.intdot_weight, module.intdot_rows, module.bf16_rows = None, 0, 0
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0) -> None:

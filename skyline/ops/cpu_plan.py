@@ -40,8 +40,8 @@ exposes them with one activation scale per row or tensor only, and rounding Smol
 activations per row costs a KL of 0.057 against the GGUF weights (top-1 agreement 0.88), thirty
 times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL 0.005).
 
-SKYLINE_CPU_INTDOT_ROUNDS=2 (or 1) sets the rounding count over the plan's; `--dtype float32` is
-the exact path everywhere.
+SKYLINE_CPU_INTDOT_ROUNDS=2 (or 1) sets the rounding count over the plan's, SKYLINE_CPU_BF16_ROWS
+the bf16 kernel's rows (-1: never); `--dtype float32` is the exact path everywhere.
 
 `skyline tune` measures these choices on the user's own CPU and stores what won end to end in
 the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields
@@ -182,6 +182,8 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     if tuned:
         dtype, rows, wide, intdot, threads = _tuned(tuned, dtype, rows, wide, intdot)
         bf16 = _count(tuned, "bf16_rows", bf16) or 0
+    if envs.ENV.cpu_bf16_rows:
+        bf16 = max(0, envs.ENV.cpu_bf16_rows)
     if not built:
         intdot = 0
     if not built or dtype != torch.bfloat16:

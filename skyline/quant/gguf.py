@@ -179,10 +179,13 @@ class GGUFLinearMethod:
 
     def decode_bytes(self, layer: LinearLayer) -> int | None:
         """Bytes a one-row product reads where it is less than the layer holds: the int4
-        planes of a CPU engine's layer (prepack_cpu), not its dense copy; None otherwise."""
+        planes, integer dot codes or bf16 kernel's plain weight of a CPU engine's layer
+        (prepack_cpu), not its dense copy; None otherwise."""
         planes = getattr(layer, "cpu_planes", None)
-        if getattr(layer, "cpu_plane_rows", 0) < 1 or layer.cpu_bf16 is not None:
+        if getattr(layer, "cpu_plane_rows", 0) < 1:
             return None
+        if layer.cpu_bf16 is not None:
+            return layer.cpu_bf16.numel() * layer.cpu_bf16.element_size()
         if layer.cpu_intdot is not None:
             return layer.cpu_intdot.nbytes()
         return sum(t.numel() * t.element_size() for p in planes for t in p)

@@ -93,6 +93,12 @@ class PackedLinearMethod:
     def full_weight(self, layer: Any) -> torch.Tensor:
         return cpu_linear.unpack(layer.packed_weight)
 
+    def decode_bytes(self, layer: Any) -> int | None:
+        """Bytes a one-row product reads: the bf16 kernel's plain weight where the layer keeps
+        one (not also the packed copy); None otherwise (model/cost.py)."""
+        w = layer.bf16_weight
+        return None if w is None else w.numel() * w.element_size()
+
     def cpu_decode_product(self, layer: Any) -> tuple[Any, int, Any] | None:
         """(product, rows, native) for the C++ decode step (linear.py's cpu_decode_product)
         where the layer has the bf16 kernel's weight and no bias; None otherwise."""

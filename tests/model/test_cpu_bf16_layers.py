@@ -59,6 +59,7 @@ def test_a_layer_keeps_its_plain_weight_for_few_rows():
     ref = torch.nn.functional.linear(x.float(), w.float(), lin.bias.float())
     assert (method.apply(lin, x).float() - ref).abs().max() < 0.05 * ref.abs().max()
     assert method.cpu_decode_product(lin) is None  # a bias: no C++ step
+    assert method.decode_bytes(lin) == 64 * 48 * 2  # the plain copy, not also the packed one
     assert unpack(lin) and torch.equal(lin.weight, w) and not hasattr(lin, "bf16_weight")
     # without bf16_rows, packed only
     assert prepack(lin) and lin.bf16_weight is None
@@ -72,6 +73,7 @@ def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
         model = kernel.engine.executor.runner.model.model
         proj = model.layers[0].self_attn.qkv_proj
         assert proj.bf16_weight is not None and proj.bf16_rows == 2
+        assert kernel.engine.executor.runner.model.lm_head.bf16_rows == 2  # the head too
         plan = model._cpu_decode_plan()
         assert plan is not None and (plan.native is not None) == cpu_ext.available()
         calls, steps = [], []
@@ -80,7 +82,7 @@ def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
         monkeypatch.setattr(cpu_decode, "run", lambda *a: steps.append(1) or real_run(*a))
         model._cpu_decode = plan._replace(native=None)  # the Python step calls the kernel
         python = [o.outputs[0].token_ids for o in kernel.generate(prompts[:2], params)]
-        assert len(calls) >= 15 * 4 * 3  # every decode step's 4 products a layer
+        assert len(calls) >= 15 * (4 * 3 + 1)  # every decode step's 4 products a layer, head
         model._cpu_decode = plan
         runs = [[o.outputs[0].token_ids for o in kernel.generate(p, params)]
                 for p in (prompts[:2], prompts)]  # 2 rows: the C++ step's kernel; 3: oneDNN
@@ -91,6 +93,7 @@ def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
     try:
         model = onednn.engine.executor.runner.model.model
         assert model.layers[0].self_attn.qkv_proj.bf16_weight is None
+        assert onednn.engine.executor.runner.model.lm_head.bf16_rows == 0
         want = [o.outputs[0] for o in onednn.generate(prompts, params)]
     finally:
         onednn.shutdown()
@@ -101,3 +104,45 @@ def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
             if same < len(tokens):  # another sum order may only flip a near tie
                 top = ref.logprobs[same]
                 assert top.logprobs[1] - top.logprobs[2] < 0.15, (same, tokens, ref.token_ids)
+
+
+class _GGUFLayer(torch.nn.Module):
+    """What GGUFLinearMethod.prepack_cpu needs of a Linear after loading: one run of blocks."""
+
+    def __init__(self, qtype: int, data: torch.Tensor, rows: int, cols: int) -> None:
+        super().__init__()
+        self.gguf_types = [qtype]
+        self.register_buffer("gguf_w0", data)
+        self.bias = None
+        self.out_features, self.in_features = rows, cols
+
+
+@pytest.mark.parametrize("name", ["BF16", "F16"])
+@pytest.mark.parametrize("rows", [2, 0])
+def test_16_bit_gguf_layers_take_the_kernel_by_the_plan(monkeypatch, name, rows):
+    from gguf import GGMLQuantizationType as Q
+
+    from skyline.quant.gguf import GGUFLinearMethod
+
+    plan = dataclasses.replace(cpu_plan.plan(), dtype=torch.bfloat16, bf16_rows=rows)
+    monkeypatch.setattr(cpu_plan, "plan", lambda: plan)
+    w = torch.randn(40, 96).to(torch.bfloat16 if name == "BF16" else torch.float16)
+    layer = _GGUFLayer(int(Q[name]), w.view(torch.uint8), 40, 96)
+    method = GGUFLinearMethod()
+    assert method.prepack_cpu(layer, torch.bfloat16)
+    assert layer.cpu_dense.is_mkldnn
+    assert method.decode_bytes(layer) == (40 * 96 * 2 if rows else None)  # one copy read
+    dense = w.to(torch.bfloat16)
+    x = torch.randn(3, 96).bfloat16()
+    got = method.cpu_decode_product(layer)
+    if not rows:  # oneDNN only, as before the kernel; no C++ step for the layer
+        assert layer.cpu_bf16 is None and layer.cpu_plane_rows == 0 and got is None
+        return
+    assert torch.equal(layer.cpu_bf16, dense) and layer.cpu_plane_rows == 2
+    assert torch.equal(method.apply(layer, x[:2]), cpu_bf16.bf16_mm(x[:2], dense))
+    ref = x.float() @ dense.float().T
+    assert (method.apply(layer, x).float() - ref).abs().max() < 0.02 * ref.abs().max()
+    product, n, native = got
+    assert native.kind == cpu_ext.BF16 and native.tensors[0] is layer.cpu_bf16
+    assert native.rows == 2 and native.dense is layer.cpu_dense and n == cpu_ext.ANY_ROWS
+    assert torch.equal(product(x[:1]), cpu_bf16.bf16_mm(x[:1], dense))

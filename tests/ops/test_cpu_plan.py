@@ -173,3 +173,19 @@ def test_the_rounding_count_can_be_set(monkeypatch):
     monkeypatch.setattr(envs, "ENV", envs.Env.read())
     with pytest.raises(ValueError, match="SKYLINE_CPU_INTDOT_ROUNDS=3 must be 1 or 2"):
         cpu_plan.plan()
+
+
+def test_the_bf16_kernels_rows_can_be_set(monkeypatch):
+    from skyline import envs
+
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512_bf16"])
+    built = cpu_intdot.available()
+    for value, want in (("4", 4), ("-1", 0), ("0", cpu_plan.BF16_ROWS["avx512_bf16"])):
+        monkeypatch.setenv("SKYLINE_CPU_BF16_ROWS", value)
+        monkeypatch.setattr(envs, "ENV", envs.Env.read())
+        assert cpu_plan.plan().bf16_rows == (want if built else 0)
+    # float32 activations (AVX2): never
+    monkeypatch.setenv("SKYLINE_CPU_BF16_ROWS", "4")
+    monkeypatch.setattr(envs, "ENV", envs.Env.read())
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx2"])
+    assert cpu_plan.plan().bf16_rows == 0

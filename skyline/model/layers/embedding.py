@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
-from skyline.ops import cpu_intdot, cpu_linear
+from skyline.ops import cpu_bf16, cpu_intdot, cpu_linear
 from skyline.ops.fp8_linear import fp8_linear
 from skyline.ops.fp8_quant import fake_quantize_rows_fp8, quantize_rows_fp8
 from skyline.parallel.groups import Group, ParallelLayout
@@ -98,6 +98,9 @@ class LMHead(nn.Module):
         self.intdot_weight: cpu_intdot.IntDotWeight | None = None
         self.intdot_rows = 0
         self.code_bits = 8
+        # a bfloat16 head on a CPU: batches of at most bf16_rows rows on the bf16 kernel, which
+        # reads the dense weight as it is (ops/cpu_bf16.py)
+        self.bf16_rows = 0
         # --quantize-lm-head: an e4m3 copy with a float32 scale per vocabulary row
         self.register_buffer("fp8_weight", None)
         self.register_buffer("fp8_scale", None)
@@ -124,7 +127,7 @@ class LMHead(nn.Module):
             self.vocab_shard = VocabShard(self.vocab_size, layout.tp)
             self.weight = self.vocab_shard.weight(self.hidden_size)
 
-    def prepack(self, intdot_rows: int = 0, intdot_rounds: int = 2) -> bool:
+    def prepack(self, intdot_rows: int = 0, intdot_rounds: int = 2, bf16_rows: int = 0) -> bool:
         """On the CPU, compute through a oneDNN-packed copy of the loaded weight
         (`ops/cpu_linear.py`; the head is the largest product of a small model's step). The
         dense weight stays (the embedding and the speculators read it): one more copy of the
@@ -134,11 +137,18 @@ class LMHead(nn.Module):
         `code_bits` codes on the integer dot kernel (activations rounded `intdot_rounds` times),
         and the entries within 8 of each row's top are recomputed from the dense weight
         (`cpu_linear.exact_near_top`): the sampled token and its logprob are then the dense
-        head's. Returns whether it packed."""
+        head's. Otherwise, with `bf16_rows` (the CPU plan's), batches of at most that many
+        bfloat16 rows of a bfloat16 head run the bf16 kernel on the dense weight. Returns whether
+        it packed."""
         w = self.weight.data
         if intdot_rows and self.fp8_weight is None and w.device.type == "cpu":
             self.intdot_weight = cpu_intdot.quantize_weight(w, intdot_rounds, self.code_bits)
             self.intdot_rows = intdot_rows if self.intdot_weight is not None else 0
+        self.bf16_rows = 0
+        if (bf16_rows and not self.intdot_rows and self.fp8_weight is None
+                and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+                and cpu_bf16.available()):
+            self.bf16_rows = bf16_rows
         if self.fp8_weight is not None:
             w = (self.fp8_weight.float() * self.fp8_scale.unsqueeze(-1)).to(w.dtype)
         if not cpu_linear.can_pack(w):
@@ -169,6 +179,8 @@ class LMHead(nn.Module):
         if self.intdot_weight is not None and hidden.shape[0] <= self.intdot_rows:
             logits = cpu_intdot.intdot_mm(hidden.float().contiguous(), self.intdot_weight)
             return cpu_linear.exact_near_top(logits, hidden, self.weight.data)
+        if hidden.shape[0] <= self.bf16_rows and hidden.dtype == torch.bfloat16:
+            return self._exact_top(cpu_bf16.bf16_mm(hidden, self.weight.data).float(), hidden)
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token
                 hidden = fake_quantize_rows_fp8(hidden).to(hidden.dtype)
