@@ -1,12 +1,13 @@
 """bfloat16 products on the CPU for decode-sized batches, on the weight as loaded ([N, K],
 row-major, no packing).
 
-oneDNN's product on a packed bf16 weight (ops/cpu_linear.py) streams a one-row product's weight
-at ~0.8 of the read rate measured beside it (bench/cpu_bf16_speed.py). Here each output row is a
-float32 sum over k in a fixed order (AVX-512 BF16 `vdpbf16ps` 32 elements a step, else AVX2 FMAs
-or scalar), each weight load serves every row of the batch, and a row's result is the same
-whatever batch it came in. Batches beyond the CPU plan's `bf16_rows` take oneDNN's products,
-whose per-row cost falls with the rows where this kernel's does not.
+oneDNN's product on a packed bf16 weight (ops/cpu_linear.py) reads a one-row product's weight at
+0.6-0.85 of the read rate measured beside it, least on short rows (the default model's 576);
+this kernel at ~1.0 (bench/cpu_bf16_speed.py). Each output row is a float32 sum over k in a
+fixed order (AVX-512 BF16 `vdpbf16ps` 32 elements a step, else AVX2 FMAs or scalar), each weight
+load serves every row of the batch, and a row's result is the same whatever batch it came in.
+Batches beyond the CPU plan's `bf16_rows` take oneDNN's products, whose per-row cost falls with
+the rows where this kernel's does not (it is bound by `vdpbf16ps` from ~4 rows).
 
 The C++ is csrc/cpu_bf16.cpp, built for this machine by ops/cpu_ext.py; where it does not
 build, `available()` is False and callers keep oneDNN's product.

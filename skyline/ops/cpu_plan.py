@@ -159,8 +159,9 @@ INTDOT_ROWS = 2
 # bench/cpu_intdot_speed.py: the module docstring).
 ROUND_ONCE = {"avx2": (32, 16)}
 # Rows up to which the bf16 kernel runs bfloat16 weights on the families whose activations are
-# bfloat16 (on an AVX-512 BF16 AMD EPYC at 2 threads, a Llama-3.1-8B layer's products 1.18x /
-# 1.05x faster than oneDNN's at 1 / 2 rows, slower at 4: bench/cpu_bf16_speed.py).
+# bfloat16 (bench/cpu_bf16_speed.py on an AVX-512 BF16 AMD EPYC at 2 threads: faster than
+# oneDNN's packed products at 1 / 2 rows by 1.19x / 1.13x on a Llama-3.1-8B layer's shapes and
+# 1.64x / 1.59x on the default model's; at 4 rows 0.91x on the former's).
 BF16_ROWS = {"amx": 2, "avx512_bf16": 2}
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
