@@ -1,9 +1,10 @@
-"""bfloat16 decode products on the CPU by kernel: skyline's bf16 kernel on the weight as loaded
-(ops/cpu_bf16.py) against oneDNN's product on its packed weight (ops/cpu_linear.py, what CPU
-stages ran) and torch's F.linear on the plain weight, at 1-16 rows, on a Llama-3.1-8B layer's
-shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336: 436 MB a layer, two
-layers taken in turn so that nothing is still in the last-level cache) and the default model's
-(30 layers of 960x576, 576x576, 3072x576, 576x1536).
+"""bfloat16 decode products on the CPU by kernel: skyline's bf16 kernel (ops/cpu_bf16.py) on
+the weights where torch put them and in huge pages, as a CPU engine holds them
+(ops/host_memory.py), against oneDNN's product on its packed weight (ops/cpu_linear.py) and
+torch's F.linear on the plain weight, at 1-16 rows, on a Llama-3.1-8B layer's shapes (qkv
+6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336: 436 MB a layer, two layers taken in
+turn so that nothing is still in the last-level cache) and the default model's (30 layers of
+960x576, 576x576, 3072x576, 576x1536).
 The floor is the weight's bytes over the read bandwidth measured in the same run.
 
     python bench/cpu_bf16_speed.py [--threads 2] [--rows 1,2,4,8,16] [--shapes llama8b,smollm2]
@@ -17,13 +18,14 @@ import argparse
 import datetime
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from skyline.bench.floor import host_read_bandwidth
 from skyline.bench.offline import machine_info, save_json
-from skyline.ops import cpu_bf16, cpu_linear
+from skyline.ops import cpu_bf16, cpu_linear, host_memory
 
 SHAPES = {  # name: (layers, [(N, K), ...])
     "llama8b": (2, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]),
@@ -40,6 +42,21 @@ def kernel(kind: str, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]
         packed = cpu_linear.pack(w)
         return lambda x: cpu_linear.packed_linear(x, packed)
     return lambda x: F.linear(x, w)
+
+
+def huge_pages(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the weights in mappings advised to huge pages, 64 MiB at a time (as the
+    loader places a CPU engine's streamed weights: model/loader.py)."""
+    holder, out, chunk = SimpleNamespace(), [], []
+    for w in [*weights, None]:
+        if w is not None:
+            chunk.append(w)
+        if chunk and (w is None or sum(t.numel() * 2 for t in chunk) >= 64 << 20):
+            holder.ws = tuple(chunk)
+            host_memory.into_huge_pages([(holder, "ws")])
+            out += holder.ws
+            chunk = []
+    return out
 
 
 def time_step(fns: list[Callable], ks: list[int], rows: int, reps: int) -> float:
@@ -80,8 +97,14 @@ def main() -> None:
         weights = [torch.randn(n, k, generator=g).to(torch.bfloat16)
                    for _ in range(layers) for n, k in dims]
         nbytes = sum(w.numel() * w.itemsize for w in weights)
-        for kind in ("skyline_bf16", "onednn_packed", "torch_linear"):
-            fns = [kernel(kind, w) for w in weights]
+        for kind in ("skyline_bf16", "skyline_bf16_huge_pages", "onednn_packed",
+                     "torch_linear"):
+            if kind == "skyline_bf16_huge_pages":
+                if not host_memory.available():
+                    continue
+                fns = [kernel("skyline_bf16", w) for w in huge_pages(weights)]
+            else:
+                fns = [kernel(kind, w) for w in weights]
             if any(f is None for f in fns):
                 continue
             for m in rows:

@@ -6,11 +6,12 @@
     python bench/cpu_vs_llamacpp.py --smoke      # skyline only, tiny settings, no llama.cpp
 
 DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
-default (SmolLM2-135M-Instruct Q4_1) and files llama-quantize makes from it (Q4_K_M, Q8_0,
-BF16: `bf16`, the Q4_1 weights in 16 bits, for dense bfloat16 products; kept in --work-dir); `moe_q4_k_m`, a mixture-of-experts model of random weights in Qwen3-30B-
-A3B's layer shape (6 of its 48 layers: 128 experts of 768, top 8; skyline/bench/random_gguf.py),
-which llama-quantize makes Q4_K_M from F16 (the smoke run writes a tiny one, `moe_tiny`, with
-gguf-py's Q4_1). skyline runs each with no flags but the threads (the CPU plan of
+default (SmolLM2-135M-Instruct Q4_1) and files llama-quantize makes from it (Q4_K_M, Q8_0; `bf16`:
+the Q4_1 weights in 16 bits, dense bfloat16 products; kept in --work-dir); `moe_q4_k_m`, a
+mixture-of-experts model of random weights in Qwen3-30B-A3B's layer shape (6 of its 48 layers:
+128 experts of 768, top 8; skyline/bench/random_gguf.py), which llama-quantize makes Q4_K_M from
+F16 (the smoke run writes a tiny one, `moe_tiny`, with gguf-py's Q4_1); or any GGUF file, by its
+path (a name ending in .gguf). skyline runs each with no flags but the threads (the CPU plan of
 ops/cpu_plan.py chooses dtype and kernels). Per model:
 
 - batch-1 decode and prefill against `llama-bench` (tg N: N tokens generated one at a time
@@ -67,6 +68,10 @@ def llamacpp_serve() -> Any:
 
 
 def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
+    if name.endswith(".gguf"):  # a file of the user's
+        if not os.path.exists(name):
+            raise SystemExit(f"{name} does not exist")
+        return name
     default = resolve_model_path(None, "auto")
     if name == "q4_1":
         return default
@@ -356,7 +361,7 @@ def main() -> None:
             entry |= bench_offline(model, ns, bandwidth)
         if "serve" in ns.parts:
             entry["serve"] = bench_serve(model, ns)
-        report["models"][name] = entry
+        report["models"][os.path.basename(name) if name.endswith(".gguf") else name] = entry
         _print_model(name, entry)
         if ns.smoke:
             _check_smoke(entry)

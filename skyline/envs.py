@@ -99,6 +99,9 @@ class Env:
     # SKYLINE_CPU_BF16_ROWS=N: batches of at most N rows run bfloat16 weights on skyline's bf16
     # kernel (ops/cpu_bf16.py), over the CPU plan's bf16_rows; 0 (or unset): the plan's; -1: never
     cpu_bf16_rows: int
+    # SKYLINE_HUGE_PAGES=0: a CPU engine's streamed weights stay in torch's allocations instead
+    # of a mapping advised to transparent huge pages (ops/host_memory.py)
+    huge_pages: bool
     # SKYLINE_CPU_INTDOT_MARCH: the -march that kernel is built for (default "native"; tests
     # build "haswell" and "x86-64" to check its AVX2 and scalar paths).
     cpu_intdot_march: str
@@ -129,6 +132,7 @@ class Env:
             cpu_intdot=_flag("SKYLINE_CPU_INTDOT", True),
             cpu_intdot_rounds=_int("SKYLINE_CPU_INTDOT_ROUNDS", 0),
             cpu_bf16_rows=_int("SKYLINE_CPU_BF16_ROWS", 0),
+            huge_pages=_flag("SKYLINE_HUGE_PAGES", True),
             cpu_intdot_march=os.environ.get("SKYLINE_CPU_INTDOT_MARCH") or "native",
             api_key=os.environ.get("SKYLINE_API_KEY") or None,
             openai_api_key=os.environ.get("OPENAI_API_KEY") or None,

@@ -26,7 +26,8 @@ from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding, rope_type_of
 from skyline.model.partition import partition, weight_names
 from skyline.model.registry import get_model_class
-from skyline.ops import cpu_plan
+from skyline.model.weights import held_bytes
+from skyline.ops import cpu_plan, host_memory
 from skyline.parallel.groups import ParallelLayout
 from skyline.progress import bar
 from skyline.quant import attach_quant_methods, finish_loading
@@ -240,7 +241,34 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
         elif isinstance(module, FusedExperts):
             hook = getattr(module.expert_method, "prepack_cpu", None)
             packed += hook(module, dtype) if hook is not None else 0
+    _streamed_into_huge_pages(model)
     return packed
+
+
+# What a CPU decode step's kernels stream, by module: the bf16 kernel's plain weights, the
+# integer dot kernel's codes, the int4 kernel's planes, packed experts
+STREAMED = ("bf16_weight", "cpu_bf16", "cpu_intdot", "cpu_planes", "cpu_experts")
+ARENA_BYTES = 64 << 20  # weights gathered into one mapping at a time (the copy's extra memory)
+
+
+def _streamed_into_huge_pages(model: nn.Module) -> None:
+    """The weights decode steps stream, in memory of transparent huge pages (ops/host_memory.py),
+    a mapping per ~64 MiB of consecutive modules (a small model's layer shares its pages)."""
+    items: list[tuple[nn.Module, str]] = []
+    held = 0
+    for module in model.modules():
+        names = STREAMED if isinstance(module, (Linear, FusedExperts)) else ()
+        if isinstance(module, LMHead):
+            names = ("intdot_weight",) + (("weight",) if module.bf16_rows else ())
+        present = [(module, name) for name in names if getattr(module, name, None) is not None]
+        if present:
+            items += present
+            held += held_bytes([module])  # about: its dense copies count too
+        if held >= ARENA_BYTES:
+            host_memory.into_huge_pages(items)
+            items, held = [], 0
+    if items:
+        host_memory.into_huge_pages(items)
 
 
 def prepack_host_experts(model: nn.Module, dtype: torch.dtype) -> int:

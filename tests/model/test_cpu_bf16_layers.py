@@ -15,7 +15,7 @@ from tiny_hf import save_scaled
 from skyline import LLM, SamplingParams
 from skyline.model.layers import cpu_decode
 from skyline.model.layers.linear import Linear
-from skyline.ops import cpu_bf16, cpu_ext, cpu_plan
+from skyline.ops import cpu_bf16, cpu_ext, cpu_plan, host_memory
 from skyline.quant.method import PackedLinearMethod, UnquantizedLinearMethod, prepack, unpack
 
 pytestmark = pytest.mark.skipif(
@@ -74,6 +74,11 @@ def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
         proj = model.layers[0].self_attn.qkv_proj
         assert proj.bf16_weight is not None and proj.bf16_rows == 2
         assert kernel.engine.executor.runner.model.lm_head.bf16_rows == 2  # the head too
+        if host_memory.available():  # streamed weights in one huge-page mapping per 64 MiB
+            w = proj.bf16_weight
+            assert w.untyped_storage().nbytes() > w.numel() * w.element_size()
+            assert w.untyped_storage().data_ptr() == model.layers[-1].mlp.down_proj.bf16_weight \
+                .untyped_storage().data_ptr()
         plan = model._cpu_decode_plan()
         assert plan is not None and (plan.native is not None) == cpu_ext.available()
         calls, steps = [], []
