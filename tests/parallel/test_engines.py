@@ -145,11 +145,18 @@ def test_pipeline_stages_in_bfloat16(tmp_path):
     path = str(tmp_path / "tiny.gguf")
     write_dense_gguf(path, TINY_DENSE)
     kw = {**SMALL, "dtype": "bfloat16", "quantization": "gguf"}
-    prompts = _prompts(4, seed=6)
-    want = _tokens(LLM(path, **kw).generate(prompts, GREEDY))
+    # four prompts, and one alone: its decode steps' single rows take the bf16 kernel where the
+    # CPU plan has one (ops/cpu_bf16.py), on weights in huge pages (ops/host_memory.py)
+    prompts, one = _prompts(4, seed=6), _prompts(1, seed=7)
+    single = LLM(path, **kw)
+    try:
+        want, want_one = (_tokens(single.generate(p, GREEDY)) for p in (prompts, one))
+    finally:
+        single.shutdown()
     llm = LLM(path, **kw, placement="cpu=3,cpu=1")
     try:
         assert _tokens(llm.generate(prompts, GREEDY)) == want
+        assert _tokens(llm.generate(one, GREEDY)) == want_one
     finally:
         llm.shutdown()
 
