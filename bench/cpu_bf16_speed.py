@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from skyline.bench.floor import host_read_bandwidth
+from skyline.bench.floor import host_read_bandwidth, median_seconds
 from skyline.bench.offline import machine_info, save_json
 from skyline.ops import cpu_bf16, cpu_linear, host_memory
 
@@ -60,17 +59,10 @@ def huge_pages(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def time_step(fns: list[Callable], ks: list[int], rows: int, reps: int) -> float:
-    """Best seconds of one pass over every product, each with its own input."""
+    """Median seconds of one pass over every product, each with its own input."""
     xs = [torch.randn(rows, k, dtype=torch.bfloat16) for k in ks]
-    for f, x in zip(fns, xs, strict=True):
-        f(x)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for f, x in zip(fns, xs, strict=True):
-            f(x)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return median_seconds(lambda: [f(x) for f, x in zip(fns, xs, strict=True)],
+                          torch.device("cpu"), reps)
 
 
 def main() -> None:

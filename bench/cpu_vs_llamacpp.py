@@ -1,8 +1,7 @@
 """skyline against llama.cpp on the CPU, on the same GGUF files with the same threads, in one run.
 
-    python bench/cpu_vs_llamacpp.py --llama-bin DIR [--threads 2] [--rounds 3]
-        [--models q4_1,q4_k_m,q8_0] [--parts offline,serve]
-        [--out bench/results/cpu/cpu-vs-llamacpp-2threads.json]
+    python bench/cpu_vs_llamacpp.py --llama-bin DIR [--threads 2] [--rounds 3] [--models
+        q4_1,q4_k_m,q8_0] [--parts offline,serve] [--out bench/results/cpu/….json]
     python bench/cpu_vs_llamacpp.py --smoke      # skyline only, tiny settings, no llama.cpp
 
 DIR holds llama.cpp's llama-bench, llama-server and llama-quantize. The models: the embedded
@@ -26,9 +25,9 @@ ops/cpu_plan.py chooses dtype and kernels). Per model:
 
 The floor of batch-1 decode is the bytes one step reads (the weights each engine holds for a
 one-row product, skyline's KV read included; of a mixture of experts, the top-k share of the
-experts, each engine's as it stores them) over the read bandwidth measured in the same run (a
-sum over 256 MiB at the run's threads). Each model's entry also has the weights skyline holds
-and this process's resident memory once it is loaded, against the file's size.
+experts, each engine's as it stores them) over the read bandwidth measured in the same run (a sum
+over 256 MiB at the run's threads). Each model's entry also has the weights skyline holds and
+this process's resident memory once it is loaded, against the file's size.
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ def model_file(name: str, work_dir: str, llama_bin: str | None) -> str:
     default = resolve_model_path(None, "auto")
     if name == "q4_1":
         return default
-    if name.startswith("moe_"):
-        return moe_file(name, work_dir, llama_bin, default)
+    if name.startswith("moe_") or name not in QUANT_TYPES:
+        return moe_file(name, work_dir, llama_bin, default)  # an unknown name's message too
     path = os.path.join(work_dir, f"smollm2-135m-{QUANT_TYPES[name]}.gguf")
     if not os.path.exists(path):
         if llama_bin is None:
@@ -99,8 +98,7 @@ def moe_file(name: str, work_dir: str, llama_bin: str | None, tokenizer_from: st
             write_moe_gguf(path, TINY, tokenizer_from, GGMLQuantizationType.Q4_1)
         return path
     if name != "moe_q4_k_m":
-        raise SystemExit(f"unknown model {name!r}; use q4_1, q4_k_m, q8_0, bf16, moe_q4_k_m "
-                         "or moe_tiny")
+        raise SystemExit(f"unknown model {name!r} (see --help)")
     path = os.path.join(work_dir, "qwen3moe-a3b-6layers-Q4_K_M.gguf")
     if not os.path.exists(path):
         if llama_bin is None:
@@ -300,11 +298,10 @@ def bench_serve(model: str, ns: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-bin", default=None,
-                    help="directory of llama-bench, llama-server, llama-quantize")
-    ap.add_argument("--smoke", action="store_true",
-                    help="skyline only, tiny settings (CI): no llama.cpp needed")
-    ap.add_argument("--models", default="q4_1,q4_k_m,q8_0")
+    ap.add_argument("--llama-bin", default=None, help="llama-bench, llama-server, llama-quantize")
+    ap.add_argument("--smoke", action="store_true", help="skyline only, tiny settings (CI)")
+    ap.add_argument("--models", default="q4_1,q4_k_m,q8_0",
+                    help="q4_1, q4_k_m, q8_0, bf16, moe_q4_k_m, moe_tiny or a GGUF file's path")
     ap.add_argument("--parts", default="offline,serve",
                     help="offline (batch-1 decode and prefill), serve (the streams), or both")
     ap.add_argument("--threads", type=int, default=2)
@@ -317,9 +314,8 @@ def main() -> None:
     ap.add_argument("--serve-out", type=int, default=128)
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "cpu-vs-llamacpp"),
                     help="made GGUF files and server logs")
-    ap.add_argument("--out", default=None,
-                    help="JSON path (default bench/results/cpu/cpu-vs-llamacpp-<N>threads.json; "
-                         "with --smoke none unless given)")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/cpu/"
+                    "cpu-vs-llamacpp-<N>threads.json; with --smoke none unless given)")
     ns = ap.parse_args()
     if ns.smoke:
         ns.models, ns.rounds, ns.prompt_len, ns.gen_len = "q4_1,moe_tiny", 1, 16, 8
@@ -373,8 +369,7 @@ def main() -> None:
 
 
 def _check_smoke(entry: dict[str, Any]) -> None:
-    """A smoke run fails unless every part measured something and every request completed
-    (tests/bench/test_scripts_smoke.py runs it)."""
+    """A smoke run (CI's) fails unless every part measured something, every request done."""
     serve = entry["serve"]["engines"]["skyline"]
     figures = (entry["decode_b1_tok_s"]["skyline"][0], entry["prefill_tok_s"]["skyline"][0],
                entry["decode_floor_tok_s"]["skyline"], serve["output_throughput"],
