@@ -1,9 +1,9 @@
 """The CPU's tuner: what the CPU plan (ops/cpu_plan.py) guesses from the CPU's flags, measured on
 this machine with the model's own Linear shapes: up to how many rows the plan's kernel of 4-bit
 codes (torch's int4 kernel, or the integer dot kernel) beats the dense product (`int4_rows`),
-the same for the integer dot kernel's 8-bit codes (`intdot_rows`), and the thread count of the
-decode step's products. No new numerics: the same kernels the plan already chooses between, the
-same dtypes and rounding.
+the same for the integer dot kernel's 8-bit codes (`intdot_rows`) and the bf16 kernel's bfloat16
+weights (`bf16_rows`), and the thread count of the decode step's products. No new numerics: the
+same kernels the plan already chooses between, the same dtypes and rounding.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from skyline.ops import cpu_int4, cpu_intdot, cpu_linear, cpu_plan
+from skyline.ops import cpu_bf16, cpu_int4, cpu_intdot, cpu_linear, cpu_plan, host_memory
 from skyline.tune.workload import model_linears
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -112,6 +113,19 @@ def intdot_pass(shapes: list[tuple[int, int]], dtype: torch.dtype, copies: int, 
     return at
 
 
+def bf16_pass(shapes: list[tuple[int, int]], copies: int) -> Callable[[int], Callable]:
+    """rows -> a pass over `copies` copies of the layer's products on the bf16 kernel, its
+    weights in huge pages as the engine holds them (ops/host_memory.py)."""
+    holder = SimpleNamespace(ws=tuple((torch.randn(n, k) * 0.02).to(torch.bfloat16)
+                                      for _ in range(copies) for n, k in shapes))
+    host_memory.into_huge_pages([(holder, "ws")])
+
+    def at(rows: int) -> Callable:
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in shapes}
+        return lambda: [cpu_bf16.bf16_mm(xs[w.shape[1]], w) for w in holder.ws]
+    return at
+
+
 def _crossover(name: str, kernel: Callable[[int], Callable], dense: Callable[[int], Callable],
                rows: list[int], min_s: float, log: Callable[[str], None]) -> int:
     """The most rows up to which `kernel` is not slower than `dense` (stopping at the first
@@ -128,7 +142,8 @@ def _crossover(name: str, kernel: Callable[[int], Callable], dense: Callable[[in
 
 def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
              threads: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The CPU plan's entry for this machine: {"int4_rows", "intdot_rows", "threads"} measured
+    """The CPU plan's entry for this machine: {"int4_rows", "intdot_rows", "bf16_rows",
+    "threads"} measured
     now (the rows where the plan runs that kernel), for the plan's family (the key of the
     table); `threads` given (--threads): that count, not tuned."""
     plan = cpu_plan.plan()
@@ -165,6 +180,8 @@ def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
     if plan.intdot_rows > 0:
         kernels.append(("intdot_rows", "8-bit codes, intdot",
                         lambda: intdot_pass(shapes, plan.dtype, copies, 8, plan.intdot_rounds)))
+    if plan.bf16_rows > 0:
+        kernels.append(("bf16_rows", "bf16 kernel", lambda: bf16_pass(shapes, copies)))
     torch.set_num_threads(min(by_threads, key=by_threads.__getitem__))
     try:
         for field, name, make in kernels:

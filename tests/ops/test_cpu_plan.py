@@ -189,3 +189,15 @@ def test_the_bf16_kernels_rows_can_be_set(monkeypatch):
     monkeypatch.setattr(envs, "ENV", envs.Env.read())
     monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx2"])
     assert cpu_plan.plan().bf16_rows == 0
+
+
+def test_a_tuned_plan_sets_the_bf16_kernels_rows(monkeypatch):
+    from skyline.ops import tuning
+
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512_bf16"])
+    for stored, want in (({"bf16_rows": 4}, 4), ({"bf16_rows": 0}, 0), ({}, 2)):
+        monkeypatch.setattr(tuning, "get_config", lambda *a, s=stored, **k: s)
+        assert cpu_plan.plan().bf16_rows == (want if cpu_intdot.available() else 0)
+    monkeypatch.setattr(tuning, "get_config", lambda *a, **k: {"bf16_rows": "two"})
+    with pytest.raises(tuning.KernelConfigError, match="bf16_rows is 'two'"):
+        cpu_plan.plan()

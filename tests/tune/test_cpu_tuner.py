@@ -33,6 +33,10 @@ def test_entry_for_the_plan_family():
         assert entry["intdot_rows"] in (0, *ROWS)
     else:
         assert "intdot_rows" not in entry
+    if plan.bf16_rows > 0:  # the bf16 kernel where activations are bfloat16 and it builds
+        assert entry["bf16_rows"] in (0, *ROWS)
+    else:
+        assert "bf16_rows" not in entry
 
 
 def test_each_kernel_the_plan_runs_is_measured(monkeypatch):
