@@ -84,7 +84,7 @@ class PackedLinearMethod:
         raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        w = layer.bf16_weight
+        w = getattr(layer, "bf16_weight", None)
         if w is not None and x.dtype == w.dtype and x.numel() <= layer.bf16_rows * w.shape[1]:
             y = cpu_bf16.bf16_mm(x, w)
             return y if layer.bias is None else y + layer.bias
@@ -96,13 +96,13 @@ class PackedLinearMethod:
     def decode_bytes(self, layer: Any) -> int | None:
         """Bytes a one-row product reads: the bf16 kernel's plain weight where the layer keeps
         one (not also the packed copy); None otherwise (model/cost.py)."""
-        w = layer.bf16_weight
+        w = getattr(layer, "bf16_weight", None)
         return None if w is None else w.numel() * w.element_size()
 
     def cpu_decode_product(self, layer: Any) -> tuple[Any, int, Any] | None:
         """(product, rows, native) for the C++ decode step (linear.py's cpu_decode_product)
         where the layer has the bf16 kernel's weight and no bias; None otherwise."""
-        w = layer.bf16_weight
+        w = getattr(layer, "bf16_weight", None)
         if w is None or layer.bias is not None:
             return None
         native = cpu_ext.NativeProduct(cpu_ext.BF16, (w,), 0, 0, 0, layer.bf16_rows,
@@ -154,7 +154,9 @@ def unpack(layer: Any) -> bool:
     if type(layer.linear_method) is not PackedLinearMethod:
         return False
     weight = cpu_linear.unpack(layer.packed_weight)
-    del layer.packed_weight, layer.bf16_weight, layer.bf16_rows
+    del layer.packed_weight
+    for name in ("bf16_weight", "bf16_rows"):
+        layer.__dict__.pop(name, None)
     layer.weight = nn.Parameter(weight, requires_grad=False)
     set_loader(layer.weight, layer, layer.weight_loader)
     layer.linear_method = UnquantizedLinearMethod()

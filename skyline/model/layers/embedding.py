@@ -179,7 +179,7 @@ class LMHead(nn.Module):
         if self.intdot_weight is not None and hidden.shape[0] <= self.intdot_rows:
             logits = cpu_intdot.intdot_mm(hidden.float().contiguous(), self.intdot_weight)
             return cpu_linear.exact_near_top(logits, hidden, self.weight.data)
-        if hidden.shape[0] <= self.bf16_rows and hidden.dtype == torch.bfloat16:
+        if self.bf16_rows and hidden.shape[0] <= self.bf16_rows and hidden.dtype == torch.bfloat16:
             return self._exact_top(cpu_bf16.bf16_mm(hidden, self.weight.data).float(), hidden)
         if self.packed_weight is not None:
             if self.fp8_weight is not None:  # W8A8: the activations quantized per token
