@@ -159,10 +159,11 @@ INTDOT_ROWS = 2
 # bench/cpu_intdot_speed.py: the module docstring).
 ROUND_ONCE = {"avx2": (32, 16)}
 # Rows up to which the bf16 kernel runs bfloat16 weights on the families whose activations are
-# bfloat16 (bench/cpu_bf16_speed.py on an AVX-512 BF16 AMD EPYC at 2 threads: faster than
-# oneDNN's packed products at 1 / 2 rows by 1.19x / 1.13x on a Llama-3.1-8B layer's shapes and
-# 1.64x / 1.59x on the default model's; at 4 rows 0.91x on the former's).
-BF16_ROWS = {"amx": 2, "avx512_bf16": 2}
+# bfloat16 (bench/cpu_bf16_speed.py on an AVX-512 BF16 AMD EPYC at 2 threads, weights in huge
+# pages as the engine holds them: against oneDNN's packed products at 1 / 2 / 4 / 8 rows 1.58x /
+# 1.31x / 0.99x / 0.68x on a Llama-3.1-8B layer's shapes, 2.21x / 1.95x / 1.37x / 1.05x on the
+# default model's).
+BF16_ROWS = {"amx": 4, "avx512_bf16": 4}
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

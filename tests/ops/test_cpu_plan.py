@@ -180,7 +180,7 @@ def test_the_bf16_kernels_rows_can_be_set(monkeypatch):
 
     monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512_bf16"])
     built = cpu_intdot.available()
-    for value, want in (("4", 4), ("-1", 0), ("0", cpu_plan.BF16_ROWS["avx512_bf16"])):
+    for value, want in (("3", 3), ("-1", 0), ("0", cpu_plan.BF16_ROWS["avx512_bf16"])):
         monkeypatch.setenv("SKYLINE_CPU_BF16_ROWS", value)
         monkeypatch.setattr(envs, "ENV", envs.Env.read())
         assert cpu_plan.plan().bf16_rows == (want if built else 0)
@@ -195,7 +195,8 @@ def test_a_tuned_plan_sets_the_bf16_kernels_rows(monkeypatch):
     from skyline.ops import tuning
 
     monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512_bf16"])
-    for stored, want in (({"bf16_rows": 4}, 4), ({"bf16_rows": 0}, 0), ({}, 2)):
+    default = cpu_plan.BF16_ROWS["avx512_bf16"]
+    for stored, want in (({"bf16_rows": 3}, 3), ({"bf16_rows": 0}, 0), ({}, default)):
         monkeypatch.setattr(tuning, "get_config", lambda *a, s=stored, **k: s)
         assert cpu_plan.plan().bf16_rows == (want if cpu_intdot.available() else 0)
     monkeypatch.setattr(tuning, "get_config", lambda *a, **k: {"bf16_rows": "two"})
