@@ -293,6 +293,8 @@ def plain_layout(model: nn.Module) -> None:
         if isinstance(module, Linear):
             unpack(module)
         elif isinstance(module, LMHead):
+            if module.bf16_rows:  # its weight out of the shared huge-page mapping, as loaded
+                module.weight.data = module.weight.data.clone()
             module.packed_weight = None
             module.intdot_weight, module.intdot_rows, module.bf16_rows = None, 0, 0
 

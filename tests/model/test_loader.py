@@ -224,3 +224,29 @@ def test_plain_layout_undoes_cpu_prepacking(hf_llama, tmp_path):
     assert model.lm_head.packed_weight is None
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     assert torch.equal(_logits(model, ids), _logits(fresh, ids))
+
+
+def test_plain_layout_undoes_the_bf16_kernels_copies(hf_llama, tmp_path, monkeypatch):
+    """The same in bfloat16 with the bf16 kernel's plain copies (ops/cpu_bf16.py) and the
+    streamed weights in huge pages (ops/host_memory.py): the Parameters back bit for bit, each
+    in memory of its own (a checkpoint writer refuses tensors that share it)."""
+    import dataclasses
+
+    from skyline.model.loader import plain_layout, prepack_for_cpu
+    from skyline.ops import cpu_bf16, cpu_linear, cpu_plan
+
+    if not (cpu_bf16.available() and cpu_linear.can_pack(torch.zeros(1, 1).bfloat16())):
+        pytest.skip("needs the bf16 kernel and oneDNN's bfloat16 products")
+    plan = dataclasses.replace(cpu_plan.plan(), dtype=torch.bfloat16, bf16_rows=2)
+    monkeypatch.setattr(cpu_plan, "plan", lambda: plan)
+    hf_llama.save_pretrained(tmp_path, safe_serialization=True)
+    fresh, model = _load(str(tmp_path), "bfloat16"), _load(str(tmp_path), "bfloat16")
+    prepack_for_cpu(model, torch.bfloat16)
+    proj = model.model.layers[0].self_attn.qkv_proj
+    assert proj.bf16_weight is not None and model.lm_head.bf16_rows == 2
+    plain_layout(model)
+    assert not hasattr(proj, "bf16_weight") and model.lm_head.bf16_rows == 0
+    want, got = dict(fresh.named_parameters()), dict(model.named_parameters())
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    for p in got.values():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
