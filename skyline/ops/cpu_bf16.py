@@ -43,3 +43,10 @@ def bf16_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     y = torch.ops.skyline_cpu.bf16_mm(x.reshape(lead.numel(), x.shape[-1]).contiguous(), weight)
     return y.view(*lead, weight.shape[0])
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """bf16_mm plus `bias` (added to the bfloat16 product, as intdot_linear's)."""
+    y = bf16_mm(x, weight)
+    return y if bias is None else y + bias

@@ -6,8 +6,9 @@ page every 4 KiB and takes a TLB miss; in 2 MiB pages it crosses one every 2 MiB
 weight (the default model's 576 x 576) shares its huge page with its layer's others. The
 allocator gives huge pages only to what asks for them (Linux's `madvise` mode, the common
 default), and torch's allocator does not ask: on a 2-core AMD EPYC VM the bf16 kernel read
-5-20% faster from such a mapping (bench/cpu_bf16_speed.py --huge-pages). Where the kernel has no
-transparent huge pages (`never`, not Linux) or SKYLINE_HUGE_PAGES=0, tensors stay where they are.
+7-30% faster from such a mapping (bench/cpu_bf16_speed.py's skyline_bf16_huge_pages rows).
+Where the kernel has no transparent huge pages (`never`, not Linux) or SKYLINE_HUGE_PAGES=0,
+tensors stay where they are.
 """
 
 from __future__ import annotations

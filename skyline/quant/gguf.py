@@ -66,7 +66,7 @@ from skyline.ops.dequant import (
 )
 from skyline.quant.gguf_cuda import _cuda_ready, _int_apply, cuda_weight, dequantize_blocks
 from skyline.quant.gguf_cuda import int_layout as int_layout
-from skyline.quant.method import LinearLayer, room_for
+from skyline.quant.method import LinearLayer, keeps_bf16_copy, room_for
 
 INT4_GROUP = 32  # elements per scale/offset of the 4-bit group types
 # Planes of the CPU int4 kernel a layer may take: 2 runs 5- to 8-bit codes as two (10 bits a
@@ -167,9 +167,8 @@ class GGUFLinearMethod:
             layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
             # codes no kernel above takes (16-bit ones): few rows on the bf16 kernel, on the
             # plain weight kept beside the packed one where that fits
-            if (not layer.cpu_plane_rows and cpu.bf16_rows and layer.cpu_dense.is_mkldnn
-                    and dense.dtype == torch.bfloat16 and cpu_bf16.available()
-                    and room_for(0)):  # the plain weight is held now: keeping it costs nothing more
+            if (not layer.cpu_plane_rows and layer.cpu_dense.is_mkldnn
+                    and keeps_bf16_copy(dense, cpu.bf16_rows)):
                 layer.cpu_bf16, layer.cpu_plane_rows = dense, cpu.bf16_rows
         else:  # every batch on the planes: slower prefill, but it fits
             layer.cpu_plane_rows = cpu_ext.ANY_ROWS
@@ -243,8 +242,7 @@ def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     if x.numel() <= layer.cpu_plane_rows * layer.in_features:
         if layer.cpu_bf16 is not None:
             if x.dtype == torch.bfloat16:
-                y = cpu_bf16.bf16_mm(x, layer.cpu_bf16)
-                return y if layer.bias is None else y + layer.bias
+                return cpu_bf16.bf16_linear(x, layer.cpu_bf16, layer.bias)
         elif layer.cpu_intdot is not None:
             return cpu_intdot.intdot_linear(x, layer.cpu_intdot, layer.bias)
         else:

@@ -86,8 +86,7 @@ class PackedLinearMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         w = getattr(layer, "bf16_weight", None)
         if w is not None and x.dtype == w.dtype and x.numel() <= layer.bf16_rows * w.shape[1]:
-            y = cpu_bf16.bf16_mm(x, w)
-            return y if layer.bias is None else y + layer.bias
+            return cpu_bf16.bf16_linear(x, w, layer.bias)
         return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
 
     def full_weight(self, layer: Any) -> torch.Tensor:
@@ -128,6 +127,14 @@ def room_for(nbytes: int) -> bool:
         return True
 
 
+def keeps_bf16_copy(w: torch.Tensor, bf16_rows: int) -> bool:
+    """Whether a CPU layer keeps its plain weight `w`, held now beside its packed copy, for the
+    bf16 kernel: the plan gives it rows, `w` is bfloat16, the kernel builds, and the memory left
+    stays above MEMORY_RESERVE (keeping what is held costs nothing more)."""
+    return (bf16_rows > 0 and w.dtype == torch.bfloat16 and cpu_bf16.available()
+            and room_for(0))
+
+
 def prepack(layer: Any, bf16_rows: int = 0) -> bool:
     """Pack a loaded unquantized CPU layer's weight for oneDNN, dropping the dense copy
     (memory stays the same), or keeping it for the bf16 kernel where `bf16_rows` (the CPU
@@ -140,8 +147,7 @@ def prepack(layer: Any, bf16_rows: int = 0) -> bool:
     packed = cpu_linear.pack(w)
     del layer.weight
     layer.packed_weight = packed
-    keep = (bf16_rows > 0 and w.dtype == torch.bfloat16 and cpu_bf16.available()
-            and room_for(0))  # w is held now: keeping it costs nothing more
+    keep = keeps_bf16_copy(w, bf16_rows)
     layer.bf16_weight = w.contiguous() if keep else None
     layer.bf16_rows = bf16_rows if keep else 0
     layer.linear_method = PackedLinearMethod()

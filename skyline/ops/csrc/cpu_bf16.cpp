@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "skyline_cpu.h"
 
@@ -31,8 +30,7 @@
 
 namespace {
 
-constexpr int kMaxRows = 8;  // rows of x a weight load serves in one pass
-constexpr int kAhead = 1024;  // bytes of each long weight row prefetched ahead of its loads
+constexpr int64_t kAhead = 512;  // elements (1 KiB) of a long row prefetched ahead of its loads
 constexpr int64_t kShortRow = 2048;  // elements of a row up to which rows are read one by one
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -123,7 +121,7 @@ void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k, int64_t 
   const uint16_t* rows[U];
   for (int u = 0; u < U; ++u) rows[u] = w + (n + u) * k;
   // short rows (U = 1): the next row's same offset; long ones: a little ahead within each row
-  const int64_t ahead = k <= kShortRow ? U * k : kAhead / 2;
+  const int64_t ahead = k <= kShortRow ? U * k : kAhead;
   for (int64_t k0 = 0; k0 < k; k0 += kStep) {
     const int left = static_cast<int>(std::min<int64_t>(kStep, k - k0));
     Vec wv[U];
