@@ -70,7 +70,8 @@
 #                  (PyPI's llama-cpp-python sdist holds it: `pip download --no-deps --no-binary
 #                  :all: llama-cpp-python`, then its vendor/llama.cpp without models/, docs/,
 #                  media/, benches/, tools/ui/ and the SYCL, Vulkan and OpenCL backends, ~6 MB
-#                  as .tar.xz); it is built first (BUILD_ONLY=1: only that; BUILD_TIMEOUT caps it)
+#                  as .tar.xz); it is built first (BUILD_ONLY=1: only that; BUILD_TIMEOUT caps it);
+#                  OFFLOAD_ARGS passes more (e.g. "--layouts split --peer-threads 16")
 #   tune-attention bench/kernels/tune_attention.py $TUNE_ATTN_ARGS (default --budget-s 110);
 #                  e.g. TUNE_ATTN_ARGS="--models llama-3.1-8b --batches 256 512 1024 --contexts
 #                  1000 2000 --kv-dtypes fp8 --no-prefill --budget-s 60" (fp8 cache, high batch)

@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="llama.cpp's threads (and half of them)")
+    ap.add_argument("--peer-threads", type=int, nargs="+", default=None,
+                    help="llama.cpp's thread counts (default: --threads and half of it)")
+    ap.add_argument("--layouts", nargs="+", choices=("split", "gpu"), default=["split", "gpu"])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny file, both layouts as CPU stages, skyline only, 1 repetition")
@@ -124,8 +127,9 @@ def main() -> None:
 
     llama_rows: list[dict[str, Any]] = []
     if ns.llama_bin:
-        threads = sorted({ns.threads, max(1, ns.threads // 2)})
-        llama_rows = llama_bench(ns.llama_bin, path, [layers - ns.cpu_layers, 99], threads,
+        threads = ns.peer_threads or sorted({ns.threads, max(1, ns.threads // 2)})
+        ngls = {"split": layers - ns.cpu_layers, "gpu": 99}
+        llama_rows = llama_bench(ns.llama_bin, path, [ngls[k] for k in ns.layouts], threads,
                                  ns.gen, ns.reps)
         for r in llama_rows:
             print(f"llama.cpp -ngl {r['n_gpu_layers']} -t {r['threads']}: "
@@ -133,7 +137,8 @@ def main() -> None:
 
     placements = {"split": f"{gpu}={layers - ns.cpu_layers},cpu={ns.cpu_layers}", "gpu": None}
     runs = {}
-    for layout, placement in placements.items():
+    for layout in ns.layouts:
+        placement = placements[layout]
         engine: dict[str, Any] = {"device": "cpu"} if ns.smoke else {}
         if placement:
             engine["placement"] = placement
