@@ -24,6 +24,7 @@ from skyline.model.layers.mlp import MLP
 from skyline.model.layers.moe import MoE, expert_hf_name, expert_param
 from skyline.model.layers.norm import RMSNorm
 from skyline.model.layers.rotary import RotaryEmbedding
+from skyline.model.layers.stage import SkipLayer
 from skyline.ops.kv_write import KVWrite
 
 
@@ -123,11 +124,14 @@ class LlamaModel(nn.Module):
 
     def _cpu_decode_plan(self) -> cpu_decode.DecodePlan | None:
         if self._cpu_decode is None:
-            plain = all(type(layer) is LlamaDecoderLayer and type(layer.mlp) in (MLP, MoE)
-                        and (type(layer.self_attn) is LlamaAttention
-                             or (layer.self_attn.qk_norm and not layer.self_attn.sinks))
-                        for layer in self.layers)
-            self._cpu_decode = (plain and cpu_decode.plan(self.layers, self.rotary_emb)) or False
+            # a pipeline stage's own layers (the others are SkipLayers, which pass x on)
+            own = [layer for layer in self.layers if not isinstance(layer, SkipLayer)]
+            plain = own and all(
+                type(layer) is LlamaDecoderLayer and type(layer.mlp) in (MLP, MoE)
+                and (type(layer.self_attn) is LlamaAttention
+                     or (layer.self_attn.qk_norm and not layer.self_attn.sinks))
+                for layer in own)
+            self._cpu_decode = (plain and cpu_decode.plan(own, self.rotary_emb)) or False
         return self._cpu_decode or None
 
 

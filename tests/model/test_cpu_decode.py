@@ -149,3 +149,36 @@ def test_not_usable_with_hooks_prefill_or_many_rows(llm):
     finally:
         handle.remove()
     assert cpu_decode.usable(plan, x, inp.attn)
+
+
+def test_a_pipeline_stage_runs_its_own_layers(llm):
+    """A later pipeline stage (model/partition.py: SkipLayers stand in for the layers before
+    it) plans the step over the layers it holds, and computes what its modules compute."""
+    from skyline.model.layers.stage import SkipLayer
+
+    model = llm.engine.executor.runner.model.model
+    whole = model._cpu_decode_plan()
+    inp = _decode_inputs(llm, [[100, 200, 300], [400, 500]])
+    layers = list(model.layers)
+    try:
+        for i in range(20):
+            model.layers[i] = SkipLayer()
+        model._cpu_decode = None
+        stage = model._cpu_decode_plan()
+        assert stage is not None and len(stage.layers) == len(layers) - 20
+        assert (stage.native is not None) == (whole.native is not None)
+        assert stage.layers[0].attn is layers[20].self_attn.attn
+        out = {}
+        for name, p in (("modules", False), ("plan", stage)):
+            model._cpu_decode = p
+            inp.attn.cpu_gather = None
+            with torch.no_grad(), forward_context(inp.attn):
+                out[name] = model(inp.input_ids, inp.positions).float()
+        if stage.native is None:
+            assert torch.equal(out["plan"], out["modules"])
+        else:  # the C++ step's sums in another order (test_hidden_states_are_the_modules)
+            assert ((out["plan"] - out["modules"]).norm() / out["modules"].norm()).item() < 3e-2
+    finally:
+        for i, layer in enumerate(layers):
+            model.layers[i] = layer
+        model._cpu_decode = whole

@@ -28,7 +28,7 @@ its kernel's rows, as the Linear would).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -113,7 +113,7 @@ def _moe_experts(moe: nn.Module) -> Any:
     return packed
 
 
-def plan(layers: nn.ModuleList, rotary: Any) -> DecodePlan | None:
+def plan(layers: Sequence[nn.Module], rotary: Any) -> DecodePlan | None:
     """The plan of Llama decoder layers (the caller checks that their attention, MLP or MoE
     block are the plain ones), or None where a layer's Linear has no CPU decode product, its
     attention a sliding window or sinks, or its MoE block experts the step does not run."""
