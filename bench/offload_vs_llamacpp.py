@@ -15,9 +15,10 @@ prompt, the time past the first token; llama-bench's tg N: N tokens from an empt
 
 The floor of each layout is each part's weight bytes over its own memory's rate, both measured
 in this run (the GPU's copy bandwidth, the host's read bandwidth at all its cores). llama.cpp
-runs at --threads and at half of them, and its faster result is the peer; skyline's CPU stage
-takes the host's cores (its default). llama.cpp goes first, both layouts, --reps repetitions
-each; then skyline, one engine per layout, the median of --reps timings.
+runs at --threads and at half of them (or at each of --peer-threads), and its faster result is
+the peer; skyline's CPU stage takes the host's cores (its default). llama.cpp goes first, both
+layouts (or those of --layouts), --reps repetitions each; then skyline, one engine per layout,
+the median of --reps timings.
 """
 
 from __future__ import annotations

@@ -224,13 +224,16 @@ def prepack_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
     compute `dtype` (a method's `prepack_cpu`: INT4/INT8 in bfloat16 keep only the int4
     kernel's planes): what the engine serves with. Tools that read or save weights (quantize,
     reports) keep the plain layout. Returns how many products were packed."""
-    # a GGUF model's head on the integer dot kernel, by the plan: in 8-bit codes (6 where the
+    # a GGUF file's head on the integer dot kernel, by the plan: in 8-bit codes (6 where the
     # file holds it in 6 bits or fewer), a 16-bit head too; the entries within 8 of each row's
-    # top are recomputed from the dense weight (LMHead.prepack)
+    # top are recomputed from the dense weight (LMHead.prepack). Whether the Linears keep the
+    # file's blocks (a CPU engine) or were dequantized (the CPU stage of a GPU + CPU placement,
+    # whose engine resolves formats for the GPU), a CPU holds the same head; only float32 of
+    # dequantized blocks (--dtype float32) stays exact.
     gguf = any(getattr(getattr(m, "linear_method", None), "name", None) == "gguf"
                for m in model.modules())
     plan = cpu_plan.plan()
-    intdot_rows = plan.intdot_rows if gguf else 0
+    intdot_rows = plan.intdot_rows if gguf or dtype != torch.float32 else 0
     packed = 0
     for module in model.modules():
         if isinstance(module, Linear):

@@ -191,6 +191,34 @@ def test_head_codes_follow_the_file(tmp_path) -> None:
         assert head.intdot_weight.bits == 6
 
 
+def test_a_gguf_head_is_held_the_same_whatever_the_linears_became(tmp_path) -> None:
+    """The CPU stage of a GPU + CPU placement loads a GGUF file with dequantized Linears (its
+    engine resolves formats for the GPU): its head takes the integer dot kernel as a CPU
+    engine's does. Float32 of dequantized blocks (--dtype float32) stays exact, and a head that
+    is not a GGUF file's never takes codes."""
+    from skyline.model.layers.embedding import LMHead
+    from skyline.model.loader import load_model, prepack_for_cpu, read_model_arch
+    from skyline.ops import cpu_intdot, cpu_plan
+
+    if not cpu_intdot.available() or not cpu_plan.plan().intdot_rows:
+        pytest.skip("this CPU's plan runs no integer dot kernel")
+    path = str(tmp_path / "llama.gguf")
+    write_gguf(path, tiny_model("llama"), "llama")
+    arch, fmt = read_model_arch(path)
+
+    def head(dtype: str, load_format: str = fmt) -> LMHead:
+        model = load_model(ModelConfig(path, load_format, arch, dtype, 64), "cpu")
+        prepack_for_cpu(model, getattr(torch, dtype))
+        return next(m for m in model.modules() if isinstance(m, LMHead))
+
+    bf16 = head("bfloat16")
+    assert bf16.intdot_weight is not None and bf16.intdot_weight.bits == 8
+    assert bf16.intdot_rows == cpu_plan.plan().intdot_rows
+    assert head("float32").intdot_weight is None
+    dummy = head("bfloat16", "dummy")
+    assert dummy.code_bits == 0 and dummy.intdot_weight is None
+
+
 def test_default_model_matches_transformers_loader() -> None:
     """Names, unpermuted Q/K and dequantized values equal transformers' GGUF loader's."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

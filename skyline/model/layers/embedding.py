@@ -92,12 +92,12 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.vocab_shard: VocabShard | None = None
         self.packed_weight: torch.Tensor | None = None
-        # a GGUF model's head on a CPU: codes per 32 for batches of at most intdot_rows rows
+        # a GGUF file's head on a CPU: codes per 32 for batches of at most intdot_rows rows
         # (ops/cpu_intdot.py), 8 bits (as the file's Q8_0) or 6 where the file stored the head
-        # in 6 bits or fewer (the loader sets code_bits)
+        # in 6 bits or fewer (the loader sets code_bits; 0: not a GGUF file's head, no codes)
         self.intdot_weight: cpu_intdot.IntDotWeight | None = None
         self.intdot_rows = 0
-        self.code_bits = 8
+        self.code_bits = 0
         # a bfloat16 head on a CPU: batches of at most bf16_rows rows on the bf16 kernel, which
         # reads the dense weight as it is (ops/cpu_bf16.py)
         self.bf16_rows = 0
@@ -132,16 +132,16 @@ class LMHead(nn.Module):
         (`ops/cpu_linear.py`; the head is the largest product of a small model's step). The
         dense weight stays (the embedding and the speculators read it): one more copy of the
         head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
-        emulation would dequantize them at every step). With `intdot_rows` (a GGUF model, whose
-        head the file holds in 8 bits or fewer), batches of at most that many rows run a copy in
-        `code_bits` codes on the integer dot kernel (activations rounded `intdot_rounds` times),
+        emulation would dequantize them at every step). With `intdot_rows` and `code_bits` (a
+        GGUF file's head), batches of at most that many rows run a copy in `code_bits` codes on
+        the integer dot kernel (activations rounded `intdot_rounds` times),
         and the entries within 8 of each row's top are recomputed from the dense weight
         (`cpu_linear.exact_near_top`): the sampled token and its logprob are then the dense
         head's. Otherwise, with `bf16_rows` (the CPU plan's), batches of at most that many
         bfloat16 rows of a bfloat16 head run the bf16 kernel on the dense weight. Returns whether
         it packed."""
         w = self.weight.data
-        if intdot_rows and self.fp8_weight is None and w.device.type == "cpu":
+        if intdot_rows and self.code_bits and self.fp8_weight is None and w.device.type == "cpu":
             self.intdot_weight = cpu_intdot.quantize_weight(w, intdot_rounds, self.code_bits)
             self.intdot_rows = intdot_rows if self.intdot_weight is not None else 0
         self.bf16_rows = 0
