@@ -41,7 +41,10 @@ activations per row costs a KL of 0.057 against the GGUF weights (top-1 agreemen
 times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL 0.005).
 
 SKYLINE_CPU_INTDOT_ROUNDS=2 (or 1) sets the rounding count over the plan's, SKYLINE_CPU_BF16_ROWS
-the bf16 kernel's rows (-1: never); `--dtype float32` is the exact path everywhere.
+the bf16 kernel's rows (-1: never); `--dtype float32` is the exact path everywhere. On AVX-512
+BF16, one rounding (llama.cpp's) also moves 4-bit codes to the integer dot kernel, for up to 8
+rows as 5- to 8-bit codes: the default model's batch-1 decode ~1.1x faster, its KL against the
+exact model ~1.5x the default plan's (bench/cpu_decode_quality.py).
 
 `skyline tune` measures these choices on the user's own CPU and stores what won end to end in
 the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields
@@ -154,10 +157,16 @@ _PLANS = {
 # measured on AVX-512 VNNI and AVX2 (bench/cpu_intdot_speed.py).
 INTDOT_ROWS = 2
 # Families whose 4-bit codes take the integer dot kernel rather than torch's int4 kernel and
-# whose activations it rounds once unless told twice, and the rows up to which it then runs
-# 4-bit / 5- to 8-bit codes (measured on an AVX2 AMD EPYC without VNNI,
-# bench/cpu_intdot_speed.py: the module docstring).
-ROUND_ONCE = {"avx2": (32, 16)}
+# whose activations it rounds once unless told twice (AVX2: the module docstring).
+ROUND_ONCE = {"avx2"}
+# Rows up to which the integer dot kernel runs 4-bit / 5- to 8-bit codes with activations
+# rounded once (bench/cpu_intdot_speed.py at 2 threads). AVX2 without VNNI on an AMD EPYC: the
+# module docstring. AVX-512 BF16 on an AMD EPYC, where one rounding is asked for
+# (SKYLINE_CPU_INTDOT_ROUNDS=1, a tuned plan's intdot_rounds): 4-bit codes at 1 / 2 / 4 / 8 / 16
+# rows 3.14 / 4.09 / 5.77 / 9.27 / 16.67 ms against torch's int4 kernel's 4.10 / 4.92 / 6.54 /
+# 11.63 / 21.82 and dense bf16's 11.23 / 11.78 / 10.58 / 12.83 / 16.17; 8-bit codes 4.68 /
+# 5.35 / 7.36 / 10.63 / 17.88 ms.
+ONCE_ROWS = {"avx2": (32, 16), "avx512_bf16": (8, 8)}
 # Rows up to which the bf16 kernel runs bfloat16 weights on the families whose activations are
 # bfloat16 (bench/cpu_bf16_speed.py on an AVX-512 BF16 AMD EPYC at 2 threads, weights in huge
 # pages as the engine holds them: against oneDNN's packed products at 1 / 2 / 4 / 8 rows 1.58x /
@@ -174,11 +183,12 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
     dtype, rows, wide = _PLANS[fam]
     tuned = tuning.get_config(KERNEL, fam, {}, device=tuning.cpu_device_name())
     built = cpu_intdot.available()
-    kernel = "intdot" if fam in ROUND_ONCE and built else "int4"
-    rounds = _rounds(tuned, 1 if kernel == "intdot" else 2)
+    rounds = _rounds(tuned, 1 if fam in ROUND_ONCE and built else 2)
+    once = built and rounds == 1 and fam in ONCE_ROWS  # the rows where one rounding wins
+    kernel = "intdot" if built and (fam in ROUND_ONCE or once) else "int4"
     intdot = INTDOT_ROWS if fam != "other" and built else 0
-    if kernel == "intdot" and rounds == 1:  # the rows where one rounding wins
-        rows, intdot = ROUND_ONCE[fam]
+    if once:
+        rows, intdot = ONCE_ROWS[fam]
     threads = None
     bf16 = BF16_ROWS.get(fam, 0)
     if tuned:

@@ -45,14 +45,14 @@ def test_each_family_gets_its_plan(family):
     # second rounding of the activations cheap) rounding them once, for more rows
     built = family != "other" and cpu_intdot.available()
     once = family == "avx2" and built
-    assert plan.intdot_rows == (cpu_plan.ROUND_ONCE["avx2"][1] if once
+    assert plan.intdot_rows == (cpu_plan.ONCE_ROWS["avx2"][1] if once
                                 else cpu_plan.INTDOT_ROWS if built else 0)
     assert plan.intdot_rounds == (1 if once else 2)
     assert plan.gguf_packed == (plan.int4_rows > 0 or plan.intdot_rows > 0)
     # 4-bit codes on the integer dot kernel on AVX2 (torch's int4 kernel's slow path there)
     assert plan.int4_kernel == ("intdot" if once else "int4")
     if once:
-        assert plan.int4_rows == cpu_plan.ROUND_ONCE["avx2"][0]
+        assert plan.int4_rows == cpu_plan.ONCE_ROWS["avx2"][0]
     # the bf16 kernel where activations are bfloat16 and it builds
     assert plan.bf16_rows == (cpu_plan.BF16_ROWS[family] if family in NATIVE_BF16 and built
                               else 0)
@@ -167,12 +167,36 @@ def test_the_rounding_count_can_be_set(monkeypatch):
         assert plan.intdot_rounds == want
         if cpu_intdot.available():  # twice: the rows where two roundings still win
             assert (plan.int4_rows, plan.intdot_rows) == (
-                cpu_plan.ROUND_ONCE["avx2"] if want == 1
+                cpu_plan.ONCE_ROWS["avx2"] if want == 1
                 else (cpu_plan._PLANS["avx2"][1], cpu_plan.INTDOT_ROWS))
     monkeypatch.setenv("SKYLINE_CPU_INTDOT_ROUNDS", "3")
     monkeypatch.setattr(envs, "ENV", envs.Env.read())
     with pytest.raises(ValueError, match="SKYLINE_CPU_INTDOT_ROUNDS=3 must be 1 or 2"):
         cpu_plan.plan()
+
+
+def test_one_rounding_moves_4_bit_codes_to_the_integer_dot_kernel(monkeypatch):
+    """On AVX-512 BF16 the default plan keeps 4-bit codes on torch's int4 kernel and rounds
+    twice; asked to round once, it runs them on the integer dot kernel, which is faster there
+    rounded once, with 5- to 8-bit codes for the same rows. A family without measured rows
+    (AMX) keeps torch's kernel."""
+    from skyline import envs
+
+    if not cpu_intdot.available():
+        pytest.skip("the integer dot kernel does not build here")
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx512_bf16"])
+    plan = cpu_plan.plan()
+    assert (plan.int4_kernel, plan.intdot_rounds, plan.intdot_rows) == (
+        "int4", 2, cpu_plan.INTDOT_ROWS)
+    monkeypatch.setenv("SKYLINE_CPU_INTDOT_ROUNDS", "1")
+    monkeypatch.setattr(envs, "ENV", envs.Env.read())
+    plan = cpu_plan.plan()
+    assert (plan.int4_kernel, plan.intdot_rounds) == ("intdot", 1)
+    assert (plan.int4_rows, plan.intdot_rows) == cpu_plan.ONCE_ROWS["avx512_bf16"]
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["amx"])
+    plan = cpu_plan.plan()
+    assert (plan.int4_kernel, plan.intdot_rounds, plan.intdot_rows) == (
+        "int4", 1, cpu_plan.INTDOT_ROWS)
 
 
 def test_the_bf16_kernels_rows_can_be_set(monkeypatch):
