@@ -51,11 +51,19 @@ def measure(llm: LLM, prompts: list[list[int]], output_len: int,
     }
 
 
+CPUINFO = "/proc/cpuinfo"
+# the CPU features the CPU plan and kernels choose by (ops/cpu_plan.py): two VMs that both
+# report "Intel(R) Xeon(R) Processor" and AVX512 may differ in them
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
+          "amx_int8", "avx_vnni")
+
+
 def machine_info(device: str) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"host": platform.node(), "cpu_count": os.cpu_count(),
                             "cpu": _cpu_model(), "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+                            "cpu_flags": _cpu_flags(),
                             "torch": torch.__version__, "python": platform.python_version()}
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -65,13 +73,26 @@ def machine_info(device: str) -> dict[str, Any]:
 def _cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo on Linux), so that a CPU figure names its CPU."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
+        with open(CPUINFO, encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str]:
+    """Which of _FLAGS /proc/cpuinfo lists (empty off Linux)."""
+    try:
+        with open(CPUINFO, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in _FLAGS if flag in have]
+    except OSError:
+        pass
+    return []
 
 
 def median_call_s(fn: Any, min_s: float = 0.3) -> float:

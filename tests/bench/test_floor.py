@@ -59,3 +59,19 @@ def test_model_cost_of_a_shipped_config_on_the_meta_device():
     channels = 32 * (4096 + 2 * 1024 + 4096 + 2 * 14336 + 4096)
     assert fp8.weight_bytes == fp8.linear_params + 4 * channels + 2 * fp8.head_params
     assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token // 2
+
+
+def test_machine_info_names_the_cpu_features_kernels_choose_by(tmp_path, monkeypatch):
+    """Two VMs with the same model name and torch ISA may differ in the features the CPU
+    plan reads: a result's machine lists which of them it had."""
+    from skyline.bench import offline
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("model name\t: Intel(R) Xeon(R) Processor\n"
+                       "flags\t\t: fpu sse avx2 fma avx512f avx512_vnni amx_tile\n")
+    monkeypatch.setattr(offline, "CPUINFO", str(cpuinfo))
+    info = offline.machine_info("cpu")
+    assert info["cpu"] == "Intel(R) Xeon(R) Processor"
+    assert info["cpu_flags"] == ["avx2", "fma", "avx512f", "avx512_vnni"]
+    cpuinfo.unlink()  # no /proc/cpuinfo (not Linux): none listed, no error
+    assert offline.machine_info("cpu")["cpu_flags"] == []

@@ -3,11 +3,12 @@
 A batch-1 CPU decode step of a small model is bound by what Python dispatches: SmolLM2-135M's
 30 layers spent more time in module calls, the checks of general-purpose paths and the small
 operations between the weight products than in the products themselves. Where every layer
-qualifies (`plan`: Llama attention, with Qwen3's per-head q and k norms or without, full causal
-and without sinks; a gated MLP, or an MoE block whose experts the integer dot kernel holds and
-whose router is a softmax over all experts; Linears with a CPU decode product), a pure decode
-batch of at most the products' rows, with a KV cache of the activations' dtype and no hook on
-any module (`usable`), runs through `run`: the operations of the modules' CPU paths
+(of a pipeline stage, every layer it holds) qualifies (`plan`: Llama attention, with Qwen3's
+per-head q and k norms or without, full causal and without sinks; a gated MLP, or an MoE block
+whose experts the integer dot kernel holds and whose router is a softmax over all experts;
+Linears with a CPU decode product), a pure decode batch of at most the products' rows, with a
+KV cache of the activations' dtype and no hook on any module (`usable`), runs through `run`:
+the operations of the modules' CPU paths
 (ops/norm.py's rms_norm_cpu, ops/rotary.py's rotary_cpu, ops/kv_write.py's write_kv,
 ops/cpu_attention.py's decode_attention_cpu, SwiGLU; an MoE block is its module), in the same
 order on the same values, with each layer's weights and shapes bound once. Its results are the
