@@ -43,8 +43,9 @@ times the int4 kernel's bf16 rounding; llama.cpp rounds them per 32 elements (KL
 SKYLINE_CPU_INTDOT_ROUNDS=2 (or 1) sets the rounding count over the plan's, SKYLINE_CPU_BF16_ROWS
 the bf16 kernel's rows (-1: never); `--dtype float32` is the exact path everywhere. On AVX-512
 BF16, one rounding (llama.cpp's) also moves 4-bit codes to the integer dot kernel, for up to 8
-rows as 5- to 8-bit codes: the default model's batch-1 decode ~1.1x faster, its KL against the
-exact model ~1.5x the default plan's (bench/cpu_decode_quality.py).
+rows as 5- to 8-bit codes: the default model's batch-1 decode 1.32x faster (205 against 156
+tok/s, bench/cpu_vs_llamacpp.py), its KL against the exact model 1.5x the default plan's
+(bench/cpu_decode_quality.py).
 
 `skyline tune` measures these choices on the user's own CPU and stores what won end to end in
 the per-device kernel cache (ops/tuning.py, kernel "cpu_plan", keyed by family): stored fields

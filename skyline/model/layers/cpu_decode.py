@@ -8,11 +8,10 @@ per-head q and k norms or without, full causal and without sinks; a gated MLP, o
 whose experts the integer dot kernel holds and whose router is a softmax over all experts;
 Linears with a CPU decode product), a pure decode batch of at most the products' rows, with a
 KV cache of the activations' dtype and no hook on any module (`usable`), runs through `run`:
-the operations of the modules' CPU paths
-(ops/norm.py's rms_norm_cpu, ops/rotary.py's rotary_cpu, ops/kv_write.py's write_kv,
-ops/cpu_attention.py's decode_attention_cpu, SwiGLU; an MoE block is its module), in the same
-order on the same values, with each layer's weights and shapes bound once. Its results are the
-modules' bit for bit (tests/model/test_cpu_decode.py).
+the operations of the modules' CPU paths (ops/norm.py's rms_norm_cpu, ops/rotary.py's
+rotary_cpu, ops/kv_write.py's write_kv, ops/cpu_attention.py's decode_attention_cpu, SwiGLU; an
+MoE block is its module), in the same order on the same values, with each layer's weights and
+shapes bound once. Its results are the modules' bit for bit (tests/model/test_cpu_decode.py).
 
 Where skyline's CPU operations are built (ops/cpu_ext.py) and every product has a native form,
 the step runs from C++ (csrc/cpu_decode.cpp's decode_layers: one call a step, no interpreter

@@ -134,8 +134,8 @@ class LMHead(nn.Module):
         head in memory. An fp8 head packs its e4m3 values instead (CPUs have no fp8 units; the
         emulation would dequantize them at every step). With `intdot_rows` and `code_bits` (a
         GGUF file's head), batches of at most that many rows run a copy in `code_bits` codes on
-        the integer dot kernel (activations rounded `intdot_rounds` times),
-        and the entries within 8 of each row's top are recomputed from the dense weight
+        the integer dot kernel (activations rounded `intdot_rounds` times), and the entries
+        within 8 of each row's top are recomputed from the dense weight
         (`cpu_linear.exact_near_top`): the sampled token and its logprob are then the dense
         head's. Otherwise, with `bf16_rows` (the CPU plan's), batches of at most that many
         bfloat16 rows of a bfloat16 head run the bf16 kernel on the dense weight. Returns whether
