@@ -225,17 +225,14 @@ def _rounds(tuned: dict, default: int) -> int:
 def _tuned(tuned: dict, dtype: torch.dtype, rows: int, wide: int, intdot: int
            ) -> tuple[torch.dtype, int, int, int, int | None]:
     # a stored plan (skyline tune) over the family's defaults, checked
-    def count(name: str, default: int | None) -> int | None:
-        return _count(tuned, name, default)
     name = tuned.get("dtype")
     if name is not None and name not in DTYPES:
         raise tuning.KernelConfigError(
             f"the tuned CPU plan's dtype is {name!r}, not one of {', '.join(DTYPES)}; delete "
             f"{tuning.user_config_path(tuning.cpu_device_name())} or run `skyline tune` again")
-    threads = count("threads", None)
-    return (DTYPES[name] if name else dtype, count("int4_rows", rows) or 0,
-            count("int4_wide_rows", wide) or 0, count("intdot_rows", intdot) or 0,
-            threads or None)
+    return (DTYPES[name] if name else dtype, _count(tuned, "int4_rows", rows) or 0,
+            _count(tuned, "int4_wide_rows", wide) or 0,
+            _count(tuned, "intdot_rows", intdot) or 0, _count(tuned, "threads", None) or None)
 
 
 def _count(tuned: dict, name: str, default: int | None) -> int | None:

@@ -30,8 +30,6 @@ BACKOFF_MAX_S = 30.0
 MAX_RESTARTS = 5  # within RESTART_WINDOW_S; beyond, the replica stays down
 RESTART_WINDOW_S = 600.0
 MAX_PORT_MOVES = 3  # new ports for a replica whose own were taken during its start-up
-
-
 EPHEMERAL_DEFAULT = (32768, 60999)  # Linux's default ip_local_port_range
 MIN_PORT = 10000
 

@@ -143,9 +143,8 @@ def _crossover(name: str, kernel: Callable[[int], Callable], dense: Callable[[in
 def tune_cpu(arch: Any, batch: int, budget_s: float, smoke: bool = False,
              threads: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The CPU plan's entry for this machine: {"int4_rows", "intdot_rows", "bf16_rows",
-    "threads"} measured
-    now (the rows where the plan runs that kernel), for the plan's family (the key of the
-    table); `threads` given (--threads): that count, not tuned."""
+    "threads"} measured now (the rows where the plan runs that kernel), for the plan's family
+    (the key of the table); `threads` given (--threads): that count, not tuned."""
     plan = cpu_plan.plan()
     shapes = model_linears(arch)
     min_s = 0.005 if smoke else max(0.02, min(0.2, budget_s / 60))
