@@ -67,10 +67,11 @@ def llama_bench(llama_bin: str, path: str, ngl: list[int], threads: list[int], g
 
 
 def skyline_decode(path: str, engine: dict[str, Any], gen: int, reps: int
-                   ) -> tuple[list[float], dict[str, float]]:
-    """Decode rates of `reps` timings, and the driver's (the last stage's rank) milliseconds a
+                   ) -> tuple[list[float], dict[str, float], list[dict[str, Any]]]:
+    """Decode rates of `reps` timings, the driver's (the last stage's rank) milliseconds a
     step by part over them (the `cpu_step_seconds` query: its layers, LM head, sampling and
-    host phases; its wait for the stage before it is in none of them)."""
+    host phases; its wait for the stage before it is in none of them), and the kernels of each
+    CPU rank (the `describe` query's cpu_kernels)."""
     llm = LLM(path, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False, **engine)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
@@ -83,7 +84,8 @@ def skyline_decode(path: str, engine: dict[str, Any], gen: int, reps: int
             rates.append((gen - 1) / (m["e2e"] - m["ttft"]))
         after = llm.query("cpu_step_seconds")
         steps = reps * gen
-        return rates, {k: 1e3 * (after[k] - before[k]) / steps for k in after}
+        kernels = llm.query("describe")["cpu_kernels"]
+        return rates, {k: 1e3 * (after[k] - before[k]) / steps for k in after}, kernels
     finally:
         llm.shutdown()
 
@@ -143,7 +145,7 @@ def main() -> None:
         engine: dict[str, Any] = {"device": "cpu"} if ns.smoke else {}
         if placement:
             engine["placement"] = placement
-        rates, step_ms = skyline_decode(path, engine, ns.gen, ns.reps)
+        rates, step_ms, kernels = skyline_decode(path, engine, ns.gen, ns.reps)
         ngl = layers - ns.cpu_layers if layout == "split" else 99
         peer = max((r["decode_tok_s"] for r in llama_rows if r["n_gpu_layers"] == ngl),
                    default=None)
@@ -151,7 +153,7 @@ def main() -> None:
         runs[layout] = {
             "skyline_placement": placement, "llamacpp_n_gpu_layers": ngl,
             "skyline_decode_tok_s": rates, "skyline_median_tok_s": sky,
-            "skyline_driver_ms_per_step": step_ms,
+            "skyline_driver_ms_per_step": step_ms, "skyline_cpu_kernels": kernels,
             "llamacpp_best_tok_s": peer, "floor_tok_s": floor,
             "skyline_fraction_of_floor": sky / floor,
             "llamacpp_fraction_of_floor": peer / floor if peer else None,
@@ -162,6 +164,8 @@ def main() -> None:
         print(line, flush=True)
         print("  the driver's ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in step_ms.items()),
               flush=True)
+        for k in kernels:
+            print(f"  a CPU rank's kernels: {k}", flush=True)
 
     result = {"benchmark": "offload_vs_llamacpp", "date": datetime.date.today().isoformat(),
               "machine": machine_info(gpu), "gguf": os.path.basename(path),

@@ -122,6 +122,12 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def cpu_decode_step(self) -> str:
+        """How a CPU decode step runs this model's layers: "native" (the C++ step), "python"
+        (the plan's products called from Python) or "modules" (each module's forward)."""
+        plan = self._cpu_decode_plan()
+        return "modules" if plan is None else "native" if plan.native is not None else "python"
+
     def _cpu_decode_plan(self) -> cpu_decode.DecodePlan | None:
         if self._cpu_decode is None:
             # a pipeline stage's own layers (the others are SkipLayers, which pass x on)

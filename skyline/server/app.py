@@ -176,6 +176,11 @@ def _openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
+# how a CPU rank's decode step runs its layers (model/weights.py's cpu_kernels)
+_STEPS = {"native": "the C++ decode step", "python": "planned products called from Python",
+          "modules": "module by module"}
+
+
 def banner(i: dict[str, Any], host: str, port: int, tool_format: str | None = None,
            api_pids: list[int] | None = None) -> str:
     """What `serve` prints once it serves; `i`: the engine's info; `api_pids`: several API
@@ -196,6 +201,11 @@ def banner(i: dict[str, Any], host: str, port: int, tool_format: str | None = No
         f"up to {i['max_num_seqs']} running requests",
         f"  engine core: pid {i['pid']}; {api}",
     ]
+    for k in i.get("cpu_kernels") or []:  # what a CPU rank's one-row decode steps run
+        linears = ", ".join(f"{n} {name}" for name, n in sorted(k["linears"].items()))
+        head = f", LM head {k['lm_head']}" if k["lm_head"] else ""
+        step = _STEPS.get(k["decode_step"], k["decode_step"])
+        lines.append(f"  CPU decode kernels: Linears {linears or 'none'}{head}; {step}")
     if tool_format is not None:
         lines.append(f"  tool calls: the {tool_format} format")
     return "\n".join(lines)

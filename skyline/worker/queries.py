@@ -32,7 +32,7 @@ from skyline.config import QuantConfig, TrainArgs
 from skyline.model.checkpoint import write_checkpoint
 from skyline.model.cost import ModelCost
 from skyline.model.loader import plain_layout
-from skyline.model.weights import held_bytes
+from skyline.model.weights import cpu_kernels, held_bytes
 from skyline.ops import cpu_int4
 from skyline.ops.pdl import use_pdl
 from skyline.ops.triton_utils import compiled_so_far
@@ -82,6 +82,8 @@ def describe(r: ModelRunner) -> dict[str, Any]:
         # the process's CPU threads (torch's) and OpenMP wait policy as the rank started
         "cpu_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        # a CPU rank's decode kernels (model/weights.py), one entry a CPU rank
+        "cpu_kernels": [cpu_kernels(r.model)] if r.device.type == "cpu" else [],
     }
 
 
@@ -348,6 +350,7 @@ def _describe_all(values: list[dict[str, Any]], driver: int) -> dict[str, Any]:
     # the ranks start side by side: each phase as long as its slowest rank's
     names = dict.fromkeys(k for v in values for k in v["startup"])  # a CPU stage has fewer
     out["startup"] = {k: max(v["startup"].get(k, 0.0) for v in values) for k in names}
+    out["cpu_kernels"] = [k for v in values for k in v["cpu_kernels"]]
     out["ranks"] = len(values)
     return out
 

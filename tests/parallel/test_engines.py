@@ -18,6 +18,7 @@ import torch
 from tiny_hf import save_scaled
 
 from skyline import LLM, SamplingParams
+from skyline.ops import cpu_intdot, cpu_plan
 from skyline.router.launch import free_port
 
 transformers = pytest.importorskip("transformers")
@@ -157,6 +158,13 @@ def test_pipeline_stages_in_bfloat16(tmp_path):
     try:
         assert _tokens(llm.generate(prompts, GREEDY)) == want
         assert _tokens(llm.generate(one, GREEDY)) == want_one
+        # each CPU rank reports what its one-row steps run: its own Linears, the head on the last
+        first, last = llm.query("describe")["cpu_kernels"]
+        assert first["linears"] == {"gguf": 3 * 4} and last["linears"] == {"gguf": 4}
+        assert first["lm_head"] is None
+        if cpu_intdot.available() and cpu_plan.plan().intdot_rows:
+            assert last["lm_head"] == "intdot8"
+            assert first["decode_step"] == last["decode_step"] == "native"
     finally:
         llm.shutdown()
 

@@ -42,10 +42,13 @@ def run_concurrently(server, *calls):
     return asyncio.run(main())
 
 
-def test_models(client, model):
+def test_models(client, model, server):
     models = client.models.list().data
     assert [m.id for m in models] == [model]
     assert models[0].model_extra.get("max_model_len") == MAX_MODEL_LEN
+    # the start-up banner names what a decode step runs on the CPU: float32 is the exact path
+    assert "CPU decode kernels: Linears 120 onednn, LM head onednn; module by module" in \
+        server.log()
 
 
 def test_chat(client, model):

@@ -193,6 +193,17 @@ class LMHead(nn.Module):
         logits = F.linear(hidden, self.weight).float()
         return self._exact_top(logits, hidden) if hidden.device.type == "cpu" else logits
 
+    def kernel(self, rows: int = 1) -> str:
+        """The product a CPU batch of `rows` bfloat16 rows takes in `_logits` (start-up reports
+        and benchmarks: what a decode step's head reads)."""
+        if self.intdot_weight is not None and rows <= self.intdot_rows:
+            return f"intdot{self.code_bits}"
+        if self.bf16_rows and rows <= self.bf16_rows:
+            return "bf16"
+        if self.packed_weight is not None:
+            return "onednn-fp8" if self.fp8_weight is not None else "onednn"
+        return "fp8" if self.fp8_weight is not None else "dense"
+
     def _exact_top(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """On the CPU (whose plan runs small models in bfloat16) the entries near each row's
         maximum are recomputed in float32, so a 16-bit head's rounding does not turn near-ties
