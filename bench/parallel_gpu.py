@@ -180,6 +180,7 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
             t = time.perf_counter()
             llm.generate([prompt], params)
             rate = params.max_tokens / (time.perf_counter() - t)
+            kernels = llm.query("describe")["cpu_kernels"]  # the CPU stage's
         finally:
             llm.shutdown()
         # The last stage holds the LM head: on the CPU in the split layout.
@@ -191,10 +192,13 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
         floor = 1 / (gpu_bytes / gpu_bw + cpu_bytes / host_bw)
         rows.append({"layout": label, **kw, "decode_tokens_per_s": rate,
                      "gpu_weight_bytes": gpu_bytes, "cpu_weight_bytes": cpu_bytes,
-                     "floor_tokens_per_s": floor, "fraction_of_floor": rate / floor})
+                     "floor_tokens_per_s": floor, "fraction_of_floor": rate / floor,
+                     "cpu_kernels": kernels})
         print(f"placement {label} {kw}: batch-1 decode {rate:.1f} tok/s, floor {floor:.1f} "
               f"({rate / floor:.2f}): {gpu_bytes / 2**30:.2f} GiB at {gpu_bw / 1e9:.0f} GB/s + "
               f"{cpu_bytes / 2**30:.2f} GiB at {host_bw / 1e9:.0f} GB/s")
+        for k in kernels:
+            print(f"  a CPU rank's kernels: {k}")
         first = "cpu" if args.smoke else "cuda:0"  # --smoke: two CPU stages
         kw = {"placement": f"{first}={arch.num_layers - args.cpu_layers},cpu={args.cpu_layers}"}
     same = _same_prefix(tokens[0], tokens[1])
@@ -206,6 +210,12 @@ def stage_placement(args: argparse.Namespace) -> dict[str, Any]:
 
 STAGES = {"decode": stage_decode, "offline": stage_offline, "pp": stage_pp, "ep": stage_ep,
           "mp1": stage_mp1, "placement": stage_placement}
+
+
+def gpu_label() -> str:
+    """"h200", "h100" (the results' file names), else "gpu"."""
+    name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else ""
+    return next((g for g in ("h200", "h100") if g in name), "gpu")
 
 
 def main() -> None:
@@ -227,7 +237,7 @@ def main() -> None:
                     help="mp1 and placement on the CPU, a tiny model, a few requests")
     args = ap.parse_args()
     args.engine = {"load_format": "dummy"}
-    where = "h200"
+    where = gpu_label()
     if args.smoke:
         args.engine = {"device": "cpu", "load_format": "dummy"}
         args.model, args.gpus, where = tiny_model(), 1, "smoke"
