@@ -80,7 +80,7 @@ def main() -> None:
         rows, reps, args.out = [1, 3], 2, ""
         shapes = {"smoke": (2, [(96, 64), (64, 160)])}
     torch.set_num_threads(args.threads)
-    bw = host_read_bandwidth(args.threads, 1 << 22 if args.smoke else 1 << 28)
+    bw = host_read_bandwidth(args.threads, 1 << 22 if args.smoke else 1 << 30)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s at {args.threads} threads; skyline bf16 kernel: "
           f"{cpu_bf16.isa() if cpu_bf16.available() else 'not built'}", flush=True)
     table = []

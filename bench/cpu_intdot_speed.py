@@ -96,7 +96,7 @@ def main() -> None:
                   "intdot_q6_once", "intdot_q6_as_q8_once"]
     if args.kinds:
         kinds = [k for k in args.kinds.split(",") if k in kinds]
-    bw = host_read_bandwidth(args.threads, 1 << 22 if args.smoke else 1 << 28)
+    bw = host_read_bandwidth(args.threads, 1 << 22 if args.smoke else 1 << 30)
     table = []
     for kind in kinds:
         body = [(*kernel(kind, n, k), k) for _ in range(layers) for n, k in LAYER.values()]

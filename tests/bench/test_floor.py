@@ -47,6 +47,34 @@ def test_peaks_are_measured_on_the_cpu():
     assert 1e8 < copy_bandwidth(cpu) < 1e13
 
 
+def test_host_read_is_the_fastest_buffer_thread_count_and_read(monkeypatch):
+    """The host's read rate is the best of every buffer, thread count and way of reading: one
+    buffer of a virtual machine's memory may read at half the rate of the next."""
+    from skyline.bench import floor
+
+    seen, times = [], iter([4.0, 3.0, 2.0, 5.0, 1.0, 6.0, 7.0, 8.0])
+    monkeypatch.setattr(floor, "_usable_cpus", lambda: {0, 1, 2})
+    monkeypatch.setattr(floor, "_huge_page_ones", lambda n: torch.ones(n))
+
+    def timed(read, reps):
+        seen.append((torch.get_num_threads(), read.__name__))
+        return next(times)
+
+    monkeypatch.setattr(floor, "_best_seconds", timed)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert floor.host_read_bandwidth(nbytes=64, buffers=2) == 64 / 1.0
+        assert seen == [(1, "sum"), (1, "amax"), (3, "sum"), (3, "amax")] * 2
+        assert torch.get_num_threads() == 1
+        seen.clear()
+        times = iter([2.0, 4.0])
+        assert floor.host_read_bandwidth(threads=2, nbytes=64, buffers=1) == 32.0
+        assert seen == [(2, "sum"), (2, "amax")]
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_model_cost_of_a_shipped_config_on_the_meta_device():
     # Llama-3.1-8B: 32 layers of q/o 4096^2, k/v 4096 x 1024, MLP 3 x 4096 x 14336; head 128256 wide
     bf16 = model_cost("llama-3.1-8b", None, "auto")
