@@ -5,7 +5,9 @@ torch's F.linear on the plain weight, at 1-16 rows, on a Llama-3.1-8B layer's sh
 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336: 436 MB a layer, two layers taken in
 turn so that nothing is still in the last-level cache) and the default model's (30 layers of
 960x576, 576x576, 3072x576, 576x1536).
-The floor is the weight's bytes over the read bandwidth measured in the same run.
+The floor is the weight's bytes over the read bandwidth measured in the same run. A CPU
+without AVX-512 BF16 is emulated on one with it through the environment (recorded in the
+JSON): SKYLINE_CPU_INTDOT_MARCH=skylake-avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE for AVX-512F.
 
     python bench/cpu_bf16_speed.py [--threads 2] [--rows 1,2,4,8,16] [--shapes llama8b,smollm2]
         [--out bench/results/cpu/cpu-bf16-speed-2threads.json]
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -26,6 +29,7 @@ from skyline.bench.floor import host_read_bandwidth, median_seconds
 from skyline.bench.offline import machine_info, save_json
 from skyline.ops import cpu_bf16, cpu_linear, host_memory
 
+EMULATION = ("SKYLINE_CPU_INTDOT_MARCH", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 SHAPES = {  # name: (layers, [(N, K), ...])
     "llama8b": (2, [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]),
     "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)]),
@@ -111,6 +115,9 @@ def main() -> None:
     save_json({"bench": "cpu_bf16_speed", "date": datetime.date.today().isoformat(),
                "machine": machine_info("cpu"), "threads": args.threads,
                "bf16_isa": cpu_bf16.isa() if cpu_bf16.available() else None,
+               # a CPU family emulated on this one: the kernel built for another -march, oneDNN
+               # capped at another ISA, ATen's kernels at another capability
+               "emulated": {k: os.environ[k] for k in EMULATION if k in os.environ},
                "read_bandwidth_gbs": bw / 1e9, "table": table}, args.out)
 
 

@@ -103,11 +103,11 @@ def host_read_bandwidth(threads: int | None = None, nbytes: int = 1 << 30, buffe
     """Bytes per second host memory reads at: the best of a float32 sum and a float32 maximum
     over each of `buffers` buffers of `nbytes` allocated in turn, each read the best of 5 after
     one, at `threads` threads, or by default at torch's and at every CPU this process may run
-    on. 1 GiB: a server CPU's last-level cache reaches 300 MiB, and a smaller buffer read partly
-    from it. Several buffers: a virtual machine's memory may be backed unevenly (two 1 GiB
-    buffers of one process on the CPU machine read at 36 and 66 GB/s, and a single one at one
-    thread count read at a third of what both engines then read on a GPU machine's host). The
-    memory is advised to transparent huge pages where Linux has them (as a CPU engine's
+    on. 1 GiB: a server CPU's last-level cache reaches 300 MiB, which a smaller buffer may be
+    read partly from. Several buffers: a virtual machine's memory may be backed unevenly (two
+    1 GiB buffers of one process on the CPU machine read at 36 and 66 GB/s, and a single one at
+    one thread count read at a third of what both engines then read on a GPU machine's host).
+    The memory is advised to transparent huge pages where Linux has them (as a CPU engine's
     streamed weights are, ops/host_memory.py): in 4 KiB pages the same sum reads ~10-15%
     slower."""
     prev = torch.get_num_threads()

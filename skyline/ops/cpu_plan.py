@@ -168,12 +168,17 @@ ROUND_ONCE = {"avx2"}
 # 11.63 / 21.82 and dense bf16's 11.23 / 11.78 / 10.58 / 12.83 / 16.17; 8-bit codes 4.68 /
 # 5.35 / 7.36 / 10.63 / 17.88 ms.
 ONCE_ROWS = {"avx2": (32, 16), "avx512_bf16": (8, 8)}
-# Rows up to which the bf16 kernel runs bfloat16 weights on the families whose activations are
-# bfloat16 (bench/cpu_bf16_speed.py on an AVX-512 BF16 AMD EPYC at 2 threads, weights in huge
-# pages as the engine holds them: against oneDNN's packed products at 1 / 2 / 4 / 8 rows 1.58x /
-# 1.31x / 0.99x / 0.68x on a Llama-3.1-8B layer's shapes, 2.21x / 1.95x / 1.37x / 1.05x on the
-# default model's).
-BF16_ROWS = {"amx": 4, "avx512_bf16": 4}
+# Rows up to which the bf16 kernel runs bfloat16 weights with bfloat16 activations: a family's
+# own (AVX-512 BF16, AMX), or those of a model served in bfloat16 on a family that computes in
+# float32 (--dtype bfloat16, a GPU + CPU placement's CPU stage). bench/cpu_bf16_speed.py at 2
+# threads on an AVX-512 BF16 AMD EPYC, weights in huge pages as the engine holds them, against
+# oneDNN's packed products at 1 / 2 / 4 / 8 rows: 1.58x / 1.31x / 0.99x / 0.68x on a
+# Llama-3.1-8B layer's shapes, 2.21x / 1.95x / 1.37x / 1.05x on the default model's. AVX-512
+# without BF16 (emulated there: the kernel built for skylake-avx512, oneDNN capped at
+# AVX512_CORE, whose bfloat16 it emulates): 1.00x / 3.09x / 3.48x / 2.92x on the 8B layer.
+# AVX2 keeps none (oneDNN capped at AVX2 packs no bfloat16: the plain weight is all a layer
+# holds).
+BF16_ROWS = {"amx": 4, "avx512_bf16": 4, "avx512": 8}
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -199,7 +204,7 @@ def plan_for(caps: CpuCaps) -> CpuPlan:
         bf16 = max(0, envs.ENV.cpu_bf16_rows)
     if not built:
         intdot = 0
-    if not built or dtype != torch.bfloat16:
+    if not built:
         bf16 = 0
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         wide = 0

@@ -53,9 +53,10 @@ def test_each_family_gets_its_plan(family):
     assert plan.int4_kernel == ("intdot" if once else "int4")
     if once:
         assert plan.int4_rows == cpu_plan.ONCE_ROWS["avx2"][0]
-    # the bf16 kernel where activations are bfloat16 and it builds
-    assert plan.bf16_rows == (cpu_plan.BF16_ROWS[family] if family in NATIVE_BF16 and built
-                              else 0)
+    # the bf16 kernel for bfloat16 activations where it builds: the family's own, or those of a
+    # bfloat16 model on AVX-512 without BF16 (its AVX-512F path beats oneDNN's emulation)
+    assert plan.bf16_rows == (cpu_plan.BF16_ROWS.get(family, 0) if built else 0)
+    assert (plan.bf16_rows > 0) == (built and family in ("amx", "avx512_bf16", "avx512"))
 
 
 def test_a_bf16_capable_cpu_without_onednn_bf16_stays_float32():
@@ -208,11 +209,14 @@ def test_the_bf16_kernels_rows_can_be_set(monkeypatch):
         monkeypatch.setenv("SKYLINE_CPU_BF16_ROWS", value)
         monkeypatch.setattr(envs, "ENV", envs.Env.read())
         assert cpu_plan.plan().bf16_rows == (want if built else 0)
-    # float32 activations (AVX2): never
+    # AVX2 keeps none unless told (a bfloat16 model's activations there: --dtype bfloat16)
+    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx2"])
+    monkeypatch.setenv("SKYLINE_CPU_BF16_ROWS", "0")
+    monkeypatch.setattr(envs, "ENV", envs.Env.read())
+    assert cpu_plan.plan().bf16_rows == 0
     monkeypatch.setenv("SKYLINE_CPU_BF16_ROWS", "4")
     monkeypatch.setattr(envs, "ENV", envs.Env.read())
-    monkeypatch.setattr(cpu_plan, "probe", lambda: CAPS["avx2"])
-    assert cpu_plan.plan().bf16_rows == 0
+    assert cpu_plan.plan().bf16_rows == (4 if built else 0)
 
 
 def test_a_tuned_plan_sets_the_bf16_kernels_rows(monkeypatch):

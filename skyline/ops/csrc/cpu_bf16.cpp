@@ -4,14 +4,15 @@
 // y[m, n] = bf16(sum_k x[m, k] * W[n, k]), W [N, K] row-major as loaded (no packing). Each output
 // row's sum is computed the same way whatever the batch's size: a 16-lane float32 accumulator
 // fed 32 elements at a time in k's order (AVX-512 BF16 `vdpbf16ps`: lane i takes elements 2i and
-// 2i + 1 of each 32), then its lanes summed in a fixed order; without AVX-512 BF16, 8 lanes of
-// float32 FMAs (AVX2) or one scalar sum; four accumulators' lanes are summed together, each in
-// the same order. Weight rows are split across ATen's threads, and each weight load serves every
-// row of x of a pass (8, 4, 2 or 1 rows; the weights stay in cache between passes). Short rows
-// (K <= kShortRow) are read one after the other, so that a thread's weights are one stream in
-// memory order with the next row prefetched (four interleaved short rows start new streams every
-// few hundred bytes: ~22 GB/s where one stream reads ~30 on two cores of an AMD EPYC); long rows
-// U = 4 (or 2) at a time, each load used for U rows of W too, prefetched within each row.
+// 2i + 1 of each 32), then its lanes summed in a fixed order; without AVX-512 BF16, the same
+// pairs in float32 FMAs (AVX-512F), 8 lanes of float32 FMAs (AVX2) or one scalar sum; four
+// accumulators' lanes are summed together, each in the same order. Weight rows are split across
+// ATen's threads, and each weight load serves every row of x of a pass (8, 4, 2 or 1 rows; the
+// weights stay in cache between passes). Short rows (K <= kShortRow) are read one after the
+// other, so that a thread's weights are one stream in memory order with the next row prefetched
+// (four interleaved short rows start new streams every few hundred bytes: ~22 GB/s where one
+// stream reads ~30 on two cores of an AMD EPYC); long rows U = 4 (or 2) at a time, each load used
+// for U rows of W too, prefetched within each row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -33,6 +34,20 @@ namespace {
 constexpr int64_t kAhead = 512;  // elements (1 KiB) of a long row prefetched ahead of its loads
 constexpr int64_t kShortRow = 2048;  // elements of a row up to which rows are read one by one
 
+#if defined(__AVX512F__)
+// the sums of four 16-lane accumulators' lanes, each in the same order whichever accumulators
+// share the call (a row's result must not depend on its batch): halves, then pairs, then quads
+inline __m128 sum4_512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  auto half = [](__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  };
+  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)),
+                                  _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr int kStep = 32;  // elements an accumulator takes a step
 using Acc = __m512;
@@ -45,19 +60,31 @@ inline __m512i load32(const uint16_t* p, int n) {
 inline Acc fma_step(Acc acc, __m512i x, __m512i w) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(x), reinterpret_cast<__m512bh&>(w));
 }
-// the sums of four accumulators' lanes, each in the same order whichever accumulators share the
-// call (a row's result must not depend on its batch): halves, then pairs, then quads
-inline __m128 acc_sum4(Acc a0, Acc a1, Acc a2, Acc a3) {
-  auto half = [](Acc a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  };
-  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)),
-                                  _mm256_hadd_ps(half(a2), half(a3)));
-  return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
-}
+inline __m128 acc_sum4(Acc a0, Acc a1, Acc a2, Acc a3) { return sum4_512(a0, a1, a2, a3); }
 using Vec = __m512i;
 inline Vec load(const uint16_t* p, int n) { return load32(p, n); }
+#elif defined(__AVX512F__)
+// AVX-512 without BF16 (Skylake-SP, Cascade Lake): vdpbf16ps's pairs in float32 FMAs. A 32-bit
+// lane holds elements 2i (low half) and 2i + 1 (high half); shifted left by 16 the low one is its
+// float32, masked the high one is: two FMAs a lane, no shuffle to widen
+constexpr int kStep = 32;
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+using Vec = __m512i;
+// 32 bf16 of p (the first `n` of them, the rest 0)
+inline Vec load(const uint16_t* p, int n) {
+  if (n >= 32) return _mm512_loadu_si512(p);
+  uint16_t tail[32] = {};
+  std::memcpy(tail, p, sizeof(uint16_t) * n);
+  return _mm512_loadu_si512(tail);
+}
+inline Acc fma_step(Acc acc, Vec x, Vec w) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto even = [](Vec v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); };
+  const auto odd = [&](Vec v) { return _mm512_castsi512_ps(_mm512_and_si512(v, high)); };
+  return _mm512_fmadd_ps(odd(x), odd(w), _mm512_fmadd_ps(even(x), even(w), acc));
+}
+inline __m128 acc_sum4(Acc a0, Acc a1, Acc a2, Acc a3) { return sum4_512(a0, a1, a2, a3); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kStep = 8;
 using Acc = __m256;
@@ -208,6 +235,8 @@ namespace {
 std::string bf16_isa() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";
 #else
