@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
@@ -78,7 +79,9 @@ class PackedLinearMethod:
     product as F.linear, faster at decode-sized batches. The layer holds `packed_weight`
     instead of the `weight` Parameter; `prepack` converts a loaded layer. A bfloat16 layer may
     also keep its plain weight (`bf16_weight`) for skyline's bf16 kernel, which batches of at
-    most `bf16_rows` bfloat16 rows take (ops/cpu_bf16.py; the CPU plan's bf16_rows)."""
+    most `bf16_rows` bfloat16 rows take (ops/cpu_bf16.py; the CPU plan's bf16_rows). Where
+    oneDNN packs no bfloat16 (AVX2) the plain weight is all the layer holds (`packed_weight`
+    None): larger batches take F.linear on it."""
 
     def create_weights(self, layer: Any) -> None:
         raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
@@ -87,9 +90,13 @@ class PackedLinearMethod:
         w = getattr(layer, "bf16_weight", None)
         if w is not None and x.dtype == w.dtype and x.numel() <= layer.bf16_rows * w.shape[1]:
             return cpu_bf16.bf16_linear(x, w, layer.bias)
+        if layer.packed_weight is None:
+            return F.linear(x, w, layer.bias)
         return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
 
     def full_weight(self, layer: Any) -> torch.Tensor:
+        if layer.packed_weight is None:
+            return layer.bf16_weight
         return cpu_linear.unpack(layer.packed_weight)
 
     def decode_bytes(self, layer: Any) -> int | None:
@@ -104,8 +111,8 @@ class PackedLinearMethod:
         w = getattr(layer, "bf16_weight", None)
         if w is None or layer.bias is not None:
             return None
-        native = cpu_ext.NativeProduct(cpu_ext.BF16, (w,), 0, 0, 0, layer.bf16_rows,
-                                       layer.packed_weight)
+        dense = w if layer.packed_weight is None else layer.packed_weight
+        native = cpu_ext.NativeProduct(cpu_ext.BF16, (w,), 0, 0, 0, layer.bf16_rows, dense)
         return (lambda x: self.apply(layer, x)), cpu_ext.ANY_ROWS, native
 
 
@@ -138,16 +145,20 @@ def keeps_bf16_copy(w: torch.Tensor, bf16_rows: int) -> bool:
 def prepack(layer: Any, bf16_rows: int = 0) -> bool:
     """Pack a loaded unquantized CPU layer's weight for oneDNN, dropping the dense copy
     (memory stays the same), or keeping it for the bf16 kernel where `bf16_rows` (the CPU
-    plan's), the weight is bfloat16, the kernel builds and a second copy fits. Returns whether
-    it packed; other layers are left as they are."""
-    if type(layer.linear_method) is not UnquantizedLinearMethod or not cpu_linear.can_pack(
-            layer.weight):
+    plan's), the weight is bfloat16, the kernel builds and a second copy fits. A bfloat16
+    weight oneDNN cannot pack here (AVX2) stays plain, for the bf16 kernel's few rows and
+    F.linear's others. Returns whether it packed or kept it so; other layers are left as
+    they are."""
+    if type(layer.linear_method) is not UnquantizedLinearMethod:
         return False
     w = layer.weight.data
-    packed = cpu_linear.pack(w)
+    packable = cpu_linear.can_pack(w)
+    if not packable and not (bf16_rows > 0 and w.dtype == torch.bfloat16
+                             and w.device.type == "cpu" and cpu_bf16.available()):
+        return False
     del layer.weight
-    layer.packed_weight = packed
-    keep = keeps_bf16_copy(w, bf16_rows)
+    layer.packed_weight = cpu_linear.pack(w) if packable else None
+    keep = not packable or keeps_bf16_copy(w, bf16_rows)
     layer.bf16_weight = w.contiguous() if keep else None
     layer.bf16_rows = bf16_rows if keep else 0
     layer.linear_method = PackedLinearMethod()
@@ -159,7 +170,9 @@ def unpack(layer: Any) -> bool:
     bit), served by F.linear again. Returns whether the layer was packed."""
     if type(layer.linear_method) is not PackedLinearMethod:
         return False
-    weight = cpu_linear.unpack(layer.packed_weight)
+    packed = layer.packed_weight
+    # a plain weight may sit in a shared huge-page mapping: a copy of its own, as loaded
+    weight = cpu_linear.unpack(packed) if packed is not None else layer.bf16_weight.clone()
     del layer.packed_weight
     for name in ("bf16_weight", "bf16_rows"):
         layer.__dict__.pop(name, None)

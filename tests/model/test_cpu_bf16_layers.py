@@ -15,7 +15,7 @@ from tiny_hf import save_scaled
 from skyline import LLM, SamplingParams
 from skyline.model.layers import cpu_decode
 from skyline.model.layers.linear import Linear
-from skyline.ops import cpu_bf16, cpu_ext, cpu_plan, host_memory
+from skyline.ops import cpu_bf16, cpu_ext, cpu_linear, cpu_plan, host_memory
 from skyline.quant.method import PackedLinearMethod, UnquantizedLinearMethod, prepack, unpack
 
 pytestmark = pytest.mark.skipif(
@@ -103,12 +103,50 @@ def test_decode_runs_the_kernel_with_the_same_greedy_tokens(llama, monkeypatch):
     finally:
         onednn.shutdown()
     for got in (python, *runs):
-        for tokens, ref in zip(got, want, strict=False):
-            pairs = enumerate(zip(tokens, ref.token_ids, strict=True))
-            same = next((i for i, (a, b) in pairs if a != b), len(tokens))
-            if same < len(tokens):  # another sum order may only flip a near tie
-                top = ref.logprobs[same]
-                assert top.logprobs[1] - top.logprobs[2] < 0.15, (same, tokens, ref.token_ids)
+        _agree(got, want)
+    # where oneDNN packs no bfloat16 (AVX2), the plain weights alone: the C++ step's kernel at
+    # 2 rows, F.linear at 3
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu_linear, "can_pack", lambda w: False)
+        plain = _llm(llama, 2)
+    try:
+        model = plain.engine.executor.runner.model.model
+        proj = model.layers[0].self_attn.qkv_proj
+        assert proj.packed_weight is None and proj.bf16_weight is not None
+        assert model._cpu_decode_plan().native is not None
+        for p in (prompts[:2], prompts):
+            _agree([o.outputs[0].token_ids for o in plain.generate(p, params)], want)
+    finally:
+        plain.shutdown()
+
+
+def _agree(got: list[list[int]], want: list) -> None:
+    for tokens, ref in zip(got, want, strict=False):
+        pairs = enumerate(zip(tokens, ref.token_ids, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(tokens))
+        if same < len(tokens):  # another sum order may only flip a near tie
+            top = ref.logprobs[same]
+            assert top.logprobs[1] - top.logprobs[2] < 0.15, (same, tokens, ref.token_ids)
+
+
+def test_where_onednn_packs_no_bfloat16_the_plain_weight_serves_every_batch(monkeypatch):
+    lin = Linear(64, 48, bias=False, linear_method=UnquantizedLinearMethod())
+    with torch.no_grad():
+        lin.weight.normal_()
+    lin.to(torch.bfloat16)
+    w = lin.weight.data.clone()
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda w: False)
+    assert not prepack(lin)  # no rows for the kernel: left as loaded
+    assert isinstance(lin.linear_method, UnquantizedLinearMethod)
+    assert prepack(lin, bf16_rows=2) and lin.packed_weight is None
+    method = lin.linear_method
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(method.apply(lin, x[:2]), cpu_bf16.bf16_mm(x[:2], w))
+    assert torch.equal(method.apply(lin, x), torch.nn.functional.linear(x, w))
+    assert torch.equal(method.full_weight(lin), w)
+    native = method.cpu_decode_product(lin)[2]
+    assert native.dense is lin.bf16_weight and native.rows == 2
+    assert unpack(lin) and torch.equal(lin.weight, w) and not hasattr(lin, "bf16_weight")
 
 
 class _GGUFLayer(torch.nn.Module):

@@ -86,23 +86,24 @@ inline Acc fma_step(Acc acc, Vec x, Vec w) {
 }
 inline __m128 acc_sum4(Acc a0, Acc a1, Acc a2, Acc a3) { return sum4_512(a0, a1, a2, a3); }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kStep = 8;
+// AVX2: the same pairs, 16 elements a step in 8 lanes
+constexpr int kStep = 16;
 using Acc = __m256;
 inline Acc acc_zero() { return _mm256_setzero_ps(); }
-// 8 bf16 of p as float32 (the first `n`, the rest 0)
-inline __m256 load(const uint16_t* p, int n) {
-  __m128i v;
-  if (n >= 8) {
-    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  } else {
-    uint16_t tail[8] = {};
-    std::memcpy(tail, p, sizeof(uint16_t) * n);
-    v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tail));
-  }
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+using Vec = __m256i;
+// 16 bf16 of p (the first `n`, the rest 0)
+inline Vec load(const uint16_t* p, int n) {
+  if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  uint16_t tail[16] = {};
+  std::memcpy(tail, p, sizeof(uint16_t) * n);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tail));
 }
-using Vec = __m256;
-inline Acc fma_step(Acc acc, Vec x, Vec w) { return _mm256_fmadd_ps(x, w, acc); }
+inline Acc fma_step(Acc acc, Vec x, Vec w) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto even = [](Vec v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
+  const auto odd = [&](Vec v) { return _mm256_castsi256_ps(_mm256_and_si256(v, high)); };
+  return _mm256_fmadd_ps(odd(x), odd(w), _mm256_fmadd_ps(even(x), even(w), acc));
+}
 inline __m128 acc_sum4(Acc a0, Acc a1, Acc a2, Acc a3) {
   return _mm_setr_ps(skyline::hsum8(a0), skyline::hsum8(a1), skyline::hsum8(a2), skyline::hsum8(a3));
 }
