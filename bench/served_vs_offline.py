@@ -67,8 +67,11 @@ def served(model: str, flags: list[str], ns: argparse.Namespace, work: str,
         deadline = time.monotonic() + ns.timeout
         while api_servers > 1 and time.monotonic() < deadline:
             with open(log, errors="replace") as f:
-                if "API processes: pids" in f.read():
-                    break
+                text = f.read()
+            if "API processes: pids" in text:
+                break
+            if proc.poll() is not None:  # it stopped starting: say why, do not wait it out
+                raise RuntimeError(f"skyline serve stopped during start-up: {text[-600:]}")
             time.sleep(0.2)
         load = LoadSpec(base_url=url, concurrency=ns.concurrency, num_requests=ns.num_requests,
                         timeout=ns.timeout, setup_timeout=ns.timeout,

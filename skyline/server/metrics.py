@@ -14,6 +14,8 @@ sees the whole server (series labelled by process would show only the one scrape
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
     generate_latest,
+    multiprocess,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -194,10 +197,8 @@ class Metrics:
         engine = _EngineCollector(model, engine_stats, engine_restarts)
         self.exposed = r  # what /metrics renders
         if multiprocess_dir is not None:
-            from prometheus_client import multiprocess
-
             self.exposed = CollectorRegistry(auto_describe=True)
-            multiprocess.MultiProcessCollector(self.exposed, path=multiprocess_dir)
+            _SizedFilesCollector(self.exposed, path=multiprocess_dir)
         self.exposed.register(engine)
 
     def render(self) -> bytes:
@@ -207,6 +208,22 @@ class Metrics:
         if self.api_server_series is not None:
             self.api_server_series.inc()
         return RequestTracker(self, num_prompt_tokens)
+
+
+class _SizedFilesCollector(multiprocess.MultiProcessCollector):
+    """prometheus_client's collector of several processes' files, passing over a file another
+    API process has created and not yet sized (empty for an instant: reading it raised
+    struct.error, which stopped an API process starting beside it, and with it the server)."""
+
+    def collect(self) -> Iterator[Metric]:
+        files = []
+        for path in glob.glob(os.path.join(self._path, "*.db")):
+            try:
+                if os.path.getsize(path) >= 8:  # the used-bytes header, at least
+                    files.append(path)
+            except OSError:  # gone: its process was marked dead
+                pass
+        return self.merge(files, accumulate=True)
 
 
 class RequestTracker:

@@ -190,3 +190,19 @@ def _samples_without_tiers():
 
     text = Metrics("m", lambda: {}).render().decode()
     return [(s.name, s.labels) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def test_metrics_of_several_api_processes_pass_over_a_file_being_created(tmp_path):
+    """Another API process's file, created and not yet sized (empty for an instant), neither
+    stops this one's start nor its /metrics (reading it raised struct.error)."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from skyline.server.metrics import Metrics
+
+    # a peer's file as prometheus_client writes it, and one just created
+    peer = MmapedDict(str(tmp_path / "counter_7.db"))
+    peer.write_value(mmap_key("x", "x_total", (), (), "x."), 3.0, 0.0)
+    peer.close()
+    (tmp_path / "counter_8.db").touch()
+    text = Metrics("m", lambda: {}, multiprocess_dir=str(tmp_path)).render().decode()
+    assert "x_total 3.0" in text
