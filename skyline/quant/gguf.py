@@ -166,9 +166,12 @@ class GGUFLinearMethod:
             dense = dequantize_blocks(layer).to(dtype)
             layer.cpu_dense = cpu_linear.pack(dense) if cpu_linear.can_pack(dense) else dense
             # codes no kernel above takes (16-bit ones): few rows on the bf16 kernel, on the
-            # plain weight kept beside the packed one where that fits
-            if (not layer.cpu_plane_rows and layer.cpu_dense.is_mkldnn
-                    and keeps_bf16_copy(dense, cpu.bf16_rows)):
+            # plain weight kept beside the packed one where that fits, or on the plain weight
+            # alone where oneDNN packs no bfloat16 (AVX2)
+            if not layer.cpu_plane_rows and (
+                    keeps_bf16_copy(dense, cpu.bf16_rows) if layer.cpu_dense.is_mkldnn
+                    else (dense.dtype == torch.bfloat16 and cpu.bf16_rows > 0
+                          and cpu_bf16.available())):
                 layer.cpu_bf16, layer.cpu_plane_rows = dense, cpu.bf16_rows
         else:  # every batch on the planes: slower prefill, but it fits
             layer.cpu_plane_rows = cpu_ext.ANY_ROWS

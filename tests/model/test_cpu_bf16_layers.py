@@ -162,18 +162,25 @@ class _GGUFLayer(torch.nn.Module):
 
 @pytest.mark.parametrize("name", ["BF16", "F16"])
 @pytest.mark.parametrize("rows", [2, 0])
-def test_16_bit_gguf_layers_take_the_kernel_by_the_plan(monkeypatch, name, rows):
+@pytest.mark.parametrize("packable", [True, False], ids=["onednn", "plain"])
+def test_16_bit_gguf_layers_take_the_kernel_by_the_plan(monkeypatch, name, rows, packable):
+    """Beside oneDNN's packed weight, or on the plain one alone where oneDNN packs no bfloat16
+    (AVX2)."""
     from gguf import GGMLQuantizationType as Q
 
     from skyline.quant.gguf import GGUFLinearMethod
 
     plan = dataclasses.replace(cpu_plan.plan(), dtype=torch.bfloat16, bf16_rows=rows)
     monkeypatch.setattr(cpu_plan, "plan", lambda: plan)
+    if not packable:
+        monkeypatch.setattr(cpu_linear, "can_pack", lambda w: False)
     w = torch.randn(40, 96).to(torch.bfloat16 if name == "BF16" else torch.float16)
     layer = _GGUFLayer(int(Q[name]), w.view(torch.uint8), 40, 96)
     method = GGUFLinearMethod()
     assert method.prepack_cpu(layer, torch.bfloat16)
-    assert layer.cpu_dense.is_mkldnn
+    assert layer.cpu_dense.is_mkldnn == packable
+    if rows and not packable:
+        assert layer.cpu_bf16 is layer.cpu_dense  # one copy
     assert method.decode_bytes(layer) == (40 * 96 * 2 if rows else None)  # one copy read
     dense = w.to(torch.bfloat16)
     x = torch.randn(3, 96).bfloat16()
