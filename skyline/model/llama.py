@@ -128,6 +128,11 @@ class LlamaModel(nn.Module):
         plan = self._cpu_decode_plan()
         return "modules" if plan is None else "native" if plan.native is not None else "python"
 
+    def forget_cpu_decode_plan(self) -> None:
+        """Plan again at the next CPU forward: the layers' serving layout changed
+        (loader.plain_layout), and the plan holds the old one's products."""
+        self._cpu_decode = None
+
     def _cpu_decode_plan(self) -> cpu_decode.DecodePlan | None:
         if self._cpu_decode is None:
             # a pipeline stage's own layers (the others are SkipLayers, which pass x on)

@@ -293,6 +293,9 @@ def plain_layout(model: nn.Module) -> None:
     or change the weights need (calibration, quantization, the format search); serving goes
     on through F.linear. Quantized Linears keep the layout they serve with."""
     for module in model.modules():
+        forget = getattr(module, "forget_cpu_decode_plan", None)
+        if forget is not None:  # its decode plan holds the packed products
+            forget()
         if isinstance(module, Linear):
             unpack(module)
         elif isinstance(module, LMHead):

@@ -244,8 +244,11 @@ def test_plain_layout_undoes_the_bf16_kernels_copies(hf_llama, tmp_path, monkeyp
     prepack_for_cpu(model, torch.bfloat16)
     proj = model.model.layers[0].self_attn.qkv_proj
     assert proj.bf16_weight is not None and model.lm_head.bf16_rows == 2
+    assert model.model.cpu_decode_step() != "modules"  # planned on the bf16 kernel's weights
     plain_layout(model)
     assert not hasattr(proj, "bf16_weight") and model.lm_head.bf16_rows == 0
+    # the plan held the packed products: planned again, the plain Linears have none
+    assert model.model.cpu_decode_step() == "modules"
     want, got = dict(fresh.named_parameters()), dict(model.named_parameters())
     assert all(torch.equal(want[n], got[n]) for n in want)
     for p in got.values():
