@@ -247,15 +247,13 @@ def bench_offline(model: str, ns: argparse.Namespace, bandwidth: float) -> dict[
           f"{breakdown['products_ms']:.2f} ms, the rest {breakdown['other_ms']:.2f} ms; "
           + ", ".join(f"{k} {v:.2f}" for k, v in breakdown["split_ms"].items()), flush=True)
     llama_bytes = gguf_step_bytes(model)
-    info = llm.query("describe")
     out: dict[str, Any] = {
         "skyline_defaults": {"dtype": cfg.dtype, "quantization": cfg.quant.method},
-        "skyline_cpu_kernels": info["cpu_kernels"],  # what its one-row steps ran
+        "skyline_cpu_kernels": llm.query("describe")["cpu_kernels"],  # of its one-row steps
         "memory_gib": {"file": os.path.getsize(model) / 2**30,
-                       "skyline_weights": info["weights_gib"],
+                       "skyline_weights": llm.query("describe")["weights_gib"],
                        "skyline_process_resident": resident_bytes() / 2**30},
-        "decode_b1_tok_s": dec, "prefill_tok_s": pre,
-        "decode_step_breakdown": breakdown,
+        "decode_b1_tok_s": dec, "prefill_tok_s": pre, "decode_step_breakdown": breakdown,
         "decode_step_bytes": {"skyline": sky_bytes, "llama.cpp": llama_bytes},
         "decode_floor_tok_s": {"skyline": bandwidth / sky_bytes,
                                "llama.cpp": bandwidth / llama_bytes},
