@@ -46,7 +46,9 @@
 #                  (bench/serve_ceiling.py), then served against offline at SERVED_C (256)
 #                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py),
 #                  once per API server count in API_SERVERS ("1 4": serve --api-server-count),
-#                  greedy unless SERVED_SAMPLING says ("--temperature 0.8 --top-p 0.95")
+#                  greedy unless SERVED_SAMPLING says ("--temperature 0.8 --top-p 0.95"), and
+#                  with Poisson arrivals at each fraction of offline's request rate in
+#                  SERVED_RATES ("0.9"; "" for none)
 #   mixed          mixed steps: 256 decodes at a 300-token context beside a prefill chunk of 128,
 #                  512 and 2048 tokens, eager against replayed from a CUDA graph (of exactly the
 #                  step's tokens, and the engine's own padded one), each against its floor
@@ -267,7 +269,8 @@ stage_served() {
   # processes (8), SERVED_N requests (1024) of SERVED_IN -> SERVED_OUT tokens (128 -> 256),
   # engine flags SERVED_FLAGS (none; e.g. "--kv-cache-dtype fp8"), for each API server count
   # in API_SERVERS ("1 4"), every request sampled as SERVED_SAMPLING says (greedy; e.g.
-  # "--temperature 0.8 --top-p 0.95"); SERVED_CEILING=0 skips the ceiling
+  # "--temperature 0.8 --top-p 0.95"), then with Poisson arrivals at each fraction of the
+  # offline run's request rate in SERVED_RATES ("0.9"); SERVED_CEILING=0 skips the ceiling
   if [ "${SERVED_CEILING:-1}" = 1 ]; then
     CUDA_VISIBLE_DEVICES='' python3 bench/serve_ceiling.py --processes 8 \
       --out-dir "$OUT" --tag "h200-host$TAG"
@@ -276,6 +279,7 @@ stage_served() {
     --processes "${SERVED_PROCS:-8}" --num-requests "${SERVED_N:-1024}" \
     --input-len "${SERVED_IN:-128}" --output-len "${SERVED_OUT:-256}" \
     --flags "${SERVED_FLAGS:-}" --api-servers ${API_SERVERS:-1 4} ${SERVED_SAMPLING:-} \
+    --rates ${SERVED_RATES-0.9} \
     --out "$OUT/served-vs-offline-h200-$M-c${SERVED_C:-256}$TAG.json"
 }
 

@@ -55,6 +55,14 @@ def stats_ms(values_s: list[float]) -> dict[str, float]:
             "p99": percentile(ms, 99), "std": std}
 
 
+def split_first(results: list[RequestResult], n: int
+                ) -> tuple[list[RequestResult], list[RequestResult]]:
+    """The `n` requests that started first and the others: a closed loop's first wave (its
+    users' first requests, sent together) and what followed."""
+    order = sorted(results, key=lambda r: r.start)
+    return order[:n], order[n:]
+
+
 def parse_goodput(specs: list[str] | None) -> dict[str, float]:
     """['ttft:500', 'tpot:50'] -> {'ttft': 500.0, 'tpot': 50.0} (milliseconds)."""
     slos: dict[str, float] = {}

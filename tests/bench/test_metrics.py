@@ -12,10 +12,12 @@ from skyline.bench.metrics import (
     format_table,
     parse_goodput,
     percentile,
+    split_first,
     stats_ms,
     summarize,
 )
 from skyline.bench.report import pareto_front
+from skyline.bench.serve.load import LoadSpec, split_load
 from skyline.bench.workloads import WorkloadSpec, make_conversations, parse_len
 
 
@@ -100,3 +102,24 @@ def test_grid_and_pareto() -> None:
             row(100, 10, 0.0)]
     # (40, 5) is dominated; (120, 9) trades quality for speed; equal points both stay.
     assert pareto_front(rows) == [True, True, False, True, True]
+
+
+def test_the_first_wave_is_the_requests_that_started_first() -> None:
+    rs = [RequestResult(input_len=1, start=s, ttft=t) for s, t in
+          [(0.3, 0.05), (0.0, 0.9), (0.001, 0.8), (2.0, 0.04), (0.0002, 0.7)]]
+    first, rest = split_first(rs, 3)
+    assert [r.ttft for r in first] == [0.9, 0.7, 0.8]
+    assert [r.start for r in rest] == [0.3, 2.0]
+    assert split_first(rs, 9) == (sorted(rs, key=lambda r: r.start), [])
+
+
+def test_client_processes_share_the_users_requests_and_rate() -> None:
+    load = LoadSpec(concurrency=10, num_requests=23, request_rate=40.0, seed=5)
+    jobs = split_load(load, WorkloadSpec(seed=1), 4)
+    assert [j.concurrency for j, _ in jobs] == [3, 3, 2, 2]
+    assert [j.num_requests for j, _ in jobs] == [6, 6, 6, 5]
+    assert [j.request_rate for j, _ in jobs] == pytest.approx([12.0, 12.0, 8.0, 8.0])
+    assert [j.seed for j, _ in jobs] == [5, 6, 7, 8] and [w.seed for _, w in jobs] == [1, 2, 3, 4]
+    # a closed loop stays one: no rate appears; never more processes than users
+    jobs = split_load(LoadSpec(concurrency=2, num_requests=4), WorkloadSpec(), 8)
+    assert len(jobs) == 2 and all(j.request_rate is None for j, _ in jobs)

@@ -234,6 +234,18 @@ print(cpu_bf16.isa())
 """
 
 
+# the CPU flags a build for each -march needs to run (a build for more than the CPU has dies
+# by SIGILL at its first such instruction)
+_MARCH_FLAGS = {"skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
+                "haswell": {"avx2", "fma", "bmi2"}, "x86-64": set()}
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f
+                     if line.startswith("flags")), set())
+
+
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("march,isas", [("skylake-avx512", ["avx2", "avx512"]),
@@ -241,9 +253,13 @@ print(cpu_bf16.isa())
                                         ("x86-64", ["scalar", "scalar"])])
 def test_builds_without_vnni_or_bf16_match_the_reference(march: str, isas: list[str]) -> None:
     """The integer dot kernel's and the bfloat16 kernel's paths without AVX-512 VNNI or BF16:
-    AVX-512F (the bf16 kernel's; the integer dot kernel's AVX2 path there), AVX2, scalar."""
+    AVX-512F (the bf16 kernel's; the integer dot kernel's AVX2 path there), AVX2, scalar; each
+    where this CPU can run it."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 builds")
+    missing = _MARCH_FLAGS[march] - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU cannot run a {march} build (no {', '.join(sorted(missing))})")
     env = dict(os.environ, SKYLINE_CPU_INTDOT_MARCH=march)
     out = subprocess.run([sys.executable, "-c", _VARIANT], env=env, capture_output=True,
                          text=True, timeout=600)

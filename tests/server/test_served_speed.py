@@ -123,11 +123,19 @@ def test_served_vs_offline_smoke(tmp_path: str) -> None:
     path = [line for line in out.splitlines() if line.startswith("wrote ")][-1][len("wrote "):]
     with open(path) as f:
         result = json.load(f)
-    # one offline run, then served with one API process and with two
-    assert [r["api_server_count"] for r in result["runs"]] == [1, 2], out
+    # one offline run, then served with one API process and with two, then with one at half
+    # the offline run's request rate (Poisson arrivals)
+    runs = result["runs"]
+    assert [(r["api_server_count"], r["rate_of_offline"]) for r in runs] == [
+        (1, None), (2, None), (1, 0.5)], out
+    offline_rps = result["offline_output_tok_s"] / result["output_len"]
+    assert runs[2]["request_rate"] == pytest.approx(0.5 * offline_rps)
     assert result["failed"] == 0 and result["offline_output_tok_s"] > 0, out
-    for r in result["runs"]:
+    for r in runs:
         assert r["served_output_tok_s"] > 0 and r["served"]["completed"] == 16, r
+        # TTFT of the first wave (the 8 users' first requests) and of the 8 after it
+        waves = r["served"]["ttft_first_wave_ms"], r["served"]["ttft_after_first_wave_ms"]
+        assert all(w["median"] > 0 for w in waves), r
         # the served engine's steps (SKYLINE_STEP_TRACE): each request's tokens after its
         # first came from decode rows
         steps = r["served"]["steps"]

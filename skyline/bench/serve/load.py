@@ -215,25 +215,33 @@ def _load_process(job: tuple[LoadSpec, WorkloadSpec]) -> tuple[list[RequestResul
     return results, seconds
 
 
+def split_load(load: LoadSpec, workload: WorkloadSpec, processes: int
+               ) -> list[tuple[LoadSpec, WorkloadSpec]]:
+    """The load of each of `processes` client processes (at most one a user): its share of
+    the concurrency, of the requests and of the request rate, with its own seed."""
+    conc = load.concurrency or 1
+    processes = max(1, min(processes, conc))
+    jobs = []
+    for i in range(processes):
+        share = conc // processes + (i < conc % processes)
+        num = None if load.num_requests is None else (
+            load.num_requests // processes + (i < load.num_requests % processes))
+        rate = load.request_rate and load.request_rate * share / conc
+        jobs.append((dataclasses.replace(load, concurrency=share, num_requests=num,
+                                         request_rate=rate, seed=load.seed + i, progress=False),
+                     dataclasses.replace(workload, seed=workload.seed + i)))
+    return jobs
+
+
 class LoadProcesses:
-    """The load split over several client processes, started at once: one Python client
-    saturates near 9k streamed tokens/s, below what one GPU serves. Each process keeps its
-    share of the concurrency and of the requests, with its own seed; `wait` returns every
-    request's result and the longest run's seconds."""
+    """The load split over several client processes, started at once (`split_load`): one
+    Python client saturates near 9k streamed tokens/s, below what one GPU serves; `wait`
+    returns every request's result and the longest run's seconds."""
 
     def __init__(self, load: LoadSpec, workload: WorkloadSpec, processes: int) -> None:
         import multiprocessing
 
-        conc = load.concurrency or 1
-        processes = max(1, min(processes, conc))
-        jobs = []
-        for i in range(processes):
-            share = conc // processes + (i < conc % processes)
-            num = None if load.num_requests is None else (
-                load.num_requests // processes + (i < load.num_requests % processes))
-            jobs.append((dataclasses.replace(load, concurrency=share, num_requests=num,
-                                             seed=load.seed + i, progress=False),
-                         dataclasses.replace(workload, seed=workload.seed + i)))
+        jobs = split_load(load, workload, processes)
         self._pool = multiprocessing.get_context("spawn").Pool(len(jobs))
         self._pending = self._pool.map_async(_load_process, jobs)
 
