@@ -176,10 +176,12 @@ ONCE_ROWS = {"avx2": (32, 16), "avx512_bf16": (8, 8)}
 # Llama-3.1-8B layer's shapes, 2.21x / 1.95x / 1.37x / 1.05x on the default model's. AVX-512
 # without BF16 (emulated there: the kernel built for skylake-avx512, oneDNN capped at
 # AVX512_CORE, whose bfloat16 it emulates): 1.00x / 3.09x / 3.48x / 2.92x on the 8B layer.
-# AVX2 (emulated: built for haswell, oneDNN capped at AVX2, which packs no bfloat16, so the
-# plain weight is all a layer holds, ATen's kernels at AVX2) against F.linear: 0.95x / 1.73x /
-# 2.55x / 2.48x.
-BF16_ROWS = {"amx": 4, "avx512_bf16": 4, "avx512": 8, "avx2": 8}
+# AVX2 (an AMD EPYC without AVX-512; oneDNN packs no bfloat16 there, so the plain weight is all
+# a layer holds, and batches beyond these rows take cpu_bf16.dense_linear's float32 GEMMs over
+# slabs of it), the 8B layer at 1 / 4 / 16 / 32 / 64 rows: 30.6 / 58.3 / 189 / 326 / 787 ms,
+# the slabs' GEMMs 96.8 / 198 / 285 / 402 / 802, ATen's bfloat16 F.linear 46.8 / 165 / 758 /
+# 1,342 / 2,555 (the default model's shapes: the kernel first up to 32 rows as well).
+BF16_ROWS = {"amx": 4, "avx512_bf16": 4, "avx512": 8, "avx2": 32}
 
 KERNEL = "cpu_plan"  # the plan's entry in the kernel tables, keyed by family
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -253,7 +253,7 @@ def _serve_cpu(layer: LinearLayer, x: torch.Tensor) -> torch.Tensor:
     dense = layer.cpu_dense
     if dense.is_mkldnn:
         return cpu_linear.packed_linear(x, dense, layer.bias)
-    return F.linear(x, dense, layer.bias)
+    return cpu_bf16.dense_linear(x, dense, layer.bias)
 
 
 def _cpu_ready(layer: LinearLayer, build: bool) -> bool:

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from skyline.config import ConfigError
@@ -81,7 +80,7 @@ class PackedLinearMethod:
     also keep its plain weight (`bf16_weight`) for skyline's bf16 kernel, which batches of at
     most `bf16_rows` bfloat16 rows take (ops/cpu_bf16.py; the CPU plan's bf16_rows). Where
     oneDNN packs no bfloat16 (AVX2) the plain weight is all the layer holds (`packed_weight`
-    None): larger batches take F.linear on it."""
+    None): larger batches take float32 GEMMs on it (cpu_bf16.dense_linear)."""
 
     def create_weights(self, layer: Any) -> None:
         raise ConfigError("a packed Linear is made from a loaded one by prepack(), not loaded")
@@ -91,7 +90,7 @@ class PackedLinearMethod:
         if w is not None and x.dtype == w.dtype and x.numel() <= layer.bf16_rows * w.shape[1]:
             return cpu_bf16.bf16_linear(x, w, layer.bias)
         if layer.packed_weight is None:
-            return F.linear(x, w, layer.bias)
+            return cpu_bf16.dense_linear(x, w, layer.bias)
         return cpu_linear.packed_linear(x, layer.packed_weight, layer.bias)
 
     def full_weight(self, layer: Any) -> torch.Tensor:
@@ -147,8 +146,8 @@ def prepack(layer: Any, bf16_rows: int = 0) -> bool:
     (memory stays the same), or keeping it for the bf16 kernel where `bf16_rows` (the CPU
     plan's), the weight is bfloat16, the kernel builds and a second copy fits. A bfloat16
     weight oneDNN cannot pack here (AVX2) stays plain, for the bf16 kernel's few rows and
-    F.linear's others. Returns whether it packed or kept it so; other layers are left as
-    they are."""
+    float32 GEMMs' others (cpu_bf16.dense_linear). Returns whether it packed or kept it so;
+    other layers are left as they are."""
     if type(layer.linear_method) is not UnquantizedLinearMethod:
         return False
     w = layer.weight.data

@@ -1,5 +1,6 @@
 """ops/cpu_bf16.py's kernel against its reference: bfloat16 products with float32 sums, each
-row's result independent of the batch it came in, odd shapes, bad input refused."""
+row's result independent of the batch it came in, odd shapes, bad input refused; the wide
+product (float32 GEMMs over slabs of the converted weight) and where dense_linear takes it."""
 
 from __future__ import annotations
 
@@ -69,3 +70,49 @@ def test_bad_input_is_refused() -> None:
         cpu_bf16.bf16_mm(torch.randn(1, 32).bfloat16(), torch.randn(4, 16).bfloat16())
     with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
         cpu_bf16.bf16_mm(torch.randn(1, 32).bfloat16(), w.T.contiguous().T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(37, 4096, 600), (9, 576, 1728), (64, 14336, 80), (3, 5, 2)])
+def test_the_wide_product_matches_the_reference(m: int, k: int, n: int) -> None:
+    """Slabs of 256 rows at k = 4,096 (3 of them here, the last short), 73 at 14,336, one at
+    576: every column of the result is the reference's, rounded once."""
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    y = cpu_bf16.bf16_wide_mm(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    _close(y, x, w)
+    # float32 activations: float32 out, the same sums before the rounding
+    yf = cpu_bf16.bf16_wide_mm(x.float(), w)
+    assert yf.dtype == torch.float32
+    assert torch.equal(yf.bfloat16(), y)
+    assert cpu_bf16.bf16_wide_mm(x.view(1, m, k), w).shape == (1, m, n)
+    assert cpu_bf16.bf16_wide_mm(x[:0], w).shape == (0, n)
+
+
+@needs_kernel
+def test_dense_linear_takes_the_wide_product_where_there_is_no_bfloat16_gemm(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 96, generator=g).bfloat16()
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    b = torch.randn(40, generator=g).bfloat16()
+    monkeypatch.setattr(cpu_bf16, "native_gemm", lambda: False)
+    assert torch.equal(cpu_bf16.dense_linear(x, w, b), cpu_bf16.bf16_wide_mm(x, w) + b)
+    # a float32 weight, and a CPU with a bfloat16 GEMM: F.linear
+    wf = w.float()
+    xf = x.float()
+    assert torch.equal(cpu_bf16.dense_linear(xf, wf), torch.nn.functional.linear(xf, wf))
+    monkeypatch.setattr(cpu_bf16, "native_gemm", lambda: True)
+    assert torch.equal(cpu_bf16.dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+@needs_kernel
+def test_the_wide_product_runs_in_and_out_of_inference_mode() -> None:
+    """Its slab buffer outlives a call: made in an engine's inference mode, written outside."""
+    x, w = torch.randn(5, 64).bfloat16(), torch.randn(48, 64).bfloat16()
+    with torch.inference_mode():
+        inside = cpu_bf16.bf16_wide_mm(x, w)
+    assert torch.equal(cpu_bf16.bf16_wide_mm(x, w), inside)
+    with torch.inference_mode():
+        assert torch.equal(cpu_bf16.bf16_wide_mm(x, w), inside)

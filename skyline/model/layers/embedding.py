@@ -190,8 +190,9 @@ class LMHead(nn.Module):
             # x quantized per row by a kernel of its own (rows_first): one launch, where the
             # GEMV's ~2,000 programs over the vocabulary would each quantize it again
             return fp8_linear(hidden, self.fp8_weight, self.fp8_scale, rows_first=True).float()
-        logits = F.linear(hidden, self.weight).float()
-        return self._exact_top(logits, hidden) if hidden.device.type == "cpu" else logits
+        if hidden.device.type != "cpu":
+            return F.linear(hidden, self.weight).float()
+        return self._exact_top(cpu_bf16.dense_linear(hidden, self.weight).float(), hidden)
 
     def kernel(self, rows: int = 1) -> str:
         """The product a CPU batch of `rows` bfloat16 rows takes in `_logits` (start-up reports

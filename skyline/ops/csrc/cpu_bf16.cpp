@@ -13,15 +13,22 @@
 // (four interleaved short rows start new streams every few hundred bytes: ~22 GB/s where one
 // stream reads ~30 on two cores of an AMD EPYC); long rows U = 4 (or 2) at a time, each load used
 // for U rows of W too, prefetched within each row.
+//
+// bf16_wide_mm is the product of many rows where the CPU has no bfloat16 GEMM (AVX2: oneDNN packs
+// no bfloat16 there and ATen's product is a loop): ATen's float32 GEMM over slabs of W converted
+// into a buffer the calling thread keeps, each slab still in cache when the GEMM reads it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "skyline_cpu.h"
 
@@ -230,6 +237,36 @@ at::Tensor skyline::bf16_mm(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
+// Rows of a weight bf16_wide_mm converts at a time: as many as fill this many bytes of float32
+// (256 rows of a 4,096-wide weight), which stay in cache for the GEMM that reads them next.
+constexpr int64_t kSlabBytes = 4 << 20;
+
+at::Tensor skyline::bf16_wide_mm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1) &&
+                  weight.scalar_type() == at::kBFloat16,
+              "bf16_wide_mm: x [M, K] and a bfloat16 weight [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = at::empty({m, n}, xf.options());
+  if (m == 0 || n == 0) return y.to(x.scalar_type());
+  const int64_t slab = std::min(
+      n, std::max<int64_t>(16, kSlabBytes / (4 * std::max<int64_t>(k, 1))));
+  // the slabs' float32 buffer, kept by the calling thread between calls: a fresh one would
+  // fault in its pages at every call, which took 3x the conversion itself
+  // (memory, not a tensor: a tensor made inside inference mode could not be written outside it)
+  static thread_local std::vector<float> kept;
+  if (static_cast<int64_t>(kept.size()) < slab * k) kept.resize(slab * k);
+  const at::Tensor wf = at::from_blob(kept.data(), {slab, k}, xf.options());
+  for (int64_t i = 0; i < n; i += slab) {
+    const int64_t r = std::min(slab, n - i);
+    at::Tensor w = wf.narrow(0, 0, r);
+    w.copy_(weight.narrow(0, i, r));
+    at::Tensor out = y.narrow(1, i, r);
+    at::mm_out(out, xf, w.t());
+  }
+  return y.to(x.scalar_type());
+}
+
 namespace {
 
 // which path this build's bf16_mm runs (for tests and benches)
@@ -249,7 +286,11 @@ std::string bf16_isa() {
 
 TORCH_LIBRARY_FRAGMENT(skyline_cpu, m) {
   m.def("bf16_mm(Tensor x, Tensor weight) -> Tensor");
+  m.def("bf16_wide_mm(Tensor x, Tensor weight) -> Tensor");
   m.def("bf16_isa() -> str", bf16_isa);
 }
 
-TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) { m.impl("bf16_mm", skyline::bf16_mm); }
+TORCH_LIBRARY_IMPL(skyline_cpu, CPU, m) {
+  m.impl("bf16_mm", skyline::bf16_mm);
+  m.impl("bf16_wide_mm", skyline::bf16_wide_mm);
+}

@@ -55,7 +55,10 @@ Tensor product(const Tensor& x, at::TensorList w, at::IntArrayRef spec, int64_t 
   const int64_t kind = s[0], t = s[1], a = s[2], b = s[3], c = s[4], rows = s[5], dense = s[6];
   if (x.size(0) > rows) {
     TORCH_CHECK(dense >= 0, "decode_layers: more rows than a product without a dense weight takes");
-    return w[dense].is_mkldnn() ? packed_linear(x.contiguous(), w[dense]) : at::linear(x, w[dense]);
+    if (w[dense].is_mkldnn()) return packed_linear(x.contiguous(), w[dense]);
+    // a plain bfloat16 weight: oneDNN packs none here, and ATen's bfloat16 product is slow
+    if (w[dense].scalar_type() == at::kBFloat16) return skyline::bf16_wide_mm(x, w[dense]);
+    return at::linear(x, w[dense]);
   }
   if (kind == 0) {  // through bfloat16, as cpu_int4.planes_linear
     if (x.scalar_type() == at::kBFloat16) return at::_weight_int4pack_mm_for_cpu(x, w[t], a, w[t + 1]);

@@ -39,6 +39,11 @@ at::Tensor intdot_runs(const at::Tensor& x, const std::vector<int64_t>& start,
 // ops/cpu_bf16.py's bf16_mm_ref)
 at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& weight);
 
+// the same product for batches of many rows where the CPU has no bfloat16 GEMM (AVX2): float32
+// GEMMs over W converted a slab of rows at a time, the result rounded once to x's dtype
+// (cpu_bf16.cpp; ops/cpu_bf16.py's bf16_wide_mm)
+at::Tensor bf16_wide_mm(const at::Tensor& x, const at::Tensor& weight);
+
 // one query token per sequence over its paged KV cache (cpu_decode.cpp)
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& blocks, const at::Tensor& lens, double scale);
