@@ -213,8 +213,17 @@ def read_gguf_hf_config(path: str) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": gguf_value(r, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "torch_dtype": "float32",
+        "torch_dtype": _weights_dtype(tensors),
     }
+
+
+def _weights_dtype(tensors: dict[str, Any]) -> str:
+    """The checkpoint dtype a file's matrices make it: "bfloat16" where every layer's matrix is
+    BF16 (a CPU without bfloat16 units then serves it in bfloat16 on skyline's kernels:
+    engine/create/resolve.py), else "float32" (quantized blocks dequantize to it exactly)."""
+    types = {int(t.tensor_type) for name, t in tensors.items()
+             if name.startswith("blk.") and len(t.shape) >= 2}
+    return "bfloat16" if types == {int(GGMLQuantizationType.BF16)} else "float32"
 
 
 def hf_weight_name(gguf_name: str) -> str | None:

@@ -259,6 +259,11 @@ def _streamed_into_huge_pages(model: nn.Module) -> None:
     a mapping per ~64 MiB of consecutive modules (a small model's layer shares its pages)."""
     items: list[tuple[nn.Module, str]] = []
     held = 0
+    # a GGUF layer whose plain bfloat16 weight serves every batch (cpu_dense is cpu_bf16: no
+    # oneDNN bfloat16 here) keeps that one copy once it is moved
+    aliased = [m for m in model.modules()
+               if getattr(m, "cpu_bf16", None) is not None and getattr(m, "cpu_dense", None)
+               is m.cpu_bf16]
     for module in model.modules():
         names = STREAMED if isinstance(module, (Linear, FusedExperts)) else ()
         if isinstance(module, LMHead):
@@ -272,6 +277,8 @@ def _streamed_into_huge_pages(model: nn.Module) -> None:
             items, held = [], 0
     if items:
         host_memory.into_huge_pages(items)
+    for m in aliased:
+        m.cpu_dense = m.cpu_bf16
 
 
 def prepack_host_experts(model: nn.Module, dtype: torch.dtype) -> int:

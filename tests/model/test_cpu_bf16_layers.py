@@ -204,3 +204,23 @@ def test_16_bit_gguf_layers_take_the_kernel_by_the_plan(monkeypatch, name, rows,
     assert native.kind == cpu_ext.BF16 and native.tensors[0] is layer.cpu_bf16
     assert native.rows == 2 and native.dense is layer.cpu_dense and n == cpu_ext.ANY_ROWS
     assert torch.equal(product(x[:1]), cpu_bf16.bf16_mm(x[:1], dense))
+
+
+def test_a_16_bit_gguf_file_keeps_one_copy_of_its_plain_weights(tmp_path, monkeypatch):
+    """Where oneDNN packs no bfloat16, a BF16 layer's plain weight serves every batch: moved
+    into huge pages, it is still the one copy (it was once copied there beside the original)."""
+    from skyline.bench.random_gguf import TINY_DENSE, write_dense_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_dense_gguf(path, TINY_DENSE)
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda w: False)
+    llm = LLM(path, device="cpu", dtype="bfloat16", quantization="gguf", threads=1,
+              max_model_len=128)
+    try:
+        layers = llm.engine.executor.runner.model.model.layers
+        projs = [m for layer in layers for m in layer.modules() if hasattr(m, "cpu_bf16")]
+        assert len(projs) == 4 * len(layers)
+        for p in projs:
+            assert p.cpu_bf16 is not None and p.cpu_dense is p.cpu_bf16
+    finally:
+        llm.shutdown()

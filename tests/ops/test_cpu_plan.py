@@ -90,6 +90,31 @@ def test_engine_defaults_for_a_gguf_model(family):
     assert packed.model.quant.method == "gguf"
 
 
+@pytest.mark.parametrize("weights", ["BF16", "F16"])
+def test_a_bf16_file_is_served_in_bfloat16_where_skyline_kernels_run_it(family, weights,
+                                                                        tmp_path):
+    """A BF16 GGUF file: bfloat16 where the products are native, and also where they are not
+    but the bf16 kernel runs few rows and float32 GEMMs over slabs of the weight the others
+    (AVX2: half the bytes of float32); elsewhere, and for an F16 file (exact in float32, not in
+    bfloat16), the plan's dtype."""
+    from gguf import GGMLQuantizationType
+
+    from skyline.bench.random_gguf import TINY_DENSE, write_dense_gguf
+
+    path = str(tmp_path / f"tiny-{weights}.gguf")
+    write_dense_gguf(path, TINY_DENSE, GGMLQuantizationType[weights])
+    cfg, _ = create_engine_config(EngineArgs(model=path, device="cpu"))
+    plan = cpu_plan.plan()
+    bf16 = plan.dtype == torch.bfloat16 or (weights == "BF16" and plan.bf16_rows > 0
+                                            and not CAPS[family].onednn_bf16)
+    assert cfg.model.dtype == ("bfloat16" if bf16 else "float32")
+    assert bf16 == (family in NATIVE_BF16 or (
+        weights == "BF16" and family == "avx2" and cpu_intdot.available()))
+    # --dtype float32 stays the exact path
+    exact, _ = create_engine_config(EngineArgs(model=path, device="cpu", dtype="float32"))
+    assert exact.model.dtype == "float32"
+
+
 class _Layer(torch.nn.Module):
     """What GGUFLinearMethod needs of a Linear after loading: runs of raw blocks."""
 

@@ -66,8 +66,14 @@ def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format
         if device == "cpu":
             if load_format == "gguf":
                 # A GGUF file is served as this CPU runs it fastest (ops/cpu_plan.py:
-                # bfloat16 where its products are native).
-                return _DTYPE_NAMES[cpu_plan.plan().dtype]
+                # bfloat16 where its products are native); a BF16 file in bfloat16 also where
+                # they are not but skyline's kernels run it (AVX2: half the bytes of float32,
+                # 2.0x its speed end to end, BENCHMARKS.md)
+                plan = cpu_plan.plan()
+                if (model_dtype == "bfloat16" and plan.bf16_rows
+                        and not cpu_plan.probe().onednn_bf16):
+                    return "bfloat16"
+                return _DTYPE_NAMES[plan.dtype]
             if quant_method in CPU_BF16_KERNEL_FORMATS:
                 return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
             return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
