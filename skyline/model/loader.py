@@ -259,11 +259,9 @@ def _streamed_into_huge_pages(model: nn.Module) -> None:
     a mapping per ~64 MiB of consecutive modules (a small model's layer shares its pages)."""
     items: list[tuple[nn.Module, str]] = []
     held = 0
-    # a GGUF layer whose plain bfloat16 weight serves every batch (cpu_dense is cpu_bf16: no
-    # oneDNN bfloat16 here) keeps that one copy once it is moved
-    aliased = [m for m in model.modules()
-               if getattr(m, "cpu_bf16", None) is not None and getattr(m, "cpu_dense", None)
-               is m.cpu_bf16]
+    # a GGUF layer whose plain bf16 weight is also its dense one (no oneDNN bf16): one copy
+    aliased = [m for m in model.modules() if getattr(m, "cpu_dense", None) is not None
+               and m.cpu_dense is getattr(m, "cpu_bf16", None)]
     for module in model.modules():
         names = STREAMED if isinstance(module, (Linear, FusedExperts)) else ()
         if isinstance(module, LMHead):

@@ -21,6 +21,7 @@ build, `available()` is False and callers keep oneDNN's product.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +46,7 @@ def isa() -> str:
 
 def bf16_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] bfloat16 times weight [N, K] bfloat16 transposed -> [..., N] bfloat16."""
-    if not cpu_ext.available():
-        raise RuntimeError("skyline's CPU operations are not built here (ops/cpu_ext.py); "
-                           "check cpu_bf16.available() first")
-    lead = x.shape[:-1]
-    y = torch.ops.skyline_cpu.bf16_mm(x.reshape(lead.numel(), x.shape[-1]).contiguous(), weight)
-    return y.view(*lead, weight.shape[0])
+    return _by_rows(torch.ops.skyline_cpu.bf16_mm, x, weight)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -63,11 +59,16 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def bf16_wide_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] times weight [N, K] bfloat16 transposed -> [..., N] in x's dtype, for batches
     of many rows: float32 sums (bf16_mm_ref's, in a GEMM's order), one rounding."""
+    return _by_rows(torch.ops.skyline_cpu.bf16_wide_mm, x, weight)
+
+
+def _by_rows(op: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`op` (x [M, K], weight [N, K]) -> [M, N] on x's leading dimensions flattened."""
     if not cpu_ext.available():
         raise RuntimeError("skyline's CPU operations are not built here (ops/cpu_ext.py); "
                            "check cpu_bf16.available() first")
     lead = x.shape[:-1]
-    y = torch.ops.skyline_cpu.bf16_wide_mm(x.reshape(lead.numel(), x.shape[-1]), weight)
+    y = op(x.reshape(lead.numel(), x.shape[-1]).contiguous(), weight)
     return y.view(*lead, weight.shape[0])
 
 
