@@ -95,7 +95,7 @@
 #   tune-kernels   bench/kernels/tune_kernels.py (fused norm, rotary, SiLU-and-mul)
 #   tune           `skyline tune` on MODEL (the self-optimizing loop: profile, rank families by
 #                  time lost against their floor, tune the worst, keep what wins end to end)
-#                  --budget-s $TUNE_BUDGET (240) $TUNE_ARGS -> $OUT/tune-h200.json; the tables
+#                  --budget-s $TUNE_BUDGET (240) $TUNE_ARGS -> $OUT/tune-$G.json; the tables
 #                  it kept in its kernel cache -> $OUT/tuned-<device>.json (TUNE_TIMEOUT 540)
 #                  Tuning stages run under `timeout $TUNE_TIMEOUT` (300 s; TESTS_TIMEOUT caps the
 #                  tests stage). They write skyline/ops/configs/ in place, so later stages of the
@@ -119,7 +119,7 @@
 #                  MOE_ARGS passes more (e.g. --enforce-eager)
 #   frontier       `skyline frontier` over weights {none, fp8} x KV {auto, fp8}, one server
 #                  each at LEVELS (1,32,256) users for DURATION (15) s, capped at BUDGET_S (480)
-#                  -> $OUT/frontier-h200-$MODEL/ (frontier.json with date, command, machine)
+#                  -> $OUT/frontier-$G-$MODEL/ (frontier.json with date, command, machine)
 #   fleet          two engines on the GPU behind `skyline router`: colocated (cache-aware)
 #                  against prefill + decode on long prompts among short chats (FLEET_ARGS, e.g.
 #                  "--gpu-concurrency 64 --gpu-requests 800"): goodput under TTFT and TPOT
@@ -138,6 +138,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+# The GPU in result names ("h200", "h100", else "gpu") and in tuned tables' names (the tuners'
+# slug of its full name, e.g. "h100-80gb-hbm3")
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+G=$(grep -oiE 'h100|h200' <<<"$GPU_NAME" | head -n 1 | tr 'A-Z' 'a-z'); G=${G:-gpu}
+SLUG=$(python3 -c "import sys; from skyline.bench.tuners import device_slug as s
+print(s(sys.argv[1]))" "$GPU_NAME")
 
 # Runs the rest of the line under `timeout` when $1 > 0.
 limit() { local s=$1; shift; if [ "$s" -gt 0 ]; then timeout "$s" "$@"; else "$@"; fi; }
@@ -181,7 +187,7 @@ stage_decode() {
         echo "== decode $M, weights $q, kv $kv, context $ctx"
         python3 bench/decode_roofline.py --model "$M" --prompt-len "$ctx" --new-tokens 256 \
           --kv-cache-dtype "$kv" "${qa[@]}" \
-          --out "$OUT/decode-roofline-h200-$M-$name$TAG.json"
+          --out "$OUT/decode-roofline-$G-$M-$name$TAG.json"
       done
     done
   done
@@ -197,7 +203,7 @@ stage_profile() {
     echo "== decode step, $b x $ctx context, weights $q, kv $kv"
     python3 bench/profile_step.py --model "$M" --batch "$b" --input-len "$ctx" \
       --steps "${PROFILE_STEPS:-20}" --quantization "$q" --kv-cache-dtype "$kv" "${ms[@]}" \
-      --out "$OUT/profile-h200-$M-b$b-ctx$ctx-w$q-kv$kv$TAG.json"
+      --out "$OUT/profile-$G-$M-b$b-ctx$ctx-w$q-kv$kv$TAG.json"
   done
 }
 
@@ -205,7 +211,7 @@ stage_offline_hf() {
   local n=${HF_PROMPTS:-64} i=${HF_IN:-512} o=${HF_OUT:-128}
   python3 bench/offline_vs_hf.py --model "$M" --load-format dummy --device cuda \
     --num-prompts "$n" --input-len "$i" --output-len "$o" \
-    --out "$OUT/offline-h200-$M-${n}x${i}x${o}-vs-hf$TAG.json"
+    --out "$OUT/offline-$G-$M-${n}x${i}x${o}-vs-hf$TAG.json"
 }
 
 stage_offline() {
@@ -221,20 +227,20 @@ stage_offline() {
         --num-prompts 1000 --input-len 1000 --output-len 1000 \
         --max-num-seqs "${MAX_SEQS:-1024}" --max-model-len 2048 --kv-cache-dtype "$kv" \
         --quantization "$q" --max-num-batched-tokens "$mbt" "${floor[@]}" \
-        --output "$OUT/offline-h200-$M-1000x1000-$name$TAG.json"
+        --output "$OUT/offline-$G-$M-1000x1000-$name$TAG.json"
     done
   done
 }
 
 stage_prefill() {
   python3 bench/prefill_mfu.py --model "$M" --prompt-len 8192 \
-    --out "$OUT/prefill-mfu-h200-$M$TAG.json"
+    --out "$OUT/prefill-mfu-$G-$M$TAG.json"
 }
 
 stage_fused() {
   local q=${FUSED_QUANT:-none}
   python3 bench/fused_vs_modular.py --model "$M" --quantization "$q" ${FUSED_ARGS:-} \
-    --out "$OUT/fused-vs-modular-h200-$M-w$q$TAG.json"
+    --out "$OUT/fused-vs-modular-$G-$M-w$q$TAG.json"
 }
 
 stage_long() {
@@ -242,7 +248,7 @@ stage_long() {
   mkdir -p "${KV_DISK:-/var/tmp/skyline-kv}"
   python3 bench/long_prompt.py --model "$M" --prompt-len "$n" --chunk 8192 \
     --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
-    --out "$OUT/long-prompt-h200-$M-$((n / 1000))k$TAG.json"
+    --out "$OUT/long-prompt-$G-$M-$((n / 1000))k$TAG.json"
   rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
 }
 
@@ -256,11 +262,11 @@ stage_fast_start() {
   [ "$s" != none ] && name=-$s
   python3 bench/fast_start.py --model "$M" --speculative-method "$s" \
     --dir "${FAST_START_DIR:-/tmp/skyline-fast-start-$M}" \
-    --out "$OUT/fast-start-h200-$M$name$TAG.json"
+    --out "$OUT/fast-start-$G-$M$name$TAG.json"
 }
 
 stage_mixed() {
-  python3 bench/mixed_step.py --model "$M" ${MIXED_ARGS:-} --out "$OUT/mixed-step-h200-$M$TAG.json"
+  python3 bench/mixed_step.py --model "$M" ${MIXED_ARGS:-} --out "$OUT/mixed-step-$G-$M$TAG.json"
 }
 
 stage_served() {
@@ -273,33 +279,33 @@ stage_served() {
   # offline run's request rate in SERVED_RATES ("0.9"); SERVED_CEILING=0 skips the ceiling
   if [ "${SERVED_CEILING:-1}" = 1 ]; then
     CUDA_VISIBLE_DEVICES='' python3 bench/serve_ceiling.py --processes 8 \
-      --out-dir "$OUT" --tag "h200-host$TAG"
+      --out-dir "$OUT" --tag "$G-host$TAG"
   fi
   python3 bench/served_vs_offline.py --model "$M" --concurrency "${SERVED_C:-256}" \
     --processes "${SERVED_PROCS:-8}" --num-requests "${SERVED_N:-1024}" \
     --input-len "${SERVED_IN:-128}" --output-len "${SERVED_OUT:-256}" \
     --flags "${SERVED_FLAGS:-}" --api-servers ${API_SERVERS:-1 4} ${SERVED_SAMPLING:-} \
     --rates ${SERVED_RATES-0.9} \
-    --out "$OUT/served-vs-offline-h200-$M-c${SERVED_C:-256}$TAG.json"
+    --out "$OUT/served-vs-offline-$G-$M-c${SERVED_C:-256}$TAG.json"
 }
 
 stage_host() {
   CUDA_VISIBLE_DEVICES='' python3 bench/host_overhead.py --batch 256 1024 --context 1500 \
-    --steps 60 --out "$OUT/host-overhead-h200-ctx1500$TAG.json"
+    --steps 60 --out "$OUT/host-overhead-$G-ctx1500$TAG.json"
 }
 
 stage_sampling() {
-  python3 bench/kernels/nucleus_speed.py --out "$OUT/nucleus-h200$TAG.json"
+  python3 bench/kernels/nucleus_speed.py --out "$OUT/nucleus-$G$TAG.json"
   python3 bench/host_syncs.py --model "$M" --num-prompts 256 --input-len 128 --output-len 128 \
-    --out "$OUT/host-syncs-h200-$M$TAG.json"
+    --out "$OUT/host-syncs-$G-$M$TAG.json"
   SKYLINE_UNFUSE=nucleus python3 bench/host_syncs.py --model "$M" --num-prompts 256 \
     --input-len 128 --output-len 128 --sets greedy top_p min_p mixed \
-    --out "$OUT/host-syncs-h200-$M-unfuse-nucleus$TAG.json"
+    --out "$OUT/host-syncs-$G-$M-unfuse-nucleus$TAG.json"
 }
 
 stage_gemv_block() {
   python3 bench/kernels/gemv_fp4_gguf_speed.py ${GEMV_BLOCK_ARGS:-} \
-    --out "$OUT/gemv-fp4-gguf-h200$TAG.json"
+    --out "$OUT/gemv-fp4-gguf-$G$TAG.json"
 }
 
 stage_parallel() {
@@ -331,49 +337,46 @@ build_llamacpp() {
 stage_offload() {
   build_llamacpp || return 1
   [ -n "${BUILD_ONLY:-}" ] && return 0
-  local gpu
-  gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -oiE 'h100|h200' |
-        tr 'A-Z' 'a-z')
   python3 bench/offload_vs_llamacpp.py --llama-bin /root/llama.cpp/build/bin \
     --gguf /root/llama-3.1-8b-bf16.gguf --cpu-layers "${CPU_LAYERS:-4}" ${OFFLOAD_ARGS:-} \
-    --out "$OUT/offload-vs-llamacpp-${gpu:-gpu}-llama-3.1-8b$TAG.json"
+    --out "$OUT/offload-vs-llamacpp-$G-llama-3.1-8b$TAG.json"
 }
 
 stage_tune_attention() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_attention.py \
-    ${TUNE_ATTN_ARGS:---budget-s 110} --out "$OUT/attention-tune-h200$TAG.json"
-  keep_configs attention-h200.json
+    ${TUNE_ATTN_ARGS:---budget-s 110} --out "$OUT/attention-tune-$G$TAG.json"
+  keep_configs attention-$SLUG.json
 }
 
 stage_tune_gemv_quant() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_gemv_quant.py --model "$M" \
     --kinds ${KINDS:-int4a8 fp8a8q fp8a8} --rows ${ROWS:-1 2} --budget-s "${BUDGET:-150}" \
-    --report "$OUT/gemv-quant-tune-h200$TAG.json"
-  keep_configs gemv-quant-h200.json
+    --report "$OUT/gemv-quant-tune-$G$TAG.json"
+  keep_configs gemv-quant-$SLUG.json
 }
 
 stage_tune_gemv() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_gemv.py ${TUNE_GEMV_ARGS:-} \
-    --report "$OUT/gemv-tune-h200$TAG.json"
-  keep_configs gemv-h200.json
+    --report "$OUT/gemv-tune-$G$TAG.json"
+  keep_configs gemv-$SLUG.json
 }
 
 stage_tune_moe() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_gemv_speed.py --tune \
-    --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-h200$TAG.json" ${MOE_GEMV_ARGS:-}
-  keep_configs moe-gemv-h200.json
+    --budget-s "${BUDGET:-240}" --out "$OUT/moe-gemv-tune-$G$TAG.json" ${MOE_GEMV_ARGS:-}
+  keep_configs moe-gemv-$SLUG.json
 }
 
 stage_tune_moe_grouped() {
   limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/moe_grouped_speed.py --tune \
-    --budget-s "${BUDGET:-240}" --out "$OUT/moe-grouped-tune-h200$TAG.json" ${MOE_GROUPED_ARGS:-}
-  keep_configs moe-h200.json
+    --budget-s "${BUDGET:-240}" --out "$OUT/moe-grouped-tune-$G$TAG.json" ${MOE_GROUPED_ARGS:-}
+  keep_configs moe-$SLUG.json
 }
 
 stage_tune_kernels() {
-  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_kernels.py --out "$CONFIGS/h200.json" \
-    --results "$OUT/kernels-h200$TAG.json"
-  keep_configs h200.json
+  limit "${TUNE_TIMEOUT:-300}" python3 bench/kernels/tune_kernels.py --out "$CONFIGS/$SLUG.json" \
+    --results "$OUT/kernels-$G$TAG.json"
+  keep_configs $SLUG.json
 }
 
 stage_tune() {
@@ -381,7 +384,7 @@ stage_tune() {
   rm -rf "$cache"
   SKYLINE_KERNEL_CACHE=$cache limit "${TUNE_TIMEOUT:-540}" python3 -m skyline.cli tune \
     --model "$M" --load-format dummy --budget-s "${TUNE_BUDGET:-240}" ${TUNE_ARGS:-} \
-    --out "$OUT/tune-h200$TAG.json"
+    --out "$OUT/tune-$G$TAG.json"
   local rc=$?
   for f in "$cache"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/tuned-$(basename "$f")"; done
   return $rc
@@ -407,20 +410,20 @@ stage_spec() {
   [ -f "$head/config.json" ] && head_arg=(--eagle-head "$head")
   python3 bench/spec_decode.py --device cuda --num-blocks 16384 "${head_arg[@]}" \
     --methods none,ngram,suffix,eagle,eagle-head --rounds "${ROUNDS:-2}" \
-    --out "$OUT/spec-h200-smollm2$TAG.json"
+    --out "$OUT/spec-$G-smollm2$TAG.json"
 }
 
 stage_spec_gate() {
   default_model
   python3 bench/spec_gate.py --device cuda --num-blocks 16384 --requests 64 \
-    --max-tokens 256 --out "$OUT/spec-gate-load-h200-smollm2-64x256$TAG.json"
+    --max-tokens 256 --out "$OUT/spec-gate-load-$G-smollm2-64x256$TAG.json"
 }
 
 stage_spec_8b() {
   python3 bench/spec_decode.py --model llama-3.1-8b --load-format dummy --device cuda \
     --dtype bfloat16 --num-blocks 10240 --methods none,ngram,suffix --skip-b1 \
     --random-prompt-len 512 --load-requests 256 --load-max-tokens 128 \
-    --out "$OUT/spec-load-h200-llama-3.1-8b$TAG.json"
+    --out "$OUT/spec-load-$G-llama-3.1-8b$TAG.json"
 }
 
 stage_moe() {
@@ -429,7 +432,7 @@ stage_moe() {
 }
 
 stage_frontier() {
-  local work=/tmp/frontier-h200 res=$OUT/frontier-h200-$M mdir=/tmp/$M-dummy base cmd
+  local work=/tmp/frontier-$G res=$OUT/frontier-$G-$M mdir=/tmp/$M-dummy base cmd
   # The model folder gets a synthetic word-level tokenizer, so that the server streams and
   # detokenizes text as with a real model and the load generator sees every token. Quality
   # (KL / top-1 against unquantized) is not applicable to random weights.

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -184,13 +183,16 @@ def main() -> None:
               flush=True)
         print(f"   steps offline: {step_line(off.get('steps'))}\n   steps served:  "
               f"{step_line(srv.get('steps'))}", flush=True)
+    from skyline.bench.offline import machine_info  # (imports the engine: only once done)
+
     best = max((r for r in runs if r["request_rate"] is None),
                key=lambda r: r["served_over_offline"])
     out = {
         "benchmark": "served_vs_offline",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python", "bench/served_vs_offline.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        # (CUDA first initialised here, once every server has stopped)
+        "machine": machine_info("cpu" if ns.smoke else "cuda"),
         "model": "tiny" if ns.smoke else ns.model, "flags": flags,
         "concurrency": ns.concurrency, "num_requests": ns.num_requests,
         "input_len": ns.input_len, "output_len": ns.output_len,
