@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from skyline.config import ConfigError, ModelConfig
 from skyline.configs import dummy_config_dir, shipped_config_names
+from skyline.model.default import default_model_path
 from skyline.model.loader import load_model, read_model_arch
 from skyline.model.registry import MODEL_REGISTRY, get_model_class
 
@@ -166,7 +167,8 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
 
 
 def test_shipped_configs():
-    assert shipped_config_names() == ["gpt-oss-20b", "llama-3.1-8b", "qwen3-30b-a3b", "qwen3-8b"]
+    assert shipped_config_names() == ["gpt-oss-20b", "llama-3.1-8b", "qwen3-30b-a3b", "qwen3-8b",
+                                      "smollm2-135m"]
     assert dummy_config_dir("no-such-model") is None
     llama, fmt = read_model_arch(dummy_config_dir("llama-3.1-8b"), "dummy")
     assert fmt == "dummy"
@@ -186,6 +188,17 @@ def test_shipped_configs():
     assert qwen.qk_norm and not qwen.attention_bias and not qwen.tie_word_embeddings
     # a shipped name also works directly with --load-format dummy
     assert read_model_arch("qwen3-8b", "dummy")[0] == qwen
+    # smollm2-135m: the embedded default model's shape, in bfloat16
+    smol, _ = read_model_arch("smollm2-135m", "dummy")
+    assert smol.torch_dtype == "bfloat16"
+    try:
+        default, _ = read_model_arch(default_model_path(), "gguf")
+    except Exception:
+        pytest.skip("the default GGUF model is not installed")
+    shape = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+             "num_heads", "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings",
+             "rms_norm_eps")
+    assert [getattr(smol, k) for k in shape] == [getattr(default, k) for k in shape]
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b"])

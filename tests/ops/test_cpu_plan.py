@@ -115,6 +115,25 @@ def test_a_bf16_file_is_served_in_bfloat16_where_skyline_kernels_run_it(family, 
     assert exact.model.dtype == "float32"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_bf16_checkpoint_is_served_in_bfloat16_where_it_runs_fastest(family, dtype, tmp_path):
+    """An unquantized bfloat16 safetensors checkpoint: bfloat16 where the products are native
+    and where skyline's kernels run bfloat16 weights without oneDNN (AVX2); float32 elsewhere,
+    and for a float16 checkpoint (exact in float32, not in bfloat16)."""
+    transformers = pytest.importorskip("transformers")
+    from tests.conftest import TINY_LLAMA
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    model.to(dtype).save_pretrained(tmp_path, safe_serialization=True)
+    cfg, _ = create_engine_config(EngineArgs(model=str(tmp_path), device="cpu"))
+    avx2_kernel = family == "avx2" and cpu_intdot.available()
+    bf16 = dtype == torch.bfloat16 and (family in NATIVE_BF16 or avx2_kernel)
+    assert cfg.model.dtype == ("bfloat16" if bf16 else "float32")
+    exact, _ = create_engine_config(EngineArgs(model=str(tmp_path), device="cpu",
+                                               dtype="float32"))
+    assert exact.model.dtype == "float32"
+
+
 class _Layer(torch.nn.Module):
     """What GGUFLinearMethod needs of a Linear after loading: runs of raw blocks."""
 

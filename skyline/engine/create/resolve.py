@@ -64,19 +64,23 @@ def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format
                    quant_method: str) -> str:
     if dtype == "auto":
         if device == "cpu":
+            plan = cpu_plan.plan()
+            # bfloat16 weights (a BF16 GGUF file, an unquantized bfloat16 checkpoint) stay
+            # bfloat16 where the products are native, and also where they are not but skyline's
+            # kernels run them (AVX2: half the bytes of float32, 1.5-1.7x its speed end to
+            # end, BENCHMARKS.md)
+            bf16_runs = plan.bf16_rows and not cpu_plan.probe().onednn_bf16
             if load_format == "gguf":
-                # A GGUF file is served as this CPU runs it fastest (ops/cpu_plan.py:
-                # bfloat16 where its products are native); a BF16 file in bfloat16 also where
-                # they are not but skyline's kernels run it (AVX2: half the bytes of float32,
-                # 2.0x its speed end to end, BENCHMARKS.md)
-                plan = cpu_plan.plan()
-                if (model_dtype == "bfloat16" and plan.bf16_rows
-                        and not cpu_plan.probe().onednn_bf16):
+                # a GGUF file as this CPU runs it fastest (ops/cpu_plan.py)
+                if model_dtype == "bfloat16" and bf16_runs:
                     return "bfloat16"
                 return _DTYPE_NAMES[plan.dtype]
             if quant_method in CPU_BF16_KERNEL_FORMATS:
                 return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
-            return "float32"  # CPUs without bf16 units run fp32 fastest, and exactly
+            if (model_dtype == "bfloat16" and quant_method == "none"
+                    and (bf16_runs or plan.dtype == torch.bfloat16)):
+                return "bfloat16"
+            return "float32"  # the CPU runs float32 fastest, or the checkpoint is float16
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
     if dtype not in _DTYPE_ALIASES:
         raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
