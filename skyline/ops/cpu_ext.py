@@ -44,8 +44,8 @@ ANY_ROWS = 2**62  # what a product that takes batches of any size gives as its r
 class NativeProduct(NamedTuple):
     """A weight product the C++ decode step runs itself (csrc/cpu_decode.cpp's `product`)."""
 
-    kind: int  # INT4_PLANE, INTDOT or BF16
-    # (packed, scales_and_zeros) / (codes, scale, offset) / (the plain bfloat16 weight,)
+    kind: int  # INT4_PLANE, INTDOT, BF16 or DENSE
+    # (packed, scales_and_zeros) / (codes, scale, offset) / (the plain bfloat16 weight,) / ()
     tensors: tuple[torch.Tensor, ...]
     a: int  # group / bits
     b: int = 0  # - / group
@@ -57,6 +57,7 @@ class NativeProduct(NamedTuple):
 INT4_PLANE = 0  # torch's int4 kernel, one plane (ops/cpu_int4.py)
 INTDOT = 1  # the integer dot kernel (ops/cpu_intdot.py)
 BF16 = 2  # the bfloat16 kernel (ops/cpu_bf16.py)
+DENSE = 3  # no kernel: `dense` takes every batch (rows 0)
 
 
 def available() -> bool:

@@ -105,11 +105,16 @@ class PackedLinearMethod:
         return None if w is None else w.numel() * w.element_size()
 
     def cpu_decode_product(self, layer: Any) -> tuple[Any, int, Any] | None:
-        """(product, rows, native) for the C++ decode step (linear.py's cpu_decode_product)
-        where the layer has the bf16 kernel's weight and no bias; None otherwise."""
+        """(product, rows, native) for the CPU decode step (linear.py's cpu_decode_product) of
+        a layer without bias: the bf16 kernel's rows where the layer has its weight, else
+        oneDNN's packed product for every batch (a float32 model's layers)."""
         w = getattr(layer, "bf16_weight", None)
-        if w is None or layer.bias is not None:
+        if layer.bias is not None or (w is None and layer.packed_weight is None):
             return None
+        if w is None:
+            native = cpu_ext.NativeProduct(cpu_ext.DENSE, (), 0, rows=0,
+                                           dense=layer.packed_weight)
+            return (lambda x: self.apply(layer, x)), cpu_ext.ANY_ROWS, native
         dense = w if layer.packed_weight is None else layer.packed_weight
         native = cpu_ext.NativeProduct(cpu_ext.BF16, (w,), 0, 0, 0, layer.bf16_rows, dense)
         return (lambda x: self.apply(layer, x)), cpu_ext.ANY_ROWS, native

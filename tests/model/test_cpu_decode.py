@@ -182,3 +182,40 @@ def test_a_pipeline_stage_runs_its_own_layers(llm):
         for i, layer in enumerate(layers):
             model.layers[i] = layer
         model._cpu_decode = whole
+
+
+def test_a_float32_checkpoint_decodes_through_the_step(tiny_llama):
+    """A float32 model's oneDNN-packed layers: its decode steps run the plan (from C++ where
+    skyline's CPU operations build: attention read from the paged cache in place), the modules'
+    hidden states (the Python step bit for bit, the C++ one within its sums' order) and their
+    greedy tokens."""
+    from skyline.ops import cpu_linear
+
+    if not cpu_linear.can_pack(torch.zeros(1, 1)):
+        pytest.skip("oneDNN packs no float32 weights here")
+    llm = LLM(model=tiny_llama(), device="cpu", threads=1, enable_prefix_caching=False)
+    try:
+        model = llm.engine.executor.runner.model.model
+        assert model.cpu_decode_step() == ("native" if cpu_ext.available() else "python")
+        prompts = [[(7 * j + 31 * i) % 300 + 5 for j in range(n)] for i, n in enumerate([5, 9])]
+        inp = _decode_inputs(llm, prompts)
+        x = model.embed_tokens(inp.input_ids)
+        assert cpu_decode.usable(model._cpu_decode, x, inp.attn)
+        out, plan = {}, model._cpu_decode
+        for name, p in (("modules", False), ("python", plan._replace(native=None)),
+                        ("native", plan)):
+            model._cpu_decode = p
+            inp.attn.cpu_gather = None
+            with torch.no_grad(), forward_context(inp.attn):
+                out[name] = model(inp.input_ids, inp.positions)
+        model._cpu_decode = plan
+        assert torch.equal(out["python"], out["modules"])
+        a, b = out["native"], out["modules"]
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        planned = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        model._cpu_decode = False
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == planned
+        model._cpu_decode = plan
+    finally:
+        llm.shutdown()

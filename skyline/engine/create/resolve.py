@@ -67,8 +67,8 @@ def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format
             plan = cpu_plan.plan()
             # bfloat16 weights (a BF16 GGUF file, an unquantized bfloat16 checkpoint) stay
             # bfloat16 where the products are native, and also where they are not but skyline's
-            # kernels run them (AVX2: half the bytes of float32, 1.5-1.7x its speed end to
-            # end, BENCHMARKS.md)
+            # kernels run them (AVX2: half the bytes of float32, 1.8x its batch-1 decode, as
+            # fast at 8 rows; BENCHMARKS.md)
             bf16_runs = plan.bf16_rows and not cpu_plan.probe().onednn_bf16
             if load_format == "gguf":
                 # a GGUF file as this CPU runs it fastest (ops/cpu_plan.py)

@@ -202,7 +202,8 @@ class Linear(nn.Module):
         """(product, rows, native): a function computing this layer for a bfloat16 or float32 x
         [M, in_features] of at most `rows` rows with no check on the way, and the same product
         for the C++ decode step (ops/cpu_ext.NativeProduct), where its method has one (a CPU
-        engine's int4 planes or integer dot codes) and no collective follows; None otherwise."""
+        engine's oneDNN-packed weights, bf16 kernel, int4 planes or integer dot codes) and no
+        collective follows; None otherwise."""
         get = getattr(self.linear_method, "cpu_decode_product", None)
         return get(self) if get is not None and self.reduce_group is None else None
 

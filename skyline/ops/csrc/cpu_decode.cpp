@@ -33,8 +33,8 @@ using at::Tensor;
 
 // products: kind 0 = torch's int4 kernel, one plane (packed, scales_and_zeros; param: group);
 // kind 1 = the integer dot kernel (codes, scale, offset; params: bits, group, rounds); kind 2 =
-// the bfloat16 kernel (the plain weight; bfloat16 x: cpu_bf16.cpp); batches
-// of more rows than the kernel takes run the dense weight (oneDNN-packed or plain), as
+// the bfloat16 kernel (the plain weight; bfloat16 x: cpu_bf16.cpp); kind 3 = no kernel (rows 0);
+// batches of more rows than the kernel takes run the dense weight (oneDNN-packed or plain), as
 // quant/gguf.py's _serve_cpu
 constexpr int64_t kSpec = 7;  // ints a product takes in `spec`: kind, first tensor, a, b, c,
                               // rows, dense weight (-1: none)
