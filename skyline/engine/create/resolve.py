@@ -69,17 +69,14 @@ def _resolve_dtype(dtype: str, device: str, model_dtype: str | None, load_format
             # bfloat16 where the products are native, and also where they are not but skyline's
             # kernels run them (AVX2: half the bytes of float32, 1.8x its batch-1 decode, as
             # fast at 8 rows; BENCHMARKS.md)
-            bf16_runs = plan.bf16_rows and not cpu_plan.probe().onednn_bf16
+            if model_dtype == "bfloat16" and quant_method in ("none", "gguf") and (
+                    plan.dtype == torch.bfloat16
+                    or (plan.bf16_rows and not cpu_plan.probe().onednn_bf16)):
+                return "bfloat16"
             if load_format == "gguf":
-                # a GGUF file as this CPU runs it fastest (ops/cpu_plan.py)
-                if model_dtype == "bfloat16" and bf16_runs:
-                    return "bfloat16"
-                return _DTYPE_NAMES[plan.dtype]
+                return _DTYPE_NAMES[plan.dtype]  # a GGUF file as this CPU runs it fastest
             if quant_method in CPU_BF16_KERNEL_FORMATS:
                 return "bfloat16"  # the dtype their kernels want (fp32 dequantizes every call)
-            if (model_dtype == "bfloat16" and quant_method == "none"
-                    and (bf16_runs or plan.dtype == torch.bfloat16)):
-                return "bfloat16"
             return "float32"  # the CPU runs float32 fastest, or the checkpoint is float16
         return model_dtype if model_dtype in ("bfloat16", "float16") else "bfloat16"
     if dtype not in _DTYPE_ALIASES:
