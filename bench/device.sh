@@ -18,7 +18,8 @@
 #                  "none fp8 int4+head"
 #   profile        one decode step under the torch profiler (bench/profile_step.py) for each
 #                  PROFILES entry BATCHxCONTEXT[/WEIGHTS/KV] (default "64x512 1x512"), over
-#                  PROFILE_STEPS steps (20); e.g. PROFILES="256x1000/fp8/fp8 1000x1500/fp8/fp8"
+#                  PROFILE_STEPS steps (20); e.g. PROFILES="256x1000/fp8/fp8 1000x1500/fp8/fp8";
+#                  PROFILE_MIXED=N then profiles the mixed steps of N more prompts' prefill
 #   offline-hf     offline throughput against HF transformers (bench/offline_vs_hf.py),
 #                  HF_PROMPTS x (HF_IN, HF_OUT) tokens (default 64 x (512, 128))
 #   offline        1000 prompts x (1000 in, 1000 out) for each PAIRS entry WEIGHTS/KV (default
@@ -203,6 +204,7 @@ stage_profile() {
     echo "== decode step, $b x $ctx context, weights $q, kv $kv"
     python3 bench/profile_step.py --model "$M" --batch "$b" --input-len "$ctx" \
       --steps "${PROFILE_STEPS:-20}" --quantization "$q" --kv-cache-dtype "$kv" "${ms[@]}" \
+      ${PROFILE_MIXED:+--mixed "$PROFILE_MIXED"} \
       --out "$OUT/profile-$G-$M-b$b-ctx$ctx-w$q-kv$kv$TAG.json"
   done
 }

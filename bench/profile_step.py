@@ -4,7 +4,13 @@
   python bench/profile_step.py --smoke   # a tiny random model on the CPU: the code only
 Prints (and saves) the top kernels by GPU time, wall time per step (with and without async
 scheduling) and the fraction of it the GPU was busy (with async scheduling, as the engine runs
-by default).
+by default). With `--mixed N`, N more prompts of input-len tokens then arrive beside the
+decoding batch, and the mixed steps that prefill them (a prompt chunk of up to
+max_num_batched_tokens beside the decodes, as most steps of a 1000 x 1000 offline run's first
+half) are profiled the same way ("mixed" in the JSON).
+
+  python bench/profile_step.py --batch 800 --input-len 1000 --max-num-seqs 1024 --mixed 8 \
+      --quantization fp8 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--mixed", type=int, default=0,
+                    help="then profile the mixed steps of this many new prompts' prefill")
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true",
                     help="a tiny random model, 4 requests, on the CPU (no kernel table)")
@@ -41,6 +49,7 @@ def main() -> None:
     extra: dict[str, Any] = {} if a.max_num_seqs is None else {"max_num_seqs": a.max_num_seqs}
     if a.smoke:
         a.model, a.batch, a.input_len, a.steps = tiny_model(), 4, 16, 3
+        a.mixed = 2  # the mixed-step profile too: the code only
         extra |= {"device": "cpu", "kv_cache_memory": "64MiB"}
     gpu = torch.cuda.is_available() and not a.smoke
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -88,11 +97,7 @@ def main() -> None:
         for _ in range(a.steps):
             llm.step(final_only=True)
         sync()
-    # Device-side events only (kernels, copies, memsets): an aten op's own "device time" is
-    # that of the kernels it launched, which the kernel rows already count.
-    events = [ev for ev in prof.key_averages()
-              if ev.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_us = sum(ev.self_device_time_total for ev in events) / a.steps
+    gpu_ms, top = device_kernels(prof, a.steps)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
     res = {"batch": a.batch, "input_len": a.input_len, "quantization": a.quantization,
            "kv_cache_dtype": a.kv_cache_dtype,
@@ -101,14 +106,57 @@ def main() -> None:
            "pdl": llm.query("describe")["pdl"],
            "wall_ms_per_step": wall * 1e3,
            "wall_ms_per_step_sync": wall_sync * 1e3,
-           "gpu_busy_ms_per_step": gpu_us / 1e3, "gpu_busy_fraction": gpu_us / 1e3 / (wall * 1e3),
+           "gpu_busy_ms_per_step": gpu_ms, "gpu_busy_fraction": gpu_ms / (wall * 1e3),
            "phases_ms_per_step": {k: v / a.steps * 1e3 for k, v in phases.items()},
-           "kernels": [{"name": ev.key[:120], "us_per_step": ev.self_device_time_total / a.steps,
-                        "calls_per_step": ev.count / a.steps}
-                       for ev in sorted(events, key=lambda ev: -ev.self_device_time_total)
-                       if ev.self_device_time_total > 0][:25]}
+           "kernels": top}
+    if a.mixed:
+        res["mixed"] = profile_mixed(llm, a.mixed, a.input_len, sync, gpu)
     print(json.dumps(res, indent=1))
     save_json(res, a.out)
+
+
+def device_kernels(prof: Any, steps: int) -> tuple[float, list[dict[str, Any]]]:
+    """(device-busy ms per step, the top kernels per step) of a profiled window. Device-side
+    events only (kernels, copies, memsets): an aten op's own "device time" is that of the
+    kernels it launched, which the kernel rows already count."""
+    events = [ev for ev in prof.key_averages()
+              if ev.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(ev.self_device_time_total for ev in events) / steps
+    top = [{"name": ev.key[:120], "us_per_step": ev.self_device_time_total / steps,
+            "calls_per_step": ev.count / steps}
+           for ev in sorted(events, key=lambda ev: -ev.self_device_time_total)
+           if ev.self_device_time_total > 0][:25]
+    return busy_us / 1e3, top
+
+
+def profile_mixed(llm: LLM, n: int, input_len: int, sync: Any, gpu: bool) -> dict[str, Any]:
+    """The steps that prefill `n` new prompts beside the running batch: their count, shapes,
+    wall time (synchronized per step) and kernels."""
+    sched = llm.engine.scheduler
+    prompts = random_prompts(n, input_len, llm.config.model.arch.vocab_size, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    ids = {llm.add_request(p, params) for p in prompts}
+    llm.engine.async_scheduling = False
+    prefilled, walls = [], []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    sync()
+    with profile(activities=activities) as prof:
+        while sched.num_waiting or any(r.request_id in ids and
+                                       r.num_computed_tokens < r.num_prompt_tokens
+                                       for r in sched.running):
+            before = sum(r.num_computed_tokens for r in sched.running if r.request_id in ids)
+            t = time.perf_counter()
+            llm.engine.step()
+            sync()
+            walls.append(time.perf_counter() - t)
+            prefilled.append(sum(r.num_computed_tokens for r in sched.running
+                                 if r.request_id in ids) - before)
+    steps = len(walls)
+    busy_ms, top = device_kernels(prof, steps)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))
+    return {"prompts": n, "steps": steps, "prefill_tokens_per_step": prefilled,
+            "decodes": len(sched.running) - n, "wall_ms_per_step": 1e3 * sum(walls) / steps,
+            "gpu_busy_ms_per_step": busy_ms, "kernels": top}
 
 
 if __name__ == "__main__":
