@@ -1,6 +1,8 @@
 """SiLU-and-mul, the SwiGLU gate: PyTorch reference and a Triton kernel (CUDA). With
-`quant="fp8"` the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows) with one
-scale per row and FP8_BLOCK columns, so the programs of a row stay independent; with
+`quant="fp8"` the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows): for
+the decode-sized batches of the fp8 GEMV with one scale per row and FP8_BLOCK columns, so the
+programs of a row stay independent; for larger ones with one scale per row, as
+`torch._scaled_mm` takes them, one program per row holding it whole; with
 `quant="int8"` rounded for the W4A8 GEMV (ops/gemv_int_a8.py's Int8Chunks, 32 columns a scale),
 each program rounding the values it writes in the model dtype."""
 
@@ -13,7 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from skyline import envs
-from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, fp8_rows_ref, software_rounding
+from skyline.ops.fp8_quant import (
+    FP8,
+    FP8_MAX,
+    WHOLE_ROW,
+    Fp8Rows,
+    fp8_rows_ref,
+    quantize_rows_fp8_triton,
+    software_rounding,
+)
+from skyline.ops.gemv import MAX_ROWS
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, Int8Chunks, int8_chunks_ref
 from skyline.ops.pdl import pdl_wait, use_pdl
 from skyline.ops.triton_utils import tl, triton
@@ -30,13 +41,14 @@ def silu_and_mul(x: torch.Tensor, config: dict[str, Any] | None = None,
                  quant: str | None = None) -> torch.Tensor | Fp8Rows | Int8Chunks:
     """silu_and_mul_ref's contract; on CUDA one Triton launch for x [num_tokens, 2 * d]. With
     `quant` the result comes quantized: "fp8" as Fp8Rows with one scale per row and FP8_BLOCK
-    columns, "int8" as Int8Chunks (except under SKYLINE_UNFUSE=silu, which returns it plain)."""
+    columns up to MAX_ROWS rows (fp8_block's), one per row above, "int8" as Int8Chunks (except
+    under SKYLINE_UNFUSE=silu, which returns it plain)."""
     if not (x.is_cuda and triton is not None and x.dim() == 2 and x.stride(-1) == 1
             and x.shape[0] > 0 and x.shape[1] % 2 == 0):
         y = silu_and_mul_ref(x)
         if quant is None:
             return y
-        return fp8_rows_ref(y, FP8_BLOCK) if quant == "fp8" else int8_chunks_ref(y)
+        return fp8_rows_ref(y, fp8_block(y.shape[0])) if quant == "fp8" else int8_chunks_ref(y)
     if "silu" in envs.ENV.unfuse:
         # the modular form (to measure the fusion): torch's SiLU, then its multiply; the
         # Linear this feeds quantizes the plain result itself
@@ -66,24 +78,37 @@ def silu_and_mul_triton(
     return out
 
 
-# Columns per activation scale of the fp8 result: one program each (14 per token for Llama-3
-# 8B's 14,336); a multiple of every fp8 GEMV tile's BLOCK_K (fp8_gemv_a8's x_scale_block).
+# Columns per activation scale of the fp8 result of a decode-sized batch: one program each (14
+# per token for Llama-3 8B's 14,336); a multiple of every fp8 GEMV tile's BLOCK_K
+# (fp8_gemv_a8's x_scale_block).
 FP8_BLOCK = 1024
 
 
+def fp8_block(num_tokens: int) -> int:
+    """Columns per scale of the fp8 result of num_tokens rows: FP8_BLOCK for the fp8 GEMV's
+    batches (at most MAX_ROWS rows), else 0 (one scale per row: torch._scaled_mm's)."""
+    return FP8_BLOCK if num_tokens <= MAX_ROWS else 0
+
+
 def silu_and_mul_fp8_triton(x: torch.Tensor) -> Fp8Rows:
-    """silu_and_mul_triton's result quantized with one scale per row and FP8_BLOCK columns (the
-    bytes quantize_rows_fp8_ref(result, FP8_BLOCK) makes of it), one program per block."""
+    """silu_and_mul_triton's result quantized with one scale per row and fp8_block columns (the
+    bytes quantize_rows_fp8_ref(result, block) makes of it), one program per block; rows
+    wider than WHOLE_ROW with one scale per row take the plain kernel and a quantizing one."""
     num_tokens, d = x.shape[0], x.shape[1] // 2
-    blocks = triton.cdiv(d, FP8_BLOCK)
+    block = fp8_block(num_tokens) or triton.next_power_of_2(d)
+    if block > WHOLE_ROW:
+        q, scale = quantize_rows_fp8_triton(silu_and_mul_triton(x))
+        return Fp8Rows(q, scale, x.dtype)
+    blocks = triton.cdiv(d, block)
     q = torch.empty(num_tokens, d, dtype=FP8, device=x.device)
     scale = torch.empty(num_tokens, blocks, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x.device)
     _silu_and_mul_fp8_kernel[(num_tokens, blocks)](
-        x, q, scale, d, x.stride(0), q.stride(0), BLOCK=FP8_BLOCK, FP8_MAX=FP8_MAX,
-        ROUND_E4M3=software_rounding(), PDL=pdl, num_warps=4, launch_pdl=pdl,
+        x, q, scale, d, x.stride(0), q.stride(0), BLOCK=block, FP8_MAX=FP8_MAX,
+        ROUND_E4M3=software_rounding(), PDL=pdl, num_warps=max(4, min(16, block // 1024)),
+        launch_pdl=pdl,
     )
-    return Fp8Rows(q, scale, x.dtype, FP8_BLOCK)
+    return Fp8Rows(q, scale, x.dtype, fp8_block(num_tokens))
 
 
 def silu_and_mul_int8_triton(x: torch.Tensor) -> Int8Chunks:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from skyline.ops.fp8_quant import FP8, FP8_MAX, Fp8Rows, quantize_rows_fp8
+from skyline.ops.gemv import MAX_ROWS
 from skyline.ops.gemv_quant import fp8_gemv_a8, quant_gemv_ok
 
 
@@ -23,15 +24,28 @@ def has_fp8_units(device: torch.device) -> bool:
 
 
 def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if not x.is_cuda or not has_fp8_units(x.device):
+    """Whether torch._scaled_mm multiplies activations like x (their device and dtype) by the
+    e4m3 weight w."""
+    return _scaled_mm_runs(x.device, x.dtype, w)
+
+
+def _scaled_mm_runs(device: torch.device, dtype: torch.dtype, w: torch.Tensor) -> bool:
+    if device.type != "cuda" or not has_fp8_units(device):
         return False
-    return x.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+    return dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
 
 
 def fp8_gemv_takes_rows(x: torch.Tensor) -> bool:
     """Whether fp8_linear would run x through a decode-sized fp8 x fp8 GEMV, which can take it
     already quantized per row (Fp8Rows)."""
     return quant_gemv_ok(x) and x.dim() == 2 and has_fp8_units(x.device)
+
+
+def fp8_takes_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether fp8_linear takes x [M, K] (about to be made by a norm or activation kernel)
+    quantized per row as Fp8Rows: for the decode-sized fp8 GEMV, or for torch._scaled_mm
+    above (one scale per row, as quantize_rows_fp8 would make them)."""
+    return x.dim() == 2 and (fp8_gemv_takes_rows(x) or scaled_mm_ok(x, w))
 
 
 def quantize_static_fp8(x: torch.Tensor, x_scale: torch.Tensor
@@ -48,9 +62,13 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor
     """x [..., K] -> [..., N] in x's dtype. Decode-sized batches run the fp8 x fp8 GEMV, x
     quantized in the kernel per row and K tile, or (`rows_first`) per row by a launch of its
     own first. x may come quantized per row already (Fp8Rows [M, K], from a producer that
-    fp8_gemv_takes_rows allowed). With `x_scale` [1], x is quantized with that static scale."""
+    fp8_takes_rows allowed: per row and block up to MAX_ROWS rows, per row above). With
+    `x_scale` [1], x is quantized with that static scale."""
     if isinstance(x, Fp8Rows):
-        return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype, x_scale_block=x.block)
+        if x.q.shape[0] <= MAX_ROWS:
+            return fp8_gemv_a8(x.q, x.scale, w, w_scale, bias, x.dtype, x_scale_block=x.block)
+        assert not x.block, "more than MAX_ROWS rows come with one scale per row"
+        return _rows_product(x.q, x.scale, w, w_scale, bias, x.dtype)
     lead = x.shape[:-1]
     gemv = quant_gemv_ok(x) and has_fp8_units(x.device)
     if gemv and x_scale is None:
@@ -65,12 +83,21 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, w: torch.Tensor, w_scale: torch.Tensor
         xq, x_scale = quantize_static_fp8(x2, x_scale)
         if gemv:
             return fp8_gemv_a8(xq, x_scale, w, w_scale, bias, x.dtype).reshape(*lead, -1)
-    if scaled_mm_ok(x2, w):
+    y = _rows_product(xq, x_scale, w, w_scale, bias, x.dtype)
+    return y.reshape(*lead, -1)
+
+
+def _rows_product(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                  w_scale: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 xq [M, K] with float32 scales x_scale [M, 1] times e4m3 w [N, K] with w_scale [N]
+    -> [M, N] in `dtype`: torch._scaled_mm where it runs, else the float32 emulation."""
+    if _scaled_mm_runs(xq.device, dtype, w):
         # Row-wise scales: x_scale [M, 1], w_scale [1, N]; w.t() is column-major as required.
         y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.unsqueeze(0),
-                             out_dtype=x.dtype)
+                             out_dtype=dtype)
     else:
-        y = F.linear(xq.float() * x_scale, w.float() * w_scale.unsqueeze(-1)).to(x.dtype)
+        y = F.linear(xq.float() * x_scale, w.float() * w_scale.unsqueeze(-1)).to(dtype)
     if bias is not None:
         y = y + bias
-    return y.reshape(*lead, -1)
+    return y

@@ -9,9 +9,10 @@ decode batch that traffic cost more than the halved weight bytes saved. The kern
 scale, rounding exactly as the reference does (IEEE division for s and 448 / amax, round to
 nearest even).
 
-Decode-sized W8A8 products take their activations already quantized from the kernel that makes
-them (RMSNorm per row, SiLU-and-mul per row and block of columns) as `Fp8Rows`;
-`quantize_rows_in_registers` is those kernels' share.
+W8A8 products take their activations already quantized from the kernel that makes them where
+it can (RMSNorm per row; SiLU-and-mul per row and block of columns for the decode GEMV's
+batches, per row above them) as `Fp8Rows`; `quantize_rows_in_registers` is those kernels'
+share. The attention output before o_proj still takes this file's kernel.
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def fake_quantize_rows_fp8(x: torch.Tensor) -> torch.Tensor:
     return (xq.float() * scale).reshape(x.shape)
 
 
-BLOCK = 1024  # elements of a row per loop iteration
+# Rows up to this wide are read once and quantized from registers (32 elements a thread); wider
+# ones are read twice in BLOCK-element steps (amax, then quantize; the second read mostly from
+# L2). At a few hundred rows the two passes' serial loads, not bandwidth, set the kernel's time.
+WHOLE_ROW = 16384
+BLOCK = 1024  # elements of a wider row per loop iteration
 
 
 def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,14 +106,14 @@ def quantize_rows_fp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = min(BLOCK, triton.next_power_of_2(k))
+    whole = triton.next_power_of_2(k)
+    block = whole if whole <= WHOLE_ROW else BLOCK
     pdl = use_pdl(x.device)
     _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0),
                                    BLOCK=block, ITERS=triton.cdiv(k, block), FP8_MAX=FP8_MAX,
                                    ROUND=software_rounding(), PDL=pdl,
-                                   num_warps=4 if block >= 512 else 1, launch_pdl=pdl)
+                                   num_warps=max(1, min(16, block // 1024)), launch_pdl=pdl)
     return q, scale
-
 
 
 if triton is not None:
@@ -160,6 +165,16 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         x_row = x_ptr + row * stride_x
+        q_row = q_ptr + row * stride_q
+        if ITERS == 1:  # the whole row in registers: one read
+            mask = offs < K
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            scale, inv = absmax_scales(tl.max(tl.abs(x), axis=0), FP8_MAX)
+            tl.store(scale_ptr + row, scale)
+            y = e4m3_values(x, inv, FP8_MAX, ROUND)
+            tl.store(q_row + offs, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=mask)
+            return
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in range(ITERS):
             cols = i * BLOCK + offs
@@ -167,7 +182,6 @@ if triton is not None:
             amax = tl.maximum(amax, tl.abs(x))
         scale, inv = absmax_scales(tl.max(amax, axis=0), FP8_MAX)
         tl.store(scale_ptr + row, scale)
-        q_row = q_ptr + row * stride_q
         for i in range(ITERS):
             cols = i * BLOCK + offs
             mask = cols < K

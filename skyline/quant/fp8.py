@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from skyline.ops.fp8_block import BLOCK, dequantize_fp8_blocks, fp8_block_linear
-from skyline.ops.fp8_linear import fp8_gemv_takes_rows, fp8_linear, quantize_static_fp8
+from skyline.ops.fp8_linear import fp8_linear, fp8_takes_rows, quantize_static_fp8
 from skyline.ops.fp8_quant import (
     FP8,
     FP8_MAX,
@@ -33,10 +33,11 @@ from skyline.quant.method import LinearLayer
 
 __all__ = ["FP8", "FP8_MAX", "Fp8LinearMethod", "quantize_rows_fp8"]
 
-# Decode-sized batches (<= 8 rows) on the GPU run an fp8 x fp8 tensor-core GEMV: x comes
-# quantized per row from the kernel that makes it (RMSNorm before qkv and gate/up, SiLU-and-mul
-# before down: Linear.input_quant), and the GEMV quantizes any other x itself per row and K
-# tile (finer-scaled than the per-token activations of the _scaled_mm path for larger batches).
+# Decode-sized batches (<= 8 rows) on the GPU run an fp8 x fp8 tensor-core GEMV, larger ones
+# torch._scaled_mm: x comes quantized per row from the kernel that makes it (RMSNorm before qkv
+# and gate/up, SiLU-and-mul before down: Linear.input_quant); the GEMV quantizes any other x
+# itself per row and K tile (finer-scaled than the per-token activations of _scaled_mm), the
+# _scaled_mm path by a launch of its own (the attention output before o_proj).
 
 
 class Fp8LinearMethod(QuantLinearMethod):
@@ -102,10 +103,11 @@ class Fp8LinearMethod(QuantLinearMethod):
 
     def input_quant(self, layer: LinearLayer, x: torch.Tensor) -> str | None:
         """"fp8" where x, about to be made by a norm or activation kernel, should come quantized
-        per row (Fp8Rows) for this layer's GEMV (per-token activations and per-row weight
-        scales only)."""
+        per row (Fp8Rows) for this layer's GEMV or torch._scaled_mm (per-token activations and
+        per-row weight scales only)."""
         wants = (hasattr(layer, "weight_scale") and layer.weight_scale.dim() == 1
-                 and getattr(layer, "input_scale", None) is None and fp8_gemv_takes_rows(x))
+                 and getattr(layer, "input_scale", None) is None
+                 and fp8_takes_rows(x, layer.weight))
         return "fp8" if wants else None
 
     def prepack_cpu(self, layer: LinearLayer, dtype: torch.dtype) -> bool:

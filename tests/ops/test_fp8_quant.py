@@ -1,7 +1,8 @@
 """The Triton per-token fp8 activation quantization against its reference: the same bytes and
 scales. Runs on CUDA, or in Triton's interpreter on CPU (tests/conftest.py), where float8
 conversion rounds only approximately: there the rows are fp8 numbers times a power of two
-whose largest value is 448 times that power (x / scale needs no rounding)."""
+whose largest value is 448 times that power (x / scale needs no rounding). Rows up to
+WHOLE_ROW wide are quantized in one pass, wider ones (17,000) in two."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from skyline.ops.fp8_quant import (  # noqa: E402
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(1, 16), (3, 100), (5, 1024), (2, 1500), (7, 4096)] + (
+SHAPES = [(1, 16), (3, 100), (5, 1024), (2, 1500), (7, 4096), (2, 17000)] + (
     [(513, 14336), (64, 4096)] if DEV == "cuda" else [])
 
 

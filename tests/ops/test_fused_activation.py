@@ -17,6 +17,7 @@ from skyline.ops.activation import (  # noqa: E402
     silu_and_mul_triton,
 )
 from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
+from skyline.ops.gemv import MAX_ROWS  # noqa: E402
 from skyline.ops.gemv_int_a8 import int8_chunks_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,22 +95,34 @@ def test_dispatch_on_cuda_graph_safe():
 
 
 @pytest.mark.parametrize("d", [64, 200, 1536, pytest.param(14336, marks=CUDA_ONLY)])
-@pytest.mark.parametrize("num_tokens", [1, 3, pytest.param(33, marks=CUDA_ONLY)])
+@pytest.mark.parametrize("num_tokens", [1, 3, 9, pytest.param(33, marks=CUDA_ONLY)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 128])  # blocks past d, or several per row
 def test_fp8_out_is_the_unquantized_result_quantized(d, num_tokens, dtype, block, monkeypatch):
     # The W8A8 input of the down projection straight from the activation kernel: the kernel's
-    # own unquantized result, quantized per row and block as quantize_rows_fp8_ref does.
+    # own unquantized result, quantized per row and block as quantize_rows_fp8_ref does (the
+    # fp8 GEMV's batches, up to MAX_ROWS rows), or per row for torch._scaled_mm (9, 33 rows).
     if block is not None:
         monkeypatch.setattr(activation, "FP8_BLOCK", block)
     x = gate_up(num_tokens, d, dtype, seed=5)
     x[0, :3] = 0.0  # zeros keep their sign, whatever the interpreter does to -0
     rows = silu_and_mul_fp8_triton(x)
-    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_triton(x), activation.FP8_BLOCK)
+    want_block = activation.FP8_BLOCK if num_tokens <= MAX_ROWS else 0
+    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_triton(x), want_block)
     assert rows.dtype == dtype and rows.q.dtype == FP8 and rows.q.shape == (num_tokens, d)
-    assert rows.block == activation.FP8_BLOCK and rows.scale.shape == s_ref.shape
+    assert rows.block == want_block and rows.scale.shape == s_ref.shape
     assert torch.equal(rows.scale, s_ref)
     assert torch.equal(rows.q.float(), q_ref.float())  # the interpreter may drop -0's sign
+
+
+def test_fp8_out_of_rows_wider_than_a_program_holds(monkeypatch):
+    # one scale per row of more than WHOLE_ROW columns: the plain kernel, then the quantizer
+    monkeypatch.setattr(activation, "WHOLE_ROW", 128)
+    x = gate_up(MAX_ROWS + 1, 200, torch.float32, seed=6)
+    rows = silu_and_mul_fp8_triton(x)
+    q_ref, s_ref = quantize_rows_fp8_ref(silu_and_mul_triton(x))
+    assert rows.block == 0 and torch.equal(rows.scale, s_ref)
+    assert torch.equal(rows.q.float(), q_ref.float())
 
 
 def test_fp8_dispatch_on_cpu_is_the_reference():
