@@ -38,12 +38,22 @@ def _tile_n(head_dim: int, kv_itemsize: int) -> int:
     return block_n
 
 
+# An fp8 cache decoding at least this many sequences: 32-token tiles in one warp a program,
+# what tuning chose on both the H200 and the H100 at 256 to 1,024 sequences (attention tables;
+# on the H100 0.84-0.88 -> 0.89-0.96 of the copy-bandwidth floor, BENCHMARKS.md).
+FP8_ONE_WARP_SEQS = 256
+
+
 def default_decode_config(num_seqs: int, num_kv_heads: int, head_dim: int, kv_itemsize: int,
                           num_sms: int = 132) -> dict:
     """Decode launch configuration for shapes without a tuned entry: 64-token tiles (fewer
-    when K + V would pass STAGE_BYTES), three pipeline stages, decode_splits."""
+    when K + V would pass STAGE_BYTES), four warps, three pipeline stages, decode_splits;
+    an fp8 cache at FP8_ONE_WARP_SEQS sequences or more, 32-token tiles in one warp."""
+    splits = decode_splits(num_seqs, num_kv_heads, num_sms)
+    if kv_itemsize == 1 and num_seqs >= FP8_ONE_WARP_SEQS:
+        return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "NUM_SPLITS": splits}
     return {"BLOCK_N": _tile_n(head_dim, kv_itemsize), "num_warps": 4, "num_stages": 3,
-            "NUM_SPLITS": decode_splits(num_seqs, num_kv_heads, num_sms)}
+            "NUM_SPLITS": splits}
 
 
 def default_prefill_config(max_query_len: int, head_dim: int, kv_itemsize: int) -> dict:

@@ -94,6 +94,11 @@ def test_default_tiles_fit_the_stage_budget():
     assert default_decode_config(1, 8, 128, 4)["BLOCK_N"] == 32  # fp32 cache
     assert default_decode_config(1, 8, 256, 2)["BLOCK_N"] == 32
     assert default_decode_config(1, 8, 64, 1)["BLOCK_N"] == 64
+    # an fp8 cache at 256+ sequences: 32-token tiles in one warp (both tuned GPUs' choice)
+    wide = default_decode_config(256, 8, 128, 1)
+    assert (wide["BLOCK_N"], wide["num_warps"]) == (32, 1)
+    assert default_decode_config(255, 8, 128, 1)["num_warps"] == 4
+    assert default_decode_config(1024, 8, 128, 2)["num_warps"] == 4
 
 
 def _cache(seq_lens, page, num_kv_heads, head_dim, seed):
@@ -113,6 +118,7 @@ def _cache(seq_lens, page, num_kv_heads, head_dim, seed):
     {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "NUM_SPLITS": 2},
     {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4, "NUM_SPLITS": 3},
     {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "NUM_SPLITS": 8},
+    {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "NUM_SPLITS": 1},
 ])
 def test_decode_configs_match_reference(config):
     """Tiles smaller and larger than a page, pipelined or not, and KV splits over a batch of

@@ -54,9 +54,11 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype
 @pytest.mark.parametrize("page", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("one_warp", [False, True])
 def test_decode_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, page, dtype,
-                                            num_splits):
-    """An fp8 cache holding K / k_scale and V / v_scale: the kernel dequantizes as it reads."""
+                                            num_splits, one_warp):
+    """An fp8 cache holding K / k_scale and V / v_scale: the kernel dequantizes as it reads
+    (with `one_warp`, in the 32-token tiles of one warp an fp8 cache takes at 256+ sequences)."""
     if DEV == "cpu" and (head_dim > 32 or dtype != torch.float32):
         pytest.skip("interpreter: small fp32 shapes only")
     rng = random.Random(head_dim + page)
@@ -72,8 +74,10 @@ def test_decode_fp8_cache_matches_reference(num_heads, num_kv_heads, head_dim, p
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEV, dtype)
     table, lens_t = table.to(DEV), torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     scale = head_dim**-0.5
+    config = ({"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "NUM_SPLITS": num_splits}
+              if one_warp else None)
     out = paged_decode_attention(q, cache, table, lens_t, scale, num_splits,
-                                 k_scale=k_scale, v_scale=v_scale)
+                                 k_scale=k_scale, v_scale=v_scale, config=config)
     qsl = list(range(len(seq_lens) + 1))
     ref = paged_attention_ref(q.double(), cache, qsl, seq_lens, table, scale,
                               num_decodes=len(seq_lens), seq_lens_tensor=lens_t,
