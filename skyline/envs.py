@@ -54,7 +54,8 @@ def _int(name: str, default: int) -> int:
 #   qk_norm    Qwen3's per-head q/k RMSNorm + rotary (ops/rotary.py): the RMSNorm kernel first
 #   silu       SiLU-and-mul (ops/activation.py): F.silu(gate) * up
 #   act_quant  activations quantized by their producer (norm, SiLU, attention's combine) for
-#              a W8A8 / W4A8 GEMV (model/layers/linear.py): the GEMV quantizes them itself
+#              a W8A8 / W4A8 GEMV or W8A8's _scaled_mm (model/layers/linear.py): the product
+#              quantizes them itself
 #   moe_route  MoE softmax + top-k in one launch (ops/moe_route.py): torch's softmax and topk
 #   moe_gemv   the MoE decode GEMVs with SwiGLU and routing weights in them (ops/moe.py): the
 #              grouped GEMMs, a separate activation and top-k sum

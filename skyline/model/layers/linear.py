@@ -188,11 +188,11 @@ class Linear(nn.Module):
 
     def input_quant(self, x: torch.Tensor) -> str | None:
         """How the kernel about to make x (a norm, an activation) should hand it over: "fp8",
-        quantized per row (ops/fp8_quant.Fp8Rows), for an fp8 layer's decode GEMV on a GPU with
-        fp8 units; "int8", rounded per 32 columns (ops/gemv_int_a8.Int8Chunks), for an INT4
-        layer's W4A8 decode GEMV; None as it is. The GEMV then skips quantizing it. Always None
-        under SKYLINE_UNFUSE=act_quant (the modular form, to measure the fusion: the GEMV
-        quantizes its input itself)."""
+        quantized per row (ops/fp8_quant.Fp8Rows), for an fp8 layer's decode GEMV or
+        torch._scaled_mm on a GPU with fp8 units; "int8", rounded per 32 columns
+        (ops/gemv_int_a8.Int8Chunks), for an INT4 layer's W4A8 decode GEMV; None as it is. The
+        product then skips quantizing it. Always None under SKYLINE_UNFUSE=act_quant (the
+        modular form, to measure the fusion: the product quantizes its input itself)."""
         if "act_quant" in envs.ENV.unfuse:
             return None
         wants = getattr(self.linear_method, "input_quant", None)
