@@ -179,7 +179,7 @@ def paged_decode_attention(
         sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                if q.is_cuda else 132)
         config = decode_config(num_seqs, num_heads, kvh, head_dim, page, q.dtype,
-                               kv_cache.dtype, sms)
+                               kv_cache.dtype, sms, q.is_cuda and has_fp8_units(q.device))
     _check(config, DECODE_KERNEL)
     if num_splits is None:
         num_splits = config["NUM_SPLITS"]

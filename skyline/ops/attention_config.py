@@ -38,19 +38,21 @@ def _tile_n(head_dim: int, kv_itemsize: int) -> int:
     return block_n
 
 
-# An fp8 cache decoding at least this many sequences: 32-token tiles in one warp a program,
-# what tuning chose on both the H200 and the H100 at 256 to 1,024 sequences (attention tables;
-# on the H100 0.84-0.88 -> 0.89-0.96 of the copy-bandwidth floor, BENCHMARKS.md).
+# An fp8 cache decoding at least this many sequences on a GPU with fp8 units (the kernels'
+# PTX conversion): 32-token tiles in one warp a program, what tuning chose on both the H200 and
+# the H100 at 256 to 1,024 sequences (attention tables; on the H100 0.84-0.88 -> 0.89-0.96 of
+# the copy-bandwidth floor, BENCHMARKS.md).
 FP8_ONE_WARP_SEQS = 256
 
 
 def default_decode_config(num_seqs: int, num_kv_heads: int, head_dim: int, kv_itemsize: int,
-                          num_sms: int = 132) -> dict:
+                          num_sms: int = 132, fp8_units: bool = False) -> dict:
     """Decode launch configuration for shapes without a tuned entry: 64-token tiles (fewer
     when K + V would pass STAGE_BYTES), four warps, three pipeline stages, decode_splits;
-    an fp8 cache at FP8_ONE_WARP_SEQS sequences or more, 32-token tiles in one warp."""
+    an fp8 cache at FP8_ONE_WARP_SEQS sequences or more on a GPU with fp8 units, 32-token
+    tiles in one warp."""
     splits = decode_splits(num_seqs, num_kv_heads, num_sms)
-    if kv_itemsize == 1 and num_seqs >= FP8_ONE_WARP_SEQS:
+    if kv_itemsize == 1 and fp8_units and num_seqs >= FP8_ONE_WARP_SEQS:
         return {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "NUM_SPLITS": splits}
     return {"BLOCK_N": _tile_n(head_dim, kv_itemsize), "num_warps": 4, "num_stages": 3,
             "NUM_SPLITS": splits}
@@ -69,13 +71,14 @@ def batch_bucket(num_seqs: int) -> int:
 
 @functools.cache
 def decode_config(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, page: int,
-                  dtype: torch.dtype, kv_dtype: torch.dtype, num_sms: int = 132) -> dict:
+                  dtype: torch.dtype, kv_dtype: torch.dtype, num_sms: int = 132,
+                  fp8_units: bool = False) -> dict:
     """The decode launch configuration: the tuned entry of the largest tuned batch size
     <= num_seqs (powers of two), else default_decode_config. A tuned split count keeps its
     number of programs: S splits tuned at b sequences become round(S * b / num_seqs) >= 1."""
     key = shape_key(num_heads, num_kv_heads, head_dim, page, dtype, kv_dtype)
     default = default_decode_config(num_seqs, num_kv_heads, head_dim, kv_dtype.itemsize,
-                                    num_sms)
+                                    num_sms, fp8_units)
     b = batch_bucket(num_seqs)
     while b >= 1:
         found = get_config(DECODE_KERNEL, f"{key}:b{b}", {})

@@ -19,6 +19,7 @@ from skyline.bench.tuners import TuneDevice, device_bandwidth, shipped_config
 from skyline.bench.tuners import time_calls as gpu_time
 from skyline.ops import attention as attn
 from skyline.ops.attention_config import batch_bucket
+from skyline.ops.fp8_linear import has_fp8_units
 from skyline.ops.tuning import dtype_name, token_bucket
 
 ROTATE_BYTES = 256 << 20  # K/V touched per graph replay at least (5x an H200's L2)
@@ -178,7 +179,8 @@ def decode_batch(cache, shape, b, contexts, copy_bw, num_sms, sweep_splits, smok
                     lambda f, c=c: gpu_time([lambda t=t: run(c, f, t) for t in c["tables"]],
                                             c["calls"]), c["failed"])
 
-    default = attn.default_decode_config(b, kvh, d, item, num_sms)
+    fp8_units = device.type == "cuda" and has_fp8_units(device)
+    default = attn.default_decode_config(b, kvh, d, item, num_sms, fp8_units)
     heuristic = attn.decode_splits(b, kvh, num_sms)
     for tile in DECODE_TILES[:2] if smoke else DECODE_TILES:
         measure({**tile, "NUM_SPLITS": heuristic})  # phase 1: tiles and pipeline depths

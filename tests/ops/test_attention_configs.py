@@ -94,11 +94,13 @@ def test_default_tiles_fit_the_stage_budget():
     assert default_decode_config(1, 8, 128, 4)["BLOCK_N"] == 32  # fp32 cache
     assert default_decode_config(1, 8, 256, 2)["BLOCK_N"] == 32
     assert default_decode_config(1, 8, 64, 1)["BLOCK_N"] == 64
-    # an fp8 cache at 256+ sequences: 32-token tiles in one warp (both tuned GPUs' choice)
-    wide = default_decode_config(256, 8, 128, 1)
+    # an fp8 cache at 256+ sequences on a GPU with fp8 units: 32-token tiles in one warp
+    # (both tuned GPUs' choice); elsewhere the tiles above
+    wide = default_decode_config(256, 8, 128, 1, fp8_units=True)
     assert (wide["BLOCK_N"], wide["num_warps"]) == (32, 1)
-    assert default_decode_config(255, 8, 128, 1)["num_warps"] == 4
-    assert default_decode_config(1024, 8, 128, 2)["num_warps"] == 4
+    assert default_decode_config(255, 8, 128, 1, fp8_units=True)["num_warps"] == 4
+    assert default_decode_config(256, 8, 128, 1)["num_warps"] == 4
+    assert default_decode_config(1024, 8, 128, 2, fp8_units=True)["num_warps"] == 4
 
 
 def _cache(seq_lens, page, num_kv_heads, head_dim, seed):
