@@ -130,8 +130,8 @@ def device_kernels(prof: Any, steps: int) -> tuple[float, list[dict[str, Any]]]:
 
 
 def profile_mixed(llm: LLM, n: int, input_len: int, sync: Any, gpu: bool) -> dict[str, Any]:
-    """The steps that prefill `n` new prompts beside the running batch: their count, shapes,
-    wall time (synchronized per step) and kernels."""
+    """The steps that prefill `n` new prompts beside the running batch: their count, prompt
+    tokens each, wall time (synchronized per step) and kernels."""
     sched = llm.engine.scheduler
     prompts = random_prompts(n, input_len, llm.config.model.arch.vocab_size, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -139,18 +139,19 @@ def profile_mixed(llm: LLM, n: int, input_len: int, sync: Any, gpu: bool) -> dic
     llm.engine.async_scheduling = False
     prefilled, walls = [], []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+
+    def computed() -> int:  # the new prompts' tokens in the cache
+        return sum(r.num_computed_tokens for r in sched.running if r.request_id in ids)
+
     sync()
     with profile(activities=activities) as prof:
-        while sched.num_waiting or any(r.request_id in ids and
-                                       r.num_computed_tokens < r.num_prompt_tokens
-                                       for r in sched.running):
-            before = sum(r.num_computed_tokens for r in sched.running if r.request_id in ids)
+        while computed() < n * input_len:
+            before = computed()
             t = time.perf_counter()
             llm.engine.step()
             sync()
             walls.append(time.perf_counter() - t)
-            prefilled.append(sum(r.num_computed_tokens for r in sched.running
-                                 if r.request_id in ids) - before)
+            prefilled.append(computed() - before)
     steps = len(walls)
     busy_ms, top = device_kernels(prof, steps)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18))

@@ -95,7 +95,8 @@ def silu_and_mul_fp8_triton(x: torch.Tensor) -> Fp8Rows:
     bytes quantize_rows_fp8_ref(result, block) makes of it), one program per block; rows
     wider than WHOLE_ROW with one scale per row take the plain kernel and a quantizing one."""
     num_tokens, d = x.shape[0], x.shape[1] // 2
-    block = fp8_block(num_tokens) or triton.next_power_of_2(d)
+    per_block = fp8_block(num_tokens)
+    block = per_block or triton.next_power_of_2(d)
     if block > WHOLE_ROW:
         q, scale = quantize_rows_fp8_triton(silu_and_mul_triton(x))
         return Fp8Rows(q, scale, x.dtype)
@@ -108,7 +109,7 @@ def silu_and_mul_fp8_triton(x: torch.Tensor) -> Fp8Rows:
         ROUND_E4M3=software_rounding(), PDL=pdl, num_warps=max(4, min(16, block // 1024)),
         launch_pdl=pdl,
     )
-    return Fp8Rows(q, scale, x.dtype, fp8_block(num_tokens))
+    return Fp8Rows(q, scale, x.dtype, per_block)
 
 
 def silu_and_mul_int8_triton(x: torch.Tensor) -> Int8Chunks:

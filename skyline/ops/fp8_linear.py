@@ -23,13 +23,9 @@ def has_fp8_units(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._scaled_mm multiplies activations like x (their device and dtype) by the
-    e4m3 weight w."""
-    return _scaled_mm_runs(x.device, x.dtype, w)
-
-
-def _scaled_mm_runs(device: torch.device, dtype: torch.dtype, w: torch.Tensor) -> bool:
+def scaled_mm_ok(device: torch.device, dtype: torch.dtype, w: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm multiplies activations of this device and dtype by the e4m3
+    weight w."""
     if device.type != "cuda" or not has_fp8_units(device):
         return False
     return dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
@@ -45,7 +41,7 @@ def fp8_takes_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether fp8_linear takes x [M, K] (about to be made by a norm or activation kernel)
     quantized per row as Fp8Rows: for the decode-sized fp8 GEMV, or for torch._scaled_mm
     above (one scale per row, as quantize_rows_fp8 would make them)."""
-    return x.dim() == 2 and (fp8_gemv_takes_rows(x) or scaled_mm_ok(x, w))
+    return x.dim() == 2 and (fp8_gemv_takes_rows(x) or scaled_mm_ok(x.device, x.dtype, w))
 
 
 def quantize_static_fp8(x: torch.Tensor, x_scale: torch.Tensor
@@ -92,7 +88,7 @@ def _rows_product(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     """e4m3 xq [M, K] with float32 scales x_scale [M, 1] times e4m3 w [N, K] with w_scale [N]
     -> [M, N] in `dtype`: torch._scaled_mm where it runs, else the float32 emulation."""
-    if _scaled_mm_runs(xq.device, dtype, w):
+    if scaled_mm_ok(xq.device, dtype, w):
         # Row-wise scales: x_scale [M, 1], w_scale [1, N]; w.t() is column-major as required.
         y = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.unsqueeze(0),
                              out_dtype=dtype)
