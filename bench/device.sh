@@ -43,6 +43,11 @@
 #                  on /health, each with Triton's cache empty then filled (~2 min for an 8B
 #                  model, the 16 GB checkpoint's writing included), with --speculative-method
 #                  $SPEC_METHOD (none)
+#   overlap        decode steps of large batches as two halves whose attention overlaps the
+#                  other half's products (two streams, attention in turn, cuBLAS SM carveouts)
+#                  against the step as the engine runs it (bench/decode_overlap.py);
+#                  OVERLAP_ARGS replaces its flags (default fp8 weights and KV, 512 and 1,024
+#                  sequences at 1,000 and 1,500 tokens)
 #   served         the API process's streamed-token ceiling on this host's CPU
 #                  (bench/serve_ceiling.py), then served against offline at SERVED_C (256)
 #                  users over SERVED_PROCS (8) client processes (bench/served_vs_offline.py),
@@ -269,6 +274,12 @@ stage_fast_start() {
 
 stage_mixed() {
   python3 bench/mixed_step.py --model "$M" ${MIXED_ARGS:-} --out "$OUT/mixed-step-$G-$M$TAG.json"
+}
+
+stage_overlap() {
+  python3 bench/decode_overlap.py --model "$M" ${OVERLAP_ARGS:---quantization fp8 \
+    --kv-cache-dtype fp8 --batch 512 1024 --context 1000 1500} \
+    --out "$OUT/decode-overlap-$G-$M$TAG.json"
 }
 
 stage_served() {

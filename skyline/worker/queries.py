@@ -45,6 +45,7 @@ from skyline.quant.method import iter_linears
 from skyline.worker.connector.base import merge_info
 from skyline.worker.cuda_graph import GraphShape
 from skyline.worker.kv_cache import bytes_per_block, calibrate_kv_scales
+from skyline.worker.overlap_probe import decode_overlap_seconds
 from skyline.worker.runner import ModelRunner
 from skyline.worker.spec.train import Sample, train_and_save
 from skyline.worker.step_probe import mixed_step_seconds
@@ -330,6 +331,7 @@ QUERIES: dict[str, Callable[..., Any]] = {
     "unfuse": unfuse,
     "kv_connector_info": kv_connector_info,
     "mixed_step_seconds": mixed_step_seconds,
+    "decode_overlap_seconds": decode_overlap_seconds,
 }
 # The tools' queries: their algorithms take the whole model in one process.
 ONE_RANK = frozenset({"collect_act_sq", "quantize", "save_quantized", "search_formats",
