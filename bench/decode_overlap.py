@@ -71,6 +71,10 @@ def main() -> None:
                 row |= {"attention_floor_s": attn, "linear_floor_s": linear,
                         "sequential_floor_s": attn + linear,
                         "overlapped_floor_s": max(attn, linear)}
+                if row["seconds"] is None:
+                    print(f"== batch {b:5d} context {ctx:5d} {row['variant']:>16}: failed "
+                          f"({row['error']})")
+                    continue
                 print(f"== batch {b:5d} context {ctx:5d} {row['variant']:>16}: "
                       f"{row['seconds'] * 1e3:8.2f} ms = {row['over_one']:.3f}x one, "
                       f"{(attn + linear) / row['seconds']:.2f} of the sequential floor "
