@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -85,7 +86,7 @@ def main() -> None:
     llm.shutdown()
     res = {"benchmark": "decode_overlap",
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "command": "python bench/decode_overlap.py" + (" --smoke" if a.smoke else ""),
+           "command": " ".join(["python bench/decode_overlap.py", *sys.argv[1:]]),
            "model": name, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
            "matmul_peak_TFLOPs": peak / 1e12, "copy_bandwidth_TBps": bw / 1e12,
            "rows": rows, "machine": machine_info(device)}

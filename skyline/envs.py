@@ -118,10 +118,6 @@ class Env:
     # step's shape and seconds (engine/step_trace.py) and writes their summary there, as JSON,
     # when it stops (bench/served_vs_offline.py); default none.
     step_trace: str | None = None
-    # SKYLINE_DECODE_OVERLAP=N: the CUDA graphs of decode batches of at least N sequences run
-    # them as two halves whose attention overlaps the other half's products (worker/overlap.py);
-    # 0: none.
-    decode_overlap: int = 0
     # SKYLINE_UNFUSE: FUSIONS (above) that run in their modular form, e.g. "norm,silu"; default
     # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
     # "unfuse"), so code reads it at each call, not once.
@@ -139,7 +135,6 @@ class Env:
             cpu_bf16_rows=_int("SKYLINE_CPU_BF16_ROWS", 0),
             huge_pages=_flag("SKYLINE_HUGE_PAGES", True),
             cpu_intdot_march=os.environ.get("SKYLINE_CPU_INTDOT_MARCH") or "native",
-            decode_overlap=_int("SKYLINE_DECODE_OVERLAP", 0),
             api_key=os.environ.get("SKYLINE_API_KEY") or None,
             openai_api_key=os.environ.get("OPENAI_API_KEY") or None,
             kernel_cache_dir=os.environ.get("SKYLINE_KERNEL_CACHE") or os.path.join(

@@ -35,9 +35,6 @@ class AttentionMetadata:
     # above are the capture's, not the replayed step's, so attention reads the device tensors
     # only (ops/attention.paged_mixed_attention) and nothing else may read the lists.
     mixed: bool = False
-    # A decode batch run as two halves on two streams (worker/overlap.py): the attention
-    # kernels of the halves wait for each other's in turn (Turns.wait before, Turns.done after)
-    turns: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -8,7 +8,7 @@ stacked into `qkv_proj` and `gate_up_proj`, and MoE experts into `experts.w13` /
 from __future__ import annotations
 
 import re
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -122,18 +122,6 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def layer_steps(self, input_ids: torch.Tensor, positions: torch.Tensor
-                    ) -> Generator[None, None, torch.Tensor]:
-        """The forward as a generator that pauses after the embedding and after each layer and
-        returns the hidden states: the runner interleaves two halves of a decode batch layer
-        by layer on two streams (worker/overlap.py)."""
-        x, residual = self.embed_tokens(input_ids), None
-        yield
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-            yield
-        return self.norm(x, residual)[0]
-
     def cpu_decode_step(self) -> str:
         """How a CPU decode step runs this model's layers: "native" (the C++ step), "python"
         (the plan's products called from Python) or "modules" (each module's forward)."""
@@ -189,11 +177,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [num_tokens] int64 -> hidden [num_tokens, hidden_size]."""
         return self.model(input_ids, positions)
-
-    def layer_steps(self, input_ids: torch.Tensor, positions: torch.Tensor
-                    ) -> Generator[None, None, torch.Tensor]:
-        """forward, paused after each layer (LlamaModel.layer_steps)."""
-        return self.model.layer_steps(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> float32 logits [n, vocab_size]."""

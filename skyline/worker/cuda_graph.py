@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from skyline import envs
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
 from skyline.ops.triton_utils import CompileCount
 from skyline.worker.inputs import StepInputs
-from skyline.worker.overlap import halves_forward
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +174,6 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.streams: list[torch.cuda.Stream] | None = None  # the overlapped halves' (_forward)
         self.capture_times: list[GraphTime] = []  # in capture order (most tokens first)
 
     @property
@@ -224,36 +220,23 @@ class CudaGraphRunner:
             # uniform: every sequence q tokens of scratch context; mixed: capture_layout
             self.seq_lens[:bs].copy_(torch.tensor(meta.seq_lens))
             self.query_start_loc[: bs + 1].copy_(torch.tensor(meta.query_start_loc))
-            forward = self._forward(shape, meta)
+            ids, pos = self.input_ids[:t], self.positions[:t]
             t0, n0, s0 = time.perf_counter(), compiles.num, compiles.seconds
             with torch.cuda.stream(stream), forward_context(meta):
                 for _ in range(NUM_WARMUPS):
-                    forward()
+                    self.model(ids, pos)
             torch.cuda.current_stream().wait_stream(stream)
             stream.synchronize()  # the warm-up's own time (the capture below syncs anyway)
             t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), forward_context(meta):
-                out = forward()
+                out = self.model(ids, pos)
             pool = graph.pool()
             self.graphs[shape] = (graph, out)
             torch.cuda.synchronize()
             self.capture_times.append(GraphTime(bs, q, t1 - t0, time.perf_counter() - t1,
                                                 compiles.num - n0, compiles.seconds - s0, t))
         self.seq_lens.fill_(1)
-
-    def _forward(self, shape: GraphShape, meta: AttentionMetadata) -> Callable[[], torch.Tensor]:
-        """The forward a shape captures: decode batches of at least SKYLINE_DECODE_OVERLAP
-        sequences as two halves on two streams (worker/overlap.py), the rest whole."""
-        bs, t, q = shape
-        ids, pos = self.input_ids[:t], self.positions[:t]
-        least = envs.ENV.decode_overlap
-        if least and q == 1 and bs >= max(least, 2) and hasattr(self.model, "layer_steps"):
-            if self.streams is None:
-                self.streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-            streams = self.streams
-            return lambda: halves_forward(self.model, ids, pos, meta, streams)
-        return lambda: self.model(ids, pos)
 
     def shape_for(self, inp: StepInputs) -> GraphShape | None:
         """The captured shape that holds this step with the fewest tokens (a uniform one on a

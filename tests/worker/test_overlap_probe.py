@@ -41,25 +41,3 @@ def test_streams_and_turns_give_the_whole_batch_hidden_states():
     assert names[:4] == ["one", "halves", "streams", "alternate"]
     assert all(r["error"] is None and r["max_rel_diff"] < 2e-2 for r in rows), rows
 
-
-@CUDA
-@pytest.mark.cuda
-def test_an_engine_with_overlapped_decode_graphs_generates_the_same_tokens(monkeypatch):
-    # SKYLINE_DECODE_OVERLAP=2: every decode graph of 2+ sequences runs two halves on two
-    # streams, attention in turn; float32 greedy tokens equal the whole batch's
-    from skyline import envs
-    from skyline.types import SamplingParams
-
-    prompts = [[5, 9, 30, 7, 100, 3], [11, 12, 13], [40, 41], [7] * 20, [3, 1, 4, 1, 5]]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    tokens = []
-    for overlap in ("0", "2"):
-        monkeypatch.setenv("SKYLINE_DECODE_OVERLAP", overlap)
-        monkeypatch.setattr(envs, "ENV", envs.Env.read())
-        llm = LLM(tiny_model(), load_format="dummy", dtype="float32", max_model_len=128,
-                  max_num_seqs=8)
-        try:
-            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        finally:
-            llm.shutdown()
-    assert tokens[0] == tokens[1]

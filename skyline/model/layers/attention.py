@@ -137,8 +137,6 @@ class Attention(nn.Module):
                     # decode step is bound by what Python dispatches)
                     return decode_attention_cpu(q, self.kv_cache, meta.cpu_gather, self.scale,
                                                 self.k_scale, self.v_scale).flatten(1, 2)
-            if meta.turns is not None:
-                meta.turns.wait()
             out = paged_attention(
                 q,
                 self.kv_cache,
@@ -157,8 +155,6 @@ class Attention(nn.Module):
                 cpu_gather=meta.cpu_gather,
                 mixed=meta.mixed,
             )
-            if meta.turns is not None:
-                meta.turns.done()
             if isinstance(out, Int8Chunks):
                 return out
         return out.flatten(1, 2)
