@@ -15,9 +15,9 @@ tokens replayed from CUDA graphs of:
 
 Each variant's hidden states are compared with "one"'s. Measured on an H100 (BENCHMARKS.md,
 "FP8 W8A8 at large batches"), two streams win back what the split costs and no more: the
-engine runs the whole batch. The engine must be idle: the probe
-writes K/V into blocks no request holds (as worker/step_probe.py does), so an engine probed
-serves no more requests (a benchmark's engine, shut down after).
+engine runs the whole batch. The engine must be idle: the probe writes K/V into blocks no
+request holds (as worker/step_probe.py does), so an engine probed serves no more requests (a
+benchmark's engine, shut down after).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from skyline.model.forward_ctx import AttentionMetadata, forward_context
 from skyline.types import SamplingParams
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.runner import ModelRunner
-from skyline.worker.step_probe import _seconds
+from skyline.worker.step_probe import seconds_per_call
 
 
 def _decodes(r: ModelRunner, num_decodes: int, context: int) -> dict[str, RequestState]:
@@ -208,7 +208,7 @@ def decode_overlap_seconds(r: ModelRunner, num_decodes: int, context: int,
         out = out.float()
         ref = out if ref is None else ref
         row["max_rel_diff"] = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-        row["seconds"] = _seconds(run, r.device, reps)
+        row["seconds"] = seconds_per_call(run, r.device, reps)
         row["over_one"] = row["seconds"] / rows[0]["seconds"] if rows[0]["seconds"] else None
         del run, out
     return rows

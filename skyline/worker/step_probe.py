@@ -46,7 +46,7 @@ def _step(r: ModelRunner, num_decodes: int, context: int, chunk: int) -> StepInp
     return build_inputs(states, scheduled, bs, r.device)
 
 
-def _seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+def seconds_per_call(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
     """Seconds per call of `fn` called back to back (the host runs ahead of the device, as in
     a served step loop), after two warm-up calls."""
     for _ in range(2):
@@ -80,21 +80,23 @@ def mixed_step_seconds(r: ModelRunner, num_decodes: int, context: int, chunks: l
                 r.model(inp.input_ids, inp.positions)
 
         row: dict[str, Any] = {"num_decodes": num_decodes, "context": context, "chunk": chunk,
-                               "num_tokens": t, "eager_s": _seconds(eager, r.device, reps),
+                               "num_tokens": t,
+                               "eager_s": seconds_per_call(eager, r.device, reps),
                                "graph_s": None, "engine_graph_s": None, "engine_shape": None}
         if r.graphs is not None and seqs >= num_decodes + 1:
             shape = r.graphs.shape_for(inp)
             if shape is not None:
                 row["engine_shape"] = shape.num_tokens
-                row["engine_graph_s"] = _seconds(lambda s=shape, i=inp: r.graphs.run(i, s),
-                                                 r.device, reps)
+                row["engine_graph_s"] = seconds_per_call(
+                    lambda s=shape, i=inp: r.graphs.run(i, s), r.device, reps)
             # a graph of exactly this step's tokens, in a runner of its own (only that shape)
             exact = GraphShape(seqs, t, 0)
             g = CudaGraphRunner(r.model, seqs, r.graphs.block_tables.shape[1], r.block_size,
                                 r.num_blocks, r.device, mixed_tokens=[t])
             g.shapes = [exact]
             g.capture()
-            row["graph_s"] = _seconds(lambda g=g, i=inp, s=exact: g.run(i, s), r.device, reps)
+            row["graph_s"] = seconds_per_call(lambda g=g, i=inp, s=exact: g.run(i, s),
+                                              r.device, reps)
             del g
         rows.append(row)
     return rows
