@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from skyline.model.forward_ctx import AttentionMetadata, forward_context
-from skyline.types import SamplingParams
 from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.runner import ModelRunner
-from skyline.worker.step_probe import seconds_per_call
+from skyline.worker.step_probe import decode_states, seconds_per_call
 
 
 def _decodes(r: ModelRunner, num_decodes: int, context: int) -> dict[str, RequestState]:
@@ -42,15 +41,7 @@ def _decodes(r: ModelRunner, num_decodes: int, context: int) -> dict[str, Reques
     if num_decodes * per > r.num_blocks:
         raise ValueError(f"{num_decodes} sequences of {context} tokens need {num_decodes * per:,}"
                          f" KV blocks; the cache has {r.num_blocks:,}")
-    rng = random.Random(0)
-    vocab = r.arch.vocab_size
-    states = {}
-    for i in range(num_decodes):
-        s = RequestState(f"d{i}", [rng.randrange(vocab) for _ in range(context + 1)], [],
-                         SamplingParams(), list(range(i * per, (i + 1) * per)), context)
-        s.token_ids = list(s.prompt_token_ids)
-        states[s.req_id] = s
-    return states
+    return decode_states(r, num_decodes, context, random.Random(0))
 
 
 def _fill(r: ModelRunner, num_blocks: int, chunk: int = 4096) -> None:

@@ -21,14 +21,11 @@ from skyline.worker.inputs import RequestState, StepInputs, build_inputs
 from skyline.worker.runner import ModelRunner
 
 
-def _step(r: ModelRunner, num_decodes: int, context: int, chunk: int) -> StepInputs:
-    """num_decodes requests at `context` cached tokens each decoding one, and a fresh prompt's
-    first `chunk` tokens, on distinct blocks of the pool (one set of blocks for every decode
-    when the pool holds too few: their reads then hit the same memory)."""
-    bs = r.block_size
-    per = -(-(context + 1) // bs)
-    shared = num_decodes * per + -(-chunk // bs) > r.num_blocks
-    rng = random.Random(0)
+def decode_states(r: ModelRunner, num_decodes: int, context: int, rng: random.Random,
+                  shared: bool = False) -> dict[str, RequestState]:
+    """num_decodes requests of random tokens at `context` cached tokens each, on blocks of
+    their own from block 0 on (`shared`: all on the same first blocks)."""
+    per = -(-(context + 1) // r.block_size)
     vocab = r.arch.vocab_size
     states: dict[str, RequestState] = {}
     for i in range(num_decodes):
@@ -37,8 +34,20 @@ def _step(r: ModelRunner, num_decodes: int, context: int, chunk: int) -> StepInp
                          SamplingParams(), list(range(first, first + per)), context)
         s.token_ids = list(s.prompt_token_ids)
         states[s.req_id] = s
+    return states
+
+
+def _step(r: ModelRunner, num_decodes: int, context: int, chunk: int) -> StepInputs:
+    """num_decodes requests at `context` cached tokens each decoding one, and a fresh prompt's
+    first `chunk` tokens, on distinct blocks of the pool (one set of blocks for every decode
+    when the pool holds too few: their reads then hit the same memory)."""
+    bs = r.block_size
+    per = -(-(context + 1) // bs)
+    shared = num_decodes * per + -(-chunk // bs) > r.num_blocks
+    rng = random.Random(0)
+    states = decode_states(r, num_decodes, context, rng, shared)
     first = per if shared else num_decodes * per
-    s = RequestState("chunk", [rng.randrange(vocab) for _ in range(chunk)], [],
+    s = RequestState("chunk", [rng.randrange(r.arch.vocab_size) for _ in range(chunk)], [],
                      SamplingParams(), list(range(first, first + -(-chunk // bs))), 0)
     s.token_ids = list(s.prompt_token_ids)
     states["chunk"] = s
