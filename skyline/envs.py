@@ -122,6 +122,9 @@ class Env:
     # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
     # "unfuse"), so code reads it at each call, not once.
     unfuse: frozenset[str] = frozenset()
+    # SKYLINE_MOE_GROUPED_MM=0: bf16 MoE experts at prefill sizes stay on the Triton grouped GEMM
+    # (ops/moe.py) instead of torch's (ops/moe_grouped_mm.py), to measure the two in one engine.
+    moe_grouped_mm: bool = True
 
     @classmethod
     def read(cls) -> Env:
@@ -143,6 +146,7 @@ class Env:
                 "skyline", "kernels"),
             step_trace=os.environ.get("SKYLINE_STEP_TRACE") or None,
             unfuse=parse_unfuse(os.environ.get("SKYLINE_UNFUSE", "")),
+            moe_grouped_mm=_flag("SKYLINE_MOE_GROUPED_MM", True),
         )
 
 

@@ -4,7 +4,8 @@ with the routing weights, the top-k sum) for gpt-oss-20b's experts in MXFP4, the
 bf16 (what the 4-bit format should at least match once the product is compute-bound) and
 Qwen3-30B-A3B's in bf16, at 256, 1,024 and 4,096 tokens: time per call against the floor of
 the call, the larger of its FLOPs over the bf16 matmul peak and the distinct experts' bytes
-over the copy bandwidth, both measured in the same run.
+over the copy bandwidth, both measured in the same run. The bf16 cases also time torch's
+grouped GEMM (ops/moe_grouped_mm.py, CUTLASS on Hopper) on the same calls.
 
 With --tune, candidate launch configurations (rows, columns and K per tile, warps, pipeline
 stages) are checked against the reference and timed, and the fastest written to the tuning
@@ -36,19 +37,25 @@ from moe_gemv_speed import SHAPES, expert_bytes, fastest, make, time_op  # noqa:
 from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
 from skyline.ops.moe import KERNEL, fused_moe_ref, fused_moe_triton, moe_config  # noqa: E402
+from skyline.ops.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_ok  # noqa: E402
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
 CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
 
 
-def candidates(base: dict[str, Any], smoke: bool) -> list[dict[str, Any]]:
+def candidates(base: dict[str, Any], fmt: str, smoke: bool) -> list[dict[str, Any]]:
     """The current configuration first, then tiles of 32-128 rows, 64-128 columns and K tiles
-    of 64-128, 4 or 8 warps, 2-4 stages (two in all for a smoke run)."""
+    of 64-128, 4 or 8 warps, 2-4 stages, and for MXFP4 the tile computed transposed (SWAP_AB:
+    the decoded weights as the left operand) first, then as stored (two in all for a smoke
+    run: the base and its transposed form where MXFP4)."""
     out = [base]
-    for bm, bn, bk, warps, stages in itertools.product((64, 128, 32, 16), (128, 64), (64, 128),
-                                                       (4, 8), (3, 2, 4)):
+    swaps = (1, 0) if fmt == "mxfp4" else (0,)
+    for swap, bm, bn, bk, warps, stages in itertools.product(
+            swaps, (64, 128, 32, 16), (128, 64), (64, 128), (4, 8), (3, 2, 4)):
         cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
                "num_stages": stages}
+        if fmt == "mxfp4":
+            cfg["SWAP_AB"] = swap
         if cfg not in out:
             out.append(cfg)
     return out[:2] if smoke else out
@@ -109,10 +116,17 @@ def main() -> None:
                 "model": model, "fmt": fmt, "tokens": t, "pairs": t * k, "config": config,
                 "ms": s * 1e3, "TFLOPs": flops / s / 1e12, "floor_ms": floor_s * 1e3,
                 "fraction_of_floor": floor_s / s}
+            # bf16 experts: torch's grouped GEMM (CUTLASS on Hopper; a loop in a smoke run)
+            if fmt == "dense" and (smoke or grouped_mm_ok(x, w13, w2)):
+                got = fused_moe_grouped_mm(x, w13, w2, *routes[0], act, limit).float()
+                err = ((got - want).norm() / want.norm()).item()
+                gs = time_op(fused_moe_grouped_mm, *case)
+                row |= {"grouped_mm_ms": gs * 1e3, "grouped_mm_rel_error": err,
+                        "grouped_mm_fraction_of_floor": floor_s / gs}
             if a.tune:  # each (case, token count) its share of the budget
                 tokens = 1 if smoke else len(a.tokens)
                 deadline = time.time() + a.budget_s / (len(cases) * tokens)
-                options = ((cfg, {"config": cfg}) for cfg in candidates(config, smoke))
+                options = ((cfg, {"config": cfg}) for cfg in candidates(config, fmt, smoke))
                 best_s, best = fastest(fused_moe_triton, case, want, options, deadline)
                 key = f"n{w13.n}:k{w13.k}:{fmt}:{dtype_name(dtype)}:t{token_bucket(t * k)}"
                 table[key] = best
@@ -122,6 +136,10 @@ def main() -> None:
             res["rows"].append(row)
             tuned = (f", tuned {row['tuned_ms']:.3f} ms ({row['tuned_fraction_of_floor']:.2f})"
                      if "tuned_ms" in row else "")
+            if "grouped_mm_ms" in row:
+                tuned += (f", torch grouped_mm {row['grouped_mm_ms']:.3f} ms "
+                          f"({row['grouped_mm_fraction_of_floor']:.2f}, "
+                          f"error {row['grouped_mm_rel_error']:.1e})")
             print(f"{model:14} {fmt:6} T={t:5}: {row['ms']:8.3f} ms, {row['TFLOPs']:6.1f} "
                   f"TFLOP/s, floor {row['floor_ms']:.3f} ms ({row['fraction_of_floor']:.2f})"
                   f"{tuned}", flush=True)

@@ -15,7 +15,7 @@ import torch
 
 from skyline.ops import cpu_ext
 from skyline.ops.cpu_intdot import IntDotWeight, intdot_linear
-from skyline.ops.moe import _local_ids, moe_activation_ref, moe_by_expert
+from skyline.ops.moe import local_ids, moe_activation_ref, moe_by_expert
 
 
 def expert(w: IntDotWeight, e: int) -> IntDotWeight:
@@ -50,7 +50,7 @@ def moe_intdot(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
             or x.dtype not in (torch.float32, torch.bfloat16) or not cpu_ext.available()):
         return moe_intdot_ref(x, topk_weights, topk_ids, w13, w2, activation, limit,
                               expert_map, biases)
-    ids = _local_ids(topk_ids, expert_map).view(topk_ids.shape)
+    ids = local_ids(topk_ids, expert_map).view(topk_ids.shape)
     return torch.ops.skyline_cpu.moe_intdot(
         x.contiguous(), topk_weights, ids, w13.codes, w13.scale, w13.offset, w13.bits,
         w13.group, w2.codes, w2.scale, w2.offset, w2.bits, w2.group, w13.rounds)

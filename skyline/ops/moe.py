@@ -96,7 +96,7 @@ def moe_activation_ref(h: torch.Tensor, activation: str, limit: float | None = N
     return gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
 
 
-def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
     # [T * k] int64: each pair's expert among this rank's, -1 where another rank holds it
     flat = topk_ids.flatten().long()
     return flat if expert_map is None else expert_map.long()[flat]
@@ -143,7 +143,7 @@ def moe_by_expert(
     """The (token, expert) pairs grouped by expert: `mlp` once per expert that has pairs, on
     its tokens' rows; each token's k outputs weighted and summed in float32."""
     t, top_k = topk_ids.shape
-    ids = _local_ids(topk_ids, expert_map)
+    ids = local_ids(topk_ids, expert_map)
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids.clamp(min=-1) + 1, minlength=num_experts + 1).tolist()
     weights = topk_weights.flatten()
@@ -169,7 +169,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     count (no host sync: CUDA graphs capture it). Returns (sorted_ids [num_blocks * block_m]
     int32: pair ids, P = T * k where padding; block_experts [num_blocks] int32: each block's
     local expert, -1 for blocks past the last). Pairs of experts held elsewhere are left out."""
-    ids = _local_ids(topk_ids, expert_map)
+    ids = local_ids(topk_ids, expert_map)
     num_pairs = ids.numel()
     num_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
     key = torch.where(ids < 0, num_experts, ids)  # left-out pairs sort last
@@ -259,8 +259,8 @@ def grouped_matmul_triton(
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
         PIPELINE=not interpreted() and config["num_stages"] > 1,
-        NUM_STAGES=config["num_stages"], num_warps=config["num_warps"],
-        num_stages=config["num_stages"],
+        NUM_STAGES=config["num_stages"], SWAP_AB=w.fmt == "mxfp4" and config.get("SWAP_AB", 0),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out
 
@@ -298,8 +298,9 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the decode GEMVs
-    (ops/moe_gemv.py) for a few tokens, the grouped GEMMs above; on the CPU the reference
-    grouped by expert."""
+    (ops/moe_gemv.py) for a few tokens, torch's grouped GEMM for bf16 experts above
+    MIN_PAIRS pairs on Hopper (ops/moe_grouped_mm.py), the Triton grouped GEMMs above
+    otherwise; on the CPU the reference grouped by expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
     if x.shape[0] == 0:
@@ -311,6 +312,12 @@ def fused_moe(
         if moe_gemv.gemv_ok(x, w13, w2) and "moe_gemv" not in envs.ENV.unfuse:
             return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, activation,
                                            limit, expert_map)
+        from skyline.ops import moe_grouped_mm
+
+        if (envs.ENV.moe_grouped_mm and topk_ids.numel() >= moe_grouped_mm.MIN_PAIRS
+                and moe_grouped_mm.grouped_mm_ok(x, w13, w2)):
+            return moe_grouped_mm.fused_moe_grouped_mm(x, w13, w2, topk_weights, topk_ids,
+                                                       activation, limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,
                                 expert_map)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, limit, expert_map)

@@ -120,13 +120,16 @@ def test_align_covers_each_pair_once(t, e, k, block_m, partial):
 CONFIGS = {
     "decode": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1),
     "prefill": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=1),
+    # MXFP4's tile computed transposed (the decoded weights as the left operand)
+    "swapped": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP_AB=1),
 }
 
 
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "fp8_block", "mxfp4"])
 @pytest.mark.parametrize("t,e,k,h,i,config", [(1, 8, 2, 64, 32, "decode"),
                                               (3, 4, 4, 96, 64, "decode"),
-                                              (37, 6, 2, 64, 96, "prefill")])
+                                              (37, 6, 2, 64, 96, "prefill"),
+                                              (37, 6, 2, 96, 64, "swapped")])
 @pytest.mark.parametrize("activation,bias", [("silu", False), ("swiglu_oai", True)])
 def test_triton_matches_reference(fmt, t, e, k, h, i, config, activation, bias):
     w13, w2 = experts(e, h, i, fmt, bias, seed=t)
@@ -192,15 +195,18 @@ def test_bf16_model_shapes(fmt, t):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [5, 300])
-def test_mxfp4_gpt_oss_shapes(t):
+@pytest.mark.parametrize("swap", [0, 1])
+def test_mxfp4_gpt_oss_shapes(t, swap):
     """gpt-oss-20b's expert shapes (32 experts, 2880 -> 2880, top 4; K not a multiple of 64)
-    in MXFP4 with a bf16 input, with the tuned H200 table's largest tile."""
+    in MXFP4 with a bf16 input, with the tuned H200 table's largest tile, as stored and
+    transposed."""
     w13, w2 = experts(32, 2880, 2880, "mxfp4", bias=True)
     weights, ids = routing(t, 32, 4, t)
     x = torch.randn(t, 2880, generator=torch.Generator().manual_seed(t)).bfloat16()
     b16 = lambda w: ExpertWeights(w.weight, w.scale, w.bias.bfloat16(), w.fmt)  # noqa: E731
     want = fused_moe_ref(x, b16(w13), b16(w2), weights, ids, "swiglu_oai", 7.0).float()
-    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3,
+                  SWAP_AB=swap)
     got = fused_moe_triton(x.cuda(), on(b16(w13), "cuda"), on(b16(w2), "cuda"),
                            weights.cuda(), ids.cuda(), "swiglu_oai", 7.0,
                            config=config).float().cpu()

@@ -1,0 +1,72 @@
+"""The MoE MLP at prefill sizes through torch's grouped GEMM (`torch._grouped_mm`: CUTLASS on
+Hopper, a loop elsewhere): the (token, expert) pairs sorted by expert, their rows gathered, one
+grouped product per projection with each expert's rows delimited by device offsets (no host
+sync: CUDA graphs capture it), the activation, the routing weights, and each token's k rows put
+back in place and summed. ops/moe.py's fused_moe_ref is the reference; `fused_moe` takes this
+path for bf16 experts where it is faster than the Triton grouped GEMM (`grouped_mm_ok`).
+MXFP4 and fp8 experts stay on the Triton kernel, which decodes them in registers."""
+
+from __future__ import annotations
+
+import torch
+
+from skyline.ops.moe import ExpertWeights, local_ids, moe_activation_ref
+
+# Fewer (token, expert) pairs than this stay on the Triton grouped GEMM (faster there: measured
+# by bench/kernels/moe_grouped_speed.py)
+MIN_PAIRS = 256
+
+# CUTLASS's grouped GEMM wants 16-byte aligned rows: dimensions a multiple of 8 bf16 values
+_ALIGN = 8
+
+
+def grouped_mm_ok(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights) -> bool:
+    """Whether `fused_moe_grouped_mm` runs this call: bf16 activations and dense bf16 experts of
+    aligned shapes, on a GPU of compute capability 9.0 (the grouped GEMM's CUTLASS kernel)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    if any(w.fmt != "dense" or w.weight.dtype != torch.bfloat16 for w in (w13, w2)):
+        return False
+    if any(d % _ALIGN for d in (w13.n, w13.k, w2.n, w2.k)):
+        return False
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
+def fused_moe_grouped_mm(
+    x: torch.Tensor,  # [T, K]
+    w13: ExpertWeights,  # dense [E, 2I, K]: gate then up
+    w2: ExpertWeights,  # dense [E, K, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] global expert ids
+    activation: str = "silu",
+    limit: float | None = None,
+    expert_map: torch.Tensor | None = None,  # [E_global] -> local index or -1
+) -> torch.Tensor:  # [T, K] in x's dtype
+    """fused_moe_ref's contract with two grouped GEMMs over the pairs sorted by expert."""
+    t, top_k = topk_ids.shape
+    num_experts = w13.num_experts
+    ids = local_ids(topk_ids, expert_map)
+    key = torch.where(ids < 0, num_experts, ids)  # other ranks' pairs sort last
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # each expert's rows end here
+    expert = sorted_key.clamp(max=num_experts - 1)
+    h = torch._grouped_mm(x[order // top_k], w13.weight.transpose(1, 2), offs=offs)
+    if w13.bias is not None:
+        h += w13.bias[expert]
+    h = moe_activation_ref(h, activation, limit)
+    y = torch._grouped_mm(h, w2.weight.transpose(1, 2), offs=offs)
+    del h
+    if w2.bias is not None:
+        y += w2.bias[expert]
+    route = topk_weights.flatten()[order].float()
+    if expert_map is not None:  # rows past the last offset are not written: zero them
+        keep = sorted_key < num_experts
+        y = torch.where(keep[:, None], y, 0)
+        route = route * keep
+    y.mul_(route[:, None])  # in float32, stored in y's dtype (the Triton epilogue's rounding)
+    out = torch.empty_like(y)
+    out[order] = y
+    return out.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
