@@ -122,7 +122,7 @@ class Env:
     # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
     # "unfuse"), so code reads it at each call, not once.
     unfuse: frozenset[str] = frozenset()
-    # SKYLINE_MOE_GROUPED_MM=0: bf16 MoE experts at prefill sizes stay on the Triton grouped GEMM
+    # SKYLINE_MOE_GROUPED_MM=0: MoE experts at prefill sizes stay on the Triton grouped GEMM
     # (ops/moe.py) instead of torch's (ops/moe_grouped_mm.py), to measure the two in one engine.
     moe_grouped_mm: bool = True
 

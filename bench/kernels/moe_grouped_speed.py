@@ -4,8 +4,9 @@ with the routing weights, the top-k sum) for gpt-oss-20b's experts in MXFP4, the
 bf16 (what the 4-bit format should at least match once the product is compute-bound) and
 Qwen3-30B-A3B's in bf16, at 256, 1,024 and 4,096 tokens: time per call against the floor of
 the call, the larger of its FLOPs over the bf16 matmul peak and the distinct experts' bytes
-over the copy bandwidth, both measured in the same run. The bf16 cases also time torch's
-grouped GEMM (ops/moe_grouped_mm.py, CUTLASS on Hopper) on the same calls.
+over the copy bandwidth, both measured in the same run. Each case also times torch's grouped
+GEMM (ops/moe_grouped_mm.py, CUTLASS on Hopper) on the same calls, MXFP4 experts decoded to
+bf16 inside the call.
 
 With --tune, candidate launch configurations (rows, columns and K per tile, warps, pipeline
 stages) are checked against the reference and timed, and the fastest written to the tuning
@@ -116,8 +117,9 @@ def main() -> None:
                 "model": model, "fmt": fmt, "tokens": t, "pairs": t * k, "config": config,
                 "ms": s * 1e3, "TFLOPs": flops / s / 1e12, "floor_ms": floor_s * 1e3,
                 "fraction_of_floor": floor_s / s}
-            # bf16 experts: torch's grouped GEMM (CUTLASS on Hopper; a loop in a smoke run)
-            if fmt == "dense" and (smoke or grouped_mm_ok(x, w13, w2)):
+            # torch's grouped GEMM (CUTLASS on Hopper; a loop in a smoke run), MXFP4 experts
+            # decoded to bf16 first, in the timed call
+            if smoke or grouped_mm_ok(x, w13, w2):
                 got = fused_moe_grouped_mm(x, w13, w2, *routes[0], act, limit).float()
                 err = ((got - want).norm() / want.norm()).item()
                 gs = time_op(fused_moe_grouped_mm, *case)

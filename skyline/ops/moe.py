@@ -298,8 +298,8 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the decode GEMVs
-    (ops/moe_gemv.py) for a few tokens, torch's grouped GEMM for bf16 experts above
-    MIN_PAIRS pairs on Hopper (ops/moe_grouped_mm.py), the Triton grouped GEMMs above
+    (ops/moe_gemv.py) for a few tokens, torch's grouped GEMM for bf16 and MXFP4 experts above
+    their MIN_PAIRS pairs on Hopper (ops/moe_grouped_mm.py), the Triton grouped GEMMs above
     otherwise; on the CPU the reference grouped by expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
@@ -314,8 +314,8 @@ def fused_moe(
                                            limit, expert_map)
         from skyline.ops import moe_grouped_mm
 
-        if (envs.ENV.moe_grouped_mm and topk_ids.numel() >= moe_grouped_mm.MIN_PAIRS
-                and moe_grouped_mm.grouped_mm_ok(x, w13, w2)):
+        if envs.ENV.moe_grouped_mm and moe_grouped_mm.grouped_mm_ok(x, w13, w2,
+                                                                     topk_ids.numel()):
             return moe_grouped_mm.fused_moe_grouped_mm(x, w13, w2, topk_weights, topk_ids,
                                                        activation, limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,

@@ -3,29 +3,39 @@ Hopper, a loop elsewhere): the (token, expert) pairs sorted by expert, their row
 grouped product per projection with each expert's rows delimited by device offsets (no host
 sync: CUDA graphs capture it), the activation, the routing weights, and each token's k rows put
 back in place and summed. ops/moe.py's fused_moe_ref is the reference; `fused_moe` takes this
-path for bf16 experts where it is faster than the Triton grouped GEMM (`grouped_mm_ok`).
-MXFP4 and fp8 experts stay on the Triton kernel, which decodes them in registers."""
+path where it is faster than the Triton grouped GEMM (`grouped_mm_ok`): for bf16 experts, and
+for MXFP4 experts at sizes where decoding all of a layer's experts to bf16 first (one pass at
+the copy rate, ops/moe_triton.py's dequant_mxfp4_kernel) costs less than the Triton kernel's
+decoding in its K loop. fp8 experts stay on the Triton kernel."""
 
 from __future__ import annotations
 
 import torch
 
+from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.moe import ExpertWeights, local_ids, moe_activation_ref
+from skyline.ops.triton_utils import interpreted, triton
 
-# Fewer (token, expert) pairs than this stay on the Triton grouped GEMM (faster there: measured
+# Fewer (token, expert) pairs than these stay on the Triton grouped GEMM (faster there: measured
 # by bench/kernels/moe_grouped_speed.py)
-MIN_PAIRS = 256
+MIN_PAIRS = {"dense": 256, "mxfp4": 1024}
 
 # CUTLASS's grouped GEMM wants 16-byte aligned rows: dimensions a multiple of 8 bf16 values
 _ALIGN = 8
 
 
-def grouped_mm_ok(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights) -> bool:
-    """Whether `fused_moe_grouped_mm` runs this call: bf16 activations and dense bf16 experts of
-    aligned shapes, on a GPU of compute capability 9.0 (the grouped GEMM's CUTLASS kernel)."""
+def grouped_mm_ok(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights,
+                  num_pairs: int | None = None) -> bool:
+    """Whether `fused_moe_grouped_mm` runs this call: bf16 activations, dense bf16 or MXFP4
+    experts of aligned shapes and at least their format's MIN_PAIRS pairs (when `num_pairs` is
+    given), on a GPU of compute capability 9.0 (the grouped GEMM's CUTLASS kernel)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
         return False
-    if any(w.fmt != "dense" or w.weight.dtype != torch.bfloat16 for w in (w13, w2)):
+    fmt = w13.fmt
+    if w2.fmt != fmt or fmt not in MIN_PAIRS or (num_pairs is not None
+                                                 and num_pairs < MIN_PAIRS[fmt]):
+        return False
+    if fmt == "dense" and any(w.weight.dtype != torch.bfloat16 for w in (w13, w2)):
         return False
     if any(d % _ALIGN for d in (w13.n, w13.k, w2.n, w2.k)):
         return False
@@ -53,11 +63,12 @@ def fused_moe_grouped_mm(
         0, key, torch.ones_like(key))[:num_experts]
     offs = torch.cumsum(counts, 0).to(torch.int32)  # each expert's rows end here
     expert = sorted_key.clamp(max=num_experts - 1)
-    h = torch._grouped_mm(x[order // top_k], w13.weight.transpose(1, 2), offs=offs)
+    h = torch._grouped_mm(x[order // top_k], bf16_experts(w13, x.dtype).transpose(1, 2),
+                          offs=offs)
     if w13.bias is not None:
         h += w13.bias[expert]
     h = moe_activation_ref(h, activation, limit)
-    y = torch._grouped_mm(h, w2.weight.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(h, bf16_experts(w2, x.dtype).transpose(1, 2), offs=offs)
     del h
     if w2.bias is not None:
         y += w2.bias[expert]
@@ -70,3 +81,24 @@ def fused_moe_grouped_mm(
     out = torch.empty_like(y)
     out[order] = y
     return out.view(t, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def bf16_experts(w: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
+    """The stacked weights [E, N, K] in `dtype`: dense ones as they are, MXFP4 ones decoded
+    (a temporary the size of the layer's experts in `dtype`)."""
+    if w.fmt == "dense":
+        return w.weight
+    e, n, half = w.weight.shape
+    k = 2 * half
+    if triton is None or not (w.weight.is_cuda or interpreted()):
+        return dequantize_mxfp4(w.weight.reshape(e * n, half),
+                                w.scale.reshape(e * n, -1)).to(dtype).view(e, n, k)
+    from skyline.ops import moe_triton
+
+    codes, scales = w.weight.reshape(e * n, half), w.scale.reshape(e * n, -1)
+    out = torch.empty(e * n, k, dtype=dtype, device=w.weight.device)
+    block_r, block_k = 32, 128
+    moe_triton.dequant_mxfp4_kernel[(triton.cdiv(e * n, block_r), triton.cdiv(k, block_k))](
+        codes, scales, out, e * n, k, codes.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out.view(e, n, k)

@@ -179,3 +179,25 @@ if triton is not None:
             acc = acc * tl.load(route_ptr + rows, mask=row_ok, other=0.0)[:, None]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def dequant_mxfp4_kernel(w_ptr, s_ptr, out_ptr, rows, K, stride_wr, stride_sr, stride_or,
+                             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+        # MXFP4 rows (codes [rows, K / 2], E8M0 scales [rows, K / 32]) -> out [rows, K] in out's
+        # dtype; one program per BLOCK_R rows x BLOCK_K columns (reference: ops/fp4.py's
+        # dequantize_mxfp4)
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        r_ok = r < rows
+        byte = tl.load(w_ptr + r.to(tl.int64)[:, None] * stride_wr + j[None, :],
+                       mask=r_ok[:, None] & (2 * j < K)[None, :], other=0)
+        w = tl.reshape(tl.join(_e2m1_to_f32_scaled(byte & 0x0F),
+                               _e2m1_to_f32_scaled(byte >> 4)), (BLOCK_R, BLOCK_K))
+        g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+        scale = _e8m0_to_f32(tl.load(s_ptr + r.to(tl.int64)[:, None] * stride_sr + g[None, :],
+                                     mask=r_ok[:, None] & (g * 32 < K)[None, :], other=0))
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None] * 16384.0,
+                                           (BLOCK_R, BLOCK_K // 32, 32)), (BLOCK_R, BLOCK_K))
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_or + k[None, :],
+                 (w * scale).to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (k < K)[None, :])

@@ -1,15 +1,17 @@
 """The MoE MLP through torch's grouped GEMM (ops/moe_grouped_mm.py) against the grouped-by-expert
-reference: bf16 experts with and without biases, both activations, experts with no pairs, and a
-partial expert map (pairs of other ranks' experts contribute nothing). torch._grouped_mm runs on
-the CPU too (a loop), so these run everywhere; on a Hopper GPU they run its CUTLASS kernel."""
+reference: bf16 and MXFP4 experts (decoded by the Triton kernel, in its interpreter on a CPU)
+with and without biases, both activations, experts with no pairs, and a partial expert map
+(pairs of other ranks' experts contribute nothing). torch._grouped_mm runs on the CPU too (a
+loop), so these run everywhere; on a Hopper GPU they run its CUTLASS kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.moe import fused_moe, fused_moe_ref
-from skyline.ops.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_ok
+from skyline.ops.moe_grouped_mm import MIN_PAIRS, bf16_experts, fused_moe_grouped_mm, grouped_mm_ok
 from tests.ops.test_fused_moe import experts, on, routing
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
@@ -18,16 +20,19 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def b16(w):
-    w.weight = w.weight.bfloat16()
+    if w.fmt == "dense":
+        w.weight = w.weight.bfloat16()
     w.bias = None if w.bias is None else w.bias.bfloat16()
     return on(w, DEV)
 
 
 @pytest.mark.parametrize("t,e,k", [(1, 4, 2), (37, 8, 2), (300, 16, 4)])
-@pytest.mark.parametrize("activation,bias", [("silu", False), ("swiglu_oai", True)])
-def test_matches_reference(t, e, k, activation, bias):
+@pytest.mark.parametrize("activation,bias,fmt", [("silu", False, "dense"),
+                                                 ("swiglu_oai", True, "dense"),
+                                                 ("swiglu_oai", True, "mxfp4")])
+def test_matches_reference(t, e, k, activation, bias, fmt):
     h, i = 64, 32
-    w13, w2 = (b16(w) for w in experts(e, h, i, "dense", bias, seed=t))
+    w13, w2 = (b16(w) for w in experts(e, h, i, fmt, bias, seed=t))
     weights, ids = routing(t, e, k, seed=t)
     x = (torch.randn(t, h, generator=torch.Generator().manual_seed(1)) * 0.5).bfloat16().to(DEV)
     limit = 7.0 if activation == "swiglu_oai" else None
@@ -55,14 +60,26 @@ def test_idle_experts_and_expert_map():
         torch.testing.assert_close(got, fused_moe_ref(*args).float(), atol=3e-2, rtol=3e-2)
 
 
-def test_ok_only_for_bf16_dense_on_hopper():
-    w13, w2 = (b16(w) for w in experts(4, 64, 32, "dense", False))
+def test_mxfp4_decode_matches_reference():
+    # 40 rows of 2880 columns (gpt-oss-20b's K, not a multiple of the kernel's 128)
+    w, _ = experts(4, 2880, 32, "mxfp4", False, seed=7)
+    w = on(w, DEV)
+    got = bf16_experts(w, torch.float32)
+    want = dequantize_mxfp4(w.weight.reshape(-1, 1440), w.scale.reshape(-1, 90))
+    assert torch.equal(got.reshape(-1, 2880), want)
+
+
+def test_ok_for_bf16_dense_and_mxfp4_on_hopper():
+    dense = [b16(w) for w in experts(4, 64, 32, "dense", False)]
+    fp4 = [on(w, DEV) for w in experts(4, 64, 32, "mxfp4", False)]
+    fp8 = [on(w, DEV) for w in experts(4, 64, 32, "fp8", False)]
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV)
     hopper = DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-    assert grouped_mm_ok(x, w13, w2) == hopper
-    assert not grouped_mm_ok(x.float(), w13, w2)
-    fp4 = experts(4, 64, 32, "mxfp4", False)
-    assert not grouped_mm_ok(x, *(on(w, DEV) for w in fp4))
+    assert grouped_mm_ok(x, *dense) == hopper
+    assert grouped_mm_ok(x, *fp4, MIN_PAIRS["mxfp4"]) == hopper
+    assert not grouped_mm_ok(x, *fp4, MIN_PAIRS["mxfp4"] - 1)
+    assert not grouped_mm_ok(x.float(), *dense)
+    assert not grouped_mm_ok(x, *fp8)
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the dispatch needs CUDA")
