@@ -122,9 +122,10 @@ class Env:
     # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
     # "unfuse"), so code reads it at each call, not once.
     unfuse: frozenset[str] = frozenset()
-    # SKYLINE_MOE_GROUPED_MM=0: MoE experts at prefill sizes stay on the Triton grouped GEMM
-    # (ops/moe.py) instead of torch's (ops/moe_grouped_mm.py), to measure the two in one engine.
-    moe_grouped_mm: bool = True
+    # SKYLINE_MOE_GROUPED_MM=1: bf16 and MXFP4 MoE experts at prefill sizes run torch's grouped
+    # GEMM (ops/moe_grouped_mm.py) instead of the Triton one (ops/moe.py) on Hopper. Off until
+    # bench/kernels/moe_grouped_speed.py and an offline run have measured it on a GPU.
+    moe_grouped_mm: bool = False
 
     @classmethod
     def read(cls) -> Env:
@@ -146,7 +147,7 @@ class Env:
                 "skyline", "kernels"),
             step_trace=os.environ.get("SKYLINE_STEP_TRACE") or None,
             unfuse=parse_unfuse(os.environ.get("SKYLINE_UNFUSE", "")),
-            moe_grouped_mm=_flag("SKYLINE_MOE_GROUPED_MM", True),
+            moe_grouped_mm=_flag("SKYLINE_MOE_GROUPED_MM", False),
         )
 
 

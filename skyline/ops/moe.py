@@ -298,9 +298,9 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the decode GEMVs
-    (ops/moe_gemv.py) for a few tokens, torch's grouped GEMM for bf16 and MXFP4 experts above
-    their MIN_PAIRS pairs on Hopper (ops/moe_grouped_mm.py), the Triton grouped GEMMs above
-    otherwise; on the CPU the reference grouped by expert."""
+    (ops/moe_gemv.py) for a few tokens, the Triton grouped GEMMs above (or, with
+    SKYLINE_MOE_GROUPED_MM=1 on Hopper, torch's for bf16 and MXFP4 experts above their
+    MIN_PAIRS pairs: ops/moe_grouped_mm.py); on the CPU the reference grouped by expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
     if x.shape[0] == 0:

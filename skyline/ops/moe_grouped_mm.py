@@ -2,11 +2,12 @@
 Hopper, a loop elsewhere): the (token, expert) pairs sorted by expert, their rows gathered, one
 grouped product per projection with each expert's rows delimited by device offsets (no host
 sync: CUDA graphs capture it), the activation, the routing weights, and each token's k rows put
-back in place and summed. ops/moe.py's fused_moe_ref is the reference; `fused_moe` takes this
-path where it is faster than the Triton grouped GEMM (`grouped_mm_ok`): for bf16 experts, and
-for MXFP4 experts at sizes where decoding all of a layer's experts to bf16 first (one pass at
-the copy rate, ops/moe_triton.py's dequant_mxfp4_kernel) costs less than the Triton kernel's
-decoding in its K loop. fp8 experts stay on the Triton kernel."""
+back in place and summed. ops/moe.py's fused_moe_ref is the reference. With
+SKYLINE_MOE_GROUPED_MM=1 (off by default until measured on a GPU: envs.py) `fused_moe` takes
+this path for bf16 experts, and for MXFP4 experts at sizes where decoding all of a layer's
+experts to bf16 first (one pass at the copy rate, ops/moe_triton.py's dequant_mxfp4_kernel)
+should cost less than the Triton kernel's decoding in its K loop (`grouped_mm_ok`). fp8
+experts stay on the Triton kernel."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.moe import ExpertWeights, local_ids, moe_activation_ref
 from skyline.ops.triton_utils import interpreted, triton
 
-# Fewer (token, expert) pairs than these stay on the Triton grouped GEMM (faster there: measured
-# by bench/kernels/moe_grouped_speed.py)
+# Fewer (token, expert) pairs than these stay on the Triton grouped GEMM. Estimates, not yet
+# measured: bench/kernels/moe_grouped_speed.py times both paths at 256-4,096 tokens
 MIN_PAIRS = {"dense": 256, "mxfp4": 1024}
 
 # CUTLASS's grouped GEMM wants 16-byte aligned rows: dimensions a multiple of 8 bf16 values

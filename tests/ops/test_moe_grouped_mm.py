@@ -6,9 +6,12 @@ loop), so these run everywhere; on a Hopper GPU they run its CUTLASS kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from skyline import envs
 from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.moe import fused_moe, fused_moe_ref
 from skyline.ops.moe_grouped_mm import MIN_PAIRS, bf16_experts, fused_moe_grouped_mm, grouped_mm_ok
@@ -82,8 +85,17 @@ def test_ok_for_bf16_dense_and_mxfp4_on_hopper():
     assert not grouped_mm_ok(x, *fp8)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(DEV != "cuda", reason="the dispatch needs CUDA")
-def test_fused_moe_takes_it_at_prefill_sizes():
+@pytest.mark.parametrize("enabled", [False, True])
+def test_fused_moe_takes_it_when_enabled(monkeypatch, enabled):
+    from skyline.ops import moe_grouped_mm
+
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, moe_grouped_mm=enabled))
+    calls = []
+    real = moe_grouped_mm.fused_moe_grouped_mm
+    monkeypatch.setattr(moe_grouped_mm, "fused_moe_grouped_mm",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     t, e, k, h, i = 512, 8, 2, 64, 32
     w13, w2 = (b16(w) for w in experts(e, h, i, "dense", False))
     weights, ids = routing(t, e, k, seed=9)
@@ -91,6 +103,7 @@ def test_fused_moe_takes_it_at_prefill_sizes():
     args = (x, w13, w2, weights.to(DEV), ids.to(DEV))
     torch.testing.assert_close(fused_moe(*args).float(), fused_moe_ref(*args).float(),
                                atol=3e-2, rtol=3e-2)
+    assert bool(calls) == (enabled and grouped_mm_ok(x, w13, w2, t * k))
 
 
 @pytest.mark.cuda
