@@ -1,6 +1,8 @@
-"""Triton kernel of the MoE's grouped GEMM (ops/moe.py holds its PyTorch reference, its launcher
+"""Triton kernels of the MoE's grouped GEMM (ops/moe.py holds its PyTorch reference, its launcher
 and the layouts): one program per (block of BLOCK_M pairs of one expert, BLOCK_N output
-columns), the weight tile dequantized in registers (fp8, MXFP4) before a bf16/fp32 dot."""
+columns), the weight tile dequantized in registers (fp8, MXFP4) before a bf16/fp32 dot; and
+the decoding of stacked MXFP4 experts to bf16 for torch's grouped GEMM (ops/moe_grouped_mm.py;
+reference ops/fp4.py's dequantize_mxfp4)."""
 
 from __future__ import annotations
 
