@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from skyline.ops.fp4 import dequantize_mxfp4
-from skyline.ops.moe import ExpertWeights, local_ids, moe_activation_ref
+from skyline.ops.moe import ExpertWeights, moe_activation_ref, sort_pairs
 from skyline.ops.triton_utils import interpreted, triton
 
 # Fewer (token, expert) pairs than these stay on the Triton grouped GEMM. Estimates, not yet
@@ -56,12 +56,7 @@ def fused_moe_grouped_mm(
     """fused_moe_ref's contract with two grouped GEMMs over the pairs sorted by expert."""
     t, top_k = topk_ids.shape
     num_experts = w13.num_experts
-    ids = local_ids(topk_ids, expert_map)
-    key = torch.where(ids < 0, num_experts, ids)  # other ranks' pairs sort last
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
-        0, key, torch.ones_like(key))[:num_experts]
+    order, sorted_key, counts = sort_pairs(topk_ids, num_experts, expert_map)
     offs = torch.cumsum(counts, 0).to(torch.int32)  # each expert's rows end here
     expert = sorted_key.clamp(max=num_experts - 1)
     h = torch._grouped_mm(x[order // top_k], bf16_experts(w13, x.dtype).transpose(1, 2),
