@@ -70,9 +70,7 @@ def fused_moe_grouped_mm(
         y += w2.bias[expert]
     route = topk_weights.flatten()[order].float()
     if expert_map is not None:  # rows past the last offset are not written: zero them
-        keep = sorted_key < num_experts
-        y = torch.where(keep[:, None], y, 0)
-        route = route * keep
+        y = torch.where((sorted_key < num_experts)[:, None], y, 0)
     y.mul_(route[:, None])  # in float32, stored in y's dtype (the Triton epilogue's rounding)
     out = torch.empty_like(y)
     out[order] = y
