@@ -6,7 +6,8 @@ Qwen3-30B-A3B's in bf16, at 256, 1,024 and 4,096 tokens: time per call against t
 the call, the larger of its FLOPs over the bf16 matmul peak and the distinct experts' bytes
 over the copy bandwidth, both measured in the same run. Each case also times torch's grouped
 GEMM (ops/moe_grouped_mm.py, CUTLASS on Hopper) on the same calls, MXFP4 experts decoded to
-bf16 inside the call.
+bf16 inside the call; MXFP4 cases also time that decoding followed by the Triton GEMMs of
+dense experts (the same order on any GPU).
 
 With --tune, candidate launch configurations (rows, columns and K per tile, warps, pipeline
 stages) are checked against the reference and timed, and the fastest written to the tuning
@@ -37,8 +38,8 @@ from moe_gemv_speed import SHAPES, expert_bytes, fastest, make, time_op  # noqa:
 
 from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
-from skyline.ops.moe import KERNEL, fused_moe_ref, fused_moe_triton, moe_config  # noqa: E402
-from skyline.ops.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_ok  # noqa: E402
+from skyline.ops.moe import KERNEL, ExpertWeights, fused_moe_ref, fused_moe_triton, moe_config  # noqa: E402
+from skyline.ops.moe_grouped_mm import bf16_experts, fused_moe_grouped_mm, grouped_mm_ok  # noqa: E402
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
 CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
@@ -60,6 +61,14 @@ def candidates(base: dict[str, Any], fmt: str, smoke: bool) -> list[dict[str, An
         if cfg not in out:
             out.append(cfg)
     return out[:2] if smoke else out
+
+
+def decoded_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, *rest: Any
+                   ) -> torch.Tensor:
+    """MXFP4 experts decoded to x's dtype, then the Triton grouped GEMMs of dense experts (the
+    decode-first order without torch's grouped GEMM: what a GPU other than Hopper could run)."""
+    dense = [ExpertWeights(bf16_experts(w, x.dtype), bias=w.bias) for w in (w13, w2)]
+    return fused_moe_triton(x, *dense, *rest)
 
 
 def main() -> None:
@@ -129,6 +138,12 @@ def main() -> None:
                 except Exception as ex:  # recorded: the Triton rows still stand
                     row["grouped_mm_error"] = f"{type(ex).__name__}: {ex}"[:300]
                     print(f"  torch grouped_mm: {row['grouped_mm_error']}")
+            if fmt == "mxfp4":  # decoded first, then the dense Triton GEMMs
+                got = decoded_triton(x, w13, w2, *routes[0], act, limit).float()
+                ds = time_op(decoded_triton, *case)
+                row |= {"decoded_triton_ms": ds * 1e3,
+                        "decoded_triton_rel_error": ((got - want).norm() / want.norm()).item(),
+                        "decoded_triton_fraction_of_floor": floor_s / ds}
             if a.tune:  # each (case, token count) its share of the budget
                 tokens = 1 if smoke else len(a.tokens)
                 deadline = time.time() + a.budget_s / (len(cases) * tokens)
@@ -142,6 +157,8 @@ def main() -> None:
             res["rows"].append(row)
             tuned = (f", tuned {row['tuned_ms']:.3f} ms ({row['tuned_fraction_of_floor']:.2f})"
                      if "tuned_ms" in row else "")
+            if "decoded_triton_ms" in row:
+                tuned += f", decoded + Triton {row['decoded_triton_ms']:.3f} ms"
             if "grouped_mm_ms" in row:
                 tuned += (f", torch grouped_mm {row['grouped_mm_ms']:.3f} ms "
                           f"({row['grouped_mm_fraction_of_floor']:.2f}, "
