@@ -122,10 +122,10 @@ class Env:
     # none. For measurement: a benchmark's engine may change it between runs (worker/queries.py,
     # "unfuse"), so code reads it at each call, not once.
     unfuse: frozenset[str] = frozenset()
-    # SKYLINE_MOE_GROUPED_MM=1: bf16 and MXFP4 MoE experts at prefill sizes run torch's grouped
-    # GEMM (ops/moe_grouped_mm.py) instead of the Triton one (ops/moe.py) on Hopper. Off until
-    # bench/kernels/moe_grouped_speed.py and an offline run have measured it on a GPU.
-    moe_grouped_mm: bool = False
+    # SKYLINE_MOE_DECODE_PAIRS: MXFP4 MoE experts are decoded to bf16 before the grouped GEMMs
+    # in calls of at least this many (token, expert) pairs (ops/moe.py); unset (-1): the
+    # measured DECODE_PAIRS there, 0: never (every tile decoded inside the GEMM).
+    moe_decode_pairs: int = -1
 
     @classmethod
     def read(cls) -> Env:
@@ -147,7 +147,7 @@ class Env:
                 "skyline", "kernels"),
             step_trace=os.environ.get("SKYLINE_STEP_TRACE") or None,
             unfuse=parse_unfuse(os.environ.get("SKYLINE_UNFUSE", "")),
-            moe_grouped_mm=_flag("SKYLINE_MOE_GROUPED_MM", False),
+            moe_decode_pairs=_int("SKYLINE_MOE_DECODE_PAIRS", -1),
         )
 
 

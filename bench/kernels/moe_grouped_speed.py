@@ -4,10 +4,10 @@ with the routing weights, the top-k sum) for gpt-oss-20b's experts in MXFP4, the
 bf16 (what the 4-bit format should at least match once the product is compute-bound) and
 Qwen3-30B-A3B's in bf16, at 256, 1,024 and 4,096 tokens: time per call against the floor of
 the call, the larger of its FLOPs over the bf16 matmul peak and the distinct experts' bytes
-over the copy bandwidth, both measured in the same run. Each case also times torch's grouped
-GEMM (ops/moe_grouped_mm.py, CUTLASS on Hopper) on the same calls, MXFP4 experts decoded to
-bf16 inside the call; MXFP4 cases also time that decoding followed by the Triton GEMMs of
-dense experts (the same order on any GPU).
+over the copy bandwidth, both measured in the same run. MXFP4 rows time the kernel decoding
+each weight tile in registers ("ms") and the layer's experts decoded to bf16 first, then the
+dense kernel ("decoded_ms": what fused_moe_triton runs from moe.DECODE_PAIRS pairs up), and
+each MXFP4 case the decoding alone against the copy rate.
 
 With --tune, candidate launch configurations (rows, columns and K per tile, warps, pipeline
 stages) are checked against the reference and timed, and the fastest written to the tuning
@@ -38,37 +38,39 @@ from moe_gemv_speed import SHAPES, expert_bytes, fastest, make, time_op  # noqa:
 
 from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
-from skyline.ops.moe import KERNEL, ExpertWeights, fused_moe_ref, fused_moe_triton, moe_config  # noqa: E402
-from skyline.ops.moe_grouped_mm import bf16_experts, fused_moe_grouped_mm, grouped_mm_ok  # noqa: E402
+from skyline.ops.moe import (  # noqa: E402
+    KERNEL,
+    decoded_experts,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_config,
+)
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
 CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
 
 
-def candidates(base: dict[str, Any], fmt: str, smoke: bool) -> list[dict[str, Any]]:
+def candidates(base: dict[str, Any], smoke: bool) -> list[dict[str, Any]]:
     """The current configuration first, then tiles of 32-128 rows, 64-128 columns and K tiles
-    of 64-128, 4 or 8 warps, 2-4 stages, and for MXFP4 the tile computed transposed (SWAP_AB:
-    the decoded weights as the left operand) first, then as stored (two in all for a smoke
-    run: the base and its transposed form where MXFP4)."""
+    of 64-128, 4 or 8 warps, 2-4 stages (two in all for a smoke run)."""
     out = [base]
-    swaps = (1, 0) if fmt == "mxfp4" else (0,)
-    for swap, bm, bn, bk, warps, stages in itertools.product(
-            swaps, (64, 128, 32, 16), (128, 64), (64, 128), (4, 8), (3, 2, 4)):
+    for bm, bn, bk, warps, stages in itertools.product(
+            (64, 128, 32, 16), (128, 64), (64, 128), (4, 8), (3, 2, 4)):
         cfg = {**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
                "num_stages": stages}
-        if fmt == "mxfp4":
-            cfg["SWAP_AB"] = swap
         if cfg not in out:
             out.append(cfg)
     return out[:2] if smoke else out
 
 
-def decoded_triton(x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, *rest: Any
-                   ) -> torch.Tensor:
-    """MXFP4 experts decoded to x's dtype, then the Triton grouped GEMMs of dense experts (the
-    decode-first order without torch's grouped GEMM: what a GPU other than Hopper could run)."""
-    dense = [ExpertWeights(bf16_experts(w, x.dtype), bias=w.bias) for w in (w13, w2)]
-    return fused_moe_triton(x, *dense, *rest)
+def in_tiles(*args: Any, **kw: Any) -> torch.Tensor:
+    """The grouped GEMMs with MXFP4 tiles decoded inside the kernel at every pair count."""
+    return fused_moe_triton(*args, decode=False, **kw)
+
+
+def decoded_first(*args: Any) -> torch.Tensor:
+    """The layer's MXFP4 experts decoded to bf16 first, then the dense grouped GEMMs."""
+    return fused_moe_triton(*args, decode=True)
 
 
 def main() -> None:
@@ -107,8 +109,20 @@ def main() -> None:
         if smoke:
             e, h, i = 8, 64, 32
         w13, w2 = make(e, h, i, fmt, bias, device, dtype)
+        pair = (w13, w2)
         per_expert = expert_bytes(w13, w2)
         limit = 7.0 if act == "swiglu_oai" else None
+        if fmt == "mxfp4":  # the decoding alone: both projections, against the copy rate
+            # codes and scales read, two values a byte written
+            moved = sum(w.weight.nbytes + w.scale.nbytes + 2 * w.weight.numel() * dtype.itemsize
+                        for w in pair)
+            ds = tuners.time_calls([lambda p=pair: [decoded_experts(w, dtype) for w in p]],
+                                   1 if smoke else 4)
+            res.setdefault("decoding", []).append({
+                "model": model, "ms": ds * 1e3, "bytes": moved,
+                "floor_ms": moved / copy_bw * 1e3, "fraction_of_floor": moved / copy_bw / ds})
+            print(f"{model:14} decoding the layer's experts: {ds * 1e3:.3f} ms "
+                  f"({moved / copy_bw / ds:.2f} of the copy rate)")
         for t in ((16,) if smoke else a.tokens):
             g = torch.Generator().manual_seed(t)
             routes = [torch.topk(torch.randn(t, e, generator=g).softmax(-1), k) for _ in range(2)]
@@ -121,34 +135,22 @@ def main() -> None:
             case = (x, w13, w2, routes, act, limit, 1 if smoke else 4)
 
             config = moe_config(t * k, w13, dtype)
-            s = time_op(fused_moe_triton, *case)
+            s = time_op(in_tiles, *case)
             row: dict[str, Any] = {
                 "model": model, "fmt": fmt, "tokens": t, "pairs": t * k, "config": config,
                 "ms": s * 1e3, "TFLOPs": flops / s / 1e12, "floor_ms": floor_s * 1e3,
                 "fraction_of_floor": floor_s / s}
-            # torch's grouped GEMM (CUTLASS on Hopper; a loop in a smoke run), MXFP4 experts
-            # decoded to bf16 first, in the timed call
-            if smoke or grouped_mm_ok(x, w13, w2):
-                try:
-                    got = fused_moe_grouped_mm(x, w13, w2, *routes[0], act, limit).float()
-                    err = ((got - want).norm() / want.norm()).item()
-                    gs = time_op(fused_moe_grouped_mm, *case)
-                    row |= {"grouped_mm_ms": gs * 1e3, "grouped_mm_rel_error": err,
-                            "grouped_mm_fraction_of_floor": floor_s / gs}
-                except Exception as ex:  # recorded: the Triton rows still stand
-                    row["grouped_mm_error"] = f"{type(ex).__name__}: {ex}"[:300]
-                    print(f"  torch grouped_mm: {row['grouped_mm_error']}")
-            if fmt == "mxfp4":  # decoded first, then the dense Triton GEMMs
-                got = decoded_triton(x, w13, w2, *routes[0], act, limit).float()
-                ds = time_op(decoded_triton, *case)
-                row |= {"decoded_triton_ms": ds * 1e3,
-                        "decoded_triton_rel_error": ((got - want).norm() / want.norm()).item(),
-                        "decoded_triton_fraction_of_floor": floor_s / ds}
+            if fmt == "mxfp4":  # decoded first, then the dense kernel (its own configuration)
+                got = decoded_first(x, w13, w2, *routes[0], act, limit).float()
+                ds = time_op(decoded_first, *case)
+                row |= {"decoded_ms": ds * 1e3,
+                        "decoded_rel_error": ((got - want).norm() / want.norm()).item(),
+                        "decoded_fraction_of_floor": floor_s / ds, "decoded_speedup": s / ds}
             if a.tune:  # each (case, token count) its share of the budget
                 tokens = 1 if smoke else len(a.tokens)
                 deadline = time.time() + a.budget_s / (len(cases) * tokens)
-                options = ((cfg, {"config": cfg}) for cfg in candidates(config, fmt, smoke))
-                best_s, best = fastest(fused_moe_triton, case, want, options, deadline)
+                options = ((cfg, {"config": cfg}) for cfg in candidates(config, smoke))
+                best_s, best = fastest(in_tiles, case, want, options, deadline)
                 key = f"n{w13.n}:k{w13.k}:{fmt}:{dtype_name(dtype)}:t{token_bucket(t * k)}"
                 table[key] = best
                 row |= {"tuned": best, "tuned_ms": best_s * 1e3,
@@ -157,18 +159,15 @@ def main() -> None:
             res["rows"].append(row)
             tuned = (f", tuned {row['tuned_ms']:.3f} ms ({row['tuned_fraction_of_floor']:.2f})"
                      if "tuned_ms" in row else "")
-            if "decoded_triton_ms" in row:
-                tuned += f", decoded + Triton {row['decoded_triton_ms']:.3f} ms"
-            if "grouped_mm_ms" in row:
-                tuned += (f", torch grouped_mm {row['grouped_mm_ms']:.3f} ms "
-                          f"({row['grouped_mm_fraction_of_floor']:.2f}, "
-                          f"error {row['grouped_mm_rel_error']:.1e})")
+            if "decoded_ms" in row:
+                tuned += (f", decoded first {row['decoded_ms']:.3f} ms "
+                          f"({row['decoded_speedup']:.2f}x)")
             print(f"{model:14} {fmt:6} T={t:5}: {row['ms']:8.3f} ms, {row['TFLOPs']:6.1f} "
                   f"TFLOP/s, floor {row['floor_ms']:.3f} ms ({row['fraction_of_floor']:.2f})"
                   f"{tuned}", flush=True)
             res["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
             save_json(res, a.out)
-        del w13, w2
+        del w13, w2, pair
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if table:

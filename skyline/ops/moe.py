@@ -269,20 +269,59 @@ def grouped_matmul_triton(
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
         PIPELINE=not interpreted() and config["num_stages"] > 1,
-        NUM_STAGES=config["num_stages"], SWAP_AB=w.fmt == "mxfp4" and config.get("SWAP_AB", 0),
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        NUM_STAGES=config["num_stages"], num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out
+
+
+# MXFP4 experts are decoded to the activations' dtype, the whole layer's at once, before the
+# grouped GEMMs of calls with this many (token, expert) pairs or more, which then run on dense
+# tiles: decoding a weight tile in registers costs more than its dot, and the fused kernel
+# decodes each tile once per block of rows, so at many rows an expert one pass of decoding
+# (the layer's experts read once, written once in bf16) wins (bench/kernels/moe_grouped_speed.py,
+# H100: gpt-oss-20b's experts at 4,096 tokens 3.81 ms against 5.35, at 1,024 2.05 against 1.89).
+DECODE_PAIRS = 8192
+
+
+def decode_pairs() -> int:
+    """DECODE_PAIRS, or SKYLINE_MOE_DECODE_PAIRS where set (0: never)."""
+    n = envs.ENV.moe_decode_pairs
+    return DECODE_PAIRS if n < 0 else n or 1 << 62
+
+
+def decoded_experts(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+    """MXFP4 experts as dense ones in `dtype` (a temporary the size of the layer's experts in
+    that dtype; moe_triton.dequant_mxfp4_kernel, reference ops/fp4.py's dequantize_mxfp4)."""
+    from skyline.ops import moe_triton
+
+    e, n, half = w.weight.shape
+    k = 2 * half
+    codes, scales = w.weight.reshape(e * n, half), w.scale.reshape(e * n, -1)
+    out = torch.empty(e * n, k, dtype=dtype, device=w.weight.device)
+    block_r, block_k = 32, 128
+    moe_triton.dequant_mxfp4_kernel[(triton.cdiv(e * n, block_r), triton.cdiv(k, block_k))](
+        codes, scales, out, e * n, k, codes.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return ExpertWeights(out.view(e, n, k), bias=w.bias)
 
 
 def fused_moe_triton(
     x: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str = "silu", limit: float | None = None,
     expert_map: torch.Tensor | None = None, config: dict[str, Any] | None = None,
+    decode: bool | None = None,
 ) -> torch.Tensor:
-    """fused_moe_ref's contract with the grouped GEMMs (any device Triton runs on)."""
+    """fused_moe_ref's contract with the grouped GEMMs (any device Triton runs on). MXFP4
+    experts are decoded first, one projection at a time, where `decode` says (None: from
+    decode_pairs() pairs up)."""
     t, top_k = topk_ids.shape
     num_pairs = t * top_k
+    if decode is None:
+        decode = num_pairs >= decode_pairs()
+    decode = decode and w13.fmt == "mxfp4" and w2.fmt == "mxfp4"
+    if decode:
+        w13 = decoded_experts(w13, x.dtype)
     if config is None:
         config = moe_config(num_pairs, w13, x.dtype)
     sorted_ids, block_experts = moe_align(topk_ids, w13.num_experts, config["BLOCK_M"],
@@ -291,9 +330,13 @@ def fused_moe_triton(
     # Temporaries scale with the pairs: at the start-up profile's 8,192 tokens of top-8 they
     # are h [P, 2I], its activation [P, I] (h freed once it is computed), y [P, H] and the
     # fp32 sum [T, H]; y is summed in fp32 as it is read, not through an fp32 copy of it (at
-    # Qwen3-30B-A3B's sizes 0.5 GB more).
+    # Qwen3-30B-A3B's sizes 0.5 GB more). MXFP4 experts decoded first add one projection's
+    # experts in x's dtype (gpt-oss-20b's gate/up: 1.06 GB).
     h = grouped_matmul_triton(x, w13, sorted_ids, block_experts, num_pairs, top_k, config)
     h = moe_activation_ref(h, activation, limit)
+    if decode:  # w13's decoded experts freed before w2's are made
+        del w13
+        w2 = decoded_experts(w2, x.dtype)
     # Pairs of other ranks' experts are in no block: their rows of y must read zero.
     y = grouped_matmul_triton(h, w2, sorted_ids, block_experts, num_pairs, 1, config,
                               route_weights=topk_weights.flatten().float(),
@@ -308,9 +351,8 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] through each token's top-k experts -> [T, K]: on CUDA the decode GEMVs
-    (ops/moe_gemv.py) for a few tokens, the Triton grouped GEMMs above (or, with
-    SKYLINE_MOE_GROUPED_MM=1 on Hopper, torch's for bf16 and MXFP4 experts above their
-    MIN_PAIRS pairs: ops/moe_grouped_mm.py); on the CPU the reference grouped by expert."""
+    (ops/moe_gemv.py) for a few tokens, the Triton grouped GEMMs above; on the CPU the
+    reference grouped by expert."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}; expected one of {ACTIVATIONS}")
     if x.shape[0] == 0:
@@ -322,12 +364,6 @@ def fused_moe(
         if moe_gemv.gemv_ok(x, w13, w2) and "moe_gemv" not in envs.ENV.unfuse:
             return moe_gemv.fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, activation,
                                            limit, expert_map)
-        from skyline.ops import moe_grouped_mm
-
-        if envs.ENV.moe_grouped_mm and moe_grouped_mm.grouped_mm_ok(x, w13, w2,
-                                                                     topk_ids.numel()):
-            return moe_grouped_mm.fused_moe_grouped_mm(x, w13, w2, topk_weights, topk_ids,
-                                                       activation, limit, expert_map)
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation, limit,
                                 expert_map)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, activation, limit, expert_map)

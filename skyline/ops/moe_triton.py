@@ -1,8 +1,8 @@
 """Triton kernels of the MoE's grouped GEMM (ops/moe.py holds its PyTorch reference, its launcher
 and the layouts): one program per (block of BLOCK_M pairs of one expert, BLOCK_N output
 columns), the weight tile dequantized in registers (fp8, MXFP4) before a bf16/fp32 dot; and
-the decoding of stacked MXFP4 experts to bf16 for torch's grouped GEMM (ops/moe_grouped_mm.py;
-reference ops/fp4.py's dequantize_mxfp4)."""
+the decoding of a layer's stacked MXFP4 experts to bf16 before dense grouped GEMMs at large
+pair counts (reference ops/fp4.py's dequantize_mxfp4)."""
 
 from __future__ import annotations
 
@@ -81,35 +81,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _mxfp4_k_tile_t(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk, s_base, n,
-                        n_ok, stride_sn, stride_sk, K, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        # MXFP4, transposed: acc [BLOCK_N, BLOCK_M] += W_e[n, k0:k0 + BLOCK_K] @ a[a_rows, ...]^T.
-        # The decoded weights are the product's left operand, which Hopper's wgmma takes from
-        # registers; a's tile goes to shared memory as loaded. Low and high nibbles are joined
-        # into the K order in registers, the E8M0 scale spread over its 32 columns.
-        j = tl.arange(0, BLOCK_K // 2)
-        byte = tl.load(w_base + (k0 // 2 + j)[None, :] * stride_wk,
-                       mask=n_ok[:, None] & (k0 + 2 * j < K)[None, :], other=0)  # [BN, BK / 2]
-        w = tl.reshape(tl.join(_e2m1_to_f32_scaled(byte & 0x0F),
-                               _e2m1_to_f32_scaled(byte >> 4)), (BLOCK_N, BLOCK_K))
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        scale = _e8m0_to_f32(tl.load(s_base + n[:, None] * stride_sn + g[None, :] * stride_sk,
-                                     mask=n_ok[:, None] & (g * 32 < K)[None, :],
-                                     other=0)) * 16384.0  # 2^14: see the decode
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)),
-                           (BLOCK_N, BLOCK_K))
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
-                    mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
-        w = (w * scale).to(a.dtype)
-        if IEEE:
-            acc += tl.dot(w, tl.trans(a), input_precision="ieee")
-        else:
-            acc += tl.dot(w, tl.trans(a))
-        return acc
-
-    @triton.jit
     def grouped_matmul_kernel(
         a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_experts_ptr,
         N, K, num_pairs,
@@ -119,15 +90,12 @@ if triton is not None:
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
         ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
-        SWAP_AB: tl.constexpr,
     ):
         # Rows: the pairs sorted_ids[pid_m * BLOCK_M ...] (P = padding), all of expert e, whose
         # inputs are rows pair // GATHER of a. FMT 0: W [E, N, K] in a's dtype; 1: e4m3 bytes
         # with a scale per output channel [E, N] (CHANNEL_SCALE) or per SCALE_BN x SCALE_BK
         # block (BLOCK_K divides SCALE_BK); 2: MXFP4, bytes [E, N, K / 2] and E8M0 scales
-        # [E, N, K / 32]; with SWAP_AB (MXFP4 only) the tile is computed transposed,
-        # out^T = W a^T (_mxfp4_k_tile_t). The bias and the routing weight (ROUTE) apply after
-        # the product.
+        # [E, N, K / 32]. The bias and the routing weight (ROUTE) apply after the product.
         # K tiles stream through a software-pipelined loop (PIPELINE), a while loop in
         # Triton's interpreter, which cannot run range() to a runtime bound.
         pid_m = tl.program_id(0)
@@ -140,38 +108,23 @@ if triton is not None:
         a_rows = (rows // GATHER).to(tl.int64)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
+        w_base = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn
         s_base = s_ptr + e.to(tl.int64) * stride_se
-        if SWAP_AB:
-            w_base = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn
-            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            if PIPELINE:
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                    acc_t = _mxfp4_k_tile_t(acc_t, k0, a_ptr, a_rows, row_ok, stride_am, w_base,
-                                            stride_wk, s_base, n, n_ok, stride_sn, stride_sk, K,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-            else:
-                k0 = 0
-                while k0 < K:
-                    acc_t = _mxfp4_k_tile_t(acc_t, k0, a_ptr, a_rows, row_ok, stride_am, w_base,
-                                            stride_wk, s_base, n, n_ok, stride_sn, stride_sk, K,
-                                            BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-                    k0 += BLOCK_K
-            acc = tl.trans(acc_t)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if PIPELINE:
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
+                              s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
+                              SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
+                              IEEE)
         else:
-            w_base = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if PIPELINE:
-                for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                    acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
-                                  s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
-                                  SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-            else:
-                k0 = 0
-                while k0 < K:
-                    acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
-                                  s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
-                                  SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-                    k0 += BLOCK_K
+            k0 = 0
+            while k0 < K:
+                acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
+                              s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
+                              SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
+                              IEEE)
+                k0 += BLOCK_K
         if CHANNEL_SCALE:
             acc = acc * tl.load(s_base + n * stride_sn, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:

@@ -1,18 +1,25 @@
 """The MoE MLP (ops/moe.py): the grouped-by-expert reference against a per-token loop, the
 alignment of pairs into expert blocks, and the Triton grouped GEMMs against the reference over a
 sweep of shapes (decode- and prefill-sized batches), weight formats (dense, fp8 per channel and
-per block, MXFP4), biases, both activations and a partial expert map. Kernels run on CUDA, or in
+per block, MXFP4: in the kernel's tiles, or decoded first), biases, both activations and a
+partial expert map. Kernels run on CUDA, or in
 Triton's interpreter on CPU."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from skyline import envs
+from skyline.ops import moe
+from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.fp8_quant import quantize_rows_fp8_ref
 from skyline.ops.moe import (
     ExpertWeights,
+    decoded_experts,
     fused_moe,
     fused_moe_ref,
     fused_moe_triton,
@@ -120,25 +127,58 @@ def test_align_covers_each_pair_once(t, e, k, block_m, partial):
 CONFIGS = {
     "decode": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1),
     "prefill": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=1),
-    # MXFP4's tile computed transposed (the decoded weights as the left operand)
-    "swapped": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP_AB=1),
 }
 
 
 @pytest.mark.parametrize("fmt", ["dense", "fp8", "fp8_block", "mxfp4"])
 @pytest.mark.parametrize("t,e,k,h,i,config", [(1, 8, 2, 64, 32, "decode"),
                                               (3, 4, 4, 96, 64, "decode"),
-                                              (37, 6, 2, 64, 96, "prefill"),
-                                              (37, 6, 2, 96, 64, "swapped")])
+                                              (37, 6, 2, 64, 96, "prefill")])
 @pytest.mark.parametrize("activation,bias", [("silu", False), ("swiglu_oai", True)])
-def test_triton_matches_reference(fmt, t, e, k, h, i, config, activation, bias):
+@pytest.mark.parametrize("decode", [False, True])
+def test_triton_matches_reference(fmt, t, e, k, h, i, config, activation, bias, decode):
+    """Each format's tiles decoded in the kernel, and (`decode`) MXFP4 experts decoded to
+    the input's dtype first, then the dense kernel (other formats ignore it)."""
+    if decode and fmt != "mxfp4":
+        pytest.skip("only MXFP4 experts are decoded first")
     w13, w2 = experts(e, h, i, fmt, bias, seed=t)
     weights, ids = routing(t, e, k, t + 1)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t + 2))
     want = fused_moe_ref(x, w13, w2, weights, ids, activation, 0.7)
     got = fused_moe_triton(x.to(DEV), on(w13, DEV), on(w2, DEV), weights.to(DEV), ids.to(DEV),
-                           activation, 0.7, config=CONFIGS[config])
+                           activation, 0.7, config=CONFIGS[config], decode=decode)
     assert torch.isfinite(got).all()
+    assert (got.cpu() - want).norm() / want.norm() < 1e-5
+
+
+def test_mxfp4_decode_matches_reference():
+    """The decoding kernel bit-exact against its reference, at gpt-oss-20b's K (2,880: not a
+    multiple of the kernel's 128 columns)."""
+    w, _ = experts(4, 2880, 32, "mxfp4", False, seed=7)
+    got = decoded_experts(on(w, DEV), torch.float32)
+    want = dequantize_mxfp4(w.weight.reshape(-1, 1440), w.scale.reshape(-1, 90))
+    assert got.fmt == "dense" and got.bias is w.bias
+    assert torch.equal(got.weight.reshape(-1, 2880).cpu(), want)
+
+
+@pytest.mark.parametrize("setting,pairs,decoded", [(-1, 62, False), (-1, 64, True),
+                                                   (0, 64, False), (32, 32, True)])
+def test_decoded_from_the_threshold(monkeypatch, setting, pairs, decoded):
+    """MXFP4 experts are decoded first from DECODE_PAIRS pairs (64 here; SKYLINE_MOE_DECODE_PAIRS
+    moves it, 0: never)."""
+    monkeypatch.setattr(moe, "DECODE_PAIRS", 64)
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, moe_decode_pairs=setting))
+    calls = []
+    real = moe.decoded_experts
+    monkeypatch.setattr(moe, "decoded_experts", lambda *a: calls.append(1) or real(*a))
+    t, e, k = pairs // 2, 4, 2
+    w13, w2 = experts(e, 64, 32, "mxfp4", False)
+    weights, ids = routing(t, e, k, 3)
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(4))
+    got = fused_moe_triton(x.to(DEV), on(w13, DEV), on(w2, DEV), weights.to(DEV), ids.to(DEV),
+                           config=CONFIGS["prefill"])
+    assert len(calls) == (2 if decoded else 0)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
     assert (got.cpu() - want).norm() / want.norm() < 1e-5
 
 
@@ -195,19 +235,18 @@ def test_bf16_model_shapes(fmt, t):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [5, 300])
-@pytest.mark.parametrize("swap", [0, 1])
-def test_mxfp4_gpt_oss_shapes(t, swap):
+@pytest.mark.parametrize("decode", [False, True])
+def test_mxfp4_gpt_oss_shapes(t, decode):
     """gpt-oss-20b's expert shapes (32 experts, 2880 -> 2880, top 4; K not a multiple of 64)
-    in MXFP4 with a bf16 input, with the tuned H200 table's largest tile, as stored and
-    transposed."""
+    in MXFP4 with a bf16 input, with the tuned H200 table's largest tile, decoded in the
+    kernel and first."""
     w13, w2 = experts(32, 2880, 2880, "mxfp4", bias=True)
     weights, ids = routing(t, 32, 4, t)
     x = torch.randn(t, 2880, generator=torch.Generator().manual_seed(t)).bfloat16()
     b16 = lambda w: ExpertWeights(w.weight, w.scale, w.bias.bfloat16(), w.fmt)  # noqa: E731
     want = fused_moe_ref(x, b16(w13), b16(w2), weights, ids, "swiglu_oai", 7.0).float()
-    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3,
-                  SWAP_AB=swap)
+    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
     got = fused_moe_triton(x.cuda(), on(b16(w13), "cuda"), on(b16(w2), "cuda"),
                            weights.cuda(), ids.cuda(), "swiglu_oai", 7.0,
-                           config=config).float().cpu()
+                           config=config, decode=decode).float().cpu()
     assert (got - want).norm() / want.norm() < 2e-2
