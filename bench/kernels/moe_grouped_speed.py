@@ -39,6 +39,7 @@ from moe_gemv_speed import SHAPES, expert_bytes, fastest, make, time_op  # noqa:
 from skyline.bench import tuners  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
 from skyline.ops.moe import (  # noqa: E402
+    DECODE_BLOCK,
     KERNEL,
     decoded_experts,
     fused_moe_ref,
@@ -47,6 +48,9 @@ from skyline.ops.moe import (  # noqa: E402
 )
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
+# The decoding kernel's (rows, columns, warps) per program timed; the default first.
+DECODE_BLOCKS = (DECODE_BLOCK, (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8),
+                 (16, 512, 4), (128, 256, 8))
 CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
 
 
@@ -112,17 +116,19 @@ def main() -> None:
         pair = (w13, w2)
         per_expert = expert_bytes(w13, w2)
         limit = 7.0 if act == "swiglu_oai" else None
-        if fmt == "mxfp4":  # the decoding alone: both projections, against the copy rate
+        if fmt == "mxfp4":  # the decoding alone, per (rows, columns, warps) of a program
             # codes and scales read, two values a byte written
             moved = sum(w.weight.nbytes + w.scale.nbytes + 2 * w.weight.numel() * dtype.itemsize
                         for w in pair)
-            ds = tuners.time_calls([lambda p=pair: [decoded_experts(w, dtype) for w in p]],
-                                   1 if smoke else 4)
-            res.setdefault("decoding", []).append({
-                "model": model, "ms": ds * 1e3, "bytes": moved,
-                "floor_ms": moved / copy_bw * 1e3, "fraction_of_floor": moved / copy_bw / ds})
-            print(f"{model:14} decoding the layer's experts: {ds * 1e3:.3f} ms "
-                  f"({moved / copy_bw / ds:.2f} of the copy rate)")
+            for block in DECODE_BLOCKS[:1 if smoke else None]:
+                ds = tuners.time_calls(
+                    [lambda p=pair, b=block: [decoded_experts(w, dtype, b) for w in p]],
+                    1 if smoke else 4)
+                res.setdefault("decoding", []).append({
+                    "model": model, "block": block, "ms": ds * 1e3, "bytes": moved,
+                    "floor_ms": moved / copy_bw * 1e3, "fraction_of_floor": moved / copy_bw / ds})
+                print(f"{model:14} decoding the layer's experts, {block}: {ds * 1e3:.3f} ms "
+                      f"({moved / copy_bw / ds:.2f} of the copy rate)")
         for t in ((16,) if smoke else a.tokens):
             g = torch.Generator().manual_seed(t)
             routes = [torch.topk(torch.randn(t, e, generator=g).softmax(-1), k) for _ in range(2)]

@@ -290,7 +290,12 @@ def decode_pairs() -> int:
     return DECODE_PAIRS if n < 0 else n or 1 << 62
 
 
-def decoded_experts(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
+# The decoding kernel's (rows, columns, warps) per program.
+DECODE_BLOCK = (32, 128, 4)
+
+
+def decoded_experts(w: ExpertWeights, dtype: torch.dtype,
+                    block: tuple[int, int, int] = DECODE_BLOCK) -> ExpertWeights:
     """MXFP4 experts as dense ones in `dtype` (a temporary the size of the layer's experts in
     that dtype; moe_triton.dequant_mxfp4_kernel, reference ops/fp4.py's dequantize_mxfp4)."""
     from skyline.ops import moe_triton
@@ -299,10 +304,10 @@ def decoded_experts(w: ExpertWeights, dtype: torch.dtype) -> ExpertWeights:
     k = 2 * half
     codes, scales = w.weight.reshape(e * n, half), w.scale.reshape(e * n, -1)
     out = torch.empty(e * n, k, dtype=dtype, device=w.weight.device)
-    block_r, block_k = 32, 128
+    block_r, block_k, warps = block
     moe_triton.dequant_mxfp4_kernel[(triton.cdiv(e * n, block_r), triton.cdiv(k, block_k))](
         codes, scales, out, e * n, k, codes.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps)
     return ExpertWeights(out.view(e, n, k), bias=w.bias)
 
 

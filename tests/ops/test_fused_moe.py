@@ -151,11 +151,12 @@ def test_triton_matches_reference(fmt, t, e, k, h, i, config, activation, bias, 
     assert (got.cpu() - want).norm() / want.norm() < 1e-5
 
 
-def test_mxfp4_decode_matches_reference():
+@pytest.mark.parametrize("block", [(32, 128, 4), (64, 256, 8)])
+def test_mxfp4_decode_matches_reference(block):
     """The decoding kernel bit-exact against its reference, at gpt-oss-20b's K (2,880: not a
-    multiple of the kernel's 128 columns)."""
+    multiple of the kernel's 128 or 256 columns)."""
     w, _ = experts(4, 2880, 32, "mxfp4", False, seed=7)
-    got = decoded_experts(on(w, DEV), torch.float32)
+    got = decoded_experts(on(w, DEV), torch.float32, block)
     want = dequantize_mxfp4(w.weight.reshape(-1, 1440), w.scale.reshape(-1, 90))
     assert got.fmt == "dense" and got.bias is w.bias
     assert torch.equal(got.weight.reshape(-1, 2880).cpu(), want)
