@@ -282,7 +282,8 @@ def grouped_matmul_triton(
 # (the layer's experts read once, written once in bf16) wins (bench/kernels/moe_grouped_speed.py,
 # H100, gpt-oss-20b's experts: 16,384 pairs 3.81 ms against 5.35, 4,096 pairs 2.05 against
 # 1.91; both grow linearly between, crossing near 5,000 pairs: 8,192 keeps a margin and stays
-# above every CUDA graph's pairs, 1,024 tokens of top-4, so no graph holds the decoded copy).
+# above gpt-oss's largest CUDA graph, 1,024 tokens of top-4, so none of its graphs holds the
+# decoded copy).
 DECODE_PAIRS = 8192
 
 
