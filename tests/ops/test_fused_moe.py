@@ -183,9 +183,10 @@ def test_decoded_from_the_threshold(monkeypatch, setting, pairs, decoded):
     assert (got.cpu() - want).norm() / want.norm() < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
-def test_expert_map_halves_sum_to_the_whole(fmt):
-    """Two ranks of 4 experts each: the sum of their outputs is the 8-expert MoE's."""
+@pytest.mark.parametrize("fmt,decode", [("dense", None), ("mxfp4", False), ("mxfp4", True)])
+def test_expert_map_halves_sum_to_the_whole(fmt, decode):
+    """Two ranks of 4 experts each: the sum of their outputs is the 8-expert MoE's (MXFP4
+    experts decoded in the kernel's tiles, and first)."""
     w13, w2 = experts(8, 64, 32, fmt, bias=True)
     weights, ids = routing(11, 8, 2, 5)
     x = torch.randn(11, 64, generator=torch.Generator().manual_seed(6))
@@ -200,7 +201,7 @@ def test_expert_map_halves_sum_to_the_whole(fmt):
         ref = fused_moe_ref(x, *part, weights, ids, expert_map=expert_map)
         got = fused_moe_triton(x.to(DEV), on(part[0], DEV), on(part[1], DEV), weights.to(DEV),
                                ids.to(DEV), expert_map=expert_map.to(DEV),
-                               config=CONFIGS["decode"])
+                               config=CONFIGS["decode"], decode=decode)
         assert (got.cpu() - ref).abs().max() < 1e-5
         total += ref
     assert (total - whole).abs().max() < 1e-5
