@@ -162,22 +162,6 @@ def _row(bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor 
     return None if bias is None else bias[e].to(dtype)
 
 
-def sort_pairs(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, expert) pairs p = token * k + j in expert order, without a host sync (CUDA
-    graphs capture it). Returns (order [P]: pair ids, each expert's in ascending order;
-    sorted_key [P]: each of them's local expert, num_experts for pairs of experts held elsewhere,
-    which sort last; counts [num_experts]: the pairs of each local expert)."""
-    ids = local_ids(topk_ids, expert_map)
-    key = torch.where(ids < 0, num_experts, ids)
-    # scatter_add, not bincount: bincount sizes its output from the data (a host sync, which
-    # CUDA graph capture forbids)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, key, torch.ones_like(key))[:num_experts]
-    order = torch.argsort(key, stable=True)
-    return order, key[order], counts
-
-
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
               expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs p = token * k + j sorted by expert into blocks of block_m rows,
@@ -185,21 +169,27 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     count (no host sync: CUDA graphs capture it). Returns (sorted_ids [num_blocks * block_m]
     int32: pair ids, P = T * k where padding; block_experts [num_blocks] int32: each block's
     local expert, -1 for blocks past the last). Pairs of experts held elsewhere are left out."""
-    order, sorted_key, counts = sort_pairs(topk_ids, num_experts, expert_map)
-    num_pairs = order.numel()
-    device = order.device
+    ids = local_ids(topk_ids, expert_map)
+    num_pairs = ids.numel()
     num_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
+    key = torch.where(ids < 0, num_experts, ids)  # left-out pairs sort last
+    # scatter_add, not bincount: bincount sizes its output from the data (a host sync, which
+    # CUDA graph capture forbids)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
     first = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
     keep = sorted_key < num_experts
     e = sorted_key.clamp(max=num_experts - 1)
-    rank = torch.arange(num_pairs, device=device) - first[e]
+    rank = torch.arange(num_pairs, device=ids.device) - first[e]
     scratch = num_blocks * block_m  # one slot past the end takes the left-out pairs
     dest = torch.where(keep, ends[e] - padded[e] + rank, scratch)
-    sorted_ids = torch.full((scratch + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids = torch.full((scratch + 1,), num_pairs, dtype=torch.int32, device=ids.device)
     sorted_ids[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=device) * block_m
+    starts = torch.arange(num_blocks, device=ids.device) * block_m
     block_experts = torch.searchsorted(ends, starts, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
     return sorted_ids[:scratch], block_experts.to(torch.int32)
