@@ -49,8 +49,8 @@ from skyline.ops.moe import (  # noqa: E402
 from skyline.ops.tuning import CONFIG_DIR, dtype_name, token_bucket, write_configs  # noqa: E402
 
 # The decoding kernel's (rows, columns, warps) per program timed; the default first.
-DECODE_BLOCKS = (DECODE_BLOCK, (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8),
-                 (16, 512, 4), (128, 256, 8))
+DECODE_BLOCKS = (DECODE_BLOCK, (16, 512, 4), (16, 1024, 8), (32, 512, 8), (8, 512, 4),
+                 (32, 128, 4), (32, 256, 4))
 CASES = (("gpt-oss-20b", "mxfp4"), ("gpt-oss-20b", "dense"), ("qwen3-30b-a3b", "dense"))
 
 

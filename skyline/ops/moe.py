@@ -266,15 +266,14 @@ def grouped_matmul_triton(
 
 
 # MXFP4 experts are decoded to the activations' dtype, the whole layer's at once, before the
-# grouped GEMMs of calls with this many (token, expert) pairs or more, which then run on dense
-# tiles: decoding a weight tile in registers costs more than its dot, and the fused kernel
-# decodes each tile once per block of rows, so at many rows an expert one pass of decoding
-# (the layer's experts read once, written once in bf16) wins (bench/kernels/moe_grouped_speed.py,
-# H100, gpt-oss-20b's experts: 16,384 pairs 3.81 ms against 5.35, 4,096 pairs 2.05 against
-# 1.91; both grow linearly between, crossing near 5,000 pairs: 8,192 keeps a margin and stays
-# above gpt-oss's largest CUDA graph, 1,024 tokens of top-4, so none of its graphs holds the
-# decoded copy).
-DECODE_PAIRS = 8192
+# grouped GEMMs of calls with this many (token, expert) pairs or more (outside CUDA graphs),
+# which then run on dense tiles: decoding a weight tile in registers costs more than its dot,
+# and the fused kernel decodes each tile once per block of rows, so at many rows an expert one
+# pass of decoding (the layer's experts read once, written once in bf16) wins
+# (bench/kernels/moe_grouped_speed.py, H100, gpt-oss-20b's experts, decoded first, by blocks
+# slower than DECODE_BLOCK's, against in tiles: 3,072 pairs 0.76x, 4,096 1.02x, 5,120 1.18x,
+# 8,192 1.15x, 32,768 1.48x).
+DECODE_PAIRS = 4096
 
 
 def decode_pairs() -> int:
@@ -283,8 +282,9 @@ def decode_pairs() -> int:
     return DECODE_PAIRS if n < 0 else n or 1 << 62
 
 
-# The decoding kernel's (rows, columns, warps) per program.
-DECODE_BLOCK = (32, 128, 4)
+# The decoding kernel's (rows, columns, warps) per program: the fastest of seven on the H100,
+# 0.86 of the copy rate.
+DECODE_BLOCK = (8, 1024, 4)
 
 
 def decoded_experts(w: ExpertWeights, dtype: torch.dtype,
@@ -315,8 +315,9 @@ def fused_moe_triton(
     decode_pairs() pairs up)."""
     t, top_k = topk_ids.shape
     num_pairs = t * top_k
-    if decode is None:
-        decode = num_pairs >= decode_pairs()
+    if decode is None:  # never inside a CUDA graph, whose pool would keep the decoded copy
+        decode = num_pairs >= decode_pairs() and not (
+            x.is_cuda and torch.cuda.is_current_stream_capturing())
     decode = decode and w13.fmt == "mxfp4" and w2.fmt == "mxfp4"
     if decode:
         w13 = decoded_experts(w13, x.dtype)
