@@ -187,6 +187,9 @@ def main() -> None:
     if a.smoke:
         a.model, a.num_prompts, a.input_len, a.output_len = None, 8, 16, 8
         a.profile = a.profile or ["penalties"]
+        # a set per path of the sampler's step: greedy, penalties, and mixed (nucleus, top-k,
+        # seeded rows side by side); the others are the same paths with other parameters
+        a.sets = [s for s in a.sets if s in ("greedy", "penalties", "mixed")] or a.sets
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine: dict[str, Any] = {"device": device}
     if a.model:

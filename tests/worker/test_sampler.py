@@ -300,7 +300,8 @@ def test_rows_drawn_by_kind_draw_the_full_sort_tokens(monkeypatch):
 
 def test_nucleus_kernel_distribution(monkeypatch):
     _kernel_path(monkeypatch)
-    _assert_draws_fit(SamplingParams(temperature=1.3, top_p=0.8), 3000, DEV)
+    _assert_draws_fit(SamplingParams(temperature=1.3, top_p=0.8), 1500 if DEV == "cpu" else 3000,
+                      DEV)
 
 
 def test_cpu_nucleus_past_the_candidates_is_drawn_without_a_sort(monkeypatch):
