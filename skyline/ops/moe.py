@@ -258,6 +258,7 @@ def grouped_matmul_triton(
         SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=w.bias is not None,
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
+        ASM=w.fmt == "mxfp4" and a.dtype == torch.bfloat16 and not interpreted(),
         PIPELINE=not interpreted() and config["num_stages"] > 1,
         NUM_STAGES=config["num_stages"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],

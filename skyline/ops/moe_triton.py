@@ -26,25 +26,74 @@ if triton is not None:
         # uint8 E8M0 exponents -> 2^(s - 127) as float32 bits (s = 0 reads as 0, not 2^-127)
         return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
+    # Four bytes of MXFP4 codes ($4, pack=4) and their four bf16 scales ($5, $6) -> the low
+    # nibbles' four bf16 values ($0, $1) and the high nibbles' ($2, $3), about 3 instructions
+    # a value where _e2m1_to_f32_scaled's path takes 11: each code's magnitude (bits 0-2, a
+    # byte permute's selector) looks up the low and the high byte of its bf16 value (0, 0.5,
+    # 1, 1.5, 2, 3, 4, 6) in two tables of eight bytes; two more permutes interleave them
+    # into pairs, the sign bits are or-ed in, and one bf16x2 fma (plus -0) per pair scales them
+    # exactly (the scales are powers of two). bf16x2 fma needs sm_80.
+    _E2M1_BF16 = tl.constexpr("""
+    {
+    .reg .b32 tl0, tl1, th0, th1, z, nz, m, mh, la, ha, lb, hb, s, xa, xb, t0, t1, t2, t3;
+    mov.b32 tl0, 0xC0800000;
+    mov.b32 tl1, 0xC0804000;
+    mov.b32 th0, 0x3F3F3F00;
+    mov.b32 th1, 0x40404040;
+    mov.b32 z, 0;
+    mov.b32 nz, 0x80008000;
+    and.b32 m, $4, 0x77777777;
+    shr.b32 mh, m, 16;
+    prmt.b32 la, tl0, tl1, m;
+    prmt.b32 ha, th0, th1, m;
+    prmt.b32 lb, tl0, tl1, mh;
+    prmt.b32 hb, th0, th1, mh;
+    prmt.b32 t0, la, ha, 0x6240;
+    prmt.b32 t1, lb, hb, 0x6240;
+    prmt.b32 t2, la, ha, 0x7351;
+    prmt.b32 t3, lb, hb, 0x7351;
+    and.b32 s, $4, 0x88888888;
+    prmt.b32 xa, s, z, 0x1404;
+    prmt.b32 xb, s, z, 0x3424;
+    shl.b32 m, xa, 4;
+    and.b32 m, m, 0x80008000;
+    or.b32 t0, t0, m;
+    shl.b32 mh, xb, 4;
+    and.b32 mh, mh, 0x80008000;
+    or.b32 t1, t1, mh;
+    and.b32 xa, xa, 0x80008000;
+    or.b32 t2, t2, xa;
+    and.b32 xb, xb, 0x80008000;
+    or.b32 t3, t3, xb;
+    fma.rn.bf16x2 $0, t0, $5, nz;
+    fma.rn.bf16x2 $1, t1, $6, nz;
+    fma.rn.bf16x2 $2, t2, $5, nz;
+    fma.rn.bf16x2 $3, t3, $6, nz;
+    }
+    """)
+
     @triton.jit
     def _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk, s_base, n, n_ok,
                 stride_sn, stride_sk, K, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
                 SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                ASM: tl.constexpr):
         # acc [BLOCK_M, BLOCK_N] += a[a_rows, k0:k0 + BLOCK_K] @ W_e[n, k0:k0 + BLOCK_K]^T
         if FMT == 2:
             # bytes j of the tile hold elements 2j (low nibble) and 2j + 1 (high): two dots,
             # over a's even and odd columns (a's tile loaded contiguous, split in registers);
             # one scale per 16 bytes of a column, loaded once and spread over them
             j = tl.arange(0, BLOCK_K // 2)
-            w_mask = (k0 + 2 * j < K)[:, None] & n_ok[None, :]
+            w_mask = (j < K // 2 - k0 // 2)[:, None] & n_ok[None, :]
             byte = tl.load(w_base + (k0 // 2 + j)[:, None] * stride_wk, mask=w_mask,
                            other=0)  # [BLOCK_K / 2, BLOCK_N]
             g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            scale = _e8m0_to_f32(tl.load(s_base + n[None, :] * stride_sn
-                                         + g[:, None] * stride_sk,
-                                         mask=(g * 32 < K)[:, None] & n_ok[None, :],
-                                         other=0)) * 16384.0  # 2^14: see the decode
+            s = tl.load(s_base + n[None, :] * stride_sn + g[:, None] * stride_sk,
+                        mask=(g * 32 < K)[:, None] & n_ok[None, :], other=0)  # [BK / 32, BN]
+            if ASM:  # 2^(s - 127) as bf16: s in the exponent's bits
+                scale = (s.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+            else:
+                scale = _e8m0_to_f32(s) * 16384.0  # 2^14: see the decode
             scale = tl.reshape(tl.broadcast_to(scale[:, None, :],
                                                (BLOCK_K // 32, 16, BLOCK_N)),
                                (BLOCK_K // 2, BLOCK_N))
@@ -52,8 +101,13 @@ if triton is not None:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :],
                         mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            w_lo = (_e2m1_to_f32_scaled(byte & 0x0F) * scale).to(a.dtype)
-            w_hi = (_e2m1_to_f32_scaled(byte >> 4) * scale).to(a.dtype)
+            if ASM:
+                w_lo, w_hi = tl.inline_asm_elementwise(
+                    _E2M1_BF16, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                    dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            else:
+                w_lo = (_e2m1_to_f32_scaled(byte & 0x0F) * scale).to(a.dtype)
+                w_hi = (_e2m1_to_f32_scaled(byte >> 4) * scale).to(a.dtype)
             if IEEE:
                 acc += tl.dot(a_even, w_lo, input_precision="ieee")
                 acc += tl.dot(a_odd, w_hi, input_precision="ieee")
@@ -89,7 +143,8 @@ if triton is not None:
         GATHER: tl.constexpr, FMT: tl.constexpr, CHANNEL_SCALE: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
         ROUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr, PIPELINE: tl.constexpr, NUM_STAGES: tl.constexpr,
+        IEEE: tl.constexpr, ASM: tl.constexpr, PIPELINE: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
         # Rows: the pairs sorted_ids[pid_m * BLOCK_M ...] (P = padding), all of expert e, whose
         # inputs are rows pair // GATHER of a. FMT 0: W [E, N, K] in a's dtype; 1: e4m3 bytes
@@ -116,14 +171,14 @@ if triton is not None:
                 acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
                               s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
                               SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
-                              IEEE)
+                              IEEE, ASM)
         else:
             k0 = 0
             while k0 < K:
                 acc = _k_tile(acc, k0, a_ptr, a_rows, row_ok, stride_am, w_base, stride_wk,
                               s_base, n, n_ok, stride_sn, stride_sk, K, FMT, CHANNEL_SCALE,
                               SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K,
-                              IEEE)
+                              IEEE, ASM)
                 k0 += BLOCK_K
         if CHANNEL_SCALE:
             acc = acc * tl.load(s_base + n * stride_sn, mask=n_ok, other=0.0)[None, :]
