@@ -268,13 +268,12 @@ def grouped_matmul_triton(
 
 # MXFP4 experts are decoded to the activations' dtype, the whole layer's at once, before the
 # grouped GEMMs of calls with this many (token, expert) pairs or more (outside CUDA graphs),
-# which then run on dense tiles: decoding a weight tile in registers costs more than its dot,
-# and the fused kernel decodes each tile once per block of rows, so at many rows an expert one
-# pass of decoding (the layer's experts read once, written once in bf16) wins
-# (bench/kernels/moe_grouped_speed.py, H100, gpt-oss-20b's experts, decoded first, by blocks
-# slower than DECODE_BLOCK's, against in tiles: 3,072 pairs 0.76x, 4,096 1.02x, 5,120 1.18x,
-# 8,192 1.15x, 32,768 1.48x).
-DECODE_PAIRS = 4096
+# which then run on dense tiles: the fused kernel decodes each weight tile once per block of
+# rows, so at many rows an expert one pass of decoding (the layer's experts read once, written
+# once in bf16) wins (bench/kernels/moe_grouped_speed.py, H100, gpt-oss-20b's experts, decoded
+# first against in tiles: 4,096 pairs 0.73x, 8,192 0.89x, 12,288 0.99x, 16,384 1.06x, 32,768
+# 1.14x).
+DECODE_PAIRS = 16384
 
 
 def decode_pairs() -> int:
