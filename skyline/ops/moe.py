@@ -258,7 +258,8 @@ def grouped_matmul_triton(
         SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=w.bias is not None,
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
-        ASM=w.fmt == "mxfp4" and a.dtype == torch.bfloat16 and not interpreted(),
+        ASM=(w.fmt == "mxfp4" and a.dtype == torch.bfloat16 and not interpreted()
+             and not torch.version.hip),
         PIPELINE=not interpreted() and config["num_stages"] > 1,
         NUM_STAGES=config["num_stages"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],

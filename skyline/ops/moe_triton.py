@@ -86,6 +86,8 @@ if triton is not None:
             # over a's even and odd columns (a's tile loaded contiguous, split in registers);
             # one scale per 16 bytes of a column, loaded once and spread over them
             j = tl.arange(0, BLOCK_K // 2)
+            # masked by bytes (j), not values (2j): Triton then sees runs of bytes masked alike
+            # and vectorizes their loads
             w_mask = (j < K // 2 - k0 // 2)[:, None] & n_ok[None, :]
             byte = tl.load(w_base + (k0 // 2 + j)[:, None] * stride_wk, mask=w_mask,
                            other=0)  # [BLOCK_K / 2, BLOCK_N]
