@@ -29,7 +29,7 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*u8", "h_ptr": "*fp16", "s_ptr": "*fp8e
 # GGUF row of Q6_K blocks is not: 210 bytes a block)
 DIVISIBLE = ["x_ptr", "w_ptr", "h_ptr", "s_ptr", "ts_ptr", "b_ptr", "y_ptr", "part_ptr",
              "count_ptr", "K", "stride_xm"]
-FORMATS = {"nvfp4": 0, "q6_k": 1, "q5_k": 2}
+FORMATS = {"nvfp4": 0, "q6_k": 1, "q5_k": 2, "mxfp4": 3}
 A8_SIGNATURE = {"xq_ptr": "*i32", "xf_ptr": "*fp32", "w8_ptr": "*u8", "w16_ptr": "*i16",
                 "w32_ptr": "*i32", "s_ptr": "*u8", "ts_ptr": "*u8", "b_ptr": "*bf16",
                 "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
@@ -48,8 +48,9 @@ def loop_ptx(fmt: int, mode: str, block_n: int, block_m: int, warps: int) -> lis
 
     if mode == "a8":
         sig = dict(A8_SIGNATURE)
-        if fmt == 0:  # x as int64s of eight columns
-            sig |= {"xq_ptr": "*i64", "s_ptr": "*fp8e4nv", "ts_ptr": "*fp32"}
+        if fmt in (0, 3):  # x as int64s of eight columns; NVFP4's E4M3 scales
+            sig |= {"xq_ptr": "*i64", "ts_ptr": "*fp32"}
+            sig |= {"s_ptr": "*fp8e4nv"} if fmt == 0 else {}
         # a GGUF row of Q6_K blocks is not a multiple of 16 bytes
         divisible = A8_DIVISIBLE + (["stride_w", "KP"] if fmt != 1 else [])
         const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, EVEN_K=True, BLOCK_M=block_m,
@@ -60,7 +61,7 @@ def loop_ptx(fmt: int, mode: str, block_n: int, block_m: int, warps: int) -> lis
         return inner_loop(compiled.asm["ptx"])
     assert mode == "dot"
     sig = dict(SIGNATURE)
-    if fmt:  # GGUF: the scales live in the blocks
+    if fmt:  # GGUF: the scales live in the blocks; MXFP4's are E8M0 bytes
         sig |= {"s_ptr": "*u8", "ts_ptr": "*u8"}
     const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, W_LO=fmt != 0, IEEE=False,
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=256, NUM_STAGES=2, STATIC_ITERS=0)

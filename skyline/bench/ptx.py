@@ -34,6 +34,10 @@ def inner_loop(ptx: str) -> list[str]:
     K loops are), from its header to the branch back to it."""
     lines = ptx.splitlines()
     start = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
+    # the header's label: on the comment's line, or on the line above it (LLVM writes a
+    # named block's label, e.g. "%.lr.ph", then the comment on a line of its own)
+    while not re.match(r"\$L\w+:", lines[start]):
+        start -= 1
     label = lines[start].split(":")[0]
     back = re.compile(rf"bra\S*\s+{re.escape(label)};")
     end = next(i for i in range(start + 1, len(lines)) if back.search(lines[i]))

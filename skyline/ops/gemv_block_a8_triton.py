@@ -26,7 +26,10 @@ a vector width, no change of layout. Per format, what a lane turns into words:
   each 16-bit half of a code word holds four E2M1 codes as the four nibbles `prmt` takes as a
   selector, so two byte permutes of a table of the doubled values (0, 1, 2, 3, 4, 6, 8, 12 and
   their negatives) and a third by the signs turn it into a word of int8; the block scale (E4M3
-  per 16, E8M0 per 32) carries the 1/2.
+  per 16, E8M0 per 32) carries the 1/2. A lane takes a whole scale group (NVFP4 2 words, MXFP4
+  4) at once: one vector load of its codes and of x, one piece of PTX for its dot product,
+  then one conversion to float and one multiply-add by the scales for the group (a word at a
+  time took 1.5x the instructions a weight: bench/kernels/gemv_block_ptx_count.py).
 The portable forms (ASM off: the interpreter) compute the same integers with shifts.
 """
 
@@ -51,36 +54,32 @@ if triton is not None:
                 acc += ((w >> (8 * b)) & 0xFF) * ((x << (24 - 8 * b)) >> 24)
             return acc
 
-    # One word of eight E2M1 codes against the int64 of x over the same eight columns: the
-    # doubled E2M1 values of each 16-bit half by two byte permutes (magnitudes 0-3 | 4-7 and
-    # their negatives), a third picks the negative where the code's sign bit is set.
-    _NVFP4_DOT = tl.constexpr("""
-    {
-    .reg .b32 tp0, tp1, tn0, tn1, m, s, pos, neg, v, h, x0, x1;
-    mov.b64 {x0, x1}, $2;
-    mov.b32 tp0, 0x03020100;
-    mov.b32 tp1, 0x0C080604;
-    mov.b32 tn0, 0xFDFEFF00;
-    mov.b32 tn1, 0xF4F8FAFC;
-    and.b32 m, $1, 0x7777;
-    prmt.b32 pos, tp0, tp1, m;
-    prmt.b32 neg, tn0, tn1, m;
-    shr.b32 s, $1, 1;
-    and.b32 s, s, 0x4444;
-    or.b32 s, s, 0x3210;
-    prmt.b32 v, pos, neg, s;
-    dp4a.s32.s32 $0, v, x0, 0;
-    shr.b32 h, $1, 16;
-    and.b32 m, h, 0x7777;
-    prmt.b32 pos, tp0, tp1, m;
-    prmt.b32 neg, tn0, tn1, m;
-    shr.b32 s, h, 1;
-    and.b32 s, s, 0x4444;
-    or.b32 s, s, 0x3210;
-    prmt.b32 v, pos, neg, s;
-    dp4a.s32.s32 $0, v, x1, $0;
-    }
-    """)
+    def _fp4_dot_asm(words: int) -> str:
+        # `words` words of eight E2M1 codes ($1..) against the int64s of x over the same
+        # columns ($words+1..) -> their dot product $0, int32. Per word: the doubled magnitudes
+        # (0, 1, 2, 3, 4, 6, 8, 12) of its codes' low three bits and their negatives, each
+        # 16-bit half by two byte permutes of tables, a third takes the negative where the
+        # code's sign bit is set; the selectors of both halves are made once a word (a permute
+        # reads the low 16 bits of its selector).
+        lines = ["{", ".reg .b32 tp0, tp1, tn0, tn1, m, s, pos, neg, v, xl, xh;",
+                 "mov.b32 tp0, 0x03020100;", "mov.b32 tp1, 0x0C080604;",
+                 "mov.b32 tn0, 0xFDFEFF00;", "mov.b32 tn1, 0xF4F8FAFC;"]
+        for i in range(words):
+            lines += [f"mov.b64 {{xl, xh}}, ${words + 1 + i};",
+                      f"and.b32 m, ${1 + i}, 0x77777777;",
+                      f"shr.b32 s, ${1 + i}, 1;",
+                      "and.b32 s, s, 0x44444444;",
+                      "or.b32 s, s, 0x32103210;"]
+            for half, x in enumerate(("xl", "xh")):
+                if half:
+                    lines += ["shr.b32 m, m, 16;", "shr.b32 s, s, 16;"]
+                acc = "0" if i == 0 and half == 0 else "$0"
+                lines += ["prmt.b32 pos, tp0, tp1, m;", "prmt.b32 neg, tn0, tn1, m;",
+                          "prmt.b32 v, pos, neg, s;", f"dp4a.s32.s32 $0, v, {x}, {acc};"]
+        return "\n".join(lines + ["}"])
+
+    _FP4_DOT_2 = tl.constexpr(_fp4_dot_asm(2))  # NVFP4: a scale group of 16 columns
+    _FP4_DOT_4 = tl.constexpr(_fp4_dot_asm(4))  # MXFP4: 32 columns
 
     @triton.jit
     def _e2m1_doubled(c):
@@ -90,17 +89,45 @@ if triton is not None:
         return tl.where(c >= 8, -v, v)
 
     @triton.jit
-    def _e2m1_dot(w, x, ASM: tl.constexpr):
+    def _e2m1_word_dot(w, x):
         # w int32 (eight codes), x int64 (eight int8 columns) -> their dot product, int32
-        if ASM:
-            return tl.inline_asm_elementwise(_NVFP4_DOT, "=r,r,l", [w, x], dtype=tl.int32,
-                                             is_pure=True, pack=1)
+        acc = tl.zeros_like(w)
+        for i in tl.static_range(8):
+            xb = ((x << (56 - 8 * i)) >> 56).to(tl.int32)
+            acc += _e2m1_doubled((w >> (4 * i)) & 0xF) * xb
+        return acc
+
+    @triton.jit
+    def _split4(t):
+        # t [A, B, C, 4] -> its four [A, B, C] slices (in the order 0, 2, 1, 3)
+        a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2], 2, 2)))
+        a0, a1 = tl.split(a)
+        b0, b1 = tl.split(b)
+        return a0, a1, b0, b1
+
+    @triton.jit
+    def _e2m1_group_dot(w, x, MX: tl.constexpr, ASM: tl.constexpr):
+        # w int32 [..., W] (W words of codes: 4 with MX, else 2), x int64 [..., W] (x over the
+        # same columns) -> their dot product [...], int32
+        if MX:
+            w0, w1, w2, w3 = _split4(w)
+            x0, x1, x2, x3 = _split4(x)
+            if ASM:
+                dot = tl.inline_asm_elementwise(_FP4_DOT_4, "=r,r,r,r,r,l,l,l,l",
+                                                [w0, w1, w2, w3, x0, x1, x2, x3],
+                                                dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                dot = (_e2m1_word_dot(w0, x0) + _e2m1_word_dot(w1, x1)
+                       + _e2m1_word_dot(w2, x2) + _e2m1_word_dot(w3, x3))
         else:
-            acc = tl.zeros_like(w)
-            for i in tl.static_range(8):
-                xb = ((x << (56 - 8 * i)) >> 56).to(tl.int32)
-                acc += _e2m1_doubled((w >> (4 * i)) & 0xF) * xb
-            return acc
+            w0, w1 = tl.split(w)
+            x0, x1 = tl.split(x)
+            if ASM:
+                dot = tl.inline_asm_elementwise(_FP4_DOT_2, "=r,r,r,l,l", [w0, w1, x0, x1],
+                                                dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                dot = _e2m1_word_dot(w0, x0) + _e2m1_word_dot(w1, x1)
+        return dot
 
     @triton.jit
     def quantize_x_q8_kernel(x_ptr, xq_ptr, xf_ptr, M, K, KC, stride_xm, XQ: tl.constexpr,
@@ -225,32 +252,38 @@ if triton is not None:
     @triton.jit
     def _fp4_a8(xq64_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_m, k0, KP, KC, stride_w32,
                 stride_sn, acc, MX: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
-        # acc [BLOCK_K / 16, BLOCK_N, BLOCK_M, 2] float32 (16 columns, row, row of x, word)
-        # plus columns [k0, k0 + BLOCK_K) of each row: two code words against the int64s of x
-        # over the same columns, loaded at acc's shape (so in one layout); columns at or past
-        # Kp (the stored width) read nothing, unless EVEN (Kp a whole number of tiles, x as
-        # wide). The scale of 16 columns: NVFP4's E4M3, or (MX) MXFP4's E8M0 of their 32,
-        # 2^(e - 127) made from its bits (e = 0 reads 0, not 2^-127), halved: the codes are
-        # doubled.
+        # acc [BLOCK_K / SG, BLOCK_N, BLOCK_M] float32 (scale group, row, row of x) plus
+        # columns [k0, k0 + BLOCK_K) of each row, a scale group of SG columns (NVFP4 16, MXFP4
+        # 32) at a time: its W = SG / 8 code words (one vector load) against the int64s of x
+        # over the same columns, loaded at [G, BN, BM, W] (so in one layout), their integer
+        # dot product made in one piece of PTX, then times the group's scales. Columns at or
+        # past Kp (the stored width) read nothing, unless EVEN (Kp a whole number of tiles, x
+        # as wide). The group's scale: NVFP4's E4M3, or (MX) MXFP4's E8M0, 2^(e - 127) made
+        # from its bits (e = 0 reads 0, not 2^-127), halved: the codes are doubled.
         G: tl.constexpr = acc.shape[0]
-        g = tl.arange(0, G)[:, None, None, None]
-        e = tl.arange(0, 2)[None, None, None, :]
-        r4 = rows[None, :, None, None]
-        m4 = offs_m[None, None, :, None]
-        col = k0 + g * 16 + e * 8  # the first column of each word
+        SG: tl.constexpr = 32 if MX else 16
+        W: tl.constexpr = SG // 8
+        g3 = tl.arange(0, G)[:, None, None]
+        g = g3[:, :, :, None]
+        e = tl.arange(0, W)[None, None, None, :]
+        r3 = rows[None, :, None]
+        m3 = offs_m[None, None, :]
+        r4 = r3[:, :, :, None]
+        m4 = m3[:, :, :, None]
+        word = k0 // 8 + g * W + e  # the word of each 8 columns
         zero = r4 * 0 + m4 * 0 + g * 0 + e * 0
-        w_ok = col < KP
-        wv = _load(w32_ptr + zero + r4 * stride_w32 + col // 8, w_ok, EVEN)
-        xv = _load(xq64_ptr + zero + m4 * (KC * 4) + col // 8, col < KC * 32, EVEN)
-        dot = _e2m1_dot(wv, xv, ASM).to(tl.float32)
-        g_ok = (k0 + g * 16) < KP
+        g_ok = (k0 + g3 * SG) < KP  # [G, 1, 1]
+        wv = _load(w32_ptr + zero + r4 * stride_w32 + word, g_ok[:, :, :, None], EVEN)
+        xv = _load(xq64_ptr + zero + m4 * (KC * 4) + word, word < KC * 4, EVEN)
+        dot = _e2m1_group_dot(wv, xv, MX, ASM).to(tl.float32)  # [G, BN, BM]
+        sg = k0 // SG + g3
         if MX:
-            ex = _load(s_ptr + r4 * stride_sn + (k0 // 16 + g) // 2, g_ok, EVEN).to(tl.int32)
-            sc = (ex << 23).to(tl.float32, bitcast=True) * 0.5  # [G, BN, 1, 1]
+            ex = _load(s_ptr + r3 * stride_sn + sg, g_ok, EVEN).to(tl.int32)
+            sc = (ex << 23).to(tl.float32, bitcast=True) * 0.5  # [G, BN, 1]
         else:
-            sc = _load(s_ptr + r4 * stride_sn + k0 // 16 + g, g_ok, EVEN).to(tl.float32) * 0.5
-        chunk = k0 // 32 + g // 2
-        sx = _load(xf_ptr + (m4 * KC + chunk) * 2, chunk < KC, EVEN)  # [G, 1, BM, 1]
+            sc = _load(s_ptr + r3 * stride_sn + sg, g_ok, EVEN).to(tl.float32) * 0.5
+        chunk = (k0 + g3 * SG) // 32
+        sx = _load(xf_ptr + (m3 * KC + chunk) * 2, chunk < KC, EVEN)  # [G, 1, BM]
         return acc + (sc * sx) * dot
 
     @triton.jit
@@ -278,8 +311,10 @@ if triton is not None:
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
         offs_mc = tl.minimum(offs_m, M - 1)
         t_start = pid_k * k_iters
-        if FORMAT == 0 or FORMAT == 3:
-            acc = tl.zeros((BLOCK_K // 16, BLOCK_N, BLOCK_M, 2), dtype=tl.float32)
+        if FORMAT == 0:
+            acc = tl.zeros((BLOCK_K // 16, BLOCK_N, BLOCK_M), dtype=tl.float32)
+        elif FORMAT == 3:
+            acc = tl.zeros((BLOCK_K // 32, BLOCK_N, BLOCK_M), dtype=tl.float32)
         elif FORMAT == 1:
             acc = tl.zeros((2, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
         else:
@@ -302,7 +337,10 @@ if triton is not None:
                     else:
                         acc = _q5_k_a8(xq_ptr, xf_ptr, w16_ptr, w32_ptr, rows, ok, offs_mc, t,
                                        KC, stride_w, acc, ASM, EVEN_K)
-        out = tl.sum(tl.sum(acc, axis=3), axis=0)
+        if FORMAT == 0 or FORMAT == 3:
+            out = tl.sum(acc, axis=0)
+        else:
+            out = tl.sum(tl.sum(acc, axis=3), axis=0)
         if FORMAT == 0:  # NVFP4's tensor scale, one per row
             out = out * tl.load(ts_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
         split_k_epilogue(out, y_ptr, b_ptr, part_ptr, count_ptr, offs_n, offs_m, n_mask, m_mask,

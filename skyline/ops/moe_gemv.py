@@ -38,11 +38,12 @@ x's even and odd columns.
 
 Integer mode (config "A8"; the default for MXFP4 experts and bf16/fp16 activations): x, and
 h before `down`, are rounded to int8 per 32 columns (gemv_block.round_x_q8, as llama.cpp's q8_1)
-and each word of eight E2M1 codes meets them by `dp4a`, through the dense block GEMV's tile
-function (gemv_block_a8_triton._fp4_a8): no float decode of the weights, float32 only per
-16 columns. Tiles are a few rows of one or two warps, as the dense integer GEMV's. Unlike the
-dense GEMV, a program meets one row of activations whatever the token count (`up` one pair's,
-`down` one token's), so the mode pays no more per weight at 8 tokens than at one.
+and each scale group of 32 columns (four words of eight E2M1 codes) meets them by `dp4a`,
+through the dense block GEMV's tile function (gemv_block_a8_triton._fp4_a8): no float decode
+of the weights, float32 only per scale group. Tiles are a few rows of one or two warps, as the
+dense integer GEMV's. Unlike the dense GEMV, a program meets one row of activations whatever
+the token count (`up` one pair's, `down` one token's), so the mode pays no more per weight at 8
+tokens than at one.
 
 Launch configurations: the tuning tables (kernels "moe_gemv_up", "moe_gemv_down", keyed by
 shape, format, dtype and the token count) over `default_config`.

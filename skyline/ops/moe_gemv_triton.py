@@ -86,12 +86,12 @@ if triton is not None:
         # [BLOCK_N] float32: MXFP4 rows n (clamped to the expert's, so unmasked) at w32_rows
         # (int32 words) against row `row` of the rounded activations, by the dense integer
         # GEMV's tile function
-        acc = tl.zeros((BLOCK_K // 16, BLOCK_N, 1, 2), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_K // 32, BLOCK_N, 1), dtype=tl.float32)
         m = tl.zeros((1,), dtype=tl.int32) + row
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             acc = _fp4_a8(xq_ptr, xf_ptr, w32_rows, s_rows, n, m, k0, K, K // 32,
                           stride_wn // 4, stride_sn, acc, True, ASM, EVEN_K)
-        return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=0), axis=1)
+        return tl.sum(tl.sum(acc, axis=0), axis=1)
 
     @triton.jit
     def up_kernel(

@@ -1,7 +1,9 @@
-"""The grouped GEMM's MXFP4 decode in PTX (moe_triton._E2M1_BF16) run by a small interpreter of
-its instructions, against the reference decode, for every byte and a spread of scales: CI has
-no GPU, so this checks the tables, the permutes' selectors and the sign bits where the kernel's
-CUDA test cannot run."""
+"""The E2M1 decodes in PTX run by a small interpreter of their instructions: CI has no GPU, so
+this checks the tables, the permutes' selectors and the sign bits where the kernels' CUDA tests
+cannot run. The grouped GEMM's MXFP4 tiles (moe_triton._E2M1_BF16) against the reference decode
+for every byte and a spread of scales; the integer mode's dot products of a scale group's code
+words with int8 x (gemv_block_a8_triton._FP4_DOT_2 / _4: NVFP4, MXFP4) against the integer sum,
+every code at every place of a word."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from skyline.ops.fp4 import dequantize_mxfp4
 
 pytest.importorskip("triton")  # the asm is defined where Triton is
-from skyline.ops import moe_triton  # noqa: E402
+from skyline.ops import gemv_block_a8_triton, moe_triton  # noqa: E402
 
 MASK = 0xFFFFFFFF
 
@@ -48,20 +50,32 @@ def _fma_bf16x2(a: int, b: int, c: int) -> int:
     return out
 
 
+def _dp4a(a: int, b: int, c: int) -> int:
+    # dp4a.s32.s32: c + the products of a's and b's signed bytes, in int32
+    sb = [((v >> 8 * i) & 0xFF) - (256 if (v >> 8 * i) & 0x80 else 0) for v in (a, b)
+          for i in range(4)]
+    c = c - (1 << 32) if c & 0x80000000 else c
+    return (c + sum(sb[i] * sb[4 + i] for i in range(4))) & MASK
+
+
 OPS = {"mov.b32": lambda v: v[0], "and.b32": lambda v: v[0] & v[1],
        "or.b32": lambda v: v[0] | v[1], "shl.b32": lambda v: (v[0] << v[1]) & MASK,
        "shr.b32": lambda v: v[0] >> v[1], "prmt.b32": lambda v: _prmt(*v),
-       "fma.rn.bf16x2": lambda v: _fma_bf16x2(*v)}
+       "fma.rn.bf16x2": lambda v: _fma_bf16x2(*v), "dp4a.s32.s32": lambda v: _dp4a(*v)}
 
 
 def run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
-    """Interpret the instructions the decode uses (OPS, on b32 registers), `regs` holding its
-    operands $0..$6."""
+    """Interpret the instructions the decodes use (OPS, on b32 registers, and mov.b64's split
+    of a 64-bit operand into two), `regs` holding their operands $0.."""
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line[0] in "{}." or line.startswith("//"):
             continue
         op, args = line.split(None, 1)
+        if op == "mov.b64":  # mov.b64 {lo, hi}, $n
+            lo, hi, src = re.fullmatch(r"\{(\w+), (\w+)\}, (\$\d+)", args).groups()
+            regs[lo], regs[hi] = regs[src] & MASK, regs[src] >> 32
+            continue
         d, *src = [a.strip() for a in args.split(",")]
         regs[d] = OPS[op]([regs[t] if t in regs else int(t, 0) for t in src])
     return regs
@@ -86,3 +100,31 @@ def test_ptx_decode_matches_the_reference():
             rows = w.view(4, 1).expand(4, 16).contiguous()
             want = dequantize_mxfp4(rows, exps.to(torch.uint8).view(4, 1)).float()
             assert got_lo == want[:, 0].tolist() and got_hi == want[:, 1].tolist(), (w, exps)
+
+
+E2M1_DOUBLED = [0, 1, 2, 3, 4, 6, 8, 12]
+
+
+@pytest.mark.parametrize("words", [2, 4])
+def test_ptx_group_dot_matches_the_integer_sum(words):
+    asm = str((gemv_block_a8_triton._FP4_DOT_2 if words == 2
+               else gemv_block_a8_triton._FP4_DOT_4).value)
+    assert set(re.findall(r"\$(\d)", asm)) == {str(i) for i in range(2 * words + 1)}
+    g = torch.Generator().manual_seed(0)
+    for trial in range(48):
+        # trial t < 16 puts code (t + place) % 16 at every place; then random codes
+        codes = (torch.tensor([[(trial + 8 * w + i) % 16 for i in range(8)]
+                               for w in range(words)]) if trial < 16
+                 else torch.randint(0, 16, (words, 8), generator=g))
+        xs = torch.randint(-127, 128, (words, 8), generator=g)
+        if trial % 5 == 4:  # the extremes of x
+            xs = torch.where(xs > 0, 127, -127)
+        regs = {}
+        for w in range(words):
+            regs[f"${1 + w}"] = sum(int(c) << 4 * i for i, c in enumerate(codes[w]))
+            regs[f"${1 + words + w}"] = sum((int(x) & 0xFF) << 8 * i for i, x in enumerate(xs[w]))
+        got = run_ptx(asm, regs)["$0"]
+        got = got - (1 << 32) if got & 0x80000000 else got
+        want = sum((-1 if c >= 8 else 1) * E2M1_DOUBLED[int(c) & 7] * int(x)
+                   for c, x in zip(codes.flatten(), xs.flatten(), strict=True))
+        assert got == want, (codes, xs)
