@@ -1,5 +1,5 @@
 """Instructions per weight in the inner loop of the block-scaled GEMV (ops/gemv_block.py: NVFP4,
-GGUF Q6_K and Q5_K), read from the PTX that Triton generates for sm_90, without a GPU (Triton
+MXFP4, GGUF Q6_K and Q5_K), read from the PTX that Triton generates for sm_90, without a GPU (Triton
 compiles for a target it is told; ptxas assembles it, so a kernel that does not build fails).
 
   python bench/kernels/gemv_block_ptx_count.py --out bench/results/kernels/gemv-block-ptx.json
@@ -48,9 +48,10 @@ def loop_ptx(fmt: int, mode: str, block_n: int, block_m: int, warps: int) -> lis
 
     if mode == "a8":
         sig = dict(A8_SIGNATURE)
-        if fmt in (0, 3):  # x as int64s of eight columns; NVFP4's E4M3 scales
+        if fmt in (0, 3):  # x as int64s of eight columns
             sig |= {"xq_ptr": "*i64", "ts_ptr": "*fp32"}
-            sig |= {"s_ptr": "*fp8e4nv"} if fmt == 0 else {}
+        if fmt == 0:  # NVFP4's E4M3 scales (MXFP4's E8M0 are bytes)
+            sig |= {"s_ptr": "*fp8e4nv"}
         # a GGUF row of Q6_K blocks is not a multiple of 16 bytes
         divisible = A8_DIVISIBLE + (["stride_w", "KP"] if fmt != 1 else [])
         const = dict(FORMAT=fmt, HAS_BIAS=False, SPLIT=True, EVEN_K=True, BLOCK_M=block_m,

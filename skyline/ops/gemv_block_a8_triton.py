@@ -29,7 +29,8 @@ a vector width, no change of layout. Per format, what a lane turns into words:
   per 16, E8M0 per 32) carries the 1/2. A lane takes a whole scale group (NVFP4 2 words, MXFP4
   4) at once: one vector load of its codes and of x, one piece of PTX for its dot product,
   then one conversion to float and one multiply-add by the scales for the group (a word at a
-  time took 1.5x the instructions a weight: bench/kernels/gemv_block_ptx_count.py).
+  time took 1.2x (NVFP4) and 1.5x (MXFP4) the instructions a weight in the loop:
+  bench/kernels/gemv_block_ptx_count.py).
 The portable forms (ASM off: the interpreter) compute the same integers with shifts.
 """
 
