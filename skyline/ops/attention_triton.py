@@ -29,6 +29,12 @@ if triton is not None:
         f16 = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         return tl.where((b & 0x7F) == 0x7F, float("nan"), f16).to(tl.float16)
 
+    # a word of four e4m3 bytes -> four fp16 ($0..$3: bytes 0..3), two per conversion
+    _E4M3X4_TO_F16 = tl.constexpr(
+        "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+        "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; "
+        "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }")
+
     @triton.jit
     def _e4m3_words_to_f16(words, ASM: tl.constexpr):
         # [N, W] int32 words of four e4m3 bytes each -> [N, 4 W] fp16, byte j of word w at
@@ -36,10 +42,8 @@ if triton is not None:
         # each byte reinterpreted and converted.
         if ASM:
             b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
-                "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; "
-                "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-                "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+                _E4M3X4_TO_F16, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1)
         else:
             b0 = _e4m3_byte(words, 0)
             b1 = _e4m3_byte(words, 8)

@@ -1,84 +1,31 @@
-"""The E2M1 decodes in PTX run by a small interpreter of their instructions: CI has no GPU, so
-this checks the tables, the permutes' selectors and the sign bits where the kernels' CUDA tests
-cannot run. The grouped GEMM's MXFP4 tiles (moe_triton._E2M1_BF16) against the reference decode
-for every byte and a spread of scales; the integer mode's dot products of a scale group's code
-words with int8 x (gemv_block_a8_triton._FP4_DOT_2 / _4: NVFP4, MXFP4) against the integer sum,
-every code at every place of a word."""
+"""The kernels' inline PTX run by a small interpreter of its instructions (ptx_interp.py): CI has
+no GPU, so this checks the tables, the permutes' selectors, the sign bits and the order of the
+outputs where the kernels' CUDA tests cannot run. The grouped GEMM's MXFP4 tiles
+(moe_triton._E2M1_BF16) against the reference decode for every byte and a spread of scales; the
+integer mode's dot products of a scale group's code words with int8 x
+(gemv_block_a8_triton._FP4_DOT_2 / _4: NVFP4, MXFP4) against the integer sum, every code at
+every place of a word; the W4A8 GEMV's INT4 dot (gemv_int_a8_triton._DP4A_INT4), the INT4
+tensor-core unpacking (gemv_quant_triton._INT4_ASM_*) for every byte, and the fp8 KV cache's
+e4m3 conversion (attention_triton._E4M3X4_TO_F16) for every code."""
 
 from __future__ import annotations
 
 import re
-import struct
 
 import pytest
 import torch
+from ptx_interp import bf16_value, run_ptx, to_bits
 
 from skyline.ops.fp4 import dequantize_mxfp4
 
 pytest.importorskip("triton")  # the asm is defined where Triton is
-from skyline.ops import gemv_block_a8_triton, moe_triton  # noqa: E402
-
-MASK = 0xFFFFFFFF
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    # PTX prmt.b32 (default mode): byte k of the result is byte (sel >> 4k) & 7 of {b, a},
-    # or that byte's sign bit replicated where bit 3 of the selector's nibble is set
-    pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
-    out = 0
-    for k in range(4):
-        nib = (sel >> 4 * k) & 0xF
-        v = pool[nib & 7]
-        out |= ((0xFF if v & 0x80 else 0) if nib & 8 else v) << 8 * k
-    return out
-
-
-def _bf16(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
-
-
-def _to_bf16_bits(x: float) -> int:
-    t = torch.tensor([x], dtype=torch.float32).bfloat16().view(torch.int16).item()
-    return t & 0xFFFF
-
-
-def _fma_bf16x2(a: int, b: int, c: int) -> int:
-    out = 0
-    for h in range(2):
-        x = _bf16(a >> 16 * h) * _bf16(b >> 16 * h) + _bf16(c >> 16 * h)
-        out |= _to_bf16_bits(x) << 16 * h
-    return out
-
-
-def _dp4a(a: int, b: int, c: int) -> int:
-    # dp4a.s32.s32: c + the products of a's and b's signed bytes, in int32
-    sb = [((v >> 8 * i) & 0xFF) - (256 if (v >> 8 * i) & 0x80 else 0) for v in (a, b)
-          for i in range(4)]
-    c = c - (1 << 32) if c & 0x80000000 else c
-    return (c + sum(sb[i] * sb[4 + i] for i in range(4))) & MASK
-
-
-OPS = {"mov.b32": lambda v: v[0], "and.b32": lambda v: v[0] & v[1],
-       "or.b32": lambda v: v[0] | v[1], "shl.b32": lambda v: (v[0] << v[1]) & MASK,
-       "shr.b32": lambda v: v[0] >> v[1], "prmt.b32": lambda v: _prmt(*v),
-       "fma.rn.bf16x2": lambda v: _fma_bf16x2(*v), "dp4a.s32.s32": lambda v: _dp4a(*v)}
-
-
-def run_ptx(asm: str, regs: dict[str, int]) -> dict[str, int]:
-    """Interpret the instructions the decodes use (OPS, on b32 registers, and mov.b64's split
-    of a 64-bit operand into two), `regs` holding their operands $0.."""
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line[0] in "{}." or line.startswith("//"):
-            continue
-        op, args = line.split(None, 1)
-        if op == "mov.b64":  # mov.b64 {lo, hi}, $n
-            lo, hi, src = re.fullmatch(r"\{(\w+), (\w+)\}, (\$\d+)", args).groups()
-            regs[lo], regs[hi] = regs[src] & MASK, regs[src] >> 32
-            continue
-        d, *src = [a.strip() for a in args.split(",")]
-        regs[d] = OPS[op]([regs[t] if t in regs else int(t, 0) for t in src])
-    return regs
+from skyline.ops import (  # noqa: E402
+    attention_triton,
+    gemv_block_a8_triton,
+    gemv_int_a8_triton,
+    gemv_quant_triton,
+    moe_triton,
+)
 
 
 def test_ptx_decode_matches_the_reference():
@@ -94,8 +41,8 @@ def test_ptx_decode_matches_the_reference():
             regs = run_ptx(asm, {"$4": int.from_bytes(bytes(w.tolist()), "little"),
                                  "$5": scale_bits[0] | scale_bits[1] << 16,
                                  "$6": scale_bits[2] | scale_bits[3] << 16})
-            got_lo = [_bf16(regs[r] >> 16 * h) for r in ("$0", "$1") for h in range(2)]
-            got_hi = [_bf16(regs[r] >> 16 * h) for r in ("$2", "$3") for h in range(2)]
+            got_lo = [bf16_value(regs[r] >> 16 * h) for r in ("$0", "$1") for h in range(2)]
+            got_hi = [bf16_value(regs[r] >> 16 * h) for r in ("$2", "$3") for h in range(2)]
             # the reference: each byte as a row of 32 values, its code repeated, one scale
             rows = w.view(4, 1).expand(4, 16).contiguous()
             want = dequantize_mxfp4(rows, exps.to(torch.uint8).view(4, 1)).float()
@@ -128,3 +75,49 @@ def test_ptx_group_dot_matches_the_integer_sum(words):
         want = sum((-1 if c >= 8 else 1) * E2M1_DOUBLED[int(c) & 7] * int(x)
                    for c, x in zip(codes.flatten(), xs.flatten(), strict=True))
         assert got == want, (codes, xs)
+
+
+def _words(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 1 << 32, (n,), generator=g, dtype=torch.int64).tolist()
+
+
+def test_ptx_int4_against_int8_words_matches_the_byte_sums():
+    # gemv_int_a8's W4A8 dot: a word's low nibbles against xa's bytes, its high ones xb's
+    asm = str(gemv_int_a8_triton._DP4A_INT4.value)
+    g = torch.Generator().manual_seed(1)
+    for w, xa, xb in zip(_words(g, 200), _words(g, 200), _words(g, 200), strict=True):
+        got = run_ptx(asm, {"$1": w, "$2": xa, "$3": xb})["$0"]
+        want = 0
+        for b in range(4):
+            sa = ((xa >> 8 * b) & 0xFF) - (256 if (xa >> 8 * b) & 0x80 else 0)
+            sb = ((xb >> 8 * b) & 0xFF) - (256 if (xb >> 8 * b) & 0x80 else 0)
+            want += ((w >> 8 * b) & 0xF) * sa + ((w >> (8 * b + 4)) & 0xF) * sb
+        assert got == want & 0xFFFFFFFF, (w, xa, xb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ptx_int4_to_offset_floats(dtype):
+    # gemv_quant's tensor-core unpacking: byte j's low / high nibble q -> OFFSET + q, exact
+    asm = str((gemv_quant_triton._INT4_ASM_BF16 if dtype == torch.bfloat16
+               else gemv_quant_triton._INT4_ASM_FP16).value)
+    offset = 128 if dtype == torch.bfloat16 else 1024
+    for word in [int.from_bytes(bytes([4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]), "little")
+                 for i in range(64)]:  # every byte
+        regs = run_ptx(asm, {"$4": word})
+        got_lo = [regs[r] >> 16 * h & 0xFFFF for r in ("$0", "$1") for h in range(2)]
+        got_hi = [regs[r] >> 16 * h & 0xFFFF for r in ("$2", "$3") for h in range(2)]
+        data = word.to_bytes(4, "little")
+        assert got_lo == [to_bits(offset + (b & 0xF), dtype) for b in data], hex(word)
+        assert got_hi == [to_bits(offset + (b >> 4), dtype) for b in data], hex(word)
+
+
+def test_ptx_e4m3_words_to_f16_in_byte_order():
+    # the fp8 KV cache's conversion: byte j of a word -> output j, as fp16
+    asm = str(attention_triton._E4M3X4_TO_F16.value)
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).to(torch.float16).view(torch.int16).tolist()
+    for i in range(64):
+        word = int.from_bytes(bytes(range(4 * i, 4 * i + 4)), "little")
+        regs = run_ptx(asm, {"$4": word})
+        assert [regs[f"${j}"] for j in range(4)] == [want[4 * i + j] & 0xFFFF
+                                                     for j in range(4)], i
