@@ -33,7 +33,7 @@ from skyline.ops.fp4 import dequantize_mxfp4, dequantize_nvfp4
 from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
 from skyline.ops.gemv_int_a8 import CHUNK, INT8_MAX, quantize_chunks_int8_ref
 from skyline.ops.pdl import use_pdl
-from skyline.ops.triton_utils import interpreted, triton
+from skyline.ops.triton_utils import inline_ptx, interpreted, triton
 from skyline.ops.tuning import get_config
 
 NVFP4, Q6_K, Q5_K, MXFP4 = 0, 1, 2, 3  # FORMAT
@@ -273,7 +273,7 @@ def _launch_a8(fmt: int, x2: torch.Tensor, w: torch.Tensor, scales: torch.Tensor
         EVEN_K=kp % (split_k * cfg["BLOCK_K"]) == 0 and kp <= kc * CHUNK, BLOCK_M=row_bucket(m),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interp else 0,
-        ASM=not interp and dev.type == "cuda" and not torch.version.hip, PDL=pdl,
+        ASM=inline_ptx(dev), PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y

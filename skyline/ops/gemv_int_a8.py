@@ -39,7 +39,7 @@ from skyline.ops.fp8_quant import absmax_scales_ref
 from skyline.ops.gemv import _cdiv, gemv_rows, row_bucket, split_k_plan
 from skyline.ops.gemv_quant import config_key
 from skyline.ops.pdl import use_pdl
-from skyline.ops.triton_utils import interpreted, triton
+from skyline.ops.triton_utils import inline_ptx, interpreted, triton
 from skyline.ops.tuning import get_config
 
 KERNEL = "gemv_int4a8"
@@ -194,7 +194,7 @@ def int4_gemv_a8(x: torch.Tensor | Int8Chunks, qweight: torch.Tensor, scales: to
         HAS_BIAS=bias is not None, EVEN_K=k % (split_k * block_k) == 0, SPLIT=split_k > 1,
         BLOCK_M=row_bucket(m), BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=cfg["num_stages"],
         STATIC_ITERS=k_iters if interp else 0, PREFETCH=cfg.get("PREFETCH", False),
-        ASM=not interp and dev.type == "cuda" and not torch.version.hip, PDL=pdl,
+        ASM=inline_ptx(dev), PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )
     return y if rounded else y.reshape(*x.shape[:-1], n)

@@ -47,7 +47,7 @@ import torch
 from skyline.ops import gemv_quant_triton as kernels
 from skyline.ops.gemv import MAX_ROWS, _cdiv, gemv_rows, row_bucket, split_k_plan
 from skyline.ops.pdl import use_pdl
-from skyline.ops.triton_utils import interpreted, triton
+from skyline.ops.triton_utils import inline_ptx, interpreted, triton
 from skyline.ops.tuning import get_config
 
 FP8, INT8, INT4 = 0, 1, 2  # WEIGHT_KIND
@@ -292,7 +292,7 @@ def _launch(kind: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         NUM_STAGES=cfg["num_stages"], STATIC_ITERS=k_iters if interp else 0,
         X_QUANT=0 if not a8 else (1 if x_scale is not None else 2), ROUND_E4M3=interp,
         XS_BLOCK=xs_block, XS_STRIDE=_cdiv(k, xs_block) if xs_block else 1,
-        INT4_ASM=0 if interp or torch.version.hip else _INT4_ASM.get(x.dtype, 0),
+        INT4_ASM=_INT4_ASM.get(x.dtype, 0) if inline_ptx(x.device) else 0,
         INT4_OFFSET=_INT4_OFFSET.get(x.dtype, 0.0), X_LEFT=bool(cfg.get("X_LEFT", False)),
         PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
     )

@@ -33,7 +33,7 @@ from skyline import envs
 from skyline.ops.activation import silu_and_mul
 from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.gemv_block import rounded_x_ref
-from skyline.ops.triton_utils import interpreted, triton
+from skyline.ops.triton_utils import inline_ptx, interpreted, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 KERNEL = "fused_moe"  # the grouped GEMM's name in the tuning tables
@@ -258,8 +258,7 @@ def grouped_matmul_triton(
         SCALE_BN=blk[0], SCALE_BK=blk[1], HAS_BIAS=w.bias is not None,
         ROUTE=route_weights is not None, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"],
         BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
-        ASM=(w.fmt == "mxfp4" and a.dtype == torch.bfloat16 and not interpreted()
-             and not torch.version.hip),
+        ASM=w.fmt == "mxfp4" and a.dtype == torch.bfloat16 and inline_ptx(a.device),
         PIPELINE=not interpreted() and config["num_stages"] > 1,
         NUM_STAGES=config["num_stages"], num_warps=config["num_warps"],
         num_stages=config["num_stages"],

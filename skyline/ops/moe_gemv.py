@@ -59,7 +59,7 @@ import torch
 from skyline.ops import moe_gemv_triton as kernels
 from skyline.ops.gemv_block import round_x_q8
 from skyline.ops.moe import SWIGLU_ALPHA, ExpertWeights
-from skyline.ops.triton_utils import interpreted, triton
+from skyline.ops.triton_utils import inline_ptx, triton
 from skyline.ops.tuning import dtype_name, get_config
 
 MAX_TOKENS = 8  # fused_moe runs this path for 1..MAX_TOKENS tokens on CUDA
@@ -197,7 +197,7 @@ def fused_moe_gemv(
     emap = expert_map if expert_map is not None else ids
     h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
-    asm = not interpreted() and x.is_cuda and not torch.version.hip
+    asm = inline_ptx(x.device)
     for kernel, w, cfg, a, y, n, k in ((kernels.up_kernel, w13, up, x, h, inter, hidden),
                                        (kernels.down_kernel, w2, down, h, out, hidden, inter)):
         weight, scale, s_strides, bias, blk = _format_args(w)

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from skyline import envs
 
 triton: Any
@@ -26,6 +28,12 @@ except ImportError:
 def interpreted() -> bool:
     """Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
     return envs.ENV.triton_interpret
+
+
+def inline_ptx(device: torch.device) -> bool:
+    """Whether kernels launched on `device` may inline NVIDIA PTX: compiled (not interpreted),
+    on a CUDA device, and not a ROCm build."""
+    return not interpreted() and device.type == "cuda" and not torch.version.hip
 
 
 @dataclass
