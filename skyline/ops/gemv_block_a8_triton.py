@@ -251,16 +251,35 @@ if triton is not None:
         return acc + (d * sc0 * sx0) * d_lo + (d * sc1 * sx1) * d_hi - off
 
     @triton.jit
-    def _fp4_a8(xq64_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_m, k0, KP, KC, stride_w32,
-                stride_sn, acc, MX: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
+    def _fp4_codes(w32_ptr, rows, offs_m, k0, KP, stride_w32, G: tl.constexpr,
+                   MX: tl.constexpr, EVEN: tl.constexpr):
+        # The code words of columns [k0, k0 + G * SG) of each row, [G, BLOCK_N, BLOCK_M, SG / 8]
+        # (scale group, row, row of x, word): one vector load a group, in the layout of x's
+        # words that _fp4_a8 meets them with. Columns at or past Kp (the stored width) read
+        # nothing, unless EVEN (Kp a whole number of tiles).
+        SG: tl.constexpr = 32 if MX else 16
+        W: tl.constexpr = SG // 8
+        g3 = tl.arange(0, G)[:, None, None]
+        g = g3[:, :, :, None]
+        e = tl.arange(0, W)[None, None, None, :]
+        r4 = rows[None, :, None, None]
+        m4 = offs_m[None, None, :, None]
+        zero = r4 * 0 + m4 * 0 + g * 0 + e * 0
+        g_ok = (k0 + g3 * SG) < KP  # [G, 1, 1]
+        return _load(w32_ptr + zero + r4 * stride_w32 + k0 // 8 + g * W + e,
+                     g_ok[:, :, :, None], EVEN)
+
+    @triton.jit
+    def _fp4_a8(xq64_ptr, xf_ptr, wv, s_ptr, rows, offs_m, k0, KP, KC, stride_sn, acc,
+                MX: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr):
         # acc [BLOCK_K / SG, BLOCK_N, BLOCK_M] float32 (scale group, row, row of x) plus
         # columns [k0, k0 + BLOCK_K) of each row, a scale group of SG columns (NVFP4 16, MXFP4
-        # 32) at a time: its W = SG / 8 code words (one vector load) against the int64s of x
-        # over the same columns, loaded at [G, BN, BM, W] (so in one layout), their integer
+        # 32) at a time: its W = SG / 8 code words wv (from _fp4_codes) against the int64s of
+        # x over the same columns, loaded at [G, BN, BM, W] (so in one layout), their integer
         # dot product made in one piece of PTX, then times the group's scales. Columns at or
-        # past Kp (the stored width) read nothing, unless EVEN (Kp a whole number of tiles, x
-        # as wide). The group's scale: NVFP4's E4M3, or (MX) MXFP4's E8M0, 2^(e - 127) made
-        # from its bits (e = 0 reads 0, not 2^-127), halved: the codes are doubled.
+        # past Kp read nothing, unless EVEN (Kp a whole number of tiles, x as wide). The
+        # group's scale: NVFP4's E4M3, or (MX) MXFP4's E8M0, 2^(e - 127) made from its bits
+        # (e = 0 reads 0, not 2^-127), halved: the codes are doubled.
         G: tl.constexpr = acc.shape[0]
         SG: tl.constexpr = 32 if MX else 16
         W: tl.constexpr = SG // 8
@@ -269,12 +288,10 @@ if triton is not None:
         e = tl.arange(0, W)[None, None, None, :]
         r3 = rows[None, :, None]
         m3 = offs_m[None, None, :]
-        r4 = r3[:, :, :, None]
         m4 = m3[:, :, :, None]
         word = k0 // 8 + g * W + e  # the word of each 8 columns
-        zero = r4 * 0 + m4 * 0 + g * 0 + e * 0
+        zero = rows[None, :, None, None] * 0 + m4 * 0 + g * 0 + e * 0
         g_ok = (k0 + g3 * SG) < KP  # [G, 1, 1]
-        wv = _load(w32_ptr + zero + r4 * stride_w32 + word, g_ok[:, :, :, None], EVEN)
         xv = _load(xq64_ptr + zero + m4 * (KC * 4) + word, word < KC * 4, EVEN)
         dot = _e2m1_group_dot(wv, xv, MX, ASM).to(tl.float32)  # [G, BN, BM]
         sg = k0 // SG + g3
@@ -301,8 +318,9 @@ if triton is not None:
         # stride_w is the bytes of a stored row. Rows of W and x past N and M read the last
         # one (their results are not stored), so loads need no mask but for K: with EVEN_K
         # every split's tiles lie inside it. Each tile adds float32 partials at the tile
-        # function's shape, summed once at the end.
-        pdl_wait(PDL)
+        # function's shape, summed once at the end. FP4: the first tile's codes are loaded
+        # before the wait for the previous kernel (no kernel of a step writes weights), so
+        # their latency overlaps its end; then the loop takes the tiles after it.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -312,19 +330,27 @@ if triton is not None:
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)
         offs_mc = tl.minimum(offs_m, M - 1)
         t_start = pid_k * k_iters
-        if FORMAT == 0:
-            acc = tl.zeros((BLOCK_K // 16, BLOCK_N, BLOCK_M), dtype=tl.float32)
-        elif FORMAT == 3:
-            acc = tl.zeros((BLOCK_K // 32, BLOCK_N, BLOCK_M), dtype=tl.float32)
+        FP4: tl.constexpr = FORMAT == 0 or FORMAT == 3
+        G: tl.constexpr = BLOCK_K // (32 if FORMAT == 3 else 16)  # FP4's scale groups a tile
+        if FP4:
+            acc = tl.zeros((G, BLOCK_N, BLOCK_M), dtype=tl.float32)
+            wv = _fp4_codes(w32_ptr, rows, offs_mc, t_start * BLOCK_K, KP, stride_w // 4, G,
+                            FORMAT == 3, EVEN_K)
         elif FORMAT == 1:
             acc = tl.zeros((2, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
         else:
             acc = tl.zeros((4, BLOCK_N, BLOCK_M, 8), dtype=tl.float32)
-        for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
+        pdl_wait(PDL)
+        if FP4:
+            acc = _fp4_a8(xq_ptr, xf_ptr, wv, s_ptr, rows, offs_mc, t_start * BLOCK_K, KP, KC,
+                          stride_sn, acc, FORMAT == 3, ASM, EVEN_K)
+        for it in tl.range(1 if FP4 else 0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):
-            if FORMAT == 0 or FORMAT == 3:
-                acc = _fp4_a8(xq_ptr, xf_ptr, w32_ptr, s_ptr, rows, offs_mc,
-                              (t_start + it) * BLOCK_K, KP, KC, stride_w // 4, stride_sn,
+            if FP4:
+                k0 = (t_start + it) * BLOCK_K
+                wt = _fp4_codes(w32_ptr, rows, offs_mc, k0, KP, stride_w // 4, G, FORMAT == 3,
+                                EVEN_K)
+                acc = _fp4_a8(xq_ptr, xf_ptr, wt, s_ptr, rows, offs_mc, k0, KP, KC, stride_sn,
                               acc, FORMAT == 3, ASM, EVEN_K)
             else:
                 # BLOCK_K / 256 super-blocks, unrolled in one basic block, so that the loads of

@@ -110,12 +110,13 @@ if triton is not None:
         # least as many as the threads: smaller tiles leave warps without chunks of their own).
         # A chunk's four dp4a sums add up exactly in int32, then
         # scale * (dot * x_scale - zero * x_scale * sum(x_q)) joins the float32 sum.
-        # PREFETCH (EVEN_K): the next tile's words are loaded before this one's are used.
+        # PREFETCH (EVEN_K): the next tile's words are loaded before this one's are used;
+        # always with PDL, where the first tile's are loaded before the wait for the previous
+        # kernel (no kernel of a step writes weights), so their latency overlaps its end.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         BC: tl.constexpr = BLOCK_K // 32
         c_start = pid_k * k_iters * BC
-        pdl_wait(PDL)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_c = tl.arange(0, BC)
@@ -136,9 +137,10 @@ if triton is not None:
         f_ok = m4 < M
         acc = tl.zeros((BC, BLOCK_N, BLOCK_M, 1), dtype=tl.float32)
         n_iters = STATIC_ITERS if STATIC_ITERS > 0 else k_iters
-        PF: tl.constexpr = PREFETCH and EVEN_K
+        PF: tl.constexpr = (PREFETCH or PDL) and EVEN_K
         if PF:
             w_next = tl.load(w_ptrs, mask=n_ok, other=0)
+        pdl_wait(PDL)
         # (the interpreter cannot loop to a runtime bound; it gets the count as a constant)
         for it in tl.range(0, STATIC_ITERS if STATIC_ITERS > 0 else k_iters,
                            num_stages=NUM_STAGES):

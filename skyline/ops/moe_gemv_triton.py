@@ -10,7 +10,7 @@ from __future__ import annotations
 from skyline.ops.triton_utils import tl, triton
 
 if triton is not None:
-    from skyline.ops.gemv_block_a8_triton import _fp4_a8
+    from skyline.ops.gemv_block_a8_triton import _fp4_a8, _fp4_codes
     from skyline.ops.moe_triton import _e2m1_to_f32_scaled, _e8m0_to_f32
 
     @triton.jit
@@ -89,8 +89,9 @@ if triton is not None:
         acc = tl.zeros((BLOCK_K // 32, BLOCK_N, 1), dtype=tl.float32)
         m = tl.zeros((1,), dtype=tl.int32) + row
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            acc = _fp4_a8(xq_ptr, xf_ptr, w32_rows, s_rows, n, m, k0, K, K // 32,
-                          stride_wn // 4, stride_sn, acc, True, ASM, EVEN_K)
+            wv = _fp4_codes(w32_rows, n, m, k0, K, stride_wn // 4, BLOCK_K // 32, True, EVEN_K)
+            acc = _fp4_a8(xq_ptr, xf_ptr, wv, s_rows, n, m, k0, K, K // 32, stride_sn, acc,
+                          True, ASM, EVEN_K)
         return tl.sum(tl.sum(acc, axis=0), axis=1)
 
     @triton.jit
