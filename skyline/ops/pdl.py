@@ -7,7 +7,9 @@ launched with PDL is scheduled as soon as every program of its predecessor has s
 (`griddepcontrol.launch_dependents`); its programs then wait at `griddepcontrol.wait` until the
 predecessor has completed and its writes are visible. Every kernel here calls `pdl_wait` before
 it touches global memory, so it reads nothing early and overwrites nothing its predecessor
-still reads; the call also signals its own successor, keeping exactly one launch ahead.
+still reads; the call also signals its own successor, keeping exactly one launch ahead. The one
+exception is weights, which no kernel of a step writes: the integer-mode GEMVs load their first
+weight tile before the wait, so its latency overlaps the end of the kernel before.
 
 Launches without the attribute (torch ops, cuBLAS) keep their full-grid ordering, and a PDL
 launch after one of them waits for its completion as usual, so the two kinds mix safely, also
