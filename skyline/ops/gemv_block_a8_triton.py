@@ -290,9 +290,9 @@ if triton is not None:
         m3 = offs_m[None, None, :]
         m4 = m3[:, :, :, None]
         word = k0 // 8 + g * W + e  # the word of each 8 columns
-        zero = rows[None, :, None, None] * 0 + m4 * 0 + g * 0 + e * 0
         g_ok = (k0 + g3 * SG) < KP  # [G, 1, 1]
-        xv = _load(xq64_ptr + zero + m4 * (KC * 4) + word, word < KC * 4, EVEN)
+        # x's words at the codes' shape [G, BN, BM, W], so both are in one layout
+        xv = _load(xq64_ptr + tl.zeros_like(wv) + m4 * (KC * 4) + word, word < KC * 4, EVEN)
         dot = _e2m1_group_dot(wv, xv, MX, ASM).to(tl.float32)  # [G, BN, BM]
         sg = k0 // SG + g3
         if MX:
@@ -364,7 +364,7 @@ if triton is not None:
                     else:
                         acc = _q5_k_a8(xq_ptr, xf_ptr, w16_ptr, w32_ptr, rows, ok, offs_mc, t,
                                        KC, stride_w, acc, ASM, EVEN_K)
-        if FORMAT == 0 or FORMAT == 3:
+        if FP4:
             out = tl.sum(acc, axis=0)
         else:
             out = tl.sum(tl.sum(acc, axis=3), axis=0)
