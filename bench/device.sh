@@ -37,6 +37,10 @@
 #                  and from disk (against KV bytes / disk read rate), for each KV dtype in
 #                  LONG_KVS (auto,fp8); the disk tier in KV_DISK (/var/tmp/skyline-kv, on a
 #                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
+#   long-ab        the LONG_LEN-token prompt's cold TTFT alone (--cold-only, the engine on 0.9
+#                  of the GPU) for each KV dtype in LONG_KVS (auto), twice: every chunk on the
+#                  paged Triton kernel (SKYLINE_DENSE_PREFILL_TOKENS=0), then chunks of 2,048
+#                  tokens and more through torch's dense kernel (ops/attention_dense.py, =2048)
 #   fast-start     start-up by phase from a bf16 safetensors checkpoint (bench/fast_start.py,
 #                  written to FAST_START_DIR, /tmp/skyline-fast-start-$MODEL, unless there):
 #                  the engine built in a fresh process and `skyline serve` to its first 200
@@ -257,6 +261,17 @@ stage_long() {
     --kv-cache-dtypes "${LONG_KVS:-auto,fp8}" --disk-dir "${KV_DISK:-/var/tmp/skyline-kv}" \
     --out "$OUT/long-prompt-$G-$M-$((n / 1000))k$TAG.json"
   rm -rf "${KV_DISK:-/var/tmp/skyline-kv}"
+}
+
+stage_long_ab() {
+  local n=${LONG_LEN:-200000} path
+  for path in paged dense; do
+    echo "== $n tokens cold, $path attention for long chunks"
+    SKYLINE_DENSE_PREFILL_TOKENS=$([ $path = paged ] && echo 0 || echo 2048) \
+      python3 bench/long_prompt.py --model "$M" --prompt-len "$n" --chunk 8192 --cold-only \
+      --kv-cache-dtypes "${LONG_KVS:-auto}" \
+      --out "$OUT/long-prompt-$G-$M-$((n / 1000))k-cold-$path$TAG.json"
+  done
 }
 
 stage_fleet() {

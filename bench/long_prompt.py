@@ -15,6 +15,9 @@ Per KV dtype (--kv-cache-dtypes, default auto and fp8):
 - disk: a new engine with the disk tier only, the files dropped from the page cache first:
   the KV comes from disk. Floor = the KV bytes / the disk read rate measured here (8 readers
   of 8 MiB pieces of one file, written and dropped from the page cache the same way).
+--cold-only measures the cold TTFT alone (no tiers), the engine on 0.9 of the GPU, e.g. once
+with every chunk on the paged Triton kernel and once with SKYLINE_DENSE_PREFILL_TOKENS=2048
+(long chunks through ops/attention_dense.py), as the long-ab stage of bench/device.sh does.
 Beyond the trained context (Llama-3.1: 131,072) the rotary table is extended; with dummy
 weights only the speed is meaningful.
 """
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from skyline import envs
 from skyline.bench.floor import (
     disk_read_rate,
     drop_page_cache,
@@ -76,6 +80,27 @@ def filesystem(path: str) -> str:
     return kind
 
 
+def compute_floor(llm: LLM, n: int, peak: float) -> float:
+    """Seconds of an n-token prompt's FLOPs at `peak`: its linear layers and causal attention."""
+    arch = llm.config.model.arch
+    cost = llm.query("model_cost")  # the embedding is a lookup: not counted
+    params = cost.linear_params + cost.head_params
+    return (2 * n * params + 2 * arch.num_layers * arch.num_heads * arch.head_dim * n * n) / peak
+
+
+def run_cold(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[int],
+             warm: list[int], peak: float) -> dict[str, Any]:
+    """--cold-only: the prompt computed, no tiers, the engine on most of the GPU."""
+    llm = LLM(a.model, **engine, kv_cache_dtype=kv)
+    llm.generate([warm], TWO)  # kernel compilation
+    cold, tokens = ttft(llm, prompt)
+    floor = compute_floor(llm, len(prompt), peak)
+    llm.engine.shutdown()
+    return {"kv_cache_dtype": kv, "prompt_len": len(prompt), "cold_ttft_s": cold,
+            "compute_floor_s": floor, "cold_over_floor": cold / floor,
+            "tokens": {"cold": tokens}}
+
+
 def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[int],
            warm: list[int], peak: float, h2d: float, disk_rate: float) -> dict[str, Any]:
     disk = os.path.join(a.disk_dir, f"kv-{kv}")
@@ -85,15 +110,11 @@ def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[
     # some of this one's memory is slow to go back.
     llm = LLM(a.model, **kw, kv_offload_ram=a.ram, kv_offload_disk=disk,
               kv_offload_policy="eager", gpu_memory_utilization=0.45)
-    arch = llm.config.model.arch
     info = llm.query("describe")
     per_token = info["kv_cache_gib"] * 2**30 / info["kv_cache_tokens"]
-    cost = llm.query("model_cost")  # the embedding is a lookup: not counted
-    params = cost.linear_params + cost.head_params
     llm.generate([warm], TWO)  # kernel compilation
-    n = len(prompt)
     cold, cold_tokens = ttft(llm, prompt)
-    floor = (2 * n * params + 2 * arch.num_layers * arch.num_heads * arch.head_dim * n * n) / peak
+    floor = compute_floor(llm, len(prompt), peak)
     stats = llm.engine.stats()
     stored = stats["kv_offload_disk_stored_blocks"]
     llm.engine.scheduler.kv_manager.reset_prefix_cache()  # the device forgets; RAM keeps it
@@ -117,7 +138,7 @@ def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[
     shutil.rmtree(disk, ignore_errors=True)
     kv_bytes = ram_tokens_loaded * per_token
     return {
-        "kv_cache_dtype": kv, "prompt_len": n, "kv_bytes_per_token": per_token,
+        "kv_cache_dtype": kv, "prompt_len": len(prompt), "kv_bytes_per_token": per_token,
         "cold_ttft_s": cold, "compute_floor_s": floor, "cold_over_floor": cold / floor,
         "disk_blocks_written": stored,
         "ram_tokens_loaded": ram_tokens_loaded, "kv_bytes": kv_bytes,
@@ -142,6 +163,8 @@ def main() -> None:
                     "temporary one; put it on the disk to measure, not on tmpfs)")
     ap.add_argument("--disk-rate-bytes", default=4 << 30, type=int,
                     help="size of the file the disk read rate is measured on")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="the cold TTFT alone (no tiers), the engine on 0.9 of the GPU")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, 256 tokens")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -155,8 +178,8 @@ def main() -> None:
     try:
         dev = torch.device(device)
         peak = matmul_peak(dev)
-        h2d = host_to_device_bandwidth(dev)
-        disk_rate = disk_read_rate(a.disk_dir, a.disk_rate_bytes)
+        h2d = 0.0 if a.cold_only else host_to_device_bandwidth(dev)
+        disk_rate = 0.0 if a.cold_only else disk_read_rate(a.disk_dir, a.disk_rate_bytes)
         if device == "cuda":
             torch.cuda.empty_cache()
         engine = dict(load_format=a.load_format, max_model_len=a.prompt_len + 64,
@@ -171,7 +194,8 @@ def main() -> None:
         vocab = arch.vocab_size
         warm, prompt = random_prompts(2, a.prompt_len, vocab)
         warm = warm[: 2 * a.chunk]
-        runs = [run_kv(a, kv, engine, prompt, warm, peak, h2d, disk_rate)
+        runs = [run_cold(a, kv, engine, prompt, warm, peak) if a.cold_only
+                else run_kv(a, kv, engine, prompt, warm, peak, h2d, disk_rate)
                 for kv in a.kv_cache_dtypes.split(",")]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -181,6 +205,7 @@ def main() -> None:
         "chunk": a.chunk, "device": device, "matmul_peak_TFLOPs": peak / 1e12,
         "h2d_GBps": h2d / 1e9, "disk_read_GBps": disk_rate / 1e9,
         "disk_filesystem": filesystem(a.disk_dir), "runs": runs, "machine": machine_info(device),
+        "dense_prefill_tokens": envs.ENV.dense_prefill_tokens,
     }
     print_table(res)
     save_json(res, a.out)
@@ -194,6 +219,10 @@ def print_table(res: dict[str, Any]) -> None:
             "floor s", "x")
     print("".join(f"{c:>10}" for c in cols))
     for r in res["runs"]:
+        if "ram_ttft_s" not in r:  # --cold-only
+            vals = (r["cold_ttft_s"], r["compute_floor_s"], r["cold_over_floor"])
+            print(f"{r['kv_cache_dtype']:>10}" + "".join(f"{v:>10.4g}" for v in vals))
+            continue
         vals = (r["cold_ttft_s"], r["compute_floor_s"], r["cold_over_floor"],
                 r["kv_bytes"] / 1e9, r["ram_ttft_s"], r["ram_floor_s"], r["ram_over_floor"],
                 r["disk_ttft_s"], r["disk_floor_s"], r["disk_over_floor"])

@@ -35,6 +35,7 @@ from skyline.ops.attention_config import (  # noqa: F401  (re-exported: tests, b
     prefill_config,
     shape_key,
 )
+from skyline.ops.attention_dense import dense_extend, long_extends
 from skyline.ops.attention_ref import (  # noqa: F401  (re-exported: the model, tests)
     ATTEND_CHUNK,
     SMALL_EXTEND,
@@ -118,6 +119,18 @@ def paged_attention(
         _extends(q, out, kv_cache, query_start_loc, seq_lens, block_tables, scale, num_decodes,
                  k_scale, v_scale, window, sinks)
         return out
+    extends = range(num_decodes, len(seq_lens))
+    dense = long_extends(q, kv_cache, query_start_loc, extends, window, sinks)
+    if dense:  # long chunks through the dense kernel, the other extends as a batch of their own
+        for i in dense:
+            a, b = query_start_loc[i], query_start_loc[i + 1]
+            out[a:b] = dense_extend(q[a:b], kv_cache, block_tables[i], seq_lens[i], scale,
+                                    k_scale, v_scale)
+        rest = [i for i in extends if i not in dense]
+        if rest:
+            _paged_subset(q, out, kv_cache, query_start_loc, seq_lens_tensor, block_tables, rest,
+                          scale, k_scale, v_scale)
+        return out
     t0 = query_start_loc[num_decodes]
     max_q = max(query_start_loc[i + 1] - query_start_loc[i]
                 for i in range(num_decodes, len(seq_lens)))
@@ -126,6 +139,22 @@ def paged_attention(
         seq_lens_tensor[num_decodes:], block_tables[num_decodes:], scale, max_q, k_scale, v_scale,
         window=window, sinks=sinks)
     return out
+
+
+def _paged_subset(q, out, kv_cache, query_start_loc, seq_lens_tensor, block_tables,
+                  seqs: list[int], scale, k_scale, v_scale) -> None:
+    # extends `seqs` through the paged prefill kernel, their rows gathered into a batch
+    rows = [r for i in seqs for r in range(query_start_loc[i], query_start_loc[i + 1])]
+    loc = [0]
+    for i in seqs:
+        loc.append(loc[-1] + query_start_loc[i + 1] - query_start_loc[i])
+    dev = q.device
+    sel = torch.tensor(seqs, device=dev)
+    r = torch.tensor(rows, device=dev)
+    out[r] = paged_prefill_attention(
+        q[r], kv_cache, torch.tensor(loc, dtype=torch.int32, device=dev), seq_lens_tensor[sel],
+        block_tables[sel], scale, max(loc[j + 1] - loc[j] for j in range(len(seqs))), k_scale,
+        v_scale)
 
 
 # ----------------------------------------------------------------------------------------

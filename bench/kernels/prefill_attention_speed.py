@@ -1,0 +1,240 @@
+"""Long-prompt prefill attention: skyline's paged Triton kernel against torch's own SDPA kernels
+(cuDNN's and FlashAttention-2) on the same chunk, against the bf16 matmul peak measured in the
+same run.
+
+  python bench/kernels/prefill_attention_speed.py                 # GPU: 8,192-token chunks
+  python bench/kernels/prefill_attention_speed.py --contexts 8192 65536 --out r.json
+  python bench/kernels/prefill_attention_speed.py --smoke         # CPU, interpreter, tiny
+
+One chunk of a long prompt: T new query tokens at the end of a context of C tokens (the first
+C - T already in the paged cache, as chunked prefill meets them), Llama-3.1-8B's 32 query and 8
+KV heads of 128, bf16, 16-token pages scattered over the cache. Work: 4 * heads * head_dim *
+(T * (C - T) + T * (T + 1) / 2) FLOPs (QK^T and PV over what each query sees).
+
+- triton: ops/attention.py's paged_prefill_attention, its launch configuration from the
+  tables (or the heuristic), and each --configs entry.
+- gather: the context's K and V copied out of the pages into one contiguous [C, KVH, D] pair
+  (what any dense kernel needs first).
+- cudnn / flash: after the gather, torch's kernels on the chunk as two calls merged by their
+  log-sum-exp: the keys before the chunk (no mask) and the chunk's own (causal, square), so no
+  kernel needs a bottom-right causal mask; "+gather" adds the gather. GQA as the kernel takes
+  it (KV heads shared), else K/V repeated to every query head ("expanded": its cost counted).
+- dense_extend: ops/attention_dense.py, what the engine runs for long chunks (the backend its
+  probe found, cuDNN's kernel, over K/V gathered SEGMENT or SEGMENT / 2 keys at a time,
+  merged by log-sum-exp).
+- flash-lower-right: torch's public SDPA with a bottom-right causal bias
+  (torch.nn.attention.bias.causal_lower_right), one call.
+Each output is checked against the Triton kernel's (max abs error); a variant's first call on a
+new shape is timed apart ("first_call_ms": Triton's compilation, cuDNN's graph building).
+--smoke runs the Triton kernel in the interpreter and the math backend in place of cuDNN and
+flash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from skyline.bench.tuners import interpret_for_smoke
+
+interpret_for_smoke(sys.argv)  # before Triton loads
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from skyline.bench.floor import matmul_peak, median_seconds  # noqa: E402
+from skyline.bench.offline import machine_info, save_json  # noqa: E402
+from skyline.bench.tuners import tune_device  # noqa: E402
+from skyline.ops.attention import paged_prefill_attention  # noqa: E402
+from skyline.ops.attention_dense import SEGMENT, dense_backend, dense_extend  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+def _flops(t: int, c: int) -> float:
+    return 4 * HEADS * HEAD_DIM * (t * (c - t) + t * (t + 1) / 2)
+
+
+def _paged(c: int, t: int, dev: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """A context of c tokens in scattered pages and the chunk's t queries."""
+    g = torch.Generator(device="cpu").manual_seed(c)
+    pages = -(-c // PAGE)
+    cache = torch.randn(2, pages + 8, PAGE, KV_HEADS, HEAD_DIM, generator=g).to(dev, dtype)
+    table = (torch.randperm(pages + 8, generator=g)[:pages]).to(torch.int32)[None].to(dev)
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=g).to(dev, dtype)
+    return {"cache": cache, "table": table, "q": q,
+            "qsl": torch.tensor([0, t], dtype=torch.int32, device=dev),
+            "lens": torch.tensor([c], dtype=torch.int32, device=dev)}
+
+
+def _gather(p: dict[str, Any], c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the context, [1, KVH, C, D] views of contiguous [C, KVH, D] copies."""
+    kv = p["cache"][:, p["table"][0].long()]  # [2, pages, PAGE, KVH, D]
+    kv = kv.flatten(1, 2)[:, :c]
+    return kv[0][None].transpose(1, 2), kv[1][None].transpose(1, 2)
+
+
+def _sdpa_lse(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, H, T, D], log-sum-exp [1, H, T]) of one of torch's kernels."""
+    if kind == "cudnn":
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+                                                                False, scale=scale)
+    elif kind == "flash":
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                scale=scale)
+    else:  # math (smoke): scores materialized
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
+                              float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
+    return r[0], r[1].reshape(q.shape[:3]).float()
+
+
+def _split_merge(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int,
+                 scale: float) -> torch.Tensor:
+    """The chunk's attention from two calls: keys before it, then its own causal square."""
+    c = k.shape[2]
+    o2, l2 = _sdpa_lse(kind, q, k[:, :, c - t:], v[:, :, c - t:], True, scale)
+    if c == t:
+        return o2
+    o1, l1 = _sdpa_lse(kind, q, k[:, :, :c - t], v[:, :, :c - t], False, scale)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+    return out.to(q.dtype)
+
+
+def _variants(p: dict[str, Any], c: int, t: int, scale: float, smoke: bool
+              ) -> dict[str, Callable[[], torch.Tensor]]:
+    qh = p["q"].transpose(0, 1)[None]  # [1, H, T, D]
+    k, v = _gather(p, c)
+    kinds = ["math"] if smoke else ["cudnn", "flash"]
+    group = HEADS // KV_HEADS
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for kind in kinds:
+        ke, ve = k, v
+        try:
+            _split_merge(kind, qh[:, :, :16], k[:, :, :32], v[:, :, :32], 16, scale)
+            tag = ""
+        except RuntimeError:  # no GQA in this kernel: K/V repeated to every head
+            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            tag = "-expanded"
+        out[f"{kind}{tag}"] = lambda kind=kind, ke=ke, ve=ve: _split_merge(kind, qh, ke, ve, t,
+                                                                           scale)
+
+        def with_gather(kind: str = kind, expand: bool = bool(tag)) -> torch.Tensor:
+            kg, vg = _gather(p, c)
+            if expand:
+                kg, vg = kg.repeat_interleave(group, 1), vg.repeat_interleave(group, 1)
+            return _split_merge(kind, qh, kg, vg, t, scale)
+
+        out[f"{kind}{tag}+gather"] = with_gather
+    if not smoke:
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(t, c)
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out["flash-lower-right"] = lambda: F.scaled_dot_product_attention(
+            qh, ke, ve, attn_mask=bias, scale=scale)
+    return out
+
+
+def _context(c: int, t: int, configs: list[dict], reps: int, smoke: bool, dev: Any,
+             dtype: torch.dtype, peak: float) -> dict[str, Any]:
+    """Every variant on one chunk of t queries at the end of a context of c tokens."""
+    scale = HEAD_DIM ** -0.5
+    p = _paged(c, t, dev.device, dtype)
+    flops = _flops(t, c)
+    fns = {"triton": lambda: paged_prefill_attention(
+        p["q"], p["cache"], p["qsl"], p["lens"], p["table"], scale, t)}
+    for cfg in configs:
+        name = "triton-" + "-".join(f"{k}{v}" for k, v in cfg.items())
+        fns[name] = lambda cfg=cfg: paged_prefill_attention(
+            p["q"], p["cache"], p["qsl"], p["lens"], p["table"], scale, t, config=cfg)
+    k, _ = _gather(p, c)
+    timed: dict[str, Any] = {"gather": {
+        "ms": median_seconds(lambda: _gather(p, c), dev.device, reps) * 1e3,
+        "GB": 2 * k.numel() * k.element_size() / 1e9}}
+    del k
+    backend = "math" if smoke else dense_backend(p["q"], KV_HEADS)
+    for seg in (SEGMENT, SEGMENT // 2) if backend else ():
+        fns[f"dense_extend-{backend}-seg{seg}"] = lambda seg=seg: dense_extend(
+            p["q"], p["cache"], p["table"][0], c, scale, backend=backend, segment=seg)
+    fns.update(_variants(p, c, t, scale, smoke))
+    ref = None
+    for name, fn in fns.items():
+        try:
+            t0 = time.perf_counter()
+            o = fn()
+            if dev.device.type == "cuda":
+                torch.cuda.synchronize()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            o = o[0].transpose(0, 1) if o.dim() == 4 else o
+            if ref is None:
+                ref = o.float()
+            err = (o.float() - ref).abs().max().item()
+            s = median_seconds(fn, dev.device, reps)
+            timed[name] = {"ms": s * 1e3, "TFLOPs": flops / s / 1e12,
+                           "of_peak": flops / s / peak, "max_abs_err": err,
+                           "first_call_ms": first_ms}
+        except Exception as e:  # a backend this torch or GPU lacks: recorded, skipped
+            timed[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        if dev.device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"context {c}, chunk {t} ({flops / 1e12:.2f} TFLOP):", flush=True)
+    for name, r in timed.items():
+        if "error" in r:
+            print(f"  {name:34s} {r['error']}")
+        elif "TFLOPs" in r:
+            print(f"  {name:34s} {r['ms']:9.3f} ms {r['TFLOPs']:7.1f} TFLOP/s "
+                  f"({r['of_peak']:.2f} of peak) err {r['max_abs_err']:.3g}, "
+                  f"first call {r['first_call_ms']:.0f} ms")
+        else:
+            print(f"  {name:34s} {r['ms']:9.3f} ms ({r['GB']:.2f} GB)")
+    return {"context": c, "chunk": t, "TFLOP": flops / 1e12, "results": timed}
+
+
+def run(contexts: list[int], chunk: int, configs: list[dict], reps: int, smoke: bool
+        ) -> dict[str, Any]:
+    dev = tune_device("prefill_attention_speed.py", smoke)
+    dtype = torch.bfloat16 if dev.device.type == "cuda" else torch.float32
+    peak = matmul_peak(dev.device)
+    print(f"{dev.name}: bf16 matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
+    rows = [_context(c, min(chunk, c), configs, reps, smoke, dev, dtype, peak)
+            for c in contexts]
+    return {"benchmark": "prefill_attention_speed", "device": dev.name,
+            "peak_TFLOPs": peak / 1e12, "heads": HEADS, "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM, "page": PAGE, "rows": rows,
+            "machine": machine_info(str(dev.device))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--configs", nargs="*", default=[
+        "BLOCK_M=128,BLOCK_N=128,num_stages=3,num_warps=8",
+        "BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8"],
+        help="Triton launch configurations, k=v,... each")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.smoke:
+        a.contexts, a.chunk, a.reps = [48], 32, 1
+        a.configs = ["BLOCK_M=16,BLOCK_N=16,num_stages=1,num_warps=4"]
+    configs = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))} for c in a.configs]
+    result = run(a.contexts, a.chunk, configs, a.reps, a.smoke)
+    result["command"] = "python " + " ".join(sys.argv)
+    save_json(result, a.out)
+
+
+if __name__ == "__main__":
+    main()

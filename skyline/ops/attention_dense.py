@@ -1,0 +1,138 @@
+"""Long prompt chunks through torch's fused attention (cuDNN's kernel on the GPU): the chunk's
+context gathered out of the pages a segment of keys at a time, each segment's attention merged
+into the chunk's by log-sum-exp. Reference: paged_attention_ref (ops/attention_ref.py), whose
+extend contract this keeps for one sequence.
+
+Past a few thousand query tokens a chunk's attention is a dense problem of FLOPs: copying its
+K and V out of the pages costs a few percent of the work (bytes against FLOPs), and a dense
+kernel tuned by the GPU's vendor then runs it. bench/kernels/prefill_attention_speed.py
+measures the paged Triton kernel against it; ops/attention.py dispatches extends of at least
+DENSE_MIN_QUERY tokens here when `dense_backend` finds one.
+
+A segment's keys all precede the chunk (no mask); the chunk's own keys are its causal square
+(top-left and bottom-right masks agree there), so no kernel needs a bottom-right mask. Sliding
+windows and attention sinks stay on the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from skyline import envs
+
+# query tokens of one sequence's extend from which the dense path is measured to run it
+# (SKYLINE_DENSE_PREFILL_TOKENS)
+DENSE_MIN_QUERY = 2048
+# context keys gathered (and attended) per call: 64 Ki keys of 8 KV heads of 128 in bf16 are
+# 256 MiB of K and V
+SEGMENT = 65536
+
+_BACKENDS: dict[str, str | None] = {}
+
+
+def dense_backend(q: torch.Tensor, num_kv_heads: int) -> str | None:
+    """The dense kernel for queries like `q` [T, H, D]: "cudnn" where torch's cuDNN attention
+    runs them (a CUDA device, fp16 / bf16, checked once per device and head layout), else
+    None (the paged kernels)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    key = f"{q.device}:{q.dtype}:{q.shape[1]}:{num_kv_heads}:{q.shape[2]}"
+    if key not in _BACKENDS:
+        _BACKENDS[key] = _probe(q, num_kv_heads)
+    return _BACKENDS[key]
+
+
+def long_extends(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: list[int],
+                 extends: range, window: int, sinks: torch.Tensor | None) -> list[int]:
+    """Which of the sequences `extends` dense_extend runs: those of at least
+    SKYLINE_DENSE_PREFILL_TOKENS new tokens, where there is a dense backend and neither a
+    window nor sinks."""
+    least = envs.ENV.dense_prefill_tokens
+    if (least <= 0 or window or sinks is not None
+            or dense_backend(q, kv_cache.shape[3]) is None):
+        return []
+    return [i for i in extends if query_start_loc[i + 1] - query_start_loc[i] >= least]
+
+
+def _probe(q: torch.Tensor, kvh: int) -> str | None:
+    # one tiny call of each shape the path makes: a kernel that refuses them is not used;
+    # one that refuses shared KV heads gets K and V repeated ("cudnn-expand")
+    h, d = q.shape[1], q.shape[2]
+    qs = torch.zeros(1, h, 64, d, device=q.device, dtype=q.dtype)
+    ks = torch.zeros(1, kvh, 128, d, device=q.device, dtype=q.dtype)
+    for backend in ("cudnn", "cudnn-expand"):
+        try:
+            _attend(qs, ks, ks, False, 1.0, backend)
+            _attend(qs, ks[:, :, :64], ks[:, :, :64], True, 1.0, backend)
+            return backend
+        except (RuntimeError, NotImplementedError):
+            continue
+    return None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [1, H, T, D] in q's dtype, natural log-sum-exp of each row's scores [1, H, T]
+    fp32) of q [1, H, T, D] over k, v [1, KVH, S, D] (KV heads shared by H / KVH query heads
+    each); `causal`: T == S, query i sees keys up to i."""
+    if backend.startswith("cudnn"):
+        if backend == "cudnn-expand" and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+                                                                False, scale=scale)
+        return r[0], r[1].reshape(q.shape[:3]).float()
+    # "math": the same contract in PyTorch (the CPU, tests)
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, 1)
+    vf = v.float().repeat_interleave(group, 1)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return (torch.exp(s - lse[..., None]) @ vf).to(q.dtype), lse
+
+
+def _gather(kv_cache: torch.Tensor, pages: torch.Tensor, start: int, end: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of context positions [start, end) out of the pages listed in `pages` (a block
+    table row), as [1, KVH, end - start, D] views of one contiguous copy in `dtype` (an fp8
+    cache's values converted exactly, still divided by their scales)."""
+    page = kv_cache.shape[2]
+    first, last = start // page, -(-end // page)
+    kv = kv_cache.index_select(1, pages[first:last])  # [2, n, page, KVH, D]
+    kv = kv.flatten(1, 2)[:, start - first * page:end - first * page]
+    if kv.dtype != dtype:
+        kv = kv.to(dtype)
+    return kv[0][None].transpose(1, 2), kv[1][None].transpose(1, 2)
+
+
+def dense_extend(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int,
+                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                 backend: str = "cudnn", segment: int = SEGMENT) -> torch.Tensor:
+    """Attention of one sequence's T new tokens q [T, H, D], at positions seq_len - T ..
+    seq_len - 1, over its context in `kv_cache` [2, blocks, page, KVH, D] (its K and V
+    already written there) on the pages of block table row `pages`: [T, H, D]."""
+    t = q.shape[0]
+    prior = seq_len - t
+    if backend == "cudnn-expand":  # the repeated K/V of a segment take no more than SEGMENT's
+        segment = max(kv_cache.shape[2], segment * kv_cache.shape[3] // q.shape[1])
+    qh = q.transpose(0, 1)[None]  # [1, H, T, D]
+    s = scale * k_scale
+    k, v = _gather(kv_cache, pages, prior, seq_len, q.dtype)
+    out, lse = _attend(qh, k, v, True, s, backend)
+    acc = None
+    for lo in range(0, prior, segment):
+        k, v = _gather(kv_cache, pages, lo, min(prior, lo + segment), q.dtype)
+        o, l2 = _attend(qh, k, v, False, s, backend)
+        if acc is None:
+            acc = out.float()
+        # the running output moves towards this segment's by its share of the softmax mass
+        acc.lerp_(o.float(), torch.sigmoid(l2 - lse)[..., None])
+        lse = torch.logaddexp(lse, l2)
+    res = out if acc is None else acc
+    if v_scale != 1.0:
+        res = res * v_scale
+    return res[0].transpose(0, 1).to(q.dtype)
