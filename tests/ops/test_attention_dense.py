@@ -78,24 +78,26 @@ def test_no_backend_on_the_cpu():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("prior", [0, 3000, 70000])
-def test_cudnn_matches_the_paged_kernel(prior, dense_on):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cudnn_matches_the_paged_kernel(prior, fp8, dense_on):
     t = DENSE_MIN_QUERY + 100
     q, cache, table = _case(prior, t, 32, 8, 128, 16, torch.bfloat16, seed=prior, device="cuda",
                             dtype=torch.bfloat16)
     if dense_backend(q, 8) is None:
         pytest.skip("torch has no cuDNN attention here")
+    ks, vs = (0.02, 0.03) if fp8 else (1.0, 1.0)
+    if fp8:
+        cache = (cache.float() * 4).to(FP8_DTYPE)  # K / k_scale stored: values up to ~18
     scale = 128 ** -0.5
     n = prior + t
     lens = torch.tensor([n], dtype=torch.int32, device="cuda")
     loc = torch.tensor([0, t], dtype=torch.int32, device="cuda")
-    dense = paged_attention(q, cache, [0, t], [n], table, scale, seq_lens_tensor=lens,
-                            query_start_loc_tensor=loc)
-    dense_again = paged_attention(q, cache, [0, t], [n], table, scale, seq_lens_tensor=lens,
-                                  query_start_loc_tensor=loc)
-    assert torch.equal(dense, dense_again)  # deterministic
+    kw = dict(seq_lens_tensor=lens, query_start_loc_tensor=loc, k_scale=ks, v_scale=vs)
+    dense = paged_attention(q, cache, [0, t], [n], table, scale, **kw)
+    assert torch.equal(dense, paged_attention(q, cache, [0, t], [n], table, scale, **kw))
     from skyline.ops.attention import paged_prefill_attention
 
-    paged = paged_prefill_attention(q, cache, loc, lens, table, scale, t)
+    paged = paged_prefill_attention(q, cache, loc, lens, table, scale, t, ks, vs)
     torch.testing.assert_close(dense.float(), paged.float(), atol=2e-2, rtol=2e-2)
 
 
