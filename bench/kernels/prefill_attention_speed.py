@@ -49,7 +49,12 @@ from skyline.bench.floor import matmul_peak, median_seconds  # noqa: E402
 from skyline.bench.offline import machine_info, save_json  # noqa: E402
 from skyline.bench.tuners import tune_device  # noqa: E402
 from skyline.ops.attention import paged_prefill_attention  # noqa: E402
-from skyline.ops.attention_dense import SEGMENT, dense_backend, dense_extend  # noqa: E402
+from skyline.ops.attention_dense import (  # noqa: E402
+    SEGMENT,
+    attend_lse,
+    dense_backend,
+    dense_extend,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
@@ -79,22 +84,13 @@ def _gather(p: dict[str, Any], c: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sdpa_lse(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [1, H, T, D], log-sum-exp [1, H, T]) of one of torch's kernels."""
-    if kind == "cudnn":
-        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
-                                                                False, scale=scale)
-    elif kind == "flash":
+    """(out [1, H, T, D], log-sum-exp [1, H, T]) of one of torch's kernels: "flash", or what
+    ops/attention_dense.py calls ("cudnn", "math")."""
+    if kind == "flash":
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                 scale=scale)
-    else:  # math (smoke): scores materialized
-        s = (q.float() @ k.float().transpose(-1, -2)) * scale
-        if causal:
-            n = s.shape[-1]
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
-                              float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        return (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype), lse
-    return r[0], r[1].reshape(q.shape[:3]).float()
+        return r[0], r[1].reshape(q.shape[:3]).float()
+    return attend_lse(q, k, v, causal, scale, kind)
 
 
 def _split_merge(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int,

@@ -62,15 +62,15 @@ def _probe(q: torch.Tensor, kvh: int) -> str | None:
     ks = torch.zeros(1, kvh, 128, d, device=q.device, dtype=q.dtype)
     for backend in ("cudnn", "cudnn-expand"):
         try:
-            _attend(qs, ks, ks, False, 1.0, backend)
-            _attend(qs, ks[:, :, :64], ks[:, :, :64], True, 1.0, backend)
+            attend_lse(qs, ks, ks, False, 1.0, backend)
+            attend_lse(qs, ks[:, :, :64], ks[:, :, :64], True, 1.0, backend)
             return backend
         except (RuntimeError, NotImplementedError):
             continue
     return None
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
             backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [1, H, T, D] in q's dtype, natural log-sum-exp of each row's scores [1, H, T]
     fp32) of q [1, H, T, D] over k, v [1, KVH, S, D] (KV heads shared by H / KVH query heads
@@ -122,11 +122,11 @@ def dense_extend(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, s
     qh = q.transpose(0, 1)[None]  # [1, H, T, D]
     s = scale * k_scale
     k, v = _gather(kv_cache, pages, prior, seq_len, q.dtype)
-    out, lse = _attend(qh, k, v, True, s, backend)
+    out, lse = attend_lse(qh, k, v, True, s, backend)
     acc = None
     for lo in range(0, prior, segment):
         k, v = _gather(kv_cache, pages, lo, min(prior, lo + segment), q.dtype)
-        o, l2 = _attend(qh, k, v, False, s, backend)
+        o, l2 = attend_lse(qh, k, v, False, s, backend)
         if acc is None:
             acc = out.float()
         # the running output moves towards this segment's by its share of the softmax mass
