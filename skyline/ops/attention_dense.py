@@ -54,6 +54,20 @@ def long_extends(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: list[
     return [i for i in extends if query_start_loc[i + 1] - query_start_loc[i] >= least]
 
 
+def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, max_query: int,
+                    elem: int) -> int:
+    """Device memory dense_extend holds beside its output at most, for chunks of up to
+    `max_query` tokens with SKYLINE_DENSE_PREFILL_TOKENS as set (0 when no chunk can reach it):
+    one segment's gathered K and V, the running fp32 output and its float copy of a segment's,
+    and two kernel outputs of `elem`-byte values. The start-up profile adds it (its forward
+    takes no paged attention)."""
+    least = envs.ENV.dense_prefill_tokens
+    if least <= 0 or max_query < least:
+        return 0
+    rows = max_query * num_heads * head_dim
+    return 2 * SEGMENT * num_kv_heads * head_dim * elem + rows * (8 + 2 * elem)
+
+
 def _probe(q: torch.Tensor, kvh: int) -> str | None:
     # one tiny call of each shape the path makes: a kernel that refuses them is not used;
     # one that refuses shared KV heads gets K and V repeated ("cudnn-expand")

@@ -131,3 +131,14 @@ def test_long_chunk_beside_decodes_and_short_extends(dense_on):
     paged = paged_prefill_attention(q[2:], cache, loc_t[2:] - 2, lens_t[2:], table[2:], scale,
                                     DENSE_MIN_QUERY + 3)
     torch.testing.assert_close(out[2:].float(), paged.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_workspace_counted_only_when_a_chunk_can_take_the_path(monkeypatch):
+    from skyline.ops.attention_dense import SEGMENT, workspace_bytes
+
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, dense_prefill_tokens=0))
+    assert workspace_bytes(32, 8, 128, 8192, 2) == 0
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, dense_prefill_tokens=2048))
+    assert workspace_bytes(32, 8, 128, 1024, 2) == 0  # the step budget is below the threshold
+    got = workspace_bytes(32, 8, 128, 8192, 2)
+    assert got == 2 * SEGMENT * 8 * 128 * 2 + 8192 * 32 * 128 * 12  # Llama-3.1-8B: ~0.66 GB

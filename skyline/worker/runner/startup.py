@@ -16,6 +16,7 @@ from skyline import envs
 from skyline.config import EngineConfig
 from skyline.model.loader import DTYPES, load_model, prepack_for_cpu, prepack_host_experts
 from skyline.model.partition import attention_layers
+from skyline.ops.attention_dense import workspace_bytes
 from skyline.ops.triton_utils import compiled_so_far, count_compiles, triton
 from skyline.parallel.groups import ParallelLayout
 from skyline.types.startup import StartupPhases
@@ -106,6 +107,10 @@ class RunnerStartup:
         sc = config.scheduler
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
         layers = attention_layers(self.model)
+        if layers and self.device.type == "cuda":  # long chunks' dense attention, when asked
+            peak += workspace_bytes(layers[0].num_heads, layers[0].num_kv_heads,
+                                    layers[0].head_dim, sc.max_num_batched_tokens,
+                                    self.dtype.itemsize)
         # The KV cache of this rank: its stage's layers, its KV heads.
         self.kv_arch = dataclasses.replace(self.arch, num_layers=len(layers),
                                            num_kv_heads=layers[0].num_kv_heads)
