@@ -15,13 +15,12 @@ KV heads of 128, bf16, 16-token pages scattered over the cache. Work: 4 * heads 
   tables (or the heuristic), and each --configs entry.
 - gather: the context's K and V copied out of the pages into one contiguous [C, KVH, D] pair
   (what any dense kernel needs first).
-- cudnn / flash: after the gather, torch's kernels on the chunk as two calls merged by their
-  log-sum-exp: the keys before the chunk (no mask) and the chunk's own (causal, square), so no
-  kernel needs a bottom-right causal mask; "+gather" adds the gather. GQA as the kernel takes
-  it (KV heads shared), else K/V repeated to every query head ("expanded": its cost counted).
-- dense_extend: ops/attention_dense.py, what the engine runs for long chunks (the backend its
-  probe found, cuDNN's kernel, over K/V gathered SEGMENT or SEGMENT / 2 keys at a time,
-  merged by log-sum-exp).
+- dense_extend-<kernel>-seg<S>: ops/attention_dense.py, what the engine runs for long chunks
+  (its gather included): torch's cuDNN or FlashAttention-2 kernel over K/V gathered S keys
+  at a time, the keys before the chunk (no mask) and the chunk's own (causal, square) merged
+  by log-sum-exp, so no kernel needs a bottom-right causal mask; KV heads shared, or
+  ("-expand") repeated to every query head first; the backend dense_backend finds also at
+  half the segment. A kernel that refuses a shape is recorded as an error.
 - flash-lower-right: torch's public SDPA with a bottom-right causal bias
   (torch.nn.attention.bias.causal_lower_right), one call.
 Each output is checked against the Triton kernel's (max abs error); a variant's first call on a
@@ -51,9 +50,9 @@ from skyline.bench.tuners import tune_device  # noqa: E402
 from skyline.ops.attention import paged_prefill_attention  # noqa: E402
 from skyline.ops.attention_dense import (  # noqa: E402
     SEGMENT,
-    attend_lse,
     dense_backend,
     dense_extend,
+    gather_kv,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -76,67 +75,29 @@ def _paged(c: int, t: int, dev: torch.device, dtype: torch.dtype) -> dict[str, A
 
 
 def _gather(p: dict[str, Any], c: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the context, [1, KVH, C, D] views of contiguous [C, KVH, D] copies."""
-    kv = p["cache"][:, p["table"][0].long()]  # [2, pages, PAGE, KVH, D]
-    kv = kv.flatten(1, 2)[:, :c]
-    return kv[0][None].transpose(1, 2), kv[1][None].transpose(1, 2)
-
-
-def _sdpa_lse(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [1, H, T, D], log-sum-exp [1, H, T]) of one of torch's kernels: "flash", or what
-    ops/attention_dense.py calls ("cudnn", "math")."""
-    if kind == "flash":
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                                scale=scale)
-        return r[0], r[1].reshape(q.shape[:3]).float()
-    return attend_lse(q, k, v, causal, scale, kind)
-
-
-def _split_merge(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int,
-                 scale: float) -> torch.Tensor:
-    """The chunk's attention from two calls: keys before it, then its own causal square."""
-    c = k.shape[2]
-    o2, l2 = _sdpa_lse(kind, q, k[:, :, c - t:], v[:, :, c - t:], True, scale)
-    if c == t:
-        return o2
-    o1, l1 = _sdpa_lse(kind, q, k[:, :, :c - t], v[:, :, :c - t], False, scale)
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    out = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
-    return out.to(q.dtype)
+    """K and V of the whole context, as dense_extend gathers them."""
+    return gather_kv(p["cache"], p["table"][0], 0, c, p["q"].dtype)
 
 
 def _variants(p: dict[str, Any], c: int, t: int, scale: float, smoke: bool
               ) -> dict[str, Callable[[], torch.Tensor]]:
-    qh = p["q"].transpose(0, 1)[None]  # [1, H, T, D]
-    k, v = _gather(p, c)
-    kinds = ["math"] if smoke else ["cudnn", "flash"]
-    group = HEADS // KV_HEADS
-    out: dict[str, Callable[[], torch.Tensor]] = {}
-    for kind in kinds:
-        ke, ve = k, v
-        try:
-            _split_merge(kind, qh[:, :, :16], k[:, :, :32], v[:, :, :32], 16, scale)
-            tag = ""
-        except RuntimeError:  # no GQA in this kernel: K/V repeated to every head
-            ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-            tag = "-expanded"
-        out[f"{kind}{tag}"] = lambda kind=kind, ke=ke, ve=ve: _split_merge(kind, qh, ke, ve, t,
-                                                                           scale)
-
-        def with_gather(kind: str = kind, expand: bool = bool(tag)) -> torch.Tensor:
-            kg, vg = _gather(p, c)
-            if expand:
-                kg, vg = kg.repeat_interleave(group, 1), vg.repeat_interleave(group, 1)
-            return _split_merge(kind, qh, kg, vg, t, scale)
-
-        out[f"{kind}{tag}+gather"] = with_gather
+    """dense_extend on each kernel (and each with K/V repeated to every head), the found
+    backend also at half the segment, and FlashAttention-2 with a bottom-right causal bias."""
+    found = "math" if smoke else dense_backend(p["q"], KV_HEADS)
+    backends = ["math"] if smoke else ["cudnn", "cudnn-expand", "flash", "flash-expand"]
+    runs = [(b, SEGMENT) for b in backends] + ([(found, SEGMENT // 2)] if found else [])
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        f"dense_extend-{b}-seg{seg}": lambda b=b, seg=seg: dense_extend(
+            p["q"], p["cache"], p["table"][0], c, scale, backend=b, segment=seg)
+        for b, seg in runs}
     if not smoke:
         from torch.nn.attention.bias import causal_lower_right
 
-        bias = causal_lower_right(t, c)
+        qh = p["q"].transpose(0, 1)[None]  # [1, H, T, D]
+        k, v = _gather(p, c)
+        group = HEADS // KV_HEADS
         ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        bias = causal_lower_right(t, c)
         out["flash-lower-right"] = lambda: F.scaled_dot_product_attention(
             qh, ke, ve, attn_mask=bias, scale=scale)
     return out
@@ -159,10 +120,6 @@ def _context(c: int, t: int, configs: list[dict], reps: int, smoke: bool, dev: A
         "ms": median_seconds(lambda: _gather(p, c), dev.device, reps) * 1e3,
         "GB": 2 * k.numel() * k.element_size() / 1e9}}
     del k
-    backend = "math" if smoke else dense_backend(p["q"], KV_HEADS)
-    for seg in (SEGMENT, SEGMENT // 2) if backend else ():
-        fns[f"dense_extend-{backend}-seg{seg}"] = lambda seg=seg: dense_extend(
-            p["q"], p["cache"], p["table"][0], c, scale, backend=backend, segment=seg)
     fns.update(_variants(p, c, t, scale, smoke))
     ref = None
     for name, fn in fns.items():

@@ -7,7 +7,7 @@ Past a few thousand query tokens a chunk's attention is a dense problem of FLOPs
 K and V out of the pages costs a few percent of the work (bytes against FLOPs), and a dense
 kernel tuned by the GPU's vendor then runs it. bench/kernels/prefill_attention_speed.py
 measures the paged Triton kernel against it; ops/attention.py dispatches extends of at least
-DENSE_MIN_QUERY tokens here when `dense_backend` finds one.
+SKYLINE_DENSE_PREFILL_TOKENS tokens here (unset: none) when `dense_backend` finds a kernel.
 
 A segment's keys all precede the chunk (no mask); the chunk's own keys are its causal square
 (top-left and bottom-right masks agree there), so no kernel needs a bottom-right mask. Sliding
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from skyline import envs
+from skyline.ops.attention_ref import causal_mask
 
 # query tokens of one sequence's extend from which the dense path is measured to run it
 # (SKYLINE_DENSE_PREFILL_TOKENS)
@@ -32,8 +33,9 @@ _BACKENDS: dict[str, str | None] = {}
 
 def dense_backend(q: torch.Tensor, num_kv_heads: int) -> str | None:
     """The dense kernel for queries like `q` [T, H, D]: "cudnn" where torch's cuDNN attention
-    runs them (a CUDA device, fp16 / bf16, checked once per device and head layout), else
-    None (the paged kernels)."""
+    runs them (a CUDA device, fp16 / bf16, checked once per device and head layout),
+    "cudnn-expand" where it does only with K/V repeated to every query head, else None (the
+    paged kernels)."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     key = f"{q.device}:{q.dtype}:{q.shape[1]}:{num_kv_heads}:{q.shape[2]}"
@@ -85,31 +87,36 @@ def _probe(q: torch.Tensor, kvh: int) -> str | None:
 
 
 def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [1, H, T, D] in q's dtype, natural log-sum-exp of each row's scores [1, H, T]
     fp32) of q [1, H, T, D] over k, v [1, KVH, S, D] (KV heads shared by H / KVH query heads
-    each); `causal`: T == S, query i sees keys up to i."""
-    if backend.startswith("cudnn"):
-        if backend == "cudnn-expand" and k.shape[1] != q.shape[1]:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    each); `causal`: T == S, query i sees keys up to i. backend: torch's "cudnn" or "flash"
+    (FlashAttention-2, which bench/kernels/prefill_attention_speed.py compares), either with
+    "-expand" (K/V repeated to every query head first), or "math" (PyTorch: the CPU, tests)."""
+    if backend.endswith("-expand") and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    kernel = backend.removesuffix("-expand")
+    if kernel == "cudnn":
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
                                                                 False, scale=scale)
         return r[0], r[1].reshape(q.shape[:3]).float()
-    # "math": the same contract in PyTorch (the CPU, tests)
+    if kernel == "flash":
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                scale=scale)
+        return r[0], r[1].reshape(q.shape[:3]).float()
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, 1)
     vf = v.float().repeat_interleave(group, 1)
     s = (q.float() @ kf.transpose(-1, -2)) * scale
     if causal:
         n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
+        s = s.masked_fill(~causal_mask(0, n, 0, s.device), float("-inf"))
     lse = torch.logsumexp(s, -1)
     return (torch.exp(s - lse[..., None]) @ vf).to(q.dtype), lse
 
 
-def _gather(kv_cache: torch.Tensor, pages: torch.Tensor, start: int, end: int,
+def gather_kv(kv_cache: torch.Tensor, pages: torch.Tensor, start: int, end: int,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of context positions [start, end) out of the pages listed in `pages` (a block
     table row), as [1, KVH, end - start, D] views of one contiguous copy in `dtype` (an fp8
@@ -125,21 +132,24 @@ def _gather(kv_cache: torch.Tensor, pages: torch.Tensor, start: int, end: int,
 
 def dense_extend(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int,
                  scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                 backend: str = "cudnn", segment: int = SEGMENT) -> torch.Tensor:
+                 backend: str | None = None, segment: int = SEGMENT) -> torch.Tensor:
     """Attention of one sequence's T new tokens q [T, H, D], at positions seq_len - T ..
     seq_len - 1, over its context in `kv_cache` [2, blocks, page, KVH, D] (its K and V
-    already written there) on the pages of block table row `pages`: [T, H, D]."""
+    already written there) on the pages of block table row `pages`: [T, H, D]. `backend`
+    (attend_lse's): None, dense_backend's."""
+    backend = backend or dense_backend(q, kv_cache.shape[3])
+    assert backend is not None, "no dense attention kernel for these queries"
     t = q.shape[0]
     prior = seq_len - t
-    if backend == "cudnn-expand":  # the repeated K/V of a segment take no more than SEGMENT's
+    if backend.endswith("-expand"):  # the repeated K/V of a segment take no more than SEGMENT's
         segment = max(kv_cache.shape[2], segment * kv_cache.shape[3] // q.shape[1])
     qh = q.transpose(0, 1)[None]  # [1, H, T, D]
     s = scale * k_scale
-    k, v = _gather(kv_cache, pages, prior, seq_len, q.dtype)
+    k, v = gather_kv(kv_cache, pages, prior, seq_len, q.dtype)
     out, lse = attend_lse(qh, k, v, True, s, backend)
     acc = None
     for lo in range(0, prior, segment):
-        k, v = _gather(kv_cache, pages, lo, min(prior, lo + segment), q.dtype)
+        k, v = gather_kv(kv_cache, pages, lo, min(prior, lo + segment), q.dtype)
         o, l2 = attend_lse(qh, k, v, False, s, backend)
         if acc is None:
             acc = out.float()
