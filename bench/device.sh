@@ -24,7 +24,8 @@
 #                  HF_PROMPTS x (HF_IN, HF_OUT) tokens (default 64 x (512, 128))
 #   offline        1000 prompts x (1000 in, 1000 out) for each PAIRS entry WEIGHTS/KV (default
 #                  none/auto), MAX_SEQS (1024) running, each max-num-batched-tokens in BATCHED
-#                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor)
+#                  (8192); FLOOR=1 measures the matmul peak and copy bandwidth first (--floor);
+#                  OFFLINE_ARGS adds flags (e.g. "--schedule-conservativeness 0" TAG=nohead)
 #   prefill        one 8,192-token prompt against the matmul peak (bench/prefill_mfu.py)
 #   fused          every fusion of the CUDA path against its modular form (SKYLINE_UNFUSE,
 #                  bench/fused_vs_modular.py, ~3 min): decode steps of 1, 64 and 256 rows and
@@ -237,7 +238,7 @@ stage_offline() {
       python3 -m skyline.cli bench offline --model "$M" --load-format dummy \
         --num-prompts 1000 --input-len 1000 --output-len 1000 \
         --max-num-seqs "${MAX_SEQS:-1024}" --max-model-len 2048 --kv-cache-dtype "$kv" \
-        --quantization "$q" --max-num-batched-tokens "$mbt" "${floor[@]}" \
+        --quantization "$q" --max-num-batched-tokens "$mbt" "${floor[@]}" ${OFFLINE_ARGS:-} \
         --output "$OUT/offline-$G-$M-1000x1000-$name$TAG.json"
     done
   done

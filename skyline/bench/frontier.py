@@ -43,7 +43,8 @@ from skyline.progress import bar
 # EngineArgs fields that never change next-token distributions (speculative decoding is lossless).
 _NO_QUALITY = {"max_model_len", "block_size", "kv_cache_memory", "gpu_memory_utilization",
                "num_blocks", "enable_prefix_caching", "max_num_seqs", "max_num_batched_tokens",
-               "max_waiting", "seed", "served_model_name", "threads", "enforce_eager",
+               "max_waiting", "schedule_conservativeness", "seed", "served_model_name",
+               "threads", "enforce_eager",
                "speculative_method", "num_speculative_tokens", "ngram_min", "ngram_max",
                "speculative_max_batch_tokens"}
 _STATE = "frontier.json"

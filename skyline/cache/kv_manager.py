@@ -93,13 +93,15 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        reserve: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and after
         `new_computed_blocks`, the prefix hits of a request being admitted).
 
         Returns the ids of the blocks appended to the request's table (hits first, then fresh
-        blocks), or None if the pool cannot supply them — then nothing has changed. Evictable
-        cached blocks count as free, except the hits themselves, which this call revives."""
+        blocks), or None if the pool cannot supply them and leave `reserve` blocks free — then
+        nothing has changed. Evictable cached blocks count as free, except the hits themselves,
+        which this call revives."""
         rid = request.request_id
         held = self._blocks.get(rid)
         num_tokens = (
@@ -116,7 +118,7 @@ class KVCacheManager:
         num_fresh = max(0, num_required - num_held - len(new_computed_blocks))
         # Hits with ref_cnt 0 sit in the free queue: touching them removes them from it.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_fresh + num_revived > self.block_pool.num_free_blocks:
+        if num_fresh + num_revived + reserve > self.block_pool.num_free_blocks:
             return None
 
         if held is None:

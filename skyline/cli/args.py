@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "capacity and the CUDA-graph batch sizes; CPU: 64)")
     g.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None,
                    help="tokens in one step (default: 1024 on a CPU, 8192 on a GPU)")
+    g.add_argument("--schedule-conservativeness", type=float_in(0.0), default=1.0,
+                   help="KV held back when admitting a request, for the output the running ones "
+                        "are expected to add (learned share of their max_tokens, times this): "
+                        "fewer preemptions by recompute; 0: admit on current need alone")
     g.add_argument("--seed", type=NON_NEGATIVE, default=0,
                    help="random seed (dummy weights, sampling without a per-request seed)")
     g.add_argument("--threads", type=POSITIVE, default=None,

@@ -80,6 +80,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunk + decodes)
     max_model_len: int = 8192
     max_waiting: int = 0  # waiting-queue limit for the server (0: unbounded)
+    # KV held back at admission for running requests' expected output, as a multiple of the
+    # learned estimate (sched/headroom.py); 0: admit on current need alone
+    schedule_conservativeness: float = 1.0
 
 
 SPEC_METHODS = ("none", "ngram", "suffix", "eagle", "draft")

@@ -29,6 +29,7 @@ class EngineArgs:
     max_num_seqs: int | str | None = "auto"  # "auto" (or None): from the KV cache on GPUs
     max_num_batched_tokens: int | None = None
     max_waiting: int = 0
+    schedule_conservativeness: float = 1.0  # KV headroom at admission (sched/headroom.py)
     seed: int = 0
     served_model_name: str | None = None
     threads: int | None = None  # CPU threads for torch

@@ -69,7 +69,8 @@ def test_greedy_matches_hf_generate(tiny_model):
 def check_invariance(path: str, num_prompts: int, num_alone: int, prefix_len: int,
                      num_prefixed: int) -> None:
     """Greedy tokens of `num_prompts` prompts: the same alone (the first `num_alone`), batched,
-    in prefill chunks of 5 tokens, under preemption by recompute, and with a shared prefix of
+    in prefill chunks of 5 tokens, under preemption by recompute (and with the headroom at
+    admission that avoids it), and with a shared prefix of
     `prefix_len` tokens reused from the prefix cache (the first `num_prefixed`)."""
     prompts = _prompts(num_prompts, seed=2)
     alone = [_run(path, [p])[0] for p in prompts[:num_alone]]
@@ -79,10 +80,16 @@ def check_invariance(path: str, num_prompts: int, num_alone: int, prefix_len: in
     assert _run(path, prompts, max_num_batched_tokens=5) == batched
     # a tiny cache forces preemption by recompute
     llm = LLM(path, device="cpu", dtype="float32", num_blocks=16, block_size=4,
-              max_model_len=64)
+              max_model_len=64, schedule_conservativeness=0)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == batched
     assert llm.engine.stats()["num_preemptions"] > 0
+    # the same cache with KV headroom at admission (the default): no preemption
+    llm = LLM(path, device="cpu", dtype="float32", num_blocks=16, block_size=4,
+              max_model_len=64)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == batched
+    assert llm.engine.stats()["num_preemptions"] == 0
     # prefix reuse: a shared prefix, run twice in one engine
     shared = _prompts(1, seed=3, lo=prefix_len, hi=prefix_len)[0]
     pref = [shared + p for p in prompts[:num_prefixed]]
@@ -199,7 +206,8 @@ def test_async_scheduling_same_outputs(tiny_model):
     assert same(run("on"), ref)
     assert same(run("on", max_num_batched_tokens=5), ref)  # chunked prefill mixed with decodes
     assert same(run("on", switch_off_after=4), ref)  # async scheduling switched off mid-run
-    tiny = dict(num_blocks=16, block_size=4, max_model_len=64)  # preemption by recompute
+    tiny = dict(num_blocks=16, block_size=4, max_model_len=64,  # preemption by recompute
+                schedule_conservativeness=0)
     assert same(run("on", **tiny), ref) and same(run("off", **tiny), ref)
 
 

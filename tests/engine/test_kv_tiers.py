@@ -65,7 +65,7 @@ def settled(llm: LLM) -> dict[str, float]:
     dict(),
     dict(max_num_batched_tokens=5),  # chunked prefill mixed with decodes
     dict(async_scheduling="on"),
-    dict(num_blocks=32, max_num_seqs=8),  # preemption by recompute
+    dict(num_blocks=32, max_num_seqs=8, schedule_conservativeness=0),  # preemption
 ])
 def test_same_tokens_from_ram(model_path, prompts, reference, mode):
     llm = LLM(model_path, **(SMALL | mode), kv_offload_ram="1MiB")

@@ -74,7 +74,7 @@ def test_prompt_logprobs_survive_preemption(tiny):
     rng = random.Random(1)
     prompts = [[rng.randrange(2, VOCAB - 1) for _ in range(30)] for _ in range(4)]
     llm = LLM(path, device="cpu", dtype="float32", num_blocks=18, block_size=4,
-              max_model_len=64, max_num_batched_tokens=12)
+              max_model_len=64, max_num_batched_tokens=12, schedule_conservativeness=0)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20,
                                                 prompt_logprobs=K, ignore_eos=True))
     assert llm.engine.scheduler.num_preemptions > 0

@@ -22,7 +22,8 @@ VOCAB = 320
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # A rank silent for 60 s stops the engine: a test fails, never hangs.
 SMALL = dict(device="cpu", dtype="float32", block_size=4, num_blocks=48, max_model_len=96,
-             max_num_batched_tokens=16, max_num_seqs=8, distributed_timeout=60)
+             max_num_batched_tokens=16, max_num_seqs=8, distributed_timeout=60,
+             schedule_conservativeness=0)  # preemption by recompute
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
 # Small blocks, a small pool (preemption) and a small token budget (chunked prefill).
 SMALL = dict(device="cpu", dtype="float32", block_size=4, num_blocks=40, max_model_len=96,
-             max_num_batched_tokens=16, max_num_seqs=8, async_scheduling="on")
+             max_num_batched_tokens=16, max_num_seqs=8, async_scheduling="on",
+             schedule_conservativeness=0)  # preemption by recompute
 
 
 def _tiny(tmp_path_factory, kind: str) -> str:

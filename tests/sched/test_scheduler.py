@@ -15,10 +15,12 @@ def make(
     max_num_seqs: int = 16,
     max_model_len: int = 128,
     caching: bool = True,
+    conservativeness: float = 1.0,
 ) -> tuple[Scheduler, FakeRunner]:
     sched = Scheduler(
         SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+            schedule_conservativeness=conservativeness,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks,
@@ -114,7 +116,9 @@ def test_preemption_tiny_cache_same_tokens_as_huge_cache(caching):
     want, want_final, _ = run(big, big_runner)
     assert big.num_preemptions == 0
 
-    tiny, tiny_runner = make(num_blocks=8, block_size=4, max_model_len=32, caching=caching)
+    # no headroom at admission, so that the tiny cache preempts
+    tiny, tiny_runner = make(num_blocks=8, block_size=4, max_model_len=32, caching=caching,
+                             conservativeness=0)
     reqs = workload()
     for r in reqs:
         tiny.add_request(r)
@@ -130,7 +134,8 @@ def test_preemption_tiny_cache_same_tokens_as_huge_cache(caching):
 
 
 def test_preempted_request_is_forgotten_then_sent_whole_again():
-    sched, runner = make(num_blocks=8, block_size=4, max_model_len=32, budget=64)
+    sched, runner = make(num_blocks=8, block_size=4, max_model_len=32, budget=64,
+                         conservativeness=0)
     sched.add_request(req("a", prompt(1, 12), max_tokens=19))
     sched.add_request(req("b", prompt(2, 12), max_tokens=19))
     forgotten: set[str] = set()

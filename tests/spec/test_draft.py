@@ -127,7 +127,8 @@ def test_greedy_identical_with_a_smaller_draft_model(tiny_model, small_draft):
     llm = _draft(tiny_model, small_draft, max_num_batched_tokens=5)
     assert _run(llm, prompts, GREEDY) == ref
     # preemption: the runner forgets a preempted request; its draft blocks go back
-    llm = _draft(tiny_model, small_draft, num_blocks=24, block_size=4, max_model_len=96)
+    llm = _draft(tiny_model, small_draft, num_blocks=24, block_size=4, max_model_len=96,
+                 schedule_conservativeness=0)
     assert _run(llm, prompts, GREEDY) == ref
     assert llm.engine.stats()["num_preemptions"] > 0
     assert _proposer(llm).block_size == 4

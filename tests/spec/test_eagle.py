@@ -208,7 +208,8 @@ def test_greedy_identical_with_untrained_head(tiny_model, random_head):
     assert _run(_eagle(tiny_model, random_head), prompts[:1], GREEDY) == ref[:1]
     llm = _eagle(tiny_model, random_head, max_num_batched_tokens=5)
     assert _run(llm, prompts, GREEDY) == ref
-    llm = _eagle(tiny_model, random_head, num_blocks=24, block_size=4, max_model_len=96)
+    llm = _eagle(tiny_model, random_head, num_blocks=24, block_size=4, max_model_len=96,
+                 schedule_conservativeness=0)
     assert _run(llm, prompts, GREEDY) == ref
     assert llm.engine.stats()["num_preemptions"] > 0
 

@@ -67,6 +67,7 @@ def test_greedy_identical_with_speculation(tiny_model, method):
     assert _run(tiny_model, prompts, max_num_batched_tokens=5, **spec)[0] == ref
     # a tiny cache forces preemption by recompute while drafts hold slots
     ours, stats = _run(tiny_model, prompts, num_blocks=24, block_size=4, max_model_len=96,
+                        schedule_conservativeness=0,
                        **spec)
     assert ours == ref and stats["num_preemptions"] > 0
 

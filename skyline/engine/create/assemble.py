@@ -94,7 +94,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, bool]:
                         kv_transfer_port=args.kv_transfer_port)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_seqs_auto=seqs_auto,
                             max_num_batched_tokens=budget,
-                            max_model_len=max_len, max_waiting=args.max_waiting)
+                            max_model_len=max_len, max_waiting=args.max_waiting,
+                            schedule_conservativeness=args.schedule_conservativeness)
     spec = SpecConfig(
         method=args.speculative_method,
         model=_resolve_spec_model(args, arch),

@@ -12,6 +12,7 @@ from typing import Any
 from skyline.cache.connector import KVConnectorScheduler
 from skyline.cache.kv_manager import KVCacheManager
 from skyline.config import CacheConfig, SchedulerConfig, SpecConfig
+from skyline.sched.headroom import Headroom
 from skyline.sched.kv_loads import KVLoads
 from skyline.sched.spec import SpecPolicy
 from skyline.types import (
@@ -46,6 +47,7 @@ class SchedulerQueues:
             record_events=cache_cfg.kv_events,
         )
         self.kv_loads = KVLoads(connector, self.kv_manager)
+        self.headroom = Headroom(cache_cfg.block_size, sched_cfg.schedule_conservativeness)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -146,6 +148,7 @@ class SchedulerQueues:
             "prefix_cache_query_tokens": self.kv_manager.prefix_queries,
             "prefix_cache_hit_rate": self.kv_manager.hit_rate,
             "num_preemptions": self.num_preemptions,
+            "headroom_ratio": self.headroom.ratio,
         }
 
     def reset_prefix_cache(self) -> int:

@@ -39,6 +39,7 @@ class Scheduler(SchedulerQueues):
         self._finished_ids = set()
         budget = self.cfg.max_num_batched_tokens
         preempted = False
+        preemptions = self.num_preemptions
         speculate, self._next = self._speculates_next(), None
 
         # 1. Running requests, oldest first. Victims come from the tail, i.e. they have not been
@@ -89,8 +90,14 @@ class Scheduler(SchedulerQueues):
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, FCFS. None after a preemption: memory is short this step.
+        if self.num_preemptions > preemptions:
+            self.headroom.preempted()
+
+        # 2. Waiting requests, FCFS. None after a preemption: memory is short this step. Each
+        # is admitted only while the free blocks cover what the running ones (and it) are
+        # expected to add (sched/headroom.py).
         num_loading = len(self.kv_loads.loading)
+        reserve = None
         while (
             not preempted
             and self.waiting
@@ -112,8 +119,17 @@ class Scheduler(SchedulerQueues):
                     num_loading += 1
                     continue
             num_new = min(req.num_tokens - num_hit, budget)
-            if self.kv_manager.allocate_slots(req, num_new, hits) is None:
+            future = 0
+            if self.headroom.enabled:
+                if reserve is None:
+                    reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
+                                                     self.cfg.max_model_len)
+                future = self.headroom.future_blocks(
+                    req, -(-(num_hit + num_new) // self.block_size), self.max_len(req))
+            if self.kv_manager.allocate_slots(req, num_new, hits, (reserve or 0) + future) is None:
                 break  # FCFS: no one overtakes the head of the queue
+            if reserve is not None:
+                reserve += future
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -213,6 +229,7 @@ class Scheduler(SchedulerQueues):
             self.kv_manager.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
             out = step_output(req, new_ids, runner_out.logprobs, i)
             if req.status.finished:
+                self.headroom.finished(req, self.max_len(req))
                 self.kv_loads.release(req)
                 self._forget_spec(rid)
                 del self.requests[rid]
@@ -239,6 +256,7 @@ class Scheduler(SchedulerQueues):
         new_ids = append_until_stop(req, sampled, self.max_len(req))
         out = step_output(req, new_ids, logprobs, i)
         if req.status.finished:
+            self.headroom.finished(req, self.max_len(req))
             self.waiting = deque(r for r in self.waiting if r is not req)
             self._forget_spec(req.request_id)
             del self.requests[req.request_id]

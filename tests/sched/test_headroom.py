@@ -1,0 +1,104 @@
+"""KV headroom at admission (sched/headroom.py): the blocks each request is expected to add,
+the learned share of max_tokens, and the scheduler admitting so that the cache does not
+preempt."""
+
+from __future__ import annotations
+
+import pytest
+from fake_runner import reference, run
+from test_scheduler import assert_all_free, assert_reference, make, prompt, req
+
+from skyline.sched.headroom import MEAN_WEIGHT, Headroom
+
+
+def test_future_blocks_count_prompt_rest_and_share_of_budget():
+    h = Headroom(block_size=4)
+    r = req("a", prompt(1, 10), max_tokens=20)
+    assert h.future_blocks(r, num_held=3, max_len=64) == 8 - 3  # 30 tokens in all
+    assert h.future_blocks(r, num_held=3, max_len=16) == 4 - 3  # the budget ends at 16
+    assert h.future_blocks(r, num_held=9, max_len=64) == 0  # holds more already
+    h.ratio = 0.5
+    assert h.future_blocks(r, num_held=3, max_len=64) == 5 - 3  # 10 + 10 tokens
+    h.ratio = 0.01
+    assert h.future_blocks(r, num_held=3, max_len=64) == 3 - 3  # 10 + 1 (rounded up)
+    # no max_tokens: only the rest of the prompt
+    unbounded = req("b", prompt(2, 10), max_tokens=None)
+    assert Headroom(4).future_blocks(unbounded, num_held=1, max_len=64) == 3 - 1
+    # the scale multiplies the share, capped at the whole budget
+    assert Headroom(4, conservativeness=3.0).future_blocks(r, 3, 64) == 8 - 3
+    assert Headroom(4, conservativeness=0.5).future_blocks(r, 3, 64) == 5 - 3
+
+
+def test_ratio_learns_used_share_and_backs_off_on_preemption():
+    h = Headroom(block_size=4)
+    r = req("a", prompt(1, 10), max_tokens=20)
+    for _ in range(5):
+        r.append_output_token(1)
+    h.finished(r, max_len=64)  # used a quarter of its budget: the mean with the starting 1
+    assert h.ratio == pytest.approx(0.625)
+    h.finished(r, max_len=64)
+    assert h.ratio == pytest.approx(0.5)
+    for _ in range(40):  # then each finish moves it by MEAN_WEIGHT of the difference at least
+        h.finished(r, max_len=64)
+    assert h.num_finished == 42
+    last = h.ratio
+    h.finished(r, max_len=64)
+    assert last - h.ratio == pytest.approx(MEAN_WEIGHT * (last - 0.25))
+    for _ in range(500):
+        h.finished(r, max_len=64)
+    assert h.ratio == pytest.approx(0.25, abs=1e-3)
+    h.preempted()
+    assert h.ratio == pytest.approx(0.625, abs=1e-3)
+    before = h.ratio
+    h.finished(req("b", prompt(2, 4), max_tokens=None), max_len=64)  # no budget: no lesson
+    assert h.ratio == before
+
+
+def _workload(n: int, eos: tuple[int, ...] = ()):
+    return [req(f"r{i}", prompt(i, 6 + (5 * i) % 13), max_tokens=12 + i % 7, eos=eos)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_admission_headroom_avoids_preemption_with_the_same_tokens(caching):
+    # a cache of 16 blocks of 4 holds two or three of these requests at their full length:
+    # admitting on current need alone preempts, the headroom does not, and both give every
+    # request its reference tokens
+    def go(conservativeness: float):
+        sched, runner = make(num_blocks=16, block_size=4, max_model_len=40, budget=32,
+                             caching=caching, conservativeness=conservativeness)
+        reqs = _workload(24)
+        for r in reqs:
+            sched.add_request(r)
+        outputs, final, steps = run(sched, runner, max_steps=5_000)
+        assert_reference(sched, reqs, outputs, final)
+        assert_all_free(sched)
+        return sched.num_preemptions, outputs
+
+    preempted, want = go(0.0)
+    assert preempted > 0
+    none, got = go(1.0)
+    assert none == 0
+    assert got == want
+
+
+def test_early_stops_lower_the_ratio_and_admit_more():
+    # requests that end at an EOS long before max_tokens teach a low ratio, so later requests
+    # run side by side again
+    sched, runner = make(num_blocks=64, block_size=4, max_model_len=128, budget=64,
+                         max_num_seqs=16)
+    eos = tuple(range(0, 97, 3))  # about one token in three ends a request
+    reqs = [req(f"r{i}", prompt(i, 8), max_tokens=100, eos=eos) for i in range(40)]
+    for r in reqs:
+        sched.add_request(r)
+    peaks = []
+    outputs, final, _ = run(sched, runner, on_step=lambda s, so: peaks.append(sched.num_running))
+    assert_reference(sched, reqs, outputs, final)
+    used = [len(reference(r.prompt_token_ids, r.sampling_params, 128, eos)[0]) for r in reqs]
+    assert max(used) < 50  # the workload does stop early
+    assert sched.headroom.ratio < 0.5
+    # at first each request reserves its whole budget (27 blocks: two at a time), later a
+    # fraction of it
+    assert peaks[0] <= 2 and max(peaks) >= 10
+    assert sched.stats()["headroom_ratio"] == sched.headroom.ratio
+    assert_all_free(sched)
