@@ -32,6 +32,7 @@ flash.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -154,15 +155,57 @@ def _context(c: int, t: int, configs: list[dict], reps: int, smoke: bool, dev: A
     return {"context": c, "chunk": t, "TFLOP": flops / 1e12, "results": timed}
 
 
-def run(contexts: list[int], chunk: int, configs: list[dict], reps: int, smoke: bool
-        ) -> dict[str, Any]:
+def _prompt(n: int, chunk: int, smoke: bool, dev: Any, dtype: torch.dtype, peak: float
+            ) -> dict[str, Any]:
+    """One layer of an n-token prompt's chunks in order (each at the end of a longer context,
+    so every chunk meets new lengths), twice: the first pass pays Triton's compilations and
+    cuDNN's plan building (TORCH_CUDNN_SDPA_AVOID_RECOMPILE decides how many plans), the
+    second only the work."""
+    scale = HEAD_DIM ** -0.5
+    p = _paged(n, chunk, dev.device, dtype)
+    backend = "math" if smoke else dense_backend(p["q"], KV_HEADS)
+    starts = range(0, n, chunk)
+    flops = sum(_flops(min(chunk, n - s), s + min(chunk, n - s)) for s in starts)
+
+    def one_pass(path: str) -> float:
+        t0 = time.perf_counter()
+        for s in starts:
+            t = min(chunk, n - s)
+            q = p["q"][:t]
+            if path == "triton":
+                paged_prefill_attention(
+                    q, p["cache"], p["qsl"].clamp(max=t), p["lens"].clamp(max=s + t),
+                    p["table"], scale, t)
+            else:
+                dense_extend(q, p["cache"], p["table"][0], s + t, scale, backend=backend)
+        if dev.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    out: dict[str, Any] = {"prompt": n, "chunk": chunk, "TFLOP": flops / 1e12,
+                           "dense_backend": backend, "avoid_recompile":
+                           os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE")}
+    print(f"one layer of a {n}-token prompt in chunks of {chunk} ({flops / 1e12:.1f} TFLOP), "
+          f"TORCH_CUDNN_SDPA_AVOID_RECOMPILE={out['avoid_recompile']}:", flush=True)
+    for path in ("triton", "dense"):
+        first, second = one_pass(path), one_pass(path)
+        out[path] = {"first_pass_s": first, "second_pass_s": second,
+                     "TFLOPs": flops / second / 1e12, "of_peak": flops / second / peak}
+        print(f"  {path:8s} first pass {first:7.3f} s, then {second:7.3f} s "
+              f"({flops / second / 1e12:.1f} TFLOP/s, {flops / second / peak:.2f} of peak)")
+    return out
+
+
+def run(contexts: list[int], chunk: int, configs: list[dict], reps: int, smoke: bool,
+        prompt: int = 0) -> dict[str, Any]:
     dev = tune_device("prefill_attention_speed.py", smoke)
     dtype = torch.bfloat16 if dev.device.type == "cuda" else torch.float32
     peak = matmul_peak(dev.device)
     print(f"{dev.name}: bf16 matmul peak {peak / 1e12:.1f} TFLOP/s", flush=True)
     rows = [_context(c, min(chunk, c), configs, reps, smoke, dev, dtype, peak)
             for c in contexts]
-    return {"benchmark": "prefill_attention_speed", "device": dev.name,
+    whole = _prompt(prompt, chunk, smoke, dev, dtype, peak) if prompt else None
+    return {"benchmark": "prefill_attention_speed", "device": dev.name, "prompt": whole,
             "peak_TFLOPs": peak / 1e12, "heads": HEADS, "kv_heads": KV_HEADS,
             "head_dim": HEAD_DIM, "page": PAGE, "rows": rows,
             "machine": machine_info(str(dev.device))}
@@ -177,14 +220,17 @@ def main() -> None:
         "BLOCK_M=128,BLOCK_N=64,num_stages=3,num_warps=8"],
         help="Triton launch configurations, k=v,... each")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=0,
+                    help="also one layer of a prompt of this many tokens, chunk by chunk, "
+                         "twice (first pass: compilations and cuDNN plans)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.smoke:
-        a.contexts, a.chunk, a.reps = [48], 32, 1
+        a.contexts, a.chunk, a.reps, a.prompt = [48], 32, 1, 80
         a.configs = ["BLOCK_M=16,BLOCK_N=16,num_stages=1,num_warps=4"]
     configs = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))} for c in a.configs]
-    result = run(a.contexts, a.chunk, configs, a.reps, a.smoke)
+    result = run(a.contexts, a.chunk, configs, a.reps, a.smoke, a.prompt)
     result["command"] = "python " + " ".join(sys.argv)
     save_json(result, a.out)
 

@@ -16,6 +16,8 @@ windows and attention sinks stay on the Triton kernels.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from skyline import envs
@@ -29,6 +31,13 @@ DENSE_MIN_QUERY = 2048
 SEGMENT = 65536
 
 _BACKENDS: dict[str, str | None] = {}
+
+# cuDNN builds an execution plan for every new shape (~0.4 s each), and a long prompt's chunks
+# meet new context lengths all the time. With this set, torch keys its cuDNN plans by lengths
+# rounded up to powers of two for q, k, v laid out as [batch, seq, heads, dim] (this file's
+# are), so a few plans serve every chunk. torch reads it once, at its first cuDNN attention;
+# a value the user set stands.
+os.environ.setdefault("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
 
 
 def dense_backend(q: torch.Tensor, num_kv_heads: int) -> str | None:
