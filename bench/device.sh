@@ -40,8 +40,8 @@
 #                  real disk: ~26 GB for bf16), removed afterwards (bench/long_prompt.py)
 #   long-ab        the LONG_LEN-token prompt's cold TTFT alone (--cold-only, the engine on 0.9
 #                  of the GPU) for each KV dtype in LONG_KVS (auto), twice: every chunk on the
-#                  paged Triton kernel (SKYLINE_DENSE_PREFILL_TOKENS=0), then chunks of 2,048
-#                  tokens and more through torch's dense kernel (ops/attention_dense.py, =2048)
+#                  paged Triton kernel (SKYLINE_DENSE_PREFILL_TOKENS=0), then as by default
+#                  (=2048: long chunks through torch's cuDNN attention, ops/attention_dense.py)
 #   fast-start     start-up by phase from a bf16 safetensors checkpoint (bench/fast_start.py,
 #                  written to FAST_START_DIR, /tmp/skyline-fast-start-$MODEL, unless there):
 #                  the engine built in a fresh process and `skyline serve` to its first 200

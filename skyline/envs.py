@@ -126,11 +126,11 @@ class Env:
     # in calls of at least this many (token, expert) pairs (ops/moe.py); unset (-1): the
     # measured DECODE_PAIRS there, 0: never (every tile decoded inside the GEMM).
     moe_decode_pairs: int = -1
-    # SKYLINE_DENSE_PREFILL_TOKENS=N: on a GPU, extends of at least N query tokens run through
-    # torch's dense attention kernel over their gathered K/V (ops/attention_dense.py; N = its
-    # DENSE_MIN_QUERY, 2048, is what bench/device.sh's long-ab stage measures); unset or 0:
-    # every extend on the paged Triton kernels.
-    dense_prefill_tokens: int = 0
+    # SKYLINE_DENSE_PREFILL_TOKENS=N: on a GPU, extends of at least N query tokens (and of
+    # DENSE_MIN_WORK query x context pairs) run through torch's cuDNN attention over their
+    # gathered K/V (ops/attention_dense.py); unset: its DENSE_MIN_QUERY (2,048, measured by
+    # bench/kernels/prefill_attention_speed.py); 0: every extend on the paged Triton kernels.
+    dense_prefill_tokens: int = -1
 
     @classmethod
     def read(cls) -> Env:
@@ -153,7 +153,7 @@ class Env:
             step_trace=os.environ.get("SKYLINE_STEP_TRACE") or None,
             unfuse=parse_unfuse(os.environ.get("SKYLINE_UNFUSE", "")),
             moe_decode_pairs=_int("SKYLINE_MOE_DECODE_PAIRS", -1),
-            dense_prefill_tokens=_int("SKYLINE_DENSE_PREFILL_TOKENS", 0),
+            dense_prefill_tokens=_int("SKYLINE_DENSE_PREFILL_TOKENS", -1),
         )
 
 

@@ -120,7 +120,7 @@ def paged_attention(
                  k_scale, v_scale, window, sinks)
         return out
     extends = range(num_decodes, len(seq_lens))
-    dense = long_extends(q, kv_cache, query_start_loc, extends, window, sinks)
+    dense = long_extends(q, kv_cache, query_start_loc, seq_lens, extends, window, sinks)
     if dense:  # long chunks through the dense kernel, the other extends as a batch of their own
         for i in dense:
             a, b = query_start_loc[i], query_start_loc[i + 1]

@@ -6,8 +6,9 @@ extend contract this keeps for one sequence.
 Past a few thousand query tokens a chunk's attention is a dense problem of FLOPs: copying its
 K and V out of the pages costs a few percent of the work (bytes against FLOPs), and a dense
 kernel tuned by the GPU's vendor then runs it. bench/kernels/prefill_attention_speed.py
-measures the paged Triton kernel against it; ops/attention.py dispatches extends of at least
-SKYLINE_DENSE_PREFILL_TOKENS tokens here (unset: none) when `dense_backend` finds a kernel.
+measures the paged Triton kernel against it; ops/attention.py dispatches here the extends
+`long_extends` picks (those of at least DENSE_MIN_QUERY query tokens and DENSE_MIN_WORK query x
+context pairs, where `dense_backend` finds a kernel).
 
 A segment's keys all precede the chunk (no mask); the chunk's own keys are its causal square
 (top-left and bottom-right masks agree there), so no kernel needs a bottom-right mask. Sliding
@@ -23,9 +24,13 @@ import torch
 from skyline import envs
 from skyline.ops.attention_ref import causal_mask
 
-# query tokens of one sequence's extend from which the dense path is measured to run it
-# (SKYLINE_DENSE_PREFILL_TOKENS)
+# Where cuDNN beats the paged Triton kernel (H100, bench/kernels/prefill_attention_speed.py):
+# chunks of 8,192 queries over 8,192-131,072 keys (1.1-1.6x), 2,048 over 32,768 (1.05x), not
+# 2,048 over 2,048 nor 1,024 over 16,384 (0.5-0.6x). So an extend goes dense from
+# DENSE_MIN_QUERY query tokens (SKYLINE_DENSE_PREFILL_TOKENS overrides; 0: never) whose
+# queries x context keys reach DENSE_MIN_WORK.
 DENSE_MIN_QUERY = 2048
+DENSE_MIN_WORK = 2048 * 32768
 # context keys gathered (and attended) per call: 64 Ki keys of 8 KV heads of 128 in bf16 are
 # 256 MiB of K and V
 SEGMENT = 65536
@@ -53,26 +58,38 @@ def dense_backend(q: torch.Tensor, num_kv_heads: int) -> str | None:
     return _BACKENDS[key]
 
 
-def long_extends(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: list[int],
-                 extends: range, window: int, sinks: torch.Tensor | None) -> list[int]:
-    """Which of the sequences `extends` dense_extend runs: those of at least
-    SKYLINE_DENSE_PREFILL_TOKENS new tokens, where there is a dense backend and neither a
-    window nor sinks."""
+def min_query() -> int:
+    """Query tokens from which an extend may go dense (0: none)."""
     least = envs.ENV.dense_prefill_tokens
+    return DENSE_MIN_QUERY if least < 0 else least
+
+
+def long_extends(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: list[int],
+                 seq_lens: list[int], extends: range, window: int,
+                 sinks: torch.Tensor | None) -> list[int]:
+    """Which of the sequences `extends` dense_extend runs: those of at least min_query() new
+    tokens whose new tokens x context reach DENSE_MIN_WORK, where there is a dense backend
+    and neither a window nor sinks."""
+    least = min_query()
     if (least <= 0 or window or sinks is not None
             or dense_backend(q, kv_cache.shape[3]) is None):
         return []
-    return [i for i in extends if query_start_loc[i + 1] - query_start_loc[i] >= least]
+    out = []
+    for i in extends:
+        t = query_start_loc[i + 1] - query_start_loc[i]
+        if t >= least and t * seq_lens[i] >= DENSE_MIN_WORK:
+            out.append(i)
+    return out
 
 
 def workspace_bytes(num_heads: int, num_kv_heads: int, head_dim: int, max_query: int,
                     elem: int) -> int:
     """Device memory dense_extend holds beside its output at most, for chunks of up to
-    `max_query` tokens with SKYLINE_DENSE_PREFILL_TOKENS as set (0 when no chunk can reach it):
+    `max_query` tokens (0 when no chunk can reach min_query()):
     one segment's gathered K and V, the running fp32 output and its float copy of a segment's,
     and two kernel outputs of `elem`-byte values. The start-up profile adds it (its forward
     takes no paged attention)."""
-    least = envs.ENV.dense_prefill_tokens
+    least = min_query()
     if least <= 0 or max_query < least:
         return 0
     rows = max_query * num_heads * head_dim

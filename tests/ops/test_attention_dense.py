@@ -55,19 +55,29 @@ def test_fp8_cache_scales():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_off_unless_asked(monkeypatch):
-    # the dispatch takes no extend while SKYLINE_DENSE_PREFILL_TOKENS is unset
+def test_dispatch_by_query_and_work(monkeypatch):
+    # unset: extends of DENSE_MIN_QUERY tokens and more whose queries x keys reach
+    # DENSE_MIN_WORK; SKYLINE_DENSE_PREFILL_TOKENS=0: none; never with a window
     import skyline.ops.attention_dense as dense
 
     monkeypatch.setattr(dense, "dense_backend", lambda q, kvh: "math")
-    q = torch.zeros(5000, 8, 16)
+    q = torch.zeros(8192, 8, 16)
     cache = torch.zeros(2, 4, 16, 2, 16)
     monkeypatch.delenv("SKYLINE_DENSE_PREFILL_TOKENS", raising=False)
     monkeypatch.setattr(envs, "ENV", envs.Env.read())
-    assert dense.long_extends(q, cache, [0, 5000], range(1), 0, None) == []
-    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, dense_prefill_tokens=2048))
-    assert dense.long_extends(q, cache, [0, 5000], range(1), 0, None) == [0]
-    assert dense.long_extends(q, cache, [0, 5000], range(1), 128, None) == []  # a window
+    loc = [0, 8192, 8192 + 2048, 8192 + 4096, 8192 + 4096 + 2047]
+    lens = [8192, 2048, 20000, 100000]  # 8192 x 8192 and 2048 x 32768 are DENSE_MIN_WORK
+    assert dense.DENSE_MIN_WORK == 8192 * 8192
+    assert dense.long_extends(q, cache, loc, lens, range(4), 0, None) == [0]
+    assert dense.long_extends(q, cache, loc, [8192, 32768, 16383, 10**6], range(4), 0,
+                              None) == [0, 1]  # 2048 x 16383 falls short
+    assert dense.long_extends(q, cache, loc, lens, range(1, 4), 0, None) == []
+    assert dense.long_extends(q, cache, loc, lens, range(4), 128, None) == []  # a window
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, dense_prefill_tokens=0))
+    assert dense.long_extends(q, cache, loc, lens, range(4), 0, None) == []
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, dense_prefill_tokens=1024))
+    assert dense.long_extends(q, cache, loc, [8192, 32768, 20000, 10**6], range(4), 0,
+                              None) == [0, 1, 3]  # 2047 x 10**6 with the lower threshold
 
 
 def test_no_backend_on_the_cpu():
@@ -109,7 +119,7 @@ def test_long_chunk_beside_decodes_and_short_extends(dense_on):
     from skyline.ops.attention import paged_prefill_attention
 
     g = torch.Generator().manual_seed(7)
-    seqs = [(40, 1), (900, 1), (30, 50), (5000, DENSE_MIN_QUERY + 3), (0, 300)]
+    seqs = [(40, 1), (900, 1), (30, 50), (33000, DENSE_MIN_QUERY + 3), (0, 300)]
     lens = [c + t for c, t in seqs]
     table = shuffled_table(lens, 16, sum(-(-n // 16) for n in lens) + 4, random.Random(7))
     cache = torch.randn(2, table.max().item() + 1, 16, 8, 128, generator=g)
