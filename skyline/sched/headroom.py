@@ -44,33 +44,21 @@ class Headroom:
 
     def future_blocks(self, req: Request, num_held: int, max_len: int) -> int:
         """Blocks `req` is expected to need beyond the `num_held` it holds: the rest of its
-        prompt and `ratio` of its remaining output budget."""
+        prompt and `ratio` of its remaining output budget (within `max_len` tokens)."""
+        n = len(req.all_token_ids)
         max_tokens = req.sampling_params.max_tokens
-        if max_tokens is None:
-            budget = 0
-        else:
-            budget = min(max_tokens - req.num_output_tokens, max_len - req.num_tokens)
-        tokens = req.num_tokens + int(min(1.0, self.ratio * self.scale) * max(0, budget) + 0.999)
-        return max(0, -(-tokens // self.block_size) - num_held)
+        if max_tokens is not None:
+            budget = min(max_tokens - len(req.output_token_ids), max_len - n)
+            if budget > 0:
+                n += int(min(1.0, self.ratio * self.scale) * budget + 0.999)
+        return max(0, -(-n // self.block_size) - num_held)
 
     def reserved(self, running: Iterable[Request], blocks: Callable[[str], list],
-                 max_len: int) -> int:
-        """Blocks held back for the running requests; `blocks(request_id)` lists a request's
-        blocks; `max_len` the engine's (a request's own cap only lowers its budget). One pass
-        per admitting step, so kept lean: future_blocks inlined."""
-        share = min(1.0, self.ratio * self.scale)
-        size = self.block_size
-        total = 0
-        for r in running:
-            max_tokens = r.sampling_params.max_tokens
-            n = len(r.all_token_ids)
-            if max_tokens is not None:
-                budget = min(max_tokens - len(r.output_token_ids),
-                             min(max_len, r.max_model_len or max_len) - n)
-                if budget > 0:
-                    n += int(share * budget + 0.999)
-            total += max(0, -(-n // size) - len(blocks(r.request_id)))
-        return total
+                 max_len: Callable[[Request], int]) -> int:
+        """Blocks held back for the running requests (`blocks(request_id)`: a request's
+        blocks; `max_len(request)`: its cap on tokens)."""
+        return sum(self.future_blocks(r, len(blocks(r.request_id)), max_len(r))
+                   for r in running)
 
     def finished(self, req: Request, max_len: int) -> None:
         """A request ended by a stop or its length: learn the share of its budget it used."""

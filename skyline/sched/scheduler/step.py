@@ -123,7 +123,7 @@ class Scheduler(SchedulerQueues):
             if self.headroom.enabled:
                 if reserve is None:
                     reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
-                                                     self.cfg.max_model_len)
+                                                     self.max_len)
                 future = self.headroom.future_blocks(
                     req, -(-(num_hit + num_new) // self.block_size), self.max_len(req))
             if self.kv_manager.allocate_slots(req, num_new, hits, (reserve or 0) + future) is None:
