@@ -8,7 +8,8 @@ model gives each schedule.
 
 The real Scheduler runs 1,000 x (1,000 in, 1,000 out) (ignore_eos, as `skyline bench offline`)
 against a runner that samples a token for each request whose prompt is computed; with
---early-stop each request ends at an EOS after a uniform share of its max_tokens instead. No
+--early-stop each request ends at an EOS after a uniform share of its max_tokens instead (with
+--no-max-tokens it has none, as chat requests that do not set it, and ends there alike). No
 model and no timing: the schedule is deterministic. The cost model prices each step as one
 on the H200 would be at its floor (Llama-3.1-8B bf16: the weights' 15.0 GB and the decodes'
 KV at 4.2 TB/s, the prefill tokens' products at 790 TFLOP/s), to rank the schedules, not to
@@ -33,7 +34,7 @@ EOS = 2
 
 def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
              max_num_seqs: int, budget: int, conservativeness: float, early_stop: bool,
-             seed: int = 0) -> dict[str, Any]:
+             no_max_tokens: bool = False, seed: int = 0) -> dict[str, Any]:
     max_len = input_len + output_len + 48
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -46,7 +47,8 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
         ends[rid] = rng.randint(1, output_len) if early_stop else output_len
         sched.add_request(Request(
             rid, [rng.randrange(3, 100_000) for _ in range(input_len)],
-            SamplingParams(max_tokens=output_len, ignore_eos=not early_stop),
+            SamplingParams(max_tokens=None if no_max_tokens else output_len,
+                           ignore_eos=not early_stop),
             eos_token_ids=(EOS,)))
     steps = prefill = running = output = 0
     model_s = 0.0
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--early-stop", action="store_true",
                     help="each request ends at an EOS after a uniform share of max_tokens")
+    ap.add_argument("--no-max-tokens", action="store_true",
+                    help="with --early-stop: requests without max_tokens")
     ap.add_argument("--smoke", action="store_true", help="a small run (CI)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -100,7 +104,8 @@ def main() -> None:
     rows = []
     for cons in (0.0, 1.0):
         r = simulate(a.num_blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
-                     a.max_num_batched_tokens, cons, a.early_stop)
+                     a.max_num_batched_tokens, cons, a.early_stop,
+                     a.no_max_tokens and a.early_stop)
         rows.append(r)
         print(f"conservativeness {cons:.0f}: {r['preemptions']} preemptions, "
               f"{r['recomputed_tokens']:,} prompt tokens recomputed, {r['steps']} steps, "

@@ -12,9 +12,10 @@ budget (max_tokens, within the model's length), beyond the blocks it holds. `rat
 from the traffic: it starts at 1 (the whole budget, as TensorRT-LLM's guaranteed-no-evict
 policy), moves towards the share of its budget each finished request used (their mean, then a
 running mean: requests that stop early soon reserve little) and back up on a preemption (the
-estimate was short). Requests without max_tokens reserve nothing: their budget is the context
-length, too loose to plan by; preemption remains the fallback for them and for estimates that
-miss.
+estimate was short). Requests without max_tokens have the context length for a budget, too
+loose to plan by: each reserves the mean output of finished requests without max_tokens (none
+before the first), however much it has produced. Preemption remains the fallback for estimates
+that miss.
 
 SchedulerConfig.schedule_conservativeness scales the ratio (SGLang's option of that name);
 0 turns the headroom off.
@@ -36,7 +37,9 @@ class Headroom:
         self.block_size = block_size
         self.scale = conservativeness
         self.ratio = 1.0
-        self.num_finished = 0  # requests learned from
+        self.num_finished = 0  # requests with max_tokens learned from
+        self.unbounded_tokens = 0.0  # mean output of finished requests without max_tokens
+        self.num_unbounded = 0
 
     @property
     def enabled(self) -> bool:
@@ -44,10 +47,13 @@ class Headroom:
 
     def future_blocks(self, req: Request, num_held: int, max_len: int) -> int:
         """Blocks `req` is expected to need beyond the `num_held` it holds: the rest of its
-        prompt and `ratio` of its remaining output budget (within `max_len` tokens)."""
+        prompt and `ratio` of its remaining output budget (within `max_len` tokens), or
+        without max_tokens the mean output of such requests."""
         n = len(req.all_token_ids)
         max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
+        if max_tokens is None:
+            n += int(min(self.scale * self.unbounded_tokens, max_len - n) + 0.999)
+        else:
             budget = min(max_tokens - len(req.output_token_ids), max_len - n)
             if budget > 0:
                 n += int(min(1.0, self.ratio * self.scale) * budget + 0.999)
@@ -61,14 +67,17 @@ class Headroom:
                    for r in running)
 
     def finished(self, req: Request, max_len: int) -> None:
-        """A request ended by a stop or its length: learn the share of its budget it used."""
+        """A request ended by a stop or its length: learn the share of its budget it used
+        (the plain mean of the first ones, the starting 1 counting as one, then a running mean
+        that forgets), or without max_tokens how many tokens it produced."""
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is None:
+            self.num_unbounded += 1
+            weight = max(MEAN_WEIGHT, 1 / self.num_unbounded)
+            self.unbounded_tokens += weight * (req.num_output_tokens - self.unbounded_tokens)
             return
         budget = min(max_tokens, max_len - req.num_prompt_tokens)
         if budget > 0:
-            # the plain mean of the first ones (the starting 1 counting as one), then a
-            # running mean that forgets
             self.num_finished += 1
             weight = max(MEAN_WEIGHT, 1 / (self.num_finished + 1))
             used = min(1.0, req.num_output_tokens / budget)

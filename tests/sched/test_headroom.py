@@ -21,9 +21,18 @@ def test_future_blocks_count_prompt_rest_and_share_of_budget():
     assert h.future_blocks(r, num_held=3, max_len=64) == 5 - 3  # 10 + 10 tokens
     h.ratio = 0.01
     assert h.future_blocks(r, num_held=3, max_len=64) == 3 - 3  # 10 + 1 (rounded up)
-    # no max_tokens: only the rest of the prompt
+    # no max_tokens: the rest of the prompt, and the mean output of such requests once known
     unbounded = req("b", prompt(2, 10), max_tokens=None)
-    assert Headroom(4).future_blocks(unbounded, num_held=1, max_len=64) == 3 - 1
+    h = Headroom(4)
+    assert h.future_blocks(unbounded, num_held=1, max_len=64) == 3 - 1
+    for n in (4, 8):
+        done = req(f"u{n}", prompt(3, 5), max_tokens=None)
+        for _ in range(n):
+            done.append_output_token(1)
+        h.finished(done, max_len=64)
+    assert h.unbounded_tokens == 6 and h.ratio == 1.0  # the bounded share is not touched
+    assert h.future_blocks(unbounded, num_held=1, max_len=64) == 4 - 1  # 10 + 6 tokens
+    assert h.future_blocks(unbounded, num_held=1, max_len=12) == 3 - 1  # capped at 12
     # the scale multiplies the share, capped at the whole budget
     assert Headroom(4, conservativeness=3.0).future_blocks(r, 3, 64) == 8 - 3
     assert Headroom(4, conservativeness=0.5).future_blocks(r, 3, 64) == 5 - 3
@@ -50,7 +59,7 @@ def test_ratio_learns_used_share_and_backs_off_on_preemption():
     h.preempted()
     assert h.ratio == pytest.approx(0.625, abs=1e-3)
     before = h.ratio
-    h.finished(req("b", prompt(2, 4), max_tokens=None), max_len=64)  # no budget: no lesson
+    h.finished(req("b", prompt(2, 4), max_tokens=None), max_len=64)  # no budget: not a share
     assert h.ratio == before
 
 
