@@ -99,13 +99,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a small run (CI)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.no_max_tokens and not a.early_stop:
+        ap.error("--no-max-tokens needs --early-stop (else every request runs to the length cap)")
     if a.smoke:
         a.num_blocks, a.num_prompts, a.input_len, a.output_len = 300, 40, 100, 100
     rows = []
     for cons in (0.0, 1.0):
         r = simulate(a.num_blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
-                     a.max_num_batched_tokens, cons, a.early_stop,
-                     a.no_max_tokens and a.early_stop)
+                     a.max_num_batched_tokens, cons, a.early_stop, a.no_max_tokens)
         rows.append(r)
         print(f"conservativeness {cons:.0f}: {r['preemptions']} preemptions, "
               f"{r['recomputed_tokens']:,} prompt tokens recomputed, {r['steps']} steps, "

@@ -97,7 +97,7 @@ class Scheduler(SchedulerQueues):
         # is admitted only while the free blocks cover what the running ones (and it) are
         # expected to add (sched/headroom.py).
         num_loading = len(self.kv_loads.loading)
-        reserve = None
+        reserve = None  # blocks held back for the running requests, summed at the first need
         while (
             not preempted
             and self.waiting
@@ -119,17 +119,17 @@ class Scheduler(SchedulerQueues):
                     num_loading += 1
                     continue
             num_new = min(req.num_tokens - num_hit, budget)
-            future = 0
+            keep = 0  # free blocks this admission must leave
             if self.headroom.enabled:
                 if reserve is None:
                     reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
                                                      self.max_len)
-                future = self.headroom.future_blocks(
+                keep = reserve + self.headroom.future_blocks(
                     req, -(-(num_hit + num_new) // self.block_size), self.max_len(req))
-            if self.kv_manager.allocate_slots(req, num_new, hits, (reserve or 0) + future) is None:
+            if self.kv_manager.allocate_slots(req, num_new, hits, keep) is None:
                 break  # FCFS: no one overtakes the head of the queue
-            if reserve is not None:
-                reserve += future
+            if self.headroom.enabled:
+                reserve = keep  # it runs now: its own expected blocks are held back too
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING

@@ -107,7 +107,7 @@ class RunnerStartup:
         sc = config.scheduler
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
         layers = attention_layers(self.model)
-        if layers and self.device.type == "cuda":  # long chunks' dense attention, when asked
+        if layers and self.device.type == "cuda":  # long chunks' dense attention
             peak += workspace_bytes(layers[0].num_heads, layers[0].num_kv_heads,
                                     layers[0].head_dim, sc.max_num_batched_tokens,
                                     self.dtype.itemsize)
