@@ -21,6 +21,8 @@ KV heads of 128, bf16, 16-token pages scattered over the cache. Work: 4 * heads 
   by log-sum-exp, so no kernel needs a bottom-right causal mask; KV heads shared, or
   ("-expand") repeated to every query head first; the backend dense_backend finds also at
   half the segment. A kernel that refuses a shape is recorded as an error.
+- cudnn-causal-with-lse (a chunk with no context before it): the one causal cuDNN call with
+  its log-sum-exp computed, as dense_extend made it before it skipped that for first chunks.
 - flash-lower-right: torch's public SDPA with a bottom-right causal bias
   (torch.nn.attention.bias.causal_lower_right), one call.
 Each output is checked against the Triton kernel's (max abs error); a variant's first call on a
@@ -51,6 +53,7 @@ from skyline.bench.tuners import tune_device  # noqa: E402
 from skyline.ops.attention import paged_prefill_attention  # noqa: E402
 from skyline.ops.attention_dense import (  # noqa: E402
     SEGMENT,
+    attend_lse,
     dense_backend,
     dense_extend,
     gather_kv,
@@ -98,6 +101,9 @@ def _variants(p: dict[str, Any], c: int, t: int, scale: float, smoke: bool
         k, v = _gather(p, c)
         group = HEADS // KV_HEADS
         ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        if c == t and found == "cudnn":
+            out["cudnn-causal-with-lse"] = lambda: attend_lse(
+                qh, k, v, True, scale, "cudnn", lse=True)[0]
         bias = causal_lower_right(t, c)
         out["flash-lower-right"] = lambda: F.scaled_dot_product_attention(
             qh, ke, ve, attn_mask=bias, scale=scale)

@@ -113,20 +113,22 @@ def _probe(q: torch.Tensor, kvh: int) -> str | None:
 
 
 def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+               backend: str, lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [1, H, T, D] in q's dtype, natural log-sum-exp of each row's scores [1, H, T]
-    fp32) of q [1, H, T, D] over k, v [1, KVH, S, D] (KV heads shared by H / KVH query heads
-    each); `causal`: T == S, query i sees keys up to i. backend: torch's "cudnn" or "flash"
-    (FlashAttention-2, which bench/kernels/prefill_attention_speed.py compares), either with
-    "-expand" (K/V repeated to every query head first), or "math" (PyTorch: the CPU, tests)."""
+    fp32, or None unless `lse`) of q [1, H, T, D] over k, v [1, KVH, S, D] (KV heads shared
+    by H / KVH query heads each); `causal`: T == S, query i sees keys up to i. Without `lse`
+    cuDNN skips computing it (a prompt's first chunk merges with nothing). backend: torch's
+    "cudnn" or "flash" (FlashAttention-2, which bench/kernels/prefill_attention_speed.py
+    compares), either with "-expand" (K/V repeated to every query head first), or "math"
+    (PyTorch: the CPU, tests)."""
     if backend.endswith("-expand") and k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     kernel = backend.removesuffix("-expand")
     if kernel == "cudnn":
-        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, lse, 0.0, causal,
                                                                 False, scale=scale)
-        return r[0], r[1].reshape(q.shape[:3]).float()
+        return r[0], r[1].reshape(q.shape[:3]).float() if lse else None
     if kernel == "flash":
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                 scale=scale)
@@ -172,7 +174,7 @@ def dense_extend(q: torch.Tensor, kv_cache: torch.Tensor, pages: torch.Tensor, s
     qh = q.transpose(0, 1)[None]  # [1, H, T, D]
     s = scale * k_scale
     k, v = gather_kv(kv_cache, pages, prior, seq_len, q.dtype)
-    out, lse = attend_lse(qh, k, v, True, s, backend)
+    out, lse = attend_lse(qh, k, v, True, s, backend, lse=prior > 0)
     acc = None
     for lo in range(0, prior, segment):
         k, v = gather_kv(kv_cache, pages, lo, min(prior, lo + segment), q.dtype)
