@@ -2,7 +2,8 @@
 the KV headroom at admission (sched/headroom.py) and without it, and the step time a cost
 model gives each schedule.
 
-  python bench/admission.py                      # the H200 run: 55,857 blocks of 16 tokens
+  python bench/admission.py                      # the H200 bf16 run: 55,857 blocks of 16 tokens
+  python bench/admission.py --fp8                # the H200 fp8 run: 116,977 blocks
   python bench/admission.py --num-blocks 20000 --early-stop
   python bench/admission.py --smoke
 
@@ -10,10 +11,17 @@ The real Scheduler runs 1,000 x (1,000 in, 1,000 out) (ignore_eos, as `skyline b
 against a runner that samples a token for each request whose prompt is computed; with
 --early-stop each request ends at an EOS after a uniform share of its max_tokens instead (with
 --no-max-tokens it has none, as chat requests that do not set it, and ends there alike). No
-model and no timing: the schedule is deterministic. The cost model prices each step as one
-on the H200 would be at its floor (Llama-3.1-8B bf16: the weights' 15.0 GB and the decodes'
-KV at 4.2 TB/s, the prefill tokens' products at 790 TFLOP/s), to rank the schedules, not to
-predict a run's time.
+model and no timing: the schedule is deterministic. Three schedules: no headroom
+(conservativeness 0), the headroom without its rule for a queue that fits the free blocks
+("plan only": a remainder held back then runs alone, a tail of small steps), and the headroom
+as the engine runs it.
+
+The cost model prices each step as one on the H200 would be at its floor (Llama-3.1-8B: the
+decodes' products at the larger of the weights over 4.2 TB/s and their FLOPs at the matmul
+peak, the decodes' KV over 4.2 TB/s, the prefill tokens' products at the peak; bf16: 15.0 GB of
+weights, 128 KiB of KV a token, 790 TFLOP/s; --fp8: 8.0 GB, 64 KiB, 1,400 TFLOP/s) plus
+STEP_S, what an H100 run's decode steps took beyond those terms (8.96 ms at 34 sequences,
+26.4 ms at 481: ~4 ms each), to rank the schedules, not to predict a run's time.
 """
 
 from __future__ import annotations
@@ -24,17 +32,20 @@ from typing import Any
 
 from skyline.bench.offline import save_json
 from skyline.config import CacheConfig, SchedulerConfig
+from skyline.sched import headroom
 from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, RunnerOutput, SamplingParams
 
-WEIGHT_BYTES, KV_BYTES_PER_TOKEN, FLOPS_PER_TOKEN = 15.0e9, 131072, 2 * 7.5e9
-BANDWIDTH, PEAK = 4.2e12, 790e12
+# (weight bytes, KV bytes a token, matmul peak) and the run's KV blocks
+COSTS = {"bf16": (15.0e9, 131072, 790e12, 55857), "fp8": (8.0e9, 65536, 1400e12, 116977)}
+FLOPS_PER_TOKEN, BANDWIDTH, STEP_S = 2 * 7.5e9, 4.2e12, 0.004
 EOS = 2
 
 
 def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
              max_num_seqs: int, budget: int, conservativeness: float, early_stop: bool,
-             no_max_tokens: bool = False, seed: int = 0) -> dict[str, Any]:
+             no_max_tokens: bool = False, costs: str = "bf16", seed: int = 0) -> dict[str, Any]:
+    weight_bytes, kv_bytes, peak, _ = COSTS[costs]
     max_len = input_len + output_len + 48
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -55,7 +66,7 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
     while sched.has_unfinished():
         so = sched.schedule()
         res = RunnerOutput()
-        kv_tokens = step_prefill = 0
+        kv_tokens = step_prefill = decodes = 0
         for rid, n in so.num_scheduled_tokens.items():
             req = sched.requests[rid]
             res.req_ids.append(rid)
@@ -67,12 +78,13 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
                 res.sampled_token_ids.append([])
             if n == 1:
                 kv_tokens += req.num_computed_tokens
+                decodes += 1
             else:
                 step_prefill += n
         running += len(sched.running)
         prefill += step_prefill
-        model_s += ((WEIGHT_BYTES + kv_tokens * KV_BYTES_PER_TOKEN) / BANDWIDTH
-                    + step_prefill * FLOPS_PER_TOKEN / PEAK)
+        model_s += (STEP_S + max(weight_bytes / BANDWIDTH, decodes * FLOPS_PER_TOKEN / peak)
+                    + kv_tokens * kv_bytes / BANDWIDTH + step_prefill * FLOPS_PER_TOKEN / peak)
         output += sum(len(o.new_token_ids) for o in sched.update(so, res))
         steps += 1
     return {"conservativeness": conservativeness, "steps": steps,
@@ -85,8 +97,10 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-blocks", type=int, default=55857,
-                    help="KV blocks of 16 tokens (default: the H200 bf16 run's)")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks of 16 tokens (default: the H200 run's, bf16 or fp8)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="fp8 weights and KV (the cost model's; the H200 fp8 run's cache)")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
@@ -102,20 +116,31 @@ def main() -> None:
     if a.no_max_tokens and not a.early_stop:
         ap.error("--no-max-tokens needs --early-stop (else every request runs to the length cap)")
     if a.smoke:
-        a.num_blocks, a.num_prompts, a.input_len, a.output_len = 300, 40, 100, 100
+        a.num_blocks, a.num_prompts, a.input_len, a.output_len = 300, 52, 100, 90
+    costs = "fp8" if a.fp8 else "bf16"
+    blocks = a.num_blocks or COSTS[costs][3]
     rows = []
-    for cons in (0.0, 1.0):
-        r = simulate(a.num_blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
-                     a.max_num_batched_tokens, cons, a.early_stop, a.no_max_tokens)
-        rows.append(r)
-        print(f"conservativeness {cons:.0f}: {r['preemptions']} preemptions, "
+    start_all = headroom.Headroom.start_all
+    for name, cons, rule in (("none", 0.0, True), ("plan only", 1.0, False),
+                             ("headroom", 1.0, True)):
+        headroom.Headroom.start_all = start_all if rule else (lambda *_: False)
+        try:
+            r = simulate(blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
+                         a.max_num_batched_tokens, cons, a.early_stop, a.no_max_tokens, costs)
+        finally:
+            headroom.Headroom.start_all = start_all
+        rows.append({"schedule": name, **r})
+        print(f"{name:9s}: {r['preemptions']} preemptions, "
               f"{r['recomputed_tokens']:,} prompt tokens recomputed, {r['steps']} steps, "
               f"{r['mean_running']:.0f} running on average; cost model {r['model_s']:.1f} s "
               f"({r['model_tok_s']:,.0f} output tok/s)")
     if a.smoke:
-        assert rows[0]["preemptions"] > 0 and rows[1]["preemptions"] == 0, rows
-    gain = rows[0]["model_s"] / rows[1]["model_s"]
-    print(f"headroom against none, by the cost model: {gain:.3f}x")
+        assert rows[1]["preemptions"] == 0, rows
+        assert rows[2]["preemptions"] < rows[0]["preemptions"], rows
+        assert rows[2]["steps"] < rows[1]["steps"], rows
+    for r in rows[1:]:
+        print(f"{r['schedule']} against none, by the cost model: "
+              f"{rows[0]['model_s'] / r['model_s']:.3f}x")
     if a.out:
         save_json({"benchmark": "admission", "args": vars(a), "runs": rows}, a.out)
 

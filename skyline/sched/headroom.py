@@ -28,6 +28,19 @@ from collections.abc import Callable, Iterable
 from skyline.types import Request
 
 MEAN_WEIGHT = 1 / 32  # a finished request's least weight in the running mean of used shares
+# How far everyone's expected need may exceed the cache for the last of the queue to start at
+# once (Headroom.start_all): the excess is preempted near the end and recomputed once.
+OVERCOMMIT = 1 / 8
+
+
+def fits_now(waiting: Iterable[Request], num_free: int, block_size: int) -> bool:
+    """Whether every waiting request's tokens (prompt, and output so far when preempted) fit
+    in `num_free` blocks (prefix hits not counted): stops at the first that does not."""
+    for req in waiting:
+        num_free -= -(-req.num_tokens // block_size)
+        if num_free < 0:
+            return False
+    return True
 
 
 class Headroom:
@@ -65,6 +78,21 @@ class Headroom:
         blocks; `max_len(request)`: its cap on tokens)."""
         return sum(self.future_blocks(r, len(blocks(r.request_id)), max_len(r))
                    for r in running)
+
+    def start_all(self, running: list[Request], waiting: Iterable[Request],
+                  blocks: Callable[[str], list], max_len: Callable[[Request], int],
+                  num_free: int) -> bool:
+        """Whether the whole queue starts now on current need: it fits the free blocks, and
+        what the running and waiting requests are expected to hold at most exceeds the cache
+        by no more than OVERCOMMIT of it. Held back, that remainder would run alone after
+        everyone else, a tail of small steps (as long as its outputs); admitted, the excess
+        is preempted near the end and recomputed once."""
+        if not fits_now(waiting, num_free, self.block_size):
+            return False
+        held = sum(len(blocks(r.request_id)) for r in running)
+        need = held + self.reserved(running, blocks, max_len) + sum(
+            self.future_blocks(r, 0, max_len(r)) for r in waiting)
+        return need <= (held + num_free) * (1 + OVERCOMMIT)
 
     def finished(self, req: Request, max_len: int) -> None:
         """A request ended by a stop or its length: learn the share of its budget it used

@@ -111,3 +111,45 @@ def test_early_stops_lower_the_ratio_and_admit_more():
     assert peaks[0] <= 2 and max(peaks) >= 10
     assert sched.stats()["headroom_ratio"] == sched.headroom.ratio
     assert_all_free(sched)
+
+
+def test_start_all_only_for_a_queue_that_fits_and_a_small_excess():
+    h = Headroom(block_size=4)
+    blocks = {"a": [0, 1], "b": [2, 3]}  # two running requests of 8 tokens, 8 more to come
+    running = [req(k, prompt(i, 8), max_tokens=8) for i, k in enumerate(blocks)]
+    held = lambda rid: blocks[rid]  # noqa: E731
+    cap = lambda r: 64  # noqa: E731
+    waiting = [req("c", prompt(3, 8), max_tokens=8)]
+    # expected at most: 2 x 4 + 4 = 12 blocks; within 1/8 over a cache of 11, not of 10
+    assert h.start_all(running, waiting, held, cap, num_free=7)
+    assert not h.start_all(running, waiting, held, cap, num_free=6)
+    # the queue must fit the free blocks now (its 2 blocks of prompt), whatever the excess
+    assert not h.start_all(running, waiting, held, cap, num_free=1)
+    # a learned share below 1 expects less: 2 x 3 + 3 blocks fit a cache of 8
+    h.ratio = 0.5
+    assert h.start_all(running, waiting, held, cap, num_free=4)
+
+
+def test_the_last_of_the_queue_starts_with_the_rest_not_after_it(monkeypatch):
+    # 17 requests of 8 + 8 tokens, a cache of 32 blocks of 4 (eight at their full length):
+    # holding back all that may not fit runs waves of 8, 8 and then one request alone; the
+    # last one starts beside the second wave (one request's excess: 1/8 of the cache) and
+    # every request still gets its reference tokens (the excess is one preemption near the
+    # end, whose recompute and last tokens take a few steps instead of eight)
+    def go(start_all: bool):
+        if not start_all:
+            monkeypatch.setattr(Headroom, "start_all", lambda *_: False)
+        sched, runner = make(num_blocks=32, block_size=4, max_model_len=40, budget=64)
+        reqs = [req(f"r{i}", prompt(i, 8), max_tokens=8) for i in range(17)]
+        for r in reqs:
+            sched.add_request(r)
+        outputs, final, steps = run(sched, runner)
+        assert_reference(sched, reqs, outputs, final)
+        assert_all_free(sched)
+        monkeypatch.undo()
+        return steps, outputs
+
+    planned, want = go(start_all=False)
+    together, got = go(start_all=True)
+    assert got == want
+    assert together <= planned - 4

@@ -98,6 +98,11 @@ class Scheduler(SchedulerQueues):
         # expected to add (sched/headroom.py).
         num_loading = len(self.kv_loads.loading)
         reserve = None  # blocks held back for the running requests, summed at the first need
+        # The last of the queue starts at once when holding it back would only leave it a tail
+        # of its own (Headroom.start_all).
+        plan = self.headroom.enabled and not self.headroom.start_all(
+            self.running, self.waiting, self.kv_manager.blocks, self.max_len,
+            self.kv_manager.num_free_blocks)
         while (
             not preempted
             and self.waiting
@@ -120,7 +125,7 @@ class Scheduler(SchedulerQueues):
                     continue
             num_new = min(req.num_tokens - num_hit, budget)
             keep = 0  # free blocks this admission must leave
-            if self.headroom.enabled:
+            if plan:
                 if reserve is None:
                     reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
                                                      self.max_len)
@@ -128,7 +133,7 @@ class Scheduler(SchedulerQueues):
                     req, -(-(num_hit + num_new) // self.block_size), self.max_len(req))
             if self.kv_manager.allocate_slots(req, num_new, hits, keep) is None:
                 break  # FCFS: no one overtakes the head of the queue
-            if self.headroom.enabled:
+            if plan:
                 reserve = keep  # it runs now: its own expected blocks are held back too
             self.waiting.popleft()
             self.running.append(req)
