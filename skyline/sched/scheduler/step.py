@@ -98,11 +98,7 @@ class Scheduler(SchedulerQueues):
         # expected to add (sched/headroom.py).
         num_loading = len(self.kv_loads.loading)
         reserve = None  # blocks held back for the running requests, summed at the first need
-        # The last of the queue starts at once when holding it back would only leave it a tail
-        # of its own (Headroom.start_all).
-        plan = self.headroom.enabled and not self.headroom.start_all(
-            self.running, self.waiting, self.kv_manager.blocks, self.max_len,
-            self.kv_manager.num_free_blocks)
+        plan = None  # whether admissions keep the headroom, decided at the first candidate
         while (
             not preempted
             and self.waiting
@@ -125,6 +121,11 @@ class Scheduler(SchedulerQueues):
                     continue
             num_new = min(req.num_tokens - num_hit, budget)
             keep = 0  # free blocks this admission must leave
+            if plan is None:  # the last of the queue starts at once when holding it back would
+                # only leave it a tail of its own (Headroom.start_all)
+                plan = self.headroom.enabled and not self.headroom.start_all(
+                    self.running, self.waiting, self.kv_manager.blocks, self.max_len,
+                    self.kv_manager.num_free_blocks)
             if plan:
                 if reserve is None:
                     reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
