@@ -32,7 +32,6 @@ from typing import Any
 
 from skyline.bench.offline import save_json
 from skyline.config import CacheConfig, SchedulerConfig
-from skyline.sched import headroom
 from skyline.sched.scheduler import Scheduler
 from skyline.types import Request, RunnerOutput, SamplingParams
 
@@ -44,13 +43,16 @@ EOS = 2
 
 def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
              max_num_seqs: int, budget: int, conservativeness: float, early_stop: bool,
-             no_max_tokens: bool = False, costs: str = "bf16", seed: int = 0) -> dict[str, Any]:
+             no_max_tokens: bool = False, costs: str = "bf16", start_all: bool = True,
+             seed: int = 0) -> dict[str, Any]:
     weight_bytes, kv_bytes, peak, _ = COSTS[costs]
     max_len = input_len + output_len + 48
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         max_model_len=max_len, schedule_conservativeness=conservativeness),
         CacheConfig(block_size=16, enable_prefix_caching=True), num_blocks)
+    if not start_all:
+        sched.headroom.overcommit = None
     rng = random.Random(seed)
     ends = {}
     for i in range(num_prompts):
@@ -120,15 +122,11 @@ def main() -> None:
     costs = "fp8" if a.fp8 else "bf16"
     blocks = a.num_blocks or COSTS[costs][3]
     rows = []
-    start_all = headroom.Headroom.start_all
-    for name, cons, rule in (("none", 0.0, True), ("plan only", 1.0, False),
-                             ("headroom", 1.0, True)):
-        headroom.Headroom.start_all = start_all if rule else (lambda *_: False)
-        try:
-            r = simulate(blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
-                         a.max_num_batched_tokens, cons, a.early_stop, a.no_max_tokens, costs)
-        finally:
-            headroom.Headroom.start_all = start_all
+    for name, cons, start_all in (("none", 0.0, True), ("plan only", 1.0, False),
+                                  ("headroom", 1.0, True)):
+        r = simulate(blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
+                     a.max_num_batched_tokens, cons, a.early_stop, a.no_max_tokens, costs,
+                     start_all)
         rows.append({"schedule": name, **r})
         print(f"{name:9s}: {r['preemptions']} preemptions, "
               f"{r['recomputed_tokens']:,} prompt tokens recomputed, {r['steps']} steps, "

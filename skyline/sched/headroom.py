@@ -46,9 +46,11 @@ def fits_now(waiting: Iterable[Request], num_free: int, block_size: int) -> bool
 class Headroom:
     """The learned share of remaining output budget a request is expected to use."""
 
-    def __init__(self, block_size: int, conservativeness: float = 1.0) -> None:
+    def __init__(self, block_size: int, conservativeness: float = 1.0,
+                 overcommit: float | None = OVERCOMMIT) -> None:
         self.block_size = block_size
         self.scale = conservativeness
+        self.overcommit = overcommit  # start_all's bound; None: the queue never starts at once
         self.ratio = 1.0
         self.num_finished = 0  # requests with max_tokens learned from
         self.unbounded_tokens = 0.0  # mean output of finished requests without max_tokens
@@ -84,15 +86,15 @@ class Headroom:
                   num_free: int) -> bool:
         """Whether the whole queue starts now on current need: it fits the free blocks, and
         what the running and waiting requests are expected to hold at most exceeds the cache
-        by no more than OVERCOMMIT of it. Held back, that remainder would run alone after
+        by no more than `overcommit` of it. Held back, that remainder would run alone after
         everyone else, a tail of small steps (as long as its outputs); admitted, the excess
         is preempted near the end and recomputed once."""
-        if not fits_now(waiting, num_free, self.block_size):
+        if self.overcommit is None or not fits_now(waiting, num_free, self.block_size):
             return False
         held = sum(len(blocks(r.request_id)) for r in running)
         need = held + self.reserved(running, blocks, max_len) + sum(
             self.future_blocks(r, 0, max_len(r)) for r in waiting)
-        return need <= (held + num_free) * (1 + OVERCOMMIT)
+        return need <= (held + num_free) * (1 + self.overcommit)
 
     def finished(self, req: Request, max_len: int) -> None:
         """A request ended by a stop or its length: learn the share of its budget it used

@@ -125,28 +125,28 @@ def test_start_all_only_for_a_queue_that_fits_and_a_small_excess():
     assert not h.start_all(running, waiting, held, cap, num_free=6)
     # the queue must fit the free blocks now (its 2 blocks of prompt), whatever the excess
     assert not h.start_all(running, waiting, held, cap, num_free=1)
+    assert not Headroom(4, overcommit=None).start_all(running, waiting, held, cap, num_free=7)
     # a learned share below 1 expects less: 2 x 3 + 3 blocks fit a cache of 8
     h.ratio = 0.5
     assert h.start_all(running, waiting, held, cap, num_free=4)
 
 
-def test_the_last_of_the_queue_starts_with_the_rest_not_after_it(monkeypatch):
+def test_the_last_of_the_queue_starts_with_the_rest_not_after_it():
     # 17 requests of 8 + 8 tokens, a cache of 32 blocks of 4 (eight at their full length):
     # holding back all that may not fit runs waves of 8, 8 and then one request alone; the
     # last one starts beside the second wave (one request's excess: 1/8 of the cache) and
     # every request still gets its reference tokens (the excess is one preemption near the
     # end, whose recompute and last tokens take a few steps instead of eight)
     def go(start_all: bool):
-        if not start_all:
-            monkeypatch.setattr(Headroom, "start_all", lambda *_: False)
         sched, runner = make(num_blocks=32, block_size=4, max_model_len=40, budget=64)
+        if not start_all:
+            sched.headroom.overcommit = None
         reqs = [req(f"r{i}", prompt(i, 8), max_tokens=8) for i in range(17)]
         for r in reqs:
             sched.add_request(r)
         outputs, final, steps = run(sched, runner)
         assert_reference(sched, reqs, outputs, final)
         assert_all_free(sched)
-        monkeypatch.undo()
         return steps, outputs
 
     planned, want = go(start_all=False)
