@@ -5,13 +5,16 @@ model gives each schedule.
   python bench/admission.py                      # the H200 bf16 run: 55,857 blocks of 16 tokens
   python bench/admission.py --fp8                # the H200 fp8 run: 116,977 blocks
   python bench/admission.py --num-blocks 20000 --early-stop
+  python bench/admission.py --early-stop --rate 18   # served: Poisson arrivals
   python bench/admission.py --smoke
 
 The real Scheduler runs 1,000 x (1,000 in, 1,000 out) (ignore_eos, as `skyline bench offline`)
 against a runner that samples a token for each request whose prompt is computed; with
 --early-stop each request ends at an EOS after a uniform share of its max_tokens instead (with
 --no-max-tokens it has none, as chat requests that do not set it, and ends there alike). No
-model and no timing: the schedule is deterministic. Three schedules: no headroom
+model and no timing: the schedule is deterministic. With --rate the requests arrive as a
+Poisson process on the cost model's clock instead (served traffic), and the time to each one's
+first token is reported. Three schedules: no headroom
 (conservativeness 0), the headroom without its rule for a queue that fits the free blocks
 ("plan only": a remainder held back then runs alone, a tail of small steps), and the headroom
 as the engine runs it.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections import deque
 from typing import Any
 
 from skyline.bench.offline import save_json
@@ -44,7 +48,7 @@ EOS = 2
 def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
              max_num_seqs: int, budget: int, conservativeness: float, early_stop: bool,
              no_max_tokens: bool = False, costs: str = "bf16", start_all: bool = True,
-             seed: int = 0) -> dict[str, Any]:
+             rate: float = 0.0, seed: int = 0) -> dict[str, Any]:
     weight_bytes, kv_bytes, peak, _ = COSTS[costs]
     max_len = input_len + output_len + 48
     sched = Scheduler(
@@ -54,18 +58,27 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
     if not start_all:
         sched.headroom.overcommit = None
     rng = random.Random(seed)
-    ends = {}
+    ends, arrivals, first = {}, deque(), {}
+    clock = 0.0
     for i in range(num_prompts):
         rid = str(i)
         ends[rid] = rng.randint(1, output_len) if early_stop else output_len
-        sched.add_request(Request(
+        clock += rng.expovariate(rate) if rate else 0.0
+        arrivals.append((clock, Request(
             rid, [rng.randrange(3, 100_000) for _ in range(input_len)],
             SamplingParams(max_tokens=None if no_max_tokens else output_len,
                            ignore_eos=not early_stop),
-            eos_token_ids=(EOS,)))
+            eos_token_ids=(EOS,))))
+    arrived = {}
     steps = prefill = running = output = 0
     model_s = 0.0
-    while sched.has_unfinished():
+    while arrivals or sched.has_unfinished():
+        if not sched.has_unfinished():
+            model_s = max(model_s, arrivals[0][0])  # idle until the next arrival
+        while arrivals and arrivals[0][0] <= model_s:
+            at, req = arrivals.popleft()
+            arrived[req.request_id] = at
+            sched.add_request(req)
         so = sched.schedule()
         res = RunnerOutput()
         kv_tokens = step_prefill = decodes = 0
@@ -87,14 +100,24 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
         prefill += step_prefill
         model_s += (STEP_S + max(weight_bytes / BANDWIDTH, decodes * FLOPS_PER_TOKEN / peak)
                     + kv_tokens * kv_bytes / BANDWIDTH + step_prefill * FLOPS_PER_TOKEN / peak)
-        output += sum(len(o.new_token_ids) for o in sched.update(so, res))
+        for o in sched.update(so, res):
+            output += len(o.new_token_ids)
+            if o.new_token_ids and o.request_id not in first:
+                first[o.request_id] = model_s - arrived[o.request_id]
         steps += 1
     return {"conservativeness": conservativeness, "steps": steps,
             "preemptions": sched.num_preemptions, "prompt_tokens": num_prompts * input_len,
             "prefill_tokens": prefill, "recomputed_tokens": prefill - num_prompts * input_len,
             "output_tokens": output, "mean_running": running / steps,
+            "ttft_p50_s": _quantile(first.values(), 0.5),
+            "ttft_p99_s": _quantile(first.values(), 0.99),
             "headroom_ratio": sched.headroom.ratio, "model_s": model_s,
             "model_tok_s": output / model_s}
+
+
+def _quantile(values: Any, q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
 def main() -> None:
@@ -112,6 +135,9 @@ def main() -> None:
                     help="each request ends at an EOS after a uniform share of max_tokens")
     ap.add_argument("--no-max-tokens", action="store_true",
                     help="with --early-stop: requests without max_tokens")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="Poisson arrivals, requests per second of the cost model's clock "
+                         "(default 0: all at once, as offline)")
     ap.add_argument("--smoke", action="store_true", help="a small run (CI)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -126,13 +152,14 @@ def main() -> None:
                                   ("headroom", 1.0, True)):
         r = simulate(blocks, a.num_prompts, a.input_len, a.output_len, a.max_num_seqs,
                      a.max_num_batched_tokens, cons, a.early_stop, a.no_max_tokens, costs,
-                     start_all)
+                     start_all, a.rate)
         rows.append({"schedule": name, **r})
         print(f"{name:9s}: {r['preemptions']} preemptions, "
               f"{r['recomputed_tokens']:,} prompt tokens recomputed, {r['steps']} steps, "
               f"{r['mean_running']:.0f} running on average; cost model {r['model_s']:.1f} s "
-              f"({r['model_tok_s']:,.0f} output tok/s)")
-    if a.smoke:
+              f"({r['model_tok_s']:,.0f} output tok/s); TTFT p50 {r['ttft_p50_s']:.2f} s, "
+              f"p99 {r['ttft_p99_s']:.2f} s")
+    if a.smoke and not (a.rate or a.early_stop):
         assert rows[1]["preemptions"] == 0, rows
         assert rows[2]["preemptions"] < rows[0]["preemptions"], rows
         assert rows[2]["steps"] < rows[1]["steps"], rows
