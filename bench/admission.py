@@ -1,11 +1,11 @@
-"""The scheduler alone on an offline run's traffic: preemptions and recomputed prompt tokens with
-the KV headroom at admission (sched/headroom.py) and without it, and the step time a cost
-model gives each schedule.
+"""The scheduler alone on an offline run's traffic (or served arrivals): preemptions and
+recomputed prompt tokens with the KV headroom at admission (sched/headroom.py) and without it,
+and the step time a cost model gives each schedule.
 
   python bench/admission.py                      # the H200 bf16 run: 55,857 blocks of 16 tokens
   python bench/admission.py --fp8                # the H200 fp8 run: 116,977 blocks
   python bench/admission.py --num-blocks 20000 --early-stop
-  python bench/admission.py --early-stop --rate 18   # served: Poisson arrivals
+  python bench/admission.py --early-stop --rate 35   # served: Poisson arrivals
   python bench/admission.py --smoke
 
 The real Scheduler runs 1,000 x (1,000 in, 1,000 out) (ignore_eos, as `skyline bench offline`)
@@ -14,10 +14,9 @@ against a runner that samples a token for each request whose prompt is computed;
 --no-max-tokens it has none, as chat requests that do not set it, and ends there alike). No
 model and no timing: the schedule is deterministic. With --rate the requests arrive as a
 Poisson process on the cost model's clock instead (served traffic), and the time to each one's
-first token is reported. Three schedules: no headroom
-(conservativeness 0), the headroom without its rule for a queue that fits the free blocks
-("plan only": a remainder held back then runs alone, a tail of small steps), and the headroom
-as the engine runs it.
+first token is reported. Three schedules: no headroom (conservativeness 0), the headroom
+without its rule for a queue that fits the free blocks ("plan only": a remainder held back
+then runs alone, a tail of small steps), and the headroom as the engine runs it.
 
 The cost model prices each step as one on the H200 would be at its floor (Llama-3.1-8B: the
 decodes' products at the larger of the weights over 4.2 TB/s and their FLOPs at the matmul
