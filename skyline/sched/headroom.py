@@ -83,17 +83,17 @@ class Headroom:
 
     def start_all(self, running: list[Request], waiting: Iterable[Request],
                   blocks: Callable[[str], list], max_len: Callable[[Request], int],
-                  num_free: int) -> bool:
+                  num_free: int, reserve: int) -> bool:
         """Whether the whole queue starts now on current need: it fits the free blocks, and
-        what the running and waiting requests are expected to hold at most exceeds the cache
-        by no more than `overcommit` of it. Held back, that remainder would run alone after
-        everyone else, a tail of small steps (as long as its outputs); admitted, the excess
-        is preempted near the end and recomputed once."""
+        what the running (holding their blocks, expected to add `reserve`: `reserved`'s) and
+        waiting requests are expected to hold at most exceeds the cache by no more than
+        `overcommit` of it. Held back, that remainder would run alone after everyone else, a
+        tail of small steps (as long as its outputs); admitted, the excess is preempted near
+        the end and recomputed once."""
         if self.overcommit is None or not fits_now(waiting, num_free, self.block_size):
             return False
         held = sum(len(blocks(r.request_id)) for r in running)
-        need = held + self.reserved(running, blocks, max_len) + sum(
-            self.future_blocks(r, 0, max_len(r)) for r in waiting)
+        need = held + reserve + sum(self.future_blocks(r, 0, max_len(r)) for r in waiting)
         return need <= (held + num_free) * (1 + self.overcommit)
 
     def finished(self, req: Request, max_len: int) -> None:

@@ -120,15 +120,19 @@ def test_start_all_only_for_a_queue_that_fits_and_a_small_excess():
     held = lambda rid: blocks[rid]  # noqa: E731
     cap = lambda r: 64  # noqa: E731
     waiting = [req("c", prompt(3, 8), max_tokens=8)]
+    res = h.reserved(running, held, cap)
+    assert res == 4
     # expected at most: 2 x 4 + 4 = 12 blocks; within 1/8 over a cache of 11, not of 10
-    assert h.start_all(running, waiting, held, cap, num_free=7)
-    assert not h.start_all(running, waiting, held, cap, num_free=6)
+    assert h.start_all(running, waiting, held, cap, num_free=7, reserve=res)
+    assert not h.start_all(running, waiting, held, cap, num_free=6, reserve=res)
     # the queue must fit the free blocks now (its 2 blocks of prompt), whatever the excess
-    assert not h.start_all(running, waiting, held, cap, num_free=1)
-    assert not Headroom(4, overcommit=None).start_all(running, waiting, held, cap, num_free=7)
+    assert not h.start_all(running, waiting, held, cap, num_free=1, reserve=res)
+    off = Headroom(4, overcommit=None)
+    assert not off.start_all(running, waiting, held, cap, num_free=7, reserve=res)
     # a learned share below 1 expects less: 2 x 3 + 3 blocks fit a cache of 8
     h.ratio = 0.5
-    assert h.start_all(running, waiting, held, cap, num_free=4)
+    assert h.start_all(running, waiting, held, cap, num_free=4,
+                       reserve=h.reserved(running, held, cap))
 
 
 def test_the_last_of_the_queue_starts_with_the_rest_not_after_it():

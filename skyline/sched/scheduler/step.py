@@ -97,7 +97,7 @@ class Scheduler(SchedulerQueues):
         # is admitted only while the free blocks cover what the running ones (and it) are
         # expected to add (sched/headroom.py).
         num_loading = len(self.kv_loads.loading)
-        reserve = None  # blocks held back for the running requests, summed at the first need
+        reserve = 0  # blocks held back for the running (and admitted) requests
         plan = None  # whether admissions keep the headroom, decided at the first candidate
         while (
             not preempted
@@ -121,15 +121,15 @@ class Scheduler(SchedulerQueues):
                     continue
             num_new = min(req.num_tokens - num_hit, budget)
             keep = 0  # free blocks this admission must leave
-            if plan is None:  # the last of the queue starts at once when holding it back would
-                # only leave it a tail of its own (Headroom.start_all)
-                plan = self.headroom.enabled and not self.headroom.start_all(
+            if plan is None and self.headroom.enabled:
+                reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
+                                                 self.max_len)
+                # the last of the queue starts at once when holding it back would only leave
+                # it a tail of its own
+                plan = not self.headroom.start_all(
                     self.running, self.waiting, self.kv_manager.blocks, self.max_len,
-                    self.kv_manager.num_free_blocks)
+                    self.kv_manager.num_free_blocks, reserve)
             if plan:
-                if reserve is None:
-                    reserve = self.headroom.reserved(self.running, self.kv_manager.blocks,
-                                                     self.max_len)
                 keep = reserve + self.headroom.future_blocks(
                     req, -(-(num_hit + num_new) // self.block_size), self.max_len(req))
             if self.kv_manager.allocate_slots(req, num_new, hits, keep) is None:
