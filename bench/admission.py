@@ -33,6 +33,7 @@ import random
 from collections import deque
 from typing import Any
 
+from skyline.bench.metrics import percentile
 from skyline.bench.offline import save_json
 from skyline.config import CacheConfig, SchedulerConfig
 from skyline.sched.scheduler import Scheduler
@@ -108,15 +109,10 @@ def simulate(num_blocks: int, num_prompts: int, input_len: int, output_len: int,
             "preemptions": sched.num_preemptions, "prompt_tokens": num_prompts * input_len,
             "prefill_tokens": prefill, "recomputed_tokens": prefill - num_prompts * input_len,
             "output_tokens": output, "mean_running": running / steps,
-            "ttft_p50_s": _quantile(first.values(), 0.5),
-            "ttft_p99_s": _quantile(first.values(), 0.99),
+            "ttft_p50_s": percentile(list(first.values()), 50),
+            "ttft_p99_s": percentile(list(first.values()), 99),
             "headroom_ratio": sched.headroom.ratio, "model_s": model_s,
             "model_tok_s": output / model_s}
-
-
-def _quantile(values: Any, q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))] if v else 0.0
 
 
 def main() -> None:

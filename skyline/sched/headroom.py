@@ -17,6 +17,11 @@ loose to plan by: each reserves the mean output of finished requests without max
 before the first), however much it has produced. Preemption remains the fallback for estimates
 that miss.
 
+Holding back has a cost of its own at the end of a queue: when the cache holds the queue's
+requests at full length in, say, 2.07 waves, the last 7% would run alone after the rest, a tail
+of small steps. So once the whole queue fits the free blocks and everyone's expected need
+exceeds the cache by at most OVERCOMMIT of it, the queue starts at once (`start_all`).
+
 SchedulerConfig.schedule_conservativeness scales the ratio (SGLang's option of that name);
 0 turns the headroom off.
 """
