@@ -63,17 +63,28 @@ def config_key(m: int, n: int, k: int) -> str:
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """A launch configuration for shapes without a tuned entry.
 
-    FMA for one or two rows, tensor cores above; split K until there are about four programs
-    per SM, as long as each split still loops over at least four K tiles.
+    Drawn from the tuners' winners on the H100 and H200 (bench/results/kernels/gemv-tune-*):
+    one row, and two rows of a product no wider than it is deep (N <= K), stream four output
+    rows a program in FMA mode, 1,024 columns a tile when N <= K (then, at one row, the next
+    tile prefetched into registers), 512 otherwise; products with fewer such programs than SMs
+    (a router's few experts) pipeline their long K loop instead. Two rows of a wider product, and
+    more rows, take tensor cores: 64-row tiles, K split until there are about four programs per
+    SM while each split still loops over at least four K tiles.
     """
-    use_dot = m > 2
-    block_n, block_k = (64, 128) if use_dot else (16, 256) if m == 1 else (8, 256)
-    split_k = 1
+    if m == 1 or (m == 2 and n <= k):
+        few = _cdiv(n, 4) < num_sms
+        return {"BLOCK_N": 4, "BLOCK_K": 1024 if n <= k else 512, "SPLIT_K": 1,
+                "USE_DOT": False, "num_warps": 4, "num_stages": 3 if few else 1,
+                "PREFETCH": m == 1 and n <= k and not few}
+    if m == 2:
+        return {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "USE_DOT": True,
+                "num_warps": 4, "num_stages": 5}
+    block_n, block_k, split_k = 64, 128, 1
     while (_cdiv(n, block_n) * split_k < 4 * num_sms
            and k // (2 * split_k) >= 4 * block_k and split_k < 16):
         split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": use_dot,
-            "num_warps": 4, "num_stages": 3 if use_dot else 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "USE_DOT": True,
+            "num_warps": 4, "num_stages": 3}
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -88,12 +88,29 @@ def test_default_config(m):
     check(gemv(x, w, b), gemv_ref(x, w, b))
 
 
-def test_default_config_splits_k_for_few_output_rows():
-    few, many = default_config(1, 4096, 4096), default_config(1, 128256, 4096)
+def test_default_config_follows_the_tuned_winners():
+    # One row: four output rows a program (FMA), 1,024-column tiles prefetched when N <= K,
+    # 512 without prefetch when wider; few programs (a router): a pipelined K loop.
+    deep, wide, router = (default_config(1, 4096, 14336), default_config(1, 6144, 4096),
+                          default_config(1, 128, 2048))
+    assert not deep["USE_DOT"] and deep["BLOCK_N"] == 4 and deep["SPLIT_K"] == 1
+    assert (deep["BLOCK_K"], deep["PREFETCH"]) == (1024, True)
+    assert (wide["BLOCK_K"], wide["PREFETCH"]) == (512, False)
+    assert router["num_stages"] > 1 and not router["PREFETCH"]
+    # Two rows: FMA while N <= K, tensor cores for wider products; more rows: tensor cores.
+    assert not default_config(2, 4096, 12288)["USE_DOT"]
+    assert default_config(2, 6144, 4096)["USE_DOT"] and default_config(8, 4096, 4096)["USE_DOT"]
+    # Eight rows split K for few output rows, every split still looping over several K tiles.
+    few, many = default_config(8, 4096, 4096), default_config(8, 128256, 4096)
     assert few["SPLIT_K"] > 1 and many["SPLIT_K"] == 1
-    assert default_config(8, 4096, 4096)["USE_DOT"] and not few["USE_DOT"]
-    # Every split still loops over several K tiles.
     assert 4096 // few["SPLIT_K"] >= 4 * few["BLOCK_K"]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 2880), (1, 3000, 1024), (2, 24, 2048), (2, 96, 48)])
+def test_default_config_shapes(m, n, k):
+    # K not a multiple of the 1,024-column tile (the masked path, no prefetch), N > K, N <= K.
+    x, w, b = operands(m, n, k, torch.float32, seed=n + k)
+    check(gemv(x, w, b, config=default_config(m, n, k)), gemv_ref(x, w, b))
 
 
 def test_split_k_leaves_its_counters_zeroed():
