@@ -217,7 +217,7 @@ def tune_cell(kind: int, n: int, k: int, group: int, rows: list[int], copy_bw: f
                 "us": t_best * 1e6, "frac": frac(t_best), "config": best,
                 "default_us": None if t_default is None else t_default * 1e6,
                 "default_frac": None if t_default is None else frac(t_default),
-                "top3": [{"us": t * 1e6, "frac": frac(t), "config": c} for t, c in timed[:3]]})
+                "timed": [{"us": t * 1e6, "frac": frac(t), "config": c} for t, c in timed]})
             print(f"{NAMES[kind]:>5} g{group:<4} {n:>6}x{k:<6} m={m}  {res['us']:7.1f} us "
                   f"({res['frac']:.2f} of copy bw)  default "
                   f"{res['default_us'] or float('nan'):7.1f} us  {best}", flush=True)

@@ -73,9 +73,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """
     if m == 1 or (m == 2 and n <= k):
         few = _cdiv(n, 4) < num_sms
-        return {"BLOCK_N": 4, "BLOCK_K": 1024 if n <= k else 512, "SPLIT_K": 1,
-                "USE_DOT": False, "num_warps": 4, "num_stages": 3 if few else 1,
-                "PREFETCH": m == 1 and n <= k and not few}
+        cfg = {"BLOCK_N": 4, "BLOCK_K": 1024 if n <= k else 512, "SPLIT_K": 1,
+               "USE_DOT": False, "num_warps": 4, "num_stages": 3 if few else 1}
+        return {**cfg, "PREFETCH": True} if m == 1 and n <= k and not few else cfg
     if m == 2:
         return {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "USE_DOT": True,
                 "num_warps": 4, "num_stages": 5}

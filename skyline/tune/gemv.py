@@ -99,7 +99,7 @@ def tune_shape(n: int, k: int, rows: list[int], copy_bw: float, dev: tuners.Tune
             "speedup_vs_cublas": t_cublas / t_best, "config": best,
             "default_us": None if t_default is None else t_default * 1e6,
             "default_frac": None if t_default is None else frac(t_default),
-            "top5": [{"us": t * 1e6, "frac": frac(t), "config": c} for t, c in timed[:5]],
+            "timed": [{"us": t * 1e6, "frac": frac(t), "config": c} for t, c in timed],
             "num_timed": len(timed), "failed": failed,
         }
         results.append(res)

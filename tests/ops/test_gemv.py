@@ -95,8 +95,8 @@ def test_default_config_follows_the_tuned_winners():
                           default_config(1, 128, 2048))
     assert not deep["USE_DOT"] and deep["BLOCK_N"] == 4 and deep["SPLIT_K"] == 1
     assert (deep["BLOCK_K"], deep["PREFETCH"]) == (1024, True)
-    assert (wide["BLOCK_K"], wide["PREFETCH"]) == (512, False)
-    assert router["num_stages"] > 1 and not router["PREFETCH"]
+    assert wide["BLOCK_K"] == 512 and not wide.get("PREFETCH")
+    assert router["num_stages"] > 1 and not router.get("PREFETCH")
     # Two rows: FMA while N <= K, tensor cores for wider products; more rows: tensor cores.
     assert not default_config(2, 4096, 12288)["USE_DOT"]
     assert default_config(2, 6144, 4096)["USE_DOT"] and default_config(8, 4096, 4096)["USE_DOT"]
