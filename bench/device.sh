@@ -9,6 +9,12 @@
 #   STAGES=decode QUANTS="none fp8 fp8+head int4 mxfp4" bash bench/device.sh
 #   STAGES="decode offline" MODEL=qwen3-8b bash bench/device.sh
 #
+# UNTUNED names this GPU's shipped tables (gemv gemv-quant attention moe moe-gemv; kernels for
+# the fused norm / rotary / SiLU table) to set aside while the stages run, so that they measure
+# the kernels' built-in defaults; the tables are back when the script ends. A table against
+# its defaults, in one call:
+#   UNTUNED=gemv STAGES=decode TAG=untuned bash bench/device.sh; STAGES=decode bash bench/device.sh
+#
 # Stages (dummy weights of MODEL, default llama-3.1-8b; TAG, when set, ends every file name):
 #   tests          CUDA tests: pytest $TESTS (default "-m cuda tests"), -k "$TESTK" when set;
 #                  e.g. TESTS=tests/ops TESTK="attention or paged or gemv_quant"
@@ -510,6 +516,17 @@ with open(os.path.join(res, "runs.json"), "w") as f:
 print("results in", res)
 EOF
 }
+
+# UNTUNED's tables set aside in a folder of their own, and put back however the script ends.
+if [ -n "${UNTUNED:-}" ]; then
+  ASIDE=$(mktemp -d /tmp/untuned.XXXX)
+  trap 'mv "$ASIDE"/*.json "$CONFIGS/" 2>/dev/null; rmdir "$ASIDE"' EXIT
+  for t in $UNTUNED; do
+    f=$CONFIGS/$t-$SLUG.json; [ "$t" = kernels ] && f=$CONFIGS/$SLUG.json
+    if [ -f "$f" ]; then mv "$f" "$ASIDE/" && echo "== untuned: ${f##*/} set aside"
+    else echo "== untuned: no ${f##*/} here"; fi
+  done
+fi
 
 SHOW=${SHOW:-'^==|tok_s"|fraction| us \(|TFLOP|ttft|wall_ms|busy_frac|speedup|passed|failed|exit code|round|end to end|(keep|drop|tie)$|verdicts|ms/step'}
 for stage in ${STAGES:-decode}; do
