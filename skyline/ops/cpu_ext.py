@@ -21,11 +21,15 @@ about 20 s the first time on two cores, a load after. Where it cannot build (no 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -87,13 +91,44 @@ def _load() -> str | None:
         name = f"skyline_cpu_{digest.hexdigest()[:12]}"
         logger.info("loading skyline's CPU operations (built for this machine at first use, "
                     "~20 s)")
-        cpp_extension.load(name, SOURCES, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        folder = build_directory(name)
+        with _build_lock(folder):
+            cpp_extension.load(name, SOURCES, extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False, build_directory=folder)
         return name
     except Exception as e:  # no compiler, ninja or headers: torch's kernels serve
         logger.info("skyline's CPU operations are not built (%s); using torch's",
                     str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+
+
+def build_directory(name: str) -> str:
+    """Where the build `name` lives, as torch lays out a CPU build (TORCH_EXTENSIONS_DIR, else
+    its default root; then py<version>_cpu/<name>)."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    folder = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu", name)
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _build_lock(folder: str) -> Iterator[None]:
+    """One build of `folder` at a time, under a lock the OS drops with its holder. torch's own
+    lock is a file that a build killed midway (a ^C during the first start) leaves behind, and
+    every later build then waits for it forever; holding this lock, no live build owns that
+    file, so a leftover one is removed."""
+    with open(os.path.join(folder, "skyline.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(folder, "lock")
+            if os.path.exists(stale):
+                logger.info("removing %s, left by a build that did not finish", stale)
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _ninja_on_path() -> None:
