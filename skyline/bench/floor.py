@@ -56,7 +56,9 @@ def offline_floor(cost: ModelCost, num_prompts: int, input_len: int, output_len:
     total_flops = prefill_flops + per_token * n_decode + cost.attn_flops_per_pair * keys
     total_bytes = steps * step_bytes + kv_bytes
     sequential_s = prefill_s + decode_linear_s + decode_attention_s
-    overlapped_s = max(total_flops / peak_flops, total_bytes / bandwidth)
+    # never above the sequential floor (equal when every part is bound the same way, where the
+    # two sums may round apart)
+    overlapped_s = min(max(total_flops / peak_flops, total_bytes / bandwidth), sequential_s)
     out_tokens = num_prompts * output_len
     return {
         "peak_TFLOPs": peak_flops / 1e12, "bandwidth_TBps": bandwidth / 1e12,

@@ -41,6 +41,17 @@ def test_fewer_at_a_time_means_more_steps_and_a_higher_floor():
     assert offline_floor(cost, concurrency=1000, **args)["concurrency"] == 100
 
 
+@pytest.mark.parametrize("prompts,input_len,output_len", [(3, 7, 5), (11, 13, 3), (1, 1, 2)])
+def test_compute_bound_floors_are_equal_not_rounded_apart(prompts, input_len, output_len):
+    # every part bound by FLOPs: the overlapped floor is the sequential one (two sums of the
+    # same terms in other orders), never an ulp above it
+    cost = ModelCost(576 * 1536 * 91, 49152 * 576, 1, 1, 7.3)
+    f = offline_floor(cost, num_prompts=prompts, input_len=input_len, output_len=output_len,
+                      concurrency=3, peak_flops=3.1e11, bandwidth=1e30)
+    assert f["overlapped_s"] == pytest.approx(f["sequential_s"])
+    assert f["overlapped_s"] <= f["sequential_s"]
+
+
 def test_peaks_are_measured_on_the_cpu():
     cpu = torch.device("cpu")
     assert 1e8 < matmul_peak(cpu) < 1e14
