@@ -47,26 +47,52 @@ from skyline.bench.smoke import bench_device, tiny_model
 from skyline.engine.args import EngineArgs
 from skyline.engine.create import create_engine_config
 from skyline.engine.frontend.llm import LLM
+from skyline.engine.step_trace import StepTrace
 from skyline.types import SamplingParams
 
 TWO = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
-def ttft(llm: LLM, prompt: list[int]) -> tuple[float, list[int]]:
-    """Seconds to the first token of `prompt` (and the tokens), the engine idle before."""
+def traced(model: str, trace: StepTrace, **kw: Any) -> LLM:
+    """An engine whose steps `trace` sees (each TTFT's steps: their seconds, the host's waits
+    and any Triton compilation among them)."""
+    llm = LLM(model, **kw, observers=[trace])
+    trace.clock = lambda: llm.query("step_clocks")
+    return llm
+
+
+def ttft(llm: LLM, prompt: list[int], trace: StepTrace | None = None
+         ) -> tuple[float, list[int]]:
+    """Seconds to the first token of `prompt` (and the tokens), the engine idle before;
+    `trace` records the steps until that token."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if trace is not None:
+        trace.reset()
     t0 = time.perf_counter()
     first = None
     tokens: list[int] = []
     for delta in llm.stream(prompt, TWO):
         if first is None:
             first = time.perf_counter() - t0
+            if trace is not None:
+                trace.stop()
         tokens += delta.outputs[0].token_ids
     assert first is not None
     while llm.engine.has_unfinished():  # the tiers' writes in flight end
         llm.step()
     return first, tokens
+
+
+def steps_of(trace: StepTrace, ttft_s: float) -> dict[str, Any]:
+    """Where a TTFT went: its engine steps (count, seconds, Triton compilations among them,
+    the slowest) and the seconds outside any step (hashing and admitting the prompt, waiting
+    for a tier's copies and reads)."""
+    s = trace.summary()
+    keep = ("steps", "compiles", "compile_seconds", "compiled_kernels", "slowest_steps")
+    seconds = sum(r[3] for r in trace.rows)
+    return {k: s[k] for k in keep} | {"seconds": seconds,
+                                      "outside_steps_s": max(ttft_s - seconds, 0.0)}
 
 
 def filesystem(path: str) -> str:
@@ -91,14 +117,16 @@ def compute_floor(llm: LLM, n: int, peak: float) -> float:
 def run_cold(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[int],
              warm: list[int], peak: float) -> dict[str, Any]:
     """--cold-only: the prompt computed, no tiers, the engine on most of the GPU."""
-    llm = LLM(a.model, **engine, kv_cache_dtype=kv)
+    trace = StepTrace()
+    llm = traced(a.model, trace, **engine, kv_cache_dtype=kv)
     llm.generate([warm], TWO)  # kernel compilation
-    cold, tokens = ttft(llm, prompt)
+    cold, tokens = ttft(llm, prompt, trace)
+    steps = {"cold": steps_of(trace, cold)}
     floor = compute_floor(llm, len(prompt), peak)
     llm.engine.shutdown()
     return {"kv_cache_dtype": kv, "prompt_len": len(prompt), "cold_ttft_s": cold,
             "compute_floor_s": floor, "cold_over_floor": cold / floor,
-            "tokens": {"cold": tokens}}
+            "tokens": {"cold": tokens}, "steps": steps}
 
 
 def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[int],
@@ -108,17 +136,20 @@ def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[
     kw = engine | {"kv_cache_dtype": kv}
     # Half the GPU: the disk stage's engine, made in this process, then has room even if
     # some of this one's memory is slow to go back.
-    llm = LLM(a.model, **kw, kv_offload_ram=a.ram, kv_offload_disk=disk,
-              kv_offload_policy="eager", gpu_memory_utilization=0.45)
+    trace = StepTrace()
+    llm = traced(a.model, trace, **kw, kv_offload_ram=a.ram, kv_offload_disk=disk,
+                 kv_offload_policy="eager", gpu_memory_utilization=0.45)
     info = llm.query("describe")
     per_token = info["kv_cache_gib"] * 2**30 / info["kv_cache_tokens"]
     llm.generate([warm], TWO)  # kernel compilation
-    cold, cold_tokens = ttft(llm, prompt)
+    cold, cold_tokens = ttft(llm, prompt, trace)
+    steps = {"cold": steps_of(trace, cold)}
     floor = compute_floor(llm, len(prompt), peak)
     stats = llm.engine.stats()
     stored = stats["kv_offload_disk_stored_blocks"]
     llm.engine.scheduler.kv_manager.reset_prefix_cache()  # the device forgets; RAM keeps it
-    ram, ram_tokens = ttft(llm, prompt)
+    ram, ram_tokens = ttft(llm, prompt, trace)
+    steps["ram"] = steps_of(trace, ram)
     ram_tokens_loaded = llm.engine.stats()["kv_offload_ram_hit_tokens"] \
         - stats["kv_offload_ram_hit_tokens"]
     llm.engine.shutdown()  # writes in flight end
@@ -127,10 +158,11 @@ def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     drop_page_cache(glob.glob(os.path.join(disk, "*", "*", "*.kv")))
-    llm = LLM(a.model, **kw, kv_offload_disk=disk)
+    llm = traced(a.model, trace, **kw, kv_offload_disk=disk)
     llm.generate([warm[: len(warm) // 2]], TWO)
     before = llm.engine.stats()["kv_offload_disk_hit_tokens"]
-    from_disk, disk_tokens = ttft(llm, prompt)
+    from_disk, disk_tokens = ttft(llm, prompt, trace)
+    steps["disk"] = steps_of(trace, from_disk)
     disk_tokens_loaded = llm.engine.stats()["kv_offload_disk_hit_tokens"] - before
     llm.engine.shutdown()
     del llm
@@ -147,6 +179,7 @@ def run_kv(a: argparse.Namespace, kv: str, engine: dict[str, Any], prompt: list[
         "disk_ttft_s": from_disk, "disk_floor_s": disk_tokens_loaded * per_token / disk_rate,
         "disk_over_floor": from_disk * disk_rate / max(disk_tokens_loaded * per_token, 1),
         "tokens": {"cold": cold_tokens, "ram": ram_tokens, "disk": disk_tokens},
+        "steps": steps,
     }
 
 

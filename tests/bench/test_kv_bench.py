@@ -30,3 +30,9 @@ def test_long_prompt_smoke(tmp_path):
         assert run["ram_tokens_loaded"] == run["disk_tokens_loaded"] == 240, run
         assert run["tokens"]["ram"] == run["tokens"]["disk"]
         assert 0 < run["cold_ttft_s"] and 0 < run["ram_ttft_s"] and 0 < run["disk_ttft_s"]
+        # each TTFT's steps: the cold one's four chunks of 64; the warm ones' last 16 tokens
+        steps = run["steps"]
+        assert [s["prefill"] for s in steps["cold"]["slowest_steps"]] == [64] * 4, steps
+        for k in ("ram", "disk"):
+            assert steps[k]["steps"] == 1 and steps[k]["slowest_steps"][0]["prefill"] == 16
+            assert steps[k]["seconds"] + steps[k]["outside_steps_s"] <= run[f"{k}_ttft_s"] + 1e-9
