@@ -52,18 +52,20 @@ def _int(name: str, default: int) -> int:
 #   norm       residual add + RMSNorm (ops/norm.py): torch's add, then the plain RMSNorm kernel
 #   rope_kv    rotary + KV-cache write (ops/rotary.py): the rotary kernel, then write_kv's
 #   qk_norm    Qwen3's per-head q/k RMSNorm + rotary (ops/rotary.py): the RMSNorm kernel first
-#   silu       SiLU-and-mul (ops/activation.py): F.silu(gate) * up
+#   silu       SiLU-and-mul and gpt-oss's clamped SwiGLU (ops/activation.py): torch's ops
 #   act_quant  activations quantized by their producer (norm, SiLU, attention's combine) for
 #              a W8A8 / W4A8 GEMV or W8A8's _scaled_mm (model/layers/linear.py): the product
 #              quantizes them itself
 #   moe_route  MoE softmax + top-k in one launch (ops/moe_route.py): torch's softmax and topk
+#   moe_align  the MoE's pairs sorted into expert blocks in four launches (ops/moe_align.py):
+#              torch's argsort and ~30 small ops
 #   moe_gemv   the MoE decode GEMVs with SwiGLU and routing weights in them (ops/moe.py): the
 #              grouped GEMMs, a separate activation and top-k sum
 #   argmax     greedy sampling's argmax kernel (ops/argmax.py): torch.argmax
 #   nucleus    top-p draws without a sort (ops/nucleus.py): the sorted vocabulary
 #   pdl        programmatic dependent launch (ops/pdl.py; as SKYLINE_PDL=0)
-FUSIONS = ("norm", "rope_kv", "qk_norm", "silu", "act_quant", "moe_route", "moe_gemv", "argmax",
-           "nucleus", "pdl")
+FUSIONS = ("norm", "rope_kv", "qk_norm", "silu", "act_quant", "moe_route", "moe_align",
+           "moe_gemv", "argmax", "nucleus", "pdl")
 
 
 def parse_unfuse(value: str) -> frozenset[str]:

@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the SwiGLU gate: PyTorch reference and a Triton kernel (CUDA). With
+"""SiLU-and-mul, the SwiGLU gate, and gpt-oss's clamped SwiGLU (the MoE's grouped path): PyTorch
+references and Triton kernels (CUDA). With
 `quant="fp8"` the result comes quantized for a W8A8 Linear (ops/fp8_quant.py's Fp8Rows): for
 the decode-sized batches of the fp8 GEMV with one scale per row and FP8_BLOCK columns, so the
 programs of a row stay independent; for larger ones with one scale per row, as
@@ -35,6 +36,44 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] (gate then up) -> silu(gate) * up [..., d]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid sharpness
+
+
+def swiglu_oai_ref(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """[..., 2 * d] (gate then up) -> [..., d], gpt-oss's: gate clamped above and up on both
+    sides at `limit`, then gate * sigmoid(1.702 gate) * (up + 1), each op rounded to x's
+    dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
+
+
+def swiglu_oai(x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """swiglu_oai_ref's contract and roundings; on CUDA one Triton launch for x
+    [num_tokens, 2 * d] where the reference takes seven, each reading and writing the whole
+    [num_tokens, d] (SKYLINE_UNFUSE=silu: the reference)."""
+    if not (x.is_cuda and triton is not None and x.dim() == 2 and x.stride(-1) == 1
+            and x.shape[0] > 0 and x.shape[1] % 2 == 0) or "silu" in envs.ENV.unfuse:
+        return swiglu_oai_ref(x, limit)
+    return swiglu_oai_triton(x, limit)
+
+
+def swiglu_oai_triton(x: torch.Tensor, limit: float | None = None,
+                      block: int = 1024) -> torch.Tensor:
+    """The Triton kernel behind swiglu_oai (any device Triton runs on): one program per
+    (token, `block` columns)."""
+    num_tokens, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x.device)
+    _swiglu_oai_kernel[(num_tokens, triton.cdiv(d, block))](
+        x, out, d, x.stride(0), out.stride(0), LIMIT=float(limit or 0.0),
+        HAS_LIMIT=limit is not None, ALPHA=SWIGLU_ALPHA, BLOCK=block, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
+    )
+    return out
 
 
 def silu_and_mul(x: torch.Tensor, config: dict[str, Any] | None = None,
@@ -185,6 +224,29 @@ if triton is not None:
         tl.store(o_row + cols, y.to(out_ptr.dtype.element_ty), mask=cols < d)
         round_row_to_words(y, words_ptr, floats_ptr, tok, num_tokens, kc,
                            tl.program_id(1) * (BLOCK // 32), BLOCK // 32, INT8_MAX)
+
+    @triton.jit
+    def _swiglu_oai_kernel(x_ptr, out_ptr, d, stride_x, stride_o, LIMIT: tl.constexpr,
+                           HAS_LIMIT: tl.constexpr, ALPHA: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+        # One program per (token, BLOCK columns); every op rounded to the dtype as the
+        # reference's torch ops round them.
+        pdl_wait(PDL)
+        tok = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < d
+        dtype = out_ptr.dtype.element_ty
+        x_row = x_ptr + tok * stride_x
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, LIMIT).to(dtype).to(tl.float32)
+            up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT).to(dtype).to(tl.float32)
+        z = (gate * ALPHA).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-z))).to(dtype).to(tl.float32)
+        glu = (gate * sig).to(dtype).to(tl.float32)
+        y = glu * (up + 1.0).to(dtype).to(tl.float32)
+        tl.store(out_ptr + tok * stride_o + cols, y.to(dtype), mask=mask)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,

@@ -1,8 +1,8 @@
 """Mixture-of-experts MLP: each token runs through its top-k experts' gated MLPs, weighted by
 its routing weights. The PyTorch reference (CPU, any device) groups the (token, expert) pairs by
 expert and runs each expert once on its rows; the Triton path (CUDA; Triton's interpreter in
-tests) sorts the pairs by expert into blocks of BLOCK_M rows (`moe_align`, no host sync, so
-CUDA graphs capture it) and runs each projection as one grouped GEMM over all experts
+tests) sorts the pairs by expert into blocks of BLOCK_M rows (ops/moe_align.py, no host sync,
+so CUDA graphs capture it) and runs each projection as one grouped GEMM over all experts
 (ops/moe_triton.py), the second with the routing weights in its epilogue, then sums each
 token's k rows. At decode sizes (1..8 tokens) two GEMV-style launches over the (token, expert)
 pairs replace all of that (ops/moe_gemv.py).
@@ -30,15 +30,20 @@ import torch
 import torch.nn.functional as F
 
 from skyline import envs
-from skyline.ops.activation import silu_and_mul
+from skyline.ops.activation import (
+    silu_and_mul,
+    silu_and_mul_ref,
+    swiglu_oai,
+    swiglu_oai_ref,
+)
 from skyline.ops.fp4 import dequantize_mxfp4
 from skyline.ops.gemv_block import rounded_x_ref
+from skyline.ops.moe_align import local_ids, moe_align
 from skyline.ops.triton_utils import inline_ptx, interpreted, triton
 from skyline.ops.tuning import dtype_name, get_config, token_bucket
 
 KERNEL = "fused_moe"  # the grouped GEMM's name in the tuning tables
 ACTIVATIONS = ("silu", "swiglu_oai")
-SWIGLU_ALPHA = 1.702  # gpt-oss's sigmoid sharpness
 
 
 @dataclass
@@ -89,17 +94,14 @@ def moe_activation_ref(h: torch.Tensor, activation: str, limit: float | None = N
     (gpt-oss): gate clamped above and up on both sides at `limit`, then
     gate * sigmoid(1.702 gate) * (up + 1)."""
     if activation == "silu":
-        return silu_and_mul(h)
-    gate, up = h.chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1)
+        return silu_and_mul_ref(h)
+    return swiglu_oai_ref(h, limit)
 
 
-def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    # [T * k] int64: each pair's expert among this rank's, -1 where another rank holds it
-    flat = topk_ids.flatten().long()
-    return flat if expert_map is None else expert_map.long()[flat]
+def moe_activation(h: torch.Tensor, activation: str, limit: float | None = None
+                   ) -> torch.Tensor:
+    """moe_activation_ref's contract and roundings, one launch on CUDA (ops/activation.py)."""
+    return silu_and_mul(h) if activation == "silu" else swiglu_oai(h, limit)
 
 
 def fused_moe_ref(
@@ -160,39 +162,6 @@ def moe_by_expert(
 
 def _row(bias: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor | None:
     return None if bias is None else bias[e].to(dtype)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, expert) pairs p = token * k + j sorted by expert into blocks of block_m rows,
-    each expert's rows padded to whole blocks, in tensors whose sizes depend only on the pair
-    count (no host sync: CUDA graphs capture it). Returns (sorted_ids [num_blocks * block_m]
-    int32: pair ids, P = T * k where padding; block_experts [num_blocks] int32: each block's
-    local expert, -1 for blocks past the last). Pairs of experts held elsewhere are left out."""
-    ids = local_ids(topk_ids, expert_map)
-    num_pairs = ids.numel()
-    num_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
-    key = torch.where(ids < 0, num_experts, ids)  # left-out pairs sort last
-    # scatter_add, not bincount: bincount sizes its output from the data (a host sync, which
-    # CUDA graph capture forbids)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, key, torch.ones_like(key))[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    first = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
-    keep = sorted_key < num_experts
-    e = sorted_key.clamp(max=num_experts - 1)
-    rank = torch.arange(num_pairs, device=ids.device) - first[e]
-    scratch = num_blocks * block_m  # one slot past the end takes the left-out pairs
-    dest = torch.where(keep, ends[e] - padded[e] + rank, scratch)
-    sorted_ids = torch.full((scratch + 1,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_ids[dest] = order.to(torch.int32)
-    starts = torch.arange(num_blocks, device=ids.device) * block_m
-    block_experts = torch.searchsorted(ends, starts, right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
-    return sorted_ids[:scratch], block_experts.to(torch.int32)
 
 
 def default_config(num_pairs: int, w: ExpertWeights) -> dict[str, Any]:
@@ -332,7 +301,7 @@ def fused_moe_triton(
     # Qwen3-30B-A3B's sizes 0.5 GB more). MXFP4 experts decoded first add one projection's
     # experts in x's dtype (gpt-oss-20b's gate/up: 1.06 GB).
     h = grouped_matmul_triton(x, w13, sorted_ids, block_experts, num_pairs, top_k, config)
-    h = moe_activation_ref(h, activation, limit)
+    h = moe_activation(h, activation, limit)
     if decode:  # w13's decoded experts freed before w2's are made
         del w13
         w2 = decoded_experts(w2, x.dtype)

@@ -57,8 +57,9 @@ from typing import Any
 import torch
 
 from skyline.ops import moe_gemv_triton as kernels
+from skyline.ops.activation import SWIGLU_ALPHA
 from skyline.ops.gemv_block import round_x_q8
-from skyline.ops.moe import SWIGLU_ALPHA, ExpertWeights
+from skyline.ops.moe import ExpertWeights
 from skyline.ops.triton_utils import inline_ptx, triton
 from skyline.ops.tuning import dtype_name, get_config
 

@@ -1,5 +1,6 @@
-"""The Triton SiLU-and-mul kernel against the PyTorch reference over widths, token counts and
-dtypes. Runs on CUDA, or in Triton's interpreter on CPU (small sizes; see tests/conftest.py)."""
+"""The Triton SiLU-and-mul and gpt-oss SwiGLU kernels against their PyTorch references over
+widths, token counts and dtypes. Runs on CUDA, or in Triton's interpreter on CPU (small sizes;
+see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from skyline.ops.activation import (  # noqa: E402
     silu_and_mul_int8_triton,
     silu_and_mul_ref,
     silu_and_mul_triton,
+    swiglu_oai,
+    swiglu_oai_ref,
+    swiglu_oai_triton,
 )
 from skyline.ops.fp8_quant import FP8, quantize_rows_fp8_ref  # noqa: E402
 from skyline.ops.gemv import MAX_ROWS  # noqa: E402
@@ -148,3 +152,34 @@ def test_int8_dispatch_on_cpu_is_the_reference():
     x = torch.randn(3, 64)
     got, want = silu_and_mul(x, quant="int8"), int8_chunks_ref(silu_and_mul_ref(x))
     assert torch.equal(got.words, want.words) and torch.equal(got.floats, want.floats)
+
+
+@pytest.mark.parametrize("d", [64, 200, 2880])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [None, 7.0, 0.7])
+def test_swiglu_oai_matches_reference(d, num_tokens, dtype, limit):
+    # limit 0.7 is not a bfloat16: the clamped values round as torch's clamp rounds them. Five
+    # roundings in a row: on the CPU, whose interpreter truncates them, up to a few ulps apart
+    x = gate_up(num_tokens, d, dtype, seed=3)
+    got, want = swiglu_oai_triton(x, limit, block=256), swiglu_oai_ref(x, limit)
+    tol = TOL[dtype] * (2 if DEV == "cpu" and dtype != torch.float32 else 1)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_swiglu_oai_clamps():
+    # every gate above the limit and up outside it: the clamp decides the result
+    x = torch.tensor([[10.0, -3.0, 20.0, -20.0]], device=DEV)  # gate 10, -3; up 20, -20
+    got = swiglu_oai_triton(x, 7.0)
+    gate, up = torch.tensor([7.0, -3.0]), torch.tensor([7.0, -7.0])
+    want = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    torch.testing.assert_close(got.cpu(), want[None], atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_oai_dispatch_and_unfuse(monkeypatch):
+    x = gate_up(3, 64, torch.float32, seed=4)
+    close(swiglu_oai(x, 7.0), swiglu_oai_ref(x, 7.0))
+    if DEV == "cuda":  # SKYLINE_UNFUSE=silu: the reference's torch ops
+        from skyline import envs
+        monkeypatch.setattr(envs.ENV, "unfuse", frozenset({"silu"}))
+        assert torch.equal(swiglu_oai(x, 7.0), swiglu_oai_ref(x, 7.0))
