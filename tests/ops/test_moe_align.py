@@ -1,10 +1,15 @@
 """The Triton alignment of the MoE's pairs into expert blocks (ops/moe_align.py) against its
 PyTorch reference, which it must reproduce exactly (the same pair in every slot): token counts
 from decode to prefill sizes, expert counts not powers of two, block sizes, a partial expert map
-and experts no pair routes to; several chunks and scan tiles with small CHUNK / SCAN_TILE. Runs
-on CUDA, or in Triton's interpreter on CPU."""
+and experts no pair routes to; several chunks and scan tiles with small CHUNK / SCAN_TILE; the
+grouped path with these kernels and the SwiGLU one. Runs on CUDA, or in Triton's interpreter on
+CPU, where the kernels are also compiled for sm_90."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,3 +98,39 @@ def test_grouped_path_with_its_kernels(monkeypatch, activation, partial):
                                None if expert_map is None else expert_map.to(DEV),
                                config=CONFIGS["prefill"])
     assert (got.cpu() - want).norm() / want.norm() < 1e-5
+
+
+_COMPILE = """
+from skyline.bench.ptx import compile_for_sm90
+from skyline.ops import activation as act
+from skyline.ops import moe_align as m
+i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
+ptr = lambda t, *names: {n: "*" + t for n in names}  # noqa: E731
+for kernel, sig, const, warps in [
+    (m._counts_kernel, ptr("i64", "ids_ptr") | ptr("i32", "map_ptr", "counts_ptr")
+     | i32("num_pairs", "E"), {"HAS_MAP": True, "CHUNK": 128, "E_PAD": 256}, 4),
+    (m._offsets_kernel, ptr("i32", "counts_ptr", "offsets_ptr", "totals_ptr")
+     | i32("chunks", "E"), {"TILE": 256}, 4),
+    (m._blocks_kernel, ptr("i32", "totals_ptr", "starts_ptr", "block_experts_ptr",
+                           "sorted_ids_ptr") | i32("blocks", "num_pairs", "E", "block_m"),
+     {"E_PAD": 64, "BLOCK_B": 64, "BM_PAD": 32}, 4),
+    (m._scatter_kernel, ptr("i64", "ids_ptr", "map_ptr") | ptr("i32", "offsets_ptr",
+                                                                "starts_ptr", "sorted_ids_ptr")
+     | i32("num_pairs", "E"), {"HAS_MAP": False, "CHUNK": 128}, 8),
+    (act._swiglu_oai_kernel, ptr("bf16", "x_ptr", "out_ptr") | i32("d", "stride_x", "stride_o"),
+     {"LIMIT": 7.0, "HAS_LIMIT": True, "ALPHA": 1.702, "BLOCK": 1024, "PDL": True}, 4),
+]:
+    assert "cubin" in compile_for_sm90(kernel, sig, const, [], warps, 1).asm
+    print(kernel.fn.__name__)
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """CI has no GPU and runs the kernels in Triton's interpreter: here they go through
+    Triton's compiler and ptxas for sm_90, as a GPU's first launch would take them."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["_counts_kernel", "_offsets_kernel", "_blocks_kernel",
+                                   "_scatter_kernel", "_swiglu_oai_kernel"]
