@@ -126,7 +126,9 @@ if triton is not None:
             key = tl.load(map_ptr + key, mask=ok, other=-1).to(tl.int32)
         return p, tl.where(ok & (key >= 0), key, E)
 
-    @triton.jit
+    # The counts a step's shape varies (pairs, chunks, blocks) are not specialized on: no
+    # kernel compiles again for a new token count once warm-up compiled it.
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _counts_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, E, HAS_MAP: tl.constexpr,
                        CHUNK: tl.constexpr, E_PAD: tl.constexpr):
         c = tl.program_id(0)
@@ -135,7 +137,7 @@ if triton is not None:
         e = tl.arange(0, E_PAD)
         tl.store(counts_ptr + c * E + e, hist, mask=e < E)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["chunks"])
     def _offsets_kernel(counts_ptr, offsets_ptr, totals_ptr, chunks, E, TILE: tl.constexpr):
         e = tl.program_id(0)
         carry = tl.full((), 0, tl.int32)
@@ -148,7 +150,7 @@ if triton is not None:
             c0 += TILE
         tl.store(totals_ptr + e, carry)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["blocks", "num_pairs"])
     def _blocks_kernel(totals_ptr, starts_ptr, block_experts_ptr, sorted_ids_ptr, blocks,
                        num_pairs, E, block_m, E_PAD: tl.constexpr, BLOCK_B: tl.constexpr,
                        BM_PAD: tl.constexpr):
@@ -168,7 +170,7 @@ if triton is not None:
         tl.store(sorted_ids_ptr + first + r[None, :], pad,
                  mask=(b < blocks)[:, None] & (r < block_m)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _scatter_kernel(ids_ptr, map_ptr, offsets_ptr, starts_ptr, sorted_ids_ptr, num_pairs,
                         E, HAS_MAP: tl.constexpr, CHUNK: tl.constexpr):
         c = tl.program_id(0)
