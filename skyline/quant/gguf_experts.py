@@ -31,7 +31,7 @@ from torch import nn
 from skyline.config import ConfigError
 from skyline.ops import cpu_intdot, cpu_moe, cpu_plan
 from skyline.ops.dequant import dequantize_ref
-from skyline.ops.moe import moe_activation_ref, moe_by_expert
+from skyline.ops.moe import moe_activation, moe_by_expert
 from skyline.quant.experts import PARTS, ExpertLayer, UnquantizedExpertMethod, _bias, _new
 from skyline.quant.gguf import PackedGGUF, pack_intdot
 from skyline.quant.method import shape_error
@@ -130,7 +130,7 @@ class GGUFExpertMethod(UnquantizedExpertMethod):
 
         def mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
             h = product(e, "w13", rows, biases[0])
-            h = moe_activation_ref(h, layer.activation, layer.swiglu_limit)
+            h = moe_activation(h, layer.activation, layer.swiglu_limit)
             return product(e, "w2", h, biases[1])
 
         return moe_by_expert(x, topk_weights, topk_ids, layer.num_experts, mlp,
