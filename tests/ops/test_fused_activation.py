@@ -177,11 +177,17 @@ def test_swiglu_oai_clamps():
 
 
 def test_swiglu_oai_dispatch_and_unfuse(monkeypatch):
+    """The kernel on CUDA, the reference elsewhere and under SKYLINE_UNFUSE=silu."""
+    import dataclasses
+
+    from skyline import envs
+
+    calls = []
+    monkeypatch.setattr(activation, "swiglu_oai_triton",
+                        lambda *a: calls.append(1) or swiglu_oai_triton(*a))
     x = gate_up(3, 64, torch.float32, seed=4)
     close(swiglu_oai(x, 7.0), swiglu_oai_ref(x, 7.0))
-    if DEV == "cuda":  # SKYLINE_UNFUSE=silu: the reference's torch ops
-        import dataclasses
-
-        from skyline import envs
-        monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, unfuse=frozenset({"silu"})))
-        assert torch.equal(swiglu_oai(x, 7.0), swiglu_oai_ref(x, 7.0))
+    assert len(calls) == (DEV == "cuda")
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV, unfuse=frozenset({"silu"})))
+    assert torch.equal(swiglu_oai(x, 7.0), swiglu_oai_ref(x, 7.0))
+    assert len(calls) == (DEV == "cuda")

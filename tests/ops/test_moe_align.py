@@ -65,10 +65,23 @@ def test_many_chunks_and_scan_tiles(monkeypatch):
 
 
 def test_dispatch(monkeypatch):
+    """The kernels on CUDA, the reference elsewhere and under SKYLINE_UNFUSE=moe_align."""
+    import dataclasses
+
+    from skyline import envs
+
+    calls = []
+    real = align.moe_align_triton
+    monkeypatch.setattr(align, "moe_align_triton", lambda *a: calls.append(1) or real(*a))
     ids = ids_for(5, 8, 2, 1)
     want = align.moe_align_ref(ids, 8, 16)
     for g, w in zip(align.moe_align(ids, 8, 16), want, strict=True):
         assert torch.equal(g, w)
+    assert len(calls) == (DEV == "cuda")
+    monkeypatch.setattr(envs, "ENV", dataclasses.replace(envs.ENV,
+                                                         unfuse=frozenset({"moe_align"})))
+    align.moe_align(ids, 8, 16)
+    assert len(calls) == (DEV == "cuda")
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
